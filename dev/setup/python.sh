@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Creates the per-machine virtualenv and installs the project with its extras.
+# Idempotent: dependencies are reinstalled only when pyproject.toml's dependency
+# lists change (stamp = hash of them); the project itself is re-linked (editable)
+# every time because each clone lives in its own folder.
+set -euo pipefail
+source "$(dirname "$0")/../env.sh"
+py="${PYTHON:-python3}"
+if [ ! -x "$SPARSEGATE_VENV/bin/python" ]; then
+  echo "[setup] creating virtualenv $SPARSEGATE_VENV"
+  "$py" -m venv "$SPARSEGATE_VENV"
+fi
+stamp="$SPARSEGATE_VENV/.deps-stamp"
+want=$("$SPARSEGATE_VENV/bin/python" - "$SPARSEGATE_ROOT/pyproject.toml" <<'PY'
+import hashlib, sys, tomllib
+p = tomllib.load(open(sys.argv[1], "rb"))["project"]
+print(hashlib.sha256(repr((p["dependencies"], p["optional-dependencies"])).encode()).hexdigest())
+PY
+)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] installing Python dependencies (torch is large: first run only)"
+  "$SPARSEGATE_VENV/bin/pip" install -q --upgrade pip setuptools wheel
+  "$SPARSEGATE_VENV/bin/pip" install -q -e "$SPARSEGATE_ROOT[workload,dev]"
+  echo "$want" > "$stamp"
+fi
+# Re-point the editable install at this clone (cheap, no dependency resolution).
+"$SPARSEGATE_VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$SPARSEGATE_ROOT"
