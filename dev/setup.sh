@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One-time (then cached) set-up of everything the demo and the tests need on this machine:
+# Debian packages (BCC, kernel headers, openssl), the Python virtualenv, and the Go-built
+# binaries (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, opa, helm).
+# Safe to run again: each step checks a stamp and does nothing when up to date.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+source "$here/env.sh"
+mkdir -p "$SPARSEGATE_CACHE" "$SPARSEGATE_BIN"
+step() { local t0=$SECONDS; echo "[setup] $1"; shift; "$@"; echo "[setup] $1 done in $((SECONDS - t0))s"; }
+step bpf bash "$here/setup/bpf.sh"
+step python bash "$here/setup/python.sh"
+step binaries bash "$here/setup/binaries.sh"
