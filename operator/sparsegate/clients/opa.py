@@ -1,0 +1,124 @@
+"""The operator's door to OPA: opa-python-client 3.0 (`OpaClient`), made async and typed.
+
+The sync client (requests, keep-alive session, its own small retry) runs on one worker thread: Kopf
+handlers stay non-blocking and the session is never used from two threads at once. Every transport
+failure or 5xx becomes `OpaUnavailable`, which callers treat as "fail closed and retry"; a policy
+OPA refuses to compile becomes `OpaRejected` (retrying would not help).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import requests
+from opa_client import OpaClient
+from opa_client.errors import (
+    ConnectionsError,
+    PolicyNotFoundError,
+    QueryExecuteError,
+    RegoParseError,
+)
+
+from sparsegate.domain.policy import OPA_DATA_PATH, OPA_PACKAGE, OPA_POLICY_ID
+
+T = TypeVar("T")
+DEFAULT_URL = "http://127.0.0.1:8181"
+BULK_CHUNK = 200  # inputs per ad-hoc query: one round trip, a query OPA compiles in a few ms
+
+
+class OpaUnavailable(Exception):
+    """OPA could not be reached, or answered with a server error."""
+
+
+class OpaRejected(Exception):
+    """OPA refused what we sent (a Rego compile error, a malformed document)."""
+
+
+def address(url: str) -> tuple[str, int, bool]:
+    """host, port, tls from `SPARSEGATE_OPA_URL` (e.g. http://127.0.0.1:8181)."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    tls = parts.scheme == "https"
+    return parts.hostname or "127.0.0.1", parts.port or (443 if tls else 8181), tls
+
+
+class RoutingOpa:
+    """Push routing policy + data to OPA, read back what is loaded, ask for decisions."""
+
+    def __init__(self, *, url: str = DEFAULT_URL, timeout: float = 1.5, retries: int = 1) -> None:
+        host, port, tls = address(url)
+        self.url = url
+        self._client = OpaClient(host=host, port=port, ssl=tls, timeout=timeout, retries=retries)
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="opa")
+
+    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._thread, lambda: fn(*args, **kwargs))
+        except RegoParseError as e:
+            raise OpaRejected(f"{e.code}: {e.message} {e.errors or ''}".strip()) from e
+        except requests.exceptions.HTTPError as e:
+            status = e.response.status_code if e.response is not None else 0
+            if 400 <= status < 500:
+                raise OpaRejected(f"OPA at {self.url}: HTTP {status}: {e.response.text[:500]}") from e
+            raise OpaUnavailable(f"OPA at {self.url}: HTTP {status}") from e
+        except (ConnectionsError, requests.exceptions.RequestException) as e:
+            raise OpaUnavailable(f"OPA at {self.url}: {type(e).__name__}: {e}") from e
+
+    def close(self) -> None:
+        self._client.close_connection()
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    async def check(self) -> None:
+        await self._call(self._client.check_connection)
+
+    async def revision(self) -> str | None:
+        """The data revision, as seen through the policy: None when either is missing (fresh OPA)."""
+
+        def read() -> str | None:
+            try:
+                return self._client.get_data(f"{OPA_PACKAGE.replace('.', '/')}/data_revision").get("result")
+            except PolicyNotFoundError:
+                return None
+
+        return await self._call(read)
+
+    async def push(self, *, rego: str, data: Mapping[str, Any]) -> None:
+        """Policy first, then data (whose `revision` thereby marks a complete push). PUTs: idempotent."""
+
+        def put() -> None:
+            self._client.update_policy_from_string(rego, OPA_POLICY_ID, rego_compat=False)
+            self._client.update_or_create_data(dict(data), OPA_DATA_PATH)
+
+        await self._call(put)
+
+    async def loaded_policies(self) -> dict[str, dict[str, Any]]:
+        """`data.sparsegate.policies.policies`: {"<ns>/<name>": {"generation", "rules"}} as OPA has it."""
+
+        def read() -> dict[str, dict[str, Any]]:
+            try:
+                return self._client.get_data(f"{OPA_DATA_PATH}/policies").get("result") or {}
+            except PolicyNotFoundError:
+                return {}
+
+        return await self._call(read)
+
+    async def decide(self, opa_input: Mapping[str, Any]) -> dict[str, Any]:
+        """One decision (`data.sparsegate.routing.decision`)."""
+        body = await self._call(self._client.query_rule, dict(opa_input), OPA_PACKAGE, "decision")
+        return body.get("result") or {}
+
+    async def decide_many(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Decisions for many inputs, `BULK_CHUNK` per round trip, in input order."""
+        results: list[dict[str, Any]] = []
+        for start in range(0, len(inputs), BULK_CHUNK):
+            chunk = [dict(i) for i in inputs[start : start + BULK_CHUNK]]
+            try:
+                answers = await self._call(self._client.bulk_query_rule, chunk, OPA_PACKAGE, "decision")
+            except QueryExecuteError as e:  # the policy is gone (OPA restarted mid-way)
+                raise OpaUnavailable(f"OPA at {self.url}: decision undefined: {e.message}") from e
+            results.extend(answers)
+        return results

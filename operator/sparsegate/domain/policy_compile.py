@@ -1,0 +1,229 @@
+"""OPA decisions → the flow allow-list the eBPF agent enforces (pure).
+
+The operator does not re-implement the Rego: it asks OPA. To keep the number of questions small it
+groups pods first. Pods with the same (namespace, service account, labels) are one *identity class*
+and get the same answer; pods of one SparseModel are one target. So the questions are
+identity classes × models × candidate ports, and the answers expand to IPs afterwards
+(`flow_document`). Only classes filed in a bucket of the target's index can match any rule, so
+only they are asked.
+
+Document format (dev/CONTRACTS.md, "Flow policy published for the eBPF agent"): default deny; an
+`allow` entry per (source pod IP, model pod IP, port) OPA allowed; a `deny` entry where a Deny rule
+decided (explains drops; default deny would drop them anyway).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparsegate.domain.policy import (
+    ANY,
+    Port,
+    canonical_json,
+    sha256_of,
+    spiffe_id,
+    target_key,
+)
+
+MODEL_LABEL = "sparsegate.dev/model"
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    namespace: str
+    name: str
+    ip: str
+    service_account: str
+    labels: tuple[tuple[str, str], ...]
+    ports: tuple[Port, ...] = ()
+
+    @property
+    def model(self) -> str | None:
+        return dict(self.labels).get(MODEL_LABEL)
+
+    @property
+    def identity(self) -> tuple[str, str, tuple[tuple[str, str], ...]]:
+        return (self.namespace, self.service_account, self.labels)
+
+
+def pod_info(pod: Mapping[str, Any]) -> PodInfo | None:
+    """A pod that can take part in a flow: it has an IP and is not finished."""
+    meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
+    ip = status.get("podIP")
+    if not ip or status.get("phase") in ("Succeeded", "Failed") or meta.get("deletionTimestamp"):
+        return None
+    ports = {
+        Port(port=int(p["containerPort"]), protocol=str(p.get("protocol") or "TCP").lower())
+        for c in spec.get("containers") or ()
+        for p in c.get("ports") or ()
+        if p.get("containerPort")
+    }
+    return PodInfo(
+        namespace=meta.get("namespace", "default"),
+        name=meta["name"],
+        ip=ip,
+        service_account=spec.get("serviceAccountName") or "default",
+        labels=tuple(sorted((meta.get("labels") or {}).items())),
+        ports=tuple(sorted(ports, key=lambda p: (p.port, p.protocol))),
+    )
+
+
+def identity_keys(*, pod: PodInfo, trust_domain: str) -> tuple[str, ...]:
+    """The buckets a pod can be found in: the same three keys the Rego computes for its input."""
+    return (
+        spiffe_id(trust_domain=trust_domain, namespace=pod.namespace, service_account=pod.service_account),
+        f"ns:{pod.namespace}",
+        ANY,
+    )
+
+
+@dataclass(frozen=True)
+class QueryKey:
+    """One question to OPA: may this identity class reach this model on this port?"""
+
+    namespace: str
+    service_account: str
+    labels: tuple[tuple[str, str], ...]
+    target_namespace: str
+    model: str
+    port: int
+    protocol: str
+
+    def opa_input(self, *, trust_domain: str) -> dict[str, Any]:
+        return {
+            "source": {
+                "spiffeID": spiffe_id(
+                    trust_domain=trust_domain, namespace=self.namespace, service_account=self.service_account
+                ),
+                "namespace": self.namespace,
+                "serviceAccount": self.service_account,
+                "labels": dict(self.labels),
+            },
+            "target": {
+                "namespace": self.target_namespace,
+                "sparseModel": self.model,
+                "port": self.port,
+                "protocol": self.protocol,
+            },
+        }
+
+
+def _models(pods: Iterable[PodInfo]) -> dict[tuple[str, str], list[PodInfo]]:
+    models: dict[tuple[str, str], list[PodInfo]] = {}
+    for pod in pods:
+        if pod.model:
+            models.setdefault((pod.namespace, pod.model), []).append(pod)
+    return models
+
+
+def candidate_queries(
+    *, targets: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]], pods: Sequence[PodInfo], trust_domain: str
+) -> list[QueryKey]:
+    """The questions worth asking, given the indexed rules (`data.sparsegate.policies.targets`).
+
+    Ports: those the target's rules name, plus the model pods' declared ports when a rule names none
+    (a port-less rule covers every port, and the pods' ports are the ones that matter).
+    """
+    classes: dict[tuple[str, str, tuple[tuple[str, str], ...]], PodInfo] = {}
+    for pod in pods:
+        classes.setdefault(pod.identity, pod)
+    queries: set[QueryKey] = set()
+    for (namespace, model), model_pods in sorted(_models(pods).items()):
+        buckets: dict[str, list[Mapping[str, Any]]] = {}
+        for tkey in (target_key(namespace=namespace, model=model), target_key(namespace=namespace, model=ANY)):
+            for ikey, rules in (targets.get(tkey) or {}).items():
+                buckets.setdefault(ikey, []).extend(rules)
+        if not buckets:
+            continue
+        ports: set[Port] = set()
+        for rules in buckets.values():
+            for rule in rules:
+                if rule.get("ports"):
+                    ports.update(Port(port=p["port"], protocol=p["protocol"]) for p in rule["ports"])
+                else:
+                    ports.update(port for pod in model_pods for port in pod.ports)
+        for (ns, sa, labels), pod in classes.items():
+            if not any(k in buckets for k in identity_keys(pod=pod, trust_domain=trust_domain)):
+                continue
+            for port in ports:
+                queries.add(
+                    QueryKey(
+                        namespace=ns, service_account=sa, labels=labels,
+                        target_namespace=namespace, model=model, port=port.port, protocol=port.protocol,
+                    )
+                )
+    return sorted(queries, key=lambda q: canonical_json(q.opa_input(trust_domain=trust_domain)))
+
+
+def flow_document(
+    *, decisions: Mapping[QueryKey, Mapping[str, Any]], pods: Sequence[PodInfo]
+) -> dict[str, Any]:
+    """Expand OPA's answers (the `decision` object of the Rego) to IP-level entries."""
+    by_identity: dict[tuple[str, str, tuple[tuple[str, str], ...]], list[PodInfo]] = {}
+    for pod in pods:
+        by_identity.setdefault(pod.identity, []).append(pod)
+    models = _models(pods)
+    entries = set()
+    for query, decision in decisions.items():
+        rule = decision.get("rule") or ""
+        if not rule:
+            continue  # nothing matched: default deny covers it
+        action = "allow" if decision.get("allow") else "deny"
+        for src in by_identity.get((query.namespace, query.service_account, query.labels), ()):
+            for dst in models.get((query.target_namespace, query.model), ()):
+                entries.add((src.ip, dst.ip, query.port, query.protocol, action, rule))
+    rows = [
+        {"srcIP": s, "dstIP": d, "dstPort": p, "protocol": proto, "action": a, "rule": r}
+        for s, d, p, proto, a, r in sorted(entries)
+    ]
+    body = {"defaultAction": "deny", "entries": rows}
+    return {"version": sha256_of(body), **body}
+
+
+def decision_counts(document: Mapping[str, Any]) -> dict[str, int]:
+    """Entries each RoutingPolicy ("<ns>/<name>") decided in a flow document."""
+    counts: dict[str, int] = {}
+    for entry in document.get("entries") or ():
+        policy = str(entry.get("rule", "")).split("#", 1)[0]
+        counts[policy] = counts.get(policy, 0) + 1
+    return counts
+
+
+def narrow_document(
+    *, document: Mapping[str, Any], owners_then: Mapping[str, str], owners_now: Mapping[str, str]
+) -> dict[str, Any]:
+    """Fail closed while OPA is unreachable: keep only entries whose two IPs still belong to the
+    pods they belonged to when OPA decided (`ip -> "<ns>/<pod>"`). Never adds an entry, so the
+    result is never wider than the last good document; a reused IP loses its old pod's access."""
+
+    def same(ip: str) -> bool:
+        return ip in owners_now and owners_then.get(ip) == owners_now[ip]
+
+    rows = [e for e in document.get("entries") or () if same(e["srcIP"]) and same(e["dstIP"])]
+    body = {"defaultAction": document.get("defaultAction", "deny"), "entries": rows}
+    return {"version": sha256_of(body), **body}
+
+
+def ip_owners(pods: Iterable[PodInfo]) -> dict[str, str]:
+    return {pod.ip: f"{pod.namespace}/{pod.name}" for pod in pods}
+
+
+@dataclass
+class FlowTable:
+    """In-process lookup of a flow document: what the data plane does per packet."""
+
+    default_allow: bool
+    table: dict[tuple[str, str, int, str], bool] = field(default_factory=dict)
+
+    @classmethod
+    def from_document(cls, document: Mapping[str, Any]) -> FlowTable:
+        table = {
+            (e["srcIP"], e["dstIP"], int(e["dstPort"]), e["protocol"]): e["action"] == "allow"
+            for e in document.get("entries") or ()
+        }
+        return cls(default_allow=document.get("defaultAction") == "allow", table=table)
+
+    def allows(self, *, src_ip: str, dst_ip: str, port: int, protocol: str = "tcp") -> bool:
+        return self.table.get((src_ip, dst_ip, port, protocol), self.default_allow)
