@@ -1,0 +1,146 @@
+"""SwiGLU experts with grouped dispatch, and the dense SwiGLU FFN they are compared with.
+
+Dispatch (see FACTS.md "MoE dispatch on CPU"): the router already sorted assignments by expert
+and synced the counts once, so here we gather the token rows once, run each non-empty expert on
+its contiguous slice (or all experts in one `F.grouped_mm`), multiply by the combine weight and
+scatter-add back. Gate and up projections are one fused [d, 2f] weight per expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .gating import Routing
+
+HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+
+
+def _swiglu(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up over the fused projection; in place when no autograd graph needs h."""
+    gate, up = h.chunk(2, dim=-1)
+    if torch.is_grad_enabled() and h.requires_grad:
+        return F.silu(gate) * up
+    # A strided [n, f] view is fine for the next matmul (BLAS takes a leading dimension).
+    return F.silu(gate, inplace=True).mul_(up)
+
+
+class DenseSwiGLU(nn.Module):
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.w_gate_up = nn.Parameter(torch.empty(d_model, 2 * d_ff))
+        self.w_down = nn.Parameter(torch.empty(d_ff, d_model))
+
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        d_model, d_ff = self.w_down.shape[1], self.w_down.shape[0]
+        with torch.no_grad():
+            self.w_gate_up.normal_(0.0, d_model ** -0.5, generator=generator)
+            self.w_down.normal_(0.0, d_ff ** -0.5, generator=generator)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _swiglu(x @ self.w_gate_up) @ self.w_down
+
+    def flops_per_token(self) -> int:
+        d_ff, d_model = self.w_down.shape
+        return 2 * d_model * 3 * d_ff
+
+
+class SwiGLUExperts(nn.Module):
+    """E SwiGLU experts; `backend` is "loop" (per non-empty expert), "grouped" or "auto"."""
+
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, *, backend: str = "auto"
+                 ) -> None:
+        super().__init__()
+        if backend not in ("auto", "loop", "grouped"):
+            raise ValueError(f"unknown backend {backend!r}")
+        if backend == "grouped" and not HAS_GROUPED_MM:
+            raise RuntimeError("this torch has no F.grouped_mm")
+        self.backend = backend
+        self.num_experts = num_experts
+        self.w_gate_up = nn.Parameter(torch.empty(num_experts, d_model, 2 * d_ff))
+        self.w_down = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
+
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        d_ff, d_model = self.w_down.shape[1], self.w_down.shape[2]
+        with torch.no_grad():
+            self.w_gate_up.normal_(0.0, d_model ** -0.5, generator=generator)
+            self.w_down.normal_(0.0, d_ff ** -0.5, generator=generator)
+
+    def flops_per_assignment(self) -> int:
+        d_ff, d_model = self.w_down.shape[1], self.w_down.shape[2]
+        return 2 * d_model * 3 * d_ff
+
+    def _use_grouped(self) -> bool:
+        if self.backend != "auto":
+            return self.backend == "grouped"
+        # Measured here (tests/bench/bench_moe.py): grouped_mm is at least as fast as the sorted
+        # per-expert loop in inference and much faster with autograd, so prefer it when present.
+        return HAS_GROUPED_MM
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """x: [T, d] -> [T, d]; tokens no expert kept contribute zero (residual carries them)."""
+        xs = x.index_select(0, routing.token_idx)
+        w = routing.weights.unsqueeze(-1).to(x.dtype)
+        n_assign, d_model = xs.shape
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
+                                        or self.w_gate_up.requires_grad):
+            ys = self._experts_autograd(xs, routing.counts) * w
+            ys = torch.cat([ys, ys.new_zeros(1, d_model)])
+        else:
+            # Inference: each expert writes straight into its slice; row A stays zero (padding).
+            ys = x.new_empty(n_assign + 1, d_model)
+            ys[n_assign].zero_()
+            if self._use_grouped():
+                ys[:n_assign] = self._grouped(xs, routing.counts)
+            else:
+                start = 0
+                for e, n in enumerate(routing.counts):
+                    if n:
+                        end = start + n
+                        h = _swiglu(torch.mm(xs[start:end], self.w_gate_up[e]))
+                        torch.mm(h, self.w_down[e], out=ys[start:end])
+                        start = end
+            ys[:n_assign].mul_(w)
+        return combine(ys, routing.slots)
+
+    def _grouped(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        h = F.grouped_mm(xs, self.w_gate_up, offs=offs)
+        return F.grouped_mm(_swiglu(h), self.w_down, offs=offs)
+
+    def _experts_autograd(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        if self._use_grouped():
+            return self._grouped(xs, counts)
+        # unbind once: indexing the stacked weight per expert would build a full-size gradient
+        # per select in backward (FACTS.md).
+        w_gu, w_down = self.w_gate_up.unbind(0), self.w_down.unbind(0)
+        chunks, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                chunks.append(_swiglu(xs[start:start + n] @ w_gu[e]) @ w_down[e])
+                start += n
+        return torch.cat(chunks) if chunks else xs.new_zeros(0, xs.shape[1])
+
+
+def combine(ys_padded: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_r ys_padded[slots[t, r]]: one gather per rank, no scatter-add."""
+    out = ys_padded.index_select(0, slots[:, 0])
+    for r in range(1, slots.shape[1]):
+        out = out + ys_padded.index_select(0, slots[:, r]) if out.requires_grad \
+            else out.add_(ys_padded.index_select(0, slots[:, r]))
+    return out
+
+
+def naive_moe_reference(x: torch.Tensor, experts: SwiGLUExperts, routing: Routing
+                        ) -> torch.Tensor:
+    """Per-assignment Python loop, for tests only: the obviously correct (slow) definition."""
+    out = torch.zeros_like(x)
+    expert_of = []
+    for e, n in enumerate(routing.counts):
+        expert_of += [e] * n
+    for a, e in enumerate(expert_of):
+        t = int(routing.token_idx[a])
+        h = _swiglu(x[t] @ experts.w_gate_up[e]) @ experts.w_down[e]
+        out[t] = out[t] + routing.weights[a] * h
+    return out

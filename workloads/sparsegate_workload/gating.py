@@ -1,0 +1,179 @@
+"""Routers: dynamic top-p gate (variable experts per token) and fixed top-k baselines.
+
+Every router returns a `Routing`: the kept (token, expert) assignments already sorted by expert,
+their combine weights and the per-expert counts as one Python list (the single host sync of a
+layer). Selection and capacity are vectorised: no Python loop over tokens or experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .precision import PRECISIONS, Precision, fake_quantize, stored_weight
+
+
+@dataclasses.dataclass
+class Routing:
+    token_idx: torch.Tensor     # [A] kept assignments' token rows, grouped by expert
+    weights: torch.Tensor       # [A] combine weights (differentiable wrt the gate)
+    counts: list[int]           # [E] kept assignments per expert (sum = A)
+    slots: torch.Tensor         # [T, max kept per token] positions in the A order; A = none
+    per_token: torch.Tensor     # [T] experts that actually process each token (after drops)
+    selected: torch.Tensor      # [T] experts chosen per token before the capacity cap
+    probs: torch.Tensor         # [T, E] fp32 gate distribution
+    dropped: int                # assignments removed by the capacity cap
+    capacity: int | None        # per-expert cap, None = dropless
+    aux_loss: torch.Tensor      # load-balance loss (1.0 = perfectly uniform)
+    entropy: torch.Tensor       # mean per-token Shannon entropy of probs (nats)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.probs.shape[0]
+
+    @property
+    def num_assignments(self) -> int:
+        return sum(self.counts)
+
+
+def top_p_mask(probs: torch.Tensor, *, threshold: float, min_k: int, max_k: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Smallest prefix of experts (by probability) whose mass reaches `threshold`, clamped.
+
+    Returns (sorted probs, sorted expert ids, mask over sorted positions), all [T, E].
+    """
+    sorted_p, sorted_e = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    # Position j is needed while the mass of positions < j is still below the threshold.
+    k = (mass_before < threshold).sum(dim=-1).clamp(min=min_k, max=max_k)
+    positions = torch.arange(probs.shape[-1], device=probs.device)
+    return sorted_p, sorted_e, positions < k.unsqueeze(-1)
+
+
+def assign(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch.Tensor,
+           mask: torch.Tensor, *, capacity_factor: float | None, normalize: bool) -> Routing:
+    """Turn a [T, E] selection mask (sorted by rank) into expert-grouped kept assignments."""
+    num_tokens, num_experts = probs.shape
+    weights_ranked = sorted_p * mask
+    if normalize:
+        weights_ranked = weights_ranked / weights_ranked.sum(dim=-1, keepdim=True)
+    width = mask.shape[-1]  # E for top-p, k for top-k
+    flat = mask.reshape(-1).nonzero().squeeze(1)
+    rank = flat % width
+    token = torch.div(flat, width, rounding_mode="floor")
+    expert = sorted_e.reshape(-1)[flat]
+    weight = weights_ranked.reshape(-1)[flat]
+    n_assign = flat.numel()
+    # Group by expert; inside an expert, lower rank (more confident choice) first, then token order,
+    # so the capacity cap drops each token's least important assignments first.
+    key = (expert * width + rank) * num_tokens + token
+    order = key.argsort()
+    expert, token, weight = expert[order], token[order], weight[order]
+    counts_all = torch.bincount(expert, minlength=num_experts)
+    capacity = None
+    counts_kept = counts_all
+    if capacity_factor is not None:
+        capacity = max(1, math.ceil(capacity_factor * n_assign / num_experts))
+        starts = counts_all.cumsum(0) - counts_all
+        keep = torch.arange(n_assign, device=probs.device) - starts[expert] < capacity
+        token, weight = token[keep], weight[keep]
+        counts_kept = counts_all.clamp(max=capacity)
+    # Combine slots: row t lists where token t's outputs sit in the expert-grouped order, padded
+    # with the index of an all-zero row, so the combine is a few gathers instead of a scatter-add
+    # (index_add_ measured ~50x slower than index_select here).
+    per_token = torch.bincount(token, minlength=num_tokens)
+    by_token = token.argsort(stable=True)
+    token_sorted = token[by_token]
+    rank_in_token = (torch.arange(token.numel(), device=probs.device)
+                     - (per_token.cumsum(0) - per_token)[token_sorted])
+    # The layer's single host sync: per-expert counts and the widest token, together.
+    synced = torch.cat([counts_kept, per_token.max().reshape(1)]).tolist()
+    counts, max_per_token = synced[:-1], max(synced[-1], 1)
+    slots = torch.full((num_tokens, max_per_token), token.numel(), dtype=torch.long,
+                       device=probs.device)
+    slots[token_sorted, rank_in_token] = by_token
+    dropped = n_assign - token.numel()
+    # Switch-style balance loss generalised to variable k: E * sum_e f_e * P_e.
+    frac = counts_all.float() / max(n_assign, 1)
+    aux = num_experts * (frac * probs.mean(dim=0)).sum()
+    entropy = -(probs * probs.clamp_min(1e-12).log()).sum(dim=-1).mean()
+    return Routing(token_idx=token, weights=weight, counts=counts, slots=slots,
+                   per_token=per_token, selected=mask.sum(dim=-1), probs=probs, dropped=dropped, capacity=capacity, aux_loss=aux,
+                   entropy=entropy)
+
+
+class Router(nn.Module):
+    """Linear gate d_model -> E whose weight can be held in fp32, bf16 or int8 (weight-only)."""
+
+    def __init__(self, d_model: int, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
+        self._stored: dict[str, torch.Tensor] = {}
+
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        with torch.no_grad():
+            self.weight.normal_(0.0, self.weight.shape[1] ** -0.5, generator=generator)
+        self._stored = {}
+
+    def freeze_precisions(self) -> None:
+        """Precompute every stored variant so switching precision at serving time is a lookup."""
+        self._stored = {p: stored_weight(self.weight, p) for p in PRECISIONS}
+
+    def logits(self, x: torch.Tensor, precision: Precision) -> torch.Tensor:
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            w = fake_quantize(self.weight, precision)
+        else:
+            if not self._stored:
+                self.freeze_precisions()
+            w = self._stored[precision]
+        return F.linear(x.float(), w)
+
+
+class DynamicGate(Router):
+    """Top-p routing: per token, the fewest experts whose gate mass reaches the threshold."""
+
+    def forward(self, x: torch.Tensor, *, confidence_threshold: float, min_experts: int,
+                max_experts: int, capacity_factor: float | None,
+                precision: Precision = "fp32") -> Routing:
+        probs = torch.softmax(self.logits(x, precision), dim=-1)
+        sorted_p, sorted_e, mask = top_p_mask(
+            probs, threshold=confidence_threshold, min_k=min_experts,
+            max_k=min(max_experts, self.num_experts))
+        return assign(probs, sorted_p, sorted_e, mask, capacity_factor=capacity_factor,
+                      normalize=True)
+
+
+class TopKGate(Router):
+    """Fixed top-k baseline: k=1 is Switch (weight = raw prob), k>1 renormalises (Mixtral)."""
+
+    def __init__(self, d_model: int, num_experts: int, *, k: int) -> None:
+        super().__init__(d_model, num_experts)
+        self.k = k
+
+    def forward(self, x: torch.Tensor, *, capacity_factor: float | None,
+                precision: Precision = "fp32") -> Routing:
+        probs = torch.softmax(self.logits(x, precision), dim=-1)
+        top_p, top_e = probs.topk(self.k, dim=-1)
+        mask = torch.ones_like(top_p, dtype=torch.bool)
+        return assign(probs, top_p, top_e, mask, capacity_factor=capacity_factor,
+                      normalize=self.k > 1)
+
+
+class ToolGate(nn.Module):
+    """Per-token head: sigmoid(w·h + b) above the threshold marks the token for a tool call."""
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d_model, 1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.proj(h).squeeze(-1))
+
+
+def tool_fires(prob: torch.Tensor, *, threshold: float) -> torch.Tensor:
+    return prob > threshold

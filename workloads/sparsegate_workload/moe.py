@@ -1,0 +1,109 @@
+"""MoE feed-forward layers: dynamic top-p (the product), fixed top-1/top-2 and dense baselines.
+
+All take x [..., d] and return (y [..., d], MoEStats). The dense layer reports k = 1 so a
+benchmark can treat every layer alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from .experts import DenseSwiGLU, SwiGLUExperts
+from .gating import DynamicGate, Routing, TopKGate
+from .precision import Precision
+
+
+@dataclasses.dataclass
+class MoEStats:
+    counts: list[int]               # kept tokens per expert
+    num_tokens: int
+    mean_selected: float            # experts chosen per token by the gate (before capacity)
+    mean_active: float              # experts that actually processed each token
+    dropped: int                    # assignments removed by the capacity cap
+    entropy: float                  # mean gate entropy (nats)
+    aux_loss: torch.Tensor          # load-balance loss (differentiable)
+    entropy_loss: torch.Tensor      # beta * entropy (differentiable); minimised -> sharper gate
+
+    @property
+    def drop_rate(self) -> float:
+        total = sum(self.counts) + self.dropped
+        return self.dropped / total if total else 0.0
+
+
+def _stats(routing: Routing, *, entropy_beta: float) -> MoEStats:
+    n = routing.num_tokens
+    kept = routing.num_assignments
+    return MoEStats(counts=routing.counts, num_tokens=n,
+                    mean_selected=(kept + routing.dropped) / max(n, 1),
+                    mean_active=kept / max(n, 1), dropped=routing.dropped,
+                    entropy=float(routing.entropy.detach()), aux_loss=routing.aux_loss,
+                    entropy_loss=entropy_beta * routing.entropy)
+
+
+class DynamicMoE(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, *, backend: str = "auto"
+                 ) -> None:
+        super().__init__()
+        self.gate = DynamicGate(d_model, num_experts)
+        self.experts = SwiGLUExperts(d_model, d_ff, num_experts, backend=backend)
+
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        self.gate.reset_parameters(generator)
+        self.experts.reset_parameters(generator)
+
+    def forward(self, x: torch.Tensor, *, confidence_threshold: float = 0.6,
+                min_experts: int = 1, max_experts: int = 4,
+                capacity_factor: float | None = None, entropy_beta: float = 0.1,
+                precision: Precision = "fp32") -> tuple[torch.Tensor, MoEStats]:
+        flat = x.reshape(-1, x.shape[-1])
+        routing = self.gate(flat, confidence_threshold=confidence_threshold,
+                            min_experts=min_experts, max_experts=max_experts,
+                            capacity_factor=capacity_factor, precision=precision)
+        y = self.experts(flat, routing)
+        return y.reshape(x.shape), _stats(routing, entropy_beta=entropy_beta)
+
+
+class TopKMoE(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, *, k: int,
+                 backend: str = "auto") -> None:
+        super().__init__()
+        self.gate = TopKGate(d_model, num_experts, k=k)
+        self.experts = SwiGLUExperts(d_model, d_ff, num_experts, backend=backend)
+
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        self.gate.reset_parameters(generator)
+        self.experts.reset_parameters(generator)
+
+    def forward(self, x: torch.Tensor, *, capacity_factor: float | None = None,
+                entropy_beta: float = 0.0, precision: Precision = "fp32"
+                ) -> tuple[torch.Tensor, MoEStats]:
+        flat = x.reshape(-1, x.shape[-1])
+        routing = self.gate(flat, capacity_factor=capacity_factor, precision=precision)
+        y = self.experts(flat, routing)
+        return y.reshape(x.shape), _stats(routing, entropy_beta=entropy_beta)
+
+
+class DenseFFN(nn.Module):
+    """Dense SwiGLU baseline with the MoE layers' call signature."""
+
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.ffn = DenseSwiGLU(d_model, d_ff)
+
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        self.ffn.reset_parameters(generator)
+
+    def forward(self, x: torch.Tensor, **_: object) -> tuple[torch.Tensor, MoEStats]:
+        n = x.numel() // x.shape[-1]
+        zero = x.new_zeros(())
+        stats = MoEStats(counts=[n], num_tokens=n, mean_selected=1.0, mean_active=1.0,
+                         dropped=0, entropy=0.0, aux_loss=zero, entropy_loss=zero)
+        return self.ffn(x), stats
+
+
+def dense_equivalent_width(*, d_ff: int, mean_k: float, multiple: int = 64) -> int:
+    """Dense FFN width with the same active expert FLOPs per token, rounded to `multiple`."""
+    return max(multiple, int(round(d_ff * mean_k / multiple)) * multiple)
