@@ -1,0 +1,84 @@
+"""``python -m localcluster up|down|status|nodes|podrunner`` (PYTHONPATH=dev, after dev/env.sh)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from localcluster.cluster import ClusterError, LocalCluster, default_state_dir
+from localcluster.nodes import NodeShape
+
+
+def _cluster(args: argparse.Namespace, **kwargs: object) -> LocalCluster:
+    return LocalCluster(state_dir=args.state_dir, **kwargs)  # type: ignore[arg-type]
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    shape = NodeShape(count=args.nodes, gpu_count=min(args.gpu_nodes, args.nodes))
+    # Detached: the components must outlive this command.
+    cluster = _cluster(args, node_shape=shape, die_with_parent=False)
+    cluster.start()
+    print(f"cluster up in {cluster.timings['total']:.1f}s ({json.dumps(cluster.timings)})")
+    print(f"server:     {cluster.server}")
+    print(f"kubeconfig: {cluster.kubeconfig}")
+    print(f"logs:       {cluster.layout.logs}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    stopped = _cluster(args).stop()
+    print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    cluster = _cluster(args)
+    pids = cluster.pids()
+    for name in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"):
+        print(f"{name:24} {'running pid ' + str(pids[name]) if name in pids else 'stopped'}")
+    return 0 if len(pids) == 5 else 1
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    cluster = _cluster(args)
+    if args.count is not None:
+        cluster.register_nodes(NodeShape(count=args.count, gpu_count=min(args.gpu_nodes, args.count)))
+    print(cluster.kubectl("get", "nodes", "-o", "wide").stdout, end="")
+    return 0
+
+
+def cmd_podrunner(args: argparse.Namespace) -> int:
+    from localcluster import podrunner
+
+    return podrunner.main(args.rest, state_dir=args.state_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m localcluster", description=__doc__)
+    parser.add_argument("--state-dir", type=Path, default=default_state_dir(), help="default: $SPARSEGATE_STATE")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start the control plane and register fake nodes")
+    up.add_argument("--nodes", type=int, default=4)
+    up.add_argument("--gpu-nodes", type=int, default=2)
+    up.set_defaults(func=cmd_up)
+    sub.add_parser("down", help="stop every component (via pid files)").set_defaults(func=cmd_down)
+    sub.add_parser("status", help="which components run").set_defaults(func=cmd_status)
+    nodes_cmd = sub.add_parser("nodes", help="list nodes; --count N (re)registers N fake nodes")
+    nodes_cmd.add_argument("--count", type=int)
+    nodes_cmd.add_argument("--gpu-nodes", type=int, default=2)
+    nodes_cmd.set_defaults(func=cmd_nodes)
+    runner = sub.add_parser("podrunner", help="run a real process per sparsegate-model pod (see --help)", add_help=False)
+    runner.add_argument("rest", nargs=argparse.REMAINDER)
+    runner.set_defaults(func=cmd_podrunner)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

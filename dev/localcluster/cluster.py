@@ -1,0 +1,251 @@
+"""LocalCluster: a real etcd + kube-apiserver + controller-manager + scheduler + kwok on loopback.
+
+Everything a cluster owns lives in its state directory (certs, kubeconfigs, etcd data, logs,
+pid files, state.json with its ports), so several clusters can run side by side and ``down``
+works from another process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+
+from localcluster import config, health, nodes, pki, processes
+from localcluster.binaries import CONTROL_PLANE_BINARIES, find_binaries
+from localcluster.ports import pick_free_ports
+
+STAGES_FILE = Path(__file__).with_name("kwok-stages.yaml")
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not be started, or is in a state that forbids the request."""
+
+
+def default_state_dir() -> Path:
+    explicit = os.environ.get("SPARSEGATE_STATE")
+    if explicit:
+        return Path(explicit)
+    cache = os.environ.get("SPARSEGATE_CACHE") or str(Path.home() / ".cache" / "sparsegate")
+    return Path(cache) / "cluster"
+
+
+class LocalCluster:
+    """One local control plane. Use as a context manager, or ``start()``/``stop()``."""
+
+    def __init__(
+        self,
+        *,
+        state_dir: Path | str | None = None,
+        node_shape: nodes.NodeShape | None = None,
+        pod_cidr: str = config.DEFAULT_POD_CIDR,
+        bin_directory: Path | None = None,
+        die_with_parent: bool = True,
+        startup_timeout_s: float = 180.0,
+    ) -> None:
+        self.layout = config.Layout(Path(state_dir) if state_dir is not None else default_state_dir())
+        self.node_shape = node_shape or nodes.NodeShape()
+        self.pod_cidr = pod_cidr
+        self.bin_directory = bin_directory
+        self.die_with_parent = die_with_parent
+        self.startup_timeout_s = startup_timeout_s
+        self.ports: config.Ports | None = None
+        self.timings: dict[str, float] = {}
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._bins: dict[str, Path] = {}
+
+    # -- public surface -------------------------------------------------------------------
+
+    @property
+    def state_dir(self) -> Path:
+        return self.layout.state_dir
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.layout.kubeconfig
+
+    @property
+    def server(self) -> str:
+        ports = self.ports or self._load_ports()
+        return config.apiserver_url(ports)
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Starts every component and returns once nodes are Ready and pods can be created."""
+        t0 = time.monotonic()
+        # Fail before touching anything when a binary is missing (names them and the setup command).
+        self._bins = find_binaries(CONTROL_PLANE_BINARIES, directory=self.bin_directory)
+        running = self.running_components()
+        if running:
+            raise ClusterError(f"cluster in {self.state_dir} already running ({', '.join(running)}); stop it first")
+        try:
+            self._start(t0)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, *, grace_s: float = 10.0) -> list[str]:
+        """Stops every component (ours or, via pid files, another process's). Returns those stopped."""
+        stopped = []
+        for name in reversed(config.COMPONENTS):
+            if processes.stop_from_pid_file(self.layout.pid_file(name), grace_s=grace_s, popen=self._procs.pop(name, None)):
+                stopped.append(name)
+        return stopped
+
+    def running_components(self) -> list[str]:
+        return [name for name in config.COMPONENTS if processes.pid_file_alive(self.layout.pid_file(name))]
+
+    def pids(self) -> dict[str, int]:
+        found = {}
+        for name in config.COMPONENTS:
+            pid = processes.pid_file_alive(self.layout.pid_file(name))
+            if pid is not None:
+                found[name] = pid
+        return found
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        """Runs the built kubectl against this cluster; raises with its stderr when ``check`` fails."""
+        exe = self._bins.get("kubectl") or find_binaries(("kubectl",), directory=self.bin_directory)["kubectl"]
+        proc = subprocess.run(
+            [str(exe), f"--kubeconfig={self.kubeconfig}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if check and proc.returncode != 0:
+            raise ClusterError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+        return proc
+
+    def register_nodes(self, shape: nodes.NodeShape) -> None:
+        """Registers (or re-registers) ``shape.count`` fake nodes and waits until they are Ready."""
+        self.kubectl("apply", "-f", "-", input=json.dumps(nodes.node_list(shape=shape, pod_cidr=self.pod_cidr)), timeout=120)
+        if shape.count:
+            self.kubectl("wait", "--for=condition=Ready", "node", "-l", "type=kwok", "--timeout=120s", timeout=150)
+
+    # -- start-up steps ------------------------------------------------------------------
+
+    def _load_ports(self) -> config.Ports:
+        try:
+            data = json.loads(self.layout.state_file.read_text())
+        except FileNotFoundError as exc:
+            raise ClusterError(f"no cluster state in {self.state_dir}") from exc
+        return config.Ports.from_dict(data["ports"])
+
+    def _lap(self, name: str, since: float) -> float:
+        now = time.monotonic()
+        self.timings[name] = round(now - since, 3)
+        return now
+
+    def _start(self, t0: float) -> None:
+        layout = self.layout
+        for d in (layout.state_dir, layout.logs, layout.pids):
+            d.mkdir(parents=True, exist_ok=True)
+        self.ports = ports = config.Ports(**pick_free_ports(config.PORT_NAMES))
+        layout.state_file.write_text(
+            json.dumps(
+                {"ports": vars(ports), "podCIDR": self.pod_cidr, "server": config.apiserver_url(ports), "nodes": vars(self.node_shape)},
+                indent=2,
+            )
+            + "\n"
+        )
+        self._write_credentials()
+        t = self._lap("credentials", t0)
+
+        etcd = self._spawn("etcd", config.etcd_args(layout, ports))
+        health.wait_until(
+            health.endpoint_ok(config.LOOPBACK, ports.etcd_client, "/health", context=None, expect='"health":"true"'),
+            what="etcd", timeout_s=self.startup_timeout_s, proc=etcd, log=layout.log("etcd"),
+        )
+        t = self._lap("etcd", t)
+
+        apiserver = self._spawn("kube-apiserver", config.apiserver_args(layout, ports))
+        admin_tls = health.client_tls(ca=layout.cert("ca"), cert=layout.cert("admin"), key=layout.key("admin"))
+        health.wait_until(
+            health.endpoint_ok(config.LOOPBACK, ports.apiserver, "/readyz", context=admin_tls),
+            what="kube-apiserver", timeout_s=self.startup_timeout_s, proc=apiserver, log=layout.log("kube-apiserver"),
+        )
+        t = self._lap("kube-apiserver", t)
+
+        # These three only need the API server; start them together, then check each.
+        kcm = self._spawn("kube-controller-manager", config.controller_manager_args(layout, ports))
+        sched = self._spawn("kube-scheduler", config.scheduler_args(layout, ports))
+        kwok = self._spawn(
+            "kwok",
+            config.kwok_args(layout, ports, stages_file=STAGES_FILE, pod_cidr=self.pod_cidr, node_ip=nodes.node_ip(0)),
+        )
+        insecure = health.insecure_tls()
+        for name, proc, port, ctx in (
+            ("kube-controller-manager", kcm, ports.controller_manager, insecure),
+            ("kube-scheduler", sched, ports.scheduler, insecure),
+            ("kwok", kwok, ports.kwok, None),
+        ):
+            health.wait_until(
+                health.endpoint_ok(config.LOOPBACK, port, "/healthz", context=ctx),
+                what=name, timeout_s=self.startup_timeout_s, proc=proc, log=layout.log(name),
+            )
+        t = self._lap("controllers", t)
+
+        self.register_nodes(self.node_shape)
+        t = self._lap("nodes", t)
+
+        # Pods are rejected until the ServiceAccount controller made the namespace's default SA.
+        health.wait_until(
+            lambda: self.kubectl("get", "serviceaccount", "default", "-n", "default", check=False).returncode == 0,
+            what="default ServiceAccount", timeout_s=self.startup_timeout_s, interval_s=0.2,
+        )
+        self._lap("service-account", t)
+        self.timings["total"] = round(time.monotonic() - t0, 3)
+
+    def _write_credentials(self) -> None:
+        layout = self.layout
+        pki.ensure_ca(layout.pki)
+        for spec in config.cert_specs():
+            pki.ensure_cert(layout.pki, spec)
+        pki.ensure_service_account_keys(layout.pki)
+        ca_pem = layout.cert("ca").read_bytes()
+        assert self.ports is not None
+        server = config.apiserver_url(self.ports)
+
+        def kubeconfig_for(cert_name: str, user: str) -> str:
+            return config.render_kubeconfig(
+                server=server, ca_pem=ca_pem, cert_pem=layout.cert(cert_name).read_bytes(),
+                key_pem=layout.key(cert_name).read_bytes(), user=user,
+            )
+
+        _write_private(layout.kubeconfig, kubeconfig_for("admin", "admin"))
+        for component in ("kube-controller-manager", "kube-scheduler", "kwok"):
+            path = layout.component_kubeconfig(component)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write_private(path, kubeconfig_for(component, component))
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        env = dict(os.environ)
+        # kwok would otherwise read/write ~/.kwok; keep each cluster's files in its own state dir.
+        env["HOME"] = str(self.layout.work_dir(name))
+        proc = processes.start(
+            name=name,
+            argv=[str(self._bins[name]), *args],
+            log_path=self.layout.log(name),
+            pid_file=self.layout.pid_file(name),
+            cwd=self.layout.work_dir(name),
+            env=env,
+            die_with_parent=self.die_with_parent,
+        )
+        self._procs[name] = proc
+        return proc
+
+
+def _write_private(path: Path, text: str) -> None:
+    path.touch(mode=0o600, exist_ok=True)
+    path.write_text(text)
