@@ -1,0 +1,145 @@
+"""ctypes mirrors of the structs in ``sparsegate_flow.h`` (the XDP program's map layouts).
+
+The header is the source of truth; ``tests/unit/ebpf/test_maps.py`` parses it and checks
+these classes and the counter enum agree field by field, so the two cannot drift silently.
+Addresses and ports are kept in network byte order, exactly as the program stores them.
+"""
+from __future__ import annotations
+
+import ctypes as ct
+import enum
+import ipaddress
+import socket
+import sys
+from pathlib import Path
+
+HEADER_PATH = Path(__file__).with_name("sparsegate_flow.h")
+PROGRAM_PATH = Path(__file__).with_name("xdp_flow.bpf.c")
+
+ACTION_ALLOW = 1
+ACTION_DENY = 2
+POLICY_MAX_ENTRIES = 16384
+
+PROTO_NUMBERS = {"tcp": socket.IPPROTO_TCP, "udp": socket.IPPROTO_UDP}
+PROTO_NAMES = {v: k for k, v in PROTO_NUMBERS.items()}
+
+
+class Counter(enum.IntEnum):
+    """Index into the per-CPU packet-type counters (``enum sg_counter_index``)."""
+
+    ETH_TRUNCATED = 0
+    IPV4 = 1
+    IPV6 = 2
+    ARP = 3
+    VLAN = 4
+    OTHER_L2 = 5
+    IPV4_TRUNCATED = 6
+    IPV4_BAD_HEADER = 7
+    IPV4_FRAGMENT = 8
+    L4_TRUNCATED = 9
+    IPV4_OTHER_PROTO = 10
+    TCP = 11
+    UDP = 12
+    POLICY_ALLOW = 13
+    POLICY_DENY = 14
+    NO_POLICY = 15
+    FLOW_TABLE_FULL = 16
+
+
+COUNTER_MAX = 17
+
+
+class FlowKey(ct.Structure):
+    _fields_ = [
+        ("saddr", ct.c_uint32),
+        ("daddr", ct.c_uint32),
+        ("sport", ct.c_uint16),
+        ("dport", ct.c_uint16),
+        ("proto", ct.c_uint8),
+        ("pad", ct.c_uint8 * 3),
+    ]
+
+
+class FlowStats(ct.Structure):
+    _fields_ = [
+        ("packets", ct.c_uint64),
+        ("bytes", ct.c_uint64),
+        ("dropped", ct.c_uint64),
+        ("first_seen_ns", ct.c_uint64),
+        ("last_seen_ns", ct.c_uint64),
+    ]
+
+
+class Handshake(ct.Structure):
+    _fields_ = [
+        ("syn_ns", ct.c_uint64),
+        ("last_rtt_ns", ct.c_uint64),
+        ("rtt_sum_ns", ct.c_uint64),
+        ("samples", ct.c_uint64),
+    ]
+
+
+class PortKey(ct.Structure):
+    _fields_ = [("port", ct.c_uint16), ("proto", ct.c_uint8), ("pad", ct.c_uint8)]
+
+
+class CounterVal(ct.Structure):
+    _fields_ = [("packets", ct.c_uint64), ("bytes", ct.c_uint64)]
+
+
+class PolicyKey(ct.Structure):
+    _fields_ = [
+        ("saddr", ct.c_uint32),
+        ("daddr", ct.c_uint32),
+        ("dport", ct.c_uint16),
+        ("proto", ct.c_uint8),
+        ("pad", ct.c_uint8),
+    ]
+
+
+class PolicyVal(ct.Structure):
+    _fields_ = [
+        ("action", ct.c_uint32),
+        ("rule_id", ct.c_uint32),
+        ("generation", ct.c_uint32),
+        ("pad", ct.c_uint32),
+    ]
+
+
+class VerdictKey(ct.Structure):
+    _fields_ = [
+        ("generation", ct.c_uint32),
+        ("rule_id", ct.c_uint32),
+        ("action", ct.c_uint32),
+        ("pad", ct.c_uint32),
+    ]
+
+
+# Header struct name -> mirror, for the drift test and load-time size checks.
+STRUCTS: dict[str, type[ct.Structure]] = {
+    "sg_flow_key": FlowKey,
+    "sg_flow_stats": FlowStats,
+    "sg_handshake": Handshake,
+    "sg_port_key": PortKey,
+    "sg_counter": CounterVal,
+    "sg_policy_key": PolicyKey,
+    "sg_policy_val": PolicyVal,
+    "sg_verdict_key": VerdictKey,
+}
+
+
+def ip_to_be32(ip: str) -> int:
+    """Dotted quad -> the u32 the kernel reads from the header (network order, native int)."""
+    return int.from_bytes(ipaddress.IPv4Address(ip).packed, sys.byteorder)
+
+
+def be32_to_ip(value: int) -> str:
+    return str(ipaddress.IPv4Address(value.to_bytes(4, sys.byteorder)))
+
+
+def port_to_be16(port: int) -> int:
+    return socket.htons(port)
+
+
+def be16_to_port(value: int) -> int:
+    return socket.ntohs(value)

@@ -1,0 +1,63 @@
+"""Atomic policy replacement: an A/B pool of inner maps behind one outer array slot.
+
+A new policy is written completely into the inactive inner map, then made live with one
+update of `policy_outer[0]` - a single pointer store the program reads once per packet, so no
+packet ever sees a half-written policy and allowed flows are never dropped by a swap.
+
+Reusing the old inner map right away is safe: for map-in-map types the kernel's update
+syscall waits for an RCU grace period (kernel/bpf/syscall.c `maybe_wait_bpf_programs`), so
+when it returns no running program still holds the previous inner map.
+"""
+from __future__ import annotations
+
+import ctypes as ct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .policy import FlowPolicy, compile_policy
+
+POOL = ("policy_a", "policy_b")
+
+
+@dataclass(frozen=True)
+class SwapResult:
+    generation: int
+    slot: str             # inner map now live
+    entries: int          # records written (incl. meta)
+    fill_seconds: float   # writing the inactive map
+    swap_seconds: float   # the outer-slot update alone (incl. the kernel's RCU wait)
+
+
+class PolicySwapper:
+    def __init__(self, *, bpf: Any) -> None:
+        self._outer = bpf["policy_outer"]
+        self._pool = [bpf[name] for name in POOL]
+        self._active: int | None = None
+        self._lock = threading.Lock()
+        self.generation = 0
+        self.policy: FlowPolicy | None = None
+        self.rule_names: dict[int, dict[int, str]] = {}  # generation -> rule_id -> rule
+
+    def apply(self, policy: FlowPolicy) -> SwapResult:
+        with self._lock:
+            generation = self.generation + 1
+            records = compile_policy(policy, generation=generation)
+            target = 1 if self._active == 0 else 0
+            inner = self._pool[target]
+            t0 = time.perf_counter()
+            inner.clear()  # not live: nothing reads it (see module docstring)
+            for key, val in records:
+                inner[key] = val
+            t1 = time.perf_counter()
+            self._outer[ct.c_int(0)] = ct.c_int(inner.get_fd())
+            t2 = time.perf_counter()
+            self._active = target
+            self.generation = generation
+            self.policy = policy
+            self.rule_names[generation] = policy.rule_names()
+            # Keep attribution for recent generations only (their verdict counters may linger).
+            for old in [g for g in self.rule_names if g < generation - 256]:
+                del self.rule_names[old]
+            return SwapResult(generation, POOL[target], len(records), t1 - t0, t2 - t1)

@@ -1,0 +1,98 @@
+/* Structs and constants read by both the XDP program (xdp_flow.bpf.c) and the Python
+ * loader (maps.py mirrors them with ctypes; tests/unit/ebpf checks the two agree).
+ * Plain fixed-width fields, explicit padding: no compiler-chosen holes. */
+#ifndef SPARSEGATE_FLOW_H
+#define SPARSEGATE_FLOW_H
+
+/* One direction of an IPv4 TCP/UDP conversation. Addresses/ports in network order. */
+struct sg_flow_key {
+    __u32 saddr;
+    __u32 daddr;
+    __u16 sport;
+    __u16 dport;
+    __u8 proto;
+    __u8 pad[3];
+};
+
+/* Per-CPU per-flow counters. first/last_seen_ns: bpf_ktime_get_ns (CLOCK_MONOTONIC). */
+struct sg_flow_stats {
+    __u64 packets;
+    __u64 bytes;
+    __u64 dropped;
+    __u64 first_seen_ns;
+    __u64 last_seen_ns;
+};
+
+/* TCP SYN -> SYN-ACK handshake time, keyed by the client->server flow. Only measurable
+ * when both directions cross an attached interface (XDP sees ingress only). */
+struct sg_handshake {
+    __u64 syn_ns;       /* last SYN seen, 0 once matched */
+    __u64 last_rtt_ns;
+    __u64 rtt_sum_ns;
+    __u64 samples;
+};
+
+struct sg_port_key {
+    __u16 port;   /* host order: easier to read back */
+    __u8 proto;
+    __u8 pad;
+};
+
+struct sg_counter {
+    __u64 packets;
+    __u64 bytes;
+};
+
+/* Policy entries: exact match on (src, dst, dst port, protocol), network order. The key
+ * with proto == 0 (never a valid entry) holds the generation's meta record. */
+struct sg_policy_key {
+    __u32 saddr;
+    __u32 daddr;
+    __u16 dport;
+    __u8 proto;
+    __u8 pad;
+};
+
+struct sg_policy_val {
+    __u32 action;       /* SG_ACTION_* ; in the meta record: the default action */
+    __u32 rule_id;      /* 1-based index of the document entry; meta record: 0 */
+    __u32 generation;   /* same in every record of one inner map */
+    __u32 pad;
+};
+
+/* Verdict counters keyed by who judged: lets tests prove each packet saw one policy wholly. */
+struct sg_verdict_key {
+    __u32 generation;
+    __u32 rule_id;      /* 0 = default action */
+    __u32 action;
+    __u32 pad;
+};
+
+#define SG_ACTION_ALLOW 1
+#define SG_ACTION_DENY 2
+
+#define SG_POLICY_MAX_ENTRIES 16384
+
+/* Index into the per-CPU packet-type counters. Keep in sync with maps.Counter. */
+enum sg_counter_index {
+    SG_CNT_ETH_TRUNCATED = 0,   /* shorter than an Ethernet header */
+    SG_CNT_IPV4 = 1,            /* well-formed IPv4 header */
+    SG_CNT_IPV6 = 2,            /* passed untouched */
+    SG_CNT_ARP = 3,             /* passed untouched */
+    SG_CNT_VLAN = 4,            /* 802.1Q/802.1ad tagged: passed untouched */
+    SG_CNT_OTHER_L2 = 5,        /* any other ethertype: passed untouched */
+    SG_CNT_IPV4_TRUNCATED = 6,  /* frame ends inside the IPv4 header */
+    SG_CNT_IPV4_BAD_HEADER = 7, /* IHL < 5 or version != 4: passed, the stack drops it */
+    SG_CNT_IPV4_FRAGMENT = 8,   /* any fragment; non-first ones have no ports */
+    SG_CNT_L4_TRUNCATED = 9,    /* TCP/UDP header cut short */
+    SG_CNT_IPV4_OTHER_PROTO = 10, /* ICMP etc.: counted, not policed */
+    SG_CNT_TCP = 11,
+    SG_CNT_UDP = 12,
+    SG_CNT_POLICY_ALLOW = 13,
+    SG_CNT_POLICY_DENY = 14,
+    SG_CNT_NO_POLICY = 15,      /* enforcement on but no policy installed yet: passed */
+    SG_CNT_FLOW_TABLE_FULL = 16,
+    SG_CNT_MAX = 17,
+};
+
+#endif
