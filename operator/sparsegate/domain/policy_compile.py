@@ -14,7 +14,7 @@ decided (explains drops; default deny would drop them anyway).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,17 +192,29 @@ def decision_counts(document: Mapping[str, Any]) -> dict[str, int]:
 
 
 def narrow_document(
-    *, document: Mapping[str, Any], owners_then: Mapping[str, str], owners_now: Mapping[str, str]
+    *,
+    document: Mapping[str, Any],
+    owners_then: Mapping[str, str] | None,
+    owners_now: Mapping[str, str],
+    live_policies: Collection[str],
 ) -> dict[str, Any]:
-    """Fail closed while OPA is unreachable: keep only entries whose two IPs still belong to the
-    pods they belonged to when OPA decided (`ip -> "<ns>/<pod>"`). Never adds an entry, so the
-    result is never wider than the last good document; a reused IP loses its old pod's access."""
+    """Fail closed while OPA is unreachable: only ever remove entries from the last good document.
+
+    Removed: entries of RoutingPolicies that no longer exist, and (when we know which pod owned each
+    IP at decision time, `ip -> "<ns>/<pod>"`) entries whose IPs are gone or now belong to another
+    pod, so a reused IP does not inherit access. Dropping an entry never widens access: the default
+    is deny.
+    """
 
     def same(ip: str) -> bool:
-        return ip in owners_now and owners_then.get(ip) == owners_now[ip]
+        return owners_then is None or (ip in owners_now and owners_then.get(ip) == owners_now[ip])
 
-    rows = [e for e in document.get("entries") or () if same(e["srcIP"]) and same(e["dstIP"])]
-    body = {"defaultAction": document.get("defaultAction", "deny"), "entries": rows}
+    rows = [
+        e
+        for e in document.get("entries") or ()
+        if str(e.get("rule", "")).split("#", 1)[0] in live_policies and same(e["srcIP"]) and same(e["dstIP"])
+    ]
+    body = {"defaultAction": "deny", "entries": rows}
     return {"version": sha256_of(body), **body}
 
 

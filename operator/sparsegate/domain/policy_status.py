@@ -1,0 +1,107 @@
+"""RoutingPolicy status, derived from what the last sync observed (pure).
+
+Conditions (a list keyed by `type`):
+- Ready: OPA holds this generation of the policy and its decisions are published.
+- Degraded: the operator cannot reach OPA; the published allow-list is the last good one (or
+  narrower), never wider, until OPA answers again.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+class ConditionType(str, enum.Enum):
+    READY = "Ready"
+    """OPA holds this generation and the allow-list from its decisions is published."""
+    DEGRADED = "Degraded"
+    """OPA is unreachable: the operator fails closed and retries."""
+
+
+class Reason(str, enum.Enum):
+    LOADED = "LoadedInOPA"
+    """Ready=True: read back from OPA after the push."""
+    NOT_LOADED = "NotLoadedInOPA"
+    """Ready=False: OPA answered but does not hold this generation (yet)."""
+    OPA_UNREACHABLE = "OPAUnreachable"
+    """Ready=False / Degraded=True: no answer from OPA; last good decisions kept."""
+    OPA_REJECTED = "OPARejected"
+    """Ready=False / Degraded=True: OPA refused the policy or data (see message)."""
+    AS_EXPECTED = "AsExpected"
+    """Degraded=False: the last sync reached OPA."""
+
+
+@dataclass(frozen=True)
+class SyncOutcome:
+    """What one sync learnt about one RoutingPolicy."""
+
+    generation: int
+    loaded_generation: int | None  # as read back from OPA; None if absent or OPA unreachable
+    decision_count: int | None  # None: keep the previous count (nothing new was decided)
+    revision: str | None
+    error: str | None = None  # set when OPA could not be used
+    rejected: bool = False  # the error is OPA refusing our input, not OPA being down
+
+
+def _condition(type_: ConditionType, status: bool, reason: Reason, message: str) -> dict[str, Any]:
+    return {"type": type_.value, "status": "True" if status else "False", "reason": reason.value, "message": message}
+
+
+def status_patch(
+    *, outcome: SyncOutcome, previous: Mapping[str, Any] | None, now: str
+) -> dict[str, Any]:
+    """The `status` to write. Keeps lastTransitionTime when a condition's status did not change."""
+    previous = previous or {}
+    loaded = outcome.loaded_generation == outcome.generation
+    if outcome.error:
+        reason = Reason.OPA_REJECTED if outcome.rejected else Reason.OPA_UNREACHABLE
+        conditions = [
+            _condition(ConditionType.READY, False, reason, outcome.error),
+            _condition(ConditionType.DEGRADED, True, reason, f"{outcome.error}; last good allow-list kept"),
+        ]
+        loaded_in_opa = False if outcome.rejected else bool(previous.get("loadedInOPA", False))
+    else:
+        conditions = [
+            _condition(
+                ConditionType.READY, loaded, Reason.LOADED if loaded else Reason.NOT_LOADED,
+                f"revision {outcome.revision}" if loaded else f"OPA holds generation {outcome.loaded_generation}",
+            ),
+            _condition(ConditionType.DEGRADED, False, Reason.AS_EXPECTED, "OPA reachable"),
+        ]
+        loaded_in_opa = loaded
+    merged = merge_conditions(previous.get("conditions") or (), conditions, now=now, generation=outcome.generation)
+    patch: dict[str, Any] = {
+        "observedGeneration": outcome.generation,
+        "loadedInOPA": loaded_in_opa,
+        "conditions": merged,
+    }
+    if outcome.decision_count is not None:
+        patch["decisionCount"] = outcome.decision_count
+    if outcome.revision and not outcome.error:
+        patch["opaRevision"] = outcome.revision
+    return patch
+
+
+def merge_conditions(
+    previous: Iterable[Mapping[str, Any]], new: Iterable[Mapping[str, Any]], *, now: str, generation: int
+) -> list[dict[str, Any]]:
+    by_type = {c.get("type"): dict(c) for c in previous}
+    for cond in new:
+        old = by_type.get(cond["type"])
+        kept = old is not None and old.get("status") == cond["status"] and old.get("lastTransitionTime")
+        by_type[cond["type"]] = {
+            **cond,
+            "lastTransitionTime": old["lastTransitionTime"] if kept else now,
+            "observedGeneration": generation,
+        }
+    order = [t.value for t in ConditionType]
+    return sorted(by_type.values(), key=lambda c: order.index(c["type"]) if c["type"] in order else 99)
+
+
+def status_changed(*, previous: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> bool:
+    """Whether writing `patch` would change anything (timers must not write every tick)."""
+    previous = previous or {}
+    return any(previous.get(k) != v for k, v in patch.items())

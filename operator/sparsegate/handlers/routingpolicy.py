@@ -1,0 +1,249 @@
+"""RoutingPolicy → OPA → flow allow-list (issue 5), as Kopf handlers.
+
+Every RoutingPolicy and every pod feed one OPA data document and one allow-list, so each handler
+runs the same `PolicySync.sync` (serialised by a lock) over Kopf's in-memory indexes of all
+RoutingPolicies and pods, then writes only its own object's status:
+
+1. build the indexed OPA data (`domain.policy`); push Rego + data when OPA's revision differs
+   (a restarted OPA has none, so it gets everything again without anyone re-applying);
+2. ask OPA about each (identity class, model, port) worth asking (`domain.policy_compile`);
+3. publish the IP-level allow-list ConfigMap when its version changed;
+4. read back which policy generations OPA holds (`status.loadedInOPA`).
+
+A timer on each RoutingPolicy repeats this every `SPARSEGATE_POLICY_RESYNC_SECONDS`; it costs one
+GET when neither the policies, the pods nor OPA changed. Fail closed: when OPA is unreachable the
+allow-list is only ever narrowed (deleted policies, departed pods), the object gets Degraded=True,
+and create/update/delete handlers retry with backoff (kopf.TemporaryError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import datetime
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import kopf
+
+from sparsegate.clients.flow_policy import FlowPolicyConfigMap
+from sparsegate.clients.opa import DEFAULT_URL, OpaRejected, OpaUnavailable, RoutingOpa
+from sparsegate.domain.policy import DEFAULT_TRUST_DOMAIN, PolicySource, build_opa_data, sha256_of
+from sparsegate.domain.policy_compile import (
+    PodInfo,
+    candidate_queries,
+    decision_counts,
+    flow_document,
+    ip_owners,
+    narrow_document,
+    pod_info,
+)
+from sparsegate.domain.policy_status import SyncOutcome, status_changed, status_patch
+
+GROUP, VERSION, PLURAL = "sparsegate.dev", "v1alpha1", "routingpolicies"
+_REPO_REGO = Path(__file__).resolve().parents[3] / "policies" / "routing" / "src.rego"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    opa_url: str
+    namespace: str  # where the allow-list ConfigMap lives (the operator's namespace)
+    trust_domain: str
+    resync_seconds: float
+    rego_path: Path
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        return cls(
+            opa_url=os.environ.get("SPARSEGATE_OPA_URL", DEFAULT_URL),
+            namespace=os.environ.get("SPARSEGATE_NAMESPACE", "sparsegate-system"),
+            trust_domain=os.environ.get("SPARSEGATE_TRUST_DOMAIN", DEFAULT_TRUST_DOMAIN),
+            resync_seconds=float(os.environ.get("SPARSEGATE_POLICY_RESYNC_SECONDS", "10")),
+            rego_path=Path(os.environ.get("SPARSEGATE_ROUTING_REGO", str(_REPO_REGO))),
+        )
+
+
+class PolicySync:
+    """The operator's single view of what OPA holds and what the data plane enforces."""
+
+    def __init__(self, *, settings: Settings, opa: RoutingOpa, store: FlowPolicyConfigMap) -> None:
+        self.settings = settings
+        self.opa = opa
+        self.store = store
+        self.rego = settings.rego_path.read_text()
+        self.lock = asyncio.Lock()
+        self.published: dict[str, Any] | None = None  # last document written or found
+        self.owners: dict[str, str] | None = None  # pod owning each IP when OPA last decided
+        self.fingerprint: str | None = None  # data revision + pods of the last good sync
+        self.counts: dict[str, int] = {}
+        self.loaded: dict[str, dict[str, Any]] = {}
+        self.revision: str | None = None
+
+    async def sync(self, *, policies: list[PolicySource], pods: list[PodInfo]) -> None:
+        """Bring OPA and the allow-list up to date; raises OpaUnavailable/OpaRejected after failing closed."""
+        async with self.lock:
+            data, _ = build_opa_data(sources=policies, trust_domain=self.settings.trust_domain, rego=self.rego)
+            fingerprint = sha256_of({"revision": data["revision"], "pods": [dataclasses.astuple(p) for p in pods]})
+            try:
+                pushed = False
+                if await self.opa.revision() != data["revision"]:
+                    await self.opa.push(rego=self.rego, data=data)
+                    pushed = True
+                if pushed or fingerprint != self.fingerprint:
+                    td = self.settings.trust_domain
+                    queries = candidate_queries(targets=data["targets"], pods=pods, trust_domain=td)
+                    answers = await self.opa.decide_many([q.opa_input(trust_domain=td) for q in queries])
+                    document = flow_document(decisions=dict(zip(queries, answers)), pods=pods)
+                    await self._publish(document)
+                    self.owners = ip_owners(pods)
+                    self.counts = decision_counts(document)
+                    self.fingerprint = fingerprint
+                self.loaded = await self.opa.loaded_policies()
+                self.revision = data["revision"]
+            except (OpaUnavailable, OpaRejected):
+                self.fingerprint = None  # decide afresh once OPA answers
+                await self._narrow(pods=pods, live={p.key for p in policies})
+                raise
+
+    async def _publish(self, document: dict[str, Any]) -> None:
+        if self.published is None:
+            self.published = await self.store.read()
+        if self.published is None or self.published.get("version") != document["version"]:
+            await self.store.publish(document)
+            self.published = document
+
+    async def _narrow(self, *, pods: list[PodInfo], live: set[str]) -> None:
+        if self.published is None:
+            self.published = await self.store.read()
+        if self.published is None:
+            return  # nothing published: the agent's default (deny) stands
+        narrowed = narrow_document(
+            document=self.published, owners_then=self.owners, owners_now=ip_owners(pods), live_policies=live
+        )
+        if narrowed["version"] != self.published.get("version") and len(narrowed["entries"]) < len(
+            self.published.get("entries") or ()
+        ):
+            await self.store.publish(narrowed)
+            self.published = narrowed
+
+    def outcome(self, *, key: str, generation: int, error: Exception | None = None) -> SyncOutcome:
+        loaded = self.loaded.get(key) or {}
+        return SyncOutcome(
+            generation=generation,
+            loaded_generation=loaded.get("generation") if error is None else None,
+            decision_count=self.counts.get(key, 0) if error is None else None,
+            revision=self.revision,
+            error=str(error) if error else None,
+            rejected=isinstance(error, OpaRejected),
+        )
+
+
+_sync: PolicySync | None = None
+
+
+def _state() -> PolicySync:
+    global _sync
+    if _sync is None:
+        settings = Settings.from_env()
+        _sync = PolicySync(
+            settings=settings, opa=RoutingOpa(url=settings.opa_url), store=FlowPolicyConfigMap(namespace=settings.namespace)
+        )
+    return _sync
+
+
+def _values(index: kopf.Index) -> Iterable[Any]:
+    for store in index.values():
+        yield from store
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _backoff(retry: int) -> float:
+    return float(min(2 ** min(retry, 5), 30))
+
+
+# --- Indexes: every RoutingPolicy and every pod with an IP ---------------------------------
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def sparsegate_routing_policies(namespace: str, name: str, meta: kopf.Meta, body: kopf.Body, **_: Any) -> dict:
+    if meta.get("deletionTimestamp"):
+        return {}  # being deleted: already out of what OPA should hold
+    spec = copy.deepcopy(dict(body.get("spec") or {}))
+    return {(namespace, name): PolicySource(namespace=namespace, name=name, generation=meta.get("generation", 1), spec=spec)}
+
+
+@kopf.index("", "v1", "pods")
+def sparsegate_flow_pods(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict:
+    info = pod_info(dict(body))
+    return {(namespace, name): info} if info else {}
+
+
+# --- Handlers --------------------------------------------------------------------------------
+
+
+async def _sync_and_status(
+    *, name: str, namespace: str, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch,
+    sparsegate_routing_policies: kopf.Index, sparsegate_flow_pods: kopf.Index, exclude_self: bool = False,
+) -> Exception | None:
+    sync = _state()
+    key = f"{namespace}/{name}"
+    policies = sorted(
+        (p for p in _values(sparsegate_routing_policies) if not (exclude_self and p.key == key)), key=lambda p: p.key
+    )
+    pods = sorted(_values(sparsegate_flow_pods), key=lambda p: (p.namespace, p.name))
+    error: Exception | None = None
+    try:
+        await sync.sync(policies=policies, pods=pods)
+    except (OpaUnavailable, OpaRejected) as e:
+        error = e
+    if not exclude_self:
+        previous = dict(status)
+        new = status_patch(outcome=sync.outcome(key=key, generation=meta.get("generation", 1), error=error),
+                           previous=previous, now=_now())
+        if status_changed(previous=previous, patch=new):
+            patch.status.update(new)
+    return error
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+async def reconcile_routing_policy(retry: int, logger: kopf.Logger, **kwargs: Any) -> None:
+    error = await _sync_and_status(**_pick(kwargs))
+    if error is not None:
+        logger.warning(f"OPA not usable, allow-list kept (fail closed): {error}")
+        raise kopf.TemporaryError(f"OPA not usable: {error}", delay=_backoff(retry))
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL)
+async def delete_routing_policy(retry: int, logger: kopf.Logger, **kwargs: Any) -> None:
+    error = await _sync_and_status(**_pick(kwargs), exclude_self=True)
+    if error is not None:
+        # Its allow entries are already gone from the allow-list; OPA must drop it too before the
+        # object goes, or a later reader of OPA would still see it.
+        raise kopf.TemporaryError(f"OPA not usable, policy still held there: {error}", delay=_backoff(retry))
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=Settings.from_env().resync_seconds, initial_delay=1.0)
+async def resync_routing_policies(logger: kopf.Logger, **kwargs: Any) -> None:
+    """Notices OPA restarts (revision gone) and pod churn; Degraded while OPA is unreachable."""
+    error = await _sync_and_status(**_pick(kwargs))
+    if error is not None:
+        logger.warning(f"OPA not usable, allow-list kept (fail closed): {error}")
+
+
+@kopf.on.cleanup()
+async def close_opa_client(**_: Any) -> None:
+    if _sync is not None:
+        _sync.opa.close()
+
+
+def _pick(kwargs: dict[str, Any]) -> dict[str, Any]:
+    names = ("name", "namespace", "meta", "status", "patch", "sparsegate_routing_policies", "sparsegate_flow_pods")
+    return {k: kwargs[k] for k in names}

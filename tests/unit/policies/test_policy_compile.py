@@ -1,0 +1,120 @@
+"""OPA decisions → flow allow-list (sparsegate.domain.policy_compile)."""
+
+from __future__ import annotations
+
+import itertools
+
+from sparsegate.domain.policy import PolicySource, Port, build_opa_data
+from sparsegate.domain.policy_compile import (
+    FlowTable,
+    PodInfo,
+    QueryKey,
+    candidate_queries,
+    decision_counts,
+    flow_document,
+    ip_owners,
+    narrow_document,
+    pod_info,
+)
+
+TD = "cluster.local"
+
+
+def pod(name: str, ns: str, ip: str, sa: str = "default", model: str | None = None, ports: tuple = (), **labels: str) -> PodInfo:
+    if model:
+        labels = {**labels, "sparsegate.dev/model": model}
+    return PodInfo(namespace=ns, name=name, ip=ip, service_account=sa, labels=tuple(sorted(labels.items())),
+                   ports=tuple(Port(p) for p in ports))
+
+
+M1 = pod("m-0", "models", "127.20.0.10", model="mixtral", ports=(8080,))
+M2 = pod("m-1", "models", "127.20.0.11", model="mixtral", ports=(8080,))
+FE = pod("fe-0", "web", "127.20.1.1", sa="frontend", app="fe")
+FE2 = pod("fe-1", "web", "127.20.1.2", sa="frontend", app="fe")
+OTHER = pod("x-0", "web", "127.20.1.3", sa="other")
+BATCH = pod("job-0", "batch", "127.20.2.1", sa="job")
+
+
+def test_pod_info_reads_identity_ip_and_ports() -> None:
+    info = pod_info({
+        "metadata": {"name": "m-0", "namespace": "models", "labels": {"sparsegate.dev/model": "mixtral"}},
+        "spec": {"serviceAccountName": "srv", "containers": [{"ports": [{"containerPort": 8080, "name": "http"}]}]},
+        "status": {"podIP": "127.20.0.10", "phase": "Running"},
+    })
+    assert info == PodInfo("models", "m-0", "127.20.0.10", "srv", (("sparsegate.dev/model", "mixtral"),), (Port(8080),))
+    assert info.model == "mixtral"
+    assert pod_info({"metadata": {"name": "p"}, "status": {}}) is None  # no IP yet
+    assert pod_info({"metadata": {"name": "p"}, "status": {"podIP": "1.2.3.4", "phase": "Succeeded"}}) is None
+    assert pod_info({"metadata": {"name": "p", "namespace": "n"}, "spec": {}, "status": {"podIP": "1.2.3.4"}}).service_account == "default"
+
+
+def _targets(*policies: dict) -> dict:
+    sources = [PolicySource(namespace="models", name=f"p{i}", generation=1, spec=s) for i, s in enumerate(policies)]
+    return build_opa_data(sources=sources, trust_domain=TD, rego="")[0]["targets"]
+
+
+def test_only_identity_classes_filed_under_the_target_are_asked() -> None:
+    targets = _targets({"action": "Allow", "sources": [{"namespace": "web", "serviceAccount": "frontend"}],
+                        "targets": [{"sparseModel": "mixtral"}]})
+    queries = candidate_queries(targets=targets, pods=[M1, M2, FE, FE2, OTHER, BATCH], trust_domain=TD)
+    # fe-0 and fe-1 share one identity class; port from the model pods (the rule names none)
+    assert queries == [QueryKey("web", "frontend", (("app", "fe"),), "models", "mixtral", 8080, "tcp")]
+    assert queries[0].opa_input(trust_domain=TD)["source"]["spiffeID"] == "spiffe://cluster.local/ns/web/sa/frontend"
+
+
+def test_rule_ports_and_namespace_wide_selectors() -> None:
+    targets = _targets({"action": "Deny", "sources": [{"namespace": "*"}], "targets": [{"sparseModel": "*"}],
+                        "ports": [{"port": 9090}]})
+    queries = candidate_queries(targets=targets, pods=[M1, FE, BATCH], trust_domain=TD)
+    assert {(q.namespace, q.port) for q in queries} == {("models", 9090), ("web", 9090), ("batch", 9090)}
+
+
+def test_no_rules_no_queries() -> None:
+    assert candidate_queries(targets={}, pods=[M1, FE], trust_domain=TD) == []
+
+
+def test_flow_document_expands_classes_to_ips() -> None:
+    allow = QueryKey("web", "frontend", (("app", "fe"),), "models", "mixtral", 8080, "tcp")
+    denied = QueryKey("batch", "job", (), "models", "mixtral", 8080, "tcp")
+    unmatched = QueryKey("web", "other", (), "models", "mixtral", 8080, "tcp")
+    decisions = {
+        allow: {"allow": True, "rule": "models/p0#s0t0"},
+        denied: {"allow": False, "rule": "models/deny#s0t0"},
+        unmatched: {"allow": False, "rule": ""},
+    }
+    doc = flow_document(decisions=decisions, pods=[M1, M2, FE, FE2, OTHER, BATCH])
+    assert doc["defaultAction"] == "deny" and doc["version"].startswith("sha256:")
+    allowed = {(e["srcIP"], e["dstIP"]) for e in doc["entries"] if e["action"] == "allow"}
+    assert allowed == set(itertools.product([FE.ip, FE2.ip], [M1.ip, M2.ip]))
+    denied_rows = [e for e in doc["entries"] if e["action"] == "deny"]
+    assert {e["srcIP"] for e in denied_rows} == {BATCH.ip} and denied_rows[0]["rule"] == "models/deny#s0t0"
+    assert all(e["srcIP"] != OTHER.ip for e in doc["entries"])  # default deny, no entry
+    assert decision_counts(doc) == {"models/p0": 4, "models/deny": 2}
+    assert flow_document(decisions=dict(reversed(decisions.items())), pods=[BATCH, FE2, FE, OTHER, M2, M1]) == doc
+
+    table = FlowTable.from_document(doc)
+    assert table.allows(src_ip=FE.ip, dst_ip=M2.ip, port=8080)
+    assert not table.allows(src_ip=FE.ip, dst_ip=M2.ip, port=8081)
+    assert not table.allows(src_ip=BATCH.ip, dst_ip=M1.ip, port=8080)
+    assert not table.allows(src_ip=OTHER.ip, dst_ip=M1.ip, port=8080)
+
+
+def test_narrowing_never_widens() -> None:
+    decisions = {
+        QueryKey("web", "frontend", (("app", "fe"),), "models", "mixtral", 8080, "tcp"): {"allow": True, "rule": "models/a#s0t0"},
+        QueryKey("web", "other", (), "models", "mixtral", 8080, "tcp"): {"allow": True, "rule": "models/b#s0t0"},
+    }
+    pods = [M1, M2, FE, FE2, OTHER]
+    doc = flow_document(decisions=decisions, pods=pods)
+    then = ip_owners(pods)
+    # fe-1 is gone, its IP now belongs to a new pod; policy b was deleted; m-1 is gone
+    newcomer = pod("evil-0", "web", FE2.ip, sa="frontend", app="fe")
+    now = ip_owners([M1, FE, OTHER, newcomer])
+    narrowed = narrow_document(document=doc, owners_then=then, owners_now=now, live_policies={"models/a"})
+    old_rows = {tuple(sorted(e.items())) for e in doc["entries"]}
+    new_rows = {tuple(sorted(e.items())) for e in narrowed["entries"]}
+    assert new_rows < old_rows
+    assert {(e["srcIP"], e["dstIP"]) for e in narrowed["entries"]} == {(FE.ip, M1.ip)}
+    # Without owner knowledge (operator restarted while OPA is down) only deleted policies go.
+    kept = narrow_document(document=doc, owners_then=None, owners_now=now, live_policies={"models/a", "models/b"})
+    assert kept["entries"] == doc["entries"]

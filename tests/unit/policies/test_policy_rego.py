@@ -1,0 +1,39 @@
+"""The Rego unit tests (`policies/**/src_test.rego`), run by the real `opa test`."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _opa() -> str:
+    path = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache/sparsegate/bin")) / "opa"
+    if path.is_file():
+        return str(path)
+    found = shutil.which("opa")
+    if not found:
+        pytest.fail("the real opa binary is required; run dev/setup.sh")
+    return found
+
+
+@pytest.mark.opa
+def test_opa_test_passes() -> None:
+    run = subprocess.run([_opa(), "test", str(REPO / "policies"), "-v"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    passed = re.search(r"PASS: (\d+)/(\d+)", run.stdout)
+    assert passed and passed.group(1) == passed.group(2) and int(passed.group(1)) >= 15, run.stdout
+
+
+@pytest.mark.opa
+def test_rego_is_formatted_and_v1() -> None:
+    run = subprocess.run([_opa(), "fmt", "--list", "--fail", str(REPO / "policies")], capture_output=True, text=True)
+    assert run.returncode == 0, f"not `opa fmt`-clean: {run.stdout}{run.stderr}"
+    check = subprocess.run([_opa(), "check", "--strict", str(REPO / "policies")], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
