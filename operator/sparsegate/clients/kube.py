@@ -1,0 +1,165 @@
+"""A small JSON-in, JSON-out Kubernetes client for the operator's own writes.
+
+Rendered objects are plain dicts, so this wraps the official client's transport (auth, TLS,
+kubeconfig or in-cluster config) rather than its typed models. All writes of rendered objects
+use server-side apply with field manager ``sparsegate`` and ``force``: the operator owns exactly
+the fields it renders, re-applying identical input is a no-op (no resourceVersion bump), and
+fields set by others (e.g. an HPA's replicas if one is added later) are never clobbered
+unless we render them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Mapping
+from urllib.parse import quote
+
+import kubernetes
+
+FIELD_MANAGER = "sparsegate"
+
+# Plural and group/version per kind this operator writes; add here when rendering a new kind.
+_KINDS: dict[str, tuple[str, str]] = {
+    "ConfigMap": ("v1", "configmaps"),
+    "Secret": ("v1", "secrets"),
+    "Service": ("v1", "services"),
+    "Deployment": ("apps/v1", "deployments"),
+    "SparseModel": ("sparsegate.dev/v1alpha1", "sparsemodels"),
+    "GateConfig": ("sparsegate.dev/v1alpha1", "gateconfigs"),
+    "Lease": ("coordination.k8s.io/v1", "leases"),
+}
+
+
+class KubeError(Exception):
+    def __init__(self, status: int, reason: str, body: Any) -> None:
+        message = body.get("message") if isinstance(body, dict) else body
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.body = body
+
+
+class NotFound(KubeError):
+    pass
+
+
+class Conflict(KubeError):
+    pass
+
+
+def path_for(kind: str, *, namespace: str, name: str | None = None,
+             subresource: str | None = None) -> str:
+    group_version, plural = _KINDS[kind]
+    root = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
+    path = f"{root}/namespaces/{quote(namespace)}/{plural}"
+    if name is not None:
+        path += f"/{quote(name)}"
+    if subresource:
+        path += f"/{subresource}"
+    return path
+
+
+class Kube:
+    """Thread-safe for Kopf's sync handlers (each runs in an executor thread)."""
+
+    def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
+        self._api = api_client
+
+    @classmethod
+    def from_environment(cls) -> Kube:
+        """In-cluster service account if present, else $KUBECONFIG (like kubectl)."""
+        try:
+            kubernetes.config.load_incluster_config()
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config()
+        return cls(kubernetes.client.ApiClient())
+
+    def request(self, method: str, path: str, *, body: Any = None,
+                query: Mapping[str, str] | None = None,
+                content_type: str = "application/json") -> dict[str, Any]:
+        params = self._api.param_serialize(
+            method=method, resource_path=path, query_params=list((query or {}).items()),
+            header_params={"Content-Type": content_type, "Accept": "application/json"},
+            body=body, auth_settings=["BearerToken"])
+        resp = self._api.call_api(*params, _request_timeout=30)
+        raw = resp.read()
+        try:
+            data = json.loads(raw) if raw else {}
+        except ValueError:
+            data = raw.decode(errors="replace")
+        if resp.status >= 400:
+            err = {404: NotFound, 409: Conflict}.get(resp.status, KubeError)
+            raise err(resp.status, resp.reason or "", data)
+        return data
+
+    def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply as field manager ``sparsegate`` (force: we are the controller)."""
+        meta = obj["metadata"]
+        path = path_for(obj["kind"], namespace=meta["namespace"], name=meta["name"])
+        return self.request("PATCH", path, body=dict(obj),
+                            query={"fieldManager": FIELD_MANAGER, "force": "true"},
+                            content_type="application/apply-patch+yaml")
+
+    def create_if_absent(self, obj: Mapping[str, Any]) -> bool:
+        """Create once (e.g. a Secret with a random token); True if this call created it."""
+        meta = obj["metadata"]
+        try:
+            self.request("POST", path_for(obj["kind"], namespace=meta["namespace"]),
+                         body=dict(obj), query={"fieldManager": FIELD_MANAGER})
+        except Conflict:
+            return False
+        return True
+
+    def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        return self.request("POST", path_for(obj["kind"], namespace=meta["namespace"]),
+                            body=dict(obj), query={"fieldManager": FIELD_MANAGER})
+
+    def replace(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """PUT; carries metadata.resourceVersion, so a concurrent writer makes it 409."""
+        meta = obj["metadata"]
+        return self.request("PUT", path_for(obj["kind"], namespace=meta["namespace"],
+                                            name=meta["name"]),
+                            body=dict(obj), query={"fieldManager": FIELD_MANAGER})
+
+    def get(self, kind: str, *, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.request("GET", path_for(kind, namespace=namespace, name=name))
+        except NotFound:
+            return None
+
+    def exists(self, kind: str, *, namespace: str, name: str) -> bool:
+        return self.get(kind, namespace=namespace, name=name) is not None
+
+    def patch_status(self, kind: str, *, namespace: str, name: str, status: Mapping[str, Any],
+                     resource_version: str | None = None) -> dict[str, Any]:
+        """Merge-patch the status subresource; with resource_version, only if unchanged since."""
+        body: dict[str, Any] = {"status": dict(status)}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
+        return self.request("PATCH", path_for(kind, namespace=namespace, name=name,
+                                              subresource="status"),
+                            body=body, content_type="application/merge-patch+json")
+
+    def update_status(self, kind: str, *, namespace: str, name: str,
+                      mutate: Callable[[dict[str, Any]], dict[str, Any] | None],
+                      attempts: int = 5) -> dict[str, Any] | None:
+        """Read-modify-write of status with optimistic concurrency (retried on 409).
+
+        ``mutate`` gets the current object and returns the status patch, or None for no write.
+        Returns the object as read (the write's input), or None if it does not exist.
+        """
+        for _ in range(attempts):
+            current = self.get(kind, namespace=namespace, name=name)
+            if current is None:
+                return None
+            patch = mutate(current)
+            if patch is None:
+                return current
+            try:
+                self.patch_status(kind, namespace=namespace, name=name, status=patch,
+                                  resource_version=current["metadata"]["resourceVersion"])
+                return current
+            except Conflict:
+                continue
+        raise KubeError(409, "Conflict", f"status of {kind} {namespace}/{name} kept changing")

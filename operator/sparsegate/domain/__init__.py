@@ -1,0 +1,1 @@
+"""Pure domain logic: rendering, gate resolution, conditions. No Kopf, Kubernetes or HTTP here."""

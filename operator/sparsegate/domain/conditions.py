@@ -1,0 +1,127 @@
+"""SparseModel status conditions, derived (never stored twice) from what the operator observed.
+
+Three condition types follow the Kubernetes convention (a list keyed by ``type``):
+Ready, Progressing and Degraded. ``derive_status`` is a pure function of the last rendered gate,
+the Deployment's status and the previous conditions (to keep ``lastTransitionTime`` stable).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Iterable, Mapping
+
+
+class ConditionType(str, enum.Enum):
+    READY = "Ready"
+    """All desired instances are up and serve the resolved gate."""
+    PROGRESSING = "Progressing"
+    """The Deployment is rolling out or scaling toward the desired instances."""
+    DEGRADED = "Degraded"
+    """The operator cannot render the model as asked (missing or invalid gate, apply failure)."""
+
+
+class Reason(str, enum.Enum):
+    ALL_REPLICAS_READY = "AllReplicasReady"
+    """Ready=True: every desired instance is ready and updated."""
+    SCALED_TO_ZERO = "ScaledToZero"
+    """Ready=True: zero instances were asked for and none run."""
+    REPLICAS_NOT_READY = "ReplicasNotReady"
+    """Ready=False or Progressing=True: fewer ready/updated instances than desired."""
+    DEPLOYMENT_MISSING = "DeploymentMissing"
+    """Ready=False: the Deployment has not been created (yet)."""
+    GATE_UNAVAILABLE = "GateUnavailable"
+    """Ready=False: no usable gate, so nothing was rendered for this generation."""
+    ROLLOUT_COMPLETE = "RolloutComplete"
+    """Progressing=False: the Deployment reached its desired state."""
+    AS_EXPECTED = "AsExpected"
+    """Degraded=False: the last reconcile rendered and applied everything."""
+    GATE_CONFIG_NOT_FOUND = "GateConfigNotFound"
+    """Degraded=True: spec.gateConfigRef names a GateConfig that does not exist."""
+    GATE_CONFIG_INVALID = "GateConfigInvalid"
+    """Degraded=True: the GateConfig's gate does not fit the model or fails its checksum."""
+    APPLY_FAILED = "ApplyFailed"
+    """Degraded=True: the API server refused the rendered objects."""
+
+
+class Status(str, enum.Enum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+@dataclasses.dataclass(frozen=True)
+class Condition:
+    type: ConditionType
+    status: Status
+    reason: Reason
+    message: str = ""
+
+    def to_json(self, *, now: str, observed_generation: int | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type.value, "status": self.status.value,
+                               "reason": self.reason.value, "message": self.message,
+                               "lastTransitionTime": now}
+        if observed_generation is not None:
+            out["observedGeneration"] = observed_generation
+        return out
+
+
+def set_conditions(previous: Iterable[Mapping[str, Any]], new: Iterable[Condition], *,
+                   now: str, observed_generation: int | None) -> list[dict[str, Any]]:
+    """Merge ``new`` into ``previous`` by type; keep lastTransitionTime when status is unchanged."""
+    by_type = {c.get("type"): dict(c) for c in previous}
+    for cond in new:
+        rendered = cond.to_json(now=now, observed_generation=observed_generation)
+        old = by_type.get(cond.type.value)
+        if old is not None and old.get("status") == cond.status.value and old.get("lastTransitionTime"):
+            rendered["lastTransitionTime"] = old["lastTransitionTime"]
+        by_type[cond.type.value] = rendered
+    order = [t.value for t in ConditionType]
+    return sorted(by_type.values(), key=lambda c: order.index(c["type"]) if c["type"] in order else 99)
+
+
+def degraded_condition(*, gate_error: str | None, gate_source: str,
+                       apply_error: str | None) -> Condition:
+    if apply_error:
+        return Condition(ConditionType.DEGRADED, Status.TRUE, Reason.APPLY_FAILED, apply_error)
+    if gate_error:
+        reason = (Reason.GATE_CONFIG_NOT_FOUND if gate_source == "missing"
+                  else Reason.GATE_CONFIG_INVALID)
+        return Condition(ConditionType.DEGRADED, Status.TRUE, reason, gate_error)
+    return Condition(ConditionType.DEGRADED, Status.FALSE, Reason.AS_EXPECTED,
+                     f"gate from {gate_source}")
+
+
+def workload_conditions(*, desired: int, deployment: Mapping[str, Any] | None,
+                        degraded: bool) -> list[Condition]:
+    """Ready and Progressing from the Deployment (None when it does not exist)."""
+    if deployment is None:
+        reason = Reason.GATE_UNAVAILABLE if degraded else Reason.DEPLOYMENT_MISSING
+        return [Condition(ConditionType.READY, Status.FALSE, reason, "no Deployment"),
+                Condition(ConditionType.PROGRESSING, Status.FALSE, reason, "no Deployment")]
+    meta = deployment.get("metadata") or {}
+    st = deployment.get("status") or {}
+    observed = st.get("observedGeneration", 0) >= meta.get("generation", 0)
+    ready = st.get("readyReplicas", 0) or 0
+    updated = st.get("updatedReplicas", 0) or 0
+    total = st.get("replicas", 0) or 0
+    done = observed and ready >= desired and updated >= desired and total == desired
+    counts = f"{ready}/{desired} ready, {updated} updated"
+    if done:
+        reason = Reason.SCALED_TO_ZERO if desired == 0 else Reason.ALL_REPLICAS_READY
+        return [Condition(ConditionType.READY, Status.TRUE, reason, counts),
+                Condition(ConditionType.PROGRESSING, Status.FALSE, Reason.ROLLOUT_COMPLETE, counts)]
+    return [Condition(ConditionType.READY, Status.FALSE, Reason.REPLICAS_NOT_READY, counts),
+            Condition(ConditionType.PROGRESSING, Status.TRUE, Reason.REPLICAS_NOT_READY, counts)]
+
+
+def is_degraded(conditions: Iterable[Mapping[str, Any]]) -> bool:
+    return any(c.get("type") == ConditionType.DEGRADED.value and c.get("status") == Status.TRUE.value
+               for c in conditions)
+
+
+def transitions(previous: Iterable[Mapping[str, Any]],
+                current: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Conditions whose status changed (or appeared): these become Kubernetes Events."""
+    before = {c.get("type"): c.get("status") for c in previous}
+    return [c for c in current if before.get(c.get("type")) != c.get("status")]

@@ -1,0 +1,58 @@
+"""Which gate document a SparseModel's new pods start with.
+
+A GateConfig's ``status.stable`` (written on first reconcile, then by the rollout controller) wins;
+until it exists the operator falls back to ``spec.params``. Versioning and validation come from
+``sparsegate_workload.gateparams`` so the operator and the model server hash params identically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from sparsegate_workload import gateparams
+
+
+@dataclasses.dataclass(frozen=True)
+class GateResolution:
+    """Either a usable document or the reason there is none (``document`` is None then)."""
+
+    document: gateparams.GateDocument | None
+    source: str
+    """Where the document came from: ``status.stable``, ``spec.params``, ``default`` or ``missing``."""
+    error: str | None = None
+
+
+def stable_from_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``status.stable`` block for params exactly as written (content-addressed)."""
+    return gateparams.make_document(params).to_json()
+
+
+def resolve(gateconfig: Mapping[str, Any] | None, *, referenced: bool,
+            num_experts: int) -> GateResolution:
+    """Resolve the gate for a model with ``num_experts`` experts.
+
+    ``referenced`` says whether the model names a GateConfig at all: without a reference the
+    built-in defaults apply; with one that does not exist there is no gate (Degraded).
+    """
+    if not referenced:
+        return _checked(gateparams.DEFAULT_DOCUMENT.to_json(), "default", num_experts)
+    if gateconfig is None:
+        return GateResolution(document=None, source="missing", error="GateConfig not found")
+    stable = (gateconfig.get("status") or {}).get("stable")
+    if stable:
+        return _checked(stable, "status.stable", num_experts)
+    params = (gateconfig.get("spec") or {}).get("params") or {}
+    try:
+        doc = gateparams.make_document(params, num_experts=num_experts)
+    except gateparams.GateParamsError as e:
+        return GateResolution(document=None, source="spec.params", error=str(e))
+    return GateResolution(document=doc, source="spec.params")
+
+
+def _checked(doc: Mapping[str, Any], source: str, num_experts: int) -> GateResolution:
+    try:
+        parsed = gateparams.parse_document(doc, num_experts=num_experts)
+    except gateparams.GateParamsError as e:
+        return GateResolution(document=None, source=source, error=str(e))
+    return GateResolution(document=parsed, source=source)

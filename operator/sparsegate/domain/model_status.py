@@ -1,0 +1,66 @@
+"""SparseModel ``status`` as a pure function of what one reconcile or one Deployment event saw.
+
+Two writers share one shape: the reconcile (after rendering and applying) owns observedGeneration,
+the gate fields and Degraded; the Deployment watcher refreshes replica counts, Ready and
+Progressing and carries the rest over. Both go through ``workload_conditions`` so Ready means the
+same thing whichever wrote last.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from sparsegate.domain import conditions as c
+from sparsegate.domain.gate import GateResolution
+
+
+def desired_replicas(model: Mapping[str, Any]) -> int:
+    return int(model["spec"].get("replicas", 1))
+
+
+def _replica_counts(deployment: Mapping[str, Any] | None) -> dict[str, int]:
+    st = (deployment or {}).get("status") or {}
+    return {"replicas": int(st.get("replicas") or 0), "readyReplicas": int(st.get("readyReplicas") or 0)}
+
+
+def after_reconcile(*, model: Mapping[str, Any], gate: GateResolution,
+                    deployment: Mapping[str, Any] | None, apply_error: str | None,
+                    now: str) -> dict[str, Any]:
+    """Full status after a reconcile of ``model`` at its current generation."""
+    previous = (model.get("status") or {})
+    generation = model["metadata"].get("generation")
+    degraded = c.degraded_condition(gate_error=gate.error, gate_source=gate.source,
+                                    apply_error=apply_error)
+    workload = c.workload_conditions(desired=desired_replicas(model), deployment=deployment,
+                                     degraded=degraded.status is c.Status.TRUE)
+    status: dict[str, Any] = {
+        "observedGeneration": generation,
+        **_replica_counts(deployment),
+        "conditions": c.set_conditions(previous.get("conditions") or [], [*workload, degraded],
+                                       now=now, observed_generation=generation),
+    }
+    if gate.document is not None and apply_error is None:
+        status["gateVersion"] = gate.document.version
+        status["gateChecksum"] = gate.document.checksum
+    return status
+
+
+def after_deployment_event(*, model: Mapping[str, Any], deployment: Mapping[str, Any] | None,
+                           now: str) -> dict[str, Any] | None:
+    """Status patch after the model's Deployment changed; None when nothing would change."""
+    previous = model.get("status") or {}
+    prev_conditions = previous.get("conditions") or []
+    workload = c.workload_conditions(desired=desired_replicas(model), deployment=deployment,
+                                     degraded=c.is_degraded(prev_conditions))
+    observed = previous.get("observedGeneration")
+    merged = c.set_conditions(prev_conditions, workload, now=now, observed_generation=observed)
+    patch = {**_replica_counts(deployment), "conditions": merged}
+    if all(previous.get(k) == v for k, v in patch.items() if k != "conditions") and \
+            _same_conditions(prev_conditions, merged):
+        return None
+    return patch
+
+
+def _same_conditions(a: list[Mapping[str, Any]], b: list[Mapping[str, Any]]) -> bool:
+    keys = ("type", "status", "reason", "message")
+    return [tuple(x.get(k) for k in keys) for x in a] == [tuple(x.get(k) for k in keys) for x in b]

@@ -1,0 +1,156 @@
+"""Render a SparseModel and its resolved gate into the objects it owns (dev/CONTRACTS.md).
+
+Pure builders: each returns a complete apply configuration (the fields the operator owns, no
+more), so server-side apply of the same input is a no-op. Side effects live in clients.kube.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+from sparsegate_workload.gateparams import GateDocument
+
+API_GROUP = "sparsegate.dev"
+API_VERSION = f"{API_GROUP}/v1alpha1"
+KIND = "SparseModel"
+
+NAME_LABEL = "app.kubernetes.io/name"
+NAME_VALUE = "sparsegate-model"
+MODEL_LABEL = "sparsegate.dev/model"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY_VALUE = "sparsegate"
+
+GATE_VERSION_ANNOTATION = "sparsegate.dev/gate-version"
+GATE_CHECKSUM_ANNOTATION = "sparsegate.dev/gate-checksum"
+
+GATE_KEY = "gate.json"
+GATE_DIR = "/etc/sparsegate"
+ADMIN_TOKEN_KEY = "token"
+ADMIN_TOKEN_ENV = "SPARSEGATE_ADMIN_TOKEN"
+CONTAINER_NAME = "server"
+PORT_NAME = "http"
+DEFAULT_PORT = 8080
+
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_NODE_LABEL = "nvidia.com/gpu.present"
+
+
+def gate_configmap_name(model: str) -> str:
+    return f"{model}-gate"
+
+
+def admin_secret_name(model: str) -> str:
+    return f"{model}-admin"
+
+
+def selector_labels(model: str) -> dict[str, str]:
+    """Immutable Deployment selector; also what Services and policies match pods by."""
+    return {NAME_LABEL: NAME_VALUE, MODEL_LABEL: model}
+
+
+def common_labels(model: str) -> dict[str, str]:
+    return {**selector_labels(model), MANAGED_BY_LABEL: MANAGED_BY_VALUE,
+            "app.kubernetes.io/instance": model}
+
+
+def owner_reference(model: Mapping[str, Any]) -> dict[str, Any]:
+    meta = model["metadata"]
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _metadata(model: Mapping[str, Any], name: str, **extra: Any) -> dict[str, Any]:
+    meta = model["metadata"]
+    return {"name": name, "namespace": meta["namespace"], "labels": common_labels(meta["name"]),
+            "ownerReferences": [owner_reference(model)], **extra}
+
+
+def gate_json(document: GateDocument) -> str:
+    """The file the server reads: stable key order so equal documents render byte-identically."""
+    return json.dumps(document.to_json(), sort_keys=True, separators=(",", ":"))
+
+
+def render_configmap(model: Mapping[str, Any], document: GateDocument) -> dict[str, Any]:
+    name = gate_configmap_name(model["metadata"]["name"])
+    annotations = {GATE_VERSION_ANNOTATION: document.version,
+                   GATE_CHECKSUM_ANNOTATION: document.checksum}
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _metadata(model, name, annotations=annotations),
+            "data": {GATE_KEY: gate_json(document)}}
+
+
+def render_secret(model: Mapping[str, Any], *, token: str) -> dict[str, Any]:
+    """The admin-token Secret; created once (the token is random), never re-applied."""
+    name = admin_secret_name(model["metadata"]["name"])
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _metadata(model, name), "stringData": {ADMIN_TOKEN_KEY: token}}
+
+
+def render_service(model: Mapping[str, Any]) -> dict[str, Any]:
+    name = model["metadata"]["name"]
+    port = serving_port(model)
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _metadata(model, name),
+            "spec": {"type": "ClusterIP", "selector": selector_labels(name),
+                     "ports": [{"name": PORT_NAME, "port": port, "targetPort": PORT_NAME,
+                                "protocol": "TCP"}]}}
+
+
+def serving_port(model: Mapping[str, Any]) -> int:
+    return int(model["spec"].get("servingPort") or DEFAULT_PORT)
+
+
+def gpus(model: Mapping[str, Any]) -> int:
+    return int((model["spec"].get("resources") or {}).get("gpus") or 0)
+
+
+def render_deployment(model: Mapping[str, Any], document: GateDocument) -> dict[str, Any]:
+    """The model server Deployment.
+
+    The gate version goes on the Deployment's metadata, NOT the pod template: a new stable gate
+    changes what new pods read from the ConfigMap, while running pods are switched one by one by
+    the rollout controller (PUT /admin/gate), never by a rolling restart.
+    """
+    meta, spec = model["metadata"], model["spec"]
+    name = meta["name"]
+    port = serving_port(model)
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": spec["image"],
+        "command": ["python", "-m", "sparsegate_workload.server"],
+        "args": ["--host", "0.0.0.0", "--port", str(port),
+                 "--gate-config", f"{GATE_DIR}/{GATE_KEY}", "--admin-token-env", ADMIN_TOKEN_ENV],
+        "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
+        "env": [{"name": ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
+            "name": admin_secret_name(name), "key": ADMIN_TOKEN_KEY}}}],
+        "volumeMounts": [{"name": "gate", "mountPath": GATE_DIR, "readOnly": True}],
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": PORT_NAME}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": PORT_NAME}, "periodSeconds": 10},
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        # Mount the directory, not a subPath, so ConfigMap updates reach running pods' files.
+        "volumes": [{"name": "gate", "configMap": {"name": gate_configmap_name(name)}}],
+    }
+    n_gpus = gpus(model)
+    if n_gpus > 0:
+        container["resources"] = {"limits": {GPU_RESOURCE: str(n_gpus)},
+                                  "requests": {GPU_RESOURCE: str(n_gpus)}}
+        pod_spec["nodeSelector"] = {GPU_NODE_LABEL: "true"}
+        # GPU pools are commonly tainted so that only GPU workloads land there.
+        pod_spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists",
+                                    "effect": "NoSchedule"}]
+    annotations = {GATE_VERSION_ANNOTATION: document.version,
+                   GATE_CHECKSUM_ANNOTATION: document.checksum}
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": _metadata(model, name, annotations=annotations),
+            "spec": {"replicas": int(spec.get("replicas", 1)),
+                     "selector": {"matchLabels": selector_labels(name)},
+                     "template": {"metadata": {"labels": common_labels(name)}, "spec": pod_spec}}}
+
+
+def render_applied(model: Mapping[str, Any], document: GateDocument) -> list[dict[str, Any]]:
+    """Objects re-applied on every reconcile, in dependency order (config before pods)."""
+    return [render_configmap(model, document), render_service(model),
+            render_deployment(model, document)]

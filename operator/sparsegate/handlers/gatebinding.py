@@ -1,0 +1,32 @@
+"""GateConfig → SparseModel binding (the rollout logic itself lives in handlers.gateconfig).
+
+On every GateConfig event: give it a ``status.stable`` if it has none yet (first sight), then
+re-reconcile the models that reference it and render a different gate than it now resolves to.
+Comparing versions keeps this level-triggered and cheap under frequent rollout status writes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from sparsegate import metrics
+from sparsegate.handlers import modelsync
+from sparsegate.handlers.sparsemodel import GROUP, VERSION, post_event
+
+
+@kopf.on.event(GROUP, VERSION, "gateconfigs")
+def gateconfig_changed(type: str | None, body: kopf.Body, namespace: str, name: str,
+                       models_by_gate: kopf.Index, memo: kopf.Memo,
+                       logger: logging.Logger, **_: Any) -> None:
+    with metrics.observe("GateConfig"):
+        if type != "DELETED" and modelsync.gate_needs_stable(body):
+            modelsync.set_initial_stable(memo.kube, body, logger=logger)
+        names = sorted(set(models_by_gate.get((namespace, name), [])))
+        for model in modelsync.models_to_resync(memo.kube, namespace=namespace, names=names):
+            logger.info("re-rendering SparseModel %s for GateConfig %s", model["metadata"]["name"], name)
+            with metrics.observe("SparseModel") as outcome:
+                outcome.value = modelsync.reconcile(memo.kube, model, events=post_event,
+                                                    logger=logger)

@@ -1,0 +1,137 @@
+"""SparseModel reconcile steps: resolve gate → render → apply → status. Kopf-free, so the
+Kopf handlers stay one-liners and this reads top to bottom.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import secrets
+from typing import Any, Callable, Mapping
+
+from sparsegate.clients.kube import Kube, KubeError
+from sparsegate.domain import conditions, gate, model_status, render
+
+# (body of the object the event is about, type Normal|Warning, reason, message)
+EventSink = Callable[[Mapping[str, Any], str, str, str], None]
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def gate_ref(model: Mapping[str, Any]) -> str | None:
+    return ((model.get("spec") or {}).get("gateConfigRef") or {}).get("name")
+
+
+def resolve_gate(kube: Kube, model: Mapping[str, Any]) -> gate.GateResolution:
+    ref = gate_ref(model)
+    body = kube.get("GateConfig", namespace=model["metadata"]["namespace"], name=ref) if ref else None
+    experts = int(model["spec"]["model"]["experts"])
+    return gate.resolve(body, referenced=ref is not None, num_experts=experts)
+
+
+def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
+              logger: logging.Logger) -> str:
+    """Bring the owned objects and status in line with ``model``; returns the outcome label."""
+    meta = model["metadata"]
+    resolution = resolve_gate(kube, model)
+    deployment: Mapping[str, Any] | None = None
+    apply_error: str | None = None
+    if resolution.document is not None:
+        try:
+            created = kube.create_if_absent(
+                render.render_secret(model, token=secrets.token_urlsafe(32)))
+            if created:
+                logger.info("created admin Secret %s", render.admin_secret_name(meta["name"]))
+            for obj in render.render_applied(model, resolution.document):
+                applied = kube.apply(obj)
+                if obj["kind"] == "Deployment":
+                    deployment = applied
+        except KubeError as e:
+            apply_error = str(e)
+    else:
+        # No usable gate: leave what runs untouched (it keeps its last gate) and report why.
+        deployment = kube.get("Deployment", namespace=meta["namespace"], name=meta["name"])
+    write_status(kube, model, events=events,
+                 compute=lambda current: model_status.after_reconcile(
+                     model=current, gate=resolution, deployment=deployment,
+                     apply_error=apply_error, now=now()))
+    if apply_error:
+        raise KubeError(500, "ApplyFailed", apply_error)
+    return "degraded" if resolution.document is None else "success"
+
+
+def refresh_from_deployment(kube: Kube, *, namespace: str, name: str,
+                            deployment: Mapping[str, Any] | None, events: EventSink) -> None:
+    """The model's Deployment changed: refresh replica counts, Ready and Progressing."""
+    current = kube.get("SparseModel", namespace=namespace, name=name)
+    if current is None:
+        return
+    write_status(kube, current, events=events,
+                 compute=lambda m: model_status.after_deployment_event(
+                     model=m, deployment=deployment, now=now()))
+
+
+def write_status(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
+                 compute: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
+    meta = model["metadata"]
+    seen: dict[str, Any] = {}
+
+    def mutate(current: dict[str, Any]) -> dict[str, Any] | None:
+        if current["metadata"].get("uid") != meta.get("uid"):
+            return None  # deleted and re-created under the same name: not ours to write
+        patch = compute(current)
+        seen["before"] = (current.get("status") or {}).get("conditions") or []
+        seen["after"] = patch.get("conditions", []) if patch else seen["before"]
+        return patch
+
+    written = kube.update_status("SparseModel", namespace=meta["namespace"], name=meta["name"],
+                                 mutate=mutate)
+    if written is None:
+        return
+    for cond in conditions.transitions(seen.get("before", []), seen.get("after", [])):
+        warn = (cond["type"] == conditions.ConditionType.DEGRADED.value and cond["status"] == "True") \
+            or (cond["type"] == conditions.ConditionType.READY.value and cond["status"] != "True"
+                and cond.get("reason") != conditions.Reason.REPLICAS_NOT_READY.value)
+        events(written, "Warning" if warn else "Normal", f"{cond['type']}{cond['status']}",
+               f"{cond.get('reason')}: {cond.get('message')}")
+
+
+def gate_needs_stable(gateconfig: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``status.stable`` to set on first sight, or None when it exists or params are invalid."""
+    if (gateconfig.get("status") or {}).get("stable"):
+        return None
+    try:
+        return gate.stable_from_params((gateconfig.get("spec") or {}).get("params") or {})
+    except ValueError:
+        return None
+
+
+def set_initial_stable(kube: Kube, gateconfig: Mapping[str, Any], *,
+                       logger: logging.Logger) -> None:
+    """Write status.stable only if still absent (the rollout controller may get there first)."""
+    meta = gateconfig["metadata"]
+
+    def mutate(current: dict[str, Any]) -> dict[str, Any] | None:
+        stable = gate_needs_stable(current)
+        return {"stable": stable} if stable else None
+
+    kube.update_status("GateConfig", namespace=meta["namespace"], name=meta["name"], mutate=mutate)
+    logger.info("GateConfig %s/%s has a stable gate", meta["namespace"], meta["name"])
+
+
+def models_to_resync(kube: Kube, *, namespace: str, names: list[str]) -> list[dict[str, Any]]:
+    """Models referencing a changed GateConfig whose rendered gate differs from the resolved one."""
+    out = []
+    for name in names:
+        model = kube.get("SparseModel", namespace=namespace, name=name)
+        if model is None:
+            continue
+        resolution = resolve_gate(kube, model)
+        status = model.get("status") or {}
+        have = status.get("gateVersion")
+        want = resolution.document.version if resolution.document else None
+        if want != have or conditions.is_degraded(status.get("conditions") or []) != (want is None):
+            out.append(model)
+    return out

@@ -1,0 +1,54 @@
+"""Kopf wiring for SparseModel: each handler is a thin call into handlers.modelsync.
+
+- create/update/resume → render and server-side apply the owned objects, write status.
+- any event of an owned Deployment → refresh replica counts and Ready/Progressing.
+- GateConfig events → write status.stable on first sight (if nothing else did) and re-reconcile
+  models whose rendered gate no longer matches (see handlers.gatebinding).
+Deletion needs no handler (and so no finalizer): owned objects carry ownerReferences and the
+garbage collector removes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from sparsegate import metrics
+from sparsegate.domain import render
+from sparsegate.handlers import modelsync
+
+GROUP, VERSION = "sparsegate.dev", "v1alpha1"
+
+
+def post_event(body: Any, type_: str, reason: str, message: str) -> None:
+    kopf.event(body, type=type_, reason=reason, message=message[:1024])
+
+
+@kopf.index(GROUP, VERSION, "sparsemodels")
+def models_by_gate(namespace: str, name: str, spec: kopf.Spec, **_: Any) -> dict | None:
+    """(namespace, GateConfig name) → names of the models that reference it."""
+    ref = (spec.get("gateConfigRef") or {}).get("name")
+    return {(namespace, ref): name} if ref else None
+
+
+@kopf.on.resume(GROUP, VERSION, "sparsemodels")
+@kopf.on.create(GROUP, VERSION, "sparsemodels")
+@kopf.on.update(GROUP, VERSION, "sparsemodels")
+def reconcile_model(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    with metrics.observe("SparseModel") as outcome:
+        outcome.value = modelsync.reconcile(memo.kube, body, events=post_event, logger=logger)
+
+
+@kopf.on.event("apps", "v1", "deployments",
+               labels={render.NAME_LABEL: render.NAME_VALUE,
+                       render.MANAGED_BY_LABEL: render.MANAGED_BY_VALUE})
+def deployment_changed(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    model = body.metadata.labels.get(render.MODEL_LABEL)
+    if not model or type is None:  # None: the initial listing; resume handlers cover it
+        return
+    with metrics.observe("Deployment"):
+        modelsync.refresh_from_deployment(
+            memo.kube, namespace=body.metadata.namespace, name=model,
+            deployment=None if type == "DELETED" else dict(body), events=post_event)

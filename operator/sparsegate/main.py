@@ -1,0 +1,43 @@
+"""Operator entry for Kopf: registers every handler and configures the framework.
+
+Settings chosen here:
+- persistence under ``sparsegate.dev`` annotations (not ``status.kopf``: the CRD schemas are
+  structural and would prune unknown status fields);
+- scanning disabled: the CRDs come from the chart before the operator starts, so the operator
+  needs no cluster-wide CRD/namespace watch permissions (least privilege);
+- peering: standalone by default (``sparsegate run --standalone``); a single active replica is
+  kept by the chart (replicas 1, Recreate) or, for HA, by the Lease in ``sparsegate.leader``;
+- events from logs only at WARNING+ (explicit transition events are posted by the handlers).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+import sparsegate.handlers  # noqa: F401  (registers handlers)
+from sparsegate.clients.kube import Kube
+
+FINALIZER = "sparsegate.dev/finalizer"
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="sparsegate.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="sparsegate.dev", key="last-handled-configuration")
+    settings.scanning.disabled = True
+    settings.posting.level = logging.WARNING
+    settings.posting.reporting_component = "sparsegate"
+    settings.execution.max_workers = 8
+    settings.watching.server_timeout = 300
+    memo.kube = Kube.from_environment()
+
+
+@kopf.on.probe(id="handlers")
+def probe_handlers(**_: Any) -> str:
+    """Liveness detail: the probe only answers while Kopf's event loop is responsive."""
+    return "ok"

@@ -1,0 +1,55 @@
+"""Which gate a model starts with: status.stable, then spec.params, defaults, or none."""
+
+from __future__ import annotations
+
+from sparsegate.domain import gate
+from sparsegate_workload import gateparams
+
+PARAMS = {**gateparams.DEFAULT_PARAMS, "toolGateThreshold": 0.7}
+
+
+def gc(*, params=PARAMS, stable=None):
+    body = {"metadata": {"name": "g", "namespace": "ns"}, "spec": {"params": params}}
+    if stable is not None:
+        body["status"] = {"stable": stable}
+    return body
+
+
+def test_stable_wins_over_spec():
+    stable = gate.stable_from_params(gateparams.DEFAULT_PARAMS)
+    r = gate.resolve(gc(stable=stable), referenced=True, num_experts=8)
+    assert r.source == "status.stable" and r.document.version == stable["version"]
+
+
+def test_spec_params_until_status_exists():
+    r = gate.resolve(gc(), referenced=True, num_experts=8)
+    assert r.source == "spec.params" and r.error is None
+    assert r.document.version == gateparams.version_of(PARAMS)
+
+
+def test_unreferenced_uses_builtin_defaults():
+    r = gate.resolve(None, referenced=False, num_experts=8)
+    assert r.document.version == gateparams.DEFAULT_DOCUMENT.version and r.source == "default"
+
+
+def test_missing_gateconfig_is_an_error_not_a_crash():
+    r = gate.resolve(None, referenced=True, num_experts=8)
+    assert r.document is None and r.source == "missing" and "not found" in r.error
+
+
+def test_gate_wider_than_the_model_is_invalid():
+    r = gate.resolve(gc(params={**PARAMS, "maxExpertsPerToken": 6}), referenced=True, num_experts=4)
+    assert r.document is None and "maxExpertsPerToken" in r.error
+
+
+def test_tampered_stable_fails_its_checksum():
+    stable = gate.stable_from_params(gateparams.DEFAULT_PARAMS)
+    stable["params"] = {**stable["params"], "entropyBeta": 0.5}
+    r = gate.resolve(gc(stable=stable), referenced=True, num_experts=8)
+    assert r.document is None and "checksum" in r.error
+
+
+def test_stable_block_shape():
+    stable = gate.stable_from_params(PARAMS)
+    assert set(stable) == {"version", "checksum", "params"}
+    assert stable["checksum"] == gateparams.checksum_of(PARAMS)

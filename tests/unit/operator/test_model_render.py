@@ -1,0 +1,111 @@
+"""Rendering a SparseModel into its owned objects (pure, no cluster)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sparsegate.domain import render
+from sparsegate_workload import gateparams
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def model(**spec_overrides):
+    body = yaml.safe_load((ROOT / "examples" / "sparsemodel.yaml").read_text())
+    body["metadata"].update(namespace="ml", uid="0b7c1f6e-1111-2222-3333-444455556666", generation=3)
+    body["spec"].update(spec_overrides)
+    return body
+
+
+DOC = gateparams.make_document(gateparams.DEFAULT_PARAMS)
+
+
+def test_every_object_is_owned_by_the_model_and_labelled():
+    m = model()
+    objs = render.render_applied(m, DOC) + [render.render_secret(m, token="t")]
+    assert [o["kind"] for o in objs] == ["ConfigMap", "Service", "Deployment", "Secret"]
+    assert [o["metadata"]["name"] for o in objs] == ["moe-small-gate", "moe-small", "moe-small",
+                                                      "moe-small-admin"]
+    for obj in objs:
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref == {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "SparseModel",
+                       "name": "moe-small", "uid": m["metadata"]["uid"], "controller": True,
+                       "blockOwnerDeletion": True}
+        assert obj["metadata"]["namespace"] == "ml"
+        assert obj["metadata"]["labels"]["sparsegate.dev/model"] == "moe-small"
+
+
+def test_pod_template_matches_the_contract():
+    dep = render.render_deployment(model(), DOC)
+    tmpl = dep["spec"]["template"]
+    assert tmpl["metadata"]["labels"]["app.kubernetes.io/name"] == "sparsegate-model"
+    assert tmpl["metadata"]["labels"]["sparsegate.dev/model"] == "moe-small"
+    # the selector is a subset of the template labels (else the API server rejects it)
+    assert dep["spec"]["selector"]["matchLabels"].items() <= tmpl["metadata"]["labels"].items()
+    (c,) = tmpl["spec"]["containers"]
+    assert c["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    assert c["env"] == [{"name": "SPARSEGATE_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": "moe-small-admin", "key": "token"}}}]
+    (mount,) = c["volumeMounts"]
+    (vol,) = tmpl["spec"]["volumes"]
+    assert vol["configMap"]["name"] == "moe-small-gate" and vol["name"] == mount["name"]
+    assert f'{mount["mountPath"]}/{render.GATE_KEY}' == "/etc/sparsegate/gate.json"
+    assert c["args"][c["args"].index("--gate-config") + 1] == "/etc/sparsegate/gate.json"
+    assert c["args"][c["args"].index("--admin-token-env") + 1] == "SPARSEGATE_ADMIN_TOKEN"
+    assert dep["spec"]["replicas"] == 2
+
+
+def test_serving_port_flows_to_container_service_and_args():
+    m = model(servingPort=9000)
+    c = render.render_deployment(m, DOC)["spec"]["template"]["spec"]["containers"][0]
+    assert c["ports"][0]["containerPort"] == 9000
+    assert c["args"][c["args"].index("--port") + 1] == "9000"
+    (port,) = render.render_service(m)["spec"]["ports"]
+    assert port == {"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"}
+
+
+def test_gpu_models_request_gpus_and_land_on_gpu_nodes():
+    pod = render.render_deployment(model(resources={"gpus": 2}), DOC)["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+
+def test_cpu_models_have_no_gpu_scheduling():
+    pod = render.render_deployment(model(resources={"gpus": 0}), DOC)["spec"]["template"]["spec"]
+    assert "resources" not in pod["containers"][0]
+    assert "nodeSelector" not in pod and "tolerations" not in pod
+
+
+def test_gate_configmap_holds_the_content_addressed_document():
+    cm = render.render_configmap(model(), DOC)
+    doc = json.loads(cm["data"]["gate.json"])
+    assert gateparams.parse_document(doc).version == DOC.version  # round-trips and verifies
+    assert doc["version"] == "g-" + doc["checksum"].removeprefix("sha256:")[:12]
+    assert cm["metadata"]["annotations"]["sparsegate.dev/gate-version"] == DOC.version
+
+
+def test_gate_version_is_stable_and_content_addressed():
+    reordered = dict(reversed(list(gateparams.DEFAULT_PARAMS.items())))
+    assert gateparams.make_document(reordered).version == DOC.version
+    changed = {**gateparams.DEFAULT_PARAMS, "toolGateThreshold": 0.9}
+    assert gateparams.make_document(changed).version != DOC.version
+    # Same input renders byte-identical objects: server-side apply then changes nothing.
+    assert render.render_applied(model(), DOC) == render.render_applied(copy.deepcopy(model()), DOC)
+
+
+def test_new_gate_does_not_restart_pods():
+    other = gateparams.make_document({**gateparams.DEFAULT_PARAMS, "entropyBeta": 0.2})
+    a, b = (render.render_deployment(model(), d) for d in (DOC, other))
+    assert a["spec"]["template"] == b["spec"]["template"]
+    assert a["metadata"]["annotations"] != b["metadata"]["annotations"]
+
+
+@pytest.mark.parametrize("replicas", [0, 1, 5])
+def test_replicas_pass_through(replicas):
+    assert render.render_deployment(model(replicas=replicas), DOC)["spec"]["replicas"] == replicas
