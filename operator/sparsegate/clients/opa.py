@@ -59,7 +59,7 @@ class RoutingOpa:
         try:
             return await loop.run_in_executor(self._thread, lambda: fn(*args, **kwargs))
         except RegoParseError as e:
-            raise OpaRejected(f"{e.code}: {e.message} {e.errors or ''}".strip()) from e
+            raise OpaRejected(f"OPA at {self.url} refused it: {e}") from e
         except requests.exceptions.HTTPError as e:
             status = e.response.status_code if e.response is not None else 0
             if 400 <= status < 500:

@@ -1,0 +1,192 @@
+"""The routing policy against the real OPA server: push, read back, decide, restart, fail closed.
+
+Given an `opa run --server` on loopback; no Kubernetes here (the cluster test is
+test_routingpolicy_cluster.py). The flow allow-list store is an in-memory stand-in at our own
+wrapper layer (FlowPolicyConfigMap's read/publish).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sparsegate.clients.opa import OpaRejected, OpaUnavailable, RoutingOpa
+from sparsegate.domain.policy import PolicySource, build_opa_data
+from sparsegate.domain.policy_compile import FlowTable, PodInfo, Port, candidate_queries, flow_document
+from sparsegate.handlers.routingpolicy import PolicySync, Settings
+
+pytestmark = pytest.mark.opa
+TD = "cluster.local"
+REGO = Path(__file__).resolve().parents[3] / "policies" / "routing" / "src.rego"
+
+
+def _pod(name: str, ns: str, ip: str, sa: str, model: str | None = None, **labels: str) -> PodInfo:
+    if model:
+        labels["sparsegate.dev/model"] = model
+    return PodInfo(namespace=ns, name=name, ip=ip, service_account=sa, labels=tuple(sorted(labels.items())),
+                   ports=(Port(8080),) if model else ())
+
+
+ALLOW_WEB = PolicySource(namespace="models", name="allow-web", generation=1, spec={
+    "action": "Allow", "priority": 10, "sources": [{"namespace": "web", "serviceAccount": "frontend"}],
+    "targets": [{"sparseModel": "mixtral"}], "ports": [{"port": 8080}]})
+DENY_BATCH = PolicySource(namespace="models", name="deny-batch", generation=2, spec={
+    "action": "Deny", "sources": [{"namespace": "batch"}], "targets": [{"sparseModel": "*"}]})
+ALLOW_ALL_NS = PolicySource(namespace="models", name="batch-all", generation=1, spec={
+    "action": "Allow", "priority": 100, "sources": [{"namespace": "*", "matchLabels": {"tier": "trusted"}}],
+    "targets": [{"sparseModel": "*"}]})
+
+PODS = [
+    _pod("mixtral-0", "models", "127.20.0.10", "default", model="mixtral"),
+    _pod("mixtral-1", "models", "127.20.0.11", "default", model="mixtral"),
+    _pod("llama-0", "models", "127.20.0.12", "default", model="llama"),
+    _pod("fe-0", "web", "127.20.1.1", "frontend"),
+    _pod("fe-1", "web", "127.20.1.2", "frontend", tier="trusted"),
+    _pod("other-0", "web", "127.20.1.3", "other"),
+    _pod("job-0", "batch", "127.20.2.1", "job", tier="trusted"),
+    _pod("ops-0", "ops", "127.20.3.1", "bot", tier="trusted"),
+]
+
+
+class MemoryStore:
+    def __init__(self) -> None:
+        self.document: dict[str, Any] | None = None
+        self.writes = 0
+
+    async def read(self) -> dict[str, Any] | None:
+        return self.document
+
+    async def publish(self, document: dict[str, Any]) -> None:
+        self.document = document
+        self.writes += 1
+
+
+def _sync(url: str) -> tuple[PolicySync, MemoryStore]:
+    store = MemoryStore()
+    settings = Settings(opa_url=url, namespace="sparsegate-system", trust_domain=TD, resync_seconds=1, rego_path=REGO)
+    return PolicySync(settings=settings, opa=RoutingOpa(url=url, timeout=1.0, retries=0), store=store), store
+
+
+async def test_push_read_back_and_decide(opa_server, routing_rego: str) -> None:
+    opa = RoutingOpa(url=opa_server.url)
+    try:
+        assert await opa.revision() is None  # fresh OPA: nothing loaded
+        data, _ = build_opa_data(sources=[ALLOW_WEB, DENY_BATCH, ALLOW_ALL_NS], trust_domain=TD, rego=routing_rego)
+        await opa.push(rego=routing_rego, data=data)
+        await opa.push(rego=routing_rego, data=data)  # idempotent
+        assert await opa.revision() == data["revision"]
+        assert await opa.loaded_policies() == {
+            "models/allow-web": {"generation": 1, "rules": 1},
+            "models/deny-batch": {"generation": 2, "rules": 1},
+            "models/batch-all": {"generation": 1, "rules": 1},
+        }
+        web = await opa.decide({"source": {"spiffeID": "spiffe://cluster.local/ns/web/sa/frontend"},
+                                "target": {"namespace": "models", "sparseModel": "mixtral", "port": 8080}})
+        assert web["allow"] is True and web["rule"] == "models/allow-web#s0t0"
+        batch = await opa.decide({"source": {"namespace": "batch", "serviceAccount": "job", "labels": {"tier": "trusted"}},
+                                  "target": {"namespace": "models", "sparseModel": "llama", "port": 8080}})
+        assert batch["allow"] is False and batch["rule"] == "models/deny-batch#s0t0"
+        assert batch["matched"]["allow"] == ["models/batch-all#s0t0"]  # explained: deny won over this allow
+    finally:
+        opa.close()
+
+
+async def test_broken_rego_is_rejected_not_retried(opa_server) -> None:
+    opa = RoutingOpa(url=opa_server.url)
+    try:
+        with pytest.raises(OpaRejected):
+            await opa.push(rego="package sparsegate.routing\n\nallow if {", data={})
+    finally:
+        opa.close()
+
+
+async def test_allow_list_agrees_with_opa_for_every_pair(opa_server, routing_rego: str) -> None:
+    """The grouped questions (identity classes × models × ports) lose nothing: for every pod pair and
+    port, the published allow-list says what OPA says when asked about that pair alone."""
+    rng = random.Random(5)
+    namespaces, sas, models = ["web", "batch", "ops"], ["a", "b", "c"], ["m0", "m1", "m2"]
+    pods = [_pod(f"m{i}", "models", f"127.20.0.{i + 1}", "srv", model=models[i % 3]) for i in range(6)]
+    pods += [_pod(f"p{i}", rng.choice(namespaces), f"127.20.1.{i + 1}", rng.choice(sas),
+                  **({"tier": "trusted"} if rng.random() < 0.4 else {})) for i in range(18)]
+    sources = []
+    for i in range(25):
+        selector = rng.choice([
+            {"namespace": rng.choice(namespaces)},
+            {"namespace": rng.choice(namespaces), "serviceAccount": rng.choice(sas)},
+            {"namespace": "*", "matchLabels": {"tier": "trusted"}},
+            {"namespace": "*", "serviceAccount": rng.choice(sas)},
+            {"spiffeID": f"spiffe://cluster.local/ns/{rng.choice(namespaces)}/sa/{rng.choice(sas)}"},
+        ])
+        spec = {"action": rng.choice(["Allow", "Allow", "Deny"]), "priority": rng.randint(0, 5), "sources": [selector],
+                "targets": [{"sparseModel": rng.choice(models + ["*"])}]}
+        if rng.random() < 0.5:
+            spec["ports"] = [{"port": rng.choice([8080, 9090])}]
+        sources.append(PolicySource(namespace="models", name=f"p{i}", generation=1, spec=spec))
+    data, _ = build_opa_data(sources=sources, trust_domain=TD, rego=routing_rego)
+    opa = RoutingOpa(url=opa_server.url)
+    try:
+        await opa.push(rego=routing_rego, data=data)
+        queries = candidate_queries(targets=data["targets"], pods=pods, trust_domain=TD)
+        answers = await opa.decide_many([q.opa_input(trust_domain=TD) for q in queries])
+        table = FlowTable.from_document(flow_document(decisions=dict(zip(queries, answers)), pods=pods))
+        pairs = [(s, d, port) for s in pods for d in pods if d.model for port in (8080, 9090)]
+        inputs = [{"source": {"namespace": s.namespace, "serviceAccount": s.service_account, "labels": dict(s.labels)},
+                   "target": {"namespace": d.namespace, "sparseModel": d.model, "port": port, "protocol": "tcp"}}
+                  for s, d, port in pairs]
+        truth = await opa.decide_many(inputs)
+        allowed = 0
+        for (s, d, port), answer in zip(pairs, truth):
+            assert table.allows(src_ip=s.ip, dst_ip=d.ip, port=port) is answer["allow"], (s, d, port, answer)
+            allowed += answer["allow"]
+        assert 0 < allowed < len(pairs)  # the scenario exercises both outcomes
+    finally:
+        opa.close()
+
+
+async def test_fail_closed_then_resync_after_restart(opa_server) -> None:
+    sync, store = _sync(opa_server.url)
+    try:
+        policies = [ALLOW_WEB, DENY_BATCH, ALLOW_ALL_NS]
+        await sync.sync(policies=policies, pods=PODS)
+        good = store.document
+        table = FlowTable.from_document(good)
+        assert table.allows(src_ip="127.20.1.1", dst_ip="127.20.0.10", port=8080)  # fe-0 → mixtral
+        assert table.allows(src_ip="127.20.3.1", dst_ip="127.20.0.12", port=8080)  # trusted ops → llama
+        assert not table.allows(src_ip="127.20.2.1", dst_ip="127.20.0.12", port=8080)  # batch denied
+        assert not table.allows(src_ip="127.20.1.3", dst_ip="127.20.0.10", port=8080)  # no rule
+        # fe-0 → 2 mixtral pods by allow-web; fe-1, ops-0 (trusted) → 3 model pods by the higher-priority
+        # batch-all; batch job-0 → 3 model pods by the Deny
+        assert sync.counts == {"models/allow-web": 2, "models/batch-all": 6, "models/deny-batch": 3}
+        assert sync.loaded["models/allow-web"]["generation"] == 1
+        writes = store.writes
+        await sync.sync(policies=policies, pods=PODS)
+        assert store.writes == writes  # nothing changed, nothing written
+
+        opa_server.stop()
+        # A wider policy arrives while OPA is down: nothing widens.
+        wider = PolicySource(namespace="models", name="allow-other", generation=1, spec={
+            "action": "Allow", "sources": [{"namespace": "web"}], "targets": [{"sparseModel": "*"}]})
+        with pytest.raises(OpaUnavailable):
+            await sync.sync(policies=[*policies, wider], pods=PODS)
+        assert store.document == good
+        # A pod leaves and allow-web is deleted while OPA is down: their entries go (narrower only).
+        with pytest.raises(OpaUnavailable):
+            await sync.sync(policies=[DENY_BATCH, ALLOW_ALL_NS], pods=[p for p in PODS if p.name != "fe-1"])
+        narrowed = store.document
+        assert {tuple(sorted(e.items())) for e in narrowed["entries"]} < {tuple(sorted(e.items())) for e in good["entries"]}
+        assert all(e["srcIP"] != "127.20.1.2" and not e["rule"].startswith("models/allow-web") for e in narrowed["entries"])
+
+        opa_server.start()  # same port, empty store: a restart
+        probe = RoutingOpa(url=opa_server.url)
+        assert await probe.revision() is None
+        await sync.sync(policies=[*policies, wider], pods=PODS)
+        assert await probe.revision() == sync.revision  # everything pushed again
+        assert set(await probe.loaded_policies()) == {"models/allow-web", "models/deny-batch", "models/batch-all",
+                                                     "models/allow-other"}
+        assert FlowTable.from_document(store.document).allows(src_ip="127.20.1.3", dst_ip="127.20.0.10", port=8080)
+        probe.close()
+    finally:
+        sync.opa.close()
