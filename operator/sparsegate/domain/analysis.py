@@ -1,0 +1,276 @@
+"""Canary analysis: live model-server metrics → pass / fail / inconclusive.
+
+Metric sources (direct ``/metrics`` scrape or Prometheus) reduce each pod to a
+:class:`PodCounters` snapshot of *cumulative* counters. A window is the
+difference of two snapshots (:func:`window_delta`), summed per group
+(canary pods vs stable pods) into :class:`GroupMetrics`. Prometheus already
+answers windowed questions and builds :class:`GroupMetrics` directly.
+
+Checks on the canary group (each reported with its numbers):
+
+* ``errorRate`` ≤ calibrated cap (see :mod:`sparsegate.domain.calibration`);
+  errors are responses with status ≥ 500.
+* ``p99LatencyMs`` ≤ ``slaP99LatencyMs``, estimated from histogram buckets
+  the way PromQL's ``histogram_quantile`` does (linear within a bucket).
+* ``drift``: relative difference of mean active experts per token, canary vs
+  stable, ≤ ``maxDrift`` (only when both groups have enough requests; the last
+  step has no stable group).
+
+Traffic gates the verdict: with fewer than ``minRequests`` canary requests, or
+canary qps far below its expected share of the calibrated qps threshold, the
+result is INCONCLUSIVE and the step keeps observing. Any failing check with
+enough traffic is FAIL at once (fail fast); PASS needs every check to pass.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparsegate.domain.calibration import INCONCLUSIVE_FRACTION, Thresholds
+
+__all__ = [
+    "PodCounters",
+    "GroupMetrics",
+    "Verdict",
+    "Check",
+    "AnalysisResult",
+    "window_delta",
+    "aggregate",
+    "histogram_quantile",
+    "analyse",
+]
+
+
+@dataclass(frozen=True)
+class PodCounters:
+    """Cumulative counters of one pod at one scrape (seconds since epoch ``at``)."""
+
+    at: float
+    requests: float = 0.0
+    errors: float = 0.0  # responses with status code ≥ 500
+    # Cumulative histogram buckets of request duration: upper bound (s) → count (le semantics).
+    duration_buckets: Mapping[float, float] = field(default_factory=dict)
+    # Active experts per token: cumulative sum and count (histogram/summary), when exported so.
+    experts_sum: float = 0.0
+    experts_count: float = 0.0
+    # Or an instantaneous gauge value, when exported as a gauge.
+    experts_gauge: float | None = None
+
+
+@dataclass(frozen=True)
+class GroupMetrics:
+    """What one group of pods did during a window."""
+
+    pods: int
+    seconds: float
+    requests: float
+    errors: float
+    duration_buckets: Mapping[float, float]  # cumulative (le) counts within the window
+    mean_active_experts: float | None
+    # Prometheus computes p99 server-side; direct scrapes leave it None (derived from buckets).
+    p99_seconds: float | None = None
+
+    @property
+    def qps(self) -> float:
+        return self.requests / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def error_rate(self) -> float | None:
+        return self.errors / self.requests if self.requests > 0 else None
+
+    @property
+    def p99_ms(self) -> float | None:
+        if self.p99_seconds is not None:
+            return self.p99_seconds * 1000.0
+        q = histogram_quantile(q=0.99, buckets=self.duration_buckets)
+        return None if q is None else q * 1000.0
+
+
+def _counter_delta(new: float, old: float) -> float:
+    # A restarted pod resets its counters: count from zero, as PromQL's rate() does.
+    return new - old if new >= old else new
+
+
+def window_delta(*, start: PodCounters | None, end: PodCounters) -> PodCounters:
+    """Counters accumulated between two scrapes of one pod (``start`` None: since pod start)."""
+    if start is None:
+        return end
+    reset = end.requests < start.requests
+    base = PodCounters(at=start.at) if reset else start
+    return PodCounters(
+        at=end.at,
+        requests=_counter_delta(end.requests, base.requests),
+        errors=_counter_delta(end.errors, base.errors),
+        duration_buckets={
+            le: _counter_delta(c, base.duration_buckets.get(le, 0.0)) for le, c in end.duration_buckets.items()
+        },
+        experts_sum=_counter_delta(end.experts_sum, base.experts_sum),
+        experts_count=_counter_delta(end.experts_count, base.experts_count),
+        experts_gauge=end.experts_gauge,
+    )
+
+
+def aggregate(*, deltas: Iterable[PodCounters], seconds: float) -> GroupMetrics:
+    """Sum per-pod window deltas into one group."""
+    deltas = list(deltas)
+    buckets: dict[float, float] = {}
+    for d in deltas:
+        for le, c in d.duration_buckets.items():
+            buckets[le] = buckets.get(le, 0.0) + c
+    experts_count = sum(d.experts_count for d in deltas)
+    if experts_count > 0:
+        mean_experts: float | None = sum(d.experts_sum for d in deltas) / experts_count
+    else:
+        gauges = [d.experts_gauge for d in deltas if d.experts_gauge is not None and d.requests > 0]
+        mean_experts = sum(gauges) / len(gauges) if gauges else None
+    return GroupMetrics(
+        pods=len(deltas),
+        seconds=seconds,
+        requests=sum(d.requests for d in deltas),
+        errors=sum(d.errors for d in deltas),
+        duration_buckets=buckets,
+        mean_active_experts=mean_experts,
+    )
+
+
+def histogram_quantile(*, q: float, buckets: Mapping[float, float]) -> float | None:
+    """PromQL ``histogram_quantile`` over cumulative ``le`` buckets; None without observations.
+
+    Linear interpolation inside the bucket holding the rank; a rank in the +Inf
+    bucket answers the largest finite bound (as PromQL does).
+    """
+    if not buckets:
+        return None
+    ordered = sorted(buckets.items())
+    total = ordered[-1][1] if math.isinf(ordered[-1][0]) else max(c for _, c in ordered)
+    if total <= 0:
+        return None
+    rank = q * total
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in ordered:
+        if count >= rank:
+            if math.isinf(le):
+                return prev_le
+            if count == prev_count:
+                return le
+            return prev_le + (le - prev_le) * (rank - prev_count) / (count - prev_count)
+        prev_le, prev_count = le, count
+    return prev_le
+
+
+class Verdict(str, enum.Enum):
+    PASS = "Pass"
+    # Every check passed with enough traffic.
+    FAIL = "Fail"
+    # At least one check failed with enough traffic: roll back.
+    INCONCLUSIVE = "Inconclusive"
+    # Not enough traffic to judge: keep observing.
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    value: float | None
+    threshold: float
+    passed: bool | None  # None: not evaluated (no data)
+
+    def describe(self) -> str:
+        value = "n/a" if self.value is None else f"{self.value:.4g}"
+        verb = {True: "≤", False: ">", None: "?"}[self.passed]
+        return f"{self.name} {value} {verb} {self.threshold:.4g}"
+
+
+@dataclass(frozen=True)
+class AnalysisResult:
+    verdict: Verdict
+    checks: tuple[Check, ...]
+    canary_requests: float
+    canary_qps: float
+    message: str
+
+    @property
+    def failed(self) -> tuple[Check, ...]:
+        return tuple(c for c in self.checks if c.passed is False)
+
+    def to_status(self) -> dict[str, Any]:
+        return {
+            "verdict": self.verdict.value,
+            "canaryRequests": round(self.canary_requests, 3),
+            "canaryQps": round(self.canary_qps, 3),
+            "checks": [
+                {
+                    "name": c.name,
+                    "value": None if c.value is None else round(c.value, 6),
+                    "threshold": round(c.threshold, 6),
+                    "passed": c.passed,
+                }
+                for c in self.checks
+            ],
+            "message": self.message,
+        }
+
+
+def analyse(
+    *,
+    canary: GroupMetrics,
+    stable: GroupMetrics | None,
+    thresholds: Thresholds,
+    canary_share: float,
+    sla_p99_ms: float,
+    max_drift: float,
+    min_requests: float,
+) -> AnalysisResult:
+    """Judge the canary group over one window (pure; see module docstring)."""
+    checks: list[Check] = []
+
+    error_rate = canary.error_rate
+    checks.append(
+        Check(
+            name="errorRate",
+            value=error_rate,
+            threshold=thresholds.error_rate_cap,
+            passed=None if error_rate is None else error_rate <= thresholds.error_rate_cap,
+        )
+    )
+    p99 = canary.p99_ms
+    checks.append(Check(name="p99LatencyMs", value=p99, threshold=sla_p99_ms, passed=None if p99 is None else p99 <= sla_p99_ms))
+
+    drift: float | None = None
+    if (
+        stable is not None
+        and stable.requests >= min_requests
+        and canary.mean_active_experts is not None
+        and stable.mean_active_experts is not None
+        and stable.mean_active_experts > 0
+    ):
+        drift = abs(canary.mean_active_experts - stable.mean_active_experts) / stable.mean_active_experts
+    checks.append(Check(name="drift", value=drift, threshold=max_drift, passed=None if drift is None else drift <= max_drift))
+
+    expected_qps = thresholds.qps_threshold * canary_share
+    enough = canary.requests >= min_requests and canary.qps >= INCONCLUSIVE_FRACTION * expected_qps
+    numbers = "; ".join(c.describe() for c in checks)
+    traffic = f"canary {canary.requests:.0f} requests at {canary.qps:.3g} qps"
+    if not enough:
+        verdict = Verdict.INCONCLUSIVE
+        message = (
+            f"inconclusive: {traffic} (need ≥ {min_requests:.0f} requests and "
+            f"≥ {INCONCLUSIVE_FRACTION * expected_qps:.3g} qps); {numbers}"
+        )
+    elif any(c.passed is False for c in checks):
+        verdict = Verdict.FAIL
+        failed = "; ".join(c.describe() for c in checks if c.passed is False)
+        message = f"failed: {failed} ({traffic})"
+    else:
+        verdict = Verdict.PASS
+        message = f"passed: {numbers} ({traffic})"
+    return AnalysisResult(
+        verdict=verdict,
+        checks=tuple(checks),
+        canary_requests=canary.requests,
+        canary_qps=canary.qps,
+        message=message,
+    )

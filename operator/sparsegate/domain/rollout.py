@@ -1,0 +1,718 @@
+"""Progressive rollout of GateConfig changes, as pure state transitions.
+
+``next_action(spec=, status=, obs=, now=) -> Decision(status, actions)`` is the
+whole controller logic (after Argo Rollouts' ``CalculateRolloutPhase``): it reads
+the parsed spec, the persisted status and what the handler just observed (pod
+versions from ``/healthz``, one-shot annotations, windowed metrics) and returns
+the next status plus side effects for the handler to perform. No I/O here.
+
+Why it is crash-safe: every bit of rollout state lives in ``status``, and pushes
+are *level-based*: each tick derives the version every pod should run from
+``status`` (:func:`desired_versions`) and pushes only to pods whose reported
+version differs. A restarted operator observes the pods again, so work already
+done is never repeated and the stable version is never lost (it only changes on
+promotion). The handler persists the returned status before performing the
+returned actions.
+
+Flow for a new spec version (``steps`` default 5 → 20 → 100 % of instances)::
+
+    Succeeded ─new version─▶ Progressing ─step pods report it─▶ Analysing
+        ▲                        ▲                                  │ window passed
+        │                        └──────── next step ◀──────────────┤
+        └──────────── promoted (last step passed) ◀─────────────────┘
+    Analysing ─analysis fails─▶ RollingBack ─all pods stable─▶ RolledBack
+    any active ─abort annotation─▶ RollingBack ─▶ Aborted
+    any active ─spec.rollout.paused─▶ Paused ─unpaused─▶ Progressing (same step)
+    any active ─newer spec─▶ Progressing at step 1 (canary pods, stable unchanged)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from sparsegate.domain.analysis import AnalysisResult, GroupMetrics, Verdict, analyse
+from sparsegate.domain.calibration import (
+    Calibration,
+    add_sample,
+    parse_calibration,
+    parse_duration,
+    thresholds,
+)
+
+ABORT_ANNOTATION = "sparsegate.dev/abort"
+PROMOTE_ANNOTATION = "sparsegate.dev/promote"
+
+DEFAULT_STEPS = (5, 20, 100)
+DEFAULT_ANALYSIS_INTERVAL_S = 30.0
+DEFAULT_SLA_P99_MS = 800.0
+DEFAULT_MAX_DRIFT = 0.1
+DEFAULT_MIN_REQUESTS = 20
+DEFAULT_PROGRESS_DEADLINE_S = 120.0
+
+
+class Phase(str, enum.Enum):
+    PENDING = "Pending"
+    # Spec seen, nothing recorded yet (before the first reconcile writes status.stable).
+    PROGRESSING = "Progressing"
+    # Pushing the current step's version to its pods; waiting until each reports it.
+    ANALYSING = "Analysing"
+    # Every pod of the step runs the canary version; live metrics are judged for the window.
+    PAUSED = "Paused"
+    # spec.rollout.paused: the current step is held as is, nothing pushed or promoted.
+    SUCCEEDED = "Succeeded"
+    # Resting: every pod runs status.stable (the new version was promoted, or the first one).
+    ROLLING_BACK = "RollingBack"
+    # Pushing the stable version back to canary pods (analysis failed, abort or spec reverted).
+    ROLLED_BACK = "RolledBack"
+    # Resting after an automatic rollback; the failed version is not retried until spec changes.
+    ABORTED = "Aborted"
+    # Resting after a user abort (annotation); like RolledBack but requested.
+    FAILED = "Failed"
+    # Cannot proceed: invalid spec, or analysis failed with autoRollback false (canary kept
+    # in place for a human; the abort annotation rolls it back, a new spec supersedes it).
+
+
+# Phases in which a canary version is in flight.
+ACTIVE_PHASES = frozenset({Phase.PROGRESSING, Phase.ANALYSING, Phase.PAUSED})
+RESTING_PHASES = frozenset({Phase.SUCCEEDED, Phase.ROLLED_BACK, Phase.ABORTED})
+
+
+class SpecError(ValueError):
+    """The GateConfig spec cannot be rolled out (reported as phase Failed)."""
+
+
+# ---------------------------------------------------------------- gate versions
+
+
+def canonical_json(params: Mapping[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class GateVersion:
+    """A content-addressed gate document, as pushed to ``PUT /admin/gate``."""
+
+    version: str
+    checksum: str
+    params: Mapping[str, Any]
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> GateVersion:
+        digest = hashlib.sha256(canonical_json(params).encode()).hexdigest()
+        return cls(version=f"g-{digest[:12]}", checksum=f"sha256:{digest}", params=dict(params))
+
+    @classmethod
+    def from_status(cls, raw: Mapping[str, Any] | None) -> GateVersion | None:
+        if not raw or not raw.get("version"):
+            return None
+        return cls(version=raw["version"], checksum=raw.get("checksum", ""), params=dict(raw.get("params") or {}))
+
+    def document(self) -> dict[str, Any]:
+        return {"version": self.version, "checksum": self.checksum, "params": dict(self.params)}
+
+
+# ---------------------------------------------------------------- spec
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    target: GateVersion
+    steps: tuple[int, ...] = DEFAULT_STEPS
+    analysis_interval_s: float = DEFAULT_ANALYSIS_INTERVAL_S
+    sla_p99_ms: float = DEFAULT_SLA_P99_MS
+    max_drift: float = DEFAULT_MAX_DRIFT
+    auto_rollback: bool = True
+    paused: bool = False
+    min_requests: int = DEFAULT_MIN_REQUESTS
+    progress_deadline_s: float = DEFAULT_PROGRESS_DEADLINE_S
+    calibration: Calibration = field(default_factory=lambda: parse_calibration(None))
+
+
+def parse_spec(spec: Mapping[str, Any], *, target: GateVersion | None = None) -> RolloutSpec:
+    """GateConfig ``spec`` → :class:`RolloutSpec`; raises :class:`SpecError`.
+
+    ``target`` lets the caller supply the gate document rendered elsewhere
+    (defaults filled in); by default it is derived from ``spec.params`` as is.
+    """
+    try:
+        params = spec.get("params") or {}
+        if not isinstance(params, Mapping):
+            raise SpecError("spec.params must be an object")
+        ro = spec.get("rollout") or {}
+        steps = tuple(int(s) for s in ro.get("steps", DEFAULT_STEPS))
+        if not steps or steps[-1] != 100 or any(s <= 0 for s in steps):
+            raise SpecError(f"spec.rollout.steps must be positive percentages ending at 100, got {list(steps)}")
+        if any(b <= a for a, b in zip(steps, steps[1:])):
+            raise SpecError(f"spec.rollout.steps must be strictly increasing, got {list(steps)}")
+        return RolloutSpec(
+            target=target or GateVersion.from_params(params),
+            steps=steps,
+            analysis_interval_s=parse_duration(
+                ro.get("analysisInterval", DEFAULT_ANALYSIS_INTERVAL_S), field="analysisInterval"
+            ),
+            sla_p99_ms=float(ro.get("slaP99LatencyMs", DEFAULT_SLA_P99_MS)),
+            max_drift=float(ro.get("maxDrift", DEFAULT_MAX_DRIFT)),
+            auto_rollback=bool(ro.get("autoRollback", True)),
+            paused=bool(ro.get("paused", False)),
+            min_requests=int(ro.get("minRequests", DEFAULT_MIN_REQUESTS)),
+            progress_deadline_s=parse_duration(
+                ro.get("progressDeadline", DEFAULT_PROGRESS_DEADLINE_S), field="progressDeadline"
+            ),
+            calibration=parse_calibration(spec.get("calibration")),
+        )
+    except SpecError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise SpecError(str(e)) from e
+
+
+# ---------------------------------------------------------------- status
+
+
+def _iso(t: float | None) -> str | None:
+    if t is None:
+        return None
+    return datetime.fromtimestamp(t, tz=UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _epoch(s: str | None) -> float | None:
+    if not s:
+        return None
+    return datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
+
+
+@dataclass(frozen=True)
+class RolloutStatus:
+    """Everything the rollout controller persists in GateConfig ``status``."""
+
+    phase: Phase = Phase.PENDING
+    stable: GateVersion | None = None
+    canary: GateVersion | None = None
+    step: int | None = None  # index into spec steps while a canary is in flight
+    step_percent: int | None = None
+    canary_pods: tuple[str, ...] = ()
+    pod_versions: Mapping[str, str] = field(default_factory=dict)  # last observed, per pod
+    step_started_at: float | None = None  # when the current step began pushing
+    analysis_started_at: float | None = None  # when every pod of the step reported the canary
+    after_rollback: Phase | None = None  # where RollingBack comes to rest
+    rejected_version: str | None = None  # rolled back / aborted; not retried while spec equals it
+    promote: bool = False  # promote annotation accepted: straight to 100 %, no analysis
+    reason: str = ""
+    message: str = ""
+    last_analysis: Mapping[str, Any] | None = None
+    qps_samples: tuple[tuple[float, float], ...] = ()
+    error_samples: tuple[tuple[float, float], ...] = ()
+    conditions: tuple[Mapping[str, Any], ...] = ()
+
+    @classmethod
+    def from_status(cls, raw: Mapping[str, Any] | None) -> RolloutStatus:
+        raw = raw or {}
+        ro = raw.get("rollout") or {}
+        phase = raw.get("phase")
+        after = ro.get("afterRollback")
+        return cls(
+            phase=Phase(phase) if phase in Phase._value2member_map_ else Phase.PENDING,
+            stable=GateVersion.from_status(raw.get("stable")),
+            canary=GateVersion.from_status(raw.get("canary")),
+            step=ro.get("stepIndex"),
+            step_percent=raw.get("canaryPercent"),
+            canary_pods=tuple(ro.get("canaryPods") or ()),
+            pod_versions=dict(raw.get("podVersions") or {}),
+            step_started_at=_epoch(ro.get("stepStartedAt")),
+            analysis_started_at=_epoch(ro.get("analysisStartedAt")),
+            after_rollback=Phase(after) if after in Phase._value2member_map_ else None,
+            rejected_version=ro.get("rejectedVersion"),
+            promote=bool(ro.get("promote", False)),
+            reason=raw.get("reason") or "",
+            message=raw.get("message") or "",
+            last_analysis=raw.get("analysis"),
+            qps_samples=tuple(tuple(s) for s in (ro.get("calibration") or {}).get("qps", ())),
+            error_samples=tuple(tuple(s) for s in (ro.get("calibration") or {}).get("errorRate", ())),
+            conditions=tuple(raw.get("conditions") or ()),
+        )
+
+    def to_status(self, *, steps: Sequence[int]) -> dict[str, Any]:
+        """The status subresource body (every key present, so a merge patch clears old values)."""
+        total = len(self.pod_versions)
+        counts: dict[str, int] = {}
+        for v in self.pod_versions.values():
+            counts[v] = counts.get(v, 0) + 1
+        return {
+            "phase": self.phase.value,
+            "reason": self.reason,
+            "message": self.message,
+            "stable": self.stable.document() if self.stable else None,
+            "canary": self.canary.document() if self.canary else None,
+            "step": f"{self.step + 1}/{len(steps)}" if self.step is not None else None,
+            "canaryPercent": self.step_percent,
+            "canaryInstances": f"{len(self.canary_pods)}/{total}" if self.canary else None,
+            "podVersions": dict(self.pod_versions),
+            "versionCounts": counts,
+            "analysis": dict(self.last_analysis) if self.last_analysis else None,
+            "conditions": list(self.conditions),
+            "rollout": {
+                "stepIndex": self.step,
+                "canaryPods": list(self.canary_pods),
+                "stepStartedAt": _iso(self.step_started_at),
+                "analysisStartedAt": _iso(self.analysis_started_at),
+                "afterRollback": self.after_rollback.value if self.after_rollback else None,
+                "rejectedVersion": self.rejected_version,
+                "promote": self.promote,
+                "calibration": {
+                    "qps": [list(s) for s in self.qps_samples],
+                    "errorRate": [list(s) for s in self.error_samples],
+                },
+            },
+        }
+
+
+# ---------------------------------------------------------------- observations and actions
+
+
+@dataclass(frozen=True)
+class PodObservation:
+    name: str
+    reachable: bool  # has an IP and answered /healthz
+    version: str | None  # gateVersion reported by /healthz (None when unreachable)
+
+
+@dataclass(frozen=True)
+class Observations:
+    pods: tuple[PodObservation, ...] = ()
+    abort: bool = False
+    promote: bool = False
+    # Canary and stable groups since status.analysis_started_at (None: no data yet).
+    canary_metrics: GroupMetrics | None = None
+    stable_metrics: GroupMetrics | None = None
+    # Calibration samples for this tick: fleet qps and the stable pods' error rate.
+    fleet_qps: float | None = None
+    stable_error_rate: float | None = None
+
+
+@dataclass(frozen=True)
+class PushGate:
+    pod: str
+    gate: GateVersion
+
+
+@dataclass(frozen=True)
+class EmitEvent:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ClearAnnotation:
+    name: str
+
+
+@dataclass(frozen=True)
+class RecordOutcome:
+    outcome: str  # succeeded | rolled_back | aborted | failed | superseded | reverted
+
+
+@dataclass(frozen=True)
+class RecordStep:
+    percent: int
+    seconds: float
+
+
+Action = PushGate | EmitEvent | ClearAnnotation | RecordOutcome | RecordStep
+
+
+@dataclass(frozen=True)
+class Decision:
+    status: RolloutStatus
+    actions: tuple[Action, ...]
+
+    @property
+    def pushes(self) -> tuple[PushGate, ...]:
+        return tuple(a for a in self.actions if isinstance(a, PushGate))
+
+
+# ---------------------------------------------------------------- pure helpers
+
+
+def instances_for(*, percent: int, total: int) -> int:
+    """Instances a step covers: ceil(percent · total), at least one, at most all."""
+    if total <= 0:
+        return 0
+    return min(total, max(1, math.ceil(percent * total / 100)))
+
+
+def select_canary_pods(
+    *, pods: Sequence[PodObservation], percent: int, previous: Sequence[str], canary_version: str | None
+) -> tuple[str, ...]:
+    """Deterministic canary set: sticky across ticks and restarts.
+
+    Preference: pods already chosen (and reachable), then pods already running the
+    canary, then reachable pods, then the rest; ties by name. So a restart picks the
+    same pods, a step grows the previous set, and a superseding version reuses the
+    previous canary pods (stable pods stay untouched).
+    """
+    prev = set(previous)
+
+    def rank(p: PodObservation) -> tuple[int, str]:
+        if p.name in prev and p.reachable:
+            return (0, p.name)
+        if canary_version is not None and p.version == canary_version:
+            return (1, p.name)
+        return (2 if p.reachable else 3, p.name)
+
+    n = instances_for(percent=percent, total=len(pods))
+    return tuple(sorted(p.name for p in sorted(pods, key=rank)[:n]))
+
+
+def desired_versions(*, status: RolloutStatus, pods: Sequence[PodObservation]) -> dict[str, GateVersion]:
+    """Which gate each pod should run now; pods absent from the result are left alone."""
+    if status.stable is None or status.phase in (Phase.PAUSED, Phase.FAILED, Phase.PENDING):
+        return {}
+    if status.phase in (Phase.PROGRESSING, Phase.ANALYSING) and status.canary is not None:
+        chosen = set(status.canary_pods)
+        return {p.name: status.canary if p.name in chosen else status.stable for p in pods}
+    return {p.name: status.stable for p in pods}
+
+
+def conditions(
+    *, phase: Phase, reason: str, message: str, previous: Sequence[Mapping[str, Any]], now: float
+) -> tuple[dict[str, Any], ...]:
+    """``Progressing`` and ``Degraded`` conditions; lastTransitionTime kept while unchanged."""
+    wanted = {
+        "Progressing": phase in (Phase.PROGRESSING, Phase.ANALYSING, Phase.ROLLING_BACK),
+        "Degraded": phase in (Phase.ROLLED_BACK, Phase.ABORTED, Phase.FAILED),
+    }
+    old = {c.get("type"): c for c in previous}
+    out = []
+    for ctype, value in wanted.items():
+        st = "True" if value else "False"
+        prev = old.get(ctype)
+        since = prev.get("lastTransitionTime") if prev and prev.get("status") == st else _iso(now)
+        out.append(
+            {"type": ctype, "status": st, "reason": reason or phase.value, "message": message, "lastTransitionTime": since}
+        )
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- transitions
+
+
+def _start(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float, reason: str) -> RolloutStatus:
+    percent = spec.steps[0]
+    chosen = select_canary_pods(
+        pods=obs.pods, percent=percent, previous=s.canary_pods, canary_version=spec.target.version
+    )
+    return dataclasses.replace(
+        s,
+        phase=Phase.PAUSED if spec.paused else Phase.PROGRESSING,
+        canary=spec.target,
+        step=0,
+        step_percent=percent,
+        canary_pods=chosen,
+        step_started_at=now,
+        analysis_started_at=None,
+        after_rollback=None,
+        promote=False,
+        reason=reason,
+        message=f"rolling out {spec.target.version} over {s.stable.version if s.stable else '-'}: "
+        f"step 1/{len(spec.steps)} ({percent}% = {len(chosen)} of {len(obs.pods)} instances)",
+        last_analysis=None,
+    )
+
+
+def _rollback(s: RolloutStatus, *, after: Phase, reason: str, message: str, reject: bool) -> RolloutStatus:
+    return dataclasses.replace(
+        s,
+        phase=Phase.ROLLING_BACK,
+        after_rollback=after,
+        rejected_version=s.canary.version if reject and s.canary else s.rejected_version,
+        analysis_started_at=None,
+        promote=False,
+        reason=reason,
+        message=message,
+    )
+
+
+def _promote_fully(s: RolloutStatus, *, spec: RolloutSpec, reason: str, message: str) -> RolloutStatus:
+    return dataclasses.replace(
+        s,
+        phase=Phase.SUCCEEDED,
+        stable=s.canary,
+        canary=None,
+        step=None,
+        step_percent=None,
+        canary_pods=(),
+        step_started_at=None,
+        analysis_started_at=None,
+        after_rollback=None,
+        promote=False,
+        reason=reason,
+        message=message,
+    )
+
+
+def _advance_step(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, step: int, now: float) -> RolloutStatus:
+    percent = spec.steps[step]
+    chosen = select_canary_pods(
+        pods=obs.pods, percent=percent, previous=s.canary_pods, canary_version=s.canary.version if s.canary else None
+    )
+    return dataclasses.replace(
+        s,
+        phase=Phase.PROGRESSING,
+        step=step,
+        step_percent=percent,
+        canary_pods=chosen,
+        step_started_at=now,
+        analysis_started_at=None,
+        message=f"step {step + 1}/{len(spec.steps)}: {percent}% = {len(chosen)} of {len(obs.pods)} instances",
+    )
+
+
+def _fail(
+    s: RolloutStatus, *, spec: RolloutSpec, reason: str, message: str, acts: list[Action]
+) -> RolloutStatus:
+    if spec.auto_rollback:
+        acts.append(EmitEvent("Warning", reason, f"rolling back {s.canary.version if s.canary else ''}: {message}"))
+        return _rollback(s, after=Phase.ROLLED_BACK, reason=reason, message=message, reject=True)
+    acts.append(EmitEvent("Warning", reason, f"{message} (autoRollback off: canary kept, abort to roll back)"))
+    acts.append(RecordOutcome("failed"))
+    return dataclasses.replace(s, phase=Phase.FAILED, reason=reason, message=message, analysis_started_at=None)
+
+
+def invalid_spec(*, status: RolloutStatus, error: str, now: float) -> Decision:
+    """A spec that cannot be parsed: Failed, nothing pushed (pods keep what they run)."""
+    s = dataclasses.replace(status, phase=Phase.FAILED, reason="InvalidSpec", message=error)
+    s = dataclasses.replace(
+        s, conditions=conditions(phase=s.phase, reason=s.reason, message=s.message, previous=status.conditions, now=now)
+    )
+    acts: tuple[Action, ...] = ()
+    if status.reason != "InvalidSpec" or status.message != error:
+        acts = (EmitEvent("Warning", "InvalidSpec", error),)
+    return Decision(status=s, actions=acts)
+
+
+def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, now: float) -> Decision:
+    """One reconcile step: (spec, status, observations, now) → (new status, actions)."""
+    acts: list[Action] = []
+    s = status
+    # One-shot annotations are consumed whatever the phase; their effect is recorded in status.
+    if obs.abort:
+        acts.append(ClearAnnotation(ABORT_ANNOTATION))
+    if obs.promote:
+        acts.append(ClearAnnotation(PROMOTE_ANNOTATION))
+    target = spec.target
+
+    # First reconcile: the spec's version becomes stable (what new pods start with).
+    if s.stable is None:
+        s = dataclasses.replace(
+            s, phase=Phase.SUCCEEDED, stable=target, reason="Initialized", message=f"stable version {target.version}"
+        )
+        acts.append(EmitEvent("Normal", "Initialized", s.message))
+
+    # Steps edited mid-rollout: stay within the new list.
+    if s.step is not None and s.step >= len(spec.steps):
+        s = dataclasses.replace(s, step=len(spec.steps) - 1, step_percent=spec.steps[-1])
+    # A once-invalid spec that is valid again resumes the step it interrupted.
+    if s.phase == Phase.FAILED and s.reason == "InvalidSpec":
+        if s.canary is not None and s.step is not None:
+            s = dataclasses.replace(s, phase=Phase.PROGRESSING, step_started_at=now, reason="SpecValid")
+        else:
+            s = dataclasses.replace(s, phase=Phase.SUCCEEDED, reason="SpecValid")
+
+    in_flight = s.canary is not None and (s.phase in ACTIVE_PHASES or s.phase == Phase.FAILED)
+
+    # Spec changes.
+    if in_flight or s.phase == Phase.ROLLING_BACK:
+        assert s.canary is not None and s.stable is not None
+        if target.version == s.stable.version and in_flight:
+            msg = f"spec reverted to stable {s.stable.version}: rolling back {s.canary.version}"
+            acts += [EmitEvent("Normal", "Reverted", msg), RecordOutcome("reverted")]
+            s = _rollback(s, after=Phase.SUCCEEDED, reason="Reverted", message=msg, reject=False)
+            in_flight = False
+        elif target.version not in (s.canary.version, s.stable.version):
+            old = s.canary.version
+            s = _start(s, spec=spec, obs=obs, now=now, reason="Superseded")
+            acts += [
+                EmitEvent("Normal", "Superseded", f"{old} superseded by {target.version}; {s.message}"),
+                RecordOutcome("superseded"),
+            ]
+            in_flight = True
+    elif s.stable is not None and target.version not in (s.stable.version, s.rejected_version):
+        s = _start(s, spec=spec, obs=obs, now=now, reason="RolloutStarted")
+        acts.append(EmitEvent("Normal", "RolloutStarted", s.message))
+        in_flight = True
+
+    # Abort / promote (one-shot annotations).
+    if obs.abort and in_flight:
+        msg = f"aborted by annotation: rolling back {s.canary.version} to {s.stable.version}"
+        acts.append(EmitEvent("Warning", "Aborted", msg))
+        s = _rollback(s, after=Phase.ABORTED, reason="Aborted", message=msg, reject=True)
+        in_flight = False
+    elif obs.promote and in_flight:
+        last = len(spec.steps) - 1
+        s = _advance_step(s, spec=spec, obs=obs, step=last, now=now)
+        s = dataclasses.replace(s, promote=True, reason="PromoteRequested")
+        acts.append(EmitEvent("Normal", "PromoteRequested", f"promoting {s.canary.version} to all instances"))
+
+    # Pause / resume (spec.rollout.paused, GitOps friendly). An accepted promote wins.
+    if s.phase in (Phase.PROGRESSING, Phase.ANALYSING) and spec.paused and not s.promote:
+        s = dataclasses.replace(s, phase=Phase.PAUSED, analysis_started_at=None, reason="Paused",
+                                message=f"paused at step {s.step + 1}/{len(spec.steps)}")
+        acts.append(EmitEvent("Normal", "Paused", s.message))
+    elif s.phase == Phase.PAUSED and (not spec.paused or s.promote):
+        s = dataclasses.replace(s, phase=Phase.PROGRESSING, step_started_at=now, reason="Resumed",
+                                message=f"resumed at step {s.step + 1}/{len(spec.steps)}")
+        acts.append(EmitEvent("Normal", "Resumed", s.message))
+
+    # Calibration samples (baseline traffic and stable error rate) while a canary is in flight.
+    if s.phase in (Phase.PROGRESSING, Phase.ANALYSING):
+        if obs.fleet_qps is not None:
+            s = dataclasses.replace(s, qps_samples=tuple(map(tuple, add_sample(
+                s.qps_samples, t=now, value=obs.fleet_qps, window_s=spec.calibration.qps.window_s))))
+        if obs.stable_error_rate is not None:
+            s = dataclasses.replace(s, error_samples=tuple(map(tuple, add_sample(
+                s.error_samples, t=now, value=obs.stable_error_rate, window_s=spec.calibration.error_rate.window_s))))
+
+    by_name = {p.name: p for p in obs.pods}
+
+    if s.phase == Phase.PROGRESSING:
+        assert s.canary is not None and s.stable is not None and s.step is not None
+        if not obs.pods:
+            msg = f"no instances use this GateConfig: {s.canary.version} promoted directly"
+            s = _promote_fully(s, spec=spec, reason="NoInstances", message=msg)
+            acts += [EmitEvent("Normal", "Promoted", msg), RecordOutcome("succeeded")]
+        else:
+            percent = spec.steps[s.step]
+            chosen = select_canary_pods(
+                pods=obs.pods, percent=percent, previous=s.canary_pods, canary_version=s.canary.version
+            )
+            s = dataclasses.replace(s, canary_pods=chosen)
+            waiting = _not_at_desired(s, obs.pods)
+            if not waiting:
+                if s.promote:
+                    msg = f"{s.canary.version} promoted by annotation to all {len(obs.pods)} instances"
+                    acts += [RecordStep(percent, now - (s.step_started_at or now)), EmitEvent("Normal", "Promoted", msg),
+                             RecordOutcome("succeeded")]
+                    s = _promote_fully(s, spec=spec, reason="Promoted", message=msg)
+                else:
+                    s = dataclasses.replace(
+                        s, phase=Phase.ANALYSING, analysis_started_at=now, reason="Analysing",
+                        message=f"step {s.step + 1}/{len(spec.steps)}: {len(chosen)} of {len(obs.pods)} instances run "
+                        f"{s.canary.version}; analysing for {spec.analysis_interval_s:g}s",
+                    )
+            elif s.step_started_at is not None and now - s.step_started_at > spec.progress_deadline_s:
+                msg = (f"step {s.step + 1}: {len(waiting)} instance(s) did not report the expected version within "
+                       f"{spec.progress_deadline_s:g}s: {', '.join(waiting[:5])}")
+                s = _fail(s, spec=spec, reason="ProgressDeadlineExceeded", message=msg, acts=acts)
+            else:
+                s = dataclasses.replace(
+                    s, message=f"step {s.step + 1}/{len(spec.steps)} ({percent}%): waiting for "
+                    f"{len(waiting)} instance(s) to report their version"
+                )
+
+    elif s.phase == Phase.ANALYSING:
+        assert s.canary is not None and s.step is not None
+        percent = spec.steps[s.step]
+        chosen = select_canary_pods(
+            pods=obs.pods, percent=percent, previous=s.canary_pods, canary_version=s.canary.version
+        )
+        if chosen != s.canary_pods or _not_at_desired(s, obs.pods):
+            # An instance left, restarted or drifted: re-verify the step before judging it.
+            s = dataclasses.replace(s, phase=Phase.PROGRESSING, canary_pods=chosen, step_started_at=now,
+                                    analysis_started_at=None, reason="Reverifying",
+                                    message="instances changed during analysis: re-verifying the step")
+        else:
+            result = _analyse(s, spec=spec, obs=obs, now=now)
+            if result is not None:
+                s = dataclasses.replace(s, last_analysis=result.to_status())
+            elapsed = now - (s.analysis_started_at or now)
+            if result is not None and result.verdict == Verdict.FAIL:
+                s = _fail(s, spec=spec, reason="AnalysisFailed",
+                          message=f"step {s.step + 1} ({percent}%) analysis {result.message}", acts=acts)
+            elif result is not None and result.verdict == Verdict.PASS and elapsed >= spec.analysis_interval_s:
+                acts.append(RecordStep(percent, now - (s.step_started_at or now)))
+                if s.step == len(spec.steps) - 1:
+                    msg = f"{s.canary.version} promoted: {result.message}"
+                    acts += [EmitEvent("Normal", "Promoted", msg), RecordOutcome("succeeded")]
+                    s = _promote_fully(s, spec=spec, reason="Promoted", message=msg)
+                else:
+                    s = _advance_step(s, spec=spec, obs=obs, step=s.step + 1, now=now)
+                    s = dataclasses.replace(s, reason="StepPromoted")
+                    acts.append(EmitEvent("Normal", "StepPromoted", f"{result.message}; {s.message}"))
+            else:
+                verdict = "waiting for metrics" if result is None else result.message
+                s = dataclasses.replace(
+                    s, message=f"step {s.step + 1}/{len(spec.steps)} ({percent}%): analysing "
+                    f"{elapsed:.0f}/{spec.analysis_interval_s:g}s: {verdict}"
+                )
+
+    elif s.phase == Phase.ROLLING_BACK:
+        assert s.stable is not None
+        waiting = [p.name for p in obs.pods if p.reachable and p.version != s.stable.version]
+        if not waiting:
+            after = s.after_rollback or Phase.ROLLED_BACK
+            outcome = {Phase.ABORTED: "aborted", Phase.SUCCEEDED: None}.get(after, "rolled_back")
+            msg = s.message if after != Phase.SUCCEEDED else f"every instance runs stable {s.stable.version}"
+            if outcome:
+                acts.append(RecordOutcome(outcome))
+            acts.append(EmitEvent("Normal" if after == Phase.SUCCEEDED else "Warning",
+                                  "RolledBack", f"every instance back on {s.stable.version}"))
+            s = dataclasses.replace(
+                s, phase=after, canary=None, step=None, step_percent=None, canary_pods=(),
+                step_started_at=None, analysis_started_at=None, after_rollback=None, message=msg,
+            )
+
+    # Level-based pushes: every reachable pod not on its desired version.
+    desired = desired_versions(status=s, pods=obs.pods)
+    for name, gate in sorted(desired.items()):
+        p = by_name[name]
+        if p.reachable and p.version != gate.version:
+            acts.append(PushGate(pod=name, gate=gate))
+
+    s = dataclasses.replace(
+        s,
+        pod_versions={p.name: p.version for p in obs.pods if p.version is not None},
+        conditions=conditions(phase=s.phase, reason=s.reason, message=s.message, previous=status.conditions, now=now),
+    )
+    return Decision(status=s, actions=tuple(acts))
+
+
+def _not_at_desired(s: RolloutStatus, pods: Sequence[PodObservation]) -> list[str]:
+    """Pods of the step that do not yet run their desired version (unreachable canary pods count)."""
+    assert s.canary is not None and s.stable is not None
+    chosen = set(s.canary_pods)
+    waiting = []
+    for p in pods:
+        if p.name in chosen:
+            if p.version != s.canary.version:
+                waiting.append(p.name)
+        elif p.reachable and p.version != s.stable.version:
+            # A stable pod still on an older canary (superseded, or step shrank on restart).
+            waiting.append(p.name)
+    return waiting
+
+
+def _analyse(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float) -> AnalysisResult | None:
+    if obs.canary_metrics is None:
+        return None
+    thr = thresholds(
+        calibration=spec.calibration, qps_samples=s.qps_samples, error_samples=s.error_samples, now=now
+    )
+    share = len(s.canary_pods) / max(1, len(obs.pods))
+    return analyse(
+        canary=obs.canary_metrics,
+        stable=obs.stable_metrics,
+        thresholds=thr,
+        canary_share=share,
+        sla_p99_ms=spec.sla_p99_ms,
+        max_drift=spec.max_drift,
+        min_requests=spec.min_requests,
+    )

@@ -1,0 +1,117 @@
+"""Canary analysis: counter windows, histogram quantiles and verdicts with their numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sparsegate.domain.analysis import (
+    GroupMetrics,
+    PodCounters,
+    Verdict,
+    aggregate,
+    analyse,
+    histogram_quantile,
+    window_delta,
+)
+from sparsegate.domain.calibration import Thresholds
+
+INF = math.inf
+THR = Thresholds(qps_threshold=20.0, error_rate_cap=0.02, baseline_qps=20.0, baseline_error_rate=0.0)
+
+
+def group(*, requests: float, errors: float = 0, seconds: float = 10, le_s: float = 0.05, experts: float | None = 1.3,
+          pods: int = 1) -> GroupMetrics:
+    """All requests in the bucket ending at ``le_s``."""
+    buckets = {0.01: 0.0, 0.05: 0.0, 0.1: 0.0, 1.0: 0.0, 2.5: 0.0, INF: 0.0}
+    for le in buckets:
+        if le >= le_s:
+            buckets[le] = requests
+    return GroupMetrics(pods=pods, seconds=seconds, requests=requests, errors=errors, duration_buckets=buckets,
+                        mean_active_experts=experts)
+
+
+def judge(canary: GroupMetrics, stable: GroupMetrics | None = None, **kw: float):
+    args = dict(thresholds=THR, canary_share=0.25, sla_p99_ms=800.0, max_drift=0.1, min_requests=20)
+    args.update(kw)
+    return analyse(canary=canary, stable=stable, **args)
+
+
+def test_histogram_quantile_interpolates_like_promql() -> None:
+    buckets = {0.1: 50.0, 0.2: 100.0, INF: 100.0}
+    assert histogram_quantile(q=0.5, buckets=buckets) == pytest.approx(0.1)
+    assert histogram_quantile(q=0.75, buckets=buckets) == pytest.approx(0.15)
+    assert histogram_quantile(q=0.99, buckets={0.1: 0.0, 1.0: 0.0, INF: 10.0}) == 1.0  # +Inf → largest bound
+    assert histogram_quantile(q=0.99, buckets={0.1: 0.0, INF: 0.0}) is None
+
+
+def test_window_delta_and_counter_reset() -> None:
+    a = PodCounters(at=0, requests=100, errors=2, duration_buckets={0.1: 90, INF: 100}, experts_sum=130, experts_count=100)
+    b = PodCounters(at=10, requests=150, errors=3, duration_buckets={0.1: 130, INF: 150}, experts_sum=200, experts_count=150)
+    d = window_delta(start=a, end=b)
+    assert (d.requests, d.errors, dict(d.duration_buckets), d.experts_sum, d.experts_count) == (50, 1, {0.1: 40, INF: 50}, 70, 50)
+    restarted = PodCounters(at=10, requests=7, errors=0, duration_buckets={0.1: 7, INF: 7})
+    assert window_delta(start=a, end=restarted).requests == 7  # reset: counted from zero
+
+
+def test_aggregate_sums_pods_and_means_experts() -> None:
+    d1 = PodCounters(at=10, requests=10, errors=1, duration_buckets={0.1: 10, INF: 10}, experts_sum=10, experts_count=10)
+    d2 = PodCounters(at=10, requests=30, errors=0, duration_buckets={0.1: 20, INF: 30}, experts_sum=60, experts_count=30)
+    g = aggregate(deltas=[d1, d2], seconds=10)
+    assert (g.pods, g.requests, g.errors, g.qps) == (2, 40, 1, 4.0)
+    assert dict(g.duration_buckets) == {0.1: 30, INF: 40}
+    assert g.mean_active_experts == pytest.approx(70 / 40)
+
+
+def test_healthy_canary_passes() -> None:
+    r = judge(group(requests=60), group(requests=200))
+    assert r.verdict == Verdict.PASS, r.message
+    assert {c.name: c.passed for c in r.checks} == {"errorRate": True, "p99LatencyMs": True, "drift": True}
+
+
+def test_error_rate_over_cap_fails_with_numbers() -> None:
+    r = judge(group(requests=60, errors=20), group(requests=200))
+    assert r.verdict == Verdict.FAIL
+    assert [c.name for c in r.failed] == ["errorRate"]
+    assert "errorRate 0.3333 > 0.02" in r.message
+
+
+def test_p99_over_sla_fails() -> None:
+    r = judge(group(requests=60, le_s=2.5), group(requests=200))
+    assert r.verdict == Verdict.FAIL
+    assert [c.name for c in r.failed] == ["p99LatencyMs"]
+    assert r.failed[0].value > 800
+
+
+def test_drift_of_mean_active_experts_fails() -> None:
+    r = judge(group(requests=60, experts=2.0), group(requests=200, experts=1.3))
+    assert r.verdict == Verdict.FAIL
+    assert [c.name for c in r.failed] == ["drift"]
+    assert r.failed[0].value == pytest.approx(0.7 / 1.3)
+
+
+def test_drift_skipped_without_stable_group() -> None:
+    r = judge(group(requests=60, experts=3.0), None)
+    assert r.verdict == Verdict.PASS
+    assert {c.name: c.passed for c in r.checks}["drift"] is None
+
+
+def test_too_few_requests_is_inconclusive_even_when_failing() -> None:
+    r = judge(group(requests=5, errors=5), group(requests=200))
+    assert r.verdict == Verdict.INCONCLUSIVE
+    assert "inconclusive" in r.message
+
+
+def test_qps_far_below_expected_share_is_inconclusive() -> None:
+    # Expected canary share 1000 qps · 25 % = 250 qps; 10 % of that is 25 qps; 3 qps is far below.
+    busy = Thresholds(qps_threshold=1000.0, error_rate_cap=0.02, baseline_qps=None, baseline_error_rate=None)
+    r = judge(group(requests=30, seconds=10), group(requests=200), thresholds=busy)
+    assert r.verdict == Verdict.INCONCLUSIVE
+    assert judge(group(requests=300, seconds=10), group(requests=200), thresholds=busy).verdict == Verdict.PASS
+
+
+def test_to_status_is_json_ready() -> None:
+    st = judge(group(requests=60, errors=20)).to_status()
+    assert st["verdict"] == "Fail" and st["canaryRequests"] == 60
+    assert {c["name"] for c in st["checks"]} == {"errorRate", "p99LatencyMs", "drift"}

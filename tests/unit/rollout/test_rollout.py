@@ -1,0 +1,396 @@
+"""The rollout state machine, driven tick by tick against a simulated fleet.
+
+The fleet stands in for the pods at our own boundary (observations in, PushGate
+actions out): the real admin endpoint and /healthz are exercised by the e2e tests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from sparsegate.domain.analysis import GroupMetrics
+from sparsegate.domain.rollout import (
+    ABORT_ANNOTATION,
+    PROMOTE_ANNOTATION,
+    ClearAnnotation,
+    EmitEvent,
+    GateVersion,
+    Observations,
+    Phase,
+    PodObservation,
+    PushGate,
+    RecordOutcome,
+    RecordStep,
+    RolloutStatus,
+    SpecError,
+    desired_versions,
+    instances_for,
+    invalid_spec,
+    next_action,
+    parse_spec,
+    select_canary_pods,
+)
+
+V1 = {"toolGateThreshold": 0.85, "entropyBeta": 0.1}
+V2 = {"toolGateThreshold": 0.8, "entropyBeta": 0.1}
+V3 = {"toolGateThreshold": 0.75, "entropyBeta": 0.1}
+
+
+def spec(params: dict, **rollout: object) -> dict:
+    return {"params": params, "rollout": {"analysisInterval": "10s", "minRequests": 20, **rollout}}
+
+
+def healthy(requests: float = 100, errors: float = 0, latency_s: float = 0.05, experts: float = 1.3) -> GroupMetrics:
+    buckets = {0.1: requests if latency_s <= 0.1 else 0.0, 1.0: requests if latency_s <= 1 else 0.0, 2.5: requests,
+               math.inf: requests}
+    return GroupMetrics(pods=1, seconds=10, requests=requests, errors=errors, duration_buckets=buckets,
+                        mean_active_experts=experts)
+
+
+@dataclass
+class Fleet:
+    """Pods that apply pushed gates (unless unreachable) and report them as /healthz would."""
+
+    versions: dict[str, str]
+    unreachable: set[str] = field(default_factory=set)
+    pushes: list[tuple[str, str]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, n: int, version: str) -> Fleet:
+        return cls(versions={f"m-{i:02d}": version for i in range(n)})
+
+    def observe(self) -> tuple[PodObservation, ...]:
+        return tuple(
+            PodObservation(name=n, reachable=n not in self.unreachable, version=None if n in self.unreachable else v)
+            for n, v in sorted(self.versions.items())
+        )
+
+    def apply(self, actions: Iterable[object]) -> None:
+        for a in actions:
+            if isinstance(a, PushGate) and a.pod not in self.unreachable:
+                self.versions[a.pod] = a.gate.version
+                self.pushes.append((a.pod, a.gate.version))
+
+    def count(self, version: str) -> int:
+        return sum(1 for v in self.versions.values() if v == version)
+
+
+class Driver:
+    """Runs next_action tick by tick, applying pushes, as the handler does."""
+
+    def __init__(self, fleet: Fleet, raw_spec: dict, *, now: float = 1000.0) -> None:
+        self.fleet, self.raw_spec, self.now = fleet, raw_spec, now
+        self.status = RolloutStatus()
+        self.actions: list[object] = []
+
+    def tick(self, *, dt: float = 1.0, canary: GroupMetrics | None = None, stable: GroupMetrics | None = None,
+             abort: bool = False, promote: bool = False) -> RolloutStatus:
+        self.now += dt
+        obs = Observations(pods=self.fleet.observe(), abort=abort, promote=promote, canary_metrics=canary,
+                           stable_metrics=stable, fleet_qps=20.0, stable_error_rate=0.0)
+        d = next_action(spec=parse_spec(self.raw_spec), status=self.status, obs=obs, now=self.now)
+        # The handler persists status (round trip through the status dict) before acting.
+        self.status = RolloutStatus.from_status(d.status.to_status(steps=parse_spec(self.raw_spec).steps))
+        self.fleet.apply(d.actions)
+        self.actions += d.actions
+        return self.status
+
+    def until(self, phase: Phase, *, limit: int = 50, **kw: object) -> RolloutStatus:
+        for _ in range(limit):
+            if self.tick(**kw).phase == phase:
+                return self.status
+        raise AssertionError(f"never reached {phase}: {self.status.phase} {self.status.message}")
+
+    def events(self) -> list[str]:
+        return [a.reason for a in self.actions if isinstance(a, EmitEvent)]
+
+
+def v(params: dict) -> str:
+    return GateVersion.from_params(params).version
+
+
+def started(n: int = 20, **rollout: object) -> Driver:
+    d = Driver(Fleet.of(n, v(V1)), spec(V1, **rollout))
+    assert d.tick().phase == Phase.SUCCEEDED
+    d.raw_spec = spec(V2, **rollout)
+    return d
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def test_version_is_content_addressed() -> None:
+    g = GateVersion.from_params({"b": 1, "a": 2})
+    assert g == GateVersion.from_params({"a": 2, "b": 1})
+    assert g.version.startswith("g-") and len(g.version) == 14
+    assert g.checksum.startswith("sha256:") and g.checksum[7:19] == g.version[2:]
+
+
+@pytest.mark.parametrize(("percent", "total", "n"), [(5, 20, 1), (20, 20, 4), (100, 20, 20), (5, 3, 1), (50, 3, 2), (5, 0, 0)])
+def test_instances_for(percent: int, total: int, n: int) -> None:
+    assert instances_for(percent=percent, total=total) == n
+
+
+def test_selection_is_deterministic_and_sticky() -> None:
+    pods = Fleet.of(20, "a").observe()
+    first = select_canary_pods(pods=pods, percent=5, previous=(), canary_version="b")
+    assert first == ("m-00",)
+    assert select_canary_pods(pods=tuple(reversed(pods)), percent=5, previous=(), canary_version="b") == first
+    grown = select_canary_pods(pods=pods, percent=20, previous=("m-07",), canary_version="b")
+    assert "m-07" in grown and len(grown) == 4
+    # A pod already running the canary (e.g. pushed before a crash) is preferred.
+    running = tuple(replace(p, version="b") if p.name == "m-13" else p for p in pods)
+    assert select_canary_pods(pods=running, percent=5, previous=(), canary_version="b") == ("m-13",)
+
+
+def test_parse_spec_defaults_and_errors() -> None:
+    s = parse_spec({"params": V1})
+    assert s.steps == (5, 20, 100) and s.sla_p99_ms == 800 and s.analysis_interval_s == 30 and s.auto_rollback
+    for bad in ([5, 20], [20, 5, 100], [0, 100], ["x", 100]):
+        with pytest.raises(SpecError):
+            parse_spec({"params": V1, "rollout": {"steps": bad}})
+    with pytest.raises(SpecError):
+        parse_spec({"params": V1, "rollout": {"analysisInterval": "soon"}})
+
+
+# ---------------------------------------------------------------- flows
+
+
+def test_first_reconcile_records_stable_without_pushing() -> None:
+    d = Driver(Fleet.of(20, v(V1)), spec(V1))
+    st = d.tick()
+    assert st.phase == Phase.SUCCEEDED and st.stable.version == v(V1) and st.reason == "Initialized"
+    assert d.fleet.pushes == []
+
+
+def test_good_change_goes_5_20_100_and_succeeds() -> None:
+    d = started()
+    st = d.tick()
+    assert st.phase == Phase.PROGRESSING and st.step == 0 and st.step_percent == 5
+    assert d.fleet.count(v(V2)) == 1 and st.canary_pods == ("m-00",)
+    st = d.tick()
+    assert st.phase == Phase.ANALYSING
+    # The window (10 s) must elapse with passing analysis before the step is promoted.
+    st = d.tick(dt=5, canary=healthy(), stable=healthy(1000))
+    assert st.phase == Phase.ANALYSING and st.last_analysis["verdict"] == "Pass"
+    st = d.tick(dt=6, canary=healthy(), stable=healthy(1000))
+    assert st.phase == Phase.PROGRESSING and st.step == 1 and st.step_percent == 20
+    assert d.fleet.count(v(V2)) == 4 and "m-00" in st.canary_pods
+    d.until(Phase.ANALYSING)
+    st = d.tick(dt=11, canary=healthy(), stable=healthy(1000))
+    assert st.step == 2 and d.fleet.count(v(V2)) == 20
+    d.until(Phase.ANALYSING)
+    st = d.tick(dt=11, canary=healthy(2000), stable=None)
+    assert st.phase == Phase.SUCCEEDED and st.reason == "Promoted"
+    assert st.stable.version == v(V2) and st.canary is None
+    assert RecordOutcome("succeeded") in d.actions
+    assert [a.percent for a in d.actions if isinstance(a, RecordStep)] == [5, 20, 100]
+    assert d.events() == ["Initialized", "RolloutStarted", "StepPromoted", "StepPromoted", "Promoted"]
+    assert st.pod_versions == {p: v(V2) for p in d.fleet.versions}
+
+
+def test_failing_analysis_rolls_back_at_first_step_with_reason_and_numbers() -> None:
+    d = started()
+    d.until(Phase.ANALYSING)
+    st = d.tick(canary=healthy(errors=50), stable=healthy(1000))
+    assert st.phase == Phase.ROLLING_BACK and st.reason == "AnalysisFailed"
+    assert "errorRate 0.5 > 0.02" in st.message
+    assert d.fleet.count(v(V1)) == 20  # the push back happened in the same tick
+    st = d.tick()
+    assert st.phase == Phase.ROLLED_BACK and st.stable.version == v(V1) and st.rejected_version == v(V2)
+    assert RecordOutcome("rolled_back") in d.actions
+    cond = {c["type"]: c for c in st.conditions}
+    assert cond["Degraded"]["status"] == "True" and "errorRate" in cond["Degraded"]["message"]
+    # The rejected version is not retried while the spec still asks for it.
+    pushes = len(d.fleet.pushes)
+    assert d.tick().phase == Phase.ROLLED_BACK and len(d.fleet.pushes) == pushes
+    # A new version starts a fresh rollout.
+    d.raw_spec = spec(V3)
+    assert d.tick().phase == Phase.PROGRESSING
+
+
+def test_latency_over_sla_rolls_back() -> None:
+    d = started()
+    d.until(Phase.ANALYSING)
+    st = d.tick(canary=healthy(latency_s=2.0), stable=healthy(1000))
+    assert st.phase == Phase.ROLLING_BACK and "p99LatencyMs" in st.message
+
+
+def test_auto_rollback_off_leaves_canary_and_fails() -> None:
+    d = started(autoRollback=False)
+    d.until(Phase.ANALYSING)
+    st = d.tick(canary=healthy(errors=50), stable=healthy(1000))
+    assert st.phase == Phase.FAILED and d.fleet.count(v(V2)) == 1
+    assert d.tick().phase == Phase.FAILED and d.fleet.count(v(V2)) == 1
+    st = d.tick(abort=True)
+    assert st.phase == Phase.ROLLING_BACK and d.fleet.count(v(V2)) == 0
+    assert d.tick().phase == Phase.ABORTED
+
+
+def test_inconclusive_analysis_keeps_observing() -> None:
+    d = started()
+    d.until(Phase.ANALYSING)
+    st = d.tick(dt=30, canary=healthy(requests=3, errors=3), stable=healthy(1000))
+    assert st.phase == Phase.ANALYSING and "inconclusive" in st.message
+    st = d.tick(dt=1, canary=healthy(requests=100), stable=healthy(1000))
+    assert st.phase == Phase.PROGRESSING and st.step == 1
+
+
+def test_abort_rolls_back_and_rests_in_aborted() -> None:
+    d = started()
+    d.until(Phase.ANALYSING)
+    d.tick(dt=11, canary=healthy(), stable=healthy(1000))  # now at 20 %
+    assert d.fleet.count(v(V2)) == 4
+    st = d.tick(abort=True)
+    assert st.phase == Phase.ROLLING_BACK and ClearAnnotation(ABORT_ANNOTATION) in d.actions
+    assert d.fleet.count(v(V2)) == 0
+    st = d.tick()
+    assert st.phase == Phase.ABORTED and st.stable.version == v(V1) and st.rejected_version == v(V2)
+    assert RecordOutcome("aborted") in d.actions
+
+
+def test_promote_annotation_goes_to_all_instances_without_analysis() -> None:
+    d = started()
+    d.until(Phase.ANALYSING)
+    st = d.tick(promote=True)
+    assert ClearAnnotation(PROMOTE_ANNOTATION) in d.actions
+    assert st.step == 2 and d.fleet.count(v(V2)) == 20
+    st = d.tick()
+    assert st.phase == Phase.SUCCEEDED and st.stable.version == v(V2)
+
+
+def test_pause_holds_the_step_and_resume_restarts_its_window() -> None:
+    d = started()
+    d.until(Phase.ANALYSING)
+    d.raw_spec = spec(V2, paused=True)
+    st = d.tick(dt=100, canary=healthy(), stable=healthy(1000))
+    assert st.phase == Phase.PAUSED and st.step == 0
+    pushes = len(d.fleet.pushes)
+    for _ in range(3):
+        assert d.tick(dt=30, canary=healthy(), stable=healthy(1000)).phase == Phase.PAUSED
+    assert len(d.fleet.pushes) == pushes
+    d.raw_spec = spec(V2, paused=False)
+    st = d.tick()
+    assert st.phase in (Phase.PROGRESSING, Phase.ANALYSING) and st.step == 0
+    st = d.until(Phase.ANALYSING)
+    # The window restarts after a resume: a passing result right away does not promote the step.
+    st = d.tick(dt=1, canary=healthy(), stable=healthy(1000))
+    assert st.phase == Phase.ANALYSING and st.step == 0
+
+
+def test_new_version_while_paused_waits_paused() -> None:
+    d = Driver(Fleet.of(20, v(V1)), spec(V1))
+    d.tick()
+    d.raw_spec = spec(V2, paused=True)
+    st = d.tick()
+    assert st.phase == Phase.PAUSED and st.canary.version == v(V2) and d.fleet.pushes == []
+
+
+def test_newer_spec_mid_rollout_supersedes_from_step_one_keeping_stable() -> None:
+    d = started()
+    d.until(Phase.ANALYSING)
+    d.tick(dt=11, canary=healthy(), stable=healthy(1000))  # 20 %: 4 pods on V2
+    before = set(d.status.canary_pods)
+    d.raw_spec = spec(V3)
+    st = d.tick()
+    assert st.reason == "Superseded" and st.step == 0 and st.canary.version == v(V3)
+    assert st.stable.version == v(V1)
+    # The new canary reuses a previous canary pod; the others go back to stable.
+    assert set(st.canary_pods) <= before
+    assert d.fleet.count(v(V3)) == 1 and d.fleet.count(v(V2)) == 0 and d.fleet.count(v(V1)) == 19
+    assert RecordOutcome("superseded") in d.actions
+
+
+def test_spec_reverted_to_stable_rolls_canary_back_and_succeeds() -> None:
+    d = started()
+    d.until(Phase.ANALYSING)
+    d.raw_spec = spec(V1)
+    st = d.tick()
+    assert st.phase == Phase.ROLLING_BACK and st.reason == "Reverted"
+    st = d.tick()
+    assert st.phase == Phase.SUCCEEDED and st.stable.version == v(V1) and st.rejected_version is None
+
+
+def test_restart_mid_step_resumes_without_repushing() -> None:
+    d = started()
+    d.until(Phase.ANALYSING)
+    d.tick(dt=11, canary=healthy(), stable=healthy(1000))  # step 2 pushed (4 pods)
+    persisted = d.status.to_status(steps=(5, 20, 100))
+    pushes = list(d.fleet.pushes)
+    # A new operator process: only the persisted status survives.
+    d2 = Driver(d.fleet, d.raw_spec, now=d.now)
+    d2.status = RolloutStatus.from_status(persisted)
+    st = d2.tick()
+    assert st.step == 1 and st.stable.version == v(V1) and st.canary.version == v(V2)
+    assert d.fleet.pushes == pushes  # nothing pushed again: every pod already reports its version
+    assert st.phase == Phase.ANALYSING
+
+
+def test_crash_between_push_and_persist_is_observed_not_repeated() -> None:
+    d = started()
+    st = d.tick()  # step 1 pushed
+    assert st.phase == Phase.PROGRESSING
+    # The operator died after pushing step 2 to 2 of its 4 pods but before persisting anything.
+    lost_status = d.status.to_status(steps=(5, 20, 100))
+    d.fleet.versions["m-01"] = v(V2)
+    d.fleet.versions["m-02"] = v(V2)
+    d2 = Driver(d.fleet, d.raw_spec, now=d.now)
+    d2.status = RolloutStatus.from_status(lost_status)
+    st = d2.tick()
+    # Step 1's set is rebuilt around the pods already running V2; the extra ones go back to stable.
+    assert st.step == 0 and len(st.canary_pods) == 1
+    assert d.fleet.count(v(V2)) == 1
+
+
+def test_unreachable_canary_pod_hits_progress_deadline_and_rolls_back() -> None:
+    d = started(progressDeadline="30s")
+    d.fleet.unreachable = {f"m-{i:02d}" for i in range(20)}
+    st = d.tick()
+    assert st.phase == Phase.PROGRESSING and d.fleet.pushes == []
+    st = d.tick(dt=31)
+    assert st.phase == Phase.ROLLING_BACK and st.reason == "ProgressDeadlineExceeded"
+
+
+def test_no_instances_promotes_directly() -> None:
+    d = started(n=0)
+    st = d.tick()
+    assert st.phase == Phase.SUCCEEDED and st.stable.version == v(V2) and st.reason == "NoInstances"
+
+
+def test_instance_lost_during_analysis_reverifies() -> None:
+    d = started()
+    d.until(Phase.ANALYSING)
+    del d.fleet.versions["m-00"]  # the canary pod disappeared
+    st = d.tick(canary=healthy(), stable=healthy(1000))
+    assert st.phase == Phase.PROGRESSING and st.reason == "Reverifying"
+    st = d.tick()
+    assert st.phase == Phase.ANALYSING and st.canary_pods == ("m-01",)
+
+
+def test_invalid_spec_fails_then_recovers() -> None:
+    d = started()
+    d.tick()
+    bad = invalid_spec(status=d.status, error="steps must end at 100", now=d.now)
+    assert bad.status.phase == Phase.FAILED and bad.actions[0].reason == "InvalidSpec"
+    d.status = bad.status
+    st = d.tick()
+    assert st.phase in (Phase.PROGRESSING, Phase.ANALYSING) and st.step == 0
+
+
+def test_desired_versions_hold_when_paused() -> None:
+    d = started()
+    d.tick()
+    assert desired_versions(status=replace(d.status, phase=Phase.PAUSED), pods=d.fleet.observe()) == {}
+
+
+def test_status_round_trip() -> None:
+    d = started()
+    d.until(Phase.ANALYSING)
+    raw = d.status.to_status(steps=(5, 20, 100))
+    assert raw["step"] == "1/3" and raw["canaryPercent"] == 5 and raw["canaryInstances"] == "1/20"
+    assert raw["versionCounts"] == {v(V1): 19, v(V2): 1}
+    assert RolloutStatus.from_status(raw) == d.status
