@@ -1,0 +1,348 @@
+"""Model server (aiohttp): inference, probes, metrics and hot-reloadable gate params.
+
+Hot reload: the gate in effect is an immutable `AppliedGate` held by one attribute. A request
+reads that attribute exactly once and carries the object through fault injection, the model
+batch (run in a one-thread executor) and its response, so a PUT that swaps the reference in the
+event loop can never be seen half-applied: each request runs wholly under one version.
+
+`faultInjection` in the gate params is a CHAOS-TESTING KNOB, not a model setting: with
+errorRate p each inference request fails with 503 with probability p (seeded RNG) and
+addedLatencyMs sleeps (asyncio) before answering. It exists so tests and demos can roll out a
+deliberately bad version and watch the rollout controller's analysis catch it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import dataclasses
+import hmac
+import json
+import logging
+import os
+import random
+import time
+from typing import Any, Awaitable, Callable
+
+import torch
+from aiohttp import web
+
+from .gateparams import DEFAULT_DOCUMENT, GateDocument, GateParamsError, parse_document
+from .inference import InferenceResult, run_batch
+from .metrics import ServerMetrics
+from .model import ModelConfig, TinyMoELM, build_model
+from .precision import Precision
+
+log = logging.getLogger("sparsegate.workload")
+
+MAX_BATCH = 64
+MAX_TOTAL_TOKENS = 4096
+MAX_BODY_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class AppliedGate:
+    doc: GateDocument
+    precisions: tuple[Precision, ...]
+    applied_at: float
+
+
+@dataclasses.dataclass
+class ServerState:
+    model_config: ModelConfig
+    admin_token: str | None
+    rng: random.Random
+    gate: AppliedGate | None = None       # swapped by reference, never mutated
+    pending_doc: GateDocument = DEFAULT_DOCUMENT
+    model: TinyMoELM | None = None
+    executor: concurrent.futures.ThreadPoolExecutor | None = None
+    metrics: ServerMetrics | None = None
+    started: float = dataclasses.field(default_factory=time.monotonic)
+
+
+STATE = web.AppKey("state", ServerState)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message, "status": status}, status=status)
+
+
+@web.middleware
+async def json_errors(request: web.Request,
+                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                      ) -> web.StreamResponse:
+    """Every failure answers JSON with a clear message (aiohttp's defaults are plain text)."""
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return _error(e.status, e.message)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _error(e.status, e.reason if e.text is None or e.text.startswith(str(e.status))
+                      else e.text)
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _error(500, "internal server error")
+
+
+async def _read_json(request: web.Request) -> Any:
+    if request.content_type != "application/json":
+        raise ApiError(415, f"Content-Type must be application/json, got {request.content_type!r}")
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes") from None
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"body is not valid JSON: {e}") from None
+
+
+def parse_infer_request(body: Any, *, vocab_size: int, max_seq_len: int
+                        ) -> tuple[list[list[int]], bool]:
+    """Validate {"tokens": [[int,...],...], "returnLogits"?: bool}; raises ApiError."""
+    if not isinstance(body, dict):
+        raise ApiError(422, "body must be a JSON object with a 'tokens' field")
+    unknown = sorted(set(body) - {"tokens", "returnLogits"})
+    if unknown:
+        raise ApiError(422, f"unknown fields: {', '.join(unknown)}")
+    tokens = body.get("tokens")
+    return_logits = body.get("returnLogits", False)
+    if not isinstance(return_logits, bool):
+        raise ApiError(422, "returnLogits must be a boolean")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(s, list) for s in tokens):
+        raise ApiError(422, "tokens must be a non-empty list of token-id lists, shape [batch, seq]")
+    if len(tokens) > MAX_BATCH:
+        raise ApiError(413, f"batch of {len(tokens)} sequences exceeds the limit of {MAX_BATCH}")
+    seq_len = len(tokens[0])
+    if seq_len == 0 or any(len(s) != seq_len for s in tokens):
+        raise ApiError(422, "all sequences must be non-empty and of equal length")
+    if seq_len > max_seq_len:
+        raise ApiError(413, f"sequence length {seq_len} exceeds the limit of {max_seq_len}")
+    if seq_len * len(tokens) > MAX_TOTAL_TOKENS:
+        raise ApiError(413, f"{seq_len * len(tokens)} tokens exceed the limit of "
+                            f"{MAX_TOTAL_TOKENS} per request")
+    for row in tokens:
+        for t in row:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ApiError(422, f"token ids must be integers, got {t!r}")
+            if not 0 <= t < vocab_size:
+                raise ApiError(422, f"token id {t} is outside the vocabulary [0, {vocab_size})")
+    return tokens, return_logits
+
+
+def _result_json(result: InferenceResult, gate: AppliedGate) -> dict[str, Any]:
+    out = {
+        "gateVersion": gate.doc.version,
+        "checksum": gate.doc.checksum,
+        "nextTokens": result.next_tokens,
+        "expertCounts": result.expert_counts,
+        "activeExpertsPerToken": result.active_experts_per_token,
+        "selectedExpertsPerToken": result.selected_experts_per_token,
+        "droppedAssignments": result.dropped_assignments,
+        "gateEntropy": result.gate_entropy,
+        "toolCalls": result.tool_calls,
+        "toolGateFireRate": result.tool_gate_fire_rate,
+        "precisions": list(gate.precisions),
+        "numTokens": result.num_tokens,
+    }
+    if result.last_logits is not None:
+        out["logits"] = result.last_logits
+    return out
+
+
+async def infer(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    started = time.perf_counter()
+    code = 500
+    try:
+        gate = state.gate  # read once: this request runs wholly under this version
+        if gate is None or state.model is None or state.metrics is None:
+            raise ApiError(503, "model is still loading")
+        body = await _read_json(request)
+        cfg = state.model_config
+        tokens, return_logits = parse_infer_request(body, vocab_size=cfg.vocab_size,
+                                                    max_seq_len=cfg.max_seq_len)
+        fault = gate.doc.params.fault_injection
+        if fault.added_latency_ms > 0:
+            await asyncio.sleep(fault.added_latency_ms / 1000)
+        if fault.error_rate > 0 and state.rng.random() < fault.error_rate:
+            raise ApiError(503, f"fault injected by gate version {gate.doc.version} "
+                                f"(faultInjection.errorRate={fault.error_rate})")
+        result = await asyncio.get_running_loop().run_in_executor(
+            state.executor, lambda: run_batch(state.model, tokens, gate=gate.doc.params,
+                                              precisions=gate.precisions,
+                                              return_logits=return_logits))
+        state.metrics.observe_batch(result)
+        code = 200
+        return web.json_response(_result_json(result, gate))
+    except ApiError as e:
+        code = e.status
+        raise
+    finally:
+        if state.metrics is not None:
+            state.metrics.requests.labels(code=str(code)).inc()
+            state.metrics.duration.observe(time.perf_counter() - started)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    doc = state.gate.doc if state.gate else state.pending_doc
+    return web.json_response({"status": "ok", "gateVersion": doc.version,
+                              "checksum": doc.checksum,
+                              "uptimeSeconds": round(time.monotonic() - state.started, 3)})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.gate is None or state.model is None:
+        return web.json_response({"ready": False, "reason": "model is still loading"},
+                                 status=503)
+    return web.json_response({"ready": True, "gateVersion": state.gate.doc.version})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    state = request.app[STATE]
+    if state.metrics is None:
+        raise ApiError(503, "model is still loading")
+    return web.Response(body=generate_latest(state.metrics.registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _gate_json(gate: AppliedGate) -> dict[str, Any]:
+    return {**gate.doc.to_json(), "precisions": list(gate.precisions),
+            "appliedAt": gate.applied_at}
+
+
+async def get_gate(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.gate is None:
+        raise ApiError(503, "model is still loading")
+    return web.json_response(_gate_json(state.gate))
+
+
+def _check_admin(request: web.Request, token: str | None) -> None:
+    if not token:
+        raise ApiError(403, "admin API disabled: no admin token configured on this server")
+    header = request.headers.get("Authorization", "")
+    if not header.startswith("Bearer "):
+        raise ApiError(401, "missing Bearer token")
+    if not hmac.compare_digest(header[len("Bearer "):].encode(), token.encode()):
+        raise ApiError(403, "invalid admin token")
+
+
+async def put_gate(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    _check_admin(request, state.admin_token)
+    if state.gate is None or state.model is None or state.metrics is None:
+        raise ApiError(503, "model is still loading")
+    body = await _read_json(request)
+    try:
+        doc = parse_document(body, num_experts=state.model_config.num_experts)
+    except GateParamsError as e:
+        state.metrics.gate_applies.labels(result="rejected").inc()
+        raise ApiError(422, str(e)) from None
+    if doc.version == state.gate.doc.version:
+        return web.json_response({**_gate_json(state.gate), "applied": False})
+    new = AppliedGate(doc=doc, precisions=state.model.resolve_precisions(
+        doc.params.precision_policy), applied_at=time.time())
+    previous = state.gate.doc.version
+    # The swap: one reference assignment on the event loop thread.
+    state.gate = new
+    state.metrics.set_gate(version=doc.version, checksum=doc.checksum)
+    state.metrics.gate_applies.labels(result="applied").inc()
+    log.info("gate %s -> %s", previous, doc.version)
+    return web.json_response({**_gate_json(new), "applied": True, "previousVersion": previous})
+
+
+async def _load_model(app: web.Application) -> None:
+    state = app[STATE]
+    state.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                           thread_name_prefix="model")
+    loop = asyncio.get_running_loop()
+    model = await loop.run_in_executor(
+        state.executor, lambda: build_model(state.model_config, gate=DEFAULT_DOCUMENT.params))
+    doc = parse_document(state.pending_doc.to_json(), num_experts=model.cfg.num_experts)
+    metrics_ = ServerMetrics(n_layers=model.cfg.n_layers, num_experts=model.cfg.num_experts)
+    metrics_.set_gate(version=doc.version, checksum=doc.checksum)
+    state.metrics, state.model = metrics_, model
+    state.gate = AppliedGate(doc=doc, precisions=model.resolve_precisions(
+        doc.params.precision_policy), applied_at=time.time())
+
+
+async def _startup(app: web.Application) -> None:
+    # Serve probes immediately; /readyz turns 200 when the model is built.
+    app["loader"] = asyncio.create_task(_load_model(app))
+
+
+async def _cleanup(app: web.Application) -> None:
+    app["loader"].cancel()
+    state = app[STATE]
+    if state.executor is not None:
+        state.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, admin_token: str | None = None,
+               model_config: ModelConfig = ModelConfig(), fault_seed: int = 0
+               ) -> web.Application:
+    app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
+    app[STATE] = ServerState(model_config=model_config, admin_token=admin_token,
+                             rng=random.Random(fault_seed), pending_doc=gate_doc)
+    app.router.add_post("/v1/infer", infer)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/admin/gate", get_gate)
+    app.router.add_put("/admin/gate", put_gate)
+    app.on_startup.append(_startup)
+    app.on_cleanup.append(_cleanup)
+    return app
+
+
+async def wait_ready(app: web.Application) -> None:
+    """For in-process users (tests): wait until the model is loaded."""
+    await app["loader"]
+
+
+def load_gate_file(path: str, *, num_experts: int) -> GateDocument:
+    with open(path, encoding="utf-8") as f:
+        return parse_document(json.load(f), num_experts=num_experts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m sparsegate_workload.server")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--gate-config", help="gate document JSON (the <model>-gate ConfigMap)")
+    p.add_argument("--admin-token-env", default="SPARSEGATE_ADMIN_TOKEN",
+                   help="environment variable holding the admin Bearer token")
+    p.add_argument("--threads", type=int,
+                   default=int(os.environ.get("SPARSEGATE_TORCH_THREADS", "1")),
+                   help="torch intra-op threads (default 1: many servers share a machine)")
+    p.add_argument("--seed", type=int, default=0, help="model init seed")
+    p.add_argument("--fault-seed", type=int, default=0, help="seed of the fault-injection RNG")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(args.threads)
+    cfg = ModelConfig(seed=args.seed)
+    doc = (load_gate_file(args.gate_config, num_experts=cfg.num_experts)
+           if args.gate_config else DEFAULT_DOCUMENT)
+    app = create_app(gate_doc=doc, admin_token=os.environ.get(args.admin_token_env) or None,
+                     model_config=cfg, fault_seed=args.fault_seed)
+    log.info("serving on %s:%d gate %s", args.host, args.port, doc.version)
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()
