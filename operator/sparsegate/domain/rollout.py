@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
+
+from sparsegate_workload import gateparams
 
 from sparsegate.domain.analysis import AnalysisResult, GroupMetrics, Verdict, analyse
 from sparsegate.domain.calibration import (
@@ -92,13 +92,13 @@ class SpecError(ValueError):
 # ---------------------------------------------------------------- gate versions
 
 
-def canonical_json(params: Mapping[str, Any]) -> str:
-    return json.dumps(params, sort_keys=True, separators=(",", ":"))
-
-
 @dataclass(frozen=True)
 class GateVersion:
-    """A content-addressed gate document, as pushed to ``PUT /admin/gate``."""
+    """A content-addressed gate document, as pushed to ``PUT /admin/gate``.
+
+    Hashing and validation are ``sparsegate_workload.gateparams``'s, so the operator, the
+    rendered ConfigMap and the model server agree on every version id.
+    """
 
     version: str
     checksum: str
@@ -106,8 +106,9 @@ class GateVersion:
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> GateVersion:
-        digest = hashlib.sha256(canonical_json(params).encode()).hexdigest()
-        return cls(version=f"g-{digest[:12]}", checksum=f"sha256:{digest}", params=dict(params))
+        """Raises ``gateparams.GateParamsError`` (a ValueError) for invalid params."""
+        doc = gateparams.make_document(params)
+        return cls(version=doc.version, checksum=doc.checksum, params=dict(doc.raw_params))
 
     @classmethod
     def from_status(cls, raw: Mapping[str, Any] | None) -> GateVersion | None:
@@ -152,8 +153,12 @@ def parse_spec(spec: Mapping[str, Any], *, target: GateVersion | None = None) ->
             raise SpecError(f"spec.rollout.steps must be positive percentages ending at 100, got {list(steps)}")
         if any(b <= a for a, b in zip(steps, steps[1:])):
             raise SpecError(f"spec.rollout.steps must be strictly increasing, got {list(steps)}")
+        try:
+            target = target or GateVersion.from_params(params)
+        except gateparams.GateParamsError as e:
+            raise SpecError(f"spec.params: {e}") from e
         return RolloutSpec(
-            target=target or GateVersion.from_params(params),
+            target=target,
             steps=steps,
             analysis_interval_s=parse_duration(
                 ro.get("analysisInterval", DEFAULT_ANALYSIS_INTERVAL_S), field="analysisInterval"
@@ -214,64 +219,75 @@ class RolloutStatus:
 
     @classmethod
     def from_status(cls, raw: Mapping[str, Any] | None) -> RolloutStatus:
+        """Read GateConfig ``status`` (``stable``, ``conditions`` and the ``rollout`` block)."""
         raw = raw or {}
         ro = raw.get("rollout") or {}
-        phase = raw.get("phase")
+        phase = ro.get("phase")
         after = ro.get("afterRollback")
+        calibration = ro.get("calibration") or {}
         return cls(
             phase=Phase(phase) if phase in Phase._value2member_map_ else Phase.PENDING,
             stable=GateVersion.from_status(raw.get("stable")),
-            canary=GateVersion.from_status(raw.get("canary")),
+            canary=GateVersion.from_status(ro.get("canary")),
             step=ro.get("stepIndex"),
-            step_percent=raw.get("canaryPercent"),
+            step_percent=ro.get("canaryPercent"),
             canary_pods=tuple(ro.get("canaryPods") or ()),
-            pod_versions=dict(raw.get("podVersions") or {}),
+            pod_versions=dict(ro.get("podVersions") or {}),
             step_started_at=_epoch(ro.get("stepStartedAt")),
             analysis_started_at=_epoch(ro.get("analysisStartedAt")),
             after_rollback=Phase(after) if after in Phase._value2member_map_ else None,
             rejected_version=ro.get("rejectedVersion"),
             promote=bool(ro.get("promote", False)),
-            reason=raw.get("reason") or "",
-            message=raw.get("message") or "",
-            last_analysis=raw.get("analysis"),
-            qps_samples=tuple(tuple(s) for s in (ro.get("calibration") or {}).get("qps", ())),
-            error_samples=tuple(tuple(s) for s in (ro.get("calibration") or {}).get("errorRate", ())),
+            reason=ro.get("reason") or "",
+            message=ro.get("message") or "",
+            last_analysis=ro.get("analysis"),
+            qps_samples=tuple(tuple(x) for x in calibration.get("qps", ())),
+            error_samples=tuple(tuple(x) for x in calibration.get("errorRate", ())),
             conditions=tuple(raw.get("conditions") or ()),
         )
 
     def to_status(self, *, steps: Sequence[int]) -> dict[str, Any]:
-        """The status subresource body (every key present, so a merge patch clears old values)."""
-        total = len(self.pod_versions)
+        """``stable``, ``conditions`` and ``rollout`` for GateConfig status (None values left out).
+
+        Written with a full replace (PUT) of the status: merge patches would merge the params
+        maps of successive versions and corrupt their checksums.
+        """
         counts: dict[str, int] = {}
-        for v in self.pod_versions.values():
-            counts[v] = counts.get(v, 0) + 1
-        return {
+        for version in self.pod_versions.values():
+            counts[version] = counts.get(version, 0) + 1
+        rollout = {
+            # Printer columns read phase, step, canaryPercent and canaryVersion.
             "phase": self.phase.value,
             "reason": self.reason,
             "message": self.message,
-            "stable": self.stable.document() if self.stable else None,
-            "canary": self.canary.document() if self.canary else None,
-            "step": f"{self.step + 1}/{len(steps)}" if self.step is not None else None,
+            "step": self.step + 1 if self.step is not None else None,
+            "steps": len(steps),
             "canaryPercent": self.step_percent,
-            "canaryInstances": f"{len(self.canary_pods)}/{total}" if self.canary else None,
+            "canaryVersion": self.canary.version if self.canary else None,
+            "canary": self.canary.document() if self.canary else None,
+            "canaryInstances": f"{len(self.canary_pods)}/{len(self.pod_versions)}" if self.canary else None,
             "podVersions": dict(self.pod_versions),
             "versionCounts": counts,
             "analysis": dict(self.last_analysis) if self.last_analysis else None,
-            "conditions": list(self.conditions),
-            "rollout": {
-                "stepIndex": self.step,
-                "canaryPods": list(self.canary_pods),
-                "stepStartedAt": _iso(self.step_started_at),
-                "analysisStartedAt": _iso(self.analysis_started_at),
-                "afterRollback": self.after_rollback.value if self.after_rollback else None,
-                "rejectedVersion": self.rejected_version,
-                "promote": self.promote,
-                "calibration": {
-                    "qps": [list(s) for s in self.qps_samples],
-                    "errorRate": [list(s) for s in self.error_samples],
-                },
+            "stepIndex": self.step,
+            "canaryPods": list(self.canary_pods),
+            "stepStartedAt": _iso(self.step_started_at),
+            "analysisStartedAt": _iso(self.analysis_started_at),
+            "afterRollback": self.after_rollback.value if self.after_rollback else None,
+            "rejectedVersion": self.rejected_version,
+            "promote": self.promote,
+            "calibration": {
+                "qps": [list(x) for x in self.qps_samples],
+                "errorRate": [list(x) for x in self.error_samples],
             },
         }
+        out: dict[str, Any] = {
+            "rollout": {k: v for k, v in rollout.items() if v is not None},
+            "conditions": list(self.conditions),
+        }
+        if self.stable:
+            out["stable"] = self.stable.document()
+        return out
 
 
 # ---------------------------------------------------------------- observations and actions
@@ -510,10 +526,12 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
         acts.append(ClearAnnotation(PROMOTE_ANNOTATION))
     target = spec.target
 
-    # First reconcile: the spec's version becomes stable (what new pods start with).
-    if s.stable is None:
+    # First reconcile: the spec's version becomes stable (what new pods start with), unless
+    # the SparseModel side already recorded one (it writes status.stable on first sight too).
+    if s.stable is None or s.phase == Phase.PENDING:
+        stable = s.stable or target
         s = dataclasses.replace(
-            s, phase=Phase.SUCCEEDED, stable=target, reason="Initialized", message=f"stable version {target.version}"
+            s, phase=Phase.SUCCEEDED, stable=stable, reason="Initialized", message=f"stable version {stable.version}"
         )
         acts.append(EmitEvent("Normal", "Initialized", s.message))
 

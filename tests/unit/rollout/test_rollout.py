@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 import pytest
+from sparsegate_workload import gateparams
 
 from sparsegate.domain.analysis import GroupMetrics
 from sparsegate.domain.rollout import (
@@ -124,8 +125,12 @@ def started(n: int = 20, **rollout: object) -> Driver:
 
 
 def test_version_is_content_addressed() -> None:
-    g = GateVersion.from_params({"b": 1, "a": 2})
-    assert g == GateVersion.from_params({"a": 2, "b": 1})
+    g = GateVersion.from_params({"entropyBeta": 0.2, "toolGateThreshold": 0.8})
+    assert g == GateVersion.from_params({"toolGateThreshold": 0.8, "entropyBeta": 0.2})
+    # Same rules as the model server and the rendered ConfigMap.
+    assert g.version == gateparams.version_of(g.params) and g.checksum == gateparams.checksum_of(g.params)
+    with pytest.raises(SpecError, match="unknown gate params"):
+        parse_spec({"params": {"bogus": 1}})
     assert g.version.startswith("g-") and len(g.version) == 14
     assert g.checksum.startswith("sha256:") and g.checksum[7:19] == g.version[2:]
 
@@ -391,6 +396,9 @@ def test_status_round_trip() -> None:
     d = started()
     d.until(Phase.ANALYSING)
     raw = d.status.to_status(steps=(5, 20, 100))
-    assert raw["step"] == "1/3" and raw["canaryPercent"] == 5 and raw["canaryInstances"] == "1/20"
-    assert raw["versionCounts"] == {v(V1): 19, v(V2): 1}
+    ro = raw["rollout"]
+    assert (ro["phase"], ro["step"], ro["steps"], ro["canaryPercent"]) == ("Analysing", 1, 3, 5)
+    assert ro["canaryVersion"] == v(V2) and ro["canaryInstances"] == "1/20"
+    assert ro["versionCounts"] == {v(V1): 19, v(V2): 1}
+    assert raw["stable"]["version"] == v(V1)
     assert RolloutStatus.from_status(raw) == d.status
