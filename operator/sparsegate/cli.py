@@ -12,6 +12,8 @@ import os
 import socket
 import sys
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,6 +40,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StandbyHealth(BaseHTTPRequestHandler):
+    """Answers liveness while a replica waits for the Lease (Kopf's endpoint is not up yet)."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server naming)
+        body = b'{"standby": true}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def _standby_server(liveness: str | None) -> ThreadingHTTPServer | None:
+    if not liveness:
+        return None
+    url = urlsplit(liveness)
+    server = ThreadingHTTPServer((url.hostname or "0.0.0.0", url.port or 80), _StandbyHealth)
+    threading.Thread(target=server.serve_forever, name="standby-health", daemon=True).start()
+    return server
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -57,8 +83,14 @@ def main(argv: list[str] | None = None) -> int:
         elector = LeaderElector(Kube.from_environment(), name=args.lease_name,
                                 namespace=args.lease_namespace,
                                 identity=os.environ.get("POD_NAME") or socket.gethostname())
-        if not elector.acquire(stop):
-            return 1
+        standby = _standby_server(args.liveness)
+        try:
+            if not elector.acquire(stop):
+                return 1
+        finally:
+            if standby is not None:  # free the port for Kopf's own liveness endpoint
+                standby.shutdown()
+                standby.server_close()
         elector.keep(stop)  # losing the Lease stops Kopf; the pod restarts and re-queues
     kopf.run(
         clusterwide=not args.namespace,

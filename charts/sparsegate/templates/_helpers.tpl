@@ -1,0 +1,56 @@
+{{/* Chart name, possibly overridden. */}}
+{{- define "sparsegate.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Resource name prefix: <release>-sparsegate unless the release name already contains it. */}}
+{{- define "sparsegate.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := include "sparsegate.name" . -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "sparsegate.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/part-of: sparsegate
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Selector labels of one component (operator | agent). */}}
+{{- define "sparsegate.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "sparsegate.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "sparsegate.operator.serviceAccountName" -}}
+{{- if .Values.operator.serviceAccount.create -}}
+{{- default (printf "%s-operator" (include "sparsegate.fullname" .)) .Values.operator.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.operator.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "sparsegate.agent.serviceAccountName" -}}
+{{- if .Values.agent.serviceAccount.create -}}
+{{- default (printf "%s-agent" (include "sparsegate.fullname" .)) .Values.agent.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.agent.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "sparsegate.image" -}}
+{{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) -}}
+{{- end -}}
