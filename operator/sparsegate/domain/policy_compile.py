@@ -126,9 +126,12 @@ def candidate_queries(
     Ports: those the target's rules name, plus the model pods' declared ports when a rule names none
     (a port-less rule covers every port, and the pods' ports are the ones that matter).
     """
-    classes: dict[tuple[str, str, tuple[tuple[str, str], ...]], PodInfo] = {}
+    # identity key -> identity classes filed there: each bucket finds its classes by lookup, so the
+    # cost follows the matches, not models × classes.
+    by_key: dict[str, set[tuple[str, str, tuple[tuple[str, str], ...]]]] = {}
     for pod in pods:
-        classes.setdefault(pod.identity, pod)
+        for key in identity_keys(pod=pod, trust_domain=trust_domain):
+            by_key.setdefault(key, set()).add(pod.identity)
     queries: set[QueryKey] = set()
     for (namespace, model), model_pods in sorted(_models(pods).items()):
         buckets: dict[str, list[Mapping[str, Any]]] = {}
@@ -144,9 +147,8 @@ def candidate_queries(
                     ports.update(Port(port=p["port"], protocol=p["protocol"]) for p in rule["ports"])
                 else:
                     ports.update(port for pod in model_pods for port in pod.ports)
-        for (ns, sa, labels), pod in classes.items():
-            if not any(k in buckets for k in identity_keys(pod=pod, trust_domain=trust_domain)):
-                continue
+        classes = set().union(*(by_key.get(ikey, ()) for ikey in buckets))
+        for ns, sa, labels in classes:
             for port in ports:
                 queries.add(
                     QueryKey(
@@ -154,7 +156,8 @@ def candidate_queries(
                         target_namespace=namespace, model=model, port=port.port, protocol=port.protocol,
                     )
                 )
-    return sorted(queries, key=lambda q: canonical_json(q.opa_input(trust_domain=trust_domain)))
+    return sorted(queries, key=lambda q: (q.target_namespace, q.model, q.port, q.protocol, q.namespace,
+                                          q.service_account, q.labels))
 
 
 def flow_document(
