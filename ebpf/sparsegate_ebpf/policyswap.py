@@ -32,8 +32,8 @@ class SwapResult:
 
 class PolicySwapper:
     def __init__(self, *, bpf: Any) -> None:
-        self._outer = bpf["policy_outer"]
-        self._pool = [bpf[name] for name in POOL]
+        self._outer = bpf[b"policy_outer"]
+        self._pool = [bpf[name.encode()] for name in POOL]
         self._active: int | None = None
         self._lock = threading.Lock()
         self.generation = 0

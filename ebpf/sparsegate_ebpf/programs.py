@@ -33,7 +33,7 @@ class LoadedProgram:
         return self.fn.fd
 
     def table(self, name: str) -> Any:
-        return self.bpf[name]
+        return self.bpf[name.encode()]
 
     def close(self) -> None:
         self.bpf.cleanup()
@@ -63,8 +63,8 @@ def load(*, enforce: bool = True, flow_entries: int = 65536, debug: int = 0) -> 
     if os.geteuid() != 0:
         raise BpfUnavailable("loading XDP programs needs root (CAP_BPF + CAP_NET_ADMIN)")
     try:
-        bpf = bcc.BPF(src_file=str(PROGRAM_PATH), cflags=cflags(enforce=enforce, flow_entries=flow_entries), debug=debug)
-        fn = bpf.load_func(FUNCTION, bcc.BPF.XDP)
+        bpf = bcc.BPF(src_file=str(PROGRAM_PATH).encode(), cflags=cflags(enforce=enforce, flow_entries=flow_entries), debug=debug)
+        fn = bpf.load_func(FUNCTION.encode(), bcc.BPF.XDP)
     except Exception as exc:  # bcc raises bare Exception on compile/verify failure
         raise BpfUnavailable(f"BCC could not compile/load {PROGRAM_PATH.name}: {exc}") from exc
     _check_layouts(bpf)
@@ -81,7 +81,7 @@ def _check_layouts(bpf: Any) -> None:
         "verdicts": ("sg_verdict_key", None),
     }
     for table, (key_struct, leaf_struct) in expected.items():
-        t = bpf[table]
+        t = bpf[table.encode()]
         if ct.sizeof(t.Key) != ct.sizeof(STRUCTS[key_struct]):
             raise BpfUnavailable(f"{table}: key size {ct.sizeof(t.Key)} != maps.{key_struct}")
         if leaf_struct and ct.sizeof(t.Leaf) != ct.sizeof(STRUCTS[leaf_struct]):

@@ -34,7 +34,7 @@ def attach(*, bpf: Any, fn: Any, ifname: str, mode: XdpMode) -> XdpMode:
     errors = []
     for m in order:
         try:
-            bpf.attach_xdp(ifname, fn, _FLAGS[m] | XDP_FLAGS_UPDATE_IF_NOEXIST)
+            bpf.attach_xdp(ifname.encode(), fn, _FLAGS[m] | XDP_FLAGS_UPDATE_IF_NOEXIST)
             return m
         except Exception as exc:  # bcc raises bare Exception with the netlink error
             errors.append(f"{m.value}: {exc}")
@@ -43,4 +43,4 @@ def attach(*, bpf: Any, fn: Any, ifname: str, mode: XdpMode) -> XdpMode:
 
 
 def detach(*, bpf: Any, ifname: str, mode: XdpMode) -> None:
-    bpf.remove_xdp(ifname, _FLAGS[mode])
+    bpf.remove_xdp(ifname.encode(), _FLAGS[mode])

@@ -1,0 +1,191 @@
+"""Prometheus export: a custom collector that reads the BPF maps at scrape time.
+
+Nothing is copied periodically; each scrape walks the maps, folds the per-CPU values and
+yields fresh metric families. Flow series are capped (largest by bytes) to bound cardinality.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from .maps import PROTO_NAMES, Counter, be16_to_port, be32_to_ip
+from .policy import ACTION_NAMES
+
+
+@dataclass
+class FlowTotals:
+    packets: int
+    bytes: int
+    dropped: int
+    first_seen_ns: int
+    last_seen_ns: int
+
+
+def fold_flow(per_cpu: Iterable[Any]) -> FlowTotals:
+    """Sum counters over CPUs; first seen = earliest non-zero, last seen = latest."""
+    vals = [v for v in per_cpu if v.packets]
+    return FlowTotals(
+        packets=sum(v.packets for v in vals),
+        bytes=sum(v.bytes for v in vals),
+        dropped=sum(v.dropped for v in vals),
+        first_seen_ns=min((v.first_seen_ns for v in vals), default=0),
+        last_seen_ns=max((v.last_seen_ns for v in vals), default=0),
+    )
+
+
+def fold_counter(per_cpu: Iterable[Any]) -> tuple[int, int]:
+    packets = bytes_ = 0
+    for v in per_cpu:
+        packets += v.packets
+        bytes_ += v.bytes
+    return packets, bytes_
+
+
+@dataclass
+class AgentState:
+    """What the agent knows beyond the maps; shared with the collector (read under no lock:
+    single attribute reads are atomic in CPython)."""
+
+    bpf_available: bool = False
+    bpf_error: str = ""
+    program: Any = None                 # programs.LoadedProgram
+    swapper: Any = None                 # policyswap.PolicySwapper
+    attached: dict[str, str] = field(default_factory=dict)  # interface -> native|generic
+    policy_version: str = ""
+    policy_errors: int = 0
+    policy_swaps: int = 0
+    last_swap_seconds: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _proto(num: int) -> str:
+    return PROTO_NAMES.get(num, str(num))
+
+
+class XdpCollector:
+    def __init__(self, *, state: AgentState, max_flows: int = 1000) -> None:
+        self._state = state
+        self._max_flows = max_flows
+
+    def describe(self) -> Sequence[Metric]:
+        return []  # no scrape at registration time
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._state
+        avail = GaugeMetricFamily("sparsegate_agent_bpf_available", "1 when the XDP program is loaded")
+        avail.add_metric([], 1.0 if s.bpf_available else 0.0)
+        yield avail
+        att = GaugeMetricFamily("sparsegate_xdp_attached", "XDP program attached, by interface and mode",
+                                labels=["interface", "mode"])
+        for ifname, mode in sorted(s.attached.items()):
+            att.add_metric([ifname, mode], 1.0)
+        yield att
+        pe = CounterMetricFamily("sparsegate_agent_policy_errors", "Policy documents rejected")
+        pe.add_metric([], s.policy_errors)
+        yield pe
+        if not s.bpf_available or s.program is None:
+            return
+        bpf = s.program.bpf
+
+        pk = CounterMetricFamily("sparsegate_xdp_packets", "Packets seen by XDP, by type", labels=["type"])
+        by = CounterMetricFamily("sparsegate_xdp_bytes", "Bytes seen by XDP, by type", labels=["type"])
+        counters = bpf[b"counters"]
+        for c in Counter:
+            packets, bytes_ = fold_counter(counters[counters.Key(int(c))])
+            pk.add_metric([c.name.lower()], packets)
+            by.add_metric([c.name.lower()], bytes_)
+        yield pk
+        yield by
+
+        yield from self._flows(bpf)
+        yield from self._ports(bpf)
+        yield from self._handshakes(bpf)
+        yield from self._policy(bpf)
+
+    def _flows(self, bpf: Any) -> Iterator[Metric]:
+        labels = ["src", "dst", "sport", "dport", "proto"]
+        fp = CounterMetricFamily("sparsegate_xdp_flow_packets", "Packets per IPv4 flow", labels=labels)
+        fb = CounterMetricFamily("sparsegate_xdp_flow_bytes", "Bytes per IPv4 flow", labels=labels)
+        fd = CounterMetricFamily("sparsegate_xdp_flow_dropped_packets", "Policy drops per flow", labels=labels)
+        dur = GaugeMetricFamily("sparsegate_xdp_flow_duration_seconds",
+                                "Last seen - first seen (bpf_ktime_get_ns)", labels=labels)
+        gap = GaugeMetricFamily("sparsegate_xdp_flow_mean_interarrival_seconds",
+                                "(last - first seen) / (packets - 1)", labels=labels)
+        idle = GaugeMetricFamily("sparsegate_xdp_flow_idle_seconds", "Now - last seen", labels=labels)
+        now = time.monotonic_ns()  # same clock as bpf_ktime_get_ns
+        flows = [(k, fold_flow(v)) for k, v in bpf[b"flows"].items()]
+        flows.sort(key=lambda kv: kv[1].bytes, reverse=True)
+        for k, t in flows[: self._max_flows]:
+            lv = [be32_to_ip(k.saddr), be32_to_ip(k.daddr), str(be16_to_port(k.sport)),
+                  str(be16_to_port(k.dport)), _proto(k.proto)]
+            fp.add_metric(lv, t.packets)
+            fb.add_metric(lv, t.bytes)
+            fd.add_metric(lv, t.dropped)
+            span = (t.last_seen_ns - t.first_seen_ns) / 1e9
+            dur.add_metric(lv, span)
+            if t.packets > 1:
+                gap.add_metric(lv, span / (t.packets - 1))
+            idle.add_metric(lv, max(0, now - t.last_seen_ns) / 1e9)
+        tracked = GaugeMetricFamily("sparsegate_xdp_flows_tracked", "Flows in the LRU flow table")
+        tracked.add_metric([], len(flows))
+        yield from (fp, fb, fd, dur, gap, idle, tracked)
+
+    def _ports(self, bpf: Any) -> Iterator[Metric]:
+        pp = CounterMetricFamily("sparsegate_xdp_port_packets", "Packets by destination port", labels=["port", "proto"])
+        pb = CounterMetricFamily("sparsegate_xdp_port_bytes", "Bytes by destination port", labels=["port", "proto"])
+        for k, v in bpf[b"port_totals"].items():
+            packets, bytes_ = fold_counter(v)
+            pp.add_metric([str(k.port), _proto(k.proto)], packets)
+            pb.add_metric([str(k.port), _proto(k.proto)], bytes_)
+        yield pp
+        yield pb
+
+    def _handshakes(self, bpf: Any) -> Iterator[Metric]:
+        labels = ["src", "dst", "dport"]
+        last = GaugeMetricFamily("sparsegate_xdp_tcp_handshake_rtt_seconds",
+                                 "Last SYN->SYN-ACK time seen at this node, by client flow", labels=labels)
+        mean = GaugeMetricFamily("sparsegate_xdp_tcp_handshake_rtt_mean_seconds",
+                                 "Mean SYN->SYN-ACK time", labels=labels)
+        for k, h in bpf[b"handshakes"].items():
+            if not h.samples:
+                continue
+            lv = [be32_to_ip(k.saddr), be32_to_ip(k.daddr), str(be16_to_port(k.dport))]
+            last.add_metric(lv, h.last_rtt_ns / 1e9)
+            mean.add_metric(lv, h.rtt_sum_ns / h.samples / 1e9)
+        yield last
+        yield mean
+
+    def _policy(self, bpf: Any) -> Iterator[Metric]:
+        s = self._state
+        if s.swapper is None:
+            return
+        gen = GaugeMetricFamily("sparsegate_xdp_policy_generation", "Live policy generation")
+        gen.add_metric([], s.swapper.generation)
+        yield gen
+        info = GaugeMetricFamily("sparsegate_xdp_policy_info", "Live policy version", labels=["version"])
+        if s.policy_version:
+            info.add_metric([s.policy_version], 1.0)
+        yield info
+        swaps = CounterMetricFamily("sparsegate_xdp_policy_swaps", "Atomic policy swaps")
+        swaps.add_metric([], s.policy_swaps)
+        yield swaps
+        sw = GaugeMetricFamily("sparsegate_xdp_policy_last_swap_seconds", "Duration of the last outer-slot update")
+        sw.add_metric([], s.last_swap_seconds)
+        yield sw
+        verdicts = CounterMetricFamily("sparsegate_xdp_policy_verdicts", "Packets judged, by rule and action",
+                                       labels=["rule", "action"])
+        totals: dict[tuple[str, str], int] = {}
+        names = dict(s.swapper.rule_names)
+        for k, v in bpf[b"verdicts"].items():
+            packets, _ = fold_counter(v)
+            rule = names.get(k.generation, {}).get(k.rule_id, f"gen{k.generation}/rule{k.rule_id}")
+            key = (rule, ACTION_NAMES.get(k.action, str(k.action)))
+            totals[key] = totals.get(key, 0) + packets
+        for (rule, action), packets in sorted(totals.items()):
+            verdicts.add_metric([rule, action], packets)
+        yield verdicts

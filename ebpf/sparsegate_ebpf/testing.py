@@ -1,0 +1,57 @@
+"""Helpers shared by the BPF unit tests, the netns integration tests and the benchmark."""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from .maps import Counter
+from .metrics import FlowTotals, fold_counter, fold_flow
+from .programs import BpfUnavailable, LoadedProgram, load
+
+
+def require_program(*, enforce: bool) -> LoadedProgram:
+    """Load the program or raise with the reason; tests turn this into a loud failure."""
+    if os.geteuid() != 0:
+        raise BpfUnavailable("BPF tests need root (run dev/test.sh as root)")
+    return load(enforce=enforce)
+
+
+def reset_maps(prog: LoadedProgram) -> None:
+    """Empty every telemetry map (policy maps are left to the swapper)."""
+    for name in ("flows", "port_totals", "handshakes", "verdicts", "counters"):
+        prog.bpf[name.encode()].clear()
+
+
+def counters(prog: LoadedProgram) -> dict[Counter, int]:
+    t = prog.bpf[b"counters"]
+    return {c: fold_counter(t[t.Key(int(c))])[0] for c in Counter}
+
+
+def flows(prog: LoadedProgram) -> dict[tuple[int, int, int, int, int], FlowTotals]:
+    """(saddr, daddr, sport, dport, proto) in map byte order -> totals over CPUs."""
+    return {(k.saddr, k.daddr, k.sport, k.dport, k.proto): fold_flow(v) for k, v in prog.bpf[b"flows"].items()}
+
+
+def verdicts(prog: LoadedProgram) -> dict[tuple[int, int, int], int]:
+    """(generation, rule_id, action) -> packets."""
+    return {(k.generation, k.rule_id, k.action): fold_counter(v)[0] for k, v in prog.bpf[b"verdicts"].items()}
+
+
+def ports(prog: LoadedProgram) -> dict[tuple[int, int], tuple[int, int]]:
+    return {(k.port, k.proto): fold_counter(v) for k, v in prog.bpf[b"port_totals"].items()}
+
+
+def nonzero(d: dict[Any, int], keys: Iterable[Any]) -> dict[Any, int]:
+    return {k: d[k] for k in keys if d[k]}
+
+
+def clear_policy(prog: LoadedProgram) -> None:
+    """Empty the outer policy slot (back to 'no policy': everything passes, counted)."""
+    import ctypes as ct
+
+    outer = prog.bpf[b"policy_outer"]
+    try:
+        del outer[ct.c_int(0)]
+    except KeyError:
+        pass  # already empty

@@ -1,0 +1,86 @@
+"""Flow policy documents -> policy map records (pure, no BPF)."""
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from sparsegate_ebpf.maps import ACTION_ALLOW, ACTION_DENY, be16_to_port, be32_to_ip
+from sparsegate_ebpf.policy import PolicyError, compile_policy, parse_policy
+
+
+def entry(**over: object) -> dict:
+    base = {"srcIP": "10.0.0.1", "dstIP": "10.0.0.2", "dstPort": 8080, "protocol": "tcp",
+            "action": "allow", "rule": "ns/p#0"}
+    base.update(over)
+    return base
+
+
+def test_parses_contract_document_from_json_text() -> None:
+    doc = {"version": "sha256:abc", "defaultAction": "deny", "entries": [entry(), entry(dstPort=53, protocol="udp")]}
+    policy = parse_policy(json.dumps(doc))
+    assert policy.version == "sha256:abc"
+    assert policy.default_action == "deny"
+    assert [(e.dst_port, e.protocol) for e in policy.entries] == [(8080, "tcp"), (53, "udp")]
+    assert policy.rule_names() == {0: "default:deny", 1: "ns/p#0", 2: "ns/p#0"}
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ([], "JSON object"),
+        ({"defaultAction": "maybe"}, "defaultAction"),
+        ({"entries": [entry(srcIP="10.0.0.300")]}, "entries[0].srcIP"),
+        ({"entries": [entry(dstIP="fe80::1")]}, "entries[0].dstIP"),
+        ({"entries": [entry(dstPort=0)]}, "dstPort"),
+        ({"entries": [entry(dstPort="80")]}, "dstPort"),
+        ({"entries": [entry(dstPort=True)]}, "dstPort"),
+        ({"entries": [entry(protocol="icmp")]}, "protocol"),
+        ({"entries": [entry(action="log")]}, "entries[0].action"),
+        ({"entries": {}}, "must be a list"),
+        ({"entries": [], "extra": 1}, "unknown top-level"),
+    ],
+)
+def test_rejects_invalid_documents(doc: object, message: str) -> None:
+    with pytest.raises(PolicyError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_policy(doc if isinstance(doc, str) else json.dumps(doc))
+
+
+def test_missing_version_is_content_addressed() -> None:
+    a = parse_policy({"entries": [entry()]})
+    b = parse_policy({"entries": [entry()]})
+    c = parse_policy({"entries": [entry(dstPort=81)]})
+    assert a.version == b.version != c.version
+    assert a.version.startswith("sha256:")
+
+
+def test_compiled_records_use_network_byte_order_and_meta_first() -> None:
+    policy = parse_policy({"defaultAction": "allow", "entries": [entry(dstPort=8080)]})
+    (meta_k, meta_v), (k, v) = compile_policy(policy, generation=7)
+    assert (meta_k.saddr, meta_k.daddr, meta_k.dport, meta_k.proto) == (0, 0, 0, 0)
+    assert (meta_v.action, meta_v.rule_id, meta_v.generation) == (ACTION_ALLOW, 0, 7)
+    assert be32_to_ip(k.saddr) == "10.0.0.1" and be32_to_ip(k.daddr) == "10.0.0.2"
+    assert bytes(k)[:4] == socket.inet_aton("10.0.0.1")  # as the kernel reads the IP header
+    assert be16_to_port(k.dport) == 8080 and bytes(k)[8:10] == (8080).to_bytes(2, "big")
+    assert k.proto == socket.IPPROTO_TCP
+    assert (v.action, v.rule_id, v.generation) == (ACTION_ALLOW, 1, 7)
+
+
+def test_deny_wins_over_allow_for_the_same_tuple_in_any_order() -> None:
+    for order in (["allow", "deny"], ["deny", "allow"]):
+        entries = [entry(action=a, rule=f"r-{a}") for a in order]
+        policy = parse_policy({"entries": entries})
+        records = compile_policy(policy, generation=1)
+        assert len(records) == 2
+        val = records[1][1]
+        assert val.action == ACTION_DENY
+        assert policy.rule_names()[val.rule_id] == "r-deny"
+
+
+def test_generation_must_fit_u32_and_be_positive() -> None:
+    policy = parse_policy({"entries": []})
+    for bad in (0, 2**32):
+        with pytest.raises(PolicyError):
+            compile_policy(policy, generation=bad)
