@@ -62,6 +62,7 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
+LOADER = web.AppKey("loader", asyncio.Task)
 
 
 class ApiError(Exception):
@@ -283,11 +284,11 @@ async def _load_model(app: web.Application) -> None:
 
 async def _startup(app: web.Application) -> None:
     # Serve probes immediately; /readyz turns 200 when the model is built.
-    app["loader"] = asyncio.create_task(_load_model(app))
+    app[LOADER] = asyncio.create_task(_load_model(app))
 
 
 async def _cleanup(app: web.Application) -> None:
-    app["loader"].cancel()
+    app[LOADER].cancel()
     state = app[STATE]
     if state.executor is not None:
         state.executor.shutdown(wait=False, cancel_futures=True)
@@ -312,7 +313,7 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, admin_token: str | 
 
 async def wait_ready(app: web.Application) -> None:
     """For in-process users (tests): wait until the model is loaded."""
-    await app["loader"]
+    await app[LOADER]
 
 
 def load_gate_file(path: str, *, num_experts: int) -> GateDocument:

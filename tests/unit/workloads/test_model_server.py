@@ -1,0 +1,277 @@
+"""Model server endpoints (in-process aiohttp server on 127.0.0.1), hot reload under load,
+bad input, admin auth, fault injection, metrics; plus the real `python -m` entry point."""
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import aiohttp
+import pytest
+import torch
+from aiohttp.test_utils import TestClient, TestServer
+
+from sparsegate_workload.gateparams import DEFAULT_PARAMS, make_document
+from sparsegate_workload.inference import run_batch
+from sparsegate_workload.model import build_model
+from sparsegate_workload.server import create_app, wait_ready
+
+TOKEN = "test-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+# Two versions whose effect is visible in every response: A routes each token to exactly one
+# expert and fires the tool gate everywhere; B routes to exactly three and never fires it.
+# capacityFactor 8 makes the cap (ceil(8 * A / 8) = A) unable to drop anything.
+VERSION_A = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 1, "maxExpertsPerToken": 1,
+                           "capacityFactor": 8, "toolGateThreshold": 0.0})
+VERSION_B = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 3, "maxExpertsPerToken": 3,
+                           "capacityFactor": 8, "toolGateThreshold": 1.0})
+
+
+@pytest.fixture
+async def client():
+    app = create_app(admin_token=TOKEN, gate_doc=VERSION_A)
+    async with TestClient(TestServer(app, host="127.0.0.1"),
+                          connector=aiohttp.TCPConnector(limit=0)) as c:
+        await wait_ready(app)
+        yield c
+
+
+async def _infer(client, tokens, **extra):
+    return await client.post("/v1/infer", json={"tokens": tokens, **extra})
+
+
+async def test_probes_and_inference(client):
+    health = await (await client.get("/healthz")).json()
+    assert health["status"] == "ok" and health["gateVersion"] == VERSION_A.version
+    assert health["checksum"] == VERSION_A.checksum and health["uptimeSeconds"] >= 0
+    assert (await client.get("/readyz")).status == 200
+    resp = await _infer(client, [[1, 2, 3, 4], [5, 6, 7, 8]], returnLogits=True)
+    assert resp.status == 200
+    body = await resp.json()
+    assert body["gateVersion"] == VERSION_A.version and body["numTokens"] == 8
+    assert len(body["nextTokens"]) == 2 and len(body["logits"]) == 2
+    assert len(body["logits"][0]) == 512
+    assert body["nextTokens"] == [max(range(512), key=row.__getitem__) for row in body["logits"]]
+    assert [sum(c) for c in body["expertCounts"]] == [8, 8]  # exactly one expert per token
+    assert body["activeExpertsPerToken"] == 1.0 and body["toolGateFireRate"] == 1.0
+    assert body["toolCalls"] == [[0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+async def test_inference_matches_the_model_run_directly(client):
+    tokens = [[10, 20, 30, 40, 50]]
+    body = await (await _infer(client, tokens, returnLogits=True)).json()
+    model = build_model()  # same seed -> same weights
+    direct = run_batch(model, tokens, gate=VERSION_A.params, precisions=tuple(body["precisions"]),
+                       return_logits=True)
+    assert body["nextTokens"] == direct.next_tokens
+    assert torch.allclose(torch.tensor(body["logits"]), torch.tensor(direct.last_logits),
+                          atol=1e-5)
+    assert body["expertCounts"] == direct.expert_counts
+
+
+@pytest.mark.parametrize("payload, status, message", [
+    ({"tokens": [[1, 2], [3]]}, 422, "equal length"),
+    ({"tokens": [1, 2, 3]}, 422, "list of token-id lists"),
+    ({"tokens": []}, 422, "non-empty"),
+    ({"tokens": [[]]}, 422, "non-empty"),
+    ({"tokens": [[1, 2.5]]}, 422, "integers"),
+    ({"tokens": [[1, "2"]]}, 422, "integers"),
+    ({"tokens": [[1, True]]}, 422, "integers"),
+    ({"tokens": [[1, 512]]}, 422, "outside the vocabulary"),
+    ({"tokens": [[-1]]}, 422, "outside the vocabulary"),
+    ({"tokens": [[1] * 257]}, 413, "sequence length 257"),
+    ({"tokens": [[1]] * 65}, 413, "batch of 65"),
+    ({"tokens": [[1] * 100] * 41}, 413, "tokens exceed"),
+    ({"tokens": [[1]], "extra": 1}, 422, "unknown fields: extra"),
+    ({"toks": [[1]]}, 422, "unknown fields"),
+    ([[1, 2]], 422, "JSON object"),
+])
+async def test_bad_input_gets_4xx_json(client, payload, status, message):
+    resp = await client.post("/v1/infer", json=payload)
+    assert resp.status == status
+    assert message in (await resp.json())["error"]
+
+
+async def test_bad_json_content_type_and_size(client):
+    resp = await client.post("/v1/infer", data=b'{"tokens": [[1,2]',
+                             headers={"Content-Type": "application/json"})
+    assert resp.status == 400 and "not valid JSON" in (await resp.json())["error"]
+    resp = await client.post("/v1/infer", data=b"tokens=1", headers={"Content-Type": "text/plain"})
+    assert resp.status == 415 and "application/json" in (await resp.json())["error"]
+    resp = await client.post("/v1/infer", data=b"[" + b"1," * 600_000 + b"1]",
+                             headers={"Content-Type": "application/json"})
+    assert resp.status == 413 and "exceeds" in (await resp.json())["error"]
+    resp = await client.get("/v1/infer")
+    assert resp.status == 405 and "error" in await resp.json()
+
+
+async def test_admin_endpoint_requires_the_bearer_token(client):
+    doc = VERSION_B.to_json()
+    assert (await client.put("/admin/gate", json=doc)).status == 401
+    bad = await client.put("/admin/gate", json=doc, headers={"Authorization": "Bearer nope"})
+    assert bad.status == 403 and "invalid admin token" in (await bad.json())["error"]
+    basic = await client.put("/admin/gate", json=doc, headers={"Authorization": "Basic eDp5"})
+    assert basic.status == 401
+    assert (await (await client.get("/admin/gate")).json())["version"] == VERSION_A.version
+    ok = await client.put("/admin/gate", json=doc, headers=AUTH)
+    assert ok.status == 200
+    body = await ok.json()
+    assert body["applied"] and body["previousVersion"] == VERSION_A.version
+    assert (await (await client.get("/admin/gate")).json())["version"] == VERSION_B.version
+    again = await (await client.put("/admin/gate", json=doc, headers=AUTH)).json()
+    assert again["applied"] is False
+
+
+async def test_admin_disabled_without_configured_token():
+    app = create_app(admin_token=None)
+    async with TestClient(TestServer(app, host="127.0.0.1")) as c:
+        await wait_ready(app)
+        resp = await c.put("/admin/gate", json=VERSION_B.to_json(), headers=AUTH)
+        assert resp.status == 403 and "disabled" in (await resp.json())["error"]
+
+
+async def test_invalid_gate_documents_are_rejected_and_not_applied(client):
+    tampered = VERSION_B.to_json()
+    tampered["params"] = {**tampered["params"], "entropyBeta": 0.5}
+    for doc, message in [
+        (tampered, "checksum mismatch"),
+        ({**VERSION_B.to_json(), "version": "v7"}, "content address"),
+        (make_document({"maxExpertsPerToken": 9}).to_json(), "maxExpertsPerToken"),
+        ({"version": "x"}, "missing"),
+    ]:
+        resp = await client.put("/admin/gate", json=doc, headers=AUTH)
+        assert resp.status == 422 and message in (await resp.json())["error"]
+    resp = await client.put("/admin/gate", data=b"{", headers={**AUTH,
+                                                                "Content-Type": "application/json"})
+    assert resp.status == 400
+    assert (await (await client.get("/healthz")).json())["gateVersion"] == VERSION_A.version
+
+
+async def test_hot_reload_under_concurrent_load_never_fails_or_mixes_versions(client):
+    applied = {VERSION_A.version: VERSION_A, VERSION_B.version: VERSION_B}
+
+    async def one(i):
+        resp = await _infer(client, [[(i * 7 + j) % 512 for j in range(6)]] * 2)
+        return resp.status, await resp.json()
+
+    async def swapper():
+        for i in range(30):
+            doc = (VERSION_B if i % 2 == 0 else VERSION_A).to_json()
+            resp = await client.put("/admin/gate", json=doc, headers=AUTH)
+            assert resp.status == 200
+            await asyncio.sleep(0.01)
+
+    tasks = [asyncio.create_task(one(i)) for i in range(400)]
+    await asyncio.sleep(0)
+    await swapper()
+    results = await asyncio.gather(*tasks)
+    seen = set()
+    for status, body in results:
+        assert status == 200, body
+        doc = applied[body["gateVersion"]]  # KeyError = a version nobody applied
+        seen.add(doc.version)
+        assert body["checksum"] == doc.checksum
+        k = doc.params.max_experts_per_token
+        # The whole request ran under its version's params: expert count and tool gate agree.
+        assert body["activeExpertsPerToken"] == k
+        assert [sum(c) for c in body["expertCounts"]] == [12 * k, 12 * k]
+        assert body["toolGateFireRate"] == (1.0 if doc is VERSION_A else 0.0)
+    assert seen == set(applied), "load should straddle the swaps"
+
+
+async def test_fault_injection_is_a_seeded_chaos_knob(client):
+    faulty = make_document({**DEFAULT_PARAMS, "faultInjection": {"errorRate": 0.5,
+                                                                 "addedLatencyMs": 30}})
+    assert (await client.put("/admin/gate", json=faulty.to_json(), headers=AUTH)).status == 200
+    started = time.perf_counter()
+    statuses = []
+    for _ in range(40):
+        resp = await _infer(client, [[1, 2, 3]])
+        statuses.append(resp.status)
+        if resp.status == 503:
+            assert "fault injected" in (await resp.json())["error"]
+    assert time.perf_counter() - started >= 40 * 0.03
+    assert set(statuses) == {200, 503} and 8 <= statuses.count(503) <= 32
+    metrics = await (await client.get("/metrics")).text()
+    assert f'sparsegate_requests_total{{code="503"}} {statuses.count(503)}.0' in metrics
+    # Same seed, same sequence of failures.
+    app2 = create_app(admin_token=TOKEN, gate_doc=faulty)
+    async with TestClient(TestServer(app2, host="127.0.0.1")) as c2:
+        await wait_ready(app2)
+        again = [(await _infer(c2, [[1, 2, 3]])).status for _ in range(40)]
+    assert again == statuses
+
+
+async def test_metrics_are_exposed(client):
+    for _ in range(3):
+        assert (await _infer(client, [[1, 2, 3, 4]])).status == 200
+    assert (await _infer(client, [[1, 2, 9999]])).status == 422
+    resp = await client.get("/metrics")
+    assert resp.status == 200 and resp.content_type == "text/plain"
+    text = await resp.text()
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line and not line.startswith("#")}
+    assert samples['sparsegate_requests_total{code="200"}'] == 3
+    assert samples['sparsegate_requests_total{code="422"}'] == 1
+    assert samples["sparsegate_request_duration_seconds_count"] == 4
+    assert samples["sparsegate_tokens_total"] == 12
+    per_expert = [v for k, v in samples.items()
+                  if k.startswith('sparsegate_expert_tokens_total{expert=') and 'layer="0"' in k]
+    assert len(per_expert) == 8 and sum(per_expert) == 12  # version A: one expert per token
+    assert samples["sparsegate_active_experts_per_token"] == 1.0
+    assert samples["sparsegate_tool_gate_fire_rate"] == 1.0
+    assert 0.0 <= samples["sparsegate_gate_entropy"] <= 2.08
+    info = f'sparsegate_gate_config_info{{checksum="{VERSION_A.checksum}",version="{VERSION_A.version}"}}'
+    assert samples[info] == 1.0
+    await client.put("/admin/gate", json=VERSION_B.to_json(), headers=AUTH)
+    text = await (await client.get("/metrics")).text()
+    assert VERSION_B.version in text and VERSION_A.version not in text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_module_entry_point_serves_with_gate_file_and_token_env(tmp_path):
+    gate_file = tmp_path / "gate.json"
+    gate_file.write_text(json.dumps(VERSION_B.to_json()))
+    port = _free_port()
+    env = {**os.environ, "MY_TOKEN": TOKEN}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sparsegate_workload.server", "--host", "127.0.0.1",
+         "--port", str(port), "--gate-config", str(gate_file), "--admin-token-env", "MY_TOKEN"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/readyz", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "server not ready in 30 s"
+            time.sleep(0.1)
+        with urllib.request.urlopen(base + "/healthz") as r:
+            assert json.load(r)["gateVersion"] == VERSION_B.version
+        req = urllib.request.Request(base + "/admin/gate", method="PUT",
+                                     data=json.dumps(VERSION_A.to_json()).encode(),
+                                     headers={**AUTH, "Content-Type": "application/json"})
+        with urllib.request.urlopen(req) as r:
+            assert json.load(r)["version"] == VERSION_A.version
+        req = urllib.request.Request(base + "/v1/infer", data=b'{"tokens": [[1, 2, 3]]}',
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req) as r:
+            assert json.load(r)["gateVersion"] == VERSION_A.version
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
