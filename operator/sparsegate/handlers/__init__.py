@@ -1,3 +1,4 @@
 """Kopf handlers; importing this package registers them. Each feature adds its module here."""
 
 from sparsegate.handlers import gatebinding, sparsemodel  # noqa: F401
+from sparsegate.handlers import routingpolicy  # noqa: F401
