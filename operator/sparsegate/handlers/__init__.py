@@ -2,3 +2,4 @@
 
 from sparsegate.handlers import gatebinding, sparsemodel  # noqa: F401
 from sparsegate.handlers import routingpolicy  # noqa: F401
+from sparsegate.handlers import gateconfig  # noqa: F401

@@ -1,0 +1,161 @@
+"""Where canary analysis reads live metrics from: two providers, one shape.
+
+* :class:`DirectScrape` (default): ``GET /metrics`` on every pod IP, parsed with
+  prometheus_client's text parser into cumulative :class:`PodCounters`; windows are the
+  difference of two snapshots (``domain.analysis.window_delta``). Needs no Prometheus.
+* :class:`PrometheusAPI`: PromQL over the HTTP API (``/api/v1/query``) for clusters that
+  already scrape the model pods; windows are computed server-side with ``increase()``.
+  It assumes the scrape config attaches ``namespace`` and ``pod`` labels (the usual
+  kubernetes_sd relabelling); the label names are parameters.
+
+Both answer :class:`GroupMetrics` for a group of pods over a window.
+
+Mean active experts per token comes from counters, not the last-batch gauge:
+``sparsegate_expert_assignments_total / (sparsegate_tokens_total · layers)`` where layers is
+the number of distinct ``layer`` labels of ``sparsegate_expert_tokens_total``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from sparsegate.domain.analysis import GroupMetrics, PodCounters, aggregate, window_delta
+
+__all__ = ["parse_pod_counters", "group_from_snapshots", "PrometheusAPI", "PrometheusError"]
+
+REQUESTS = "sparsegate_requests_total"
+DURATION = "sparsegate_request_duration_seconds"
+TOKENS = "sparsegate_tokens_total"
+ASSIGNMENTS = "sparsegate_expert_assignments_total"
+EXPERT_TOKENS = "sparsegate_expert_tokens_total"
+ACTIVE_GAUGE = "sparsegate_active_experts_per_token"
+
+
+def _is_error(code: str) -> bool:
+    return code.isdigit() and int(code) >= 500
+
+
+def parse_pod_counters(text: str, *, at: float) -> PodCounters:
+    """One pod's ``/metrics`` exposition → cumulative counters (unknown metrics ignored)."""
+    requests = errors = tokens = assignments = 0.0
+    buckets: dict[float, float] = {}
+    layers: set[str] = set()
+    gauge: float | None = None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name, labels, value = sample.name, sample.labels, sample.value
+            if name == REQUESTS:
+                requests += value
+                if _is_error(labels.get("code", "")):
+                    errors += value
+            elif name == f"{DURATION}_bucket":
+                le = float(labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + value
+            elif name == TOKENS:
+                tokens += value
+            elif name == ASSIGNMENTS:
+                assignments += value
+            elif name == EXPERT_TOKENS:
+                layers.add(labels.get("layer", ""))
+            elif name == ACTIVE_GAUGE:
+                gauge = value
+    return PodCounters(
+        at=at,
+        requests=requests,
+        errors=errors,
+        duration_buckets=buckets,
+        experts_sum=assignments,
+        experts_count=tokens * max(1, len(layers)),
+        experts_gauge=gauge,
+    )
+
+
+def group_from_snapshots(
+    *, start: Mapping[str, PodCounters], end: Mapping[str, PodCounters], pods: Iterable[str]
+) -> GroupMetrics | None:
+    """Window metrics of ``pods`` between two snapshot maps (pods missing at the end are left out).
+
+    A pod without a start snapshot (new, or first seen after an operator restart) contributes
+    only from its next snapshot on, so a restart shortens the window rather than inventing data.
+    """
+    deltas: list[PodCounters] = []
+    spans: list[float] = []
+    for name in pods:
+        if name in end and name in start:
+            deltas.append(window_delta(start=start[name], end=end[name]))
+            spans.append(end[name].at - start[name].at)
+    if not deltas:
+        return None
+    return aggregate(deltas=deltas, seconds=max(spans) if spans else 0.0)
+
+
+class PrometheusError(RuntimeError):
+    pass
+
+
+_SAFE = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+class PrometheusAPI:
+    """Windowed group metrics from a Prometheus server's HTTP API."""
+
+    def __init__(self, url: str, *, namespace_label: str = "namespace", pod_label: str = "pod",
+                 timeout_s: float = 5.0) -> None:
+        self._url = url.rstrip("/")
+        self._ns_label, self._pod_label = namespace_label, pod_label
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    def selector(self, *, namespace: str, pods: Sequence[str]) -> str:
+        for value in (namespace, *pods):
+            if not _SAFE.match(value):  # Kubernetes names never need quoting; refuse anything else
+                raise ValueError(f"unexpected characters in {value!r}")
+        return f'{self._ns_label}="{namespace}",{self._pod_label}=~"{"|".join(sorted(pods))}"'
+
+    def queries(self, *, namespace: str, pods: Sequence[str], window_s: float) -> dict[str, str]:
+        sel = self.selector(namespace=namespace, pods=pods)
+        w = f"{max(1, math.ceil(window_s))}s"
+        return {
+            "requests": f"sum(increase({REQUESTS}{{{sel}}}[{w}]))",
+            "errors": f'sum(increase({REQUESTS}{{{sel},code=~"5.."}}[{w}]))',
+            "p99": f"histogram_quantile(0.99, sum by (le) (increase({DURATION}_bucket{{{sel}}}[{w}])))",
+            "assignments": f"sum(increase({ASSIGNMENTS}{{{sel}}}[{w}]))",
+            "tokens": f"sum(increase({TOKENS}{{{sel}}}[{w}]))",
+            "layers": f'count(count by (layer) ({EXPERT_TOKENS}{{{sel}}}))',
+        }
+
+    async def _scalar(self, session: aiohttp.ClientSession, query: str) -> float | None:
+        async with session.get(f"{self._url}/api/v1/query", params={"query": query}) as resp:
+            body: Any = await resp.json(content_type=None)
+        if resp.status != 200 or body.get("status") != "success":
+            raise PrometheusError(f"query {query!r}: {resp.status} {body.get('error', body)}")
+        result = body["data"]["result"]
+        if not result:
+            return None
+        value = float(result[0]["value"][1])
+        return None if math.isnan(value) else value
+
+    async def group(self, *, namespace: str, pods: Sequence[str], window_s: float) -> GroupMetrics | None:
+        if not pods:
+            return None
+        qs = self.queries(namespace=namespace, pods=pods, window_s=window_s)
+        async with aiohttp.ClientSession(timeout=self._timeout) as session:
+            values = {k: await self._scalar(session, q) for k, q in qs.items()}
+        if values["requests"] is None:
+            return None
+        tokens, layers = values["tokens"] or 0.0, values["layers"] or 1.0
+        mean = (values["assignments"] or 0.0) / (tokens * layers) if tokens > 0 else None
+        return GroupMetrics(
+            pods=len(pods),
+            seconds=window_s,
+            requests=values["requests"],
+            errors=values["errors"] or 0.0,
+            duration_buckets={},
+            mean_active_experts=mean,
+            p99_seconds=values["p99"],
+        )

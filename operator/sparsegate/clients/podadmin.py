@@ -1,0 +1,143 @@
+"""Talk to model-server pods directly: heartbeat + version check, and gate pushes.
+
+``GET /healthz`` is the heartbeat and reports ``gateVersion`` and ``checksum``; a pod counts
+as running a version only when both agree (the version is the content address of the params,
+so the checksum must begin with the version's hex digits) — the double check of issue 6.
+``PUT /admin/gate`` (Bearer token from Secret ``<model>-admin``) hot-swaps the gate without a
+restart; the server answers 422 for a document it rejects.
+
+All calls are bounded (timeout per request, a concurrency cap) so a fleet of 1,000 pods is
+one short round, and a dead pod costs one timeout, never a stuck reconcile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+__all__ = ["PodTarget", "PodHealth", "PushResult", "PodAdmin"]
+
+
+@dataclass(frozen=True)
+class PodTarget:
+    name: str
+    ip: str
+    port: int
+    token: str | None  # admin Bearer token (None: the Secret is missing)
+
+    @property
+    def base(self) -> str:
+        return f"http://{self.ip}:{self.port}"
+
+
+@dataclass(frozen=True)
+class PodHealth:
+    name: str
+    version: str | None  # None: unreachable, unhealthy or inconsistent
+    checksum: str | None = None
+    uptime_s: float | None = None
+    error: str | None = None
+
+    @property
+    def reachable(self) -> bool:
+        return self.version is not None
+
+
+@dataclass(frozen=True)
+class PushResult:
+    name: str
+    ok: bool
+    version: str | None = None
+    error: str | None = None
+
+
+def consistent(version: Any, checksum: Any) -> bool:
+    """``g-<12 hex>`` must be the prefix of ``sha256:<hex>`` (content-addressed version)."""
+    return (
+        isinstance(version, str)
+        and isinstance(checksum, str)
+        and version.startswith("g-")
+        and checksum.startswith("sha256:")
+        and checksum[len("sha256:"):].startswith(version[2:])
+        and len(version) > 2
+    )
+
+
+class PodAdmin:
+    def __init__(self, *, timeout_s: float = 2.0, concurrency: int = 64) -> None:
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._concurrency = concurrency
+
+    async def _each(self, targets: Iterable[PodTarget], call: Any) -> list[Any]:
+        sem = asyncio.Semaphore(self._concurrency)
+        # No connection reuse across pods: each pod is its own host; keep-alive would only
+        # hold sockets open to pods we may not talk to again for minutes.
+        connector = aiohttp.TCPConnector(limit=self._concurrency, force_close=True)
+        async with aiohttp.ClientSession(timeout=self._timeout, connector=connector) as session:
+
+            async def bounded(t: PodTarget) -> Any:
+                async with sem:
+                    return await call(session, t)
+
+            return await asyncio.gather(*(bounded(t) for t in targets))
+
+    async def health(self, targets: Iterable[PodTarget]) -> dict[str, PodHealth]:
+        """Heartbeat + version of every target (never raises for a pod's failure)."""
+
+        async def one(session: aiohttp.ClientSession, t: PodTarget) -> PodHealth:
+            try:
+                async with session.get(f"{t.base}/healthz") as resp:
+                    if resp.status != 200:
+                        return PodHealth(name=t.name, version=None, error=f"/healthz {resp.status}")
+                    body = await resp.json(content_type=None)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
+                return PodHealth(name=t.name, version=None, error=f"/healthz: {type(e).__name__} {e}".strip())
+            version, checksum = body.get("gateVersion"), body.get("checksum")
+            if body.get("status") != "ok" or not consistent(version, checksum):
+                return PodHealth(name=t.name, version=None, error=f"/healthz inconsistent: {body}")
+            return PodHealth(name=t.name, version=version, checksum=checksum, uptime_s=body.get("uptimeSeconds"))
+
+        results = await self._each(targets, one)
+        return {h.name: h for h in results}
+
+    async def push(self, pushes: list[tuple[PodTarget, Mapping[str, Any]]]) -> dict[str, PushResult]:
+        """PUT each (pod, gate document); the response must name the document's version."""
+        docs = {t.name: doc for t, doc in pushes}
+        targets = [t for t, _ in pushes]
+
+        async def one(session: aiohttp.ClientSession, t: PodTarget) -> PushResult:
+            doc = docs[t.name]
+            if not t.token:
+                return PushResult(name=t.name, ok=False, error="no admin token (Secret missing)")
+            try:
+                async with session.put(
+                    f"{t.base}/admin/gate", json=dict(doc), headers={"Authorization": f"Bearer {t.token}"}
+                ) as resp:
+                    body = await resp.json(content_type=None)
+                    if resp.status != 200:
+                        return PushResult(name=t.name, ok=False, error=f"PUT /admin/gate {resp.status}: {body}")
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
+                return PushResult(name=t.name, ok=False, error=f"PUT /admin/gate: {type(e).__name__} {e}".strip())
+            version = body.get("version")
+            return PushResult(name=t.name, ok=version == doc["version"], version=version,
+                              error=None if version == doc["version"] else f"pod answered version {version}")
+
+        results = await self._each(targets, one)
+        return {r.name: r for r in results}
+
+    async def scrape(self, targets: Iterable[PodTarget]) -> dict[str, str]:
+        """``/metrics`` text of every target that answered (absent: unreachable)."""
+
+        async def one(session: aiohttp.ClientSession, t: PodTarget) -> tuple[str, str | None]:
+            try:
+                async with session.get(f"{t.base}/metrics") as resp:
+                    return t.name, (await resp.text()) if resp.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                return t.name, None
+
+        results = await self._each(targets, one)
+        return {name: text for name, text in results if text is not None}

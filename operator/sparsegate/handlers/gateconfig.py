@@ -1,0 +1,305 @@
+"""GateConfig progressive rollout: observe → decide (pure) → persist → act, once per tick.
+
+One Kopf timer per GateConfig runs :func:`RolloutLoop.tick`:
+
+1. read the GateConfig fresh (the timer's body may predate our own last status write);
+2. observe: pods of the SparseModels whose ``spec.gateConfigRef`` names it (Kopf index
+   ``models_by_gate``), their ``/healthz`` (heartbeat + version/checksum double check) and,
+   while a canary is in flight, their ``/metrics``;
+3. decide with ``domain.rollout.next_action`` (pure);
+4. persist the new status (full replace of the status subresource, optimistic concurrency)
+   BEFORE acting, then push gates, post Events, clear one-shot annotations, count metrics;
+5. when it pushed, observe again at once so verified pods are recorded in the same tick.
+
+Crash safety follows from (4) and from pushes being level-based: a restarted operator reads
+status, looks at what the pods report and only pushes what is still missing.
+
+Tunables (environment, for tests and the chart):
+``SPARSEGATE_ROLLOUT_TICK_S`` (default 5) tick interval; ``SPARSEGATE_ROLLOUT_RESTING_CHECK_S``
+(default 30) how often a resting GateConfig still checks its pods; ``SPARSEGATE_PROMETHEUS_URL``
+use Prometheus' HTTP API for analysis metrics instead of scraping pods directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+import kopf
+import prometheus_client
+
+from sparsegate.clients.kube import Conflict, Kube, KubeError
+from sparsegate.clients.metrics_source import PrometheusAPI, group_from_snapshots, parse_pod_counters
+from sparsegate.clients.podadmin import PodAdmin, PodTarget
+from sparsegate.domain import render
+from sparsegate.domain.analysis import PodCounters
+from sparsegate.domain.rollout import (
+    ABORT_ANNOTATION,
+    PROMOTE_ANNOTATION,
+    RESTING_PHASES,
+    ClearAnnotation,
+    Decision,
+    EmitEvent,
+    Observations,
+    Phase,
+    PodObservation,
+    PushGate,
+    RecordOutcome,
+    RecordStep,
+    RolloutStatus,
+    SpecError,
+    invalid_spec,
+    next_action,
+    parse_spec,
+)
+
+GROUP, VERSION = "sparsegate.dev", "v1alpha1"
+TICK_S = float(os.environ.get("SPARSEGATE_ROLLOUT_TICK_S", "5"))
+RESTING_CHECK_S = float(os.environ.get("SPARSEGATE_ROLLOUT_RESTING_CHECK_S", "30"))
+PROMETHEUS_URL = os.environ.get("SPARSEGATE_PROMETHEUS_URL") or None
+
+ROLLOUTS = prometheus_client.Counter(
+    "sparsegate_rollouts_total", "Gate rollouts that ended, by outcome.", ["outcome"])
+STEP_SECONDS = prometheus_client.Histogram(
+    "sparsegate_rollout_step_duration_seconds", "Time from a step's start to its promotion.",
+    ["percent"], buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800))
+TICK_SECONDS = prometheus_client.Histogram(
+    "sparsegate_rollout_tick_duration_seconds", "Wall time of one rollout reconcile tick.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+PUSHES = prometheus_client.Counter(
+    "sparsegate_rollout_gate_pushes_total", "PUT /admin/gate calls by result.", ["result"])
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Cache:
+    """Per-GateConfig memory that is only an optimisation: losing it (restart) is safe."""
+
+    last_full_check: float = 0.0
+    prev: dict[str, PodCounters] = field(default_factory=dict)  # last scrape, for tick rates
+    window_key: tuple[Any, ...] | None = None  # (canary version, step, analysis start)
+    window_start: dict[str, PodCounters] = field(default_factory=dict)
+    tokens: dict[str, str] = field(default_factory=dict)  # model → admin token
+
+
+@dataclass(frozen=True)
+class _Fleet:
+    targets: dict[str, PodTarget]  # reachable candidates (have an IP)
+    all_pods: tuple[str, ...]  # every live pod, with or without IP
+
+
+class RolloutLoop:
+    def __init__(self, *, kube: Kube, admin: PodAdmin | None = None,
+                 prometheus: PrometheusAPI | None = None, clock: Any = time.time) -> None:
+        self.kube = kube
+        self.admin = admin or PodAdmin()
+        self.prometheus = prometheus
+        self.clock = clock
+
+    # ------------------------------------------------------------ observation
+
+    async def _fleet(self, *, namespace: str, models: Sequence[str], cache: _Cache) -> _Fleet:
+        targets: dict[str, PodTarget] = {}
+        names: list[str] = []
+        for model_name in models:
+            model = await asyncio.to_thread(self.kube.get, "SparseModel", namespace=namespace, name=model_name)
+            if model is None:
+                continue
+            port = render.serving_port(model)
+            token = cache.tokens.get(model_name)
+            if token is None:
+                secret = await asyncio.to_thread(
+                    self.kube.get, "Secret", namespace=namespace, name=render.admin_secret_name(model_name))
+                raw = ((secret or {}).get("data") or {}).get(render.ADMIN_TOKEN_KEY)
+                token = base64.b64decode(raw).decode() if raw else None
+                if token:
+                    cache.tokens[model_name] = token
+            selector = f"{render.MODEL_LABEL}={model_name}"
+            pods = await asyncio.to_thread(
+                self.kube.request, "GET", f"/api/v1/namespaces/{quote(namespace)}/pods",
+                query={"labelSelector": selector})
+            for pod in pods.get("items", []):
+                meta, status = pod["metadata"], pod.get("status") or {}
+                if meta.get("deletionTimestamp") or status.get("phase") in ("Succeeded", "Failed"):
+                    continue
+                names.append(meta["name"])
+                if status.get("podIP"):
+                    targets[meta["name"]] = PodTarget(name=meta["name"], ip=status["podIP"], port=port, token=token)
+        return _Fleet(targets=targets, all_pods=tuple(sorted(names)))
+
+    async def _observe_pods(self, fleet: _Fleet) -> tuple[PodObservation, ...]:
+        health = await self.admin.health(list(fleet.targets.values()))
+        out = []
+        for name in fleet.all_pods:
+            h = health.get(name)
+            out.append(PodObservation(name=name, reachable=bool(h and h.reachable), version=h.version if h else None))
+        return tuple(out)
+
+    async def _metrics(self, *, namespace: str, fleet: _Fleet, status: RolloutStatus, cache: _Cache,
+                       now: float) -> dict[str, Any]:
+        """Analysis groups since the analysis start, plus this tick's calibration samples."""
+        if status.phase not in (Phase.PROGRESSING, Phase.ANALYSING) or status.canary is None:
+            cache.prev, cache.window_key, cache.window_start = {}, None, {}
+            return {}
+        canary = [p for p in status.canary_pods if p in fleet.targets]
+        stable = [p for p in fleet.targets if p not in set(status.canary_pods)]
+        if self.prometheus is not None:
+            return await self._prometheus_metrics(namespace=namespace, canary=canary, stable=stable,
+                                                  status=status, now=now)
+        texts = await self.admin.scrape(list(fleet.targets.values()))
+        snap = {name: parse_pod_counters(text, at=now) for name, text in texts.items()}
+        out: dict[str, Any] = {}
+        # Calibration samples: fleet qps and the stable pods' error rate since the last tick.
+        tick = group_from_snapshots(start=cache.prev, end=snap, pods=snap.keys())
+        if tick is not None and tick.seconds > 0:
+            out["fleet_qps"] = tick.qps
+        stable_tick = group_from_snapshots(start=cache.prev, end=snap, pods=stable)
+        if stable_tick is not None and stable_tick.error_rate is not None:
+            out["stable_error_rate"] = stable_tick.error_rate
+        cache.prev = snap
+        if status.phase == Phase.ANALYSING:
+            key = (status.canary.version, status.step, status.analysis_started_at)
+            if cache.window_key != key:
+                # First look at this analysis window (or first since a restart): it starts now.
+                cache.window_key, cache.window_start = key, snap
+            else:
+                out["canary_metrics"] = group_from_snapshots(start=cache.window_start, end=snap, pods=canary)
+                out["stable_metrics"] = group_from_snapshots(start=cache.window_start, end=snap, pods=stable)
+        return out
+
+    async def _prometheus_metrics(self, *, namespace: str, canary: list[str], stable: list[str],
+                                  status: RolloutStatus, now: float) -> dict[str, Any]:
+        assert self.prometheus is not None
+        out: dict[str, Any] = {}
+        if status.phase == Phase.ANALYSING and status.analysis_started_at is not None:
+            window = max(1.0, now - status.analysis_started_at)
+            c = await self.prometheus.group(namespace=namespace, pods=canary, window_s=window)
+            s = await self.prometheus.group(namespace=namespace, pods=stable, window_s=window)
+            out["canary_metrics"], out["stable_metrics"] = c, s
+            groups = [g for g in (c, s) if g is not None]
+            if groups:
+                out["fleet_qps"] = sum(g.qps for g in groups)
+            if s is not None and s.error_rate is not None:
+                out["stable_error_rate"] = s.error_rate
+        return out
+
+    # ------------------------------------------------------------ the tick
+
+    async def tick(self, *, namespace: str, name: str, models: Sequence[str], cache: _Cache,
+                   logger: logging.Logger = log) -> Decision | None:
+        started = time.perf_counter()
+        try:
+            return await self._tick(namespace=namespace, name=name, models=models, cache=cache, logger=logger)
+        finally:
+            TICK_SECONDS.observe(time.perf_counter() - started)
+
+    async def _tick(self, *, namespace: str, name: str, models: Sequence[str], cache: _Cache,
+                    logger: logging.Logger) -> Decision | None:
+        body = await asyncio.to_thread(self.kube.get, "GateConfig", namespace=namespace, name=name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None
+        now = self.clock()
+        status = RolloutStatus.from_status(body.get("status"))
+        annotations = body["metadata"].get("annotations") or {}
+        abort, promote = ABORT_ANNOTATION in annotations, PROMOTE_ANNOTATION in annotations
+        try:
+            spec = parse_spec(body.get("spec") or {})
+        except SpecError as e:
+            decision = invalid_spec(status=status, error=str(e), now=now)
+            await self._persist(body, decision, steps=(100,))
+            await self._act(body, decision, fleet=None, logger=logger)
+            return decision
+
+        resting = status.phase in RESTING_PHASES and status.stable is not None and (
+            spec.target.version in (status.stable.version, status.rejected_version))
+        if resting and not abort and not promote and now - cache.last_full_check < RESTING_CHECK_S:
+            return None
+        cache.last_full_check = now
+
+        fleet = await self._fleet(namespace=namespace, models=models, cache=cache)
+        decision: Decision | None = None
+        for _ in range(3):
+            pods = await self._observe_pods(fleet)
+            metrics = await self._metrics(namespace=namespace, fleet=fleet, status=status, cache=cache, now=now)
+            obs = Observations(pods=pods, abort=abort, promote=promote, **metrics)
+            decision = next_action(spec=spec, status=status, obs=obs, now=now)
+            body = await self._persist(body, decision, steps=spec.steps)
+            await self._act(body, decision, fleet=fleet, logger=logger)
+            if not decision.pushes:
+                break
+            # Pushed: look again now so verified pods (and the next phase) are recorded this tick.
+            status, abort, promote, now = decision.status, False, False, self.clock()
+        return decision
+
+    async def _persist(self, body: Mapping[str, Any], decision: Decision, *, steps: Sequence[int]) -> dict[str, Any]:
+        """Replace status (keeping fields other writers own); skipped when nothing changed."""
+        current = dict(body.get("status") or {})
+        new = {**current, **decision.status.to_status(steps=steps),
+               "observedGeneration": body["metadata"].get("generation")}
+        if new == current:
+            return dict(body)
+        obj = {**body, "status": new}
+        path = (f"/apis/{GROUP}/{VERSION}/namespaces/{quote(body['metadata']['namespace'])}/gateconfigs/"
+                f"{quote(body['metadata']['name'])}/status")
+        # PUT carries metadata.resourceVersion: a concurrent writer makes it 409 (retried next tick).
+        return await asyncio.to_thread(self.kube.request, "PUT", path, body=obj)
+
+    async def _act(self, body: Mapping[str, Any], decision: Decision, *, fleet: _Fleet | None,
+                   logger: logging.Logger) -> None:
+        pushes: list[tuple[PodTarget, Mapping[str, Any]]] = []
+        for action in decision.actions:
+            if isinstance(action, PushGate) and fleet is not None and action.pod in fleet.targets:
+                pushes.append((fleet.targets[action.pod], action.gate.document()))
+            elif isinstance(action, EmitEvent):
+                kopf.event(dict(body), type=action.type, reason=action.reason, message=action.message[:1024])
+                (logger.warning if action.type == "Warning" else logger.info)("%s: %s", action.reason, action.message)
+            elif isinstance(action, ClearAnnotation):
+                path = (f"/apis/{GROUP}/{VERSION}/namespaces/{quote(body['metadata']['namespace'])}/gateconfigs/"
+                        f"{quote(body['metadata']['name'])}")
+                await asyncio.to_thread(
+                    self.kube.request, "PATCH", path, body={"metadata": {"annotations": {action.name: None}}},
+                    content_type="application/merge-patch+json")
+            elif isinstance(action, RecordOutcome):
+                ROLLOUTS.labels(outcome=action.outcome).inc()
+            elif isinstance(action, RecordStep):
+                STEP_SECONDS.labels(percent=str(action.percent)).observe(action.seconds)
+        if pushes:
+            results = await self.admin.push(pushes)
+            for r in results.values():
+                PUSHES.labels(result="ok" if r.ok else "error").inc()
+                if not r.ok:
+                    logger.warning("push to %s failed: %s", r.name, r.error)
+
+
+# ---------------------------------------------------------------- Kopf wiring
+
+
+def _loop(memo: kopf.Memo) -> RolloutLoop:
+    loop = getattr(memo, "rollout_loop", None)
+    if loop is None:
+        prometheus = PrometheusAPI(PROMETHEUS_URL) if PROMETHEUS_URL else None
+        loop = memo.rollout_loop = RolloutLoop(kube=memo.kube, prometheus=prometheus)
+    return loop
+
+
+@kopf.timer(GROUP, VERSION, "gateconfigs", interval=TICK_S, initial_delay=0)
+async def rollout_tick(namespace: str, name: str, memo: kopf.Memo, models_by_gate: kopf.Index,
+                       logger: logging.Logger, **_: Any) -> None:
+    cache = getattr(memo, "rollout_cache", None)
+    if cache is None:
+        cache = memo.rollout_cache = _Cache()
+    models = sorted(set(models_by_gate.get((namespace, name), [])))
+    try:
+        await _loop(memo).tick(namespace=namespace, name=name, models=models, cache=cache, logger=logger)
+    except Conflict:
+        logger.debug("GateConfig %s/%s changed during the tick; next tick retries", namespace, name)
+    except KubeError as e:
+        logger.warning("rollout tick for %s/%s: %s", namespace, name, e)

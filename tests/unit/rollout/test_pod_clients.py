@@ -1,0 +1,121 @@
+"""PodAdmin, the direct /metrics scrape and the load generator against a real model server.
+
+One real ``python -m sparsegate_workload.server`` process on a loopback port (starts in
+about a second); nothing is mocked. The Prometheus provider's PromQL is checked as text
+(no Prometheus server runs in this project's test environment).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from loadgen import LoadGen, check_loopback
+from sparsegate_workload import gateparams
+
+from sparsegate.clients.metrics_source import PrometheusAPI, group_from_snapshots, parse_pod_counters
+from sparsegate.clients.podadmin import PodAdmin, PodTarget, consistent
+
+TOKEN = "test-admin-token"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[PodTarget]:
+    port = _free_port()
+    env = {**os.environ, "SPARSEGATE_ADMIN_TOKEN": TOKEN}
+    proc = subprocess.Popen([sys.executable, "-m", "sparsegate_workload.server", "--host", "127.0.0.1",
+                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"model server exited: {proc.stderr.read().decode()[-2000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "model server was not ready within 60 s"
+            time.sleep(0.2)
+        yield PodTarget(name="pod-a", ip="127.0.0.1", port=port, token=TOKEN)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_consistent_version_checksum() -> None:
+    doc = gateparams.DEFAULT_DOCUMENT
+    assert consistent(doc.version, doc.checksum)
+    assert not consistent(doc.version, "sha256:" + "0" * 64)
+    assert not consistent("g-", doc.checksum) and not consistent(None, doc.checksum)
+
+
+async def test_health_push_and_verify(server: PodTarget) -> None:
+    admin = PodAdmin(timeout_s=5)
+    health = (await admin.health([server]))["pod-a"]
+    assert health.reachable and health.version == gateparams.DEFAULT_DOCUMENT.version
+    new = gateparams.make_document({"toolGateThreshold": 0.7}).to_json()
+    result = (await admin.push([(server, new)]))["pod-a"]
+    assert result.ok, result.error
+    assert (await admin.health([server]))["pod-a"].version == new["version"]
+    # Wrong token: refused, version unchanged.
+    bad = PodTarget(name="pod-a", ip=server.ip, port=server.port, token="wrong")
+    back = gateparams.DEFAULT_DOCUMENT.to_json()
+    refused = (await admin.push([(bad, back)]))["pod-a"]
+    assert not refused.ok and "403" in refused.error
+    assert (await admin.health([server]))["pod-a"].version == new["version"]
+    assert (await admin.push([(server, back)]))["pod-a"].ok
+
+
+async def test_unreachable_pod_is_reported_not_raised() -> None:
+    dead = PodTarget(name="dead", ip="127.0.0.1", port=_free_port(), token=TOKEN)
+    admin = PodAdmin(timeout_s=1)
+    assert not (await admin.health([dead]))["dead"].reachable
+    assert not (await admin.push([(dead, gateparams.DEFAULT_DOCUMENT.to_json())]))["dead"].ok
+    assert await admin.scrape([dead]) == {}
+
+
+async def test_scrape_window_counts_load_and_injected_errors(server: PodTarget) -> None:
+    admin = PodAdmin(timeout_s=5)
+    start = {n: parse_pod_counters(t, at=time.time()) for n, t in (await admin.scrape([server])).items()}
+    faulty = gateparams.make_document({"faultInjection": {"errorRate": 0.5}}).to_json()
+    assert (await admin.push([(server, faulty)]))["pod-a"].ok
+    gen = LoadGen(targets=lambda: [f"{server.ip}:{server.port}"], qps=40)
+    stats = await gen.run(duration_s=2.0)
+    assert (await admin.push([(server, gateparams.DEFAULT_DOCUMENT.to_json())]))["pod-a"].ok
+    end = {n: parse_pod_counters(t, at=time.time()) for n, t in (await admin.scrape([server])).items()}
+    g = group_from_snapshots(start=start, end=end, pods=["pod-a"])
+    assert g is not None
+    sent = sum(v for k, v in stats.items() if k.isdigit())
+    assert g.requests == sent and g.errors == stats["503"]
+    assert 0.2 < g.error_rate < 0.8  # 50 % injected, ~80 requests
+    assert g.p99_ms is not None and g.p99_ms < 5000
+    assert g.mean_active_experts is not None and 1.0 <= g.mean_active_experts <= 4.0
+
+
+def test_loadgen_refuses_non_loopback_targets() -> None:
+    assert check_loopback("127.20.0.5:8080") == "127.20.0.5:8080"
+    for bad in ("10.0.0.1:80", "example.com:80", "127.0.0.1"):
+        with pytest.raises(ValueError):
+            check_loopback(bad)
+
+
+def test_prometheus_queries() -> None:
+    prom = PrometheusAPI("http://127.0.0.1:9090/")
+    q = prom.queries(namespace="ns1", pods=["m-b", "m-a"], window_s=29.2)
+    assert q["requests"] == 'sum(increase(sparsegate_requests_total{namespace="ns1",pod=~"m-a|m-b"}[30s]))'
+    assert 'code=~"5.."' in q["errors"] and q["p99"].startswith("histogram_quantile(0.99, sum by (le)")
+    with pytest.raises(ValueError):
+        prom.selector(namespace="ns1", pods=['x"}) or vector(1'])
