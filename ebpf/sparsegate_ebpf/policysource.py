@@ -57,15 +57,20 @@ def watch_file(*, path: Path, on_document: OnDocument, stop: threading.Event, in
         stop.wait(interval)
 
 
-def watch_configmap(*, namespace: str, name: str, on_document: OnDocument, stop: threading.Event) -> None:
-    """Watch one ConfigMap with the kubernetes client; re-list and re-watch on any error."""
+def watch_configmap(*, namespace: str, name: str, on_document: OnDocument, stop: threading.Event,
+                    api_client: Any = None) -> None:
+    """Watch one ConfigMap with the kubernetes client; re-read and re-watch on any error.
+
+    Without `api_client`: in-cluster service account, else $KUBECONFIG / ~/.kube/config.
+    """
     from kubernetes import client, config, watch  # only this source needs the client
 
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    api = client.CoreV1Api()
+    if api_client is None:
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+    api = client.CoreV1Api(api_client)
     emit = _Dedup(on_document)
     backoff = 1.0
     while not stop.is_set():
