@@ -74,6 +74,10 @@ class Kube:
             kubernetes.config.load_kube_config()
         return cls(kubernetes.client.ApiClient())
 
+    @classmethod
+    def from_kubeconfig(cls, path: str) -> Kube:
+        return cls(kubernetes.config.new_client_from_config(config_file=path))
+
     def request(self, method: str, path: str, *, body: Any = None,
                 query: Mapping[str, str] | None = None,
                 content_type: str = "application/json") -> dict[str, Any]:

@@ -23,12 +23,11 @@ def _replica_counts(deployment: Mapping[str, Any] | None) -> dict[str, int]:
     return {"replicas": int(st.get("replicas") or 0), "readyReplicas": int(st.get("readyReplicas") or 0)}
 
 
-def after_reconcile(*, model: Mapping[str, Any], gate: GateResolution,
+def after_reconcile(*, model: Mapping[str, Any], generation: int | None, gate: GateResolution,
                     deployment: Mapping[str, Any] | None, apply_error: str | None,
                     now: str) -> dict[str, Any]:
-    """Full status after a reconcile of ``model`` at its current generation."""
+    """Full status after a reconcile that rendered ``generation`` of the (now current) ``model``."""
     previous = (model.get("status") or {})
-    generation = model["metadata"].get("generation")
     degraded = c.degraded_condition(gate_error=gate.error, gate_source=gate.source,
                                     apply_error=apply_error)
     workload = c.workload_conditions(desired=desired_replicas(model), deployment=deployment,

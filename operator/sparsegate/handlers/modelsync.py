@@ -55,7 +55,8 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
         deployment = kube.get("Deployment", namespace=meta["namespace"], name=meta["name"])
     write_status(kube, model, events=events,
                  compute=lambda current: model_status.after_reconcile(
-                     model=current, gate=resolution, deployment=deployment,
+                     model=current, generation=meta.get("generation"), gate=resolution,
+                     deployment=deployment,
                      apply_error=apply_error, now=now()))
     if apply_error:
         raise KubeError(500, "ApplyFailed", apply_error)

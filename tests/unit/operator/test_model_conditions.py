@@ -65,7 +65,7 @@ def test_transition_time_kept_while_status_unchanged():
 
 def test_reconcile_status_missing_gate_is_degraded_with_reason():
     res = gate.resolve(None, referenced=True, num_experts=8)
-    st = model_status.after_reconcile(model=model(), gate=res, deployment=None, apply_error=None, now=T0)
+    st = model_status.after_reconcile(model=model(), generation=4, gate=res, deployment=None, apply_error=None, now=T0)
     conds = by_type(st["conditions"])
     assert conds["Degraded"]["status"] == "True" and conds["Degraded"]["reason"] == "GateConfigNotFound"
     assert conds["Ready"]["reason"] == "GateUnavailable"
@@ -74,7 +74,7 @@ def test_reconcile_status_missing_gate_is_degraded_with_reason():
 
 def test_reconcile_status_ok():
     res = gate.resolve(None, referenced=False, num_experts=8)
-    st = model_status.after_reconcile(model=model(), gate=res, deployment=deployment(ready=2),
+    st = model_status.after_reconcile(model=model(), generation=4, gate=res, deployment=deployment(ready=2),
                                       apply_error=None, now=T0)
     conds = by_type(st["conditions"])
     assert conds["Ready"]["status"] == "True" and conds["Degraded"]["status"] == "False"
@@ -84,7 +84,7 @@ def test_reconcile_status_ok():
 
 def test_deployment_event_keeps_degraded_and_skips_noop_writes():
     res = gate.resolve(None, referenced=True, num_experts=8)
-    st = model_status.after_reconcile(model=model(), gate=res, deployment=deployment(ready=1),
+    st = model_status.after_reconcile(model=model(), generation=4, gate=res, deployment=deployment(ready=1),
                                       apply_error=None, now=T0)
     m = model(status=st)
     assert model_status.after_deployment_event(model=m, deployment=deployment(ready=1), now=T1) is None

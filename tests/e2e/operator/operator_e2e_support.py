@@ -1,0 +1,89 @@
+"""Helpers shared by the operator e2e tests and their fixtures (imported by name: no conftest
+imports, which pytest cannot tell apart across directories)."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[3]
+CHART = REPO / "charts" / "sparsegate"
+EXAMPLES = REPO / "examples"
+RELEASE = "sg"
+RELEASE_NS = "sparsegate-system"
+SERVICE_ACCOUNT = "sg-sparsegate-operator"  # <release>-sparsegate-operator (chart helpers)
+BIN = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache" / "sparsegate" / "bin"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def helm_binary() -> Path:
+    exe = BIN / "helm"
+    if not exe.is_file():
+        pytest.fail(f"the real helm binary is required at {exe}; run dev/setup/binaries.sh helm")
+    return exe
+
+
+def service_account_kubeconfig(cluster, path: Path) -> Path:
+    """The admin kubeconfig's server and CA, but the chart ServiceAccount's token as identity."""
+    token = cluster.kubectl("create", "token", SERVICE_ACCOUNT, "-n", RELEASE_NS,
+                            "--duration=2h").stdout.strip()
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    cl = admin["clusters"][0]["cluster"]
+    if "certificate-authority-data" not in cl:
+        cl = {**cl, "certificate-authority-data": base64.b64encode(
+            Path(cl.pop("certificate-authority")).read_bytes()).decode()}
+    config = {"apiVersion": "v1", "kind": "Config", "current-context": "sa",
+              "clusters": [{"name": "local", "cluster": cl}],
+              "users": [{"name": "operator", "user": {"token": token}}],
+              "contexts": [{"name": "sa", "context": {"cluster": "local", "user": "operator",
+                                                       "namespace": RELEASE_NS}}]}
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o600)
+    return path
+
+
+@dataclasses.dataclass
+class OperatorProcess:
+    proc: subprocess.Popen
+    log: Path
+    metrics_port: int
+    liveness_port: int
+
+    def get(self, port: int, path: str) -> tuple[int, str]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, resp.read().decode()
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+def get_json(cluster, *args: str) -> dict:
+    return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
+
+
+def wait_for(what: str, probe, *, timeout: float = 90.0, interval: float = 0.5, op=None):
+    """Poll ``probe()`` until it returns a truthy value; fail with ``what`` and the operator log."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(interval)
+    log = f"\noperator log:\n{op.tail()}" if op is not None else ""
+    pytest.fail(f"timed out after {timeout}s waiting for {what}{log}")
