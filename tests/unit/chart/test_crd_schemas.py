@@ -95,6 +95,6 @@ def test_sparsemodel_rules_name_their_field():
 
 def test_crds_have_one_source():
     """No other tracked file carries a copy of a sparsegate CRD (they are read from crds/)."""
-    out = subprocess.run(["git", "grep", "-l", "-e", "kind: CustomResourceDefinition"], cwd=ROOT,
+    out = subprocess.run(["git", "grep", "-l", "-E", "^kind: +CustomResourceDefinition"], cwd=ROOT,
                          capture_output=True, text=True, check=False).stdout.split()
     assert [p for p in out if not p.startswith("charts/sparsegate/crds/")] == []
