@@ -275,3 +275,14 @@ def test_module_entry_point_serves_with_gate_file_and_token_env(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
+
+
+async def test_event_loop_stays_responsive_while_the_model_computes(client):
+    big = [[(i * 31 + j) % 512 for j in range(256)] for i in range(16)]  # 4096 tokens each
+    pending = [asyncio.create_task(_infer(client, big)) for _ in range(8)]
+    await asyncio.sleep(0.05)
+    health = await client.get("/healthz")
+    assert health.status == 200
+    # Model batches run one at a time in the executor thread; /healthz answered in between.
+    assert not all(t.done() for t in pending)
+    assert all(r.status == 200 for r in await asyncio.gather(*pending))
