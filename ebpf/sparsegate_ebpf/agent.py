@@ -70,9 +70,16 @@ def run(args: argparse.Namespace, *, stop: threading.Event) -> int:
     state = AgentState()
     registry = CollectorRegistry()
     registry.register(XdpCollector(state=state))
-    start_http_server(args.metrics_port, addr=args.metrics_addr, registry=registry)
+    httpd, _ = start_http_server(args.metrics_port, addr=args.metrics_addr, registry=registry)
     log.info("serving /metrics on %s:%d", args.metrics_addr, args.metrics_port)
+    try:
+        return _run_bpf(args, state=state, stop=stop)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
+
+def _run_bpf(args: argparse.Namespace, *, state: AgentState, stop: threading.Event) -> int:
     try:
         prog = programs.load(enforce=not args.telemetry_only)
     except programs.BpfUnavailable as exc:

@@ -214,3 +214,31 @@ def _wait_listening(lab: VethLab, port: int) -> None:
     while f":{port:04X} " not in lab.run(lab.server_ns, ["cat", "/proc/net/tcp"]).stdout:
         assert time.monotonic() < deadline, f"server on {port} not listening"
         time.sleep(0.1)
+
+
+def test_auto_mode_falls_back_to_generic_where_the_driver_has_no_native_xdp(
+        lab: VethLab, telemetry_prog: LoadedProgram) -> None:
+    # Loopback (of our own namespace) has no driver XDP hook.
+    with lab.inside(lab.server_ns):
+        with pytest.raises(xdp.AttachError):
+            xdp.attach(bpf=telemetry_prog.bpf, fn=telemetry_prog.fn, ifname="lo", mode=xdp.XdpMode.NATIVE)
+        mode = xdp.attach(bpf=telemetry_prog.bpf, fn=telemetry_prog.fn, ifname="lo", mode=xdp.XdpMode.AUTO)
+        xdp.detach(bpf=telemetry_prog.bpf, ifname="lo", mode=mode)
+    assert mode == xdp.XdpMode.GENERIC
+
+
+def test_generic_mode_counts_the_same_traffic(lab: VethLab, telemetry_prog: LoadedProgram) -> None:
+    with lab.inside(lab.server_ns):
+        mode = xdp.attach(bpf=telemetry_prog.bpf, fn=telemetry_prog.fn, ifname=lab.server_if,
+                          mode=xdp.XdpMode.GENERIC)
+    try:
+        assert mode == xdp.XdpMode.GENERIC
+        warm_up(lab, telemetry_prog)
+        rx = udp_receiver(lab, [9000])
+        sent = udp_send(lab, lab.server_ip, 9000, 300, size=10)
+        got = received(rx)
+    finally:
+        with lab.inside(lab.server_ns):
+            xdp.detach(bpf=telemetry_prog.bpf, ifname=lab.server_if, mode=mode)
+    assert got == {9000: sent} == {9000: 300}
+    assert flow_of(telemetry_prog, lab.client_ip, lab.server_ip, 9000, UDP) == (300, 300 * (HEADERS + 10), 0)
