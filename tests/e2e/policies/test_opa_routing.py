@@ -17,6 +17,7 @@ from sparsegate.clients.opa import OpaRejected, OpaUnavailable, RoutingOpa
 from sparsegate.domain.policy import PolicySource, build_opa_data
 from sparsegate.domain.policy_compile import FlowTable, PodInfo, Port, candidate_queries, flow_document
 from sparsegate.handlers.routingpolicy import PolicySync, Settings
+from sparsegate_ebpf.policy import parse_policy
 
 pytestmark = pytest.mark.opa
 TD = "cluster.local"
@@ -152,6 +153,8 @@ async def test_fail_closed_then_resync_after_restart(opa_server) -> None:
         policies = [ALLOW_WEB, DENY_BATCH, ALLOW_ALL_NS]
         await sync.sync(policies=policies, pods=PODS)
         good = store.document
+        agent_view = parse_policy(good)  # the eBPF agent's own parser accepts what we publish
+        assert agent_view.version == good["version"] and len(agent_view.entries) == len(good["entries"])
         table = FlowTable.from_document(good)
         assert table.allows(src_ip="127.20.1.1", dst_ip="127.20.0.10", port=8080)  # fe-0 → mixtral
         assert table.allows(src_ip="127.20.3.1", dst_ip="127.20.0.12", port=8080)  # trusted ops → llama
