@@ -249,7 +249,7 @@ class RolloutStatus:
     def to_status(self, *, steps: Sequence[int]) -> dict[str, Any]:
         """``stable``, ``conditions`` and ``rollout`` for GateConfig status (None values left out).
 
-        Written with a full replace (PUT) of the status: merge patches would merge the params
+        Written as a whole (JSON patch ``add /status``): merge patches would merge the params
         maps of successive versions and corrupt their checksums.
         """
         counts: dict[str, int] = {}

@@ -7,7 +7,7 @@ One Kopf timer per GateConfig runs :func:`RolloutLoop.tick`:
    ``models_by_gate``), their ``/healthz`` (heartbeat + version/checksum double check) and,
    while a canary is in flight, their ``/metrics``;
 3. decide with ``domain.rollout.next_action`` (pure);
-4. persist the new status (full replace of the status subresource, optimistic concurrency)
+4. persist the new status (JSON patch replacing the whole status, optimistic concurrency)
    BEFORE acting, then push gates, post Events, clear one-shot annotations, count metrics;
 5. when it pushed, observe again at once so verified pods are recorded in the same tick.
 
@@ -246,11 +246,15 @@ class RolloutLoop:
                "observedGeneration": body["metadata"].get("generation")}
         if new == current:
             return dict(body)
-        obj = {**body, "status": new}
         path = (f"/apis/{GROUP}/{VERSION}/namespaces/{quote(body['metadata']['namespace'])}/gateconfigs/"
                 f"{quote(body['metadata']['name'])}/status")
-        # PUT carries metadata.resourceVersion: a concurrent writer makes it 409 (retried next tick).
-        return await asyncio.to_thread(self.kube.request, "PUT", path, body=obj)
+        # A JSON patch replaces status wholesale (a merge patch would merge the params maps of
+        # two gate versions). Carrying metadata.resourceVersion makes a concurrent writer's
+        # change a 409 Conflict: nothing is acted on, the next tick starts from a fresh read.
+        ops = [{"op": "replace", "path": "/metadata/resourceVersion", "value": body["metadata"]["resourceVersion"]},
+               {"op": "add", "path": "/status", "value": new}]
+        return await asyncio.to_thread(self.kube.request, "PATCH", path, body=ops,
+                                       content_type="application/json-patch+json")
 
     async def _act(self, body: Mapping[str, Any], decision: Decision, *, fleet: _Fleet | None,
                    logger: logging.Logger) -> None:
