@@ -205,6 +205,7 @@ class RolloutStatus:
     step_percent: int | None = None
     canary_pods: tuple[str, ...] = ()
     pod_versions: Mapping[str, str] = field(default_factory=dict)  # last observed, per pod
+    instances: int = 0  # pods seen at the last check, answering or not
     step_started_at: float | None = None  # when the current step began pushing
     analysis_started_at: float | None = None  # when every pod of the step reported the canary
     after_rollback: Phase | None = None  # where RollingBack comes to rest
@@ -233,6 +234,7 @@ class RolloutStatus:
             step_percent=ro.get("canaryPercent"),
             canary_pods=tuple(ro.get("canaryPods") or ()),
             pod_versions=dict(ro.get("podVersions") or {}),
+            instances=int(ro.get("instances") or 0),
             step_started_at=_epoch(ro.get("stepStartedAt")),
             analysis_started_at=_epoch(ro.get("analysisStartedAt")),
             after_rollback=Phase(after) if after in Phase._value2member_map_ else None,
@@ -265,7 +267,8 @@ class RolloutStatus:
             "canaryPercent": self.step_percent,
             "canaryVersion": self.canary.version if self.canary else None,
             "canary": self.canary.document() if self.canary else None,
-            "canaryInstances": f"{len(self.canary_pods)}/{len(self.pod_versions)}" if self.canary else None,
+            "canaryInstances": f"{len(self.canary_pods)}/{self.instances}" if self.canary else None,
+            "instances": self.instances,
             "podVersions": dict(self.pod_versions),
             "versionCounts": counts,
             "analysis": dict(self.last_analysis) if self.last_analysis else None,
@@ -698,6 +701,7 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
     s = dataclasses.replace(
         s,
         pod_versions={p.name: p.version for p in obs.pods if p.version is not None},
+        instances=len(obs.pods),
         conditions=conditions(phase=s.phase, reason=s.reason, message=s.message, previous=status.conditions, now=now),
     )
     return Decision(status=s, actions=tuple(acts))

@@ -1,0 +1,183 @@
+"""Operator at scale: 200 SparseModels, 1,000 pods, 100 kwok nodes (a benchmark, not a test).
+
+    python tests/bench/bench_scale.py [--models 200] [--replicas 5] [--nodes 100] [--gateconfigs 20]
+
+Starts its own local control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok)
+with ``--nodes`` fake nodes, installs the CRDs, runs the operator (``sparsegate run``, one
+namespace, rollout tick 1 s) and creates ``--gateconfigs`` GateConfigs and ``--models``
+SparseModels of ``--replicas`` pods each, spread over the GateConfigs. Pods are kwok pods only
+(no model-server processes: 1,000 of those would need ~320 GB), so /healthz checks are refused
+at once on the unbound loopback IPs, the cheap failure path.
+
+Reports, side by side:
+- time from the first create until every SparseModel is Ready (pods Running on kwok nodes);
+- operator reconcile latency p50/p99 per kind, from its own histogram
+  (``sparsegate_operator_reconcile_duration_seconds``), and the rollout tick p50/p99
+  (``sparsegate_rollout_tick_duration_seconds``, one tick checks every pod of a GateConfig);
+- operator memory: peak RSS (VmHWM) and RSS at the end;
+- then one GateConfig change at scale: time for the controller to choose and record the first
+  step (the pods cannot answer, so the step waits; that part is measured by the e2e tests).
+Results also go to tests/bench/results/bench_scale.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "dev"))
+
+from localcluster import LocalCluster, nodes, processes  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+NS = "bench"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def histogram_quantiles(text: str, name: str, label: tuple[str, str] | None) -> dict[str, float | None]:
+    buckets: dict[float, float] = {}
+    count = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if label and s.labels.get(label[0]) != label[1]:
+                continue
+            if s.name == f"{name}_bucket":
+                buckets[float(s.labels["le"])] = buckets.get(float(s.labels["le"]), 0.0) + s.value
+            elif s.name == f"{name}_count":
+                count += s.value
+    out: dict[str, float | None] = {"count": count}
+    for q in (0.5, 0.99):
+        rank, prev_le, prev_c, value = q * count, 0.0, 0.0, None
+        for le, c in sorted(buckets.items()):
+            if count and c >= rank:
+                value = prev_le if math.isinf(le) else prev_le + (le - prev_le) * (rank - prev_c) / max(c - prev_c, 1e-9)
+                break
+            prev_le, prev_c = le, c
+        out[f"p{int(q * 100)}"] = value
+    return out
+
+
+def rss_kib(pid: int) -> tuple[int, int]:
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmHWM"].split()[0]), int(fields["VmRSS"].split()[0])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", type=int, default=200)
+    p.add_argument("--replicas", type=int, default=5)
+    p.add_argument("--nodes", type=int, default=100)
+    p.add_argument("--gateconfigs", type=int, default=20)
+    p.add_argument("--timeout", type=float, default=1200)
+    args = p.parse_args()
+
+    state = Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    cluster = LocalCluster(state_dir=state, node_shape=nodes.NodeShape(count=args.nodes, gpu_count=0,
+                                                                       max_pods=110))
+    t0 = time.monotonic()
+    cluster.start()
+    print(f"cluster up in {time.monotonic() - t0:.1f}s with {args.nodes} nodes ({state})", flush=True)
+    op_proc = None
+    try:
+        cluster.kubectl("apply", "--server-side", "-f", str(REPO / "charts" / "sparsegate" / "crds"))
+        for crd in ("sparsemodels", "gateconfigs"):
+            cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}.sparsegate.dev", "--timeout=60s")
+        cluster.kubectl("create", "namespace", NS)
+        while cluster.kubectl("get", "serviceaccount", "default", "-n", NS, check=False).returncode != 0:
+            time.sleep(0.2)
+        port = free_port()
+        env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "SPARSEGATE_ROLLOUT_TICK_S": "1"}
+        op_proc = processes.start(name="operator", argv=[sys.executable, "-m", "sparsegate.cli", "run", "--standalone",
+                                                         "-n", NS, f"--metrics-port={port}"],
+                                  log_path=state / "operator.log", pid_file=state / "operator.pid", env=env,
+                                  die_with_parent=True)
+        time.sleep(3)
+        gcs = [{"apiVersion": "sparsegate.dev/v1alpha1", "kind": "GateConfig", "metadata": {"name": f"gate-{i}"},
+                "spec": {"params": {"toolGateThreshold": 0.85}, "rollout": {"analysisInterval": "5s"}}}
+               for i in range(args.gateconfigs)]
+        models = [{"apiVersion": "sparsegate.dev/v1alpha1", "kind": "SparseModel", "metadata": {"name": f"m-{i:03d}"},
+                   "spec": {"image": "ghcr.io/sparsegate/model-server:0.1.0", "replicas": args.replicas,
+                            "gateConfigRef": {"name": f"gate-{i % args.gateconfigs}"},
+                            "model": {"dModel": 128, "experts": 4, "maxExpertsPerToken": 2}}}
+                  for i in range(args.models)]
+        t_create = time.monotonic()
+        for chunk in range(0, len(gcs) + len(models), 50):
+            items = (gcs + models)[chunk:chunk + 50]
+            cluster.kubectl("apply", "-n", NS, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
+                                                                            "items": items}), timeout=120)
+        created_s = time.monotonic() - t_create
+        print(f"created {len(gcs)} GateConfigs + {len(models)} SparseModels in {created_s:.1f}s", flush=True)
+
+        ready_s = None
+        while time.monotonic() - t_create < args.timeout:
+            out = json.loads(cluster.kubectl("get", "sparsemodels", "-n", NS, "-o", "json", timeout=120).stdout)
+            ready = sum(1 for m in out["items"] if any(c["type"] == "Ready" and c["status"] == "True"
+                                                       for c in (m.get("status") or {}).get("conditions", [])))
+            if ready == len(models):
+                ready_s = time.monotonic() - t_create
+                break
+            print(f"  {ready}/{len(models)} Ready after {time.monotonic() - t_create:.0f}s", flush=True)
+            time.sleep(5)
+        pods = json.loads(cluster.kubectl("get", "pods", "-n", NS, "-o", "json", timeout=120).stdout)["items"]
+        running = sum(1 for x in pods if x["status"].get("phase") == "Running")
+
+        # One GateConfig change at scale: time until the first step is chosen and recorded.
+        gc = "gate-0"
+        cluster.kubectl("patch", "gateconfig", gc, "-n", NS, "--type=merge", "-p",
+                        json.dumps({"spec": {"params": {"toolGateThreshold": 0.8}}}))
+        t_change = time.monotonic()
+        first_step_s = None
+        while time.monotonic() - t_change < 60:
+            ro = (json.loads(cluster.kubectl("get", "gateconfig", gc, "-n", NS, "-o", "json").stdout)
+                  .get("status") or {}).get("rollout") or {}
+            if ro.get("step") == 1 and ro.get("canaryInstances"):
+                first_step_s = time.monotonic() - t_change
+                break
+            time.sleep(0.2)
+        time.sleep(3)  # a few ticks at 1,000-pod scale for the tick histogram
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        hwm, rss = rss_kib(op_proc.pid)
+        result = {
+            "models": args.models, "replicas": args.replicas, "pods": len(pods), "podsRunning": running,
+            "nodes": args.nodes, "gateconfigs": args.gateconfigs,
+            "createSeconds": round(created_s, 2),
+            "allReadySeconds": None if ready_s is None else round(ready_s, 2),
+            "reconcileSparseModel": histogram_quantiles(metrics, "sparsegate_operator_reconcile_duration_seconds",
+                                                        ("kind", "SparseModel")),
+            "reconcileGateConfig": histogram_quantiles(metrics, "sparsegate_operator_reconcile_duration_seconds",
+                                                       ("kind", "GateConfig")),
+            "rolloutTick": histogram_quantiles(metrics, "sparsegate_rollout_tick_duration_seconds", None),
+            "firstStepRecordedSeconds": None if first_step_s is None else round(first_step_s, 2),
+            "canaryInstances": ro.get("canaryInstances"),
+            "operatorPeakRssMiB": round(hwm / 1024, 1), "operatorRssMiB": round(rss / 1024, 1),
+        }
+        print(json.dumps(result, indent=2))
+        out_dir = REPO / "tests" / "bench" / "results"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "bench_scale.json").write_text(json.dumps(result, indent=2) + "\n")
+        return 0 if ready_s is not None else 1
+    finally:
+        if op_proc is not None:
+            processes.stop_from_pid_file(state / "operator.pid", grace_s=10, popen=op_proc)
+        cluster.stop()
+        subprocess.run(["rm", "-rf", str(state)], check=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
