@@ -7,7 +7,9 @@ import json
 import sys
 from pathlib import Path
 
+from localcluster.binaries import MissingBinaryError
 from localcluster.cluster import ClusterError, LocalCluster, default_state_dir
+from localcluster.health import StartupError
 from localcluster.nodes import NodeShape
 
 
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ClusterError as exc:
+    except (ClusterError, MissingBinaryError, StartupError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

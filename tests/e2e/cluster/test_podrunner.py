@@ -1,0 +1,100 @@
+"""The pod runner gives each Running model pod a real process on its loopback pod IP, and takes
+it away with the pod. The process here is ``python -m http.server`` (the runner's command is a
+template), serving the runner's per-pod directory, so the gate file it wrote is fetchable."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+HTTP_SERVER = "{python} -m http.server --bind {host} {port}"
+
+
+def wait_for(check: Callable[[], object], *, what: str, timeout_s: float = 60.0) -> object:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.25)
+
+
+def model_objects(model: str, *, replicas: int, gate: dict, token: str) -> str:
+    """The objects the operator makes for a SparseModel (dev/CONTRACTS.md), written by hand."""
+    labels = {"app.kubernetes.io/name": "sparsegate-model", "sparsegate.dev/model": model}
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{model}-gate"}, "data": {"gate.json": json.dumps(gate)}},
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{model}-admin"}, "stringData": {"token": token}},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": model, "labels": labels}, "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": {
+                "containers": [{
+                    "name": "server", "image": "sparsegate/model:dev",
+                    "ports": [{"name": "http", "containerPort": 18080}],
+                    "env": [{"name": "SPARSEGATE_ADMIN_TOKEN",
+                             "valueFrom": {"secretKeyRef": {"name": f"{model}-admin", "key": "token"}}}],
+                    "volumeMounts": [{"name": "gate", "mountPath": "/etc/sparsegate", "readOnly": True}],
+                }],
+                "volumes": [{"name": "gate", "configMap": {"name": f"{model}-gate"}}],
+            }},
+        }},
+    ]})
+
+
+def pod_ips(kubectl, namespace: str, model: str) -> list[str]:
+    pods = json.loads(kubectl("get", "pods", "-n", namespace, "-l", f"sparsegate.dev/model={model}", "-o", "json").stdout)["items"]
+    return sorted(p["status"].get("podIP", "") for p in pods if p["status"].get("phase") == "Running")
+
+
+def fetch(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.read().decode()
+    except OSError:
+        return None
+
+
+def environ_of(pid_file: Path) -> dict[str, str]:
+    pid = int(pid_file.read_text().split()[0])
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def test_runner_starts_a_process_per_pod_and_stops_it_with_the_pod(kubectl, namespace, pod_runner) -> None:
+    gate = {"version": "g-000000000001", "checksum": "sha256:00", "params": {"toolGateThreshold": 0.85}}
+    kubectl("apply", "-n", namespace, "-f", "-", input=model_objects("m1", replicas=2, gate=gate, token="t0ken"))
+    kubectl("rollout", "status", "-n", namespace, "deployment/m1", "--timeout=90s", timeout=120)
+    ips = pod_ips(kubectl, namespace, "m1")
+    assert len(ips) == 2 and all(ip.startswith("127.20.") for ip in ips)
+
+    work = pod_runner(command=HTTP_SERVER)
+
+    # Then each pod IP answers on the container port, serving the gate file the runner wrote.
+    for ip in ips:
+        body = wait_for(lambda ip=ip: fetch(f"http://{ip}:18080/gate.json"), what=f"process on {ip}:18080")
+        assert json.loads(body) == gate
+    # and the admin token was resolved from the Secret into the process environment.
+    pid_files = sorted(work.glob(f"{namespace}_m1-*/process.pid"))
+    assert len(pid_files) == 2
+    assert all(environ_of(p)["SPARSEGATE_ADMIN_TOKEN"] == "t0ken" for p in pid_files)
+
+    # When the gate ConfigMap changes, the file is refreshed in place (as a kubelet would).
+    gate2 = {**gate, "version": "g-000000000002"}
+    kubectl("apply", "-n", namespace, "-f", "-", input=model_objects("m1", replicas=2, gate=gate2, token="t0ken"))
+    wait_for(lambda: all(json.loads(fetch(f"http://{ip}:18080/gate.json") or "{}").get("version") == "g-000000000002"
+                         for ip in ips), what="refreshed gate file")
+
+    # When the Deployment scales to zero, the processes stop and the addresses go quiet.
+    kubectl("scale", "-n", namespace, "deployment/m1", "--replicas=0")
+    wait_for(lambda: not pod_ips(kubectl, namespace, "m1"), what="pods gone")
+    wait_for(lambda: all(fetch(f"http://{ip}:18080/gate.json") is None for ip in ips), what="processes stopped")
+    wait_for(lambda: not list(work.glob(f"{namespace}_m1-*/process.pid")), what="pid files removed")

@@ -1,0 +1,98 @@
+"""Shared e2e fixtures: one real local control plane per test session.
+
+The cluster is started fresh in a temporary state directory and stopped at session end. A missing
+binary raises (the tests error with the name and the setup command); nothing here skips.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from localcluster import LocalCluster, processes
+
+E2E_DIR = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Everything under tests/e2e needs the real control plane: mark it so `-m "not e2e"` works.
+    for item in items:
+        if E2E_DIR in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    state = tmp_path_factory.mktemp("cluster")
+    local = LocalCluster(state_dir=state)
+    local.start()
+    sys.stderr.write(f"\n[e2e] local cluster up in {local.timings['total']:.1f}s {local.timings} state={state}\n")
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+@pytest.fixture(scope="session")
+def kubectl(cluster: LocalCluster) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """``kubectl("get", "pods", "-n", ns)``: the built kubectl on the session cluster; raises on failure."""
+    return cluster.kubectl
+
+
+@pytest.fixture
+def namespace(cluster: LocalCluster) -> Iterator[str]:
+    """A fresh namespace, deleted (without waiting) after the test."""
+    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", name)
+    # Pods are rejected until the namespace's default ServiceAccount exists.
+    deadline = time.monotonic() + 60
+    while cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode != 0:
+        assert time.monotonic() < deadline, f"no default ServiceAccount in {name}"
+        time.sleep(0.2)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def kube_api_client(cluster: LocalCluster):  # -> kubernetes.client.ApiClient
+    """A Python Kubernetes ApiClient for the session cluster."""
+    from kubernetes import config as kube_config
+
+    return kube_config.new_client_from_config(config_file=str(cluster.kubeconfig))
+
+
+@pytest.fixture
+def pod_runner(cluster: LocalCluster, tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """Starts ``python -m localcluster podrunner`` (optionally with ``command=`` template); stopped after.
+
+    Returns the runner's work directory (one sub-directory per pod with process.log / process.pid).
+    """
+    started: list[tuple[subprocess.Popen[bytes], Path]] = []
+
+    def start(*, command: str | None = None, selector: str | None = None) -> Path:
+        work = tmp_path / f"podrunner-{len(started)}"
+        pid_file = work / "runner.pid"
+        argv = [sys.executable, "-m", "localcluster", "--state-dir", str(cluster.state_dir), "podrunner",
+                "--work-dir", str(work), "--pid-file", str(pid_file)]
+        if command:
+            argv += ["--command", command]
+        if selector:
+            argv += ["--selector", selector]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(E2E_DIR.parent.parent / "dev"), os.environ.get("PYTHONPATH", "")])}
+        proc = processes.start(name="podrunner", argv=argv, log_path=work / "runner.log", pid_file=work / "runner.popen.pid",
+                               env=env, die_with_parent=True)
+        started.append((proc, work))
+        sys.stderr.write(f"[e2e] podrunner: {shlex.join(argv)}\n")
+        return work
+
+    yield start
+    for proc, work in started:
+        processes.stop_from_pid_file(work / "runner.popen.pid", grace_s=10, popen=proc)
