@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.metrics_port:
         metrics.serve(port=args.metrics_port)
-    stop = threading.Event()
+    lost = threading.Event()
+    elector = None
     if args.leader_elect:
         from sparsegate.clients.kube import Kube
         from sparsegate.clients.leader import LeaderElector
@@ -85,21 +86,22 @@ def main(argv: list[str] | None = None) -> int:
                                 identity=os.environ.get("POD_NAME") or socket.gethostname())
         standby = _standby_server(args.liveness)
         try:
-            if not elector.acquire(stop):
+            if not elector.acquire(lost):
                 return 1
         finally:
             if standby is not None:  # free the port for Kopf's own liveness endpoint
                 standby.shutdown()
                 standby.server_close()
-        elector.keep(stop)  # losing the Lease stops Kopf; the pod restarts and re-queues
+        elector.keep(lost)  # losing the Lease SIGTERMs us; the pod restarts as a standby
     kopf.run(
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         standalone=args.standalone or None,
         liveness_endpoint=args.liveness,
-        stop_flag=stop,
     )
-    return 1 if args.leader_elect and stop.is_set() else 0
+    if elector is not None and not lost.is_set():
+        elector.release()
+    return 1 if lost.is_set() else 0
 
 
 if __name__ == "__main__":

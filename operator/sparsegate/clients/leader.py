@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
+import signal
 import threading
 
 from sparsegate.clients.kube import Conflict, Kube, KubeError
@@ -44,7 +46,11 @@ class LeaderElector:
         return False
 
     def keep(self, lost: threading.Event) -> threading.Thread:
-        """Renew in the background; set ``lost`` when the Lease could not be renewed in time."""
+        """Renew in the background; on loss set ``lost`` and SIGTERM this process.
+
+        A signal, not Kopf's ``stop_flag``: Kopf waits on a threading flag in an executor thread
+        that nothing wakes on a normal SIGTERM, which would block shutdown forever.
+        """
         def run() -> None:
             deadline = datetime.datetime.now(datetime.timezone.utc) + \
                 datetime.timedelta(seconds=self.duration_s)
@@ -61,6 +67,17 @@ class LeaderElector:
                     logger.warning("leader renewal failed: %s", e)
                     if datetime.datetime.now(datetime.timezone.utc) >= deadline:
                         lost.set()
+            os.kill(os.getpid(), signal.SIGTERM)  # Kopf stops gracefully; the pod restarts
         thread = threading.Thread(target=run, name="lease-renewer", daemon=True)
         thread.start()
         return thread
+
+    def release(self) -> None:
+        """Hand the Lease over at once on a clean exit (standbys need not wait for expiry)."""
+        try:
+            current = self.kube.get("Lease", namespace=self.namespace, name=self.name)
+            if current and (current.get("spec") or {}).get("holderIdentity") == self.identity:
+                spec = {**current["spec"], "holderIdentity": None, "leaseDurationSeconds": 1}
+                self.kube.replace({**current, "spec": spec})
+        except KubeError as e:
+            logger.warning("could not release the Lease: %s", e)

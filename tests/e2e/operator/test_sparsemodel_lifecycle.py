@@ -182,7 +182,7 @@ def test_operator_cannot_do_more_than_its_role(cluster, sparsegate_release, oper
         return out == "yes"
     assert can("patch", "sparsemodels.sparsegate.dev", "-A")
     assert can("create", "deployments.apps", "-n", "default")
-    assert not can("get", "secrets", "-n", "default")
+    assert not can("list", "secrets", "-n", "default")
     assert not can("delete", "deployments.apps", "-n", "default")
     assert not can("list", "customresourcedefinitions.apiextensions.k8s.io")
     assert can("update", "leases.coordination.k8s.io/sparsegate-operator", "-n", RELEASE_NS)

@@ -1,0 +1,40 @@
+"""Operator metrics bookkeeping and the `sparsegate run` command line."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparsegate import cli, metrics
+
+
+def sample(name: str, **labels: str) -> float:
+    value = metrics.prometheus_client.REGISTRY.get_sample_value(name, labels)
+    return value or 0.0
+
+
+def test_observe_counts_outcomes_errors_and_durations():
+    ok0 = sample("sparsegate_operator_reconciles_total", kind="UnitKind", outcome="success")
+    deg0 = sample("sparsegate_operator_reconciles_total", kind="UnitKind", outcome="degraded")
+    err0 = sample("sparsegate_operator_reconcile_errors_total", kind="UnitKind")
+    n0 = sample("sparsegate_operator_reconcile_duration_seconds_count", kind="UnitKind")
+    with metrics.observe("UnitKind"):
+        pass
+    with metrics.observe("UnitKind") as outcome:
+        outcome.value = "degraded"
+    with pytest.raises(RuntimeError), metrics.observe("UnitKind"):
+        raise RuntimeError("boom")
+    assert sample("sparsegate_operator_reconciles_total", kind="UnitKind", outcome="success") == ok0 + 1
+    assert sample("sparsegate_operator_reconciles_total", kind="UnitKind", outcome="degraded") == deg0 + 1
+    assert sample("sparsegate_operator_reconcile_errors_total", kind="UnitKind") == err0 + 1
+    assert sample("sparsegate_operator_reconcile_duration_seconds_count", kind="UnitKind") == n0 + 3
+
+
+def test_cli_scope_flags():
+    parse = cli._parser().parse_args
+    assert parse(["run"]).namespace == [] and not parse(["run"]).standalone
+    assert parse(["run", "-n", "a", "--namespace", "b"]).namespace == ["a", "b"]
+    with pytest.raises(SystemExit):
+        parse(["run", "--namespace", "a", "--all-namespaces"])
+    args = parse(["run", "--standalone", "--metrics-port", "9090", "--leader-elect",
+                  "--lease-name", "x", "--liveness", "http://0.0.0.0:8081/healthz"])
+    assert (args.metrics_port, args.lease_name, args.leader_elect) == (9090, "x", True)
