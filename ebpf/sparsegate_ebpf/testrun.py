@@ -11,6 +11,7 @@ import platform
 from dataclasses import dataclass
 
 BPF_PROG_TEST_RUN = 10
+BPF_F_TEST_XDP_LIVE_FRAMES = 1 << 1  # frames the program passes/redirects really go out (5.18+)
 _SYS_BPF = {"x86_64": 321, "aarch64": 280}
 
 XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = range(5)
@@ -54,21 +55,28 @@ class XdpRunResult:
 _libc = ct.CDLL(None, use_errno=True)
 
 
-def run_xdp(*, prog_fd: int, data: bytes, repeat: int = 1) -> XdpRunResult:
-    """Run the program `repeat` times on `data`; raises OSError with the kernel's errno."""
+def run_xdp(*, prog_fd: int, data: bytes, repeat: int = 1, flags: int = 0, batch_size: int = 0) -> XdpRunResult:
+    """Run the program `repeat` times on `data`; raises OSError with the kernel's errno.
+
+    With flags=BPF_F_TEST_XDP_LIVE_FRAMES the kernel acts as a packet generator: each
+    repetition is a fresh frame whose verdict is carried out (the bench's traffic source).
+    """
     try:
         nr = _SYS_BPF[platform.machine()]
     except KeyError as exc:
         raise OSError(f"bpf() syscall number unknown for {platform.machine()}") from exc
     buf_in = ct.create_string_buffer(data, len(data))
     buf_out = ct.create_string_buffer(len(data) + 512)
+    live = flags & BPF_F_TEST_XDP_LIVE_FRAMES
     attr = _TestAttr(
         prog_fd=prog_fd,
         data_size_in=len(data),
-        data_size_out=len(buf_out),
+        data_size_out=0 if live else len(buf_out),
         data_in=ct.addressof(buf_in),
-        data_out=ct.addressof(buf_out),
+        data_out=0 if live else ct.addressof(buf_out),
         repeat=repeat,
+        flags=flags,
+        batch_size=batch_size,
     )
     rc = _libc.syscall(ct.c_long(nr), ct.c_long(BPF_PROG_TEST_RUN), ct.byref(attr), ct.c_uint(ct.sizeof(attr)))
     if rc != 0:

@@ -1,0 +1,213 @@
+"""XDP data-plane cost: packets/s through a veth pair, test_run ns/packet, policy swap latency.
+
+    sudo python tests/bench/bench_xdp.py [--packets 1000000] [--trials 5] [--policy-entries 10000]
+
+Side by side, trials interleaved round-robin so machine noise hits every configuration alike:
+1. veth pps. Two fresh namespaces joined by a veth pair; the kernel itself generates the traffic
+   (BPF_PROG_TEST_RUN with BPF_F_TEST_XDP_LIVE_FRAMES running a one-line program that redirects
+   each frame into the client end), so no userspace sender caps the rate. The server end runs
+   - none: no XDP program (GRO on, so veth takes the same NAPI path it takes with XDP),
+   - telemetry: the program built with SG_ENFORCE=0,
+   - telemetry+policy: SG_ENFORCE=1 with a policy of --policy-entries entries that allows the flow.
+   Frames carry a foreign destination MAC, so after XDP the stack drops them at ip_rcv: what is
+   measured is the receive path up to and including XDP. pps = frames received at the server end
+   (its rx counter) / wall time of the generator; ratio = median pps / median pps of `none`.
+2. test_run ns/packet (kernel-measured mean over --repeat runs), with a bare XDP_PASS program as
+   the floor of this machine.
+3. Policy swap latency: PolicySwapper.apply at 100 and --policy-entries entries: fill time of the
+   inactive inner map, and the single outer-slot update (which includes the kernel's RCU wait).
+Writes tests/bench/results/bench_xdp.json.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes as ct
+import fcntl
+import json
+import os
+import platform
+import socket
+import statistics
+import struct
+import sys
+import time
+from pathlib import Path
+
+from sparsegate_ebpf import packets, programs, testrun, xdp
+from sparsegate_ebpf.maps import Counter
+from sparsegate_ebpf.policy import parse_policy
+from sparsegate_ebpf.policyswap import PolicySwapper
+from sparsegate_ebpf.testing import counters
+from sparsegate_ebpf.vethlab import VethLab
+
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_xdp.json"
+SIOCETHTOOL = 0x8946
+ETHTOOL_SGRO = 0x2C
+FOREIGN_MAC = bytes.fromhex("02aabbccddee")
+
+
+def set_gro(ifname: str, *, on: bool) -> None:
+    """ethtool -K <if> gro on|off, via the legacy ioctl (no ethtool binary needed)."""
+    val = (ct.c_uint32 * 2)(ETHTOOL_SGRO, 1 if on else 0)
+    ifr = bytearray(struct.pack("16sP16x", ifname.encode(), ct.addressof(val)))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        fcntl.ioctl(s.fileno(), SIOCETHTOOL, ifr)
+
+
+def policy_doc(*, lab: VethLab | None, entries: int) -> dict:
+    """`entries` allow rules; the first one matches the bench flow (when a lab is given)."""
+    src, dst = (lab.client_ip, lab.server_ip) if lab else ("10.9.0.1", "10.9.0.2")
+    rows = [{"srcIP": src, "dstIP": dst, "dstPort": 9000, "protocol": "udp", "action": "allow", "rule": "bench#flow"}]
+    for i in range(entries - 1):
+        rows.append({"srcIP": f"10.{100 + i // 65536 % 100}.{i // 256 % 256}.{i % 256}", "dstIP": dst,
+                     "dstPort": 1024 + i % 60000, "protocol": "tcp", "action": "allow", "rule": f"bench#{i}"})
+    return {"version": f"bench-{entries}", "defaultAction": "deny", "entries": rows}
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def bench_veth(*, n_packets: int, trials: int, policy_entries: int) -> dict:
+    from bcc import BPF
+
+    out: dict[str, list[float]] = {"none": [], "telemetry": [], "telemetry+policy": []}
+    with VethLab.create() as lab:
+        link = lab.link_stats(lab.client_ns, lab.client_if)
+        gen = BPF(text=f"int gen(struct xdp_md *ctx) {{ return bpf_redirect({link['ifindex']}, 0); }}")
+        gen_fn = gen.load_func(b"gen", BPF.XDP)
+        with lab.inside(lab.server_ns):
+            set_gro(lab.server_if, on=True)
+        tele = programs.load(enforce=False)
+        enf = programs.load(enforce=True)
+        PolicySwapper(bpf=enf.bpf).apply(parse_policy(policy_doc(lab=lab, entries=policy_entries)))
+        frame = packets.udp_frame(src=lab.client_ip, dst=lab.server_ip, sport=40000, dport=9000, payload=b"b" * 18)
+        frame = FOREIGN_MAC + frame[6:]
+        progs = {"none": None, "telemetry": tele, "telemetry+policy": enf}
+
+        def rx() -> int:
+            return lab.link_stats(lab.server_ns, lab.server_if)["stats64"]["rx"]["packets"]
+
+        for _ in range(trials):
+            for name, prog in progs.items():
+                if prog:
+                    with lab.inside(lab.server_ns):
+                        xdp.attach(bpf=prog.bpf, fn=prog.fn, ifname=lab.server_if, mode=xdp.XdpMode.NATIVE)
+                try:
+                    before = rx()
+                    t0 = time.perf_counter()
+                    with lab.inside(lab.client_ns):
+                        testrun.run_xdp(prog_fd=gen_fn.fd, data=frame, repeat=n_packets,
+                                        flags=testrun.BPF_F_TEST_XDP_LIVE_FRAMES, batch_size=64)
+                    wall = time.perf_counter() - t0
+                    got = rx() - before
+                finally:
+                    if prog:
+                        with lab.inside(lab.server_ns):
+                            xdp.detach(bpf=prog.bpf, ifname=lab.server_if, mode=xdp.XdpMode.NATIVE)
+                if got < n_packets * 0.99:
+                    raise RuntimeError(f"{name}: only {got} of {n_packets} frames reached the server end")
+                out[name].append(got / wall)
+        if counters(enf)[Counter.POLICY_ALLOW] < n_packets * trials:
+            raise RuntimeError("policy program did not judge the bench frames")
+        for p in (tele, enf):
+            p.close()
+        gen.cleanup()
+    base = statistics.median(out["none"])
+    return {name: {"pps_median": statistics.median(v), "pps_trials": v,
+                   "ratio_to_none": statistics.median(v) / base} for name, v in out.items()}
+
+
+def bench_test_run(*, repeat: int, trials: int, policy_entries: int) -> dict:
+    from bcc import BPF
+
+    bare = BPF(text="int bare(struct xdp_md *ctx) { return XDP_PASS; }")
+    bare_fn = bare.load_func(b"bare", BPF.XDP)
+    tele = programs.load(enforce=False)
+    enf = programs.load(enforce=True)
+    PolicySwapper(bpf=enf.bpf).apply(parse_policy(policy_doc(lab=None, entries=policy_entries)))
+    frame = packets.udp_frame(src="10.9.0.1", dst="10.9.0.2", sport=40000, dport=9000, payload=b"b" * 18)
+    fds = {"bare XDP_PASS": bare_fn.fd, "telemetry": tele.prog_fd, "telemetry+policy": enf.prog_fd}
+    ns: dict[str, list[int]] = {k: [] for k in fds}
+    for _ in range(trials):
+        for name, fd in fds.items():
+            r = testrun.run_xdp(prog_fd=fd, data=frame, repeat=repeat)
+            assert r.verdict == "pass", (name, r.verdict)
+            ns[name].append(r.duration_ns)
+    for p in (tele, enf):
+        p.close()
+    bare.cleanup()
+    return {k: {"ns_median": statistics.median(v), "ns_trials": v} for k, v in ns.items()}
+
+
+def bench_swap(*, sizes: list[int], swaps: dict[int, int]) -> dict:
+    enf = programs.load(enforce=True)
+    sw = PolicySwapper(bpf=enf.bpf)
+    out = {}
+    for size in sizes:
+        pa = parse_policy(policy_doc(lab=None, entries=size))
+        doc_b = policy_doc(lab=None, entries=size)
+        doc_b["entries"][0]["rule"] = "bench#flow-b"
+        pb = parse_policy(doc_b)
+        swap_s, fill_s = [], []
+        for i in range(swaps[size]):
+            r = sw.apply(pa if i % 2 else pb)
+            swap_s.append(r.swap_seconds)
+            fill_s.append(r.fill_seconds)
+        out[str(size)] = {
+            "swaps": len(swap_s),
+            "swap_ms_median": statistics.median(swap_s) * 1e3, "swap_ms_p99": pct(swap_s, 0.99) * 1e3,
+            "fill_ms_median": statistics.median(fill_s) * 1e3, "fill_ms_p99": pct(fill_s, 0.99) * 1e3,
+        }
+    enf.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--packets", type=int, default=1_000_000)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=1_000_000, help="test_run repetitions per trial")
+    ap.add_argument("--policy-entries", type=int, default=10_000)
+    ap.add_argument("--swaps", type=int, default=200, help="swaps at 100 entries (a tenth at the large size)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench_xdp needs root (BPF, network namespaces)", file=sys.stderr)
+        return 2
+
+    t0 = time.time()
+    veth = bench_veth(n_packets=args.packets, trials=args.trials, policy_entries=args.policy_entries)
+    tr = bench_test_run(repeat=args.repeat, trials=args.trials, policy_entries=args.policy_entries)
+    sizes = [100, args.policy_entries]
+    swap = bench_swap(sizes=sizes, swaps={100: args.swaps, args.policy_entries: max(10, args.swaps // 10)})
+
+    print(f"\nveth pair, kernel-generated {args.packets:,} frames x {args.trials} trials (medians)")
+    print(f"{'config':<20}{'Mpps':>8}{'ratio':>8}")
+    for name, r in veth.items():
+        print(f"{name:<20}{r['pps_median'] / 1e6:>8.3f}{r['ratio_to_none']:>8.3f}")
+    print(f"\nBPF_PROG_TEST_RUN, {args.repeat:,} repeats, policy of {args.policy_entries:,} entries")
+    print(f"{'program':<20}{'ns/pkt':>8}")
+    for name, r in tr.items():
+        print(f"{name:<20}{r['ns_median']:>8.0f}")
+    print("\npolicy swap (A/B inner maps, one outer-slot update)")
+    print(f"{'entries':>8}{'swaps':>7}{'swap med ms':>13}{'swap p99 ms':>13}{'fill med ms':>13}")
+    for size, r in swap.items():
+        print(f"{size:>8}{r['swaps']:>7}{r['swap_ms_median']:>13.3f}{r['swap_ms_p99']:>13.3f}{r['fill_ms_median']:>13.1f}")
+
+    result = {
+        "bench": "bench_xdp", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
+        "machine": {"kernel": platform.release(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
+        "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "veth_pps": veth, "test_run_ns_per_packet": tr, "policy_swap": swap,
+        "seconds": time.time() - t0,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
