@@ -166,3 +166,8 @@ def test_routing_policy_end_to_end(kubectl, namespace: str, web_namespace: str, 
     assert set(opa("loaded_policies")) == {f"{models}/allow-frontend"}
     final = wait_for(lambda: (d := allow_list()) and len(d["entries"]) == 2 and d, what="2 entries")
     assert {e["srcIP"] for e in final["entries"]} == {ip["fe-0"]}
+
+    # When the last policy goes, nothing is allowed any more (and no finalizer is left behind)
+    kubectl("delete", "routingpolicy", "allow-frontend", "-n", models, "--timeout=60s", timeout=90)
+    assert opa("loaded_policies") == {}
+    wait_for(lambda: (d := allow_list()) is not None and d["entries"] == [], what="empty allow-list")
