@@ -72,9 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     nodes_cmd.add_argument("--gpu-nodes", type=int, default=2)
     nodes_cmd.set_defaults(func=cmd_nodes)
     runner = sub.add_parser("podrunner", help="run a real process per sparsegate-model pod (see --help)", add_help=False)
-    runner.add_argument("rest", nargs=argparse.REMAINDER)
     runner.set_defaults(func=cmd_podrunner)
-    args = parser.parse_args(argv)
+    # The pod runner parses its own options (REMAINDER does not take ones that start with --).
+    args, rest = parser.parse_known_args(argv)
+    if args.command != "podrunner" and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     try:
         return args.func(args)
     except (ClusterError, MissingBinaryError, StartupError) as exc:
