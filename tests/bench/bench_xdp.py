@@ -75,7 +75,7 @@ def bench_veth(*, n_packets: int, trials: int, policy_entries: int) -> dict:
     out: dict[str, list[float]] = {"none": [], "telemetry": [], "telemetry+policy": []}
     with VethLab.create() as lab:
         link = lab.link_stats(lab.client_ns, lab.client_if)
-        gen = BPF(text=f"int gen(struct xdp_md *ctx) {{ return bpf_redirect({link['ifindex']}, 0); }}")
+        gen = BPF(text=f"int gen(struct xdp_md *ctx) {{ return bpf_redirect({link['ifindex']}, 0); }}".encode())
         gen_fn = gen.load_func(b"gen", BPF.XDP)
         with lab.inside(lab.server_ns):
             set_gro(lab.server_if, on=True)
@@ -122,7 +122,7 @@ def bench_veth(*, n_packets: int, trials: int, policy_entries: int) -> dict:
 def bench_test_run(*, repeat: int, trials: int, policy_entries: int) -> dict:
     from bcc import BPF
 
-    bare = BPF(text="int bare(struct xdp_md *ctx) { return XDP_PASS; }")
+    bare = BPF(text=b"int bare(struct xdp_md *ctx) { return XDP_PASS; }")
     bare_fn = bare.load_func(b"bare", BPF.XDP)
     tele = programs.load(enforce=False)
     enf = programs.load(enforce=True)

@@ -242,3 +242,33 @@ def test_generic_mode_counts_the_same_traffic(lab: VethLab, telemetry_prog: Load
             xdp.detach(bpf=telemetry_prog.bpf, ifname=lab.server_if, mode=mode)
     assert got == {9000: sent} == {9000: 300}
     assert flow_of(telemetry_prog, lab.client_ip, lab.server_ip, 9000, UDP) == (300, 300 * (HEADERS + 10), 0)
+
+
+def test_stale_program_of_a_crashed_agent_is_replaced_but_foreign_ones_are_not(
+        lab: VethLab, telemetry_prog: LoadedProgram) -> None:
+    from bcc import BPF
+
+    # A foreign program: attach must refuse rather than clobber it.
+    other = BPF(text=b"int not_ours(struct xdp_md *ctx) { return XDP_PASS; }")
+    other_fn = other.load_func(b"not_ours", BPF.XDP)
+    with lab.inside(lab.server_ns):
+        other.attach_xdp(lab.server_if.encode(), other_fn, xdp.XDP_FLAGS_SKB_MODE)
+        with pytest.raises(xdp.AttachError):
+            xdp.attach(bpf=telemetry_prog.bpf, fn=telemetry_prog.fn, ifname=lab.server_if, mode=xdp.XdpMode.AUTO)
+        assert xdp.attached_program(lab.server_if)["prog"]["name"] == "not_ours"
+        other.remove_xdp(lab.server_if.encode(), xdp.XDP_FLAGS_SKB_MODE)
+    other.cleanup()
+    # Our own program left behind in generic mode (a SIGKILLed agent): replaced by a native attach.
+    crashed = subprocess.run(
+        ["ip", "netns", "exec", lab.server_ns, PY, "-c",
+         "from sparsegate_ebpf import programs, xdp;p=programs.load(enforce=False);"
+         f"xdp.attach(bpf=p.bpf, fn=p.fn, ifname='{lab.server_if}', mode=xdp.XdpMode.GENERIC)"],
+        capture_output=True, text=True, timeout=120)
+    assert crashed.returncode == 0, crashed.stderr
+    with lab.inside(lab.server_ns):
+        assert xdp.attached_program(lab.server_if)["mode"] == 2  # still there after its process exited
+        mode = xdp.attach(bpf=telemetry_prog.bpf, fn=telemetry_prog.fn, ifname=lab.server_if,
+                          mode=xdp.XdpMode.NATIVE)
+        now = xdp.attached_program(lab.server_if)
+        xdp.detach(bpf=telemetry_prog.bpf, ifname=lab.server_if, mode=mode)
+    assert mode == xdp.XdpMode.NATIVE and now["mode"] == 1 and now["prog"]["name"] == "xdp_flow"
