@@ -166,3 +166,10 @@ decision := {
 # Defined only when this module and the operator's data are both loaded: the operator compares it
 # with the revision it pushed to notice an OPA restart (empty store) or a stale push.
 data_revision := data.sparsegate.policies.revision
+
+# Many decisions in one request (the operator's allow-list build): one per element of input.batch,
+# in order. Cheaper than one ad-hoc query per input: the module is compiled once.
+batch_decisions := [d |
+	some q in input.batch
+	d := decision with input as q
+]

@@ -162,3 +162,14 @@ test_revision_visible_only_with_policy_and_data if {
 	routing.data_revision == "sha256:test" with data.sparsegate.policies as policies
 	not routing.data_revision
 }
+
+test_batch_decisions_in_input_order if {
+	batch := [
+		req(caller("web", "frontend", {}), to_model("mixtral", 8080)),
+		req(caller("batch", "job", {}), to_model("mixtral", 8080)),
+		req(caller("web", "intruder", {}), to_model("mixtral", 8080)),
+	]
+	ds := routing.batch_decisions with input as {"batch": batch} with data.sparsegate.policies as policies
+	[d.rule | some d in ds] == ["models/allow-frontend#s0t0", "models/deny-batch#s0t0", ""]
+	[d.allow | some d in ds] == [true, false, false]
+}

@@ -19,7 +19,6 @@ from opa_client import OpaClient
 from opa_client.errors import (
     ConnectionsError,
     PolicyNotFoundError,
-    QueryExecuteError,
     RegoParseError,
 )
 
@@ -27,7 +26,9 @@ from sparsegate.domain.policy import OPA_DATA_PATH, OPA_PACKAGE, OPA_POLICY_ID
 
 T = TypeVar("T")
 DEFAULT_URL = "http://127.0.0.1:8181"
-BULK_CHUNK = 200  # inputs per ad-hoc query: one round trip, a query OPA compiles in a few ms
+# Inputs per batch query: amortises the HTTP round trip; OPA's per-decision eval time grows with
+# larger batches (measured: 10 → 117 µs, 100 → 283 µs per decision), so keep it modest.
+BATCH = 25
 
 
 class OpaUnavailable(Exception):
@@ -112,13 +113,16 @@ class RoutingOpa:
         return body.get("result") or {}
 
     async def decide_many(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        """Decisions for many inputs, `BULK_CHUNK` per round trip, in input order."""
+        """Decisions for many inputs, in input order, `BATCH` per round trip through the policy's
+        `batch_decisions` rule (compiled once, unlike `bulk_query_rule`'s ad-hoc query that inlines
+        every input: measured ~10x slower here)."""
         results: list[dict[str, Any]] = []
-        for start in range(0, len(inputs), BULK_CHUNK):
-            chunk = [dict(i) for i in inputs[start : start + BULK_CHUNK]]
-            try:
-                answers = await self._call(self._client.bulk_query_rule, chunk, OPA_PACKAGE, "decision")
-            except QueryExecuteError as e:  # the policy is gone (OPA restarted mid-way)
-                raise OpaUnavailable(f"OPA at {self.url}: decision undefined: {e.message}") from e
+        for start in range(0, len(inputs), BATCH):
+            chunk = [dict(i) for i in inputs[start : start + BATCH]]
+            body = await self._call(self._client.query_rule, {"batch": chunk}, OPA_PACKAGE, "batch_decisions")
+            answers = body.get("result")
+            if not isinstance(answers, list) or len(answers) != len(chunk):
+                # undefined: the policy is gone (OPA restarted between push and query)
+                raise OpaUnavailable(f"OPA at {self.url}: batch_decisions undefined")
             results.extend(answers)
         return results
