@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -98,3 +99,47 @@ def test_runner_starts_a_process_per_pod_and_stops_it_with_the_pod(kubectl, name
     wait_for(lambda: not pod_ips(kubectl, namespace, "m1"), what="pods gone")
     wait_for(lambda: all(fetch(f"http://{ip}:18080/gate.json") is None for ip in ips), what="processes stopped")
     wait_for(lambda: not list(work.glob(f"{namespace}_m1-*/process.pid")), what="pid files removed")
+
+
+def request(url: str, *, method: str = "GET", body: dict | None = None, token: str | None = None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        return err.code, {}
+
+
+def test_runner_runs_the_real_model_server_with_gate_and_admin_token(kubectl, namespace, pod_runner) -> None:
+    from sparsegate_workload.gateparams import DEFAULT_PARAMS, make_document
+
+    doc = make_document({**DEFAULT_PARAMS, "toolGateThreshold": 0.8}).to_json()
+    kubectl("apply", "-n", namespace, "-f", "-", input=model_objects("m2", replicas=1, gate=doc, token="adm1n"))
+    kubectl("rollout", "status", "-n", namespace, "deployment/m2", "--timeout=90s", timeout=120)
+    (ip,) = pod_ips(kubectl, namespace, "m2")
+
+    pod_runner()  # default command: python -m sparsegate_workload.server ...
+
+    def probe(path: str) -> dict | None:
+        try:
+            status, body = request(f"http://{ip}:18080{path}")
+        except OSError:
+            return None
+        return body if status == 200 else None
+
+    # The model loads after the port opens: wait for /readyz, not just /healthz.
+    ready = wait_for(lambda: probe("/readyz"), what=f"model server ready on {ip}:18080", timeout_s=120)
+    assert ready["gateVersion"] == doc["version"]
+    assert probe("/healthz")["gateVersion"] == doc["version"]
+    # The admin token came from the Secret: a PUT without it is refused, with it accepted.
+    new_doc = make_document({**DEFAULT_PARAMS, "toolGateThreshold": 0.7}).to_json()
+    assert request(f"http://{ip}:18080/admin/gate", method="PUT", body=new_doc)[0] in (401, 403)
+    assert request(f"http://{ip}:18080/admin/gate", method="PUT", body=new_doc, token="adm1n")[0] == 200
+    assert (probe("/healthz") or {}).get("gateVersion") == new_doc["version"]
+
+    kubectl("delete", "-n", namespace, "deployment/m2")
+    wait_for(lambda: probe("/healthz") is None, what="model server stopped with its pod")
