@@ -13,6 +13,9 @@ source "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/env.sh"
 GO_DIR="$SPARSEGATE_ROOT/dev/go"
 STAMPS="$SPARSEGATE_BIN/.stamps"
 mkdir -p "$SPARSEGATE_BIN" "$STAMPS"
+# Several test runs may call this at once: one builds, the others wait and then find it done.
+exec 9>"$SPARSEGATE_BIN/.lock"
+flock 9
 
 command -v go >/dev/null || { echo "binaries.sh: 'go' not found on PATH (need Go >= 1.26)" >&2; exit 1; }
 
@@ -62,12 +65,12 @@ build_one() {
   echo "binaries.sh: building $name ($pkg) ..."
   local start=$SECONDS
   # -mod=readonly: the committed go.sum is the whole truth; CGO off like upstream release builds.
-  if ! (cd "$mod" && CGO_ENABLED=0 go build -mod=readonly -trimpath -ldflags "$ldflags" -o "$out.tmp" "$pkg"); then
-    rm -f "$out.tmp"
+  if ! (cd "$mod" && CGO_ENABLED=0 go build -mod=readonly -trimpath -ldflags "$ldflags" -o "$out.tmp.$$" "$pkg"); then
+    rm -f "$out.tmp.$$"
     echo "binaries.sh: FAILED to build $name from $pkg (module dev/go/$dir)" >&2
     return 1
   fi
-  mv -f "$out.tmp" "$out"
+  mv -f "$out.tmp.$$" "$out"
   echo "$stamp" > "$STAMPS/$name"
   echo "binaries.sh: built $name in $((SECONDS - start))s"
 }
