@@ -63,6 +63,16 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
     return "degraded" if resolution.document is None else "success"
 
 
+def live_owner(kube: Kube, *, namespace: str, name: str,
+               owner_refs: list[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The SparseModel that owned a deleted Deployment, if it still exists and is not deleting."""
+    model = kube.get("SparseModel", namespace=namespace, name=name)
+    if model is None or model["metadata"].get("deletionTimestamp"):
+        return None
+    uids = {ref.get("uid") for ref in owner_refs if ref.get("kind") == render.KIND}
+    return model if model["metadata"].get("uid") in uids else None
+
+
 def refresh_from_deployment(kube: Kube, *, namespace: str, name: str,
                             deployment: Mapping[str, Any] | None, events: EventSink) -> None:
     """The model's Deployment changed: refresh replica counts, Ready and Progressing."""

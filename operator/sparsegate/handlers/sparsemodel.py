@@ -4,8 +4,10 @@
 - any event of an owned Deployment → refresh replica counts and Ready/Progressing.
 - GateConfig events → write status.stable on first sight (if nothing else did) and re-reconcile
   models whose rendered gate no longer matches (see handlers.gatebinding).
+  A Deployment deleted while its model lives is re-created.
 Deletion needs no handler (and so no finalizer): owned objects carry ownerReferences and the
-garbage collector removes them.
+garbage collector removes them. No timers either: Kopf gives timed resources a finalizer, and a
+SparseModel must stay deletable while the operator is down.
 """
 
 from __future__ import annotations
@@ -44,11 +46,20 @@ def reconcile_model(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **
 @kopf.on.event("apps", "v1", "deployments",
                labels={render.NAME_LABEL: render.NAME_VALUE,
                        render.MANAGED_BY_LABEL: render.MANAGED_BY_VALUE})
-def deployment_changed(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+def deployment_changed(type: str | None, body: kopf.Body, memo: kopf.Memo,
+                       logger: logging.Logger, **_: Any) -> None:
     model = body.metadata.labels.get(render.MODEL_LABEL)
     if not model or type is None:  # None: the initial listing; resume handlers cover it
         return
     with metrics.observe("Deployment"):
+        if type == "DELETED":
+            # Deleted by someone else while its model lives on: put it back (self-healing).
+            owner = modelsync.live_owner(memo.kube, namespace=body.metadata.namespace, name=model,
+                                         owner_refs=body.metadata.get("ownerReferences") or [])
+            if owner is not None:
+                logger.warning("Deployment %s was deleted; re-creating it", model)
+                modelsync.reconcile(memo.kube, owner, events=post_event, logger=logger)
+                return
         modelsync.refresh_from_deployment(
             memo.kube, namespace=body.metadata.namespace, name=model,
             deployment=None if type == "DELETED" else dict(body), events=post_event)

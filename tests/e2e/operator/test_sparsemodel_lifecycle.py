@@ -105,7 +105,18 @@ def test_example_model_runs_on_gpu_nodes_and_becomes_ready(cluster, operator, na
     after = resource_versions(cluster, ns)
     assert {k for k in before if before[k] != after[k]} == {f"deployment/{MODEL}"}
 
+    # Self-healing: a Deployment deleted behind the operator's back comes back.
+    uid = get_json(cluster, "deployment", MODEL, "-n", ns)["metadata"]["uid"]
+    cluster.kubectl("delete", "deployment", MODEL, "-n", ns, "--wait=true", timeout=60)
+
+    def recreated():
+        proc = cluster.kubectl("get", "deployment", MODEL, "-n", ns, "-o", "json", check=False)
+        return proc.returncode == 0 and json.loads(proc.stdout)["metadata"]["uid"] != uid
+    wait_for("the deleted Deployment to be re-created", recreated, op=operator)
+    wait_for("Ready again", ready_at_generation(cluster, ns, MODEL), op=operator)
+
     # Delete cascades through ownerReferences (the garbage collector, no finalizer).
+    assert not get_json(cluster, "sparsemodel", MODEL, "-n", ns)["metadata"].get("finalizers")
     cluster.kubectl("delete", "sparsemodel", MODEL, "-n", ns, "--wait=true", timeout=60)
 
     def all_gone():
