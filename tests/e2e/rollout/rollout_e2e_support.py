@@ -194,7 +194,9 @@ class Fleet:
         params = {**BASE_PARAMS, **changes}
         self.cluster.kubectl("patch", "gateconfig", GATE, "-n", self.namespace, "--type=json", "-p",
                              json.dumps([{"op": "replace", "path": "/spec/params", "value": params}]))
-        return gateparams.version_of(params)
+        # The CRD's defaults fill in omitted fields (e.g. faultInjection.addedLatencyMs): the
+        # version is that of the params as stored.
+        return gateparams.version_of(self.gateconfig()["spec"]["params"])
 
     def set_rollout(self, **fields: Any) -> None:
         self.cluster.kubectl("patch", "gateconfig", GATE, "-n", self.namespace, "--type=merge", "-p",
