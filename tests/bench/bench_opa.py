@@ -230,7 +230,8 @@ def main() -> None:
     finally:
         opa.stop()
 
-    print("\nRouting decision latency, µs (p50 / p99). indexed = policies/routing/src.rego; naive = array scan;")
+    print(f"\nMachine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end (p99 is sensitive to it)")
+    print("Routing decision latency, µs (p50 / p99). indexed = policies/routing/src.rego; naive = array scan;")
     print("REST = client-observed over one keep-alive HTTP connection; eval = OPA's timer_rego_query_eval_ns.\n")
     head = f"{'rules':>6} | {'indexed REST':>16} | {'indexed eval':>14} | {'naive REST':>18} | {'naive eval':>18} | {'compiled lookup':>15} | {'naive/indexed p50':>17} | {'allow-list build':>16}"
     print(head)
