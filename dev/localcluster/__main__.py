@@ -20,7 +20,8 @@ def _cluster(args: argparse.Namespace, **kwargs: object) -> LocalCluster:
 def cmd_up(args: argparse.Namespace) -> int:
     shape = NodeShape(count=args.nodes, gpu_count=min(args.gpu_nodes, args.nodes))
     # Detached: the components must outlive this command.
-    cluster = _cluster(args, node_shape=shape, die_with_parent=False)
+    cluster = _cluster(args, node_shape=shape, die_with_parent=False, pod_runner=args.podrunner,
+                       pod_runner_command=args.podrunner_command)
     cluster.start()
     print(f"cluster up in {cluster.timings['total']:.1f}s ({json.dumps(cluster.timings)})")
     print(f"server:     {cluster.server}")
@@ -38,9 +39,11 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     pids = cluster.pids()
-    for name in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"):
-        print(f"{name:24} {'running pid ' + str(pids[name]) if name in pids else 'stopped'}")
-    return 0 if len(pids) == 5 else 1
+    core = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+    for name in (*core, "podrunner"):
+        if name in core or name in pids:
+            print(f"{name:24} {'running pid ' + str(pids[name]) if name in pids else 'stopped'}")
+    return 0 if all(name in pids for name in core) else 1
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
@@ -64,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="start the control plane and register fake nodes")
     up.add_argument("--nodes", type=int, default=4)
     up.add_argument("--gpu-nodes", type=int, default=2)
+    up.add_argument("--podrunner", action="store_true", help="also run the pod runner (real processes for model pods)")
+    up.add_argument("--podrunner-command", help="pod runner command template (see `podrunner --help`)")
     up.set_defaults(func=cmd_up)
     sub.add_parser("down", help="stop every component (via pid files)").set_defaults(func=cmd_down)
     sub.add_parser("status", help="which components run").set_defaults(func=cmd_status)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import TracebackType
@@ -19,6 +20,7 @@ from localcluster.binaries import CONTROL_PLANE_BINARIES, find_binaries
 from localcluster.ports import pick_free_ports
 
 STAGES_FILE = Path(__file__).with_name("kwok-stages.yaml")
+POD_RUNNER = "podrunner"
 
 
 class ClusterError(RuntimeError):
@@ -45,6 +47,8 @@ class LocalCluster:
         bin_directory: Path | None = None,
         die_with_parent: bool = True,
         startup_timeout_s: float = 180.0,
+        pod_runner: bool = False,
+        pod_runner_command: str | None = None,
     ) -> None:
         self.layout = config.Layout(Path(state_dir) if state_dir is not None else default_state_dir())
         self.node_shape = node_shape or nodes.NodeShape()
@@ -52,6 +56,9 @@ class LocalCluster:
         self.bin_directory = bin_directory
         self.die_with_parent = die_with_parent
         self.startup_timeout_s = startup_timeout_s
+        # Optionally also run the pod runner (podrunner.py) as a managed component.
+        self.pod_runner = pod_runner
+        self.pod_runner_command = pod_runner_command
         self.ports: config.Ports | None = None
         self.timings: dict[str, float] = {}
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -96,17 +103,17 @@ class LocalCluster:
     def stop(self, *, grace_s: float = 10.0) -> list[str]:
         """Stops every component (ours or, via pid files, another process's). Returns those stopped."""
         stopped = []
-        for name in reversed(config.COMPONENTS):
+        for name in (POD_RUNNER, *reversed(config.COMPONENTS)):
             if processes.stop_from_pid_file(self.layout.pid_file(name), grace_s=grace_s, popen=self._procs.pop(name, None)):
                 stopped.append(name)
         return stopped
 
     def running_components(self) -> list[str]:
-        return [name for name in config.COMPONENTS if processes.pid_file_alive(self.layout.pid_file(name))]
+        return [name for name in (*config.COMPONENTS, POD_RUNNER) if processes.pid_file_alive(self.layout.pid_file(name))]
 
     def pids(self) -> dict[str, int]:
         found = {}
-        for name in config.COMPONENTS:
+        for name in (*config.COMPONENTS, POD_RUNNER):
             pid = processes.pid_file_alive(self.layout.pid_file(name))
             if pid is not None:
                 found[name] = pid
@@ -204,7 +211,10 @@ class LocalCluster:
             lambda: self.kubectl("get", "serviceaccount", "default", "-n", "default", check=False).returncode == 0,
             what="default ServiceAccount", timeout_s=self.startup_timeout_s, interval_s=0.2,
         )
-        self._lap("service-account", t)
+        t = self._lap("service-account", t)
+        if self.pod_runner:
+            self._start_pod_runner()
+            self._lap("podrunner", t)
         self.timings["total"] = round(time.monotonic() - t0, 3)
 
     def _write_credentials(self) -> None:
@@ -228,6 +238,24 @@ class LocalCluster:
             path = layout.component_kubeconfig(component)
             path.parent.mkdir(parents=True, exist_ok=True)
             _write_private(path, kubeconfig_for(component, component))
+
+    def _start_pod_runner(self) -> None:
+        argv = [sys.executable, "-m", "localcluster", "--state-dir", str(self.state_dir), "podrunner",
+                "--work-dir", str(self.state_dir / "podrunner")]
+        if self.pod_runner_command:
+            argv += ["--command", self.pod_runner_command]
+        dev_dir = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (dev_dir, os.environ.get("PYTHONPATH")) if p)}
+        proc = processes.start(
+            name=POD_RUNNER, argv=argv, log_path=self.layout.log(POD_RUNNER), pid_file=self.layout.pid_file(POD_RUNNER),
+            cwd=self.state_dir, env=env, die_with_parent=self.die_with_parent,
+        )
+        self._procs[POD_RUNNER] = proc
+        # It has no health port: it is up once its first pass over the pods succeeded.
+        health.wait_until(
+            lambda: "synced:" in self.layout.log(POD_RUNNER).read_text(),
+            what=POD_RUNNER, timeout_s=60, proc=proc, log=self.layout.log(POD_RUNNER),
+        )
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         env = dict(os.environ)

@@ -307,11 +307,15 @@ class PodRunner:
         """Reconciles until :meth:`shutdown`; stops every process on the way out."""
         watcher = threading.Thread(target=self._watch, name="podrunner-watch", daemon=True)
         watcher.start()
+        synced = False
         try:
             while not self._stop.is_set():
                 self._changed.clear()
                 try:
                     self.reconcile()
+                    if not synced:
+                        synced = True
+                        LOG.info("synced: %d processes", len(self.running))
                 except Exception as exc:
                     LOG.warning("reconcile failed: %s", exc)
                 self._changed.wait(self.resync_s)

@@ -141,7 +141,7 @@ def test_cli_up_then_down_from_another_process(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(DEV_DIR)}
     run = lambda *a: subprocess.run([sys.executable, "-m", "localcluster", "--state-dir", str(state), *a],  # noqa: E731
                                     env=env, capture_output=True, text=True, timeout=240)
-    up = run("up", "--nodes", "1", "--gpu-nodes", "1")
+    up = run("up", "--nodes", "1", "--gpu-nodes", "1", "--podrunner")
     try:
         assert up.returncode == 0, up.stderr
         assert "cluster up in" in up.stdout
@@ -149,13 +149,16 @@ def test_cli_up_then_down_from_another_process(tmp_path: Path) -> None:
         assert run("status").returncode == 0
         viewer = LocalCluster(state_dir=state)
         pids = _component_pids(viewer)
+        runner = processes.read_pid_file(state / "pids" / "podrunner.pid")
+        assert runner is not None and processes.pid_file_alive(state / "pids" / "podrunner.pid")
+        pids["podrunner"] = runner
         ports = json.loads((state / "state.json").read_text())["ports"]
         nodes = viewer.kubectl("get", "nodes", "-l", "nvidia.com/gpu.present=true", "-o", "name").stdout.split()
         assert nodes == ["node/kwok-node-0"]
     finally:
         down = run("down")
     assert down.returncode == 0, down.stderr
-    assert "kube-apiserver" in down.stdout
+    assert "kube-apiserver" in down.stdout and "podrunner" in down.stdout
     _assert_all_gone(pids, ports)
     assert run("status").returncode == 1
 
