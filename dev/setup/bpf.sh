@@ -30,6 +30,12 @@ if [ ! -d "$bcc_src" ]; then
   echo "[bpf] $bcc_src missing after install" >&2
   exit 1
 fi
+# setup.sh may run this before python.sh: create the venv the way python.sh does (it then
+# sees the venv exists and only installs dependencies).
+if [ ! -x "$SPARSEGATE_VENV/bin/python" ]; then
+  echo "[bpf] creating virtualenv $SPARSEGATE_VENV"
+  "${PYTHON:-python3}" -m venv "$SPARSEGATE_VENV"
+fi
 if [ -x "$SPARSEGATE_VENV/bin/python" ]; then
   site=$("$SPARSEGATE_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   if [ "$(readlink "$site/bcc" 2>/dev/null)" != "$bcc_src" ]; then
