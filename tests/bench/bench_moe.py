@@ -114,11 +114,12 @@ def bench_tokens(n_tokens: int, args: argparse.Namespace) -> list[dict]:
         ratios = [(tm / s["moe_flops"]) / (td / s["dense_flops"])
                   for tm, td in zip(times[name], times[name + ":dense"])]
         t_moe, t_dense = statistics.median(times[name]), statistics.median(times[name + ":dense"])
+        passes = 3 if args.backward else 1  # backward ~ 2x forward FLOPs (GF/s column only)
         out.append(dict(tokens=n_tokens, layer=name, **{k: v for k, v in s.items()},
                         moe_ms=t_moe * 1e3, dense_ms=t_dense * 1e3,
                         moe_tokens_per_s=n_tokens / t_moe, dense_tokens_per_s=n_tokens / t_dense,
-                        moe_gflops=s["moe_flops"] / t_moe / 1e9,
-                        dense_gflops=s["dense_flops"] / t_dense / 1e9,
+                        moe_gflops=passes * s["moe_flops"] / t_moe / 1e9,
+                        dense_gflops=passes * s["dense_flops"] / t_dense / 1e9,
                         ratio=statistics.median(ratios), ratio_min=min(ratios),
                         ratio_max=max(ratios)))
     return out

@@ -114,6 +114,7 @@ class Router(nn.Module):
         self.num_experts = num_experts
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         self._stored: dict[str, torch.Tensor] = {}
+        self._stored_at = -1  # weight._version the variants were made from
 
     def reset_parameters(self, generator: torch.Generator) -> None:
         with torch.no_grad():
@@ -123,12 +124,13 @@ class Router(nn.Module):
     def freeze_precisions(self) -> None:
         """Precompute every stored variant so switching precision at serving time is a lookup."""
         self._stored = {p: stored_weight(self.weight, p) for p in PRECISIONS}
+        self._stored_at = self.weight._version
 
     def logits(self, x: torch.Tensor, precision: Precision) -> torch.Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad:
             w = fake_quantize(self.weight, precision)
         else:
-            if not self._stored:
+            if self._stored_at != self.weight._version:  # in-place updates invalidate
                 self.freeze_precisions()
             w = self._stored[precision]
         return F.linear(x.float(), w)

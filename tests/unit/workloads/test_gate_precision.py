@@ -74,3 +74,14 @@ def test_model_applies_policy_per_layer_from_measured_sensitivity():
         a = model(tokens, gate=GateParams(), precisions=("fp32", "fp32")).logits
         b = model(tokens, gate=GateParams(), precisions=("int8", "int8")).logits
     assert torch.isfinite(b).all() and (a - b).abs().mean() < 0.1 * a.abs().mean()
+
+
+def test_stored_variants_follow_in_place_weight_updates():
+    gate = DynamicGate(8, 4)
+    gate.reset_parameters(torch.Generator().manual_seed(0))
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        before = gate.logits(x, "int8")
+        gate.weight.mul_(2)  # e.g. an optimizer step
+        after = gate.logits(x, "int8")
+    assert torch.allclose(after, 2 * before, atol=1e-4)
