@@ -198,3 +198,15 @@ def test_operator_cannot_do_more_than_its_role(cluster, sparsegate_release, oper
     assert not can("list", "customresourcedefinitions.apiextensions.k8s.io")
     assert can("update", "leases.coordination.k8s.io/sparsegate-operator", "-n", RELEASE_NS)
     assert not can("update", "leases.coordination.k8s.io/other", "-n", RELEASE_NS)
+
+
+def test_chart_objects_are_live(cluster, sparsegate_release):
+    """helm's manifests were accepted by the real API server: the operator Deployment (a kwok
+    pod here: nothing real runs in it, the tests run the operator as a local process) and its
+    metrics Service exist, and the Deployment rolls out."""
+    name = f"{sparsegate_release}-sparsegate-operator"
+    cluster.kubectl("rollout", "status", f"deployment/{name}", "-n", RELEASE_NS, "--timeout=90s", timeout=120)
+    dep = get_json(cluster, "deployment", name, "-n", RELEASE_NS)
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == SERVICE_ACCOUNT
+    svc = get_json(cluster, "service", f"{name}-metrics", "-n", RELEASE_NS)
+    assert svc["spec"]["ports"][0]["name"] == "metrics"
