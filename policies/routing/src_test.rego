@@ -173,3 +173,11 @@ test_batch_decisions_in_input_order if {
 	[d.rule | some d in ds] == ["models/allow-frontend#s0t0", "models/deny-batch#s0t0", ""]
 	[d.allow | some d in ds] == [true, false, false]
 }
+
+test_spiffe_id_alone_gives_namespace_and_service_account if {
+	p := {"trustDomain": td, "targets": {"models/mixtral": {"*": [rule("models/sa#s0t0", "allow", {"serviceAccount": "gateway"})]}}}
+	routing.allow with input as req({"spiffeID": "spiffe://cluster.local/ns/edge/sa/gateway"}, to_model("mixtral", 8080))
+		with data.sparsegate.policies as p
+	not routing.allow with input as req({"spiffeID": "spiffe://elsewhere/ns/edge/sa/gateway"}, to_model("mixtral", 8080))
+		with data.sparsegate.policies as p
+}

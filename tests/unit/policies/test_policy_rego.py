@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -29,6 +30,15 @@ def test_opa_test_passes() -> None:
     assert run.returncode == 0, run.stdout + run.stderr
     passed = re.search(r"PASS: (\d+)/(\d+)", run.stdout)
     assert passed and passed.group(1) == passed.group(2) and int(passed.group(1)) >= 15, run.stdout
+
+
+@pytest.mark.opa
+def test_rego_tests_cover_the_policy() -> None:
+    run = subprocess.run([_opa(), "test", str(REPO / "policies"), "--coverage", "--format", "json"],
+                         capture_output=True, text=True, timeout=120)
+    report = json.loads(run.stdout)
+    src = next(v for k, v in report["files"].items() if k.endswith("routing/src.rego"))
+    assert src["coverage"] >= 99, src.get("not_covered")
 
 
 @pytest.mark.opa
