@@ -238,6 +238,19 @@ async def resync_routing_policies(logger: kopf.Logger, **kwargs: Any) -> None:
         logger.warning(f"OPA not usable, allow-list kept (fail closed): {error}")
 
 
+@kopf.on.startup()
+async def publish_default_deny(logger: kopf.Logger, **_: Any) -> None:
+    """Zero trust from the first moment: with no allow-list yet, publish an empty (deny-all) one.
+    An existing one is left alone until OPA has been asked (it may be the last good one)."""
+    sync = _state()
+    try:
+        if await sync.store.read() is None:
+            await sync.store.publish(flow_document(decisions={}, pods=[]))
+            logger.info("published an empty (default deny) flow allow-list")
+    except Exception as e:  # noqa: BLE001 (the handlers retry publishing; startup must not fail)
+        logger.warning(f"could not check the flow allow-list at startup: {e}")
+
+
 @kopf.on.cleanup()
 async def close_opa_client(**_: Any) -> None:
     if _sync is not None:

@@ -103,7 +103,11 @@ def test_routing_policy_end_to_end(kubectl, namespace: str, web_namespace: str, 
                 client.close()
         return asyncio.run(go())
 
-    # Given callers in `web` and two pods of SparseModel `mixtral` in `models`, all with pod IPs
+    # Given a fresh operator: it publishes a deny-all allow-list before any policy exists
+    empty = wait_for(allow_list, what="initial allow-list")
+    assert empty["defaultAction"] == "deny" and empty["entries"] == []
+
+    # And callers in `web` and two pods of SparseModel `mixtral` in `models`, all with pod IPs
     kubectl("create", "serviceaccount", "frontend", "-n", web)
     for p, ns in [(pod("fe-0", sa="frontend", labels={"app": "fe"}), web), (pod("other-0"), web),
                   (pod("mixtral-0", labels={"sparsegate.dev/model": "mixtral"}, port=8080), models),
