@@ -7,7 +7,6 @@ liveness and optional Lease-based leader election flags in one place.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import socket
 import sys
@@ -36,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="run only while holding a coordination.k8s.io Lease")
     run.add_argument("--lease-name", default="sparsegate-operator")
     run.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "default"))
+    run.add_argument("--log-format", choices=["full", "plain", "json"], default="full",
+                     help="Kopf's log formats; object-related lines carry [namespace/name]")
     run.add_argument("--verbose", "-v", action="store_true")
     return parser
 
@@ -66,9 +67,11 @@ def _standby_server(liveness: str | None) -> ThreadingHTTPServer | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import kopf
+
+    # Kopf's formatter for every logger (ours included): prefixes object lines with the object.
+    kopf.configure(debug=args.verbose, log_format=kopf.LogFormat[args.log_format.upper()],
+                   log_prefix=True)
 
     import sparsegate.main  # noqa: F401  (registers handlers and settings)
     from sparsegate import metrics
