@@ -135,8 +135,13 @@ class LocalCluster:
         return proc
 
     def register_nodes(self, shape: nodes.NodeShape) -> None:
-        """Registers (or re-registers) ``shape.count`` fake nodes and waits until they are Ready."""
-        self.kubectl("apply", "-f", "-", input=json.dumps(nodes.node_list(shape=shape, pod_cidr=self.pod_cidr)), timeout=120)
+        """Registers the first ``shape.count`` fake nodes (existing ones are kept) and waits until all are Ready."""
+        existing = set(self.kubectl("get", "nodes", "-o", "name").stdout.split())
+        wanted = nodes.node_list(shape=shape, pod_cidr=self.pod_cidr)
+        # Create only the missing ones (status is honoured on create only; one request each).
+        wanted["items"] = [n for n in wanted["items"] if f"node/{n['metadata']['name']}" not in existing]
+        if wanted["items"]:
+            self.kubectl("create", "-f", "-", input=json.dumps(wanted), timeout=180)
         if shape.count:
             self.kubectl("wait", "--for=condition=Ready", "node", "-l", "type=kwok", "--timeout=120s", timeout=150)
 

@@ -173,6 +173,12 @@ def controller_manager_args(layout: Layout, ports: Ports) -> list[str]:
         f"--cluster-signing-key-file={layout.key('ca')}",
         "--use-service-account-credentials=true",
         f"--service-cluster-ip-range={SERVICE_CIDR}",
+        # EndpointSlice/Endpoints validation rejects loopback addresses, and every pod IP here is
+        # one: those controllers could only retry forever. Find model pods by label instead.
+        "--controllers=*,-endpoints-controller,-endpointslice-controller",
+        # Defaults (20/30) throttle benchmarks with hundreds of pods.
+        "--kube-api-qps=200",
+        "--kube-api-burst=400",
         "--leader-elect=false",
         "--profiling=false",
     ]
