@@ -94,11 +94,19 @@ class LocalCluster:
         running = self.running_components()
         if running:
             raise ClusterError(f"cluster in {self.state_dir} already running ({', '.join(running)}); stop it first")
-        try:
-            self._start(t0)
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in (1, 2):
+            try:
+                self._start(t0)
+                return
+            except health.StartupError as exc:
+                self.stop()
+                # Ports are picked, released, then bound by the component: a parallel cluster
+                # (or any process) can take one in between. Pick fresh ones once.
+                if attempt == 2 or "address already in use" not in str(exc):
+                    raise
+            except BaseException:
+                self.stop()
+                raise
 
     def stop(self, *, grace_s: float = 10.0) -> list[str]:
         """Stops every component (ours or, via pid files, another process's). Returns those stopped."""
