@@ -252,7 +252,9 @@ def main() -> None:
                   f"p99 {slope(ns, [pct(r[key], 0.99) for r in rows]):+.2f}")
         last = rows[-1]
         verdict = "MET" if pct(last["rest"], 0.99) < 1000 else "NOT MET"
-        print(f"\nTarget p99 < 1 ms at {last['n']} rules through the REST API: {pct(last['rest'], 0.99):.0f} µs → {verdict}")
+        under = sum(1 for v in last["rest"] if v < 1000) / len(last["rest"])
+        print(f"\nTarget p99 < 1 ms at {last['n']} rules through the REST API: {pct(last['rest'], 0.99):.0f} µs → {verdict} "
+              f"({under:.1%} of decisions under 1 ms; p90 {pct(last['rest'], 0.9):.0f} µs)")
     cross_check(binary, sizes[-1])
 
 
