@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gateparams import GateParams
+from .gateparams import MAX_EXPERTS_LIMIT, GateParams
 from .gating import ToolGate
 from .moe import DynamicMoE, MoEStats
 from .precision import Precision, choose_precision, gradient_variance
@@ -29,6 +29,65 @@ class ModelConfig:
     # An untrained router is near-uniform, so top-p would pick ~all experts; a wider init gives
     # a spread of confidences like a trained gate, so the per-token expert count really varies.
     router_init_scale: float = 3.0
+    # The model's own per-token expert bounds (SparseModel spec.model); a gate's range is
+    # clamped into them at routing time (see `effective_gate`). None = num_experts.
+    min_experts_per_token: int = 1
+    max_experts_per_token: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_experts_per_token is None:
+            object.__setattr__(self, "max_experts_per_token", self.num_experts)
+        problems = validate_shape(self)
+        if problems:
+            raise ValueError("invalid model shape: " + "; ".join(problems))
+
+    def shape(self) -> dict[str, int]:
+        """The shape as reported by the server (camelCase, SparseModel spec.model names)."""
+        return {"dModel": self.d_model, "experts": self.num_experts, "layers": self.n_layers,
+                "heads": self.n_heads, "dFF": self.d_ff, "vocab": self.vocab_size,
+                "maxSeqLen": self.max_seq_len,
+                "minExpertsPerToken": self.min_experts_per_token,
+                "maxExpertsPerToken": int(self.max_experts_per_token or self.num_experts),
+                "seed": self.seed}
+
+
+def validate_shape(cfg: ModelConfig) -> list[str]:
+    """Every reason the shape cannot be built, as messages (empty when it can)."""
+    problems = [f"{name} must be >= 1, got {value}" for name, value in (
+        ("d_model", cfg.d_model), ("n_heads", cfg.n_heads), ("n_layers", cfg.n_layers),
+        ("d_ff", cfg.d_ff), ("vocab_size", cfg.vocab_size), ("max_seq_len", cfg.max_seq_len),
+        ("num_experts", cfg.num_experts)) if value < 1]
+    if problems:
+        return problems
+    if cfg.d_model % cfg.n_heads:
+        problems.append(f"d_model ({cfg.d_model}) must be a multiple of n_heads ({cfg.n_heads})")
+    # F.grouped_mm needs 16-byte aligned rows: a multiple of 8 keeps fp32 and bf16 rows aligned.
+    for name, value in (("d_model", cfg.d_model), ("d_ff", cfg.d_ff)):
+        if value % 8:
+            problems.append(f"{name} ({value}) must be a multiple of 8")
+    if cfg.num_experts > MAX_EXPERTS_LIMIT:
+        problems.append(f"num_experts ({cfg.num_experts}) must be at most {MAX_EXPERTS_LIMIT}")
+    lo, hi = cfg.min_experts_per_token, cfg.max_experts_per_token or cfg.num_experts
+    if not 1 <= lo <= hi <= cfg.num_experts:
+        problems.append(f"experts per token must satisfy 1 <= min ({lo}) <= max ({hi}) <= "
+                        f"num_experts ({cfg.num_experts})")
+    return problems
+
+
+def effective_gate(params: GateParams, cfg: ModelConfig) -> GateParams:
+    """The gate as routed by this model: its per-token expert range clamped into the model's.
+
+    A gate is validated against the expert count (never more experts than exist); the model's
+    own per-token bounds narrow it further without rejecting it, so one GateConfig can serve
+    models with different bounds, and the document (version, checksum) stays as written.
+    """
+    lo_m = cfg.min_experts_per_token
+    hi_m = int(cfg.max_experts_per_token or cfg.num_experts)
+    lo = min(max(params.min_experts_per_token, lo_m), hi_m)
+    hi = min(max(params.max_experts_per_token, lo), hi_m)
+    if (lo, hi) == (params.min_experts_per_token, params.max_experts_per_token):
+        return params
+    return dataclasses.replace(params, min_experts_per_token=lo, max_experts_per_token=hi)
 
 
 @dataclasses.dataclass

@@ -28,10 +28,11 @@ from typing import Any, Awaitable, Callable
 import torch
 from aiohttp import web
 
-from .gateparams import DEFAULT_DOCUMENT, GateDocument, GateParamsError, parse_document
+from .gateparams import (DEFAULT_DOCUMENT, GateDocument, GateParams, GateParamsError,
+                         parse_document)
 from .inference import InferenceResult, run_batch
 from .metrics import ServerMetrics
-from .model import ModelConfig, TinyMoELM, build_model
+from .model import ModelConfig, TinyMoELM, build_model, effective_gate
 from .precision import Precision
 
 log = logging.getLogger("sparsegate.workload")
@@ -46,6 +47,12 @@ class AppliedGate:
     doc: GateDocument
     precisions: tuple[Precision, ...]
     applied_at: float
+    params: GateParams      # doc.params with experts per token clamped into the model's bounds
+
+
+def _applied(doc: GateDocument, model: TinyMoELM) -> AppliedGate:
+    return AppliedGate(doc=doc, precisions=model.resolve_precisions(doc.params.precision_policy),
+                       applied_at=time.time(), params=effective_gate(doc.params, model.cfg))
 
 
 @dataclasses.dataclass
@@ -180,7 +187,7 @@ async def infer(request: web.Request) -> web.Response:
             raise ApiError(503, f"fault injected by gate version {gate.doc.version} "
                                 f"(faultInjection.errorRate={fault.error_rate})")
         result = await asyncio.get_running_loop().run_in_executor(
-            state.executor, lambda: run_batch(state.model, tokens, gate=gate.doc.params,
+            state.executor, lambda: run_batch(state.model, tokens, gate=gate.params,
                                               precisions=gate.precisions,
                                               return_logits=return_logits))
         state.metrics.observe_batch(result)
@@ -200,7 +207,15 @@ async def healthz(request: web.Request) -> web.Response:
     doc = state.gate.doc if state.gate else state.pending_doc
     return web.json_response({"status": "ok", "gateVersion": doc.version,
                               "checksum": doc.checksum,
-                              "uptimeSeconds": round(time.monotonic() - state.started, 3)})
+                              "uptimeSeconds": round(time.monotonic() - state.started, 3),
+                              "model": state.model_config.shape()})
+
+
+async def model_info(request: web.Request) -> web.Response:
+    """The model's shape (known before it is built) and whether it is loaded."""
+    state = request.app[STATE]
+    return web.json_response({"model": state.model_config.shape(),
+                              "loaded": state.model is not None})
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -223,7 +238,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 def _gate_json(gate: AppliedGate) -> dict[str, Any]:
     return {**gate.doc.to_json(), "precisions": list(gate.precisions),
-            "appliedAt": gate.applied_at}
+            "appliedAt": gate.applied_at,
+            "effectiveExpertsPerToken": {"min": gate.params.min_experts_per_token,
+                                         "max": gate.params.max_experts_per_token}}
 
 
 async def get_gate(request: web.Request) -> web.Response:
@@ -253,11 +270,11 @@ async def put_gate(request: web.Request) -> web.Response:
         doc = parse_document(body, num_experts=state.model_config.num_experts)
     except GateParamsError as e:
         state.metrics.gate_applies.labels(result="rejected").inc()
-        raise ApiError(422, str(e)) from None
+        raise ApiError(422, f"{e} (this model has {state.model_config.num_experts} experts)"
+                       ) from None
     if doc.version == state.gate.doc.version:
         return web.json_response({**_gate_json(state.gate), "applied": False})
-    new = AppliedGate(doc=doc, precisions=state.model.resolve_precisions(
-        doc.params.precision_policy), applied_at=time.time())
+    new = _applied(doc, state.model)
     previous = state.gate.doc.version
     # The swap: one reference assignment on the event loop thread.
     state.gate = new
@@ -278,8 +295,7 @@ async def _load_model(app: web.Application) -> None:
     metrics_ = ServerMetrics(n_layers=model.cfg.n_layers, num_experts=model.cfg.num_experts)
     metrics_.set_gate(version=doc.version, checksum=doc.checksum)
     state.metrics, state.model = metrics_, model
-    state.gate = AppliedGate(doc=doc, precisions=model.resolve_precisions(
-        doc.params.precision_policy), applied_at=time.time())
+    state.gate = _applied(doc, model)
 
 
 async def _startup(app: web.Application) -> None:
@@ -302,6 +318,7 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, admin_token: str | 
                              rng=random.Random(fault_seed), pending_doc=gate_doc)
     app.router.add_post("/v1/infer", infer)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/v1/model", model_info)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/gate", get_gate)
@@ -321,6 +338,36 @@ def load_gate_file(path: str, *, num_experts: int) -> GateDocument:
         return parse_document(json.load(f), num_experts=num_experts)
 
 
+_DEFAULT = ModelConfig()
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """Model shape flags (SparseModel spec.model); defaults build today's TinyMoELM."""
+    g = p.add_argument_group("model shape")
+    g.add_argument("--d-model", type=int, default=_DEFAULT.d_model, help="hidden size (dModel)")
+    g.add_argument("--experts", type=int, default=_DEFAULT.num_experts,
+                   help="experts per MoE layer")
+    g.add_argument("--layers", type=int, default=_DEFAULT.n_layers, help="MoE blocks")
+    g.add_argument("--heads", type=int, default=_DEFAULT.n_heads, help="attention heads")
+    g.add_argument("--d-ff", type=int, default=None,
+                   help="expert hidden size (default: 2 x --d-model)")
+    g.add_argument("--vocab", type=int, default=_DEFAULT.vocab_size, help="vocabulary size")
+    g.add_argument("--max-seq-len", type=int, default=_DEFAULT.max_seq_len)
+    g.add_argument("--min-experts-per-token", type=int, default=_DEFAULT.min_experts_per_token,
+                   help="fewest experts the model lets a token use")
+    g.add_argument("--max-experts-per-token", type=int, default=None,
+                   help="most experts the model lets a token use (default: --experts)")
+
+
+def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
+    """Raises ValueError naming every problem with the shape."""
+    return ModelConfig(d_model=args.d_model, num_experts=args.experts, n_layers=args.layers,
+                       n_heads=args.heads, d_ff=args.d_ff or 2 * args.d_model,
+                       vocab_size=args.vocab, max_seq_len=args.max_seq_len, seed=args.seed,
+                       min_experts_per_token=args.min_experts_per_token,
+                       max_experts_per_token=args.max_experts_per_token)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m sparsegate_workload.server")
     p.add_argument("--host", default="127.0.0.1")
@@ -333,15 +380,26 @@ def main(argv: list[str] | None = None) -> None:
                    help="torch intra-op threads (default 1: many servers share a machine)")
     p.add_argument("--seed", type=int, default=0, help="model init seed")
     p.add_argument("--fault-seed", type=int, default=0, help="seed of the fault-injection RNG")
+    add_model_flags(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
-    cfg = ModelConfig(seed=args.seed)
-    doc = (load_gate_file(args.gate_config, num_experts=cfg.num_experts)
-           if args.gate_config else DEFAULT_DOCUMENT)
+    # Fail before serving, with the reason: a pod that cannot serve its gate should crash-loop
+    # visibly rather than answer probes.
+    try:
+        cfg = model_config_from_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    try:
+        doc = (load_gate_file(args.gate_config, num_experts=cfg.num_experts)
+               if args.gate_config else DEFAULT_DOCUMENT)
+    except (OSError, json.JSONDecodeError, GateParamsError) as e:
+        p.error(f"--gate-config {args.gate_config}: {e} (this model has {cfg.num_experts} "
+                f"experts)")
     app = create_app(gate_doc=doc, admin_token=os.environ.get(args.admin_token_env) or None,
                      model_config=cfg, fault_seed=args.fault_seed)
-    log.info("serving on %s:%d gate %s", args.host, args.port, doc.version)
+    log.info("serving on %s:%d gate %s model %s", args.host, args.port, doc.version,
+             json.dumps(cfg.shape(), sort_keys=True))
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
 
 
