@@ -105,6 +105,23 @@ def gpus(model: Mapping[str, Any]) -> int:
     return int((model["spec"].get("resources") or {}).get("gpus") or 0)
 
 
+# SparseModel spec.model field -> model server flag (sparsegate_workload.server).
+MODEL_SHAPE_FLAGS = (("dModel", "--d-model"), ("experts", "--experts"),
+                     ("minExpertsPerToken", "--min-experts-per-token"),
+                     ("maxExpertsPerToken", "--max-experts-per-token"))
+
+
+def model_shape_args(model: Mapping[str, Any]) -> list[str]:
+    """The server flags for ``spec.model``; absent optional fields keep the server's defaults
+    (the API server fills in the CRD defaults, so stored objects carry all four)."""
+    shape = model["spec"]["model"]
+    args: list[str] = []
+    for field, flag in MODEL_SHAPE_FLAGS:
+        if shape.get(field) is not None:
+            args += [flag, str(int(shape[field]))]
+    return args
+
+
 def render_deployment(model: Mapping[str, Any], document: GateDocument) -> dict[str, Any]:
     """The model server Deployment.
 
@@ -120,7 +137,8 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument) -> dict[
         "image": spec["image"],
         "command": ["python", "-m", "sparsegate_workload.server"],
         "args": ["--host", "0.0.0.0", "--port", str(port),
-                 "--gate-config", f"{GATE_DIR}/{GATE_KEY}", "--admin-token-env", ADMIN_TOKEN_ENV],
+                 "--gate-config", f"{GATE_DIR}/{GATE_KEY}", "--admin-token-env", ADMIN_TOKEN_ENV,
+                 *model_shape_args(model)],
         "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
         "env": [{"name": ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
             "name": admin_secret_name(name), "key": ADMIN_TOKEN_KEY}}}],

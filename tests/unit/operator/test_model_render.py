@@ -109,3 +109,44 @@ def test_new_gate_does_not_restart_pods():
 @pytest.mark.parametrize("replicas", [0, 1, 5])
 def test_replicas_pass_through(replicas):
     assert render.render_deployment(model(replicas=replicas), DOC)["spec"]["replicas"] == replicas
+
+
+def _args(m) -> list[str]:
+    return render.render_deployment(m, DOC)["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def _flag(args: list[str], flag: str) -> str:
+    assert args.count(flag) == 1, args
+    return args[args.index(flag) + 1]
+
+
+def test_model_shape_becomes_server_flags():
+    args = _args(model(model={"dModel": 256, "experts": 8, "minExpertsPerToken": 2,
+                              "maxExpertsPerToken": 4}))
+    assert {f: _flag(args, f) for f in ("--d-model", "--experts", "--min-experts-per-token",
+                                        "--max-experts-per-token")} == {
+        "--d-model": "256", "--experts": "8", "--min-experts-per-token": "2",
+        "--max-experts-per-token": "4"}
+
+
+def test_absent_optional_shape_fields_leave_the_server_defaults():
+    args = _args(model(model={"dModel": 128, "experts": 4}))
+    assert (_flag(args, "--d-model"), _flag(args, "--experts")) == ("128", "4")
+    assert "--min-experts-per-token" not in args and "--max-experts-per-token" not in args
+
+
+def test_shape_flags_parse_with_the_servers_own_parser():
+    """The rendered args are exactly what `python -m sparsegate_workload.server` accepts."""
+    import argparse
+
+    from sparsegate_workload import server
+
+    p = argparse.ArgumentParser()
+    for flag in ("--host", "--port", "--gate-config", "--admin-token-env"):
+        p.add_argument(flag)
+    server.add_model_flags(p)
+    ns = p.parse_args(_args(model(model={"dModel": 96, "experts": 6, "minExpertsPerToken": 1,
+                                         "maxExpertsPerToken": 3})))
+    cfg = server.model_config_from_args(argparse.Namespace(**vars(ns), seed=0))
+    assert (cfg.d_model, cfg.num_experts, cfg.min_experts_per_token,
+            cfg.max_experts_per_token) == (96, 6, 1, 3)
