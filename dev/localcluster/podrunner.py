@@ -3,12 +3,21 @@
 kwok marks pods Running with a loopback pod IP but runs nothing. The runner watches pods labelled
 ``app.kubernetes.io/name=sparsegate-model`` and keeps one real process per Running pod with an IP:
 by default ``python -m sparsegate_workload.server --host <podIP> --port <port named http>
---gate-config <file>``, where the file holds the pod's gate ConfigMap key ``gate.json`` (kept up to
-date like a kubelet refreshes a ConfigMap volume) and the environment carries the container's env
-(``SPARSEGATE_ADMIN_TOKEN`` from its Secret). The process is stopped when the pod goes away and
+--gate-config <file> <the container's args>``, where the file holds the pod's gate ConfigMap key
+``gate.json`` (kept up to date like a kubelet refreshes a ConfigMap volume) and the environment
+carries the container's env (``SPARSEGATE_ADMIN_TOKEN`` from its Secret).
+
+The container's args are what the operator rendered (model shape, admin-token variable), so they
+are run as a kubelet would, with ``$(VAR)`` references expanded from the container's env; only the
+flags a container cannot mean here are replaced by the runner's values: ``--host`` (the pod IP to
+bind, not 0.0.0.0), ``--port`` (the container port) and ``--gate-config`` (the runner's copy of the
+ConfigMap file). The image and command are not runnable here: the command comes from the runner's
+template, whose ``{pod_args}`` element stands for the forwarded args (a template without it, for
+some other program, gets none). The process is stopped when the pod goes away and
 restarted (with back-off) if it dies while the pod lives.
 
-Pure parts (:func:`desired_process`, :func:`resolve_env`, :func:`render_argv`) are unit-tested; the
+Pure parts (:func:`desired_process`, :func:`resolve_env`, :func:`forwarded_args`,
+:func:`render_argv`) are unit-tested; the
 :class:`PodRunner` applies them with the Kubernetes client and subprocesses.
 """
 
@@ -19,13 +28,14 @@ import base64
 import dataclasses
 import logging
 import os
+import re
 import shlex
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +48,13 @@ MODEL_LABEL = "sparsegate.dev/model"
 PORT_NAME = "http"
 GATE_KEY = "gate.json"
 GATE_MOUNT_DIR = "/etc/sparsegate"
+POD_ARGS = "{pod_args}"
 DEFAULT_COMMAND = (
     "{python}", "-m", "sparsegate_workload.server",
-    "--host", "{host}", "--port", "{port}", "--gate-config", "{gate_config}",
+    "--host", "{host}", "--port", "{port}", "--gate-config", "{gate_config}", POD_ARGS,
 )
+# Container flags that only make sense inside a real pod; the runner supplies its own values.
+OVERRIDDEN_FLAGS = ("--host", "--port", "--gate-config")
 
 Lookup = Callable[[str, str], Mapping[str, str] | None]  # (namespace, name) -> data, None if absent
 
@@ -59,14 +72,15 @@ class ProcessSpec:
     port: int
     env: tuple[tuple[str, str], ...]
     gate_json: str | None
+    args: tuple[str, ...] = ()  # the container's args, $(VAR) expanded
 
     @property
     def dir_name(self) -> str:
         namespace, name, _ = self.key.split("/")
         return f"{namespace}_{name}"
 
-    def identity(self) -> tuple[str, str, int, tuple[tuple[str, str], ...]]:
-        return (self.key, self.host, self.port, self.env)
+    def identity(self) -> tuple[str, str, int, tuple[tuple[str, str], ...], tuple[str, ...]]:
+        return (self.key, self.host, self.port, self.env, self.args)
 
 
 def _get(obj: Mapping[str, Any] | None, *path: str) -> Any:
@@ -134,6 +148,37 @@ def resolve_env(
     return env
 
 
+_VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def expand_args(args: Sequence[str], env: Mapping[str, str]) -> list[str]:
+    """A kubelet's ``$(VAR)`` expansion: defined vars are replaced, undefined ones kept as
+    written, ``$$`` escapes a dollar."""
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        return env.get(m.group(1), m.group(0))
+
+    return [_VAR_REF.sub(sub, str(a)) for a in args]
+
+
+def forwarded_args(args: Sequence[str], *, overridden: Sequence[str] = OVERRIDDEN_FLAGS) -> list[str]:
+    """``args`` without the ``overridden`` flags and their values (``--f v`` and ``--f=v``)."""
+    out: list[str] = []
+    skip_value = False
+    for arg in args:
+        if skip_value:
+            skip_value = False
+            continue
+        if arg in overridden:
+            skip_value = True
+            continue
+        if arg.split("=", 1)[0] in overridden and "=" in arg:
+            continue
+        out.append(arg)
+    return out
+
+
 def desired_process(pod: Mapping[str, Any], *, secrets: Lookup, configmaps: Lookup) -> ProcessSpec | None:
     """What to run for ``pod``; None if nothing should run (not Running, no IP, deleting, no http port)."""
     if _get(pod, "metadata", "deletionTimestamp") or _get(pod, "status", "phase") != "Running":
@@ -153,18 +198,32 @@ def desired_process(pod: Mapping[str, Any], *, secrets: Lookup, configmaps: Look
         gate_json = data[GATE_KEY]
     env = resolve_env(container, pod=pod, secrets=secrets, configmaps=configmaps)
     key = f"{namespace}/{_get(pod, 'metadata', 'name')}/{_get(pod, 'metadata', 'uid')}"
-    return ProcessSpec(key=key, host=host, port=port, env=tuple(sorted(env.items())), gate_json=gate_json)
+    args = tuple(expand_args(container.get("args") or [], env))
+    return ProcessSpec(key=key, host=host, port=port, env=tuple(sorted(env.items())), gate_json=gate_json,
+                       args=args)
 
 
-def render_argv(template: tuple[str, ...] | list[str], *, host: str, port: int, gate_config: Path | None, python: str) -> list[str]:
-    """Fills ``{python} {host} {port} {gate_config}``; without a gate file, drops its flag and value."""
+def render_argv(
+    template: tuple[str, ...] | list[str], *, host: str, port: int, gate_config: Path | None, python: str,
+    pod_args: Sequence[str] = (),
+) -> list[str]:
+    """Fills ``{python} {host} {port} {gate_config} {pod_args}``; without a gate file, drops its flag and value.
+
+    An element that is exactly ``{pod_args}`` becomes the forwarded container args (zero or more
+    elements, see :func:`forwarded_args`); inside a longer element it is their shell-quoted join.
+    """
+    pod = forwarded_args(pod_args)
     argv: list[str] = []
     for i, part in enumerate(template):
+        if part == POD_ARGS:
+            argv.extend(pod)
+            continue
         if gate_config is None and "{gate_config}" in part:
             if argv and argv[-1].startswith("--") and i > 0 and template[i - 1] == argv[-1]:
                 argv.pop()
             continue
-        argv.append(part.format(python=python, host=host, port=port, gate_config=gate_config or ""))
+        argv.append(part.format(python=python, host=host, port=port, gate_config=gate_config or "",
+                                pod_args=shlex.join(pod)))
     return argv
 
 
@@ -265,7 +324,8 @@ class PodRunner:
             if time.monotonic() < current.next_start:
                 return
             LOG.warning("process for %s exited with %s; restarting", spec.key, code)
-        argv = render_argv(self.command, host=spec.host, port=spec.port, gate_config=gate_file, python=self.python)
+        argv = render_argv(self.command, host=spec.host, port=spec.port, gate_config=gate_file, python=self.python,
+                           pod_args=spec.args)
         env = {**os.environ, **self.extra_env, **dict(spec.env)}
         pod_dir = self.work_dir / spec.dir_name
         proc = processes.start(
@@ -339,7 +399,8 @@ def main(argv: list[str] | None = None, *, state_dir: Path | None = None) -> int
     parser.add_argument("--work-dir", type=Path, default=state / "podrunner")
     parser.add_argument(
         "--command", default=shlex.join(DEFAULT_COMMAND),
-        help="command template with {python} {host} {port} {gate_config} (default: %(default)s)",
+        help="command template with {python} {host} {port} {gate_config} {pod_args}; {pod_args} is the "
+             "container's args minus --host/--port/--gate-config (default: %(default)s)",
     )
     parser.add_argument("--selector", default=MODEL_SELECTOR)
     parser.add_argument("--pid-file", type=Path, help="write this runner's pid here")

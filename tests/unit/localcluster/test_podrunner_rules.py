@@ -85,3 +85,55 @@ def test_identity_ignores_gate_content() -> None:
     b = podrunner.desired_process(model_pod(), secrets=secrets, configmaps=lambda ns, n: {"gate.json": "{}"})
     assert a is not None and b is not None
     assert a.identity() == b.identity() and a.gate_json != b.gate_json
+
+
+SERVER_ARGS = ["--host", "0.0.0.0", "--port", "8080", "--gate-config", "/etc/sparsegate/gate.json",
+               "--admin-token-env", "SPARSEGATE_ADMIN_TOKEN", "--d-model", "96", "--experts", "6",
+               "--min-experts-per-token", "1", "--max-experts-per-token", "3"]
+SHAPE_ARGS = ["--d-model", "96", "--experts", "6", "--min-experts-per-token", "1", "--max-experts-per-token", "3"]
+
+
+def test_container_args_are_part_of_the_process_and_its_identity() -> None:
+    pod = model_pod()
+    pod["spec"]["containers"][0]["args"] = SERVER_ARGS
+    spec = podrunner.desired_process(pod, secrets=secrets, configmaps=configmaps)
+    assert spec is not None and spec.args == tuple(SERVER_ARGS)
+    # a changed shape is a different process (restart), as a new pod template would be
+    pod["spec"]["containers"][0]["args"] = [*SERVER_ARGS[:-1], "2"]
+    other = podrunner.desired_process(pod, secrets=secrets, configmaps=configmaps)
+    assert other is not None and other.identity() != spec.identity()
+
+
+def test_default_command_runs_the_pod_args_with_host_port_and_gate_file_overridden() -> None:
+    argv = podrunner.render_argv(podrunner.DEFAULT_COMMAND, host="127.20.0.5", port=8080, gate_config=Path("/w/gate.json"),
+                                 python="py", pod_args=SERVER_ARGS)
+    assert argv == ["py", "-m", "sparsegate_workload.server", "--host", "127.20.0.5", "--port", "8080",
+                    "--gate-config", "/w/gate.json", "--admin-token-env", "SPARSEGATE_ADMIN_TOKEN", *SHAPE_ARGS]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--host=0.0.0.0", "--port=1", "--gate-config=/x", "--experts=4"], ["--experts=4"]),
+    (["--experts", "4", "--host", "h"], ["--experts", "4"]),
+    (["--hostname", "x", "--port"], ["--hostname", "x"]),  # only the exact flags; a trailing flag takes nothing
+    ([], []),
+])
+def test_forwarded_args_drop_only_the_overridden_flags(args: list[str], expected: list[str]) -> None:
+    assert podrunner.forwarded_args(args) == expected
+
+
+def test_custom_template_without_pod_args_gets_none_and_with_it_gets_them() -> None:
+    plain = "{python} -m http.server --bind {host} {port}".split()
+    assert podrunner.render_argv(plain, host="h", port=1, gate_config=None, python="py", pod_args=SERVER_ARGS) == [
+        "py", "-m", "http.server", "--bind", "h", "1"]
+    shell = ["sh", "-c", "exec server --host {host} {pod_args}"]
+    assert podrunner.render_argv(shell, host="h", port=1, gate_config=None, python="py",
+                                 pod_args=["--experts", "4", "--note", "a b"]) == [
+        "sh", "-c", "exec server --host h --experts 4 --note 'a b'"]
+
+
+def test_args_expand_container_env_references_like_a_kubelet() -> None:
+    pod = model_pod()
+    pod["spec"]["containers"][0]["args"] = ["--bind-ip=$(MY_IP)", "--x", "$(UNDEFINED)", "$$(PLAIN)", "$(PLAIN)"]
+    spec = podrunner.desired_process(pod, secrets=secrets, configmaps=configmaps)
+    assert spec is not None
+    assert spec.args == ("--bind-ip=127.20.0.5", "--x", "$(UNDEFINED)", "$(PLAIN)", "x")
