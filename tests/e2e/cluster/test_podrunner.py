@@ -28,8 +28,9 @@ def wait_for(check: Callable[[], object], *, what: str, timeout_s: float = 60.0)
         time.sleep(0.25)
 
 
-def model_objects(model: str, *, replicas: int, gate: dict, token: str) -> str:
-    """The objects the operator makes for a SparseModel (dev/CONTRACTS.md), written by hand."""
+def model_objects(model: str, *, replicas: int, gate: dict, token: str, args: list[str] | None = None) -> str:
+    """The objects the operator makes for a SparseModel (dev/CONTRACTS.md), written by hand;
+    ``args`` are the container's args (the operator renders the server flags there)."""
     labels = {"app.kubernetes.io/name": "sparsegate-model", "sparsegate.dev/model": model}
     return json.dumps({"apiVersion": "v1", "kind": "List", "items": [
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{model}-gate"}, "data": {"gate.json": json.dumps(gate)}},
@@ -44,6 +45,7 @@ def model_objects(model: str, *, replicas: int, gate: dict, token: str) -> str:
                     "env": [{"name": "SPARSEGATE_ADMIN_TOKEN",
                              "valueFrom": {"secretKeyRef": {"name": f"{model}-admin", "key": "token"}}}],
                     "volumeMounts": [{"name": "gate", "mountPath": "/etc/sparsegate", "readOnly": True}],
+                    **({"args": args} if args is not None else {}),
                 }],
                 "volumes": [{"name": "gate", "configMap": {"name": f"{model}-gate"}}],
             }},
@@ -114,15 +116,30 @@ def request(url: str, *, method: str = "GET", body: dict | None = None, token: s
         return err.code, {}
 
 
+def cmdline_of(pid_file: Path) -> list[str]:
+    pid = int(pid_file.read_text().split()[0])
+    return [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+
+
 def test_runner_runs_the_real_model_server_with_gate_and_admin_token(kubectl, namespace, pod_runner) -> None:
+    from sparsegate.domain import render
     from sparsegate_workload.gateparams import DEFAULT_PARAMS, make_document
 
-    doc = make_document({**DEFAULT_PARAMS, "toolGateThreshold": 0.8}).to_json()
-    kubectl("apply", "-n", namespace, "-f", "-", input=model_objects("m2", replicas=1, gate=doc, token="adm1n"))
+    # Given a SparseModel whose shape is not the server's default, the container args the
+    # operator renders for it (--host 0.0.0.0 --port 18080 --gate-config ... + shape flags).
+    sparse_model = {"metadata": {"name": "m2", "namespace": namespace, "uid": "u"},
+                    "spec": {"image": "sparsegate/model:dev", "servingPort": 18080,
+                             "model": {"dModel": 96, "experts": 6, "minExpertsPerToken": 1, "maxExpertsPerToken": 3}}}
+    doc = make_document({**DEFAULT_PARAMS, "toolGateThreshold": 0.8})
+    (container,) = render.render_deployment(sparse_model, doc)["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert "--d-model" in args and "0.0.0.0" in args
+    doc = doc.to_json()
+    kubectl("apply", "-n", namespace, "-f", "-", input=model_objects("m2", replicas=1, gate=doc, token="adm1n", args=args))
     kubectl("rollout", "status", "-n", namespace, "deployment/m2", "--timeout=90s", timeout=120)
     (ip,) = pod_ips(kubectl, namespace, "m2")
 
-    pod_runner()  # default command: python -m sparsegate_workload.server ...
+    work = pod_runner()  # default command: python -m sparsegate_workload.server ... {pod_args}
 
     def probe(path: str) -> dict | None:
         try:
@@ -134,6 +151,20 @@ def test_runner_runs_the_real_model_server_with_gate_and_admin_token(kubectl, na
     # The model loads after the port opens: wait for /readyz, not just /healthz.
     ready = wait_for(lambda: probe("/readyz"), what=f"model server ready on {ip}:18080", timeout_s=120)
     assert ready["gateVersion"] == doc["version"]
+    health = probe("/healthz")
+    assert health["gateVersion"] == doc["version"]
+    # Then the server built the SparseModel's shape, from the pod's args ...
+    spec_shape = sparse_model["spec"]["model"]
+    assert {k: health["model"][k] for k in spec_shape} == spec_shape
+    assert probe("/v1/model")["model"] == health["model"]
+    # ... run as the pod said, except the flags the runner owns: bound to the pod IP, not 0.0.0.0.
+    (pid_file,) = work.glob(f"{namespace}_m2-*/process.pid")
+    cmd = cmdline_of(pid_file)
+    assert cmd[cmd.index("--host") + 1] == ip and "0.0.0.0" not in cmd
+    assert cmd[cmd.index("--d-model") + 1] == "96" and cmd[cmd.index("--experts") + 1] == "6"
+    # A gate asking for more experts than the model's 6 is refused and not applied.
+    too_many = make_document({**DEFAULT_PARAMS, "maxExpertsPerToken": 8}).to_json()
+    assert request(f"http://{ip}:18080/admin/gate", method="PUT", body=too_many, token="adm1n")[0] == 422
     assert probe("/healthz")["gateVersion"] == doc["version"]
     # The admin token came from the Secret: a PUT without it is refused, with it accepted.
     new_doc = make_document({**DEFAULT_PARAMS, "toolGateThreshold": 0.7}).to_json()
