@@ -194,12 +194,32 @@ class RolloutLoop:
     # ------------------------------------------------------------ the tick
 
     async def tick(self, *, namespace: str, name: str, models: Sequence[str], cache: _Cache,
-                   logger: logging.Logger = log) -> Decision | None:
+                   seen: Mapping[str, Any] | None = None, logger: logging.Logger = log) -> Decision | None:
+        """One reconcile. ``seen``: the object as the watch last delivered it, for a cheap skip."""
+        if seen is not None and self._quiet(seen, cache=cache, now=self.clock()):
+            return None  # resting and checked recently: not even a GET (1,000s of ticks at scale)
         started = time.perf_counter()
         try:
             return await self._tick(namespace=namespace, name=name, models=models, cache=cache, logger=logger)
         finally:
             TICK_SECONDS.observe(time.perf_counter() - started)
+
+    @staticmethod
+    def _quiet(body: Mapping[str, Any], *, cache: _Cache, now: float) -> bool:
+        """Nothing to do: resting, spec already stable (or rejected), no one-shot annotation."""
+        if now - cache.last_full_check >= RESTING_CHECK_S:
+            return False
+        annotations = (body.get("metadata") or {}).get("annotations") or {}
+        if ABORT_ANNOTATION in annotations or PROMOTE_ANNOTATION in annotations:
+            return False
+        status = RolloutStatus.from_status(body.get("status"))
+        if status.phase not in RESTING_PHASES or status.stable is None:
+            return False
+        try:
+            target = parse_spec(body.get("spec") or {}).target.version
+        except SpecError:
+            return False
+        return target in (status.stable.version, status.rejected_version)
 
     async def _tick(self, *, namespace: str, name: str, models: Sequence[str], cache: _Cache,
                     logger: logging.Logger) -> Decision | None:
@@ -218,9 +238,7 @@ class RolloutLoop:
             await self._act(body, decision, fleet=None, logger=logger)
             return decision
 
-        resting = status.phase in RESTING_PHASES and status.stable is not None and (
-            spec.target.version in (status.stable.version, status.rejected_version))
-        if resting and not abort and not promote and now - cache.last_full_check < RESTING_CHECK_S:
+        if self._quiet(body, cache=cache, now=now):
             return None
         cache.last_full_check = now
 
@@ -232,9 +250,9 @@ class RolloutLoop:
             obs = Observations(pods=pods, abort=abort, promote=promote, **metrics)
             decision = next_action(spec=spec, status=status, obs=obs, now=now)
             body = await self._persist(body, decision, steps=spec.steps)
-            await self._act(body, decision, fleet=fleet, logger=logger)
-            if not decision.pushes:
-                break
+            pushed = await self._act(body, decision, fleet=fleet, logger=logger)
+            if not pushed:
+                break  # nothing new landed on a pod: the next tick looks again
             # Pushed: look again now so verified pods (and the next phase) are recorded this tick.
             status, abort, promote, now = decision.status, False, False, self.clock()
         return decision
@@ -257,7 +275,8 @@ class RolloutLoop:
                                        content_type="application/json-patch+json")
 
     async def _act(self, body: Mapping[str, Any], decision: Decision, *, fleet: _Fleet | None,
-                   logger: logging.Logger) -> None:
+                   logger: logging.Logger) -> int:
+        """Perform the decision's side effects; returns how many gate pushes succeeded."""
         pushes: list[tuple[PodTarget, Mapping[str, Any]]] = []
         for action in decision.actions:
             if isinstance(action, PushGate) and fleet is not None and action.pod in fleet.targets:
@@ -275,12 +294,14 @@ class RolloutLoop:
                 ROLLOUTS.labels(outcome=action.outcome).inc()
             elif isinstance(action, RecordStep):
                 STEP_SECONDS.labels(percent=str(action.percent)).observe(action.seconds)
-        if pushes:
-            results = await self.admin.push(pushes)
-            for r in results.values():
-                PUSHES.labels(result="ok" if r.ok else "error").inc()
-                if not r.ok:
-                    logger.warning("push to %s failed: %s", r.name, r.error)
+        if not pushes:
+            return 0
+        results = await self.admin.push(pushes)
+        for r in results.values():
+            PUSHES.labels(result="ok" if r.ok else "error").inc()
+            if not r.ok:
+                logger.warning("push to %s failed: %s", r.name, r.error)
+        return sum(1 for r in results.values() if r.ok)
 
 
 # ---------------------------------------------------------------- Kopf wiring
@@ -295,14 +316,15 @@ def _loop(memo: kopf.Memo) -> RolloutLoop:
 
 
 @kopf.timer(GROUP, VERSION, "gateconfigs", interval=TICK_S, initial_delay=0)
-async def rollout_tick(namespace: str, name: str, memo: kopf.Memo, models_by_gate: kopf.Index,
+async def rollout_tick(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, models_by_gate: kopf.Index,
                        logger: logging.Logger, **_: Any) -> None:
     cache = getattr(memo, "rollout_cache", None)
     if cache is None:
         cache = memo.rollout_cache = _Cache()
     models = sorted(set(models_by_gate.get((namespace, name), [])))
     try:
-        await _loop(memo).tick(namespace=namespace, name=name, models=models, cache=cache, logger=logger)
+        await _loop(memo).tick(namespace=namespace, name=name, models=models, cache=cache, seen=body,
+                               logger=logger)
     except Conflict:
         logger.debug("GateConfig %s/%s changed during the tick; next tick retries", namespace, name)
     except KubeError as e:

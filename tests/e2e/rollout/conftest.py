@@ -78,6 +78,7 @@ def fleet(cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             versions = f.pod_versions()
             return len(versions) == REPLICAS and all(versions.values())
         _wait(f"{REPLICAS} model servers answering /healthz", all_serving, timeout=240, op=op)
+        f.check_pods_are_ours()
         f.watch("the GateConfig to be initialised", lambda ro: ro.get("phase") == "Succeeded", timeout=60)
         f.load = Load(f.targets)
         f.load.start()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -182,6 +183,28 @@ class Fleet:
             except OSError:
                 out[p["metadata"]["name"]] = None
         return out
+
+    def check_pods_are_ours(self) -> None:
+        """Each pod IP must be served by this cluster's server: a no-op PUT with the model's token.
+
+        Another local cluster on this machine with the same pod CIDR can own a pod's IP:port
+        (its server answers /healthz, but refuses our token). Fail clearly instead of timing out.
+        """
+        import base64
+
+        token = base64.b64decode(self.get("secret", f"{MODEL}-admin")["data"]["token"]).decode()
+        doc = json.dumps(self.gateconfig()["status"]["stable"]).encode()
+        for p in self.pods():
+            req = urllib.request.Request(f"http://{p['status']['podIP']}:8080/admin/gate", data=doc, method="PUT",
+                                         headers={"Authorization": f"Bearer {token}",
+                                                  "Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=5) as resp:
+                    assert resp.status == 200
+            except urllib.error.HTTPError as e:
+                pytest.fail(f"pod {p['metadata']['name']} at {p['status']['podIP']}:8080 refused this cluster's "
+                            f"admin token ({e.code}): another process (another local cluster with the same "
+                            f"pod CIDR?) owns that address")
 
     def events(self) -> list[dict]:
         return self.get("events", "--field-selector", f"involvedObject.kind=GateConfig,involvedObject.name={GATE}")["items"]

@@ -60,7 +60,9 @@ def test_bad_change_is_rolled_back_at_the_first_step(fleet: Fleet, fault: dict, 
     stable = fleet.stable_version()
     bad = fleet.set_params(toolGateThreshold=0.8, faultInjection=fault)
 
-    seen = fleet.watch("automatic rollback", lambda ro: ro.get("phase") == "RolledBack")
+    seen = fleet.watch("automatic rollback", lambda ro: ro.get("phase") == "RolledBack"
+                       and ro.get("rejectedVersion") == bad)
+    seen = [s for s in seen if s["canaryVersion"] == bad or s["phase"] == "RolledBack"]
 
     assert max(s["step"] or 0 for s in seen) == 1, seen  # never went past 5 %
     ro = fleet.rollout()
@@ -73,14 +75,15 @@ def test_bad_change_is_rolled_back_at_the_first_step(fleet: Fleet, fault: dict, 
     conditions = {c["type"]: c for c in fleet.gateconfig()["status"]["conditions"]}
     assert conditions["Degraded"]["status"] == "True" and conditions["Degraded"]["reason"] == "AnalysisFailed"
     warnings = [e for e in fleet.events() if e["type"] == "Warning" and e["reason"] == "AnalysisFailed"]
-    assert warnings and check in warnings[-1]["message"]
+    assert any(bad in e["message"] and check in e["message"] for e in warnings), warnings
 
 
 def test_operator_crash_mid_rollout_resumes_without_repushing(fleet: Fleet) -> None:
     stable = fleet.stable_version()
     fleet.set_rollout(analysisInterval="8s")  # room to crash inside step 2
     new = fleet.set_params(toolGateThreshold=0.75)
-    fleet.watch("step 2 analysing", lambda ro: ro.get("phase") == "Analysing" and ro.get("step") == 2)
+    fleet.watch("step 2 analysing", lambda ro: ro.get("phase") == "Analysing" and ro.get("step") == 2
+                and ro.get("canaryVersion") == new)
 
     fleet.operator.kill()
     frozen = fleet.rollout()
@@ -100,7 +103,8 @@ def test_operator_crash_mid_rollout_resumes_without_repushing(fleet: Fleet) -> N
 def test_pause_holds_resume_continues_abort_rolls_back(fleet: Fleet) -> None:
     stable = fleet.stable_version()
     new = fleet.set_params(toolGateThreshold=0.7)
-    fleet.watch("step 1 analysing", lambda ro: ro.get("phase") == "Analysing" and ro.get("step") == 1)
+    fleet.watch("step 1 analysing", lambda ro: ro.get("phase") == "Analysing" and ro.get("step") == 1
+                and ro.get("canaryVersion") == new)
 
     fleet.set_rollout(paused=True)
     fleet.watch("paused", lambda ro: ro.get("phase") == "Paused")
@@ -114,7 +118,7 @@ def test_pause_holds_resume_continues_abort_rolls_back(fleet: Fleet) -> None:
     fleet.watch("step 2 after resume", lambda ro: ro.get("step") == 2 and ro.get("phase") == "Analysing")
 
     fleet.annotate("sparsegate.dev/abort")
-    fleet.watch("aborted", lambda ro: ro.get("phase") == "Aborted")
+    fleet.watch("aborted", lambda ro: ro.get("phase") == "Aborted" and ro.get("rejectedVersion") == new)
     ro = fleet.rollout()
     assert ro["rejectedVersion"] == new and fleet.stable_version() == stable
     assert set(fleet.pod_versions().values()) == {stable}
@@ -125,7 +129,8 @@ def test_pause_holds_resume_continues_abort_rolls_back(fleet: Fleet) -> None:
 
 def test_promote_annotation_skips_remaining_analysis(fleet: Fleet) -> None:
     new = fleet.set_params(toolGateThreshold=0.65)
-    fleet.watch("step 1 analysing", lambda ro: ro.get("phase") == "Analysing" and ro.get("step") == 1)
+    fleet.watch("step 1 analysing", lambda ro: ro.get("phase") == "Analysing" and ro.get("step") == 1
+                and ro.get("canaryVersion") == new)
     fleet.annotate("sparsegate.dev/promote")
     seen = fleet.watch("promoted", lambda ro: ro.get("phase") == "Succeeded" and fleet.stable_version() == new)
     assert not any(s["phase"] == "Analysing" and s["step"] == 3 for s in seen), seen
