@@ -3,7 +3,6 @@ imports, which pytest cannot tell apart across directories)."""
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 import os
@@ -14,7 +13,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
 REPO = Path(__file__).resolve().parents[3]
 CHART = REPO / "charts" / "sparsegate"
@@ -40,21 +38,8 @@ def helm_binary() -> Path:
 
 def service_account_kubeconfig(cluster, path: Path) -> Path:
     """The admin kubeconfig's server and CA, but the chart ServiceAccount's token as identity."""
-    token = cluster.kubectl("create", "token", SERVICE_ACCOUNT, "-n", RELEASE_NS,
-                            "--duration=2h").stdout.strip()
-    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
-    cl = admin["clusters"][0]["cluster"]
-    if "certificate-authority-data" not in cl:
-        cl = {**cl, "certificate-authority-data": base64.b64encode(
-            Path(cl.pop("certificate-authority")).read_bytes()).decode()}
-    config = {"apiVersion": "v1", "kind": "Config", "current-context": "sa",
-              "clusters": [{"name": "local", "cluster": cl}],
-              "users": [{"name": "operator", "user": {"token": token}}],
-              "contexts": [{"name": "sa", "context": {"cluster": "local", "user": "operator",
-                                                       "namespace": RELEASE_NS}}]}
-    path.write_text(yaml.safe_dump(config))
-    path.chmod(0o600)
-    return path
+    return cluster.service_account_kubeconfig(namespace=RELEASE_NS, service_account=SERVICE_ACCOUNT,
+                                              path=path, duration="2h")
 
 
 @dataclasses.dataclass

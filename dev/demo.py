@@ -1,0 +1,245 @@
+"""The demo: a local control plane with sparsegate installed, a model served, and a gate rollout.
+
+``python dev/demo.py up`` (what ``./dev/demo.sh`` runs after set-up):
+
+1. starts the local control plane and the pod runner (``python -m localcluster up --podrunner``),
+   or reuses them when already running;
+2. installs the chart with the real helm, starts a real OPA server and the operator as a local
+   process whose identity is the chart's ServiceAccount (its pod on kwok runs no process);
+3. applies ``examples/``, scales the GPU model so each rollout step is visible, waits for Ready;
+4. starts a bounded loopback load generator against the model pods, changes the GateConfig's
+   parameters and prints the rollout (``kubectl get gateconfig -o wide``) as it goes
+   5% → 20% → 100% until it ends.
+
+``python dev/demo.py down`` stops everything the demo started (pid files under the state dir).
+Processes outlive this script on purpose, so the cluster can be explored afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from localcluster import processes
+from localcluster.cluster import LocalCluster, default_state_dir
+
+REPO = Path(__file__).resolve().parent.parent
+RELEASE, RELEASE_NS = "sparsegate", "sparsegate-system"
+SERVICE_ACCOUNT = f"{RELEASE}-operator"  # <release>-sparsegate-operator, shortened when release == chart name
+MODEL, GATE, NS = "moe-small", "default-gate", "default"
+DEMO_REPLICAS = 6  # 5 % → 1 pod, 20 % → 2 pods, 100 % → 6
+BIN = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache" / "sparsegate" / "bin"))
+
+
+def log(msg: str) -> None:
+    print(f"[demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait(what: str, probe, *, timeout: float, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise SystemExit(f"[demo] timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Demo:
+    def __init__(self, state_dir: Path) -> None:
+        self.cluster = LocalCluster(state_dir=state_dir)
+        self.work = state_dir / "demo"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self._printed: dict[tuple[str, ...], str] = {}
+
+    def pid_file(self, name: str) -> Path:
+        return self.work / f"{name}.pid"
+
+    def start_detached(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        if processes.pid_file_alive(self.pid_file(name)):
+            log(f"{name} already running")
+            return
+        processes.start(name=name, argv=argv, log_path=self.work / f"{name}.log", pid_file=self.pid_file(name),
+                        env={**os.environ, **(env or {})})
+        log(f"{name} started (log: {self.work / f'{name}.log'})")
+
+    def kubectl(self, *args: str, **kw) -> subprocess.CompletedProcess[str]:
+        return self.cluster.kubectl(*args, **kw)
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def control_plane(self) -> None:
+        running = self.cluster.running_components()
+        if len(running) >= 6:
+            log(f"control plane already running ({', '.join(running)})")
+            return
+        if running:
+            log(f"partial control plane ({', '.join(running)}): restarting it")
+            self.cluster.stop()
+        subprocess.run([sys.executable, "-m", "localcluster", "--state-dir", str(self.cluster.state_dir),
+                        "up", "--podrunner"], check=True, env={**os.environ, "PYTHONPATH": str(REPO / "dev")})
+
+    def install_chart(self) -> None:
+        subprocess.run([str(BIN / "helm"), "upgrade", "--install", RELEASE, str(REPO / "charts" / "sparsegate"),
+                        "-n", RELEASE_NS, "--create-namespace", f"--kubeconfig={self.cluster.kubeconfig}"],
+                       check=True)
+        log(f"chart installed: release {RELEASE} in {RELEASE_NS}")
+
+    def opa_and_operator(self) -> None:
+        opa_port_file = self.work / "opa.port"
+        if not processes.pid_file_alive(self.pid_file("opa")):
+            opa_port_file.write_text(str(free_port()))
+        opa_addr = f"127.0.0.1:{opa_port_file.read_text().strip()}"
+        self.start_detached("opa", [str(BIN / "opa"), "run", "--server", f"--addr={opa_addr}",
+                                    "--log-level=error", "--disable-telemetry"])
+        kubeconfig = self.cluster.service_account_kubeconfig(
+            namespace=RELEASE_NS, service_account=SERVICE_ACCOUNT, path=self.work / "operator.kubeconfig")
+        self.start_detached("operator", [sys.executable, "-m", "sparsegate.cli", "run", "--standalone",
+                                         "--all-namespaces", f"--metrics-port={free_port()}"],
+                            env={"KUBECONFIG": str(kubeconfig), "SPARSEGATE_OPA_URL": f"http://{opa_addr}",
+                                 "SPARSEGATE_NAMESPACE": RELEASE_NS, "POD_NAME": "demo-operator",
+                                 "SPARSEGATE_ROLLOUT_TICK_S": "2"})
+
+    def apply_examples(self) -> None:
+        # --force-conflicts: a re-run resets what the previous run patched back to examples/.
+        self.kubectl("apply", "--server-side", "--force-conflicts", "-n", NS, "-f", str(REPO / "examples"))
+        # A few more instances than the example, so 5 % and 20 % are different pod counts.
+        self.kubectl("scale", f"sparsemodel/{MODEL}", "-n", NS, f"--replicas={DEMO_REPLICAS}")
+        # Shorter analysis windows than production so the demo ends in minutes.
+        self.kubectl("patch", f"gateconfig/{GATE}", "-n", NS, "--type=merge",
+                     "-p", json.dumps({"spec": {"rollout": {"analysisInterval": "15s"}}}))
+        log(f"applied examples/; {MODEL} scaled to {DEMO_REPLICAS}")
+
+    def print_table(self, *args: str, only_changes: bool = False) -> None:
+        out = self.kubectl("get", *args, "-n", NS, check=False).stdout.rstrip()
+        if not only_changes or self._printed.get(args) != out:
+            print(out, flush=True)
+        self._printed[args] = out
+
+    def model_ready(self) -> None:
+        def ready() -> bool:
+            sm = json.loads(self.kubectl("get", f"sparsemodel/{MODEL}", "-n", NS, "-o", "json").stdout)
+            conds = {c["type"]: c["status"] for c in sm.get("status", {}).get("conditions", [])}
+            self.print_table("sparsemodels", only_changes=True)
+            return conds.get("Ready") == "True" and sm["status"].get("readyReplicas") == DEMO_REPLICAS
+        wait(f"SparseModel {MODEL} Ready", ready, timeout=300, interval=3)
+
+        def stable_everywhere() -> str | None:
+            stable = json.loads(self.kubectl("get", f"gateconfig/{GATE}", "-n", NS, "-o", "json").stdout
+                                ).get("status", {}).get("stable", {}).get("version")
+            versions = [self.served_version(target) for target in self.serving_pods()]
+            return stable if len(versions) == DEMO_REPLICAS and set(versions) == {stable} else None
+        stable = wait("every model server to answer with the GateConfig's stable version", stable_everywhere,
+                      timeout=300, interval=3)
+        log(f"{MODEL} Ready: {DEMO_REPLICAS} model servers answer /healthz with gate {stable}")
+
+    @staticmethod
+    def served_version(target: str) -> str | None:
+        try:
+            with urllib.request.urlopen(f"http://{target}/healthz", timeout=2) as resp:
+                return json.loads(resp.read()).get("gateVersion")
+        except OSError:
+            return None
+
+    def serving_pods(self) -> list[str]:
+        pods = json.loads(self.kubectl("get", "pods", "-n", NS, "-l", f"sparsegate.dev/model={MODEL}",
+                                       "-o", "json").stdout)["items"]
+        return [f"{p['status']['podIP']}:8080" for p in pods if p.get("status", {}).get("podIP")]
+
+    def rollout(self) -> dict:
+        gc = json.loads(self.kubectl("get", f"gateconfig/{GATE}", "-n", NS, "-o", "json").stdout)
+        return gc.get("status", {}).get("rollout", {})
+
+    def load(self) -> None:
+        argv = [sys.executable, str(REPO / "dev" / "loadgen.py"), "--qps", "30", "--duration", "900"]
+        for target in self.serving_pods():
+            argv += ["--target", target]
+        # Restarted every run: the pods (and so the targets) may have changed since the last one.
+        processes.stop_from_pid_file(self.pid_file("loadgen"), grace_s=5)
+        self.start_detached("loadgen", argv)
+
+    def change_gate(self, params: dict, why: str) -> dict:
+        """Patches the GateConfig's params and prints the rollout until it ends; returns status.rollout."""
+        patched = json.loads(self.kubectl("patch", f"gateconfig/{GATE}", "-n", NS, "--type=merge", "-o", "json",
+                                          "-p", json.dumps({"spec": {"params": params}})).stdout)
+        generation = patched["metadata"]["generation"]
+        log(f"GateConfig {GATE}: params {json.dumps(params)} ({why}); watching the rollout")
+        last = ""
+        end = {"Succeeded", "RolledBack", "Aborted", "Failed"}
+
+        def finished() -> bool:
+            nonlocal last
+            out = self.kubectl("get", f"gateconfig/{GATE}", "-n", NS, "-o", "wide", "--no-headers",
+                               check=False).stdout.strip()
+            if out != last:
+                log(out)
+                last = out
+            gc = json.loads(self.kubectl("get", f"gateconfig/{GATE}", "-n", NS, "-o", "json").stdout)
+            status = gc.get("status", {})
+            return status.get("observedGeneration", 0) >= generation and status.get("rollout", {}).get("phase") in end
+        wait("the rollout to finish", finished, timeout=600, interval=2)
+        rollout = self.rollout()
+        log(f"rollout ended: {rollout.get('phase')} — {rollout.get('message', '')}")
+        return rollout
+
+    def show(self) -> None:
+        print(flush=True)
+        self.print_table("gateconfigs", "-o", "wide")
+        self.print_table("sparsemodels")
+        print(self.kubectl("get", "events", "-n", NS, "--field-selector", f"involvedObject.name={GATE}",
+                           "--sort-by=.lastTimestamp", check=False).stdout.rstrip(), flush=True)
+
+    def up(self) -> None:
+        self.control_plane()
+        os.environ["KUBECONFIG"] = str(self.cluster.kubeconfig)
+        self.install_chart()
+        self.opa_and_operator()
+        self.apply_examples()
+        self.model_ready()
+        self.load()
+        current = json.loads(self.kubectl("get", f"gateconfig/{GATE}", "-n", NS, "-o", "json").stdout)["spec"]["params"]
+        # A good change: the tool gate fires a little later; routing is untouched, so it is promoted.
+        tool = 0.9 if abs(current["toolGateThreshold"] - 0.9) > 1e-9 else 0.85
+        self.change_gate({"toolGateThreshold": tool, "faultInjection": None}, "good: tool gate threshold")
+        # A bad change: the chaos knob makes canary pods fail 30 % of requests; analysis catches it
+        # at the first step and rolls back, the stable version untouched.
+        self.change_gate({"capacityFactor": 1.5, "faultInjection": {"errorRate": 0.3}},
+                         "bad: fault injection, 30 % errors")
+        self.show()
+        log(f"done. KUBECONFIG={self.cluster.kubeconfig}; try `kubectl get sparsegate -A`; "
+            "stop everything with ./dev/demo.sh down")
+
+    def down(self) -> None:
+        for name in ("loadgen", "operator", "opa"):
+            if processes.stop_from_pid_file(self.pid_file(name), grace_s=10):
+                log(f"stopped {name}")
+        stopped = self.cluster.stop()
+        log("stopped: " + (", ".join(stopped) if stopped else "no cluster component was running"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["up", "down"], nargs="?", default="up")
+    parser.add_argument("--state-dir", type=Path, default=default_state_dir())
+    args = parser.parse_args(argv)
+    demo = Demo(args.state_dir)
+    demo.up() if args.command == "up" else demo.down()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
