@@ -32,7 +32,7 @@ from .gateparams import (DEFAULT_DOCUMENT, GateDocument, GateParams, GateParamsE
                          parse_document)
 from .inference import InferenceResult, run_batch
 from .metrics import ServerMetrics
-from .model import ModelConfig, TinyMoELM, build_model, effective_gate
+from .model import ModelConfig, TinyMoELM, build_model, default_heads, effective_gate
 from .precision import Precision
 
 log = logging.getLogger("sparsegate.workload")
@@ -348,7 +348,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--experts", type=int, default=_DEFAULT.num_experts,
                    help="experts per MoE layer")
     g.add_argument("--layers", type=int, default=_DEFAULT.n_layers, help="MoE blocks")
-    g.add_argument("--heads", type=int, default=_DEFAULT.n_heads, help="attention heads")
+    g.add_argument("--heads", type=int, default=None,
+                   help="attention heads (default: 4, or 2 or 1 when 4 does not divide --d-model)")
     g.add_argument("--d-ff", type=int, default=None,
                    help="expert hidden size (default: 2 x --d-model)")
     g.add_argument("--vocab", type=int, default=_DEFAULT.vocab_size, help="vocabulary size")
@@ -362,7 +363,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
     """Raises ValueError naming every problem with the shape."""
     return ModelConfig(d_model=args.d_model, num_experts=args.experts, n_layers=args.layers,
-                       n_heads=args.heads, d_ff=args.d_ff or 2 * args.d_model,
+                       n_heads=args.heads or default_heads(max(args.d_model, 1)),
+                       d_ff=args.d_ff or 2 * args.d_model,
                        vocab_size=args.vocab, max_seq_len=args.max_seq_len, seed=args.seed,
                        min_experts_per_token=args.min_experts_per_token,
                        max_experts_per_token=args.max_experts_per_token)

@@ -31,8 +31,7 @@ def test_default_shape_is_the_tiny_model() -> None:
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"d_model": 40, "n_heads": 3}, "d_model (40) must be a multiple of n_heads (3)"),
-    ({"d_model": 20, "n_heads": 5}, "d_model (20) must be a multiple of 8"),
-    ({"d_ff": 100}, "d_ff (100) must be a multiple of 8"),
+    ({"d_model": 0}, "d_model must be >= 1"),
     ({"num_experts": 0}, "num_experts must be >= 1"),
     ({"num_experts": 65}, "at most 64"),
     ({"num_experts": 4, "max_experts_per_token": 5}, "<= num_experts (4)"),
@@ -100,6 +99,28 @@ async def test_gate_asking_for_more_experts_than_the_model_has_is_refused(small_
     assert out["gateVersion"] == three["version"] and out["activeExpertsPerToken"] == 2.0
 
 
+@pytest.mark.parametrize("d_model, heads", [(64, 4), (30, 2), (99, 1)])
+def test_any_hidden_size_the_crd_admits_builds_and_runs(d_model: int, heads: int) -> None:
+    """dModel is any integer >= 1 in the CRD: heads adapt, unaligned widths use the loop experts."""
+    import argparse
+
+    from sparsegate_workload.inference import run_batch
+    from sparsegate_workload.model import build_model
+    from sparsegate_workload.server import add_model_flags, model_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_model_flags(p)
+    cfg = model_config_from_args(argparse.Namespace(**vars(p.parse_args(
+        ["--d-model", str(d_model), "--experts", "3", "--layers", "1"])), seed=0))
+    assert (cfg.n_heads, cfg.d_ff) == (heads, 2 * d_model)
+    model = build_model(cfg)
+    for policy in ("fp32", "bf16"):
+        out = run_batch(model, [[1, 2, 3, 4]], gate=GateParams(max_experts_per_token=3, capacity_factor=8.0),
+                        precisions=model.resolve_precisions(policy))
+        # capacityFactor 8 drops nothing: every token reaches at least one expert
+        assert len(out.expert_counts) == 1 and sum(out.expert_counts[0]) >= 4
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -141,7 +162,9 @@ def test_entry_point_flags_build_the_shape_and_healthz_reports_it() -> None:
 @pytest.mark.parametrize("gate_params, flags, message", [
     ({**DEFAULT_PARAMS, "maxExpertsPerToken": 6}, ["--experts", "4"],
      "maxExpertsPerToken must be in [1, 4], got 6 (this model has 4 experts)"),
-    (DEFAULT_PARAMS, ["--d-model", "30"], "invalid model shape: d_model (30) must be a multiple"),
+    (DEFAULT_PARAMS, ["--d-model", "30", "--heads", "4"],
+     "invalid model shape: d_model (30) must be a multiple of n_heads (4)"),
+    (DEFAULT_PARAMS, ["--experts", "4", "--max-experts-per-token", "5"], "<= num_experts (4)"),
 ])
 def test_entry_point_refuses_to_start_with_a_clear_error(tmp_path, gate_params, flags, message) -> None:
     gate_file = tmp_path / "gate.json"
