@@ -12,6 +12,7 @@ Side by side, per rule count N:
 Then the log-log slope of p50/p99 against N (0 = flat, 1 = linear). A widely reported figure for a
 naive engine is 680 ms at 2,000 rules with O(n²) growth; our target is p99 < 1 ms at 10,000 rules.
 Cross-check: `opa bench` on the same policy, data and one input, at the largest N.
+Results also go to tests/bench/results/bench_opa.json.
 """
 
 from __future__ import annotations
@@ -261,6 +262,24 @@ def main() -> None:
         print(f"\nTarget p99 < 1 ms at {last['n']} rules through the REST API: {pct(last['rest'], 0.99):.0f} µs → {verdict} "
               f"({under:.1%} of decisions under 1 ms; p90 {pct(last['rest'], 0.9):.0f} µs)")
     cross_check(binary, sizes[-1])
+    save(rows)
+
+
+def save(rows: list[dict]) -> None:
+    keys = ("rest", "eval", "naive", "naive_eval", "compiled")
+    out = {
+        "machine": {"cpus": os.cpu_count(), "loadavg_1m_end": round(os.getloadavg()[0], 2)},
+        "rows": [{"rules": r["n"], "allowListEntries": r["entries"], "allowListBuildSeconds": round(r["compile_s"], 3),
+                  **{f"{k}_us": {"p50": round(pct(r[k], 0.5), 1), "p99": round(pct(r[k], 0.99), 1)} for k in keys}}
+                 for r in rows],
+    }
+    if len(rows) >= 2:
+        ns = [r["n"] for r in rows]
+        out["loglogSlope"] = {k: {"p50": round(slope(ns, [pct(r[k], 0.5) for r in rows]), 3),
+                                  "p99": round(slope(ns, [pct(r[k], 0.99) for r in rows]), 3)} for k in keys}
+    path = REPO / "tests" / "bench" / "results" / "bench_opa.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
 
 
 def cross_check(binary: str, n: int) -> None:
