@@ -1,49 +1,65 @@
-"""Fixtures for the rollout e2e tests: one real fleet per module.
+"""Fixtures for the rollout e2e tests: one real fleet, on its own control plane, per module.
 
-Given the session control plane (tests/e2e/conftest.py), ``fleet`` installs the CRDs, creates a
-namespace with a GateConfig and a SparseModel of ``REPLICAS`` pods, runs the pod runner (one
-real model server per pod, on the pod's loopback IP), the operator (``sparsegate run``, this
-namespace only, 1 s rollout tick) and a loopback load generator, and tears all of it down.
+``rollout_cluster`` is a local control plane of this module's own (etcd, kube-apiserver,
+controller-manager, scheduler, kwok) on a pod CIDR no other cluster on this machine uses: pods
+must own their loopback IP:port for real model servers to bind them, and another cluster in
+the contract's default 127.20.0.0/16 (a demo, another session) would own some of those. It also
+keeps other tests' operators (the session operator serves all namespaces) off this fleet.
+
+``fleet`` installs the CRDs, creates a GateConfig and a SparseModel of ``REPLICAS`` pods, runs
+the pod runner (one real model server per pod, on the pod's IP), the operator (``sparsegate
+run``, 1 s rollout tick) and a loopback load generator, and tears all of it down.
 
 Why the operator runs with the admin kubeconfig: the rollout controller reads each model's
 ``<m>-admin`` Secret for the pod admin token, which the chart's RBAC does not grant yet.
-
-Ordering: these tests run before tests/e2e/operator, whose session-scoped operator serves every
-namespace until the session ends; two controllers on one GateConfig would make these tests
-about their interplay instead of the rollout.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 import sys
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from localcluster import processes
+from localcluster import LocalCluster, nodes, processes
 
 from rollout_e2e_support import (ANALYSIS_INTERVAL, BASE_PARAMS, GATE, MODEL, REPLICAS, REPO, Fleet, Load,
                                  Operator, _wait)
 
-HERE = Path(__file__).parent
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run this directory's tests before tests/e2e/operator (see the module docstring)."""
-    mine = [i for i in items if HERE in Path(str(i.fspath)).parents]
-    if not mine:
-        return
-    rest = [i for i in items if i not in mine]
-    operator_dir = HERE.parent / "operator"
-    at = next((n for n, i in enumerate(rest) if operator_dir in Path(str(i.fspath)).parents), len(rest))
-    items[:] = rest[:at] + mine + rest[at:]
+def _unused_pod_cidr() -> str:
+    """A random 127.N.0.0/16 (N in 30..250) where nobody listens on the first pod addresses."""
+    rng = random.Random()
+    for _ in range(50):
+        n = rng.randrange(30, 251)
+        try:
+            for node in range(2):
+                with socket.socket() as s:
+                    s.bind((f"127.{n}.{node}.2", 8080))
+        except OSError:
+            continue
+        return f"127.{n}.0.0/16"
+    pytest.fail("no free 127.N.0.0/16 pod CIDR found for the rollout cluster")
 
 
 @pytest.fixture(scope="module")
-def fleet(cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def rollout_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    local = LocalCluster(state_dir=tmp_path_factory.mktemp("rollout-cluster"), pod_cidr=_unused_pod_cidr(),
+                         node_shape=nodes.NodeShape(count=2, gpu_count=0))
+    local.start()
+    sys.stderr.write(f"\n[e2e] rollout cluster up in {local.timings['total']:.1f}s, pods in {local.pod_cidr}\n")
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(rollout_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    cluster = rollout_cluster
     work = tmp_path_factory.mktemp("rollout")
     cluster.kubectl("apply", "--server-side", "-f", str(REPO / "charts" / "sparsegate" / "crds"))
     for crd in ("sparsemodels", "gateconfigs"):
