@@ -85,11 +85,13 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=100)
     p.add_argument("--gateconfigs", type=int, default=20)
     p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument("--pod-cidr", default="127.42.0.0/16")
     args = p.parse_args()
 
     state = Path(tempfile.mkdtemp(prefix="bench-scale-"))
-    cluster = LocalCluster(state_dir=state, node_shape=nodes.NodeShape(count=args.nodes, gpu_count=0,
-                                                                       max_pods=110))
+    # A pod CIDR of its own: the default 127.20.0.0/16 may be served by another local cluster.
+    cluster = LocalCluster(state_dir=state, pod_cidr=args.pod_cidr,
+                           node_shape=nodes.NodeShape(count=args.nodes, gpu_count=0, max_pods=110))
     t0 = time.monotonic()
     cluster.start()
     print(f"cluster up in {time.monotonic() - t0:.1f}s with {args.nodes} nodes ({state})", flush=True)

@@ -87,7 +87,7 @@ class _Cache:
     prev: dict[str, PodCounters] = field(default_factory=dict)  # last scrape, for tick rates
     window_key: tuple[Any, ...] | None = None  # (canary version, step, analysis start)
     window_start: dict[str, PodCounters] = field(default_factory=dict)
-    tokens: dict[str, str] = field(default_factory=dict)  # model → admin token
+    tokens: dict[str, str] = field(default_factory=dict)  # "model/uid" → admin token
 
 
 @dataclass(frozen=True)
@@ -107,32 +107,44 @@ class RolloutLoop:
     # ------------------------------------------------------------ observation
 
     async def _fleet(self, *, namespace: str, models: Sequence[str], cache: _Cache) -> _Fleet:
-        targets: dict[str, PodTarget] = {}
-        names: list[str] = []
-        for model_name in models:
-            model = await asyncio.to_thread(self.kube.get, "SparseModel", namespace=namespace, name=model_name)
+        """Pods of the referencing models: their GETs concurrently, one pod LIST for all."""
+        if not models:
+            return _Fleet(targets={}, all_pods=())
+        bodies = await asyncio.gather(*(
+            asyncio.to_thread(self.kube.get, "SparseModel", namespace=namespace, name=m) for m in models))
+        ports: dict[str, int] = {}
+        tokens: dict[str, str | None] = {}
+        for model in bodies:
             if model is None:
                 continue
-            port = render.serving_port(model)
-            token = cache.tokens.get(model_name)
-            if token is None:
+            name = model["metadata"]["name"]
+            ports[name] = render.serving_port(model)
+            # Keyed by uid: a model deleted and re-created under its name gets a new Secret.
+            key = f"{name}/{model['metadata'].get('uid')}"
+            if key not in cache.tokens:
                 secret = await asyncio.to_thread(
-                    self.kube.get, "Secret", namespace=namespace, name=render.admin_secret_name(model_name))
+                    self.kube.get, "Secret", namespace=namespace, name=render.admin_secret_name(name))
                 raw = ((secret or {}).get("data") or {}).get(render.ADMIN_TOKEN_KEY)
-                token = base64.b64decode(raw).decode() if raw else None
-                if token:
-                    cache.tokens[model_name] = token
-            selector = f"{render.MODEL_LABEL}={model_name}"
-            pods = await asyncio.to_thread(
-                self.kube.request, "GET", f"/api/v1/namespaces/{quote(namespace)}/pods",
-                query={"labelSelector": selector})
-            for pod in pods.get("items", []):
-                meta, status = pod["metadata"], pod.get("status") or {}
-                if meta.get("deletionTimestamp") or status.get("phase") in ("Succeeded", "Failed"):
-                    continue
-                names.append(meta["name"])
-                if status.get("podIP"):
-                    targets[meta["name"]] = PodTarget(name=meta["name"], ip=status["podIP"], port=port, token=token)
+                if raw:
+                    cache.tokens[key] = base64.b64decode(raw).decode()
+            tokens[name] = cache.tokens.get(key)
+        if not ports:
+            return _Fleet(targets={}, all_pods=())
+        selector = f"{render.MODEL_LABEL} in ({','.join(sorted(ports))})"
+        pods = await asyncio.to_thread(
+            self.kube.request, "GET", f"/api/v1/namespaces/{quote(namespace)}/pods",
+            query={"labelSelector": selector})
+        targets: dict[str, PodTarget] = {}
+        names: list[str] = []
+        for pod in pods.get("items", []):
+            meta, status = pod["metadata"], pod.get("status") or {}
+            model_name = (meta.get("labels") or {}).get(render.MODEL_LABEL)
+            if model_name not in ports or meta.get("deletionTimestamp") or status.get("phase") in ("Succeeded", "Failed"):
+                continue
+            names.append(meta["name"])
+            if status.get("podIP"):
+                targets[meta["name"]] = PodTarget(name=meta["name"], ip=status["podIP"], port=ports[model_name],
+                                                  token=tokens[model_name])
         return _Fleet(targets=targets, all_pods=tuple(sorted(names)))
 
     async def _observe_pods(self, fleet: _Fleet) -> tuple[PodObservation, ...]:
