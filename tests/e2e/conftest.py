@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from localcluster import LocalCluster, processes
+from localcluster.ports import pick_unused_pod_cidr
 
 E2E_DIR = Path(__file__).parent
 
@@ -32,7 +33,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     state = tmp_path_factory.mktemp("cluster")
-    local = LocalCluster(state_dir=state)
+    # A pod range of its own: a demo cluster (127.20.0.0/16) may be serving on this machine.
+    local = LocalCluster(state_dir=state, pod_cidr=pick_unused_pod_cidr())
     local.start()
     sys.stderr.write(f"\n[e2e] local cluster up in {local.timings['total']:.1f}s {local.timings} state={state}\n")
     try:

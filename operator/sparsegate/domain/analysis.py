@@ -179,9 +179,10 @@ class Check:
     passed: bool | None  # None: not evaluated (no data)
 
     def describe(self) -> str:
+        if self.passed is None:  # e.g. drift at 100 %: no stable instances left to compare with
+            return f"{self.name} not evaluated (no data)"
         value = "n/a" if self.value is None else f"{self.value:.4g}"
-        verb = {True: "≤", False: ">", None: "?"}[self.passed]
-        return f"{self.name} {value} {verb} {self.threshold:.4g}"
+        return f"{self.name} {value} {'≤' if self.passed else '>'} {self.threshold:.4g}"
 
 
 @dataclass(frozen=True)

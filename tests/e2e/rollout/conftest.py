@@ -10,44 +10,31 @@ keeps other tests' operators (the session operator serves all namespaces) off th
 the pod runner (one real model server per pod, on the pod's IP), the operator (``sparsegate
 run``, 1 s rollout tick) and a loopback load generator, and tears all of it down.
 
-Why the operator runs with the admin kubeconfig: the rollout controller reads each model's
-``<m>-admin`` Secret for the pod admin token, which the chart's RBAC does not grant yet.
+The operator runs with a token of the chart's ServiceAccount (the chart is installed with the
+real helm), so the rollout also proves the chart's RBAC: pods list, ``<m>-admin`` Secret get,
+GateConfig status patch, Events.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
-import socket
+import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from localcluster import LocalCluster, nodes, processes
+from localcluster.ports import pick_unused_pod_cidr
 
 from rollout_e2e_support import (ANALYSIS_INTERVAL, BASE_PARAMS, GATE, MODEL, REPLICAS, REPO, Fleet, Load,
                                  Operator, _wait)
 
-def _unused_pod_cidr() -> str:
-    """A random 127.N.0.0/16 (N in 30..250) where nobody listens on the first pod addresses."""
-    rng = random.Random()
-    for _ in range(50):
-        n = rng.randrange(30, 251)
-        try:
-            for node in range(2):
-                with socket.socket() as s:
-                    s.bind((f"127.{n}.{node}.2", 8080))
-        except OSError:
-            continue
-        return f"127.{n}.0.0/16"
-    pytest.fail("no free 127.N.0.0/16 pod CIDR found for the rollout cluster")
-
-
 @pytest.fixture(scope="module")
 def rollout_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    local = LocalCluster(state_dir=tmp_path_factory.mktemp("rollout-cluster"), pod_cidr=_unused_pod_cidr(),
+    local = LocalCluster(state_dir=tmp_path_factory.mktemp("rollout-cluster"), pod_cidr=pick_unused_pod_cidr(),
                          node_shape=nodes.NodeShape(count=2, gpu_count=0))
     local.start()
     sys.stderr.write(f"\n[e2e] rollout cluster up in {local.timings['total']:.1f}s, pods in {local.pod_cidr}\n")
@@ -61,7 +48,14 @@ def rollout_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalC
 def fleet(rollout_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     cluster = rollout_cluster
     work = tmp_path_factory.mktemp("rollout")
-    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "charts" / "sparsegate" / "crds"))
+    # The chart with the real helm: CRDs, and the operator's ServiceAccount and RBAC, whose token the
+    # operator then runs with — so these tests also prove the chart grants what rollouts need.
+    helm = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache" / "sparsegate" / "bin")) / "helm"
+    if not helm.is_file():
+        pytest.fail(f"the real helm binary is required at {helm}; run dev/setup/binaries.sh helm")
+    subprocess.run([str(helm), f"--kubeconfig={cluster.kubeconfig}", "upgrade", "--install", "sg",
+                    str(REPO / "charts" / "sparsegate"), "-n", "sparsegate-system", "--create-namespace",
+                    "--wait=false"], check=True, capture_output=True, text=True, timeout=180)
     for crd in ("sparsemodels", "gateconfigs"):
         cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}.sparsegate.dev", "--timeout=60s")
     ns = f"rollout-{uuid.uuid4().hex[:6]}"
@@ -78,7 +72,10 @@ def fleet(rollout_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactor
                       "model": {"dModel": 128, "experts": 4, "maxExpertsPerToken": 2}}}
     cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
                                                                     "items": [gateconfig, model]}))
-    op = Operator(cluster=cluster, namespace=ns, work=work)
+    kubeconfig = cluster.service_account_kubeconfig(namespace="sparsegate-system",
+                                                    service_account="sg-sparsegate-operator",
+                                                    path=work / "operator.kubeconfig", duration="2h")
+    op = Operator(cluster=cluster, namespace=ns, work=work, kubeconfig=kubeconfig)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "dev"), os.environ.get("PYTHONPATH", "")])}
     runner_dir = work / "podrunner"
     runner = processes.start(

@@ -49,6 +49,7 @@ class Operator:
     cluster: Any
     namespace: str
     work: Path
+    kubeconfig: Path | None = None  # the chart ServiceAccount's identity (default: admin)
     metrics_port: int = field(default_factory=_free_port)
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
@@ -60,7 +61,8 @@ class Operator:
     def start(self) -> None:
         self.starts += 1
         self.metrics_port = _free_port()
-        env = {**os.environ, "KUBECONFIG": str(self.cluster.kubeconfig), "SPARSEGATE_ROLLOUT_TICK_S": "1",
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig or self.cluster.kubeconfig),
+               "SPARSEGATE_ROLLOUT_TICK_S": "1",
                "SPARSEGATE_ROLLOUT_RESTING_CHECK_S": "3", "POD_NAME": f"rollout-e2e-{self.starts}"}
         argv = [sys.executable, "-m", "sparsegate.cli", "run", "--standalone", "-n", self.namespace,
                 f"--metrics-port={self.metrics_port}"]
