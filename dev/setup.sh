@@ -7,7 +7,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/env.sh"
 mkdir -p "$SPARSEGATE_CACHE" "$SPARSEGATE_BIN"
-step() { local t0=$SECONDS; echo "[setup] $1"; shift; "$@"; echo "[setup] $1 done in $((SECONDS - t0))s"; }
+step() { local name=$1 t0=$SECONDS; shift; echo "[setup] $name"; "$@"; echo "[setup] $name done in $((SECONDS - t0))s"; }
 step bpf bash "$here/setup/bpf.sh"
 step python bash "$here/setup/python.sh"
 step binaries bash "$here/setup/binaries.sh"

@@ -19,7 +19,7 @@ from localcluster.ports import is_port_free
 
 pytestmark = pytest.mark.e2e
 
-POD_CIDR = ipaddress.ip_network("127.20.0.0/16")
+LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 DEV_DIR = Path(__file__).resolve().parents[3] / "dev"
 
 
@@ -67,10 +67,10 @@ def test_fake_nodes_are_ready_and_gpu_nodes_offer_gpus(kubectl) -> None:
     assert all(n["status"]["allocatable"]["nvidia.com/gpu"] == "8" for n in gpu)
 
 
-def test_deployment_pods_run_on_kwok_nodes_with_loopback_ips_and_are_garbage_collected(kubectl, namespace) -> None:
+def test_deployment_pods_run_on_kwok_nodes_with_loopback_ips_and_are_garbage_collected(cluster, kubectl, namespace) -> None:
     # Given a plain Deployment
     kubectl("apply", "-n", namespace, "-f", "-", input=deployment("web", replicas=3))
-    # Then its pods are scheduled, Running and Ready with pod IPs in 127.20.0.0/16
+    # Then its pods are scheduled, Running and Ready with pod IPs in the cluster's loopback pod range
     kubectl("rollout", "status", "-n", namespace, "deployment/web", "--timeout=90s", timeout=120)
     pods = get_json(kubectl, "pods", "-n", namespace, "-l", "app=web")["items"]
     assert len(pods) == 3
@@ -78,7 +78,8 @@ def test_deployment_pods_run_on_kwok_nodes_with_loopback_ips_and_are_garbage_col
         assert pod["status"]["phase"] == "Running"
         assert pod["spec"]["nodeName"].startswith("kwok-node-")
         assert {c["type"]: c["status"] for c in pod["status"]["conditions"]}["Ready"] == "True"
-        assert ipaddress.ip_address(pod["status"]["podIP"]) in POD_CIDR
+        assert ipaddress.ip_address(pod["status"]["podIP"]) in ipaddress.ip_network(cluster.pod_cidr)
+        assert ipaddress.ip_network(cluster.pod_cidr).subnet_of(LOOPBACK)
     assert len({p["status"]["podIP"] for p in pods}) == 3
     assert len(get_json(kubectl, "replicasets", "-n", namespace, "-l", "app=web")["items"]) == 1
 

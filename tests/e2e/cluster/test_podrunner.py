@@ -4,6 +4,7 @@ template), serving the runner's per-pod directory, so the gate file it wrote is 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import time
 import urllib.error
@@ -72,12 +73,12 @@ def environ_of(pid_file: Path) -> dict[str, str]:
     return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 
 
-def test_runner_starts_a_process_per_pod_and_stops_it_with_the_pod(kubectl, namespace, pod_runner) -> None:
+def test_runner_starts_a_process_per_pod_and_stops_it_with_the_pod(cluster, kubectl, namespace, pod_runner) -> None:
     gate = {"version": "g-000000000001", "checksum": "sha256:00", "params": {"toolGateThreshold": 0.85}}
     kubectl("apply", "-n", namespace, "-f", "-", input=model_objects("m1", replicas=2, gate=gate, token="t0ken"))
     kubectl("rollout", "status", "-n", namespace, "deployment/m1", "--timeout=90s", timeout=120)
     ips = pod_ips(kubectl, namespace, "m1")
-    assert len(ips) == 2 and all(ip.startswith("127.20.") for ip in ips)
+    assert len(ips) == 2 and all(ipaddress.ip_address(ip) in ipaddress.ip_network(cluster.pod_cidr) for ip in ips)
 
     work = pod_runner(command=HTTP_SERVER)
 
