@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 
 class ConditionType(str, enum.Enum):
@@ -66,18 +66,30 @@ class Condition:
         return out
 
 
+def merge_conditions(previous: Iterable[Mapping[str, Any]], new: Iterable[Mapping[str, Any]], *, now: str,
+                     observed_generation: int | None = None, order: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Merge condition dicts into ``previous`` by type (the one merge every status here uses).
+
+    ``lastTransitionTime`` moves only when a condition's status changes, as Kubernetes conventions
+    ask; types listed in ``order`` come first, in that order.
+    """
+    by_type = {c.get("type"): dict(c) for c in previous}
+    for cond in new:
+        old = by_type.get(cond["type"])
+        kept = old is not None and old.get("status") == cond["status"] and old.get("lastTransitionTime")
+        merged = {**cond, "lastTransitionTime": old["lastTransitionTime"] if kept else now}
+        if observed_generation is not None:
+            merged["observedGeneration"] = observed_generation
+        by_type[cond["type"]] = merged
+    rank = {t: i for i, t in enumerate(order)}
+    return sorted(by_type.values(), key=lambda c: rank.get(c["type"], len(rank)))
+
+
 def set_conditions(previous: Iterable[Mapping[str, Any]], new: Iterable[Condition], *,
                    now: str, observed_generation: int | None) -> list[dict[str, Any]]:
     """Merge ``new`` into ``previous`` by type; keep lastTransitionTime when status is unchanged."""
-    by_type = {c.get("type"): dict(c) for c in previous}
-    for cond in new:
-        rendered = cond.to_json(now=now, observed_generation=observed_generation)
-        old = by_type.get(cond.type.value)
-        if old is not None and old.get("status") == cond.status.value and old.get("lastTransitionTime"):
-            rendered["lastTransitionTime"] = old["lastTransitionTime"]
-        by_type[cond.type.value] = rendered
-    order = [t.value for t in ConditionType]
-    return sorted(by_type.values(), key=lambda c: order.index(c["type"]) if c["type"] in order else 99)
+    return merge_conditions(previous, [c.to_json(now=now, observed_generation=None) for c in new], now=now,
+                            observed_generation=observed_generation, order=[t.value for t in ConditionType])
 
 
 def degraded_condition(*, gate_error: str | None, gate_source: str,

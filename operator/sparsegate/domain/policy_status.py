@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sparsegate.domain.conditions import merge_conditions
+
 
 class ConditionType(str, enum.Enum):
     READY = "Ready"
@@ -72,7 +74,8 @@ def status_patch(
             _condition(ConditionType.DEGRADED, False, Reason.AS_EXPECTED, "OPA reachable"),
         ]
         loaded_in_opa = loaded
-    merged = merge_conditions(previous.get("conditions") or (), conditions, now=now, generation=outcome.generation)
+    merged = merge_conditions(previous.get("conditions") or (), conditions, now=now,
+                              observed_generation=outcome.generation, order=[t.value for t in ConditionType])
     patch: dict[str, Any] = {
         "observedGeneration": outcome.generation,
         "loadedInOPA": loaded_in_opa,
@@ -83,22 +86,6 @@ def status_patch(
     if outcome.revision and not outcome.error:
         patch["opaRevision"] = outcome.revision
     return patch
-
-
-def merge_conditions(
-    previous: Iterable[Mapping[str, Any]], new: Iterable[Mapping[str, Any]], *, now: str, generation: int
-) -> list[dict[str, Any]]:
-    by_type = {c.get("type"): dict(c) for c in previous}
-    for cond in new:
-        old = by_type.get(cond["type"])
-        kept = old is not None and old.get("status") == cond["status"] and old.get("lastTransitionTime")
-        by_type[cond["type"]] = {
-            **cond,
-            "lastTransitionTime": old["lastTransitionTime"] if kept else now,
-            "observedGeneration": generation,
-        }
-    order = [t.value for t in ConditionType]
-    return sorted(by_type.values(), key=lambda c: order.index(c["type"]) if c["type"] in order else 99)
 
 
 def status_changed(*, previous: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> bool:

@@ -39,6 +39,7 @@ from typing import Any
 from sparsegate_workload import gateparams
 
 from sparsegate.domain.analysis import AnalysisResult, GroupMetrics, Verdict, analyse
+from sparsegate.domain.conditions import merge_conditions
 from sparsegate.domain.calibration import (
     Calibration,
     add_sample,
@@ -409,16 +410,10 @@ def conditions(
         "Progressing": phase in (Phase.PROGRESSING, Phase.ANALYSING, Phase.ROLLING_BACK),
         "Degraded": phase in (Phase.ROLLED_BACK, Phase.ABORTED, Phase.FAILED),
     }
-    old = {c.get("type"): c for c in previous}
-    out = []
-    for ctype, value in wanted.items():
-        st = "True" if value else "False"
-        prev = old.get(ctype)
-        since = prev.get("lastTransitionTime") if prev and prev.get("status") == st else _iso(now)
-        out.append(
-            {"type": ctype, "status": st, "reason": reason or phase.value, "message": message, "lastTransitionTime": since}
-        )
-    return tuple(out)
+    new = [{"type": ctype, "status": "True" if value else "False", "reason": reason or phase.value,
+            "message": message} for ctype, value in wanted.items()]
+    merged = merge_conditions(previous, new, now=_iso(now) or "", order=list(wanted))
+    return tuple(c for c in merged if c["type"] in wanted)
 
 
 # ---------------------------------------------------------------- transitions
