@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 
 from localcluster import processes
 from localcluster.cluster import LocalCluster, default_state_dir
+from localcluster.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RELEASE, RELEASE_NS = "sparsegate", "sparsegate-system"
@@ -41,11 +41,6 @@ BIN = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache" / "sparsegate
 def log(msg: str) -> None:
     print(f"[demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait(what: str, probe, *, timeout: float, interval: float = 1.0):

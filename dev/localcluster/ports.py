@@ -60,3 +60,8 @@ def pick_unused_pod_cidr(*, rng: random.Random | None = None) -> str:
     if not free:
         raise RuntimeError("every 127.N.0.0/16 pod range (N in 30..250) has listeners")
     return f"127.{(rng or random.Random()).choice(free)}.0.0/16"
+
+
+def free_port(*, host: str = LOOPBACK) -> int:
+    """One free TCP port on ``host`` (for a process the caller starts next)."""
+    return pick_free_ports(["port"], host=host)["port"]

@@ -37,17 +37,11 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "dev"))
 
 from localcluster import LocalCluster, nodes, processes  # noqa: E402
+from localcluster.ports import free_port  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 NS = "bench"
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def histogram_quantiles(text: str, name: str, label: tuple[str, str] | None) -> dict[str, float | None]:

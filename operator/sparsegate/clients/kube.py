@@ -26,6 +26,7 @@ _KINDS: dict[str, tuple[str, str]] = {
     "Deployment": ("apps/v1", "deployments"),
     "SparseModel": ("sparsegate.dev/v1alpha1", "sparsemodels"),
     "GateConfig": ("sparsegate.dev/v1alpha1", "gateconfigs"),
+    "RoutingPolicy": ("sparsegate.dev/v1alpha1", "routingpolicies"),
     "Lease": ("coordination.k8s.io/v1", "leases"),
 }
 

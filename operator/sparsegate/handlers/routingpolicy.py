@@ -30,6 +30,7 @@ from typing import Any
 import kopf
 
 from sparsegate.clients.flow_policy import FlowPolicyConfigMap
+from sparsegate.clients.kube import Kube
 from sparsegate.clients.opa import DEFAULT_URL, OpaRejected, OpaUnavailable, RoutingOpa
 from sparsegate.domain.policy import DEFAULT_TRUST_DOMAIN, PolicySource, build_opa_data, sha256_of
 from sparsegate.domain.policy_compile import (
@@ -69,12 +70,15 @@ class Settings:
 class PolicySync:
     """The operator's single view of what OPA holds and what the data plane enforces."""
 
-    def __init__(self, *, settings: Settings, opa: RoutingOpa, store: FlowPolicyConfigMap) -> None:
+    def __init__(self, *, settings: Settings, opa: RoutingOpa, store: FlowPolicyConfigMap,
+                 kube: Kube | None = None) -> None:
         self.settings = settings
         self.opa = opa
         self.store = store
         self.rego = settings.rego_path.read_text()
         self.lock = asyncio.Lock()
+        self.status_lock = asyncio.Lock()
+        self.kube = kube  # status writes; None where only OPA and the allow-list are exercised
         self.published: dict[str, Any] | None = None  # last document written or found
         self.owners: dict[str, str] | None = None  # pod owning each IP when OPA last decided
         self.fingerprint: str | None = None  # data revision + pods of the last good sync
@@ -149,7 +153,8 @@ def _state() -> PolicySync:
     if _sync is None:
         settings = Settings.from_env()
         _sync = PolicySync(
-            settings=settings, opa=RoutingOpa(url=settings.opa_url), store=FlowPolicyConfigMap(namespace=settings.namespace)
+            settings=settings, opa=RoutingOpa(url=settings.opa_url), store=FlowPolicyConfigMap(namespace=settings.namespace),
+            kube=Kube.from_environment(),
         )
     return _sync
 
@@ -188,7 +193,7 @@ def sparsegate_flow_pods(body: kopf.Body, namespace: str, name: str, **_: Any) -
 
 
 async def _sync_and_status(
-    *, name: str, namespace: str, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch,
+    *, name: str, namespace: str, meta: kopf.Meta,
     sparsegate_routing_policies: kopf.Index, sparsegate_flow_pods: kopf.Index, exclude_self: bool = False,
 ) -> Exception | None:
     sync = _state()
@@ -203,12 +208,31 @@ async def _sync_and_status(
     except (OpaUnavailable, OpaRejected) as e:
         error = e
     if not exclude_self:
-        previous = dict(status)
-        new = status_patch(outcome=sync.outcome(key=key, generation=meta.get("generation", 1), error=error),
-                           previous=previous, now=_now())
-        if status_changed(previous=previous, patch=new):
-            patch.status.update(new)
+        await _write_status(sync, key=key, namespace=namespace, name=name, generation=meta.get("generation", 1),
+                            error=error)
     return error
+
+
+async def _write_status(sync: PolicySync, *, key: str, namespace: str, name: str, generation: int,
+                        error: Exception | None) -> None:
+    """Status from the latest shared sync state, computed and written under one lock.
+
+    The create/update handlers and the resync timer of one policy run concurrently; through Kopf's
+    patch each would write a status computed from its own, possibly older, snapshot in whatever order
+    the patches land. Here the last write is always computed from the latest sync (read-modify-write
+    of the current status, optimistic concurrency in ``Kube.update_status``).
+    """
+    if sync.kube is None:
+        raise RuntimeError("PolicySync needs a Kube client to write RoutingPolicy status")
+    async with sync.status_lock:
+        outcome = sync.outcome(key=key, generation=generation, error=error)
+
+        def mutate(current: dict[str, Any]) -> dict[str, Any] | None:
+            previous = dict(current.get("status") or {})
+            new = status_patch(outcome=outcome, previous=previous, now=_now())
+            return new if status_changed(previous=previous, patch=new) else None
+        await asyncio.to_thread(sync.kube.update_status, "RoutingPolicy", namespace=namespace, name=name,
+                                mutate=mutate)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -258,5 +282,5 @@ async def close_opa_client(**_: Any) -> None:
 
 
 def _pick(kwargs: dict[str, Any]) -> dict[str, Any]:
-    names = ("name", "namespace", "meta", "status", "patch", "sparsegate_routing_policies", "sparsegate_flow_pods")
+    names = ("name", "namespace", "meta", "sparsegate_routing_policies", "sparsegate_flow_pods")
     return {k: kwargs[k] for k in names}

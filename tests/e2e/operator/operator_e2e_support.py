@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from localcluster.ports import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 CHART = REPO / "charts" / "sparsegate"
@@ -22,11 +22,6 @@ RELEASE_NS = "sparsegate-system"
 SERVICE_ACCOUNT = "sg-sparsegate-operator"  # <release>-sparsegate-operator (chart helpers)
 BIN = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache" / "sparsegate" / "bin"))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def helm_binary() -> Path:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from localcluster.ports import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -31,11 +31,6 @@ def opa_binary() -> str:
             return str(path)
     pytest.fail(f"the real opa binary is required (looked at {[str(c) for c in candidates]}); run dev/setup.sh")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

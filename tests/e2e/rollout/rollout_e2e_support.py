@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from loadgen import LoadGen
 from localcluster import processes
+from localcluster.ports import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 MODEL = "rollout-m"
@@ -34,13 +35,6 @@ BASE_PARAMS = {"toolGateThreshold": 0.85, "entropyBeta": 0.1, "confidenceThresho
                "precisionPolicy": "auto"}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @dataclass
 class Operator:
@@ -50,7 +44,7 @@ class Operator:
     namespace: str
     work: Path
     kubeconfig: Path | None = None  # the chart ServiceAccount's identity (default: admin)
-    metrics_port: int = field(default_factory=_free_port)
+    metrics_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
 
@@ -60,7 +54,7 @@ class Operator:
 
     def start(self) -> None:
         self.starts += 1
-        self.metrics_port = _free_port()
+        self.metrics_port = free_port()
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig or self.cluster.kubeconfig),
                "SPARSEGATE_ROLLOUT_TICK_S": "1",
                "SPARSEGATE_ROLLOUT_RESTING_CHECK_S": "3", "POD_NAME": f"rollout-e2e-{self.starts}"}

@@ -3,7 +3,6 @@ Mocked at our own wrapper (programs.load), not at BCC."""
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 import urllib.request
@@ -11,12 +10,8 @@ import urllib.request
 import pytest
 
 from sparsegate_ebpf import agent, programs
+from localcluster.ports import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_agent_reports_bpf_unavailable(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,

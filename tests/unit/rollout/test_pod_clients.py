@@ -8,7 +8,6 @@ about a second); nothing is mocked. The Prometheus provider's PromQL is checked 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,19 +20,15 @@ from sparsegate_workload import gateparams
 
 from sparsegate.clients.metrics_source import PrometheusAPI, group_from_snapshots, parse_pod_counters
 from sparsegate.clients.podadmin import PodAdmin, PodTarget, consistent
+from localcluster.ports import free_port
 
 TOKEN = "test-admin-token"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[PodTarget]:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "SPARSEGATE_ADMIN_TOKEN": TOKEN}
     proc = subprocess.Popen([sys.executable, "-m", "sparsegate_workload.server", "--host", "127.0.0.1",
                              "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -80,7 +75,7 @@ async def test_health_push_and_verify(server: PodTarget) -> None:
 
 
 async def test_unreachable_pod_is_reported_not_raised() -> None:
-    dead = PodTarget(name="dead", ip="127.0.0.1", port=_free_port(), token=TOKEN)
+    dead = PodTarget(name="dead", ip="127.0.0.1", port=free_port(), token=TOKEN)
     admin = PodAdmin(timeout_s=1)
     assert not (await admin.health([dead]))["dead"].reachable
     assert not (await admin.push([(dead, gateparams.DEFAULT_DOCUMENT.to_json())]))["dead"].ok

@@ -4,7 +4,6 @@ bad input, admin auth, fault injection, metrics; plus the real `python -m` entry
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from sparsegate_workload.gateparams import DEFAULT_PARAMS, make_document
 from sparsegate_workload.inference import run_batch
 from sparsegate_workload.model import build_model
 from sparsegate_workload.server import create_app, wait_ready
+from localcluster.ports import free_port
 
 TOKEN = "test-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -245,16 +245,11 @@ async def test_metrics_are_exposed(client):
     assert VERSION_B.version in text and VERSION_A.version not in text
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_module_entry_point_serves_with_gate_file_and_token_env(tmp_path):
     gate_file = tmp_path / "gate.json"
     gate_file.write_text(json.dumps(VERSION_B.to_json()))
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "MY_TOKEN": TOKEN}
     proc = subprocess.Popen(
         [sys.executable, "-m", "sparsegate_workload.server", "--host", "127.0.0.1",

@@ -3,7 +3,6 @@ and refuses gates that ask for more experts than the model has (422 on PUT, exit
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from sparsegate_workload.gateparams import DEFAULT_PARAMS, GateParams, make_document
 from sparsegate_workload.model import ModelConfig, effective_gate
 from sparsegate_workload.server import create_app, wait_ready
+from localcluster.ports import free_port
 
 TOKEN = "shape-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -121,11 +121,6 @@ def test_any_hidden_size_the_crd_admits_builds_and_runs(d_model: int, heads: int
         assert len(out.expert_counts) == 1 and sum(out.expert_counts[0]) >= 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _server(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "sparsegate_workload.server", *args],
@@ -133,7 +128,7 @@ def _server(*args: str) -> subprocess.Popen:
 
 
 def test_entry_point_flags_build_the_shape_and_healthz_reports_it() -> None:
-    port = _free_port()
+    port = free_port()
     proc = _server("--host", "127.0.0.1", "--port", str(port), "--d-model", "32",
                    "--experts", "6", "--layers", "1", "--vocab", "128",
                    "--min-experts-per-token", "1", "--max-experts-per-token", "3")
@@ -169,7 +164,7 @@ def test_entry_point_flags_build_the_shape_and_healthz_reports_it() -> None:
 def test_entry_point_refuses_to_start_with_a_clear_error(tmp_path, gate_params, flags, message) -> None:
     gate_file = tmp_path / "gate.json"
     gate_file.write_text(json.dumps(make_document(gate_params).to_json()))
-    proc = _server("--port", str(_free_port()), "--gate-config", str(gate_file), *flags)
+    proc = _server("--port", str(free_port()), "--gate-config", str(gate_file), *flags)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert message in out.decode()
