@@ -6,7 +6,7 @@
    or reuses them when already running;
 2. installs the chart with the real helm, starts a real OPA server and the operator as a local
    process whose identity is the chart's ServiceAccount (its pod on kwok runs no process);
-3. applies ``examples/``, scales the GPU model so each rollout step is visible, waits for Ready;
+3. applies ``examples/`` (incl. a RoutingPolicy, decided by OPA), scales the GPU model so each rollout step is visible, waits for Ready;
 4. starts a bounded loopback load generator against the model pods, changes the GateConfig's
    parameters and prints the rollout (``kubectl get gateconfig -o wide``) as it goes
    5% → 20% → 100% until it ends.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -82,9 +83,11 @@ class Demo:
         if len(running) >= 6:
             log(f"control plane already running ({', '.join(running)})")
             return
-        if running:
-            log(f"partial control plane ({', '.join(running)}): restarting it")
-            self.cluster.stop()
+        # Start from a clean state: kwok keeps its pod-IP pool in memory, so a restart over old pods
+        # could hand out an address that a surviving pod still holds.
+        self.down()
+        shutil.rmtree(self.cluster.state_dir, ignore_errors=True)
+        self.work.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "localcluster", "--state-dir", str(self.cluster.state_dir),
                         "up", "--podrunner"], check=True, env={**os.environ, "PYTHONPATH": str(REPO / "dev")})
 
@@ -197,6 +200,13 @@ class Demo:
         self.print_table("sparsemodels")
         print(self.kubectl("get", "events", "-n", NS, "--field-selector", f"involvedObject.name={GATE}",
                            "--sort-by=.lastTimestamp", check=False).stdout.rstrip(), flush=True)
+        self.print_table("routingpolicies", "-o", "wide")
+        flow = self.kubectl("get", "configmap", "sparsegate-flow-policy", "-n", RELEASE_NS, "-o", "json",
+                            check=False)
+        if flow.returncode == 0:
+            document = json.loads(json.loads(flow.stdout)["data"]["policy.json"])
+            log(f"flow allow-list for the XDP agent (ConfigMap {RELEASE_NS}/sparsegate-flow-policy): "
+                f"default {document['defaultAction']}, {len(document['entries'])} allowed flows")
 
     def up(self) -> None:
         self.control_plane()

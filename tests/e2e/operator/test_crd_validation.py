@@ -62,8 +62,10 @@ def test_invalid_objects_are_rejected_naming_the_field(cluster, sparsegate_relea
 
 
 def test_examples_are_valid_and_defaults_are_filled(cluster, sparsegate_release, namespace):
-    for name in ("gateconfig.yaml", "sparsemodel.yaml", "sparsemodel-cpu.yaml", "telemetryprobe.yaml"):
-        cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(EXAMPLES / name))
+    examples = sorted(EXAMPLES.glob("*.yaml"))
+    assert len(examples) >= 5, examples
+    for path in examples:
+        cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(path))
     minimal = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "GateConfig",
                "metadata": {"name": "minimal"}, "spec": {}}
     out = cluster.kubectl("create", "--dry-run=server", "-o", "json", "-n", namespace, "-f", "-",
