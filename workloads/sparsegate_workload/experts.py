@@ -74,9 +74,11 @@ class SwiGLUExperts(nn.Module):
     def _use_grouped(self) -> bool:
         if self.backend != "auto":
             return self.backend == "grouped"
-        # Measured here (tests/bench/bench_moe.py): grouped_mm is at least as fast as the sorted
-        # per-expert loop in inference and much faster with autograd, so prefer it when present.
-        return HAS_GROUPED_MM
+        # Measured here (tests/bench/bench_moe.py, 2-core CPU, torch 2.15): the sorted loop over
+        # non-empty experts is on par with F.grouped_mm at 256-1024 tokens and faster from 4096 on
+        # (R 1.04 vs 1.21 forward, 2 threads; 1.00 vs 1.11 forward+backward, 1 thread), because this
+        # loop never indexes a stacked weight under autograd. grouped stays selectable.
+        return False
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x: [T, d] -> [T, d]; tokens no expert kept contribute zero (residual carries them)."""
