@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-time (then cached) set-up of everything the demo and the tests need on this machine:
-# Debian packages (BCC, kernel headers, openssl), the Python virtualenv, and the Go-built
+# Debian packages (openssl, iproute2, BCC, kernel headers), the Python virtualenv, and the Go-built
 # binaries (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, opa, helm).
 # Safe to run again: each step checks a stamp and does nothing when up to date.
 set -euo pipefail
@@ -8,6 +8,8 @@ here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/env.sh"
 mkdir -p "$SPARSEGATE_CACHE" "$SPARSEGATE_BIN"
 step() { local name=$1 t0=$SECONDS; shift; echo "[setup] $name"; "$@"; echo "[setup] $name done in $((SECONDS - t0))s"; }
+# openssl: the local control plane's certificates; iproute2: network namespaces in the eBPF tests.
+step debian bash "$here/setup/debian.sh" openssl iproute2 ca-certificates
 step bpf bash "$here/setup/bpf.sh"
 step python bash "$here/setup/python.sh"
 step binaries bash "$here/setup/binaries.sh"

@@ -7,21 +7,7 @@
 set -euo pipefail
 source "$(dirname "$0")/../env.sh"
 
-pkgs=(python3-bpfcc bpfcc-tools linux-headers-amd64)
-missing=()
-for p in "${pkgs[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ "${#missing[@]}" -gt 0 ]; then
-  if [ "$(id -u)" -ne 0 ]; then
-    echo "[bpf] need root to install ${missing[*]}" >&2
-    exit 1
-  fi
-  echo "[bpf] apt-get install ${missing[*]}"
-  # An update first only when the package lists are absent (fresh image).
-  if ! apt-cache show python3-bpfcc >/dev/null 2>&1; then apt-get update -q; fi
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"
-fi
+bash "$(dirname "$0")/debian.sh" python3-bpfcc bpfcc-tools linux-headers-amd64
 
 # Debian's python3-bpfcc is pure Python over libbcc.so.0 (ctypes), so it works from any
 # CPython 3; link just that package into the venv (created by python.sh, which may run later).
