@@ -39,7 +39,10 @@ def sparsegate_release(cluster) -> Iterator[str]:
                    capture_output=True, text=True, timeout=120)
 
 
-@pytest.fixture(scope="session")
+# Module scope: this operator serves every namespace, so it must be gone before other areas' tests
+# (e.g. tests/e2e/policies) run their own operator on the same cluster — two controllers would both
+# write one RoutingPolicy's status.
+@pytest.fixture(scope="module")
 def operator(cluster, sparsegate_release, tmp_path_factory) -> Iterator[OperatorProcess]:
     work = tmp_path_factory.mktemp("operator")
     kubeconfig = service_account_kubeconfig(cluster, work / "kubeconfig")

@@ -125,7 +125,8 @@ def test_routing_policy_end_to_end(kubectl, namespace: str, web_namespace: str, 
     # Then OPA holds it, its status says so, and the allow-list has exactly fe-0 → both pods
     status = wait_for(lambda: (s := get("routingpolicy", "allow-frontend").get("status") or {}).get("loadedInOPA")
                       and s.get("decisionCount") == 2 and s, what="loadedInOPA and 2 decisions")
-    assert status["observedGeneration"] == 1 and condition("allow-frontend", "Ready") == "True"
+    ready = next((c["status"] for c in status.get("conditions", []) if c["type"] == "Ready"), None)
+    assert status["observedGeneration"] == 1 and ready == "True", status
     assert opa("loaded_policies")[f"{models}/allow-frontend"] == {"generation": 1, "rules": 1}
     decision = opa("decide", {"source": {"spiffeID": f"spiffe://cluster.local/ns/{web}/sa/frontend"},
                               "target": {"namespace": models, "sparseModel": "mixtral", "port": 8080}})
