@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the Go binaries the project runs for real (control plane, kwok, opa, helm) from the
+# Builds the Go binaries the project runs for real (control plane, kwok, opa, helm, prometheus) from the
 # small pinned modules under dev/go/<group>/ into $SPARSEGATE_BIN.
 #
 # Usage: dev/setup/binaries.sh [name...]   (default: all, opa and helm first)
@@ -48,6 +48,8 @@ TOOLS=(
   "kube-controller-manager|kubernetes|k8s.io/kubernetes/cmd/kube-controller-manager|$(k8s_ldflags)"
   "kube-scheduler|kubernetes|k8s.io/kubernetes/cmd/kube-scheduler|$(k8s_ldflags)"
   "kubectl|kubernetes|k8s.io/kubernetes/cmd/kubectl|$(k8s_ldflags)"
+  # Go module v0.316.0 is Prometheus 3.16.0; no builtinassets tag (the HTTP API is all tests use).
+  "prometheus|prometheus|github.com/prometheus/prometheus/cmd/prometheus|-X github.com/prometheus/common/version.Version=3.16.0"
 )
 
 GO_VERSION="$(go env GOVERSION)"

@@ -1,0 +1,233 @@
+"""PrometheusAPI (the rollout analysis's Prometheus provider) against a real Prometheus server.
+
+Three real model servers on loopback ports (``m-a``, ``m-b`` healthy, ``m-c`` with an injected
+50 % error rate) are scraped every second by a real ``prometheus`` (built by
+``dev/setup/binaries.sh prometheus``) whose static targets carry the ``namespace``/``pod`` labels
+PrometheusAPI selects on. Bounded load runs between two direct ``/metrics`` snapshots; then
+PrometheusAPI's windowed group metrics must agree with the direct-scrape provider's.
+
+Why the counts are bounds, not equalities: both edges of the window are quiet (Prometheus has
+caught up with the direct counters before the start snapshot and after the load), so the raw
+counter delta Prometheus sees equals the direct one exactly; ``increase()`` then extrapolates
+that delta from the first/last sample in the window out to the window's edges (at most ~1.1
+scrape intervals per side). So Prometheus's count is ≥ the direct count and ≤ it times
+window / (window − 2·1.1 intervals) (with a little slack for scrape jitter on a busy machine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from loadgen import LoadGen
+from sparsegate_workload import gateparams
+
+from localcluster.ports import free_port
+from sparsegate.clients.metrics_source import PrometheusAPI, group_from_snapshots, parse_pod_counters
+from sparsegate.clients.podadmin import PodAdmin, PodTarget
+from sparsegate.domain.analysis import GroupMetrics, PodCounters
+
+TOKEN = "prom-test-admin-token"
+NAMESPACE = "prom-e2e"
+HEALTHY = ("m-a", "m-b")
+FAULTY = ("m-c",)
+SCRAPE_INTERVAL_S = 1.0
+ERROR_RATE = 0.5
+BIN = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache" / "sparsegate" / "bin"))
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _wait_http_ok(url: str, *, proc: subprocess.Popen[bytes], what: str, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"{what} exited {proc.returncode}: {log.read_text()[-2000:]}"
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"{what} not ready within {timeout_s:.0f}s: {log.read_text()[-2000:]}"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, PodTarget]]:
+    work = tmp_path_factory.mktemp("prom-servers")
+    env = {**os.environ, "SPARSEGATE_ADMIN_TOKEN": TOKEN}
+    procs: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+    targets: dict[str, PodTarget] = {}
+    try:
+        for name in (*HEALTHY, *FAULTY):  # all start at once; each imports torch (~seconds)
+            port, log = free_port(), work / f"{name}.log"
+            with log.open("wb") as out:
+                procs[name] = (subprocess.Popen(
+                    [sys.executable, "-m", "sparsegate_workload.server", "--host", "127.0.0.1",
+                     "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT), log)
+            targets[name] = PodTarget(name=name, ip="127.0.0.1", port=port, token=TOKEN)
+        for name, (proc, log) in procs.items():
+            _wait_http_ok(f"{targets[name].base}/readyz", proc=proc, what=f"model server {name}", log=log,
+                          timeout_s=60)
+        yield targets
+    finally:
+        for proc, _ in procs.values():
+            _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def prometheus(servers: dict[str, PodTarget], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = BIN / "prometheus"
+    if not binary.is_file():
+        pytest.fail(f"the real prometheus binary is required at {binary}; run: "
+                    "source dev/env.sh && bash dev/setup/binaries.sh prometheus")
+    work = tmp_path_factory.mktemp("prometheus")
+    # Static targets labelled the way kubernetes_sd relabelling would (what PrometheusAPI selects on).
+    config = {
+        "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S:g}s", "scrape_timeout": f"{SCRAPE_INTERVAL_S:g}s"},
+        "scrape_configs": [{
+            "job_name": "sparsegate-model",
+            "static_configs": [{"targets": [f"{t.ip}:{t.port}"], "labels": {"namespace": NAMESPACE, "pod": name}}
+                               for name, t in servers.items()],
+        }],
+    }
+    (work / "prometheus.yml").write_text(json.dumps(config, indent=1))  # JSON is YAML
+    port, log = free_port(), work / "prometheus.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [str(binary), f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+            stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http_ok(f"{url}/-/ready", proc=proc, what="prometheus", log=log, timeout_s=30)
+        yield url
+    finally:
+        _stop(proc)
+
+
+async def _instant(session: aiohttp.ClientSession, url: str, query: str) -> dict[str, float]:
+    """An instant vector query → {pod label: value}."""
+    async with session.get(f"{url}/api/v1/query", params={"query": query}) as resp:
+        body = await resp.json()
+    assert body["status"] == "success", body
+    return {r["metric"].get("pod", ""): float(r["value"][1]) for r in body["data"]["result"]}
+
+
+async def _snapshot(admin: PodAdmin, servers: dict[str, PodTarget]) -> dict[str, PodCounters]:
+    texts = await admin.scrape(servers.values())
+    assert set(texts) == set(servers), f"unreachable: {set(servers) - set(texts)}"
+    now = time.time()
+    return {name: parse_pod_counters(text, at=now) for name, text in texts.items()}
+
+
+async def _caught_up(url: str, admin: PodAdmin, servers: dict[str, PodTarget], *, timeout_s: float = 15) -> None:
+    """Wait until Prometheus's latest samples equal every server's current counters (all quiet)."""
+    sel = f'{{namespace="{NAMESPACE}"}}'
+    errors_sel = f'{{namespace="{NAMESPACE}",code=~"5.."}}'
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while True:
+            direct = await _snapshot(admin, servers)
+            prom_req = await _instant(session, url, f"sum by (pod) (sparsegate_requests_total{sel})")
+            prom_err = await _instant(session, url, f"sum by (pod) (sparsegate_requests_total{errors_sel})")
+            want_req = {n: c.requests for n, c in direct.items()}
+            want_err = {n: c.errors for n, c in direct.items() if c.errors}
+            if prom_req == want_req and prom_err == want_err:
+                return
+            assert time.monotonic() < deadline, (
+                f"prometheus did not catch up: prometheus {prom_req} / {prom_err}, direct {want_req} / {want_err}")
+            await asyncio.sleep(0.5)
+
+
+def _check_count(*, what: str, prom: float, direct: float, bound: float) -> None:
+    assert direct - 1e-6 <= prom <= direct * bound + 1e-6, (
+        f"{what}: prometheus {prom:.3f} vs direct {direct:.0f} (allowed up to ×{bound:.3f})")
+
+
+async def test_prometheus_group_metrics_agree_with_direct_scrape(
+        servers: dict[str, PodTarget], prometheus: str) -> None:
+    admin = PodAdmin(timeout_s=5)
+    faulty_doc = gateparams.make_document({"faultInjection": {"errorRate": ERROR_RATE}}).to_json()
+    pushed = await admin.push([(servers[n], faulty_doc) for n in FAULTY])
+    assert all(r.ok for r in pushed.values()), pushed
+    everyone = lambda: [f"{t.ip}:{t.port}" for t in servers.values()]  # noqa: E731
+
+    # Warm-up: every series the window needs (incl. m-c's code="503") exists before the window,
+    # so increase() sees it from a sample inside the window rather than from its first value.
+    deadline = time.monotonic() + 15
+    while not all(c.errors > 0 for n, c in (await _snapshot(admin, servers)).items() if n in FAULTY):
+        assert time.monotonic() < deadline, "no injected errors on the faulty server during warm-up"
+        await LoadGen(targets=everyone, qps=30).run(duration_s=0.5)
+    await _caught_up(prometheus, admin, servers)
+    await asyncio.sleep(1.5 * SCRAPE_INTERVAL_S)  # samples just before the window start are quiet too
+
+    start = await _snapshot(admin, servers)
+    t0 = time.time()
+    await asyncio.sleep(SCRAPE_INTERVAL_S)
+    gen = LoadGen(targets=everyone, qps=45, seed=7)
+    stats = await gen.run(duration_s=6.0)
+    await _caught_up(prometheus, admin, servers)
+    await asyncio.sleep(1.5 * SCRAPE_INTERVAL_S)
+    end = await _snapshot(admin, servers)
+
+    window_s = time.time() - t0 + 0.5  # covers the whole load, edges quiet (see module docstring)
+    prom = PrometheusAPI(prometheus)
+    prom_healthy = await prom.group(namespace=NAMESPACE, pods=list(HEALTHY), window_s=window_s)
+    prom_faulty = await prom.group(namespace=NAMESPACE, pods=list(FAULTY), window_s=window_s)
+    direct_healthy = group_from_snapshots(start=start, end=end, pods=HEALTHY)
+    direct_faulty = group_from_snapshots(start=start, end=end, pods=FAULTY)
+    assert prom_healthy and prom_faulty and direct_healthy and direct_faulty
+    sys.stderr.write(f"\n[prom] load {dict(stats)} window {window_s:.1f}s\n")
+    for label, p, d in (("healthy", prom_healthy, direct_healthy), ("faulty", prom_faulty, direct_faulty)):
+        sys.stderr.write(f"[prom] {label}: prometheus req={p.requests:.2f} err={p.errors:.2f} p99={p.p99_ms}ms "
+                         f"experts={p.mean_active_experts} | direct req={d.requests:.0f} err={d.errors:.0f} "
+                         f"p99={d.p99_ms}ms experts={d.mean_active_experts}\n")
+
+    sent = sum(v for k, v in stats.items() if k.isdigit())
+    assert direct_healthy.requests + direct_faulty.requests == sent > 50
+    window = max(1, math.ceil(window_s))  # what PrometheusAPI asks for
+    bound = window / (window - 2 * 1.1 * SCRAPE_INTERVAL_S - 0.5)
+    _check_count(what="healthy requests", prom=prom_healthy.requests, direct=direct_healthy.requests, bound=bound)
+    _check_count(what="faulty requests", prom=prom_faulty.requests, direct=direct_faulty.requests, bound=bound)
+    _check_count(what="faulty errors", prom=prom_faulty.errors, direct=direct_faulty.errors, bound=bound)
+
+    # Errors: only where injected, at the injected rate (one target: both series share scrape times,
+    # so extrapolation scales requests and errors alike and the rates agree closely).
+    assert direct_healthy.errors == 0 and prom_healthy.errors == 0 and prom_healthy.error_rate == 0
+    assert direct_faulty.error_rate is not None and prom_faulty.error_rate is not None
+    assert 0.25 < direct_faulty.error_rate < 0.75
+    assert abs(prom_faulty.error_rate - direct_faulty.error_rate) < 0.02
+
+    # p99 from histogram_quantile over the same buckets: finite, plausible, close to the direct one.
+    for p, d in ((prom_healthy, direct_healthy), (prom_faulty, direct_faulty)):
+        assert p.p99_ms is not None and d.p99_ms is not None and math.isfinite(p.p99_ms)
+        assert 0 < p.p99_ms < 5000 and 0.5 < p.p99_ms / d.p99_ms < 2.0
+    # Mean active experts: ratio of two counters of the same targets; the default gate routes 1..4.
+    for p, d in ((prom_healthy, direct_healthy), (prom_faulty, direct_faulty)):
+        assert p.mean_active_experts is not None and d.mean_active_experts is not None
+        assert 1.0 <= p.mean_active_experts <= 4.0
+        assert abs(p.mean_active_experts / d.mean_active_experts - 1) < 0.05
+
+    # A group with no such pods answers None, like the direct provider.
+    assert await prom.group(namespace=NAMESPACE, pods=["m-none"], window_s=window_s) is None
+    assert group_from_snapshots(start=start, end=end, pods=["m-none"]) is None
+    assert isinstance(prom_healthy, GroupMetrics) and prom_healthy.pods == len(HEALTHY)
