@@ -115,7 +115,10 @@ class PrometheusAPI:
         for value in (namespace, *pods):
             if not _SAFE.match(value):  # Kubernetes names never need quoting; refuse anything else
                 raise ValueError(f"unexpected characters in {value!r}")
-        return f'{self._ns_label}="{namespace}",{self._pod_label}=~"{"|".join(sorted(pods))}"'
+        # `.` is the one regex metacharacter a Kubernetes name may hold: match it literally
+        # (`\\.` in the PromQL string is the regex `\.`), so `a.b` never matches `axb`.
+        alternatives = "|".join(p.replace(".", "\\\\.") for p in sorted(pods))
+        return f'{self._ns_label}="{namespace}",{self._pod_label}=~"{alternatives}"'
 
     def queries(self, *, namespace: str, pods: Sequence[str], window_s: float) -> dict[str, str]:
         sel = self.selector(namespace=namespace, pods=pods)

@@ -1,8 +1,8 @@
 """PodAdmin, the direct /metrics scrape and the load generator against a real model server.
 
 One real ``python -m sparsegate_workload.server`` process on a loopback port (starts in
-about a second); nothing is mocked. The Prometheus provider's PromQL is checked as text
-(no Prometheus server runs in this project's test environment).
+about a second); nothing is mocked. The Prometheus provider's PromQL is checked as text here and
+against a real Prometheus in tests/e2e/rollout/test_prometheus_provider.py.
 """
 
 from __future__ import annotations
@@ -112,5 +112,7 @@ def test_prometheus_queries() -> None:
     q = prom.queries(namespace="ns1", pods=["m-b", "m-a"], window_s=29.2)
     assert q["requests"] == 'sum(increase(sparsegate_requests_total{namespace="ns1",pod=~"m-a|m-b"}[30s]))'
     assert 'code=~"5.."' in q["errors"] and q["p99"].startswith("histogram_quantile(0.99, sum by (le)")
+    # A dot in a pod name is literal in the regex (PromQL string "a\\.b" is the regex a\.b).
+    assert prom.selector(namespace="ns1", pods=["m.a"]) == 'namespace="ns1",pod=~"m\\\\.a"'
     with pytest.raises(ValueError):
         prom.selector(namespace="ns1", pods=['x"}) or vector(1'])
