@@ -1,6 +1,7 @@
 """Packet builders, policy sources and metric folding (pure, no BPF)."""
 from __future__ import annotations
 
+import os
 import struct
 import threading
 import time
@@ -41,13 +42,21 @@ def test_watch_file_emits_each_content_change_once(tmp_path: Path) -> None:
     stop = threading.Event()
     t = threading.Thread(target=watch_file, kwargs={"path": path, "on_document": seen.append,
                                                     "stop": stop, "interval": 0.02})
+
+    def publish(text: str) -> None:
+        # Atomic, as the agent's publishers (kubelet's ConfigMap volume, editors) replace files:
+        # a plain write_text could be polled while truncated and emit "" first.
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
     t.start()
     try:
         time.sleep(0.1)  # missing file: nothing emitted
-        path.write_text("one")
+        publish("one")
         _wait(lambda: seen == ["one"])
         time.sleep(0.1)  # unchanged content is not re-emitted
-        path.write_text("two")
+        publish("two")
         _wait(lambda: seen == ["one", "two"])
     finally:
         stop.set()
