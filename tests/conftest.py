@@ -1,6 +1,8 @@
-"""BPF fixtures for the XDP unit tests: the program compiled once per session, maps reset per test.
+"""Fixtures shared by several test areas.
 
-Without root/BCC/XDP these fixtures FAIL (never skip) with the reason and the setup command.
+The XDP programs (unit tests through BPF_PROG_TEST_RUN, e2e tests on veth pairs) are compiled once
+per session and their maps reset per test. Without root/BCC/XDP these fixtures FAIL (never skip)
+with the reason and the setup command. bcc itself is imported only when a fixture is used.
 """
 from __future__ import annotations
 
