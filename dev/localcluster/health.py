@@ -81,3 +81,15 @@ def endpoint_ok(host: str, port: int, path: str, *, context: ssl.SSLContext | No
         return status == 200 and (expect is None or expect in body)
 
     return check
+
+
+def wait_for(check: Callable[[], object], *, what: str, timeout_s: float = 60.0, interval_s: float = 0.25) -> object:
+    """Polls ``check`` until it returns something truthy and returns that (tests' Given/Then waits);
+    fails the calling test with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval_s)

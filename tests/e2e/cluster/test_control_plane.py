@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,21 +15,13 @@ import pytest
 
 from localcluster import LocalCluster, NodeShape, processes
 from localcluster.ports import is_port_free
+from localcluster.health import wait_for
 
 pytestmark = pytest.mark.e2e
 
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 DEV_DIR = Path(__file__).resolve().parents[3] / "dev"
 
-
-def wait_for(check: Callable[[], object], *, what: str, timeout_s: float = 60.0) -> object:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.25)
 
 
 def get_json(kubectl: Callable[..., subprocess.CompletedProcess[str]], *args: str) -> dict:

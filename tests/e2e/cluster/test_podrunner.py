@@ -6,27 +6,17 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from localcluster.health import wait_for
 
 pytestmark = pytest.mark.e2e
 
 HTTP_SERVER = "{python} -m http.server --bind {host} {port}"
 
-
-def wait_for(check: Callable[[], object], *, what: str, timeout_s: float = 60.0) -> object:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.25)
 
 
 def model_objects(model: str, *, replicas: int, gate: dict, token: str, args: list[str] | None = None) -> str:

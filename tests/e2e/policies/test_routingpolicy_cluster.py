@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,19 +23,11 @@ import pytest
 from localcluster import processes
 from sparsegate.clients.opa import RoutingOpa
 from sparsegate_ebpf.policy import parse_policy
+from localcluster.health import wait_for
 
 REPO = Path(__file__).resolve().parents[3]
 RESYNC_S = 1
 
-
-def wait_for(check: Callable[[], object], *, what: str, timeout_s: float = 60.0) -> object:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
 
 
 def pod(name: str, *, sa: str = "default", labels: dict | None = None, port: int | None = None) -> dict:
