@@ -9,3 +9,5 @@ export SPARSEGATE_STATE="${SPARSEGATE_STATE:-$SPARSEGATE_CACHE/cluster}"
 export KUBECONFIG="${KUBECONFIG_OVERRIDE:-$SPARSEGATE_STATE/kubeconfig}"
 export PATH="$SPARSEGATE_VENV/bin:$SPARSEGATE_BIN:$PATH"
 export GOFLAGS="${GOFLAGS:--mod=mod}"
+# podman/buildah read their settings from the project's own file (runc, no default ulimits).
+export CONTAINERS_CONF="${CONTAINERS_CONF:-$SPARSEGATE_ROOT/dev/containers/containers.conf}"
