@@ -29,8 +29,12 @@ def _parser() -> argparse.ArgumentParser:
                           "by the deployment or by --leader-elect)")
     run.add_argument("--metrics-port", type=int, default=0,
                      help="serve Prometheus metrics on this port (0: off)")
+    run.add_argument("--metrics-address", default="0.0.0.0",
+                     help="address the metrics server binds (the chart passes the pod IP: pods "
+                          "that share one network namespace then never collide on the port)")
     run.add_argument("--liveness", default=None,
-                     help="Kopf liveness endpoint URL, e.g. http://0.0.0.0:8081/healthz")
+                     help="Kopf liveness endpoint URL, e.g. http://0.0.0.0:8081/healthz; its host "
+                          "is the address bound (also by the standby endpoint of --leader-elect)")
     run.add_argument("--leader-elect", action="store_true",
                      help="run only while holding a coordination.k8s.io Lease")
     run.add_argument("--lease-name", default="sparsegate-operator")
@@ -57,6 +61,7 @@ class _StandbyHealth(BaseHTTPRequestHandler):
 
 
 def _standby_server(liveness: str | None) -> ThreadingHTTPServer | None:
+    """Binds exactly the host and port of ``--liveness``, as Kopf's own endpoint will after it."""
     if not liveness:
         return None
     url = urlsplit(liveness)
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     from sparsegate import metrics
 
     if args.metrics_port:
-        metrics.serve(port=args.metrics_port)
+        metrics.serve(port=args.metrics_port, addr=args.metrics_address)
     lost = threading.Event()
     elector = None
     if args.leader_elect:

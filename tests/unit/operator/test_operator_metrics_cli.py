@@ -38,3 +38,17 @@ def test_cli_scope_flags():
     args = parse(["run", "--standalone", "--metrics-port", "9090", "--leader-elect",
                   "--lease-name", "x", "--liveness", "http://0.0.0.0:8081/healthz"])
     assert (args.metrics_port, args.lease_name, args.leader_elect) == (9090, "x", True)
+
+
+def test_metrics_and_liveness_bind_the_given_address():
+    """The chart passes the pod IP: pods sharing a network namespace never collide on a port."""
+    parse = cli._parser().parse_args
+    assert parse(["run"]).metrics_address == "0.0.0.0"
+    assert parse(["run", "--metrics-address", "127.0.0.3"]).metrics_address == "127.0.0.3"
+    standby = cli._standby_server("http://127.0.0.1:0/healthz")
+    try:
+        assert standby is not None and standby.server_address[0] == "127.0.0.1"
+    finally:
+        standby.shutdown()
+        standby.server_close()
+    assert cli._standby_server(None) is None
