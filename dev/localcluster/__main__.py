@@ -21,7 +21,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     shape = NodeShape(count=args.nodes, gpu_count=min(args.gpu_nodes, args.nodes))
     # Detached: the components must outlive this command.
     cluster = _cluster(args, node_shape=shape, die_with_parent=False, pod_runner=args.podrunner,
-                       pod_runner_command=args.podrunner_command)
+                       pod_runner_command=args.podrunner_command, containers=args.containers)
     cluster.start()
     print(f"cluster up in {cluster.timings['total']:.1f}s ({json.dumps(cluster.timings)})")
     print(f"server:     {cluster.server}")
@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--gpu-nodes", type=int, default=2)
     up.add_argument("--podrunner", action="store_true", help="also run the pod runner (real processes for model pods)")
     up.add_argument("--podrunner-command", help="pod runner command template (see `podrunner --help`)")
+    up.add_argument("--containers", action="store_true",
+                    help="run every pod's containers from their images with podman (pod runner in container mode)")
     up.set_defaults(func=cmd_up)
     sub.add_parser("down", help="stop every component (via pid files)").set_defaults(func=cmd_down)
     sub.add_parser("status", help="which components run").set_defaults(func=cmd_status)

@@ -23,6 +23,7 @@ from localcluster.binaries import CONTROL_PLANE_BINARIES, find_binaries
 from localcluster.ports import pick_free_ports
 
 STAGES_FILE = Path(__file__).with_name("kwok-stages.yaml")
+POD_START_STAGE = Path(__file__).with_name("kwok-stage-pod-start.yaml")
 POD_RUNNER = "podrunner"
 
 
@@ -52,6 +53,7 @@ class LocalCluster:
         startup_timeout_s: float = 180.0,
         pod_runner: bool = False,
         pod_runner_command: str | None = None,
+        containers: bool = False,
     ) -> None:
         self.layout = config.Layout(Path(state_dir) if state_dir is not None else default_state_dir())
         self.node_shape = node_shape or nodes.NodeShape()
@@ -62,6 +64,8 @@ class LocalCluster:
         # Optionally also run the pod runner (podrunner.py) as a managed component.
         self.pod_runner = pod_runner
         self.pod_runner_command = pod_runner_command
+        # Container mode: every pod runs its containers with podman (the runner reports readiness).
+        self.containers = containers
         self.ports: config.Ports | None = None
         self.timings: dict[str, float] = {}
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -224,7 +228,8 @@ class LocalCluster:
         sched = self._spawn("kube-scheduler", config.scheduler_args(layout, ports))
         kwok = self._spawn(
             "kwok",
-            config.kwok_args(layout, ports, stages_file=STAGES_FILE, pod_cidr=self.pod_cidr, node_ip=nodes.node_ip(0)),
+            config.kwok_args(layout, ports, stages_file=self._stages_file(), pod_cidr=self.pod_cidr,
+                             node_ip=nodes.node_ip(0)),
         )
         insecure = health.insecure_tls()
         for name, proc, port, ctx in (
@@ -247,7 +252,7 @@ class LocalCluster:
             what="default ServiceAccount", timeout_s=self.startup_timeout_s, interval_s=0.2,
         )
         t = self._lap("service-account", t)
-        if self.pod_runner:
+        if self.pod_runner or self.containers:
             self._start_pod_runner()
             self._lap("podrunner", t)
         self.timings["total"] = round(time.monotonic() - t0, 3)
@@ -274,9 +279,22 @@ class LocalCluster:
             path.parent.mkdir(parents=True, exist_ok=True)
             _write_private(path, kubeconfig_for(component, component))
 
+    def _stages_file(self) -> Path:
+        """kwok's stages; in container mode pod-ready gives way to pod-start (readiness is the runner's)."""
+        if not self.containers:
+            return STAGES_FILE
+        docs = [d for d in yaml.safe_load_all(STAGES_FILE.read_text()) if d and d["metadata"]["name"] != "pod-ready"]
+        docs.append(yaml.safe_load(POD_START_STAGE.read_text()))
+        path = self.layout.work_dir("kwok") / "stages.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+        return path
+
     def _start_pod_runner(self) -> None:
         argv = [sys.executable, "-m", "localcluster", "--state-dir", str(self.state_dir), "podrunner",
                 "--work-dir", str(self.state_dir / "podrunner")]
+        if self.containers:
+            argv += ["--containers"]
         if self.pod_runner_command:
             argv += ["--command", self.pod_runner_command]
         dev_dir = str(Path(__file__).resolve().parent.parent)

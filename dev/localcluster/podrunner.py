@@ -38,8 +38,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from localcluster import processes
+from localcluster.containerrunner import ContainerPodRunner
 
 LOG = logging.getLogger("localcluster.podrunner")
 
@@ -404,14 +406,23 @@ def main(argv: list[str] | None = None, *, state_dir: Path | None = None) -> int
     )
     parser.add_argument("--selector", default=MODEL_SELECTOR)
     parser.add_argument("--pid-file", type=Path, help="write this runner's pid here")
+    parser.add_argument("--containers", action="store_true",
+                        help="run every pod's containers from their images with podman (containerrunner.py) "
+                             "instead of a process per model pod; --command and --selector do not apply")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s podrunner %(levelname)s %(message)s")
 
     api_client = kube_config.new_client_from_config(config_file=str(args.kubeconfig))
-    runner = PodRunner(
-        core_api=client.CoreV1Api(api_client), work_dir=args.work_dir,
-        command=shlex.split(args.command), label_selector=args.selector,
-    )
+    runner: PodRunner | ContainerPodRunner
+    if args.containers:
+        server = urlsplit(api_client.configuration.host)
+        runner = ContainerPodRunner(core_api=client.CoreV1Api(api_client), work_dir=args.work_dir,
+                                    api_host=server.hostname or "127.0.0.1", api_port=server.port or 443)
+    else:
+        runner = PodRunner(
+            core_api=client.CoreV1Api(api_client), work_dir=args.work_dir,
+            command=shlex.split(args.command), label_selector=args.selector,
+        )
     if args.pid_file:
         args.pid_file.parent.mkdir(parents=True, exist_ok=True)
         args.pid_file.write_text(f"{os.getpid()} {processes.process_start_ticks(os.getpid()) or 0}\n")
