@@ -8,8 +8,9 @@ here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/env.sh"
 mkdir -p "$SPARSEGATE_CACHE" "$SPARSEGATE_BIN"
 step() { local name=$1 t0=$SECONDS; shift; echo "[setup] $name"; "$@"; echo "[setup] $name done in $((SECONDS - t0))s"; }
-# openssl: the local control plane's certificates; iproute2: network namespaces in the eBPF tests.
-step debian bash "$here/setup/debian.sh" openssl iproute2 ca-certificates
+# openssl: the local control plane's certificates; iproute2: network namespaces in the eBPF tests;
+# busybox-static: the tiny image the container pod runner's tests run.
+step debian bash "$here/setup/debian.sh" openssl iproute2 ca-certificates busybox-static
 step bpf bash "$here/setup/bpf.sh"
 step python bash "$here/setup/python.sh"
 step binaries bash "$here/setup/binaries.sh"

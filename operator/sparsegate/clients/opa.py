@@ -4,6 +4,11 @@ The sync client (requests, keep-alive session, its own small retry) runs on one 
 handlers stay non-blocking and the session is never used from two threads at once. Every transport
 failure or 5xx becomes `OpaUnavailable`, which callers treat as "fail closed and retry"; a policy
 OPA refuses to compile becomes `OpaRejected` (retrying would not help).
+
+With a token (the chart's OPA sidecar runs `--authentication=token --authorization=basic`), every
+request carries `Authorization: Bearer <token>`. OPA answers a missing or wrong token with 401: that
+is `OpaUnavailable` too (fail closed, retry), not `OpaRejected` — the policy is fine, and the token
+comes right again once both containers read the same Secret (e.g. after a restart).
 """
 
 from __future__ import annotations
@@ -43,23 +48,39 @@ def address(url: str) -> tuple[str, int, bool]:
     """host, port, tls from `SPARSEGATE_OPA_URL` (e.g. http://127.0.0.1:8181)."""
     parts = urlsplit(url if "://" in url else f"http://{url}")
     tls = parts.scheme == "https"
+# OPA's error `code` when its authorization policy (system.authz) denies a request.
+_UNAUTHORIZED = "unauthorized"
+
+
+def _unauthorized(e: Exception) -> bool:
+    """opa-python-client turns some non-2xx answers into its own errors carrying OPA's `code`."""
+    return getattr(e, "expression", None) == _UNAUTHORIZED
+
+
     return parts.hostname or "127.0.0.1", parts.port or (443 if tls else 8181), tls
 
 
 class RoutingOpa:
     """Push routing policy + data to OPA, read back what is loaded, ask for decisions."""
 
-    def __init__(self, *, url: str = DEFAULT_URL, timeout: float = 1.5, retries: int = 1) -> None:
+    def __init__(self, *, url: str = DEFAULT_URL, token: str | None = None, timeout: float = 1.5,
+                 retries: int = 1) -> None:
         host, port, tls = address(url)
         self.url = url
-        self._client = OpaClient(host=host, port=port, ssl=tls, timeout=timeout, retries=retries)
+        # The client sets `Authorization: Bearer <token>` on its session: every call carries it.
+        self._client = OpaClient(host=host, port=port, ssl=tls, timeout=timeout, retries=retries,
+                                 token=token or None)
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="opa")
 
     async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._thread, lambda: fn(*args, **kwargs))
-        except RegoParseError as e:
+        except (RegoParseError, PolicyNotFoundError) as e:
+            if _unauthorized(e):
+                raise OpaUnavailable(f"OPA at {self.url} refused the operator's token (401 {e.message})") from e
+            if isinstance(e, PolicyNotFoundError):
+                raise  # the readers below handle "not there"
             raise OpaRejected(f"OPA at {self.url} refused it: {e}") from e
         except requests.exceptions.HTTPError as e:
             status = e.response.status_code if e.response is not None else 0
@@ -67,6 +88,8 @@ class RoutingOpa:
                 raise OpaRejected(f"OPA at {self.url}: HTTP {status}: {e.response.text[:500]}") from e
             raise OpaUnavailable(f"OPA at {self.url}: HTTP {status}") from e
         except (ConnectionsError, requests.exceptions.RequestException) as e:
+            if status in (401, 403):
+                raise OpaUnavailable(f"OPA at {self.url} refused the operator's token (HTTP {status})") from e
             raise OpaUnavailable(f"OPA at {self.url}: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
@@ -82,7 +105,9 @@ class RoutingOpa:
         def read() -> str | None:
             try:
                 return self._client.get_data(f"{OPA_PACKAGE.replace('.', '/')}/data_revision").get("result")
-            except PolicyNotFoundError:
+            except PolicyNotFoundError as e:
+                if _unauthorized(e):
+                    raise  # a refused read is not "nothing loaded"
                 return None
 
         return await self._call(read)
@@ -102,7 +127,9 @@ class RoutingOpa:
         def read() -> dict[str, dict[str, Any]]:
             try:
                 return self._client.get_data(f"{OPA_DATA_PATH}/policies").get("result") or {}
-            except PolicyNotFoundError:
+            except PolicyNotFoundError as e:
+                if _unauthorized(e):
+                    raise
                 return {}
 
         return await self._call(read)

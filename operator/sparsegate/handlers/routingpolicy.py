@@ -55,11 +55,15 @@ class Settings:
     trust_domain: str
     resync_seconds: float
     rego_path: Path
+    # Bearer token OPA requires (the chart's sidecar runs --authentication=token); None: send none.
+    # Kept out of repr so that logging the settings never prints it.
+    opa_token: str | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def from_env(cls) -> Settings:
         return cls(
             opa_url=os.environ.get("SPARSEGATE_OPA_URL", DEFAULT_URL),
+            opa_token=os.environ.get("SPARSEGATE_OPA_TOKEN") or None,
             namespace=os.environ.get("SPARSEGATE_NAMESPACE", "sparsegate-system"),
             trust_domain=os.environ.get("SPARSEGATE_TRUST_DOMAIN", DEFAULT_TRUST_DOMAIN),
             resync_seconds=float(os.environ.get("SPARSEGATE_POLICY_RESYNC_SECONDS", "10")),
@@ -153,7 +157,7 @@ def _state() -> PolicySync:
     if _sync is None:
         settings = Settings.from_env()
         _sync = PolicySync(
-            settings=settings, opa=RoutingOpa(url=settings.opa_url), store=FlowPolicyConfigMap(namespace=settings.namespace),
+            settings=settings, opa=RoutingOpa(url=settings.opa_url, token=settings.opa_token), store=FlowPolicyConfigMap(namespace=settings.namespace),
             kube=Kube.from_environment(),
         )
     return _sync
