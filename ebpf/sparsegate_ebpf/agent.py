@@ -2,6 +2,7 @@
 
     python -m sparsegate_ebpf.agent --interfaces eth0[,..] --metrics-port 9102 \
         (--policy-file F | --policy-configmap NS/NAME) [--xdp-mode auto|native|generic]
+    python -m sparsegate_ebpf.agent --version
 
 Until the first valid policy arrives the program passes everything (counted as
 `no_policy`): fail-open at start-up so a node is never black-holed by an agent restart.
@@ -19,6 +20,7 @@ import threading
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, start_http_server
+from sparsegate_contracts.version import version_line
 
 from . import policysource, programs, xdp
 from .metrics import AgentState, XdpCollector
@@ -31,6 +33,7 @@ log = logging.getLogger("sparsegate_ebpf.agent")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m sparsegate_ebpf.agent", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=version_line("sparsegate_ebpf.agent"))
     ap.add_argument("--interfaces", required=True, help="comma-separated interface names")
     ap.add_argument("--metrics-port", type=int, default=9102)
     ap.add_argument("--metrics-addr", default="0.0.0.0")

@@ -12,9 +12,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from sparsegate_contracts.flowpolicy import DOCUMENT_KEY
+
 log = logging.getLogger(__name__)
 
-POLICY_KEY = "policy.json"
+POLICY_KEY = DOCUMENT_KEY
 OnDocument = Callable[[str], None]
 
 

@@ -1,5 +1,7 @@
 """``sparsegate`` console script: ``sparsegate run`` starts the Kopf operator.
 
+``sparsegate version`` (or ``--version``) prints ``sparsegate <version>`` of the installed build.
+
 Wraps ``kopf.run`` so the chart, tests and users start the operator one way, with metrics,
 liveness and optional Lease-based leader election flags in one place.
 """
@@ -14,10 +16,14 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+from sparsegate_contracts.version import version_line
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsegate", description=__doc__)
+    parser.add_argument("--version", action="version", version=version_line("sparsegate"))
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("version", help="print the installed version")
     run = sub.add_parser("run", help="run the operator")
     scope = run.add_mutually_exclusive_group()
     scope.add_argument("-n", "--namespace", action="append", default=[],
@@ -72,6 +78,9 @@ def _standby_server(liveness: str | None) -> ThreadingHTTPServer | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "version":
+        print(version_line("sparsegate"))
+        return 0
     import kopf
 
     # Kopf's formatter for every logger (ours included): prefixes object lines with the object.

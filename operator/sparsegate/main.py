@@ -17,18 +17,18 @@ from typing import Any
 
 import kopf
 
+from sparsegate_contracts.names import FINALIZER, KOPF_ANNOTATION_PREFIX, KOPF_DIFFBASE_KEY
+
 import sparsegate.handlers  # noqa: F401  (registers handlers)
 from sparsegate.clients.kube import Kube
-
-FINALIZER = "sparsegate.dev/finalizer"
 
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.persistence.finalizer = FINALIZER
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="sparsegate.dev")
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="sparsegate.dev", key="last-handled-configuration")
+        prefix=KOPF_ANNOTATION_PREFIX, key=KOPF_DIFFBASE_KEY)
     settings.scanning.disabled = True
     settings.posting.level = logging.WARNING
     settings.posting.reporting_component = "sparsegate"

@@ -1,2 +1,2 @@
-"""Sparse MoE model and its server. Keep this file import-free: the operator imports
-`sparsegate_workload.gateparams` and must not pull in torch."""
+"""Sparse MoE model and its server. Keep this file import-free (importing a submodule such as
+`sparsegate_workload.gateparams`, an alias of `sparsegate_contracts.gate`, must not pull in torch)."""

@@ -8,7 +8,8 @@ from typing import Sequence
 
 import torch
 
-from .gateparams import GateParams
+from sparsegate_contracts.gate import GateParams
+
 from .gating import tool_fires
 from .model import TinyMoELM
 from .precision import Precision

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gateparams import MAX_EXPERTS_LIMIT, GateParams
+from sparsegate_contracts.gate import MAX_EXPERTS_LIMIT, GateParams
+
 from .gating import ToolGate
 from .moe import DynamicMoE, MoEStats
 from .precision import Precision, choose_precision, gradient_variance

@@ -27,9 +27,10 @@ from typing import Any, Awaitable, Callable
 
 import torch
 from aiohttp import web
+from sparsegate_contracts.gate import (DEFAULT_DOCUMENT, GateDocument, GateParams, GateParamsError,
+                                       parse_document)
+from sparsegate_contracts.version import version_line
 
-from .gateparams import (DEFAULT_DOCUMENT, GateDocument, GateParams, GateParamsError,
-                         parse_document)
 from .inference import InferenceResult, run_batch
 from .metrics import ServerMetrics
 from .model import ModelConfig, TinyMoELM, build_model, default_heads, effective_gate
@@ -372,6 +373,7 @@ def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m sparsegate_workload.server")
+    p.add_argument("--version", action="version", version=version_line("sparsegate_workload.server"))
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--gate-config", help="gate document JSON (the <model>-gate ConfigMap)")

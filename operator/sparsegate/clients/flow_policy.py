@@ -14,8 +14,10 @@ from typing import Any
 import kubernetes
 from kubernetes.client import ApiException
 
-NAME = "sparsegate-flow-policy"
-KEY = "policy.json"
+from sparsegate_contracts import flowpolicy, names
+
+NAME = flowpolicy.CONFIGMAP_NAME
+KEY = flowpolicy.DOCUMENT_KEY
 
 _loaded = False
 
@@ -53,10 +55,10 @@ class FlowPolicyConfigMap:
             "metadata": {
                 "name": self.name,
                 "namespace": self.namespace,
-                "labels": {"app.kubernetes.io/part-of": "sparsegate", "app.kubernetes.io/component": "flow-policy"},
-                "annotations": {"sparsegate.dev/flow-policy-version": str(document.get("version", ""))},
+                "labels": {names.PART_OF_LABEL: names.PART_OF, names.COMPONENT_LABEL: names.FLOW_POLICY_COMPONENT},
+                "annotations": {names.FLOW_POLICY_VERSION_ANNOTATION: str(document.get("version", ""))},
             },
-            "data": {KEY: json.dumps(document, indent=1, sort_keys=True)},
+            "data": {KEY: flowpolicy.document_text(document)},
         }
         api = _core_api()
         try:

@@ -16,6 +16,8 @@ from urllib.parse import quote
 
 import kubernetes
 
+from sparsegate_contracts import names
+
 FIELD_MANAGER = "sparsegate"
 
 # Plural and group/version per kind this operator writes; add here when rendering a new kind.
@@ -24,9 +26,7 @@ _KINDS: dict[str, tuple[str, str]] = {
     "Secret": ("v1", "secrets"),
     "Service": ("v1", "services"),
     "Deployment": ("apps/v1", "deployments"),
-    "SparseModel": ("sparsegate.dev/v1alpha1", "sparsemodels"),
-    "GateConfig": ("sparsegate.dev/v1alpha1", "gateconfigs"),
-    "RoutingPolicy": ("sparsegate.dev/v1alpha1", "routingpolicies"),
+    **{kind: (names.API_VERSION, plural) for kind, plural in names.PLURALS.items()},
     "Lease": ("coordination.k8s.io/v1", "leases"),
 }
 

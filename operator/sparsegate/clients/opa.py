@@ -27,7 +27,11 @@ from opa_client.errors import (
     RegoParseError,
 )
 
-from sparsegate.domain.policy import OPA_DATA_PATH, OPA_PACKAGE, OPA_POLICY_ID
+from sparsegate_contracts.rego import (
+    DATA_PATH as OPA_DATA_PATH,
+    PACKAGE as OPA_PACKAGE,
+    POLICY_ID as OPA_POLICY_ID,
+)
 
 T = TypeVar("T")
 DEFAULT_URL = "http://127.0.0.1:8181"
@@ -44,10 +48,6 @@ class OpaRejected(Exception):
     """OPA refused what we sent (a Rego compile error, a malformed document)."""
 
 
-def address(url: str) -> tuple[str, int, bool]:
-    """host, port, tls from `SPARSEGATE_OPA_URL` (e.g. http://127.0.0.1:8181)."""
-    parts = urlsplit(url if "://" in url else f"http://{url}")
-    tls = parts.scheme == "https"
 # OPA's error `code` when its authorization policy (system.authz) denies a request.
 _UNAUTHORIZED = "unauthorized"
 
@@ -57,6 +57,10 @@ def _unauthorized(e: Exception) -> bool:
     return getattr(e, "expression", None) == _UNAUTHORIZED
 
 
+def address(url: str) -> tuple[str, int, bool]:
+    """host, port, tls from `SPARSEGATE_OPA_URL` (e.g. http://127.0.0.1:8181)."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    tls = parts.scheme == "https"
     return parts.hostname or "127.0.0.1", parts.port or (443 if tls else 8181), tls
 
 
@@ -84,12 +88,12 @@ class RoutingOpa:
             raise OpaRejected(f"OPA at {self.url} refused it: {e}") from e
         except requests.exceptions.HTTPError as e:
             status = e.response.status_code if e.response is not None else 0
+            if status in (401, 403):
+                raise OpaUnavailable(f"OPA at {self.url} refused the operator's token (HTTP {status})") from e
             if 400 <= status < 500:
                 raise OpaRejected(f"OPA at {self.url}: HTTP {status}: {e.response.text[:500]}") from e
             raise OpaUnavailable(f"OPA at {self.url}: HTTP {status}") from e
         except (ConnectionsError, requests.exceptions.RequestException) as e:
-            if status in (401, 403):
-                raise OpaUnavailable(f"OPA at {self.url} refused the operator's token (HTTP {status})") from e
             raise OpaUnavailable(f"OPA at {self.url}: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:

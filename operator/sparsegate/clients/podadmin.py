@@ -19,6 +19,8 @@ from typing import Any
 
 import aiohttp
 
+from sparsegate_contracts.gate import version_matches_checksum
+
 __all__ = ["PodTarget", "PodHealth", "PushResult", "PodAdmin"]
 
 
@@ -55,18 +57,6 @@ class PushResult:
     error: str | None = None
 
 
-def consistent(version: Any, checksum: Any) -> bool:
-    """``g-<12 hex>`` must be the prefix of ``sha256:<hex>`` (content-addressed version)."""
-    return (
-        isinstance(version, str)
-        and isinstance(checksum, str)
-        and version.startswith("g-")
-        and checksum.startswith("sha256:")
-        and checksum[len("sha256:"):].startswith(version[2:])
-        and len(version) > 2
-    )
-
-
 class PodAdmin:
     def __init__(self, *, timeout_s: float = 2.0, concurrency: int = 64) -> None:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -97,7 +87,7 @@ class PodAdmin:
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
                 return PodHealth(name=t.name, version=None, error=f"/healthz: {type(e).__name__} {e}".strip())
             version, checksum = body.get("gateVersion"), body.get("checksum")
-            if body.get("status") != "ok" or not consistent(version, checksum):
+            if body.get("status") != "ok" or not version_matches_checksum(version, checksum):
                 return PodHealth(name=t.name, version=None, error=f"/healthz inconsistent: {body}")
             return PodHealth(name=t.name, version=version, checksum=checksum, uptime_s=body.get("uptimeSeconds"))
 

@@ -2,7 +2,7 @@
 
 A GateConfig's ``status.stable`` (written on first reconcile, then by the rollout controller) wins;
 until it exists the operator falls back to ``spec.params``. Versioning and validation come from
-``sparsegate_workload.gateparams`` so the operator and the model server hash params identically.
+``sparsegate_contracts.gate`` so the operator and the model server hash params identically.
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from sparsegate_workload import gateparams
+from sparsegate_contracts import gate as gatedoc
 
 
 @dataclasses.dataclass(frozen=True)
 class GateResolution:
     """Either a usable document or the reason there is none (``document`` is None then)."""
 
-    document: gateparams.GateDocument | None
+    document: gatedoc.GateDocument | None
     source: str
     """Where the document came from: ``status.stable``, ``spec.params``, ``default`` or ``missing``."""
     error: str | None = None
@@ -25,7 +25,7 @@ class GateResolution:
 
 def stable_from_params(params: Mapping[str, Any]) -> dict[str, Any]:
     """The ``status.stable`` block for params exactly as written (content-addressed)."""
-    return gateparams.make_document(params).to_json()
+    return gatedoc.make_document(params).to_json()
 
 
 def resolve(gateconfig: Mapping[str, Any] | None, *, referenced: bool,
@@ -36,7 +36,7 @@ def resolve(gateconfig: Mapping[str, Any] | None, *, referenced: bool,
     built-in defaults apply; with one that does not exist there is no gate (Degraded).
     """
     if not referenced:
-        return _checked(gateparams.DEFAULT_DOCUMENT.to_json(), "default", num_experts)
+        return _checked(gatedoc.DEFAULT_DOCUMENT.to_json(), "default", num_experts)
     if gateconfig is None:
         return GateResolution(document=None, source="missing", error="GateConfig not found")
     stable = (gateconfig.get("status") or {}).get("stable")
@@ -44,15 +44,15 @@ def resolve(gateconfig: Mapping[str, Any] | None, *, referenced: bool,
         return _checked(stable, "status.stable", num_experts)
     params = (gateconfig.get("spec") or {}).get("params") or {}
     try:
-        doc = gateparams.make_document(params, num_experts=num_experts)
-    except gateparams.GateParamsError as e:
+        doc = gatedoc.make_document(params, num_experts=num_experts)
+    except gatedoc.GateParamsError as e:
         return GateResolution(document=None, source="spec.params", error=str(e))
     return GateResolution(document=doc, source="spec.params")
 
 
 def _checked(doc: Mapping[str, Any], source: str, num_experts: int) -> GateResolution:
     try:
-        parsed = gateparams.parse_document(doc, num_experts=num_experts)
-    except gateparams.GateParamsError as e:
+        parsed = gatedoc.parse_document(doc, num_experts=num_experts)
+    except gatedoc.GateParamsError as e:
         return GateResolution(document=None, source=source, error=str(e))
     return GateResolution(document=parsed, source=source)

@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sparsegate_contracts.canonical import sha256_of
+
 ANY = "*"
 DEFAULT_TRUST_DOMAIN = "cluster.local"
-OPA_DATA_PATH = "sparsegate/policies"  # data.sparsegate.policies
-OPA_POLICY_ID = "sparsegate-routing"
-OPA_PACKAGE = "sparsegate.routing"
 
 
 class Action(str, enum.Enum):
@@ -165,14 +163,6 @@ class PolicySource:
     @property
     def key(self) -> str:
         return policy_key(namespace=self.namespace, name=self.name)
-
-
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
-def sha256_of(value: Any) -> str:
-    return "sha256:" + hashlib.sha256(canonical_json(value).encode()).hexdigest()
 
 
 def index_rules(rules: Iterable[Rule]) -> dict[str, dict[str, list[dict[str, Any]]]]:

@@ -7,7 +7,7 @@ identity classes × models × candidate ports, and the answers expand to IPs aft
 (`flow_document`). Only classes filed in a bucket of the target's index can match any rule, so
 only they are asked.
 
-Document format (dev/CONTRACTS.md, "Flow policy published for the eBPF agent"): default deny; an
+Document format (`sparsegate_contracts.flowpolicy`, the agent's parser too): default deny; an
 `allow` entry per (source pod IP, model pod IP, port) OPA allowed; a `deny` entry where a Deny rule
 decided (explains drops; default deny would drop them anyway).
 """
@@ -18,16 +18,15 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparsegate_contracts import flowpolicy
+from sparsegate_contracts.names import MODEL_LABEL
+
 from sparsegate.domain.policy import (
     ANY,
     Port,
-    canonical_json,
-    sha256_of,
     spiffe_id,
     target_key,
 )
-
-MODEL_LABEL = "sparsegate.dev/model"
 
 
 @dataclass(frozen=True)
@@ -173,16 +172,15 @@ def flow_document(
         rule = decision.get("rule") or ""
         if not rule:
             continue  # nothing matched: default deny covers it
-        action = "allow" if decision.get("allow") else "deny"
+        action = flowpolicy.ALLOW if decision.get("allow") else flowpolicy.DENY
         for src in by_identity.get((query.namespace, query.service_account, query.labels), ()):
             for dst in models.get((query.target_namespace, query.model), ()):
                 entries.add((src.ip, dst.ip, query.port, query.protocol, action, rule))
     rows = [
-        {"srcIP": s, "dstIP": d, "dstPort": p, "protocol": proto, "action": a, "rule": r}
+        flowpolicy.entry(src_ip=s, dst_ip=d, dst_port=p, protocol=proto, action=a, rule=r)
         for s, d, p, proto, a, r in sorted(entries)
     ]
-    body = {"defaultAction": "deny", "entries": rows}
-    return {"version": sha256_of(body), **body}
+    return flowpolicy.build_document(entries=rows, default_action=flowpolicy.DENY)
 
 
 def decision_counts(document: Mapping[str, Any]) -> dict[str, int]:
@@ -217,8 +215,7 @@ def narrow_document(
         for e in document.get("entries") or ()
         if str(e.get("rule", "")).split("#", 1)[0] in live_policies and same(e["srcIP"]) and same(e["dstIP"])
     ]
-    body = {"defaultAction": "deny", "entries": rows}
-    return {"version": sha256_of(body), **body}
+    return flowpolicy.build_document(entries=rows, default_action=flowpolicy.DENY)
 
 
 def ip_owners(pods: Iterable[PodInfo]) -> dict[str, str]:
@@ -235,10 +232,10 @@ class FlowTable:
     @classmethod
     def from_document(cls, document: Mapping[str, Any]) -> FlowTable:
         table = {
-            (e["srcIP"], e["dstIP"], int(e["dstPort"]), e["protocol"]): e["action"] == "allow"
+            (e["srcIP"], e["dstIP"], int(e["dstPort"]), e["protocol"]): e["action"] == flowpolicy.ALLOW
             for e in document.get("entries") or ()
         }
-        return cls(default_allow=document.get("defaultAction") == "allow", table=table)
+        return cls(default_allow=document.get("defaultAction") == flowpolicy.ALLOW, table=table)
 
     def allows(self, *, src_ip: str, dst_ip: str, port: int, protocol: str = "tcp") -> bool:
         return self.table.get((src_ip, dst_ip, port, protocol), self.default_allow)

@@ -6,23 +6,22 @@ more), so server-side apply of the same input is a no-op. Side effects live in c
 
 from __future__ import annotations
 
-import json
 from typing import Any, Mapping
 
-from sparsegate_workload.gateparams import GateDocument
+from sparsegate_contracts.gate import GateDocument
+from sparsegate_contracts.names import (
+    API_VERSION,
+    GATE_CHECKSUM_ANNOTATION,
+    GATE_VERSION_ANNOTATION,
+    INSTANCE_LABEL,
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    MODEL_LABEL,
+    MODEL_SERVER_NAME,
+    NAME_LABEL,
+)
 
-API_GROUP = "sparsegate.dev"
-API_VERSION = f"{API_GROUP}/v1alpha1"
 KIND = "SparseModel"
-
-NAME_LABEL = "app.kubernetes.io/name"
-NAME_VALUE = "sparsegate-model"
-MODEL_LABEL = "sparsegate.dev/model"
-MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
-MANAGED_BY_VALUE = "sparsegate"
-
-GATE_VERSION_ANNOTATION = "sparsegate.dev/gate-version"
-GATE_CHECKSUM_ANNOTATION = "sparsegate.dev/gate-checksum"
 
 GATE_KEY = "gate.json"
 GATE_DIR = "/etc/sparsegate"
@@ -46,12 +45,11 @@ def admin_secret_name(model: str) -> str:
 
 def selector_labels(model: str) -> dict[str, str]:
     """Immutable Deployment selector; also what Services and policies match pods by."""
-    return {NAME_LABEL: NAME_VALUE, MODEL_LABEL: model}
+    return {NAME_LABEL: MODEL_SERVER_NAME, MODEL_LABEL: model}
 
 
 def common_labels(model: str) -> dict[str, str]:
-    return {**selector_labels(model), MANAGED_BY_LABEL: MANAGED_BY_VALUE,
-            "app.kubernetes.io/instance": model}
+    return {**selector_labels(model), MANAGED_BY_LABEL: MANAGED_BY, INSTANCE_LABEL: model}
 
 
 def owner_reference(model: Mapping[str, Any]) -> dict[str, Any]:
@@ -68,7 +66,7 @@ def _metadata(model: Mapping[str, Any], name: str, **extra: Any) -> dict[str, An
 
 def gate_json(document: GateDocument) -> str:
     """The file the server reads: stable key order so equal documents render byte-identically."""
-    return json.dumps(document.to_json(), sort_keys=True, separators=(",", ":"))
+    return document.file_text()
 
 
 def render_configmap(model: Mapping[str, Any], document: GateDocument) -> dict[str, Any]:

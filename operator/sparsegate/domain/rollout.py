@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sparsegate_workload import gateparams
+from sparsegate_contracts import gate as gatedoc
+from sparsegate_contracts.names import ABORT_ANNOTATION, PROMOTE_ANNOTATION
 
 from sparsegate.domain.analysis import AnalysisResult, GroupMetrics, Verdict, analyse
 from sparsegate.domain.conditions import merge_conditions
@@ -47,9 +48,6 @@ from sparsegate.domain.calibration import (
     parse_duration,
     thresholds,
 )
-
-ABORT_ANNOTATION = "sparsegate.dev/abort"
-PROMOTE_ANNOTATION = "sparsegate.dev/promote"
 
 DEFAULT_STEPS = (5, 20, 100)
 DEFAULT_ANALYSIS_INTERVAL_S = 30.0
@@ -97,7 +95,7 @@ class SpecError(ValueError):
 class GateVersion:
     """A content-addressed gate document, as pushed to ``PUT /admin/gate``.
 
-    Hashing and validation are ``sparsegate_workload.gateparams``'s, so the operator, the
+    Hashing and validation are ``sparsegate_contracts.gate``'s, so the operator, the
     rendered ConfigMap and the model server agree on every version id.
     """
 
@@ -107,8 +105,8 @@ class GateVersion:
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> GateVersion:
-        """Raises ``gateparams.GateParamsError`` (a ValueError) for invalid params."""
-        doc = gateparams.make_document(params)
+        """Raises ``gatedoc.GateParamsError`` (a ValueError) for invalid params."""
+        doc = gatedoc.make_document(params)
         return cls(version=doc.version, checksum=doc.checksum, params=dict(doc.raw_params))
 
     @classmethod
@@ -156,7 +154,7 @@ def parse_spec(spec: Mapping[str, Any], *, target: GateVersion | None = None) ->
             raise SpecError(f"spec.rollout.steps must be strictly increasing, got {list(steps)}")
         try:
             target = target or GateVersion.from_params(params)
-        except gateparams.GateParamsError as e:
+        except gatedoc.GateParamsError as e:
             raise SpecError(f"spec.params: {e}") from e
         return RolloutSpec(
             target=target,

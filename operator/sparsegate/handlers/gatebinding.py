@@ -12,12 +12,14 @@ from typing import Any
 
 import kopf
 
+from sparsegate_contracts import names
+
 from sparsegate import metrics
 from sparsegate.handlers import modelsync
 from sparsegate.handlers.sparsemodel import GROUP, VERSION, post_event
 
 
-@kopf.on.event(GROUP, VERSION, "gateconfigs")
+@kopf.on.event(GROUP, VERSION, names.GATECONFIGS)
 def gateconfig_changed(type: str | None, body: kopf.Body, namespace: str, name: str,
                        models_by_gate: kopf.Index, memo: kopf.Memo,
                        logger: logging.Logger, **_: Any) -> None:

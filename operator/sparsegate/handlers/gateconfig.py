@@ -35,6 +35,8 @@ from urllib.parse import quote
 import kopf
 import prometheus_client
 
+from sparsegate_contracts import names
+
 from sparsegate.clients.kube import Conflict, Kube, KubeError
 from sparsegate.clients.metrics_source import PrometheusAPI, group_from_snapshots, parse_pod_counters
 from sparsegate.clients.podadmin import PodAdmin, PodTarget
@@ -60,7 +62,7 @@ from sparsegate.domain.rollout import (
     parse_spec,
 )
 
-GROUP, VERSION = "sparsegate.dev", "v1alpha1"
+GROUP, VERSION = names.GROUP, names.VERSION
 TICK_S = float(os.environ.get("SPARSEGATE_ROLLOUT_TICK_S", "5"))
 RESTING_CHECK_S = float(os.environ.get("SPARSEGATE_ROLLOUT_RESTING_CHECK_S", "30"))
 PROMETHEUS_URL = os.environ.get("SPARSEGATE_PROMETHEUS_URL") or None
@@ -130,7 +132,7 @@ class RolloutLoop:
             tokens[name] = cache.tokens.get(key)
         if not ports:
             return _Fleet(targets={}, all_pods=())
-        selector = f"{render.MODEL_LABEL} in ({','.join(sorted(ports))})"
+        selector = f"{names.MODEL_LABEL} in ({','.join(sorted(ports))})"
         pods = await asyncio.to_thread(
             self.kube.request, "GET", f"/api/v1/namespaces/{quote(namespace)}/pods",
             query={"labelSelector": selector})
@@ -138,7 +140,7 @@ class RolloutLoop:
         names: list[str] = []
         for pod in pods.get("items", []):
             meta, status = pod["metadata"], pod.get("status") or {}
-            model_name = (meta.get("labels") or {}).get(render.MODEL_LABEL)
+            model_name = (meta.get("labels") or {}).get(names.MODEL_LABEL)
             if model_name not in ports or meta.get("deletionTimestamp") or status.get("phase") in ("Succeeded", "Failed"):
                 continue
             names.append(meta["name"])
@@ -276,7 +278,7 @@ class RolloutLoop:
                "observedGeneration": body["metadata"].get("generation")}
         if new == current:
             return dict(body)
-        path = (f"/apis/{GROUP}/{VERSION}/namespaces/{quote(body['metadata']['namespace'])}/gateconfigs/"
+        path = (f"/apis/{GROUP}/{VERSION}/namespaces/{quote(body['metadata']['namespace'])}/{names.GATECONFIGS}/"
                 f"{quote(body['metadata']['name'])}/status")
         # A JSON patch replaces status wholesale (a merge patch would merge the params maps of
         # two gate versions). Carrying metadata.resourceVersion makes a concurrent writer's
@@ -297,7 +299,7 @@ class RolloutLoop:
                 kopf.event(dict(body), type=action.type, reason=action.reason, message=action.message[:1024])
                 (logger.warning if action.type == "Warning" else logger.info)("%s: %s", action.reason, action.message)
             elif isinstance(action, ClearAnnotation):
-                path = (f"/apis/{GROUP}/{VERSION}/namespaces/{quote(body['metadata']['namespace'])}/gateconfigs/"
+                path = (f"/apis/{GROUP}/{VERSION}/namespaces/{quote(body['metadata']['namespace'])}/{names.GATECONFIGS}/"
                         f"{quote(body['metadata']['name'])}")
                 await asyncio.to_thread(
                     self.kube.request, "PATCH", path, body={"metadata": {"annotations": {action.name: None}}},
@@ -327,7 +329,7 @@ def _loop(memo: kopf.Memo) -> RolloutLoop:
     return loop
 
 
-@kopf.timer(GROUP, VERSION, "gateconfigs", interval=TICK_S, initial_delay=0)
+@kopf.timer(GROUP, VERSION, names.GATECONFIGS, interval=TICK_S, initial_delay=0)
 async def rollout_tick(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, models_by_gate: kopf.Index,
                        logger: logging.Logger, **_: Any) -> None:
     cache = getattr(memo, "rollout_cache", None)

@@ -29,10 +29,13 @@ from typing import Any
 
 import kopf
 
+from sparsegate_contracts import names, rego
+from sparsegate_contracts.canonical import sha256_of
+
 from sparsegate.clients.flow_policy import FlowPolicyConfigMap
 from sparsegate.clients.kube import Kube
 from sparsegate.clients.opa import DEFAULT_URL, OpaRejected, OpaUnavailable, RoutingOpa
-from sparsegate.domain.policy import DEFAULT_TRUST_DOMAIN, PolicySource, build_opa_data, sha256_of
+from sparsegate.domain.policy import DEFAULT_TRUST_DOMAIN, PolicySource, build_opa_data
 from sparsegate.domain.policy_compile import (
     PodInfo,
     candidate_queries,
@@ -44,8 +47,7 @@ from sparsegate.domain.policy_compile import (
 )
 from sparsegate.domain.policy_status import SyncOutcome, status_changed, status_patch
 
-GROUP, VERSION, PLURAL = "sparsegate.dev", "v1alpha1", "routingpolicies"
-_REPO_REGO = Path(__file__).resolve().parents[3] / "policies" / "routing" / "src.rego"
+GROUP, VERSION, PLURAL = names.GROUP, names.VERSION, names.ROUTINGPOLICIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +56,7 @@ class Settings:
     namespace: str  # where the allow-list ConfigMap lives (the operator's namespace)
     trust_domain: str
     resync_seconds: float
-    rego_path: Path
+    rego_path: Path | None = None  # None: the Rego shipped in sparsegate_contracts.rego
     # Bearer token OPA requires (the chart's sidecar runs --authentication=token); None: send none.
     # Kept out of repr so that logging the settings never prints it.
     opa_token: str | None = dataclasses.field(default=None, repr=False)
@@ -67,7 +69,7 @@ class Settings:
             namespace=os.environ.get("SPARSEGATE_NAMESPACE", "sparsegate-system"),
             trust_domain=os.environ.get("SPARSEGATE_TRUST_DOMAIN", DEFAULT_TRUST_DOMAIN),
             resync_seconds=float(os.environ.get("SPARSEGATE_POLICY_RESYNC_SECONDS", "10")),
-            rego_path=Path(os.environ.get("SPARSEGATE_ROUTING_REGO", str(_REPO_REGO))),
+            rego_path=Path(p) if (p := os.environ.get(rego.OVERRIDE_ENV)) else None,
         )
 
 
@@ -79,7 +81,7 @@ class PolicySync:
         self.settings = settings
         self.opa = opa
         self.store = store
-        self.rego = settings.rego_path.read_text()
+        self.rego = rego.routing_policy(settings.rego_path)
         self.lock = asyncio.Lock()
         self.status_lock = asyncio.Lock()
         self.kube = kube  # status writes; None where only OPA and the allow-list are exercised

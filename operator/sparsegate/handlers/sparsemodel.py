@@ -17,38 +17,39 @@ from typing import Any
 
 import kopf
 
+from sparsegate_contracts import names
+
 from sparsegate import metrics
-from sparsegate.domain import render
 from sparsegate.handlers import modelsync
 
-GROUP, VERSION = "sparsegate.dev", "v1alpha1"
+GROUP, VERSION = names.GROUP, names.VERSION
 
 
 def post_event(body: Any, type_: str, reason: str, message: str) -> None:
     kopf.event(body, type=type_, reason=reason, message=message[:1024])
 
 
-@kopf.index(GROUP, VERSION, "sparsemodels")
+@kopf.index(GROUP, VERSION, names.SPARSEMODELS)
 def models_by_gate(namespace: str, name: str, spec: kopf.Spec, **_: Any) -> dict | None:
     """(namespace, GateConfig name) → names of the models that reference it."""
     ref = (spec.get("gateConfigRef") or {}).get("name")
     return {(namespace, ref): name} if ref else None
 
 
-@kopf.on.resume(GROUP, VERSION, "sparsemodels")
-@kopf.on.create(GROUP, VERSION, "sparsemodels")
-@kopf.on.update(GROUP, VERSION, "sparsemodels")
+@kopf.on.resume(GROUP, VERSION, names.SPARSEMODELS)
+@kopf.on.create(GROUP, VERSION, names.SPARSEMODELS)
+@kopf.on.update(GROUP, VERSION, names.SPARSEMODELS)
 def reconcile_model(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     with metrics.observe("SparseModel") as outcome:
         outcome.value = modelsync.reconcile(memo.kube, body, events=post_event, logger=logger)
 
 
 @kopf.on.event("apps", "v1", "deployments",
-               labels={render.NAME_LABEL: render.NAME_VALUE,
-                       render.MANAGED_BY_LABEL: render.MANAGED_BY_VALUE})
+               labels={names.NAME_LABEL: names.MODEL_SERVER_NAME,
+                       names.MANAGED_BY_LABEL: names.MANAGED_BY})
 def deployment_changed(type: str | None, body: kopf.Body, memo: kopf.Memo,
                        logger: logging.Logger, **_: Any) -> None:
-    model = body.metadata.labels.get(render.MODEL_LABEL)
+    model = body.metadata.labels.get(names.MODEL_LABEL)
     if not model or type is None:  # None: the initial listing; resume handlers cover it
         return
     with metrics.observe("Deployment"):

@@ -19,7 +19,8 @@ from loadgen import LoadGen, check_loopback
 from sparsegate_workload import gateparams
 
 from sparsegate.clients.metrics_source import PrometheusAPI, group_from_snapshots, parse_pod_counters
-from sparsegate.clients.podadmin import PodAdmin, PodTarget, consistent
+from sparsegate.clients.podadmin import PodAdmin, PodTarget
+from sparsegate_contracts.gate import version_matches_checksum as consistent
 from localcluster.ports import free_port
 
 TOKEN = "test-admin-token"

@@ -1,0 +1,148 @@
+"""The flow allow-list: produced by the operator, enforced by the node agent (dev/CONTRACTS.md).
+
+ConfigMap ``sparsegate-flow-policy`` (operator namespace), key ``policy.json``::
+
+    {"version": "sha256:...", "defaultAction": "deny"|"allow",
+     "entries": [{"srcIP": "a.b.c.d", "dstIP": "a.b.c.d", "dstPort": 8080,
+                  "protocol": "tcp"|"udp", "action": "allow"|"deny", "rule": "ns/name#id"}]}
+
+``version`` = ``canonical.sha256_of`` of the document without its ``version`` field, whoever
+computes it: the operator when it builds a document (``build_document``) and the agent for a
+document that comes without one (``parse_document``). Semantics (enforced by the agent): exact
+match on (srcIP, dstIP, dstPort, protocol), otherwise ``defaultAction``; deny wins when entries
+for one tuple disagree.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sparsegate_contracts.canonical import sha256_of
+
+CONFIGMAP_NAME = "sparsegate-flow-policy"
+DOCUMENT_KEY = "policy.json"
+ALLOW = "allow"
+DENY = "deny"
+ACTIONS = (ALLOW, DENY)
+PROTOCOLS = ("tcp", "udp")
+DEFAULT_PROTOCOL = "tcp"
+DOCUMENT_FIELDS = ("version", "defaultAction", "entries")
+ENTRY_FIELDS = ("srcIP", "dstIP", "dstPort", "protocol", "action", "rule")
+
+
+class FlowPolicyError(ValueError):
+    """The document is not a valid flow policy (the agent keeps the policy it has)."""
+
+
+@dataclass(frozen=True)
+class PolicyEntry:
+    src_ip: str
+    dst_ip: str
+    dst_port: int
+    protocol: str
+    action: str
+    rule: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"srcIP": self.src_ip, "dstIP": self.dst_ip, "dstPort": self.dst_port,
+                "protocol": self.protocol, "action": self.action, "rule": self.rule}
+
+
+@dataclass(frozen=True)
+class FlowPolicy:
+    version: str
+    default_action: str
+    entries: tuple[PolicyEntry, ...]
+
+    def rule_names(self) -> dict[int, str]:
+        """1-based entry index (the agent's rule_id) -> the entry's rule name; 0 = the default."""
+        names = {0: f"default:{self.default_action}"}
+        names.update({i + 1: e.rule or f"entry-{i + 1}" for i, e in enumerate(self.entries)})
+        return names
+
+
+def version_of(body: Mapping[str, Any]) -> str:
+    """The version of a document without its ``version`` field (content address)."""
+    return sha256_of(body)
+
+
+def entry(*, src_ip: str, dst_ip: str, dst_port: int, protocol: str, action: str, rule: str) -> dict[str, Any]:
+    return PolicyEntry(src_ip=src_ip, dst_ip=dst_ip, dst_port=dst_port, protocol=protocol, action=action,
+                       rule=rule).to_json()
+
+
+def build_document(*, entries: Iterable[Mapping[str, Any]], default_action: str = DENY) -> dict[str, Any]:
+    """A complete document (entries in the given order) with its content-addressed version."""
+    body = {"defaultAction": default_action, "entries": list(entries)}
+    return {"version": version_of(body), **body}
+
+
+def document_text(document: Mapping[str, Any]) -> str:
+    """The ``policy.json`` value the operator writes into the ConfigMap."""
+    return json.dumps(document, indent=1, sort_keys=True)
+
+
+def _ipv4(value: Any, *, field: str, index: int) -> str:
+    try:
+        return str(ipaddress.IPv4Address(value))
+    except (ValueError, TypeError) as exc:
+        raise FlowPolicyError(f"entries[{index}].{field}: not an IPv4 address: {value!r}") from exc
+
+
+def _action(value: Any, *, where: str) -> str:
+    if value not in ACTIONS:
+        raise FlowPolicyError(f"{where}: must be 'allow' or 'deny', got {value!r}")
+    return value
+
+
+def parse_document(document: Mapping[str, Any] | str | bytes, *, max_entries: int | None = None) -> FlowPolicy:
+    """Validate a document (dict or JSON text); ``max_entries``: the consumer's capacity, if any."""
+    if isinstance(document, (str, bytes)):
+        try:
+            document = json.loads(document)
+        except json.JSONDecodeError as exc:
+            raise FlowPolicyError(f"policy is not valid JSON: {exc}") from exc
+    if not isinstance(document, Mapping):
+        raise FlowPolicyError("policy document must be a JSON object")
+    unknown = set(document) - set(DOCUMENT_FIELDS)
+    if unknown:
+        raise FlowPolicyError(f"unknown top-level fields: {sorted(unknown)}")
+    default_action = _action(document.get("defaultAction", DENY), where="defaultAction")
+    raw_entries = document.get("entries", [])
+    if not isinstance(raw_entries, list):
+        raise FlowPolicyError("entries must be a list")
+    if max_entries is not None and len(raw_entries) > max_entries:
+        raise FlowPolicyError(f"{len(raw_entries)} entries exceed the map capacity {max_entries}")
+    entries = []
+    for i, raw in enumerate(raw_entries):
+        if not isinstance(raw, Mapping):
+            raise FlowPolicyError(f"entries[{i}] must be an object")
+        port = raw.get("dstPort")
+        if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+            raise FlowPolicyError(f"entries[{i}].dstPort: must be an integer 1..65535, got {port!r}")
+        protocol = raw.get("protocol", DEFAULT_PROTOCOL)
+        if protocol not in PROTOCOLS:
+            raise FlowPolicyError(f"entries[{i}].protocol: must be 'tcp' or 'udp', got {protocol!r}")
+        rule = raw.get("rule", "")
+        if not isinstance(rule, str):
+            raise FlowPolicyError(f"entries[{i}].rule must be a string")
+        entries.append(
+            PolicyEntry(
+                src_ip=_ipv4(raw.get("srcIP"), field="srcIP", index=i),
+                dst_ip=_ipv4(raw.get("dstIP"), field="dstIP", index=i),
+                dst_port=port,
+                protocol=protocol,
+                action=_action(raw.get("action"), where=f"entries[{i}].action"),
+                rule=rule,
+            )
+        )
+    version = document.get("version")
+    if version is None:
+        version = version_of(document)
+    if not isinstance(version, str):
+        raise FlowPolicyError("version must be a string")
+    return FlowPolicy(version=version, default_action=default_action, entries=tuple(entries))

@@ -1,0 +1,48 @@
+"""Kubernetes names the components share: API group/version/plurals, labels, annotations.
+
+The CRDs themselves are defined once, in ``charts/sparsegate/crds/`` (a unit test checks these
+names against them).
+"""
+
+from __future__ import annotations
+
+GROUP = "sparsegate.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# kind -> plural, for every CRD of the group
+PLURALS: dict[str, str] = {
+    "SparseModel": "sparsemodels",
+    "GateConfig": "gateconfigs",
+    "RoutingPolicy": "routingpolicies",
+    "TelemetryProbe": "telemetryprobes",
+}
+SPARSEMODELS = PLURALS["SparseModel"]
+GATECONFIGS = PLURALS["GateConfig"]
+ROUTINGPOLICIES = PLURALS["RoutingPolicy"]
+TELEMETRYPROBES = PLURALS["TelemetryProbe"]
+
+# Labels. Model-server pods: NAME_LABEL=MODEL_SERVER_NAME and MODEL_LABEL=<SparseModel name>
+# (the Deployment selector; also what the pod runner and the routing sync find pods by).
+NAME_LABEL = "app.kubernetes.io/name"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+PART_OF_LABEL = "app.kubernetes.io/part-of"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+MODEL_SERVER_NAME = "sparsegate-model"
+MODEL_LABEL = f"{GROUP}/model"
+MANAGED_BY = "sparsegate"
+PART_OF = "sparsegate"
+FLOW_POLICY_COMPONENT = "flow-policy"
+
+# Annotations.
+GATE_VERSION_ANNOTATION = f"{GROUP}/gate-version"  # Deployment and <m>-gate ConfigMap
+GATE_CHECKSUM_ANNOTATION = f"{GROUP}/gate-checksum"
+ABORT_ANNOTATION = f"{GROUP}/abort"  # GateConfig, one-shot (any value)
+PROMOTE_ANNOTATION = f"{GROUP}/promote"  # GateConfig, one-shot (any value)
+FLOW_POLICY_VERSION_ANNOTATION = f"{GROUP}/flow-policy-version"  # sparsegate-flow-policy ConfigMap
+
+# Kopf's bookkeeping on our objects: progress/diff-base annotations under GROUP, and a finalizer.
+KOPF_ANNOTATION_PREFIX = GROUP
+KOPF_DIFFBASE_KEY = "last-handled-configuration"
+FINALIZER = f"{GROUP}/finalizer"

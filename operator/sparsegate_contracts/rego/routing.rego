@@ -1,0 +1,1 @@
+../../../policies/routing/src.rego
