@@ -26,6 +26,7 @@ import itertools
 import json
 import random
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -105,6 +106,53 @@ class LoadGen:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
         return self.stats
+
+
+class BackgroundLoad:
+    """A :class:`LoadGen` on a thread of its own, for tests and the demo stack; ``targets`` (which
+    may call the API) is re-read every 2 s on another thread so a slow call never stalls the load."""
+
+    def __init__(self, targets: Callable[[], list[str]], *, qps: float, concurrency: int = 64) -> None:
+        self._targets_fn = targets
+        self._targets: list[str] = []
+        self.qps, self.concurrency = qps, concurrency
+        self._stop = threading.Event()
+        self.gen: LoadGen | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._refresher = threading.Thread(target=self._refresh, name="load-targets", daemon=True)
+        self._runner = threading.Thread(target=self._run, name="loadgen", daemon=True)
+
+    def _refresh(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._targets = self._targets_fn()
+            except Exception as e:  # a slow API call must not kill the load
+                sys.stderr.write(f"[loadgen] targets: {e}\n")
+            self._stop.wait(2.0)
+
+    def _run(self) -> None:
+        async def go() -> None:
+            self._loop = asyncio.get_running_loop()
+            self.gen = LoadGen(targets=lambda: list(self._targets), qps=self.qps, concurrency=self.concurrency)
+            await self.gen.run()
+
+        asyncio.run(go())
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return dict(self.gen.stats) if self.gen else {}
+
+    def start(self) -> BackgroundLoad:
+        self._targets = self._targets_fn()
+        self._refresher.start()
+        self._runner.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._loop is not None and self.gen is not None:
+            self._loop.call_soon_threadsafe(self.gen.stop)
+        self._runner.join(timeout=30)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,8 +29,9 @@ import pytest
 from localcluster import LocalCluster, nodes, processes
 from localcluster.ports import pick_unused_pod_cidr
 
-from rollout_e2e_support import (ANALYSIS_INTERVAL, BASE_PARAMS, GATE, MODEL, REPLICAS, REPO, Fleet, Load,
-                                 Operator, _wait)
+from loadgen import BackgroundLoad
+from rollout_e2e_support import (ANALYSIS_INTERVAL, BASE_PARAMS, GATE, MODEL, QPS, REPLICAS, REPO, Fleet, Operator,
+                                 _wait)
 
 @pytest.fixture(scope="module")
 def rollout_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
@@ -93,13 +94,12 @@ def fleet(rollout_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactor
         _wait(f"{REPLICAS} model servers answering /healthz", all_serving, timeout=240, op=op)
         f.check_pods_are_ours()
         f.watch("the GateConfig to be initialised", lambda ro: ro.get("phase") == "Succeeded", timeout=60)
-        f.load = Load(f.targets)
-        f.load.start()
+        f.load = BackgroundLoad(f.targets, qps=QPS).start()
         yield f
     finally:
         if f.load is not None:
             f.load.stop()
-            sys.stderr.write(f"[e2e] load: {dict(f.load.gen.stats) if f.load.gen else {}}\n")
+            sys.stderr.write(f"[e2e] load: {f.load.stats}\n")
         op.stop()
         sys.stderr.write(f"[e2e] rollout operator log tail:\n{op.tail(40)}\n")
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)

@@ -3,13 +3,11 @@ name, pytest cannot tell the conftests of different directories apart)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -19,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from loadgen import LoadGen
+from loadgen import BackgroundLoad
 from localcluster import processes
 from localcluster.ports import free_port
 
@@ -102,52 +100,12 @@ class Operator:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
 
-class Load:
-    """LoadGen in a background thread; pod IPs refreshed from the API every 2 s."""
-
-    def __init__(self, targets: Callable[[], list[str]]) -> None:
-        self._targets_fn = targets
-        self._targets: list[str] = []
-        self._stop = threading.Event()
-        self.gen: LoadGen | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._refresher = threading.Thread(target=self._refresh, name="load-targets", daemon=True)
-        self._runner = threading.Thread(target=self._run, name="loadgen", daemon=True)
-
-    def _refresh(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._targets = self._targets_fn()
-            except Exception as e:  # a slow API call must not kill the load
-                sys.stderr.write(f"[e2e] load targets: {e}\n")
-            self._stop.wait(2.0)
-
-    def _run(self) -> None:
-        async def go() -> None:
-            self._loop = asyncio.get_running_loop()
-            self.gen = LoadGen(targets=lambda: list(self._targets), qps=QPS, concurrency=64)
-            await self.gen.run()
-
-        asyncio.run(go())
-
-    def start(self) -> None:
-        self._targets = self._targets_fn()
-        self._refresher.start()
-        self._runner.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._loop is not None and self.gen is not None:
-            self._loop.call_soon_threadsafe(self.gen.stop)
-        self._runner.join(timeout=30)
-
-
 @dataclass
 class Fleet:
     cluster: Any
     namespace: str
     operator: Operator
-    load: Load | None = None
+    load: BackgroundLoad | None = None
 
     # ---------------------------------------------------------------- reading
     def get(self, *args: str) -> dict:
