@@ -6,6 +6,7 @@ more), so server-side apply of the same input is a no-op. Side effects live in c
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 from sparsegate_contracts.gate import GateDocument
@@ -31,8 +32,32 @@ CONTAINER_NAME = "server"
 PORT_NAME = "http"
 DEFAULT_PORT = 8080
 
+# Every listener binds the pod's own IP (pods may share one network namespace, as in the local dev
+# cluster): the kubelet expands $(POD_IP) in the args from this downward-API variable.
+POD_IP_ENV = "POD_IP"
+
+# The image of pods whose SparseModel sets no spec.image: the operator's env (the chart's
+# modelServer.image), else this.
+MODEL_IMAGE_ENV = "SPARSEGATE_MODEL_IMAGE"
+MODEL_IMAGE_PULL_POLICY_ENV = "SPARSEGATE_MODEL_IMAGE_PULL_POLICY"
+DEFAULT_MODEL_IMAGE = "ghcr.io/sparsegate/model-server:0.1.0"
+
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_NODE_LABEL = "nvidia.com/gpu.present"
+
+
+@dataclasses.dataclass(frozen=True)
+class DefaultImage:
+    """What pods of a SparseModel without ``spec.image`` run. The pull policy applies to this
+    image only: an image a user names gets Kubernetes' default policy for it."""
+
+    image: str = DEFAULT_MODEL_IMAGE
+    pull_policy: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> DefaultImage:
+        return cls(image=env.get(MODEL_IMAGE_ENV) or DEFAULT_MODEL_IMAGE,
+                   pull_policy=env.get(MODEL_IMAGE_PULL_POLICY_ENV) or None)
 
 
 def gate_configmap_name(model: str) -> str:
@@ -120,7 +145,8 @@ def model_shape_args(model: Mapping[str, Any]) -> list[str]:
     return args
 
 
-def render_deployment(model: Mapping[str, Any], document: GateDocument) -> dict[str, Any]:
+def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
+                      default_image: DefaultImage = DefaultImage()) -> dict[str, Any]:
     """The model server Deployment.
 
     The gate version goes on the Deployment's metadata, NOT the pod template: a new stable gate
@@ -132,18 +158,21 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument) -> dict[
     port = serving_port(model)
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
-        "image": spec["image"],
+        "image": spec.get("image") or default_image.image,
         "command": ["python", "-m", "sparsegate_workload.server"],
-        "args": ["--host", "0.0.0.0", "--port", str(port),
+        "args": [f"--host=$({POD_IP_ENV})", "--port", str(port),
                  "--gate-config", f"{GATE_DIR}/{GATE_KEY}", "--admin-token-env", ADMIN_TOKEN_ENV,
                  *model_shape_args(model)],
         "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
-        "env": [{"name": ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
-            "name": admin_secret_name(name), "key": ADMIN_TOKEN_KEY}}}],
+        "env": [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                {"name": ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
+                    "name": admin_secret_name(name), "key": ADMIN_TOKEN_KEY}}}],
         "volumeMounts": [{"name": "gate", "mountPath": GATE_DIR, "readOnly": True}],
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": PORT_NAME}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": PORT_NAME}, "periodSeconds": 10},
     }
+    if not spec.get("image") and default_image.pull_policy:
+        container["imagePullPolicy"] = default_image.pull_policy
     pod_spec: dict[str, Any] = {
         "containers": [container],
         # Mount the directory, not a subPath, so ConfigMap updates reach running pods' files.
@@ -166,7 +195,8 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument) -> dict[
                      "template": {"metadata": {"labels": common_labels(name)}, "spec": pod_spec}}}
 
 
-def render_applied(model: Mapping[str, Any], document: GateDocument) -> list[dict[str, Any]]:
+def render_applied(model: Mapping[str, Any], document: GateDocument, *,
+                   default_image: DefaultImage = DefaultImage()) -> list[dict[str, Any]]:
     """Objects re-applied on every reconcile, in dependency order (config before pods)."""
     return [render_configmap(model, document), render_service(model),
-            render_deployment(model, document)]
+            render_deployment(model, document, default_image=default_image)]

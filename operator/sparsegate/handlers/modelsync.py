@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import secrets
 from typing import Any, Callable, Mapping
 
@@ -32,9 +33,13 @@ def resolve_gate(kube: Kube, model: Mapping[str, Any]) -> gate.GateResolution:
 
 
 def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
-              logger: logging.Logger) -> str:
-    """Bring the owned objects and status in line with ``model``; returns the outcome label."""
+              logger: logging.Logger, default_image: render.DefaultImage | None = None) -> str:
+    """Bring the owned objects and status in line with ``model``; returns the outcome label.
+
+    ``default_image``: for models without ``spec.image``; None reads the operator's env
+    (SPARSEGATE_MODEL_IMAGE / _PULL_POLICY, set by the chart from modelServer.image)."""
     meta = model["metadata"]
+    default_image = default_image or render.DefaultImage.from_env(os.environ)
     resolution = resolve_gate(kube, model)
     deployment: Mapping[str, Any] | None = None
     apply_error: str | None = None
@@ -44,7 +49,7 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
                 render.render_secret(model, token=secrets.token_urlsafe(32)))
             if created:
                 logger.info("created admin Secret %s", render.admin_secret_name(meta["name"]))
-            for obj in render.render_applied(model, resolution.document):
+            for obj in render.render_applied(model, resolution.document, default_image=default_image):
                 applied = kube.apply(obj)
                 if obj["kind"] == "Deployment":
                     deployment = applied

@@ -49,8 +49,10 @@ def test_pod_template_matches_the_contract():
     assert dep["spec"]["selector"]["matchLabels"].items() <= tmpl["metadata"]["labels"].items()
     (c,) = tmpl["spec"]["containers"]
     assert c["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
-    assert c["env"] == [{"name": "SPARSEGATE_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {
-        "name": "moe-small-admin", "key": "token"}}}]
+    assert c["env"] == [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "SPARSEGATE_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": "moe-small-admin", "key": "token"}}}]
     (mount,) = c["volumeMounts"]
     (vol,) = tmpl["spec"]["volumes"]
     assert vol["configMap"]["name"] == "moe-small-gate" and vol["name"] == mount["name"]
@@ -150,3 +152,40 @@ def test_shape_flags_parse_with_the_servers_own_parser():
     cfg = server.model_config_from_args(argparse.Namespace(**vars(ns), seed=0))
     assert (cfg.d_model, cfg.num_experts, cfg.min_experts_per_token,
             cfg.max_experts_per_token) == (96, 6, 1, 3)
+
+
+def test_server_binds_the_pod_ip_never_all_interfaces():
+    """Pods may share one network namespace (the local cluster's host network): each binds its own
+    IP. $(POD_IP) is expanded by the kubelet from the env var it references."""
+    c = render.render_deployment(model(), DOC)["spec"]["template"]["spec"]["containers"][0]
+    hosts = [a for a in c["args"] if a.startswith("--host")]
+    assert hosts == ["--host=$(POD_IP)"] and "0.0.0.0" not in c["args"]
+    (pod_ip,) = [e for e in c["env"] if e["name"] == "POD_IP"]
+    assert pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
+def test_spec_image_wins_and_keeps_the_default_pull_policy():
+    default = render.DefaultImage(image="localhost/sparsegate-model-server:dev", pull_policy="Never")
+    c = render.render_deployment(model(image="registry.example/moe:1"), DOC,
+                                 default_image=default)["spec"]["template"]["spec"]["containers"][0]
+    assert c["image"] == "registry.example/moe:1" and "imagePullPolicy" not in c
+
+
+def test_models_without_an_image_run_the_operators_default():
+    m = model()
+    del m["spec"]["image"]
+    default = render.DefaultImage(image="localhost/sparsegate-model-server:dev", pull_policy="Never")
+    (c,) = render.render_applied(m, DOC, default_image=default)[2]["spec"]["template"]["spec"]["containers"]
+    assert (c["image"], c["imagePullPolicy"]) == ("localhost/sparsegate-model-server:dev", "Never")
+    # without operator settings: the built-in default, Kubernetes' pull policy
+    (c,) = render.render_deployment(m, DOC)["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == render.DEFAULT_MODEL_IMAGE and "imagePullPolicy" not in c
+
+
+def test_default_image_from_the_operator_env():
+    env = {"SPARSEGATE_MODEL_IMAGE": "localhost/sparsegate-model-server:dev",
+           "SPARSEGATE_MODEL_IMAGE_PULL_POLICY": "Never"}
+    assert render.DefaultImage.from_env(env) == render.DefaultImage(
+        image="localhost/sparsegate-model-server:dev", pull_policy="Never")
+    assert render.DefaultImage.from_env({}) == render.DefaultImage()
+    assert render.DefaultImage.from_env({"SPARSEGATE_MODEL_IMAGE": ""}).image == render.DEFAULT_MODEL_IMAGE

@@ -156,3 +156,16 @@ def test_status_writes_skip_a_recreated_model(kube):
     modelsync.reconcile(kube, old, events=lambda *a: None, logger=LOG)
     assert "status" not in model_of(kube)
 
+
+
+def test_model_without_image_gets_the_operators_default_from_env(kube, monkeypatch):
+    """The chart passes modelServer.image as SPARSEGATE_MODEL_IMAGE(_PULL_POLICY)."""
+    gateconfig(kube)
+    model = model_of(kube)
+    del model["spec"]["image"]
+    kube.put(model)
+    monkeypatch.setenv("SPARSEGATE_MODEL_IMAGE", "localhost/sparsegate-model-server:dev")
+    monkeypatch.setenv("SPARSEGATE_MODEL_IMAGE_PULL_POLICY", "Never")
+    modelsync.reconcile(kube, model_of(kube), events=lambda *a: None, logger=LOG)
+    (c,) = kube.get("Deployment", namespace="ns", name="moe-small")["spec"]["template"]["spec"]["containers"]
+    assert (c["image"], c["imagePullPolicy"]) == ("localhost/sparsegate-model-server:dev", "Never")
