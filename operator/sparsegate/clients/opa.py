@@ -94,6 +94,11 @@ class RoutingOpa:
                 raise OpaRejected(f"OPA at {self.url}: HTTP {status}: {e.response.text[:500]}") from e
             raise OpaUnavailable(f"OPA at {self.url}: HTTP {status}") from e
         except (ConnectionsError, requests.exceptions.RequestException) as e:
+            cause = e.__cause__  # check_connection wraps the HTTPError of a refused token
+            if isinstance(cause, requests.exceptions.HTTPError) and cause.response is not None \
+                    and cause.response.status_code in (401, 403):
+                raise OpaUnavailable(
+                    f"OPA at {self.url} refused the operator's token (HTTP {cause.response.status_code})") from e
             raise OpaUnavailable(f"OPA at {self.url}: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:

@@ -41,3 +41,97 @@ async def test_decide_many_of_nothing_asks_nothing() -> None:
         assert await opa.decide_many([]) == []
     finally:
         opa.close()
+
+
+class _RecordingOpa:
+    """A stand-in OPA on loopback that records each request's Authorization header and answers
+    like OPA: 401 `{"code": "unauthorized"}` (OPA's answer when system.authz denies) unless the
+    bearer token matches, else minimal well-formed bodies."""
+
+    def __init__(self, *, token: str) -> None:
+        import http.server
+        import json
+        import threading
+
+        seen = self.seen = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = json.loads(raw) if self.command == "POST" else None  # PUTs: Rego or data
+                seen.append((self.command, self.path, self.headers.get("Authorization")))
+                if self.headers.get("Authorization") != f"Bearer {token}":
+                    status, reply = 401, {"code": "unauthorized",
+                                          "message": "request rejected by administrative policy"}
+                elif self.command == "PUT" and "/data/" in self.path:
+                    status, reply = 204, None
+                elif self.command == "POST" and isinstance(body, dict) and "batch" in body["input"]:
+                    status, reply = 200, {"result": [{"allow": False}] * len(body["input"]["batch"])}
+                else:
+                    status, reply = 200, {"result": "rev-1" if self.path.endswith("data_revision") else {}}
+                data = b"" if reply is None else json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = _answer
+
+            def log_message(self, *_: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+async def test_every_call_carries_the_bearer_token() -> None:
+    fake = _RecordingOpa(token="s3cret")
+    opa = RoutingOpa(url=fake.url, token="s3cret", retries=0)
+    try:
+        await opa.check()
+        assert await opa.revision() == "rev-1"
+        await opa.push(rego="package sparsegate.routing", data={"revision": "rev-1"})
+        assert await opa.loaded_policies() == {}
+        assert await opa.decide_many([{"source": {}, "target": {}}] * 3) == [{"allow": False}] * 3
+    finally:
+        opa.close()
+        fake.close()
+    methods = {m for m, _, _ in fake.seen}
+    assert methods == {"GET", "PUT", "POST"} and len(fake.seen) == 6
+    assert {auth for _, _, auth in fake.seen} == {"Bearer s3cret"}
+
+
+@pytest.mark.parametrize("token", [None, "wrong"])
+async def test_a_refused_token_is_opa_unavailable_not_a_rejected_policy(token: str | None) -> None:
+    """401 means "fail closed and retry" (the token comes right with the Secret), and a refused
+    read is never mistaken for an empty OPA (which would trigger a push)."""
+    fake = _RecordingOpa(token="s3cret")
+    opa = RoutingOpa(url=fake.url, token=token, retries=0)
+    try:
+        for call in (opa.check, opa.revision, opa.loaded_policies):
+            with pytest.raises(OpaUnavailable, match="token"):
+                await call()
+        with pytest.raises(OpaUnavailable, match="token"):
+            await opa.push(rego="package sparsegate.routing", data={})
+        with pytest.raises(OpaUnavailable, match="token"):
+            await opa.decide_many([{"source": {}, "target": {}}])
+    finally:
+        opa.close()
+        fake.close()
+    assert {auth for _, _, auth in fake.seen} == {None if token is None else f"Bearer {token}"}
+
+
+def test_settings_read_the_token_from_env_and_never_print_it(monkeypatch) -> None:
+    from sparsegate.handlers.routingpolicy import Settings
+
+    monkeypatch.setenv("SPARSEGATE_OPA_TOKEN", "s3cret")
+    settings = Settings.from_env()
+    assert settings.opa_token == "s3cret" and "s3cret" not in repr(settings)
+    monkeypatch.setenv("SPARSEGATE_OPA_TOKEN", "")
+    assert Settings.from_env().opa_token is None
