@@ -54,3 +54,36 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "sparsegate.image" -}}
 {{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) -}}
 {{- end -}}
+
+{{/* The Secret holding the operator↔OPA bearer token; empty when no token is used
+     (external OPA without opa.auth.existingSecret). */}}
+{{- define "sparsegate.opa.tokenSecretName" -}}
+{{- if .Values.opa.auth.existingSecret -}}
+{{- .Values.opa.auth.existingSecret -}}
+{{- else if .Values.opa.enabled -}}
+{{- printf "%s-opa-token" (include "sparsegate.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "sparsegate.opa.tokenSecretKey" -}}
+{{- if .Values.opa.auth.existingSecret -}}
+{{- .Values.opa.auth.existingSecretKey -}}
+{{- else -}}
+token
+{{- end -}}
+{{- end -}}
+
+{{/* The token env var both containers read (OPA's system.authz policy reads the same name). */}}
+{{- define "sparsegate.opa.tokenEnv" -}}
+- name: SPARSEGATE_OPA_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "sparsegate.opa.tokenSecretName" . }}
+      key: {{ include "sparsegate.opa.tokenSecretKey" . }}
+{{- end -}}
+
+{{/* POD_IP from the downward API: every listener binds it (pods may share one network namespace). */}}
+{{- define "sparsegate.podIPEnv" -}}
+- name: POD_IP
+  valueFrom: {fieldRef: {fieldPath: status.podIP}}
+{{- end -}}

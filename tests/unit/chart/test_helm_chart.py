@@ -5,6 +5,7 @@ Fails (never skips) when helm is missing: build it with dev/setup/binaries.sh he
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import subprocess
@@ -42,10 +43,19 @@ def test_lint(values):
     assert "0 chart(s) failed" in helm(*args)
 
 
+def containers(docs: list[dict], kind: str) -> dict[str, dict]:
+    """The containers of the one object of ``kind`` (Deployment, DaemonSet), by name, in order."""
+    (obj,) = [d for d in docs if d["kind"] == kind]
+    return {c["name"]: c for c in obj["spec"]["template"]["spec"]["containers"]}
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
 @pytest.mark.parametrize("values", SCENARIOS)
 def test_operator_args_are_accepted_by_the_cli(values):
-    (dep,) = [d for d in render(values) if d["kind"] == "Deployment"]
-    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    container = containers(render(values), "Deployment")["operator"]
     assert container["command"] == ["sparsegate"]
     args = cli._parser().parse_args(container["args"])  # the chart and the CLI agree
     assert args.command == "run" and args.standalone
@@ -123,3 +133,146 @@ def test_every_value_is_documented():
             continue  # a grouping: its children are checked one by one
         undocumented.append(key)
     assert undocumented == []
+
+
+# --- listeners bind the pod IP (pods may share one network namespace) ------------------------
+
+VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+@pytest.mark.parametrize("values", SCENARIOS)
+def test_every_listener_binds_the_pod_ip(values):
+    docs = render(values)
+    workloads = [d for d in docs if d["kind"] in ("Deployment", "DaemonSet")]
+    for obj in workloads:
+        for c in obj["spec"]["template"]["spec"]["containers"]:
+            argv = [*c.get("command", []), *c.get("args", [])]
+            assert not [a for a in argv if "0.0.0.0" in a or "127.0.0.1" in a], (c["name"], argv)
+            assert any("$(POD_IP)" in a for a in argv), (c["name"], argv)  # every container listens
+            assert env_of(c)["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+            # Kubernetes expands $(VAR) only from the container's own env, and in an env value only
+            # from variables defined before it.
+            names = [e["name"] for e in c.get("env", [])]
+            for a in argv:
+                assert set(VAR_REF.findall(a)) <= set(names), (c["name"], a)
+            for i, e in enumerate(c.get("env", [])):
+                assert set(VAR_REF.findall(str(e.get("value", "")))) <= set(names[:i]), e
+    op = containers(docs, "Deployment")["operator"]
+    assert "--liveness=http://$(POD_IP):8081/healthz" in op["args"]
+    assert "--metrics-address=$(POD_IP)" in op["args"] and "--metrics-port=9090" in op["args"]
+    assert cli._parser().parse_args(op["args"]).metrics_address == "$(POD_IP)"
+
+
+# --- OPA sidecar and the bearer token -------------------------------------------------------
+
+
+def opa_token_secret(docs: list[dict]) -> dict:
+    (secret,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-opa-token")]
+    return secret
+
+
+def test_opa_is_a_sidecar_by_default_listening_on_the_pod_ip_with_token_auth():
+    docs = render()
+    pod = [d for d in docs if d["kind"] == "Deployment"][0]["spec"]["template"]["spec"]
+    byname = containers(docs, "Deployment")
+    assert list(byname) == ["opa", "operator"]  # OPA first
+    opa, op = byname["opa"], byname["operator"]
+    assert opa["image"] == "ghcr.io/sparsegate/opa:1.22.4" and "command" not in opa  # entrypoint opa
+    assert opa["args"][:2] == ["run", "--server"]
+    for flag in ("--addr=$(POD_IP):8181", "--authentication=token", "--authorization=basic"):
+        assert flag in opa["args"]
+    assert opa["args"][-1] == "/policies/opa-authz.rego"
+    (mount,) = opa["volumeMounts"]
+    assert (mount["mountPath"], mount["readOnly"]) == ("/policies", True)
+    (vol,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == vol["configMap"]["name"]]
+    assert cm["data"] == {"opa-authz.rego": (CHART / "files" / "opa-authz.rego").read_text()}
+    # probes: /health is the one path system.authz leaves open
+    assert [p["containerPort"] for p in opa["ports"] if p["name"] == "opa"] == [8181]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert opa[probe]["httpGet"] == {"path": "/health", "port": "opa"}
+    sc = opa["securityContext"]
+    assert (sc["runAsUser"], sc["runAsNonRoot"], sc["readOnlyRootFilesystem"]) == (65532, True, True)
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["allowPrivilegeEscalation"] is False
+    # the token: one Secret, read by both containers under the name the authz policy reads
+    secret = opa_token_secret(docs)
+    ref = {"name": secret["metadata"]["name"], "key": "token"}
+    assert env_of(opa)["SPARSEGATE_OPA_TOKEN"]["valueFrom"] == {"secretKeyRef": ref}
+    assert env_of(op)["SPARSEGATE_OPA_TOKEN"]["valueFrom"] == {"secretKeyRef": ref}
+    assert "opa.runtime().env.SPARSEGATE_OPA_TOKEN" in cm["data"]["opa-authz.rego"]
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) == 48 and token.isalnum()
+    assert env_of(op)["SPARSEGATE_OPA_URL"]["value"] == "http://$(POD_IP):8181"
+    # a changed authz policy rolls the pod (OPA reads it at start only)
+    assert [d for d in docs if d["kind"] == "Deployment"][0]["spec"]["template"]["metadata"][
+        "annotations"]["checksum/opa-authz"]
+
+
+def test_opa_token_is_random_per_install_and_an_existing_secret_replaces_it():
+    assert opa_token_secret(render())["data"] != opa_token_secret(render())["data"]  # no lookup here
+    docs = render(None, "--set", "opa.auth.existingSecret=mine", "--set", "opa.auth.existingSecretKey=k")
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    for c in containers(docs, "Deployment").values():
+        assert env_of(c)["SPARSEGATE_OPA_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "mine", "key": "k"}}
+
+
+def test_external_opa_has_no_sidecar():
+    docs = render("external-opa-values.yaml")
+    assert list(containers(docs, "Deployment")) == ["operator"]
+    assert not [d for d in docs if d["kind"] in ("Secret", "ConfigMap")]
+    env = env_of(containers(docs, "Deployment")["operator"])
+    assert env["SPARSEGATE_OPA_URL"]["value"] == "https://opa.policy-system.svc:8181"
+    assert env["SPARSEGATE_OPA_TOKEN"]["valueFrom"] == {
+        "secretKeyRef": {"name": "opa-client-token", "key": "bearer"}}
+    # without a token Secret nothing is sent
+    docs = render(None, "--set", "opa.enabled=false")
+    assert "SPARSEGATE_OPA_TOKEN" not in env_of(containers(docs, "Deployment")["operator"])
+    assert env_of(containers(docs, "Deployment")["operator"])["SPARSEGATE_OPA_URL"]["value"] == "http://127.0.0.1:8181"
+
+
+# --- images -------------------------------------------------------------------------------------
+
+
+def test_default_images_and_the_model_server_default_passed_to_the_operator():
+    byname = containers(render(), "Deployment")
+    assert byname["operator"]["image"] == "ghcr.io/sparsegate/operator:0.1.0"
+    env = env_of(byname["operator"])
+    assert env["SPARSEGATE_MODEL_IMAGE"]["value"] == "ghcr.io/sparsegate/model-server:0.1.0"
+    assert env["SPARSEGATE_MODEL_IMAGE_PULL_POLICY"]["value"] == "IfNotPresent"
+
+
+def test_local_images_are_never_pulled():
+    docs = render("local-images-values.yaml", "--set", "agent.enabled=true")
+    byname = containers(docs, "Deployment")
+    assert (byname["operator"]["image"], byname["operator"]["imagePullPolicy"]) == (
+        "localhost/sparsegate-operator:dev", "Never")
+    assert (byname["opa"]["image"], byname["opa"]["imagePullPolicy"]) == ("localhost/sparsegate-opa:dev", "Never")
+    env = env_of(byname["operator"])
+    assert env["SPARSEGATE_MODEL_IMAGE"]["value"] == "localhost/sparsegate-model-server:dev"
+    assert env["SPARSEGATE_MODEL_IMAGE_PULL_POLICY"]["value"] == "Never"
+    agent = containers(docs, "DaemonSet")["agent"]
+    assert (agent["image"], agent["imagePullPolicy"]) == ("localhost/sparsegate-agent:dev", "Never")
+    # the tag is a --set away
+    docs = render("local-images-values.yaml", "--set", "operator.image.tag=abc123")
+    assert containers(docs, "Deployment")["operator"]["image"] == "localhost/sparsegate-operator:abc123"
+
+
+# --- agent least privilege ----------------------------------------------------------------------
+
+
+def test_agent_is_not_privileged_and_gets_only_the_bpf_capabilities():
+    docs = render("agent-values.yaml")
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True
+    agent = containers(docs, "DaemonSet")["agent"]
+    sc = agent["securityContext"]
+    assert "privileged" not in sc and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["BPF", "NET_ADMIN", "PERFMON"]}
+    assert "--metrics-addr=$(POD_IP)" in agent["command"]
+    mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
+    assert mounts["/lib/modules"]["readOnly"] and mounts["/usr/src"]["readOnly"]
+    host_paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert host_paths == {"/lib/modules", "/usr/src"}  # no bpffs, no debugfs
+    docs = render("agent-values.yaml", "--set", "agent.capabilities={BPF,NET_ADMIN,PERFMON,SYS_RESOURCE}")
+    assert containers(docs, "DaemonSet")["agent"]["securityContext"]["capabilities"]["add"][-1] == "SYS_RESOURCE"
