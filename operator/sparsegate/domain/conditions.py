@@ -32,6 +32,9 @@ class Reason(str, enum.Enum):
     """Ready=False: the Deployment has not been created (yet)."""
     GATE_UNAVAILABLE = "GateUnavailable"
     """Ready=False: no usable gate, so nothing was rendered for this generation."""
+    CONTAINERS_WAITING = "ContainersWaiting"
+    """Ready=False: pods cannot start their containers (missing image, crash loop, ...); the
+    message names the pod, the container and the kubelet's reason."""
     ROLLOUT_COMPLETE = "RolloutComplete"
     """Progressing=False: the Deployment reached its desired state."""
     AS_EXPECTED = "AsExpected"
@@ -104,9 +107,35 @@ def degraded_condition(*, gate_error: str | None, gate_source: str,
                      f"gate from {gate_source}")
 
 
+# Waiting reasons a kubelet reports when a container cannot start by itself: worth naming in
+# the model's Ready condition (ContainerCreating and PodInitializing just take time).
+STUCK_REASONS = frozenset({
+    "ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName", "CrashLoopBackOff",
+    "CreateContainerError", "CreateContainerConfigError", "RunContainerError",
+})
+
+
+def is_stuck(pod: Mapping[str, Any]) -> bool:
+    return bool(container_problems([pod]))
+
+
+def container_problems(pods: Iterable[Mapping[str, Any]], *, limit: int = 3) -> list[str]:
+    """``pod/container: Reason: message`` for containers waiting with a :data:`STUCK_REASONS` reason."""
+    found = []
+    for pod in pods:
+        name = (pod.get("metadata") or {}).get("name")
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in STUCK_REASONS:
+                message = str(waiting.get("message") or "")[:200]
+                found.append(f"{name}/{cs.get('name')}: {waiting['reason']}" + (f": {message}" if message else ""))
+    return sorted(found)[:limit]
+
+
 def workload_conditions(*, desired: int, deployment: Mapping[str, Any] | None,
-                        degraded: bool) -> list[Condition]:
-    """Ready and Progressing from the Deployment (None when it does not exist)."""
+                        degraded: bool, problems: Sequence[str] = ()) -> list[Condition]:
+    """Ready and Progressing from the Deployment (None when it does not exist) and, while it is
+    not done, the ``problems`` of its pods (:func:`container_problems`)."""
     if deployment is None:
         reason = Reason.GATE_UNAVAILABLE if degraded else Reason.DEPLOYMENT_MISSING
         return [Condition(ConditionType.READY, Status.FALSE, reason, "no Deployment"),
@@ -123,6 +152,10 @@ def workload_conditions(*, desired: int, deployment: Mapping[str, Any] | None,
         reason = Reason.SCALED_TO_ZERO if desired == 0 else Reason.ALL_REPLICAS_READY
         return [Condition(ConditionType.READY, Status.TRUE, reason, counts),
                 Condition(ConditionType.PROGRESSING, Status.FALSE, Reason.ROLLOUT_COMPLETE, counts)]
+    if problems:
+        return [Condition(ConditionType.READY, Status.FALSE, Reason.CONTAINERS_WAITING,
+                          f"{counts}; {'; '.join(problems)}"),
+                Condition(ConditionType.PROGRESSING, Status.TRUE, Reason.REPLICAS_NOT_READY, counts)]
     return [Condition(ConditionType.READY, Status.FALSE, Reason.REPLICAS_NOT_READY, counts),
             Condition(ConditionType.PROGRESSING, Status.TRUE, Reason.REPLICAS_NOT_READY, counts)]
 

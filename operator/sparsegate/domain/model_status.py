@@ -8,7 +8,7 @@ same thing whichever wrote last.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from sparsegate.domain import conditions as c
 from sparsegate.domain.gate import GateResolution
@@ -25,13 +25,13 @@ def _replica_counts(deployment: Mapping[str, Any] | None) -> dict[str, int]:
 
 def after_reconcile(*, model: Mapping[str, Any], generation: int | None, gate: GateResolution,
                     deployment: Mapping[str, Any] | None, apply_error: str | None,
-                    now: str) -> dict[str, Any]:
+                    now: str, problems: Sequence[str] = ()) -> dict[str, Any]:
     """Full status after a reconcile that rendered ``generation`` of the (now current) ``model``."""
     previous = (model.get("status") or {})
     degraded = c.degraded_condition(gate_error=gate.error, gate_source=gate.source,
                                     apply_error=apply_error)
     workload = c.workload_conditions(desired=desired_replicas(model), deployment=deployment,
-                                     degraded=degraded.status is c.Status.TRUE)
+                                     degraded=degraded.status is c.Status.TRUE, problems=problems)
     status: dict[str, Any] = {
         "observedGeneration": generation,
         **_replica_counts(deployment),
@@ -45,12 +45,12 @@ def after_reconcile(*, model: Mapping[str, Any], generation: int | None, gate: G
 
 
 def after_deployment_event(*, model: Mapping[str, Any], deployment: Mapping[str, Any] | None,
-                           now: str) -> dict[str, Any] | None:
+                           now: str, problems: Sequence[str] = ()) -> dict[str, Any] | None:
     """Status patch after the model's Deployment changed; None when nothing would change."""
     previous = model.get("status") or {}
     prev_conditions = previous.get("conditions") or []
     workload = c.workload_conditions(desired=desired_replicas(model), deployment=deployment,
-                                     degraded=c.is_degraded(prev_conditions))
+                                     degraded=c.is_degraded(prev_conditions), problems=problems)
     observed = previous.get("observedGeneration")
     merged = c.set_conditions(prev_conditions, workload, now=now, observed_generation=observed)
     patch = {**_replica_counts(deployment), "conditions": merged}

@@ -9,6 +9,9 @@ import logging
 import os
 import secrets
 from typing import Any, Callable, Mapping
+from urllib.parse import quote
+
+from sparsegate_contracts import names
 
 from sparsegate.clients.kube import Kube, KubeError
 from sparsegate.domain import conditions, gate, model_status, render
@@ -30,6 +33,17 @@ def resolve_gate(kube: Kube, model: Mapping[str, Any]) -> gate.GateResolution:
     body = kube.get("GateConfig", namespace=model["metadata"]["namespace"], name=ref) if ref else None
     experts = int(model["spec"]["model"]["experts"])
     return gate.resolve(body, referenced=ref is not None, num_experts=experts)
+
+
+def container_problems(kube: Kube, *, namespace: str, name: str,
+                       deployment: Mapping[str, Any] | None, desired: int) -> list[str]:
+    """Why the model's pods cannot start, read from the pods only while some are not ready."""
+    ready = int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0)
+    if deployment is None or ready >= desired:
+        return []
+    pods = kube.request("GET", f"/api/v1/namespaces/{quote(namespace)}/pods",
+                        query={"labelSelector": f"{names.MODEL_LABEL}={name}"})
+    return conditions.container_problems(pods.get("items") or [])
 
 
 def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
@@ -58,11 +72,13 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
     else:
         # No usable gate: leave what runs untouched (it keeps its last gate) and report why.
         deployment = kube.get("Deployment", namespace=meta["namespace"], name=meta["name"])
+    problems = container_problems(kube, namespace=meta["namespace"], name=meta["name"], deployment=deployment,
+                                  desired=model_status.desired_replicas(model))
     write_status(kube, model, events=events,
                  compute=lambda current: model_status.after_reconcile(
                      model=current, generation=meta.get("generation"), gate=resolution,
                      deployment=deployment,
-                     apply_error=apply_error, now=now()))
+                     apply_error=apply_error, now=now(), problems=problems))
     if apply_error:
         raise KubeError(500, "ApplyFailed", apply_error)
     return "degraded" if resolution.document is None else "success"
@@ -80,13 +96,15 @@ def live_owner(kube: Kube, *, namespace: str, name: str,
 
 def refresh_from_deployment(kube: Kube, *, namespace: str, name: str,
                             deployment: Mapping[str, Any] | None, events: EventSink) -> None:
-    """The model's Deployment changed: refresh replica counts, Ready and Progressing."""
+    """The model's Deployment (or one of its pods) changed: refresh replica counts, Ready and Progressing."""
     current = kube.get("SparseModel", namespace=namespace, name=name)
     if current is None:
         return
+    problems = container_problems(kube, namespace=namespace, name=name, deployment=deployment,
+                                  desired=model_status.desired_replicas(current))
     write_status(kube, current, events=events,
                  compute=lambda m: model_status.after_deployment_event(
-                     model=m, deployment=deployment, now=now()))
+                     model=m, deployment=deployment, now=now(), problems=problems))
 
 
 def write_status(kube: Kube, model: Mapping[str, Any], *, events: EventSink,

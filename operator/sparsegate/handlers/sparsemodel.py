@@ -2,6 +2,8 @@
 
 - create/update/resume → render and server-side apply the owned objects, write status.
 - any event of an owned Deployment → refresh replica counts and Ready/Progressing.
+- a model pod whose container cannot start (missing image, crash loop) → the same refresh, so
+  Ready=False names the pod, container and reason (ContainersWaiting).
 - GateConfig events → write status.stable on first sight (if nothing else did) and re-reconcile
   models whose rendered gate no longer matches (see handlers.gatebinding).
   A Deployment deleted while its model lives is re-created.
@@ -20,6 +22,7 @@ import kopf
 from sparsegate_contracts import names
 
 from sparsegate import metrics
+from sparsegate.domain import conditions
 from sparsegate.handlers import modelsync
 
 GROUP, VERSION = names.GROUP, names.VERSION
@@ -64,3 +67,19 @@ def deployment_changed(type: str | None, body: kopf.Body, memo: kopf.Memo,
         modelsync.refresh_from_deployment(
             memo.kube, namespace=body.metadata.namespace, name=model,
             deployment=None if type == "DELETED" else dict(body), events=post_event)
+
+
+def _stuck(body: kopf.Body, **_: Any) -> bool:
+    return conditions.is_stuck(body)
+
+
+@kopf.on.event("", "v1", "pods", labels={names.NAME_LABEL: names.MODEL_SERVER_NAME}, when=_stuck)
+def pod_stuck(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    model = body.metadata.labels.get(names.MODEL_LABEL)
+    if not model:
+        return
+    namespace = body.metadata.namespace
+    with metrics.observe("Pod"):
+        deployment = memo.kube.get("Deployment", namespace=namespace, name=model)
+        modelsync.refresh_from_deployment(memo.kube, namespace=namespace, name=model, deployment=deployment,
+                                          events=post_event)

@@ -92,3 +92,20 @@ def test_deployment_event_keeps_degraded_and_skips_noop_writes():
     conds = by_type(patch["conditions"])
     assert conds["Ready"]["status"] == "True" and conds["Degraded"]["status"] == "True"
     assert patch["readyReplicas"] == 2
+
+
+def test_container_problems_name_stuck_containers_only():
+    pods = [{"metadata": {"name": f"p{i}"}, "status": {"containerStatuses": [
+        {"name": "server", "state": {"waiting": {"reason": reason, "message": "m" * 500}}}]}}
+        for i, reason in enumerate(["CrashLoopBackOff", "ContainerCreating", "ErrImagePull"])]
+    problems = c.container_problems(pods)
+    assert [p.split(":")[0] for p in problems] == ["p0/server", "p2/server"]
+    assert all(len(p) < 260 for p in problems)  # messages are cut
+    assert c.is_stuck(pods[0]) and not c.is_stuck(pods[1])
+    ready, progressing = c.workload_conditions(desired=2, deployment=deployment(ready=0), degraded=False,
+                                               problems=problems)
+    assert (ready.status, ready.reason) == (c.Status.FALSE, c.Reason.CONTAINERS_WAITING)
+    assert "p0/server: CrashLoopBackOff" in ready.message and progressing.status is c.Status.TRUE
+    # Problems do not matter once every replica is ready.
+    ready, _ = c.workload_conditions(desired=2, deployment=deployment(ready=2), degraded=False, problems=problems)
+    assert ready.status is c.Status.TRUE

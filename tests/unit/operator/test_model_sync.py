@@ -54,6 +54,14 @@ class MemoryKube:
         self.put(obj)
         return True
 
+    def request(self, method, path, *, query=None, **_):
+        # Only the pod LIST by label that modelsync makes.
+        assert method == "GET" and path.endswith("/pods"), path
+        namespace = path.split("/")[4]
+        key, _, value = (query or {})["labelSelector"].partition("=")
+        return {"items": [copy.deepcopy(o) for (kind, ns, _), o in self.objects.items()
+                          if kind == "Pod" and ns == namespace and o["metadata"]["labels"].get(key) == value]}
+
     def update_status(self, kind, *, namespace, name, mutate, attempts=5):
         current = self.get(kind, namespace=namespace, name=name)
         if current is None:
@@ -169,3 +177,30 @@ def test_model_without_image_gets_the_operators_default_from_env(kube, monkeypat
     modelsync.reconcile(kube, model_of(kube), events=lambda *a: None, logger=LOG)
     (c,) = kube.get("Deployment", namespace="ns", name="moe-small")["spec"]["template"]["spec"]["containers"]
     assert (c["image"], c["imagePullPolicy"]) == ("localhost/sparsegate-model-server:dev", "Never")
+
+
+def stuck_pod(k, name, reason, message):
+    k.put({"kind": "Pod", "metadata": {"name": name, "namespace": "ns", "labels": {"sparsegate.dev/model": "moe-small"}},
+           "status": {"phase": "Running", "containerStatuses": [
+               {"name": "server", "ready": False, "restartCount": 0,
+                "state": {"waiting": {"reason": reason, "message": message}}}]}})
+
+
+def test_ready_names_pods_whose_containers_cannot_start(kube):
+    gateconfig(kube)
+    modelsync.reconcile(kube, model_of(kube), events=lambda *a: None, logger=LOG)
+    stuck_pod(kube, "moe-small-a", "ErrImageNeverPull", 'Container image "x" is not present with pull policy of Never')
+    stuck_pod(kube, "moe-small-b", "ContainerCreating", "")  # just takes time: not named
+    deployment = kube.get("Deployment", namespace="ns", name="moe-small")
+    deployment["status"] = {"replicas": 2, "readyReplicas": 0, "updatedReplicas": 2}
+    modelsync.refresh_from_deployment(kube, namespace="ns", name="moe-small", deployment=deployment,
+                                      events=lambda *a: None)
+    ready = conditions(kube)["Ready"]
+    assert ready["status"] == "False" and ready["reason"] == "ContainersWaiting"
+    assert "moe-small-a/server: ErrImageNeverPull" in ready["message"] and "moe-small-b" not in ready["message"]
+    # Once every replica is ready the pods are not even read, and Ready is True.
+    deployment["status"] = {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "observedGeneration": 1}
+    deployment["metadata"]["generation"] = 1
+    modelsync.refresh_from_deployment(kube, namespace="ns", name="moe-small", deployment=deployment,
+                                      events=lambda *a: None)
+    assert conditions(kube)["Ready"]["status"] == "True"
