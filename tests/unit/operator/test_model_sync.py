@@ -170,7 +170,7 @@ def test_model_without_image_gets_the_operators_default_from_env(kube, monkeypat
     """The chart passes modelServer.image as SPARSEGATE_MODEL_IMAGE(_PULL_POLICY)."""
     gateconfig(kube)
     model = model_of(kube)
-    del model["spec"]["image"]
+    model["spec"].pop("image", None)  # examples/ leave it out
     kube.put(model)
     monkeypatch.setenv("SPARSEGATE_MODEL_IMAGE", "localhost/sparsegate-model-server:dev")
     monkeypatch.setenv("SPARSEGATE_MODEL_IMAGE_PULL_POLICY", "Never")
