@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-time (then cached) set-up of everything the demo and the tests need on this machine:
 # Debian packages (openssl, iproute2, BCC, kernel headers), the Python virtualenv, and the Go-built
-# binaries (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, opa, helm).
+# binaries (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, opa, helm),
+# and the container images (operator, model server, node agent, OPA; podman/buildah, dev/imagebuild).
 # Safe to run again: each step checks a stamp and does nothing when up to date.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -14,3 +15,5 @@ step debian bash "$here/setup/debian.sh" openssl iproute2 ca-certificates busybo
 step bpf bash "$here/setup/bpf.sh"
 step python bash "$here/setup/python.sh"
 step binaries bash "$here/setup/binaries.sh"
+# After binaries: the OPA image holds the built `opa`.
+step images bash "$here/setup/images.sh"
