@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
             result = build.refs(args.names)
         else:
             result = build.ensure_images(args.names)
-    except (ImageBuildError, KeyError) as exc:
+    except (ImageBuildError, ValueError) as exc:
         print(f"imagebuild: {exc}", file=sys.stderr)
         return 1
     for name, ref in result.items():

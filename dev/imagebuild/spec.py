@@ -182,7 +182,7 @@ def select(names: Sequence[str] | None) -> list[ImageSpec]:
         return list(IMAGES.values())
     unknown = [n for n in names if n not in IMAGES]
     if unknown:
-        raise KeyError(f"unknown image(s) {unknown}; known: {', '.join(IMAGE_NAMES)}")
+        raise ValueError(f"unknown image(s) {unknown}; known: {', '.join(IMAGE_NAMES)}")
     return [IMAGES[n] for n in dict.fromkeys(names)]
 
 

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from imagebuild import spec, tools
+from imagebuild import sources, spec, tools
 from imagebuild.errors import ImageBuildError
 
 KEY_FILE = "KEY"                  # the set's key / the project digest, checked inside the build
@@ -32,6 +32,14 @@ def _publish(tmp: Path, final: Path) -> None:
         if not (final / KEY_FILE).is_file():
             raise
         shutil.rmtree(tmp, ignore_errors=True)  # someone else published the same content
+
+
+def prune_dirs(parent: Path, pattern: str, current: Path, keep: int) -> None:
+    """Removes the complete cache directories matching ``pattern`` other than ``current`` beyond
+    the ``keep`` most recently made (old wheel sets are GBs; old project wheels pile up)."""
+    others = [d for d in parent.glob(pattern) if d != current and (d / KEY_FILE).is_file()]
+    for d in sorted(others, key=lambda d: -d.stat().st_mtime)[keep:]:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def ensure_wheelset(ws: spec.WheelSet, cache: Path) -> Path:
@@ -51,6 +59,7 @@ def ensure_wheelset(ws: spec.WheelSet, cache: Path) -> Path:
         _publish(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    prune_dirs(final.parent, f"{ws.name}-*", final, keep=1)
     size = sum(p.stat().st_size for p in final.iterdir())
     tools.log(f"wheel set {ws.name}: {len(list(final.glob('*.whl')))} wheels, {size / 1e6:.0f} MB in {final}")
     return final
@@ -74,6 +83,8 @@ def ensure_project_wheel(root: Path, files: list[str], digest: str, version: str
         for rel in files:
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(root / rel, src / rel)  # follows symlinks
+        if sources.files_digest(src, files) != digest:  # edited while we planned: the tag would lie
+            raise ImageBuildError("the project's sources changed during the build; run it again")
         (src / "README.md").write_text(_readme_stub(version))
         out = tmp / "out"
         env_epoch = {"SOURCE_DATE_EPOCH": "315532800"}  # zip timestamps: 1980-01-01
@@ -90,4 +101,5 @@ def ensure_project_wheel(root: Path, files: list[str], digest: str, version: str
         _publish(pub, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    prune_dirs(final.parent, "*", final, keep=8)
     return final

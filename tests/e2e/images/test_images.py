@@ -21,7 +21,7 @@ from pathlib import Path
 
 import imagebuild
 import pytest
-from imagebuild import tools
+from imagebuild import sources, tools
 from localcluster.ports import free_port
 
 pytestmark = [pytest.mark.slow]
@@ -59,7 +59,7 @@ def inspect(ref: str) -> dict:
 
 
 def opa_version() -> str:
-    return imagebuild.build.sources.go_module_version(ROOT / "dev/go/opa/go.mod", "github.com/open-policy-agent/opa")
+    return sources.go_module_version(ROOT / "dev/go/opa/go.mod", "github.com/open-policy-agent/opa")
 
 
 @pytest.mark.parametrize("name,args,expected", [

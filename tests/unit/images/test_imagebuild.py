@@ -4,12 +4,13 @@ it reads a checkout (files, digests, revision). No podman, buildah or network he
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
-from imagebuild import build, sources, spec
+from imagebuild import build, sources, spec, wheels
 from imagebuild.errors import ImageBuildError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -118,7 +119,7 @@ def test_opa_build_args_have_no_base_or_wheels() -> None:
 def test_select_keeps_order_and_rejects_unknown_names() -> None:
     assert [s.name for s in spec.select(None)] == list(spec.IMAGE_NAMES) == ["operator", "model-server", "agent", "opa"]
     assert [s.name for s in spec.select(["opa", "operator", "opa"])] == ["opa", "operator"]
-    with pytest.raises(KeyError, match="nope"):
+    with pytest.raises(ValueError, match="nope"):
         spec.select(["nope"])
 
 
@@ -327,3 +328,13 @@ def test_stale_refs_keep_the_current_and_the_newest_others() -> None:
     assert spec.stale_refs(existing, "r:", "r:cur", keep=10) == []
     bases = {"b:python-1": 1.0, "b:python-2": 2.0, "b:bpf-1": 0.0}
     assert spec.stale_refs(bases, "b:python-", "b:python-2", keep=0) == ["b:python-1"]
+
+
+def test_prune_dirs_keeps_current_newest_and_incomplete(tmp_path: Path) -> None:
+    for i, name in enumerate(["core-a", "core-b", "core-c", "core-d", "workload-x"]):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / wheels.KEY_FILE).write_text(name)
+        os.utime(tmp_path / name, (1000 + i, 1000 + i))
+    (tmp_path / "core-partial").mkdir()  # no KEY: being written by someone, never removed
+    wheels.prune_dirs(tmp_path, "core-*", tmp_path / "core-a", keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["core-a", "core-d", "core-partial", "workload-x"]
