@@ -137,17 +137,17 @@ class RolloutLoop:
             self.kube.request, "GET", f"/api/v1/namespaces/{quote(namespace)}/pods",
             query={"labelSelector": selector})
         targets: dict[str, PodTarget] = {}
-        names: list[str] = []
+        live: list[str] = []
         for pod in pods.get("items", []):
             meta, status = pod["metadata"], pod.get("status") or {}
             model_name = (meta.get("labels") or {}).get(names.MODEL_LABEL)
             if model_name not in ports or meta.get("deletionTimestamp") or status.get("phase") in ("Succeeded", "Failed"):
                 continue
-            names.append(meta["name"])
+            live.append(meta["name"])
             if status.get("podIP"):
                 targets[meta["name"]] = PodTarget(name=meta["name"], ip=status["podIP"], port=ports[model_name],
                                                   token=tokens[model_name])
-        return _Fleet(targets=targets, all_pods=tuple(sorted(names)))
+        return _Fleet(targets=targets, all_pods=tuple(sorted(live)))
 
     async def _observe_pods(self, fleet: _Fleet) -> tuple[PodObservation, ...]:
         health = await self.admin.health(list(fleet.targets.values()))
