@@ -55,8 +55,11 @@ def run(argv: Sequence[str], *, what: str, timeout: float = 3600, cwd: Path | No
     """Runs ``argv``; on failure raises with its command line and the tail of its output."""
     if not os.path.isabs(argv[0]):
         require(argv[0])
-    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                          env={**env(), **(extra_env or {})}, stdin=subprocess.DEVNULL, check=False)
+    try:
+        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                              env={**env(), **(extra_env or {})}, stdin=subprocess.DEVNULL, check=False)
+    except subprocess.TimeoutExpired:
+        raise ImageBuildError(f"{what} did not finish within {timeout:.0f}s: {' '.join(argv)}") from None
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr).strip()[-4000:]
         raise ImageBuildError(f"{what} failed ({proc.returncode}): {' '.join(argv)}\n{tail}")
