@@ -168,6 +168,10 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
                 {"name": ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
                     "name": admin_secret_name(name), "key": ADMIN_TOKEN_KEY}}}],
         "volumeMounts": [{"name": "gate", "mountPath": GATE_DIR, "readOnly": True}],
+        # Importing torch and building the model can take minutes on a busy node: liveness only
+        # starts once the server has answered /healthz (up to 5 minutes), as for any slow starter.
+        "startupProbe": {"httpGet": {"path": "/healthz", "port": PORT_NAME}, "periodSeconds": 2,
+                         "failureThreshold": 150},
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": PORT_NAME}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": PORT_NAME}, "periodSeconds": 10},
     }

@@ -189,3 +189,11 @@ def test_default_image_from_the_operator_env():
         image="localhost/sparsegate-model-server:dev", pull_policy="Never")
     assert render.DefaultImage.from_env({}) == render.DefaultImage()
     assert render.DefaultImage.from_env({"SPARSEGATE_MODEL_IMAGE": ""}).image == render.DEFAULT_MODEL_IMAGE
+
+
+def test_liveness_waits_for_a_slow_start():
+    (c,) = render.render_deployment(model(), DOC)["spec"]["template"]["spec"]["containers"]
+    startup = c["startupProbe"]
+    # Liveness (10 s × 3) would kill a server still importing torch; the startup probe allows minutes.
+    assert startup["httpGet"]["path"] == "/healthz" and startup["periodSeconds"] * startup["failureThreshold"] >= 300
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz"
