@@ -428,6 +428,7 @@ def main(argv: list[str] | None = None, *, state_dir: Path | None = None) -> int
         args.pid_file.write_text(f"{os.getpid()} {processes.process_start_ticks(os.getpid()) or 0}\n")
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: runner.shutdown())
-    LOG.info("watching pods %s with %s", args.selector, args.kubeconfig)
+    LOG.info("watching %s with %s", "every pod (containers)" if args.containers else f"pods {args.selector}",
+             args.kubeconfig)
     runner.run()
     return 0
