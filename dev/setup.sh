@@ -5,15 +5,20 @@
 # and the container images (operator, model server, node agent, OPA; podman/buildah, dev/imagebuild).
 # Safe to run again: each step checks a stamp and does nothing when up to date.
 set -euo pipefail
-here="$(cd "$(dirname "$0")" && pwd)"
-source "$here/env.sh"
-mkdir -p "$SPARSEGATE_CACHE" "$SPARSEGATE_BIN"
-step() { local name=$1 t0=$SECONDS; shift; echo "[setup] $name"; "$@"; echo "[setup] $name done in $((SECONDS - t0))s"; }
-# openssl: the local control plane's certificates; iproute2: network namespaces in the eBPF tests;
-# busybox-static: the tiny image the container pod runner's tests run.
-step debian bash "$here/setup/debian.sh" openssl iproute2 ca-certificates busybox-static
-step bpf bash "$here/setup/bpf.sh"
-step python bash "$here/setup/python.sh"
-step binaries bash "$here/setup/binaries.sh"
-# After binaries: the OPA image holds the built `opa`.
-step images bash "$here/setup/images.sh"
+# One function, called on the last line: bash reads a script as it runs, so an edit to this file
+# during a long first run (the Go builds) must not change what the running copy executes.
+main() {
+  here="$(cd "$(dirname "$0")" && pwd)"
+  source "$here/env.sh"
+  mkdir -p "$SPARSEGATE_CACHE" "$SPARSEGATE_BIN"
+  step() { local name=$1 t0=$SECONDS; shift; echo "[setup] $name"; "$@"; echo "[setup] $name done in $((SECONDS - t0))s"; }
+  # openssl: the local control plane's certificates; iproute2: network namespaces in the eBPF tests;
+  # busybox-static: the tiny image the container pod runner's tests run.
+  step debian bash "$here/setup/debian.sh" openssl iproute2 ca-certificates busybox-static
+  step bpf bash "$here/setup/bpf.sh"
+  step python bash "$here/setup/python.sh"
+  step binaries bash "$here/setup/binaries.sh"
+  # After binaries: the OPA image holds the built `opa`.
+  step images bash "$here/setup/images.sh"
+}
+main "$@"
