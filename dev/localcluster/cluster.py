@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from types import TracebackType
 
 import yaml
 
-from localcluster import config, health, nodes, pki, processes
+from localcluster import config, health, nodes, pki, podman, processes
 from localcluster.binaries import CONTROL_PLANE_BINARIES, find_binaries
 from localcluster.ports import pick_free_ports
 
@@ -119,8 +120,14 @@ class LocalCluster:
         """Stops every component (ours or, via pid files, another process's). Returns those stopped."""
         stopped = []
         for name in (POD_RUNNER, *reversed(config.COMPONENTS)):
-            if processes.stop_from_pid_file(self.layout.pid_file(name), grace_s=grace_s, popen=self._procs.pop(name, None)):
+            # The pod runner stops its containers on the way out: give it the time that takes.
+            grace = max(grace_s, 40.0) if name == POD_RUNNER else grace_s
+            if processes.stop_from_pid_file(self.layout.pid_file(name), grace_s=grace, popen=self._procs.pop(name, None)):
                 stopped.append(name)
+        # Containers a killed runner left behind would keep their pod IPs bound: remove them too.
+        if (self.state_dir / "podrunner").exists() and shutil.which("podman"):
+            if podman.remove_runner_containers(podman.runner_id(self.state_dir / "podrunner")):
+                stopped.append("containers")
         return stopped
 
     def running_components(self) -> list[str]:

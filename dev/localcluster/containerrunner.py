@@ -18,7 +18,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import datetime as dt
-import hashlib
 import logging
 import os
 import shutil
@@ -166,7 +165,7 @@ class ContainerPodRunner:
         self.service_env = {"KUBERNETES_SERVICE_HOST": api_host, "KUBERNETES_SERVICE_PORT": str(api_port),
                             "KUBERNETES_SERVICE_PORT_HTTPS": str(api_port),
                             "KUBERNETES_PORT": f"tcp://{api_host}:{api_port}"}
-        self.runner_id = runner_id or hashlib.sha256(str(work_dir.resolve()).encode()).hexdigest()[:12]
+        self.runner_id = runner_id or podman.runner_id(work_dir)
         self.resync_s = resync_s
         self.tokens = TokenCache(core_api)
         self.tracks: dict[str, _Track] = {}  # container name -> memory
@@ -436,10 +435,9 @@ class ContainerPodRunner:
     # -- lifecycle --------------------------------------------------------------------------
 
     def remove_all(self) -> None:
-        names = list(podman.list_containers(self.runner_id))
-        if names:
-            podman.podman("rm", "-f", "-t", str(STOP_GRACE_CAP_S), "--ignore", *names, check=False, timeout=180)
-            LOG.info("removed %d containers", len(names))
+        removed = podman.remove_runner_containers(self.runner_id, grace_s=STOP_GRACE_CAP_S)
+        if removed:
+            LOG.info("removed %d containers", removed)
 
     def _watch(self) -> None:
         from kubernetes import watch

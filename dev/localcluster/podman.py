@@ -27,6 +27,21 @@ class PodmanError(RuntimeError):
     """A podman command failed; the message carries its stderr."""
 
 
+def runner_id(work_dir: Path) -> str:
+    """The label value that marks one pod runner's containers (stable for a cluster's work dir)."""
+    import hashlib
+
+    return hashlib.sha256(str(work_dir.resolve()).encode()).hexdigest()[:12]
+
+
+def remove_runner_containers(runner: str, *, grace_s: int = 10) -> int:
+    """Stops and removes every container of ``runner``; returns how many there were."""
+    names = list(list_containers(runner))
+    if names:
+        podman("rm", "-f", "-t", str(grace_s), "--ignore", *names, check=False, timeout=60 + 2 * grace_s)
+    return len(names)
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("CONTAINERS_CONF", str(CONF))
