@@ -117,14 +117,14 @@ def test_runner_runs_the_real_model_server_with_gate_and_admin_token(kubectl, na
     from sparsegate_workload.gateparams import DEFAULT_PARAMS, make_document
 
     # Given a SparseModel whose shape is not the server's default, the container args the
-    # operator renders for it (--host 0.0.0.0 --port 18080 --gate-config ... + shape flags).
+    # operator renders for it (--host=$(POD_IP) --port 18080 --gate-config ... + shape flags).
     sparse_model = {"metadata": {"name": "m2", "namespace": namespace, "uid": "u"},
                     "spec": {"image": "sparsegate/model:dev", "servingPort": 18080,
                              "model": {"dModel": 96, "experts": 6, "minExpertsPerToken": 1, "maxExpertsPerToken": 3}}}
     doc = make_document({**DEFAULT_PARAMS, "toolGateThreshold": 0.8})
     (container,) = render.render_deployment(sparse_model, doc)["spec"]["template"]["spec"]["containers"]
     args = container["args"]
-    assert "--d-model" in args and "0.0.0.0" in args
+    assert "--d-model" in args and "--host=$(POD_IP)" in args
     doc = doc.to_json()
     kubectl("apply", "-n", namespace, "-f", "-", input=model_objects("m2", replicas=1, gate=doc, token="adm1n", args=args))
     kubectl("rollout", "status", "-n", namespace, "deployment/m2", "--timeout=90s", timeout=120)
@@ -148,7 +148,7 @@ def test_runner_runs_the_real_model_server_with_gate_and_admin_token(kubectl, na
     spec_shape = sparse_model["spec"]["model"]
     assert {k: health["model"][k] for k in spec_shape} == spec_shape
     assert probe("/v1/model")["model"] == health["model"]
-    # ... run as the pod said, except the flags the runner owns: bound to the pod IP, not 0.0.0.0.
+    # ... run as the pod said, except the flags the runner owns: bound to the pod IP it was given.
     (pid_file,) = work.glob(f"{namespace}_m2-*/process.pid")
     cmd = cmdline_of(pid_file)
     assert cmd[cmd.index("--host") + 1] == ip and "0.0.0.0" not in cmd
