@@ -111,6 +111,8 @@ def run_argv(plan: ContainerPlan, *, name: str, labels: Mapping[str, str], mount
         argv += ["--privileged"]
     if plan.no_new_privileges:
         argv += ["--security-opt", "no-new-privileges"]
+    if plan.seccomp_unconfined:
+        argv += ["--security-opt", "seccomp=unconfined"]
     argv += [f"--cap-drop={c}" for c in plan.cap_drop]
     argv += [f"--cap-add={c}" for c in plan.cap_add]
     for k, v in plan.env:

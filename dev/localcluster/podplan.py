@@ -13,7 +13,7 @@ Supported, as a kubelet does it: ``command``/``args`` (with ``$(VAR)`` expansion
 ``/var/run/secrets/kubernetes.io/serviceaccount``), ``volumeMounts`` (``readOnly``, ``subPath``),
 HTTP-GET and TCP readiness/liveness/startup probes with their timing fields, ``securityContext``
 (``runAsUser``/``runAsGroup``, ``readOnlyRootFilesystem``, capabilities, ``allowPrivilegeEscalation``,
-``privileged``) and ``imagePullPolicy`` (nothing is ever pulled: no registry is reachable, so a
+``privileged``, ``seccompProfile``: unconfined unless ``RuntimeDefault``, as a kubelet's default) and ``imagePullPolicy`` (nothing is ever pulled: no registry is reachable, so a
 missing image waits with ``ErrImageNeverPull`` or ``ErrImagePull``). ``KUBERNETES_SERVICE_HOST``
 and ``_PORT`` point at the local API server.
 
@@ -103,6 +103,7 @@ class ContainerPlan:
     no_new_privileges: bool = False
     cap_add: tuple[str, ...] = ()
     cap_drop: tuple[str, ...] = ()
+    seccomp_unconfined: bool = False
     readiness: Probe | None = None
     liveness: Probe | None = None
     startup: Probe | None = None
@@ -389,7 +390,11 @@ def _security(container: Mapping[str, Any], pod: Mapping[str, Any]) -> dict[str,
     gid = sc.get("runAsGroup", pod_sc.get("runAsGroup"))
     user = None if uid is None else (f"{uid}:{gid}" if gid is not None else str(uid))
     caps = sc.get("capabilities") or {}
+    # As a kubelet without SeccompDefault: no profile (or Unconfined) means unconfined; only
+    # RuntimeDefault/Localhost get the runtime's profile (a Localhost file is not loaded here).
+    seccomp = (sc.get("seccompProfile") or pod_sc.get("seccompProfile") or {}).get("type")
     return {
+        "seccomp_unconfined": seccomp not in ("RuntimeDefault", "Localhost"),
         "user": user,
         "read_only_root": bool(sc.get("readOnlyRootFilesystem")),
         "privileged": bool(sc.get("privileged")),

@@ -90,6 +90,16 @@ def test_container_as_a_kubelet_would_run_it():
     assert c.readiness.kind == "http" and c.readiness.port == 8080 and c.readiness.host == "127.20.1.5"
     assert c.readiness.period_s == 2 and c.liveness.kind == "tcp" and c.liveness.failure_threshold == 5
     assert c.pull_policy == "Never" and p.unsupported == ()
+    assert c.seccomp_unconfined  # no seccompProfile: a kubelet's default is unconfined
+
+
+def test_seccomp_runtime_default_keeps_the_runtime_profile():
+    p = pod()
+    p["spec"]["securityContext"]["seccompProfile"] = {"type": "RuntimeDefault"}
+    (c,) = plan(p).containers
+    assert not c.seccomp_unconfined
+    argv = podman.run_argv(c, name="n", labels={}, hostname="h", mounts=[])
+    assert "seccomp=unconfined" not in argv
 
 
 def test_volumes_materialise_configmaps_emptydirs_and_the_service_account():
