@@ -276,7 +276,7 @@ class ContainerPodRunner:
         wanted_names = {container_name(p, c.name) for p, _ in desired.values() for c in p.containers}
         for name, state in existing.items():
             if name not in wanted_names:
-                self._remove(name)
+                self._remove(name, grace_s=int(state.labels.get(podman.LABEL_GRACE, STOP_GRACE_CAP_S)))
         for uid in [u for u in self.plans if u not in desired]:
             self._forget_pod(uid)
         now = time.time()
@@ -386,7 +386,9 @@ class ContainerPodRunner:
 
     def _create(self, plan: PodPlan, c: ContainerPlan, name: str) -> None:
         labels = {podman.LABEL_RUNNER: self.runner_id, podman.LABEL_POD_UID: plan.uid,
-                  podman.LABEL_CONTAINER: c.name, podman.LABEL_FINGERPRINT: c.fingerprint()}
+                  podman.LABEL_CONTAINER: c.name, podman.LABEL_FINGERPRINT: c.fingerprint(),
+                  # The pod's terminationGracePeriodSeconds (capped): how long a stop may wait.
+                  podman.LABEL_GRACE: str(min(plan.grace_s, STOP_GRACE_CAP_S))}
         argv = podman.run_argv(c, name=name, labels=labels, mounts=self._mounts(plan, c), hostname=plan.name)
         podman.podman("rm", "-f", "--ignore", name)
         podman.podman(*argv)
@@ -399,14 +401,14 @@ class ContainerPodRunner:
     def _kill(self, name: str) -> None:
         podman.podman("kill", name, check=False)
 
-    def _remove(self, name: str) -> None:
+    def _remove(self, name: str, *, grace_s: int) -> None:
         track = self.tracks.pop(name, None)
         if track is not None and track.busy:
             return
-        self.pool.submit(self._remove_now, name)
+        self.pool.submit(self._remove_now, name, grace_s)
 
-    def _remove_now(self, name: str) -> None:
-        podman.podman("rm", "-f", "-t", str(STOP_GRACE_CAP_S), "--ignore", name, check=False)
+    def _remove_now(self, name: str, grace_s: int) -> None:
+        podman.podman("rm", "-f", "-t", str(grace_s), "--ignore", name, check=False)
         LOG.info("removed %s", name)
 
     def _forget_pod(self, uid: str) -> None:

@@ -21,6 +21,7 @@ LABEL_RUNNER = "io.sparsegate.runner"
 LABEL_POD_UID = "io.sparsegate.pod-uid"
 LABEL_CONTAINER = "io.sparsegate.container"
 LABEL_FINGERPRINT = "io.sparsegate.fingerprint"
+LABEL_GRACE = "io.sparsegate.grace-seconds"
 
 
 class PodmanError(RuntimeError):
@@ -35,11 +36,13 @@ def runner_id(work_dir: Path) -> str:
 
 
 def remove_runner_containers(runner: str, *, grace_s: int = 10) -> int:
-    """Stops and removes every container of ``runner``; returns how many there were."""
-    names = list(list_containers(runner))
-    if names:
-        podman("rm", "-f", "-t", str(grace_s), "--ignore", *names, check=False, timeout=60 + 2 * grace_s)
-    return len(names)
+    """Stops and removes every container of ``runner`` (each given its pod's grace period, at most
+    ``grace_s``); returns how many there were."""
+    found = list_containers(runner)
+    if found:
+        grace = max(min(int(c.labels.get(LABEL_GRACE, grace_s)), grace_s) for c in found.values())
+        podman("rm", "-f", "-t", str(grace), "--ignore", *found, check=False, timeout=60 + 2 * grace)
+    return len(found)
 
 
 def _env() -> dict[str, str]:

@@ -133,6 +133,7 @@ class PodPlan:
     containers: tuple[ContainerPlan, ...]
     volumes: tuple[VolumeFiles, ...]
     unsupported: tuple[str, ...]
+    grace_s: int = 30  # spec.terminationGracePeriodSeconds
 
     @property
     def key(self) -> str:
@@ -145,6 +146,10 @@ def _get(obj: Any, *path: str) -> Any:
             return None
         obj = obj.get(part)
     return obj
+
+
+def _first(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 # -- validation -------------------------------------------------------------------------------
@@ -445,7 +450,8 @@ def plan_pod(pod: Mapping[str, Any], *, secrets: Lookup, configmaps: Lookup, tok
         ))
     return PodPlan(namespace=meta.get("namespace") or "default", name=meta["name"], uid=meta["uid"],
                    pod_ip=pod_ip, containers=tuple(containers), volumes=vol_files,
-                   unsupported=tuple(unsupported_fields(pod)))
+                   unsupported=tuple(unsupported_fields(pod)),
+                   grace_s=int(_first(_get(pod, "spec", "terminationGracePeriodSeconds"), 30)))
 
 
 # -- status -------------------------------------------------------------------------------------

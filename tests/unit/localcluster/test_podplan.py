@@ -93,6 +93,11 @@ def test_container_as_a_kubelet_would_run_it():
     assert c.seccomp_unconfined  # no seccompProfile: a kubelet's default is unconfined
 
 
+def test_termination_grace_period_follows_the_pod():
+    assert plan(pod()).grace_s == 30
+    assert plan(pod(terminationGracePeriodSeconds=0)).grace_s == 0
+
+
 def test_seccomp_runtime_default_keeps_the_runtime_profile():
     p = pod()
     p["spec"]["securityContext"]["seccompProfile"] = {"type": "RuntimeDefault"}
