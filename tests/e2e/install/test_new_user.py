@@ -104,9 +104,12 @@ def test_model_served_and_rollout_survives_operator_kill(stack: Stack) -> None:
     gate["spec"]["rollout"]["analysisInterval"] = "5s"
     model = example("sparsemodel.yaml", replicas=REPLICAS)
     model["spec"].pop("image", None)  # the chart's modelServer.image is the default
+    t0 = time.monotonic()
     apply(stack, gate, model)
     wait_for(lambda: conditions(stack.get("sparsemodel", MODEL, NS)).get("Ready") == "True",
              what=f"SparseModel {MODEL} Ready", timeout_s=300, interval_s=1.0)
+    sys.stderr.write(f"\n[e2e] SparseModel with {REPLICAS} model-server containers Ready {time.monotonic() - t0:.1f}s "
+                     f"after apply\n")
     pods = model_pods(stack)
     assert len(pods) == REPLICAS
     for p in pods:
@@ -176,3 +179,26 @@ def test_routing_policy_decided_by_the_charts_opa(stack: Stack) -> None:
     req.add_header("Authorization", f"Bearer {token}")
     with urllib.request.urlopen(req, timeout=3) as resp:
         assert resp.status == 200
+
+
+def test_models_whose_containers_cannot_start_say_why(stack: Stack) -> None:
+    def model(name: str, image: str) -> dict:
+        return {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "SparseModel", "metadata": {"name": name},
+                "spec": {"image": image, "replicas": 1, "model": {"dModel": 64, "experts": 4}}}
+
+    # No such image (nothing is pulled here), and an image whose program refuses the server's flags.
+    apply(stack, model("no-image", "localhost/sparsegate-does-not-exist:1"),
+          model("crasher", stack.images["operator"]))
+    try:
+        for name, reason in (("no-image", "ErrImagePull"), ("crasher", "CrashLoopBackOff")):
+            def why(name: str = name, reason: str = reason) -> dict | None:
+                ready = {c["type"]: c for c in stack.get("sparsemodel", name, NS).get("status", {})
+                         .get("conditions") or []}.get("Ready") or {}
+                return ready if ready.get("reason") == "ContainersWaiting" and reason in ready["message"] else None
+
+            ready = wait_for(why, what=f"{name}: Ready=False naming {reason}", timeout_s=120, interval_s=1.0)
+            assert ready["status"] == "False" and f"{name}-" in ready["message"]
+        pod = stack.pods(NS, "sparsegate.dev/model=crasher")[0]
+        assert pod["status"]["containerStatuses"][0]["restartCount"] >= 1
+    finally:
+        stack.kubectl("delete", "sparsemodel", "no-image", "crasher", "-n", NS, "--wait=false")
