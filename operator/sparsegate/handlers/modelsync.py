@@ -72,6 +72,11 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
     else:
         # No usable gate: leave what runs untouched (it keeps its last gate) and report why.
         deployment = kube.get("Deployment", namespace=meta["namespace"], name=meta["name"])
+    if deployment is not None and resolution.document is not None:
+        # The Deployment controller may have observed our apply already, and the Deployment event
+        # handler written Ready from it: computing from the apply's response would overwrite that
+        # with a stale "not observed yet". Read it again, as late as possible.
+        deployment = kube.get("Deployment", namespace=meta["namespace"], name=meta["name"]) or deployment
     problems = container_problems(kube, namespace=meta["namespace"], name=meta["name"], deployment=deployment,
                                   desired=model_status.desired_replicas(model))
     write_status(kube, model, events=events,

@@ -204,3 +204,22 @@ def test_ready_names_pods_whose_containers_cannot_start(kube):
     modelsync.refresh_from_deployment(kube, namespace="ns", name="moe-small", deployment=deployment,
                                       events=lambda *a: None)
     assert conditions(kube)["Ready"]["status"] == "True"
+
+
+def test_ready_comes_from_the_deployment_as_it_is_when_status_is_written(kube):
+    """The Deployment controller can observe an apply (and the event handler write Ready) before
+    the reconcile writes its status: the reconcile must not write back the apply's stale view."""
+    gateconfig(kube)
+    apply = kube.apply
+
+    def apply_then_controller_observes(obj):
+        applied = copy.deepcopy(apply(obj))
+        if obj["kind"] == "Deployment":
+            stored = kube.objects[("Deployment", "ns", "moe-small")]
+            stored["metadata"]["generation"] = 1
+            stored["status"] = {"observedGeneration": 1, "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}
+        return applied  # the response predates the controller's update
+
+    kube.apply = apply_then_controller_observes
+    modelsync.reconcile(kube, model_of(kube), events=lambda *a: None, logger=LOG)
+    assert conditions(kube)["Ready"]["status"] == "True"
