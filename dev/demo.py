@@ -2,17 +2,19 @@
 
 ``python dev/demo.py up`` (what ``./dev/demo.sh`` runs after set-up):
 
-1. starts the local control plane and the pod runner (``python -m localcluster up --podrunner``),
-   or reuses them when already running;
-2. installs the chart with the real helm, starts a real OPA server and the operator as a local
-   process whose identity is the chart's ServiceAccount (its pod on kwok runs no process);
-3. applies ``examples/`` (incl. a RoutingPolicy, decided by OPA), scales the GPU model so each rollout step is visible, waits for Ready;
+1. brings up the dev stack (``devstack.Stack``): the project's images, a local control plane whose
+   pods run their containers with podman (the pod runner in container mode), and the chart
+   installed with helm pointing at those images — so the operator runs in-cluster from its image
+   with the chart's ServiceAccount, next to its OPA sidecar; a running stack is reused;
+2. applies ``examples/`` (incl. a RoutingPolicy, decided by the chart's OPA), scales the GPU model
+   so each rollout step is visible, waits until its model-server containers are Ready;
 4. starts a bounded loopback load generator against the model pods, changes the GateConfig's
    parameters and prints the rollout (``kubectl get gateconfig -o wide``) as it goes
    5% → 20% → 100% until it ends.
 
-``python dev/demo.py down`` stops everything the demo started (pid files under the state dir).
-Processes outlive this script on purpose, so the cluster can be explored afterwards.
+``python dev/demo.py down`` stops everything the demo started (pid files under the state dir; the
+pod runner removes the containers). Processes outlive this script on purpose, so the cluster can
+be explored afterwards.
 """
 
 from __future__ import annotations
@@ -27,16 +29,17 @@ import time
 import urllib.request
 from pathlib import Path
 
+from devstack import RELEASE_NS, Stack
 from localcluster import processes
-from localcluster.cluster import LocalCluster, default_state_dir
-from localcluster.ports import free_port
+from localcluster.cluster import default_state_dir
+from localcluster.health import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
-RELEASE, RELEASE_NS = "sparsegate", "sparsegate-system"
-SERVICE_ACCOUNT = f"{RELEASE}-operator"  # <release>-sparsegate-operator, shortened when release == chart name
 MODEL, GATE, NS = "moe-small", "default-gate", "default"
 DEMO_REPLICAS = 6  # 5 % → 1 pod, 20 % → 2 pods, 100 % → 6
-BIN = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache" / "sparsegate" / "bin"))
+# A 2 s rollout tick (the chart's operator.extraEnv) so the demo ends in minutes.
+DEMO_VALUES = ["--set", "operator.extraEnv[0].name=SPARSEGATE_ROLLOUT_TICK_S",
+               "--set-string", "operator.extraEnv[0].value=2"]
 
 
 def log(msg: str) -> None:
@@ -44,20 +47,10 @@ def log(msg: str) -> None:
 
 
 
-def wait(what: str, probe, *, timeout: float, interval: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise SystemExit(f"[demo] timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-
-
 class Demo:
     def __init__(self, state_dir: Path) -> None:
-        self.cluster = LocalCluster(state_dir=state_dir)
+        self.stack = Stack(state_dir=state_dir, die_with_parent=False, extra_values=DEMO_VALUES)
+        self.cluster = self.stack.cluster
         self.work = state_dir / "demo"
         self.work.mkdir(parents=True, exist_ok=True)
         self._printed: dict[tuple[str, ...], str] = {}
@@ -79,6 +72,8 @@ class Demo:
     # -- steps ----------------------------------------------------------------------------
 
     def control_plane(self) -> None:
+        images = self.stack.build_images()
+        log("images: " + ", ".join(images.values()))
         running = self.cluster.running_components()
         if len(running) >= 6:
             log(f"control plane already running ({', '.join(running)})")
@@ -88,29 +83,14 @@ class Demo:
         self.down()
         shutil.rmtree(self.cluster.state_dir, ignore_errors=True)
         self.work.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "localcluster", "--state-dir", str(self.cluster.state_dir),
-                        "up", "--podrunner"], check=True, env={**os.environ, "PYTHONPATH": str(REPO / "dev")})
+        self.stack.start_cluster()
+        log(f"control plane up in {self.cluster.timings.get('total', 0):.1f}s; pods run as podman containers")
 
     def install_chart(self) -> None:
-        subprocess.run([str(BIN / "helm"), "upgrade", "--install", RELEASE, str(REPO / "charts" / "sparsegate"),
-                        "-n", RELEASE_NS, "--create-namespace", f"--kubeconfig={self.cluster.kubeconfig}"],
-                       check=True)
-        log(f"chart installed: release {RELEASE} in {RELEASE_NS}")
-
-    def opa_and_operator(self) -> None:
-        opa_port_file = self.work / "opa.port"
-        if not processes.pid_file_alive(self.pid_file("opa")):
-            opa_port_file.write_text(str(free_port()))
-        opa_addr = f"127.0.0.1:{opa_port_file.read_text().strip()}"
-        self.start_detached("opa", [str(BIN / "opa"), "run", "--server", f"--addr={opa_addr}",
-                                    "--log-level=error", "--disable-telemetry"])
-        kubeconfig = self.cluster.service_account_kubeconfig(
-            namespace=RELEASE_NS, service_account=SERVICE_ACCOUNT, path=self.work / "operator.kubeconfig")
-        self.start_detached("operator", [sys.executable, "-m", "sparsegate.cli", "run", "--standalone",
-                                         "--all-namespaces", f"--metrics-port={free_port()}"],
-                            env={"KUBECONFIG": str(kubeconfig), "SPARSEGATE_OPA_URL": f"http://{opa_addr}",
-                                 "SPARSEGATE_NAMESPACE": RELEASE_NS, "POD_NAME": "demo-operator",
-                                 "SPARSEGATE_ROLLOUT_TICK_S": "2"})
+        self.stack.install()
+        pod = self.stack.wait_operator_ready()
+        log(f"chart installed (release sparsegate in {RELEASE_NS}); operator pod {pod['metadata']['name']} "
+            f"Ready: operator + OPA sidecar containers from their images")
 
     def apply_examples(self) -> None:
         # --force-conflicts: a re-run resets what the previous run patched back to examples/.
@@ -134,15 +114,15 @@ class Demo:
             conds = {c["type"]: c["status"] for c in sm.get("status", {}).get("conditions", [])}
             self.print_table("sparsemodels", only_changes=True)
             return conds.get("Ready") == "True" and sm["status"].get("readyReplicas") == DEMO_REPLICAS
-        wait(f"SparseModel {MODEL} Ready", ready, timeout=300, interval=3)
+        wait_for(ready, what=f"SparseModel {MODEL} Ready", timeout_s=300, interval_s=3)
 
         def stable_everywhere() -> str | None:
             stable = json.loads(self.kubectl("get", f"gateconfig/{GATE}", "-n", NS, "-o", "json").stdout
                                 ).get("status", {}).get("stable", {}).get("version")
             versions = [self.served_version(target) for target in self.serving_pods()]
             return stable if len(versions) == DEMO_REPLICAS and set(versions) == {stable} else None
-        stable = wait("every model server to answer with the GateConfig's stable version", stable_everywhere,
-                      timeout=300, interval=3)
+        stable = wait_for(stable_everywhere, what="every model server to answer with the GateConfig's stable version",
+                          timeout_s=300, interval_s=3)
         log(f"{MODEL} Ready: {DEMO_REPLICAS} model servers answer /healthz with gate {stable}")
 
     @staticmethod
@@ -189,7 +169,7 @@ class Demo:
             gc = json.loads(self.kubectl("get", f"gateconfig/{GATE}", "-n", NS, "-o", "json").stdout)
             status = gc.get("status", {})
             return status.get("observedGeneration", 0) >= generation and status.get("rollout", {}).get("phase") in end
-        wait("the rollout to finish", finished, timeout=600, interval=2)
+        wait_for(finished, what="the rollout to finish", timeout_s=600, interval_s=2)
         rollout = self.rollout()
         log(f"rollout ended: {rollout.get('phase')} — {rollout.get('message', '')}")
         return rollout
@@ -212,7 +192,6 @@ class Demo:
         self.control_plane()
         os.environ["KUBECONFIG"] = str(self.cluster.kubeconfig)
         self.install_chart()
-        self.opa_and_operator()
         self.apply_examples()
         self.model_ready()
         self.load()
@@ -229,9 +208,8 @@ class Demo:
             "stop everything with ./dev/demo.sh down")
 
     def down(self) -> None:
-        for name in ("loadgen", "operator", "opa"):
-            if processes.stop_from_pid_file(self.pid_file(name), grace_s=10):
-                log(f"stopped {name}")
+        if processes.stop_from_pid_file(self.pid_file("loadgen"), grace_s=10):
+            log("stopped loadgen")
         stopped = self.cluster.stop()
         log("stopped: " + (", ".join(stopped) if stopped else "no cluster component was running"))
 
@@ -242,7 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dir", type=Path, default=default_state_dir())
     args = parser.parse_args(argv)
     demo = Demo(args.state_dir)
-    demo.up() if args.command == "up" else demo.down()
+    try:
+        demo.up() if args.command == "up" else demo.down()
+    except AssertionError as exc:  # a wait_for timed out: say what, and what the stack looks like
+        print(f"[demo] {exc}\n{demo.stack.diagnose()}", file=sys.stderr)
+        return 1
     return 0
 
 
