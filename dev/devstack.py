@@ -11,27 +11,19 @@ use it; waits go through the one poller, :func:`localcluster.health.wait_for`.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from localcluster import LocalCluster, nodes, podman
+from localcluster.binaries import find_binary
 from localcluster.health import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "sparsegate"
 RELEASE, RELEASE_NS = "sparsegate", "sparsegate-system"
 OPERATOR_LABELS = "app.kubernetes.io/component=operator"
-
-
-def _bin(name: str) -> Path:
-    path = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache" / "sparsegate" / "bin")) / name
-    if not path.is_file():
-        raise RuntimeError(f"{path} is missing: run dev/setup.sh (builds it from dev/go/)")
-    return path
 
 
 def split_ref(ref: str) -> tuple[str, str]:
@@ -76,7 +68,7 @@ class Stack:
             self.cluster.start()
 
     def helm(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([str(_bin("helm")), f"--kubeconfig={self.cluster.kubeconfig}", *args],
+        proc = subprocess.run([str(find_binary("helm")), f"--kubeconfig={self.cluster.kubeconfig}", *args],
                               capture_output=True, text=True, timeout=timeout, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"helm {' '.join(args[:2])} failed: {proc.stderr.strip()}")
@@ -128,7 +120,8 @@ class Stack:
     @staticmethod
     def container_name(pod: Mapping[str, Any], container: str) -> str:
         meta = pod["metadata"]
-        return f"k8s_{container}_{meta['name']}_{meta['namespace']}_{meta['uid'][:8]}"
+        return podman.container_name(namespace=meta["namespace"], pod=meta["name"], uid=meta["uid"],
+                                     container=container)
 
     def logs(self, pod: Mapping[str, Any], container: str, lines: int = 40) -> str:
         return podman.logs_tail(self.container_name(pod, container), lines)
@@ -149,7 +142,3 @@ class Stack:
         """A crash: SIGKILL to the container (the pod runner restarts it, as a kubelet would)."""
         podman.podman("kill", "--signal", "KILL", self.container_name(pod, container))
 
-
-def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
-    t0 = time.monotonic()
-    return fn(*args, **kwargs), time.monotonic() - t0

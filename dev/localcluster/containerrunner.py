@@ -62,7 +62,7 @@ def backoff_s(restarts: int) -> float:
 
 
 def container_name(plan: PodPlan, container: str) -> str:
-    return f"k8s_{container}_{plan.name}_{plan.namespace}_{plan.uid[:8]}"
+    return podman.container_name(namespace=plan.namespace, pod=plan.name, uid=plan.uid, container=container)
 
 
 @dataclasses.dataclass

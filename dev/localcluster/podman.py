@@ -28,6 +28,11 @@ class PodmanError(RuntimeError):
     """A podman command failed; the message carries its stderr."""
 
 
+def container_name(*, namespace: str, pod: str, uid: str, container: str) -> str:
+    """The podman name of one pod container (a kubelet's dockershim-style name)."""
+    return f"k8s_{container}_{pod}_{namespace}_{uid[:8]}"
+
+
 def runner_id(work_dir: Path) -> str:
     """The label value that marks one pod runner's containers (stable for a cluster's work dir)."""
     import hashlib

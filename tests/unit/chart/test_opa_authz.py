@@ -12,15 +12,14 @@ import base64
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
+from localcluster.binaries import find_binary
 from localcluster.ports import free_port
 from test_helm_chart import CHART, containers, env_of, render
 
@@ -33,13 +32,7 @@ POD_IP = "127.0.0.1"
 
 
 def _opa() -> str:
-    path = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache/sparsegate/bin")) / "opa"
-    if path.is_file():
-        return str(path)
-    found = shutil.which("opa")
-    if not found:
-        pytest.fail("the real opa binary is required; run dev/setup.sh")
-    return found
+    return str(find_binary("opa"))  # a missing binary errors with the command that builds it
 
 
 @pytest.mark.opa

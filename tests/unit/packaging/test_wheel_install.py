@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from localcluster.binaries import find_binary
 from localcluster.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.opa]
@@ -33,7 +34,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.opa]
 ROOT = Path(__file__).resolve().parents[3]
 SOURCE_REGO = ROOT / "policies" / "routing" / "src.rego"
 BUILD_VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-SETUP_HINT = "build it with dev/setup.sh (dev/setup/binaries.sh opa)"
 
 
 def _run(argv: list[str], *, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess[str]:
@@ -49,10 +49,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 def opa_binary() -> Path:
-    path = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache" / "sparsegate" / "bin")) / "opa"
-    if not (path.is_file() and os.access(path, os.X_OK)):
-        pytest.fail(f"the real opa binary is required at {path}; {SETUP_HINT}", pytrace=False)
-    return path
+    return find_binary("opa")  # a missing binary errors with the command that builds it
 
 
 class Installed:

@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from localcluster.binaries import find_binary
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def _opa() -> str:
-    path = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache/sparsegate/bin")) / "opa"
-    if path.is_file():
-        return str(path)
-    found = shutil.which("opa")
-    if not found:
-        pytest.fail("the real opa binary is required; run dev/setup.sh")
-    return found
+    return str(find_binary("opa"))  # a missing binary errors with the command that builds it
 
 
 @pytest.mark.opa

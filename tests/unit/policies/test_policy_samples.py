@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from localcluster.binaries import find_binary
 import yaml
 
 from sparsegate.domain.policy import PolicySource, build_opa_data
@@ -18,11 +17,7 @@ SAMPLES = Path(__file__).resolve().parent / "samples"
 
 
 def _opa() -> str:
-    path = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache/sparsegate/bin")) / "opa"
-    found = str(path) if path.is_file() else shutil.which("opa")
-    if not found:
-        pytest.fail("the real opa binary is required; run dev/setup.sh")
-    return found
+    return str(find_binary("opa"))  # a missing binary errors with the command that builds it
 
 
 @pytest.mark.opa
