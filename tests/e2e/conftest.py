@@ -1,7 +1,12 @@
-"""Shared e2e fixtures: one real local control plane per test session.
+"""Shared e2e fixtures: one real local control plane per test session, and one dev stack.
 
 The cluster is started fresh in a temporary state directory and stopped at session end. A missing
 binary raises (the tests error with the name and the setup command); nothing here skips.
+
+``stack`` is the dev stack (``dev/devstack.py``: the project's images, a container-mode cluster, the
+chart installed with helm, the operator in-cluster from its image with its OPA sidecar), built on
+first use only and shared by every test that asks for it; ``stack_namespace`` gives each test a
+namespace of its own on it.
 """
 
 from __future__ import annotations
@@ -17,10 +22,25 @@ from pathlib import Path
 
 import pytest
 
+from devstack import Stack
 from localcluster import LocalCluster, processes
+from localcluster.health import wait_for
 from localcluster.ports import pick_unused_pod_cidr
 
 E2E_DIR = Path(__file__).parent
+
+# The shared stack's operator settings (chart `operator.extraEnv`): a 1 s rollout tick and a 1 s
+# RoutingPolicy resync instead of 5 s / 10 s, so tests end in seconds. Tests that depend on a value
+# read it back from the Deployment rather than assume it.
+STACK_OPERATOR_ENV = {"SPARSEGATE_ROLLOUT_TICK_S": "1", "SPARSEGATE_POLICY_RESYNC_SECONDS": "1"}
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # -> pytest.TestReport
+    # Kept on the item so a fixture's teardown can tell whether its test failed (and print diagnostics).
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -98,3 +118,40 @@ def pod_runner(cluster: LocalCluster, tmp_path: Path) -> Iterator[Callable[..., 
     yield start
     for proc, work in started:
         processes.stop_from_pid_file(work / "runner.popen.pid", grace_s=10, popen=proc)
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The dev stack, up once for the whole session (only if a test asks for it), stopped at the end.
+
+    Its own pod range, like ``cluster``: a demo stack (127.20.0.0/16) may be running on this machine.
+    """
+    values: list[str] = []
+    for i, (name, value) in enumerate(STACK_OPERATOR_ENV.items()):
+        values += ["--set", f"operator.extraEnv[{i}].name={name}", "--set-string", f"operator.extraEnv[{i}].value={value}"]
+    s = Stack(state_dir=tmp_path_factory.mktemp("stack"), pod_cidr=pick_unused_pod_cidr(), extra_values=values)
+    t0 = time.monotonic()
+    s.build_images()
+    t_images = time.monotonic()
+    try:
+        s.up()
+        sys.stderr.write(f"\n[e2e] dev stack: images {t_images - t0:.1f}s, cluster+helm+operator Ready "
+                         f"{time.monotonic() - t_images:.1f}s, pods in {s.cluster.pod_cidr}\n")
+        yield s
+    finally:
+        s.down()
+
+
+@pytest.fixture
+def stack_namespace(stack: Stack, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace on the dev stack, deleted (without waiting) after the test; a failed test
+    also gets the stack's diagnostics (pods, operator log tails, pod runner log) in its report."""
+    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    stack.kubectl("create", "namespace", name)
+    # Pods are rejected until the namespace's default ServiceAccount exists.
+    wait_for(lambda: stack.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
+             what=f"default ServiceAccount in {name}")
+    yield name
+    if any(getattr(getattr(request.node, f"rep_{when}", None), "failed", False) for when in ("setup", "call")):
+        sys.stderr.write(f"[e2e] dev stack diagnostics:\n{stack.diagnose()[-8000:]}\n")
+    stack.kubectl("delete", "namespace", name, "--wait=false", check=False)
