@@ -1,69 +1,70 @@
-"""Helpers shared by the operator e2e tests and their fixtures (imported by name: no conftest
-imports, which pytest cannot tell apart across directories)."""
+"""Helpers shared by the operator e2e tests (imported by name: no conftest imports, which pytest
+cannot tell apart across directories).
+
+The operator under test is the chart's Deployment on the shared dev stack (``stack`` in
+tests/e2e/conftest.py): in-cluster from its image, as the chart's ServiceAccount, electing a leader
+on the chart's Lease. These helpers find and read it; waits go through ``localcluster.health.wait_for``.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
-import subprocess
-import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
-import pytest
-from localcluster.ports import free_port
+from devstack import RELEASE, RELEASE_NS, Stack
+from localcluster.health import wait_for
 
 REPO = Path(__file__).resolve().parents[3]
-CHART = REPO / "charts" / "sparsegate"
 EXAMPLES = REPO / "examples"
-RELEASE = "sg"
-RELEASE_NS = "sparsegate-system"
-SERVICE_ACCOUNT = "sg-sparsegate-operator"  # <release>-sparsegate-operator (chart helpers)
-BIN = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache" / "sparsegate" / "bin"))
+# <fullname>-operator, where fullname is the release name when it contains the chart's name.
+OPERATOR = f"{RELEASE}-operator"
+SERVICE_ACCOUNT = OPERATOR
+LEASE = "sparsegate-operator"  # values.yaml operator.leaderElection.leaseName
+METRICS_PORT, LIVENESS_PORT = 9090, 8081  # values.yaml operator.metrics.port, operator.liveness.port
 
 
-
-def helm_binary() -> Path:
-    exe = BIN / "helm"
-    if not exe.is_file():
-        pytest.fail(f"the real helm binary is required at {exe}; run dev/setup/binaries.sh helm")
-    return exe
+def get_json(stack: Stack, *args: str) -> dict:
+    return json.loads(stack.kubectl("get", *args, "-o", "json").stdout)
 
 
-def service_account_kubeconfig(cluster, path: Path) -> Path:
-    """The admin kubeconfig's server and CA, but the chart ServiceAccount's token as identity."""
-    return cluster.service_account_kubeconfig(namespace=RELEASE_NS, service_account=SERVICE_ACCOUNT,
-                                              path=path, duration="2h")
+def lease_holder(stack: Stack) -> str | None:
+    run = stack.kubectl("get", "lease", LEASE, "-n", RELEASE_NS, "-o", "json", check=False)
+    return (json.loads(run.stdout).get("spec") or {}).get("holderIdentity") if run.returncode == 0 else None
 
 
-@dataclasses.dataclass
-class OperatorProcess:
-    proc: subprocess.Popen
-    log: Path
-    metrics_port: int
-    liveness_port: int
-
-    def get(self, port: int, path: str) -> tuple[int, str]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
-            return resp.status, resp.read().decode()
-
-    def tail(self, n: int = 60) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+def pod_ip(pod: dict[str, Any]) -> str:
+    return pod["status"]["podIP"]
 
 
-def get_json(cluster, *args: str) -> dict:
-    return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
+def http_get(pod: dict[str, Any], port: int, path: str, *, timeout: float = 5) -> tuple[int, str]:
+    """GET ``path`` on the pod's IP (pods bind their own loopback IP on the host network)."""
+    with urllib.request.urlopen(f"http://{pod_ip(pod)}:{port}{path}", timeout=timeout) as resp:
+        return resp.status, resp.read().decode()
 
 
-def wait_for(what: str, probe, *, timeout: float = 90.0, interval: float = 0.5, op=None):
-    """Poll ``probe()`` until it returns a truthy value; fail with ``what`` and the operator log."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    log = f"\noperator log:\n{op.tail()}" if op is not None else ""
-    pytest.fail(f"timed out after {timeout}s waiting for {what}{log}")
+def kopf_live(pod: dict[str, Any]) -> bool:
+    """Kopf itself answers the pod's liveness endpoint (its probe results, not a standby's reply)."""
+    try:
+        return json.loads(http_get(pod, LIVENESS_PORT, "/healthz", timeout=2)[1]).get("handlers") == "ok"
+    except (OSError, ValueError):
+        return False
+
+
+def leader(stack: Stack, *, timeout_s: float = 90) -> dict[str, Any]:
+    """The operator pod that holds the Lease, once it is Ready and Kopf answers its liveness."""
+    def probe() -> dict[str, Any] | None:
+        holder = lease_holder(stack)
+        pod = next((p for p in stack.operator_pods() if p["metadata"]["name"] == holder), None)
+        ready = pod is not None and any(c["type"] == "Ready" and c["status"] == "True"
+                                        for c in pod["status"].get("conditions") or [])
+        return pod if ready and kopf_live(pod) else None
+    return wait_for(probe, what="a Ready operator pod holding the Lease, Kopf live", timeout_s=timeout_s,
+                    interval_s=0.5)  # type: ignore[return-value]
+
+
+def operator_restarts(stack: Stack) -> dict[str, int]:
+    """``pod/container`` → restartCount for every operator pod (a crash shows up here)."""
+    return {f"{p['metadata']['name']}/{c['name']}": c["restartCount"]
+            for p in stack.operator_pods() for c in p["status"].get("containerStatuses") or []}

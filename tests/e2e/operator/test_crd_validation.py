@@ -1,7 +1,8 @@
 """The real kube-apiserver enforces the CRD schemas and CEL rules, naming the offending field.
 
-Given the chart installed by helm (its crds/ are the only CRD source), when an invalid object
-is applied, then it is rejected and the error names the field; valid examples are accepted.
+Given the chart installed by helm on the dev stack (its crds/ are the only CRD source), when an
+invalid object is applied, then it is rejected and the error names the field; valid examples are
+accepted.
 """
 
 from __future__ import annotations
@@ -54,21 +55,20 @@ INVALID = [
 
 @pytest.mark.parametrize("obj,field,words", INVALID,
                          ids=[f"{o['kind']}:{f}" for o, f, _ in INVALID])
-def test_invalid_objects_are_rejected_naming_the_field(cluster, sparsegate_release, namespace,
-                                                       obj, field, words):
-    proc = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj), check=False)
+def test_invalid_objects_are_rejected_naming_the_field(stack, stack_namespace, obj, field, words):
+    proc = stack.kubectl("apply", "-n", stack_namespace, "-f", "-", input=json.dumps(obj), check=False)
     assert proc.returncode != 0, f"accepted an invalid {obj['kind']}: {proc.stdout}"
     assert field in proc.stderr and words in proc.stderr, proc.stderr
 
 
-def test_examples_are_valid_and_defaults_are_filled(cluster, sparsegate_release, namespace):
+def test_examples_are_valid_and_defaults_are_filled(stack, stack_namespace):
     examples = sorted(EXAMPLES.glob("*.yaml"))
     assert len(examples) >= 5, examples
     for path in examples:
-        cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(path))
+        stack.kubectl("apply", "--dry-run=server", "-n", stack_namespace, "-f", str(path))
     minimal = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "GateConfig",
                "metadata": {"name": "minimal"}, "spec": {}}
-    out = cluster.kubectl("create", "--dry-run=server", "-o", "json", "-n", namespace, "-f", "-",
+    out = stack.kubectl("create", "--dry-run=server", "-o", "json", "-n", stack_namespace, "-f", "-",
                           input=json.dumps(minimal)).stdout
     spec = json.loads(out)["spec"]
     assert spec["params"] == {"toolGateThreshold": 0.85, "entropyBeta": 0.1, "confidenceThreshold": 0.6,
@@ -78,8 +78,8 @@ def test_examples_are_valid_and_defaults_are_filled(cluster, sparsegate_release,
     assert spec["calibration"]["errorRateCap"] == {"initial": 0.02, "decay": 0.95, "window": "60s"}
 
 
-def test_category_and_short_names(cluster, sparsegate_release, namespace):
-    cluster.kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "telemetryprobe.yaml"))
-    assert "gpu-nodes" in cluster.kubectl("get", "sparsegate", "-n", namespace).stdout
+def test_category_and_short_names(stack, stack_namespace):
+    stack.kubectl("apply", "-n", stack_namespace, "-f", str(EXAMPLES / "telemetryprobe.yaml"))
+    assert "gpu-nodes" in stack.kubectl("get", "sparsegate", "-n", stack_namespace).stdout
     for short in ("sm", "gc", "tp"):
-        cluster.kubectl("get", short, "-n", namespace)
+        stack.kubectl("get", short, "-n", stack_namespace)

@@ -1,90 +1,109 @@
-"""Two operators, one Lease: only the leader reconciles; a clean stop hands over at once.
+"""Two operator replicas, one Lease: only the leader runs Kopf; when its pod goes, the standby leads.
 
-Runs with the admin kubeconfig and its own Lease name and namespace so it does not disturb the
-session operator (whose RBAC, Lease included, the lifecycle tests prove). That operator may be
-running too, so "the new leader works" is shown by Kopf answering its liveness endpoint, not by
-a model becoming Ready (either operator could have done that).
+The chart's Deployment on the dev stack, scaled to two replicas with ``helm upgrade``
+(``operator.replicas=2``): both pods run the operator image as the chart's ServiceAccount and elect
+on the chart's Lease. The leader's pod is deleted as a drain would (nodes cordoned first, so the
+Deployment's replacement pod cannot start and race the waiting standby for the Lease); its operator
+stops cleanly, releases the Lease, and the standby leads at once. Replicas are restored after.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
-import urllib.request
-from pathlib import Path
 
-from operator_e2e_support import RELEASE_NS, free_port, get_json, wait_for
+from localcluster.health import wait_for
 
-LEASE = "e2e-ha"
-
-
-def start(cluster, namespace: str, name: str, work: Path) -> tuple[subprocess.Popen, Path, int]:
-    port = free_port()
-    log = work / f"{name}.log"
-    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "POD_NAME": name}
-    argv = [str(Path(sys.executable).with_name("sparsegate")), "run", "--standalone",
-            f"--namespace={namespace}", f"--liveness=http://127.0.0.1:{port}/healthz",
-            "--leader-elect", f"--lease-name={LEASE}", f"--lease-namespace={RELEASE_NS}"]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-    return proc, log, port
+from operator_e2e_support import (LEASE, LIVENESS_PORT, RELEASE_NS, get_json, http_get, kopf_live, lease_holder, leader,
+                                  operator_restarts)
 
 
-def stop(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
-    return proc.returncode
+def ready_pods(stack) -> list[dict]:
+    return [p for p in stack.operator_pods()
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])]
 
 
-def leads(log: Path) -> bool:
-    return b"leading as" in log.read_bytes()
-
-
-def test_standby_takes_over_when_the_leader_stops(cluster, sparsegate_release, namespace, tmp_path):
-    a, a_log, _ = start(cluster, namespace, "op-a", tmp_path)
+def standby_live(pod: dict) -> bool:
+    """The standby answers liveness (so it is not restarted for waiting) with its own reply."""
     try:
-        wait_for("op-a to lead", lambda: leads(a_log), timeout=60)
-        b, b_log, b_port = start(cluster, namespace, "op-b", tmp_path)
-        try:
-            # The standby answers liveness (so it is not restarted) but does not lead.
-            def standby_live():
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{b_port}/healthz", timeout=2) as r:
-                        return b"standby" in r.read()
-                except OSError:
-                    return False
-            wait_for("op-b standby liveness", standby_live, timeout=30)
-            assert not leads(b_log)
-            lease = get_json(cluster, "lease", LEASE, "-n", RELEASE_NS)
-            assert lease["spec"]["holderIdentity"] == "op-a"
+        return json.loads(http_get(pod, LIVENESS_PORT, "/healthz", timeout=2)[1]).get("standby") is True
+    except (OSError, ValueError):
+        return False
 
-            # The leader stops cleanly: it releases the Lease, and the standby leads and works.
-            assert stop(a) == 0
+
+def leads(stack, pod: dict) -> bool:
+    return "leading as" in stack.logs(pod, "operator", lines=2000)
+
+
+def lease_history(stack, since: str) -> list[str | None]:
+    """The Lease's holder after each change since resourceVersion ``since`` (a watch replays them all)."""
+    from kubernetes import client, config, watch
+
+    api = client.CoordinationV1Api(config.new_client_from_config(config_file=str(stack.cluster.kubeconfig)))
+    holders = []
+    for event in watch.Watch().stream(api.list_namespaced_lease, RELEASE_NS, field_selector=f"metadata.name={LEASE}",
+                                      resource_version=since, timeout_seconds=2):
+        holders.append(event["object"].spec.holder_identity)
+    return holders
+
+
+def set_schedulable(stack, schedulable: bool) -> None:
+    for node in get_json(stack, "nodes")["items"]:
+        stack.kubectl("uncordon" if schedulable else "cordon", node["metadata"]["name"])
+
+
+def test_standby_takes_over_when_the_leader_goes(stack):
+    leader(stack)  # one operator leads before the upgrade
+    stack.install("--set", "operator.replicas=2")
+    try:
+        pods = wait_for(lambda: (r := ready_pods(stack)) and len(r) == 2 and r, what="2 operator pods Ready",
+                        timeout_s=180, interval_s=1.0)
+        holder = wait_for(lambda: (h := lease_holder(stack)) in {p["metadata"]["name"] for p in pods} and h,
+                          what="an operator pod holding the Lease", timeout_s=60)
+        first = next(p for p in pods if p["metadata"]["name"] == holder)
+        standby = next(p for p in pods if p["metadata"]["name"] != holder)
+
+        # The standby answers liveness but does not lead; the leader runs Kopf.
+        wait_for(lambda: standby_live(standby), what="standby liveness", timeout_s=30)
+        wait_for(lambda: kopf_live(first), what="Kopf's liveness on the leader", timeout_s=30)
+        assert leads(stack, first) and not leads(stack, standby)
+
+        restarts = operator_restarts(stack)
+        set_schedulable(stack, False)
+        try:
+            # The leader's pod goes: its operator stops cleanly and releases the Lease, and the standby
+            # leads and works, well before the Lease (15 s) could have expired.
+            since = get_json(stack, "lease", LEASE, "-n", RELEASE_NS)["metadata"]["resourceVersion"]
             t0 = time.monotonic()
-            wait_for("op-b to take over", lambda: leads(b_log), timeout=30)
+            stack.kubectl("delete", "pod", first["metadata"]["name"], "-n", RELEASE_NS, "--wait=false")
+            wait_for(lambda: lease_holder(stack) == standby["metadata"]["name"], what="the standby to take over",
+                     timeout_s=30, interval_s=0.2)
             takeover_s = time.monotonic() - t0
+            # Every change of the Lease since, from the API server's watch: the old leader released it
+            # (which it does only on a clean stop) before the standby claimed it.
+            seen = lease_history(stack, since)
+            holders = [h for i, h in enumerate(seen) if i == 0 or seen[i - 1] != h]
+            assert holders[-2:] == [None, standby["metadata"]["name"]], holders
             assert takeover_s < 15, f"takeover took {takeover_s:.1f}s (the Lease was not released?)"
-            # Kopf itself now answers op-b's liveness (its probe results, not the standby reply).
-            def kopf_live():
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{b_port}/healthz", timeout=2) as r:
-                        return json.loads(r.read()).get("handlers") == "ok"
-                except (OSError, ValueError):
-                    return False
-            wait_for("Kopf's liveness endpoint on the new leader", kopf_live, timeout=30)
-            assert b.poll() is None
-            assert get_json(cluster, "lease", LEASE, "-n", RELEASE_NS)["spec"]["holderIdentity"] == "op-b"
+            sys.stderr.write(f"\n[e2e] standby leads {takeover_s:.1f}s after the leader's pod was deleted\n")
+            # Kopf itself now answers the new leader's liveness (its probe results, not the standby reply).
+            wait_for(lambda: kopf_live(standby), what="Kopf's liveness endpoint on the new leader", timeout_s=30)
+            assert leads(stack, standby)
+            # The standby's container was not restarted to lead: the same process took over.
+            key = f"{standby['metadata']['name']}/operator"
+            assert operator_restarts(stack)[key] == restarts[key]
         finally:
-            stop(b)
+            set_schedulable(stack, True)
+
+        # The Deployment's replacement pod starts as the new standby; the Lease stays where it is.
+        replacement = wait_for(lambda: next((p for p in ready_pods(stack) if p["metadata"]["name"] not in
+                                             {first["metadata"]["name"], standby["metadata"]["name"]}), None),
+                               what="the replacement operator pod Ready", timeout_s=180, interval_s=1.0)
+        wait_for(lambda: standby_live(replacement), what="the replacement's standby liveness", timeout_s=30)
+        assert lease_holder(stack) == standby["metadata"]["name"]
     finally:
-        stop(a)
+        stack.install()  # operator.replicas back to the chart default (1)
+        wait_for(lambda: len(stack.operator_pods()) == 1, what="one operator pod again", timeout_s=120,
+                 interval_s=1.0)
+        leader(stack, timeout_s=120)
