@@ -1,36 +1,37 @@
-"""RoutingPolicy end to end: kubectl → operator → real OPA → allow-list ConfigMap; OPA killed → fail
-closed; OPA back → resync without re-applying.
+"""RoutingPolicy end to end: kubectl → operator → the chart's OPA sidecar → allow-list ConfigMap; OPA
+unreachable → fail closed; OPA back (restarted, empty) → resync without re-applying.
 
-Given the real local control plane (kwok pods with loopback IPs), a real `opa run --server` and the
-operator (`sparsegate run`) serving two namespaces: `models` (the policy, the SparseModel pods and
-the published allow-list) and `web` (the callers).
+Given the dev stack (``stack`` in tests/e2e/conftest.py): the operator in-cluster from its image with
+the chart's OPA sidecar (bearer token from Secret ``sparsegate-opa-token``), pods with loopback IPs,
+and two namespaces: ``models`` (the policies and the SparseModel pods) and ``web`` (the callers).
+The allow-list is the operator's ConfigMap ``sparsegate-flow-policy`` in the release namespace.
+OPA's outage is its container frozen (``podman pause``: the port still accepts connections, nothing
+answers), then killed while frozen so the pod runner restarts it empty, as a crashed sidecar would be.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
-import os
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
-from localcluster import processes
-from sparsegate.clients.opa import RoutingOpa
-from sparsegate_ebpf.policy import parse_policy
+from devstack import RELEASE_NS, Stack
+from localcluster import podman
 from localcluster.health import wait_for
 
-REPO = Path(__file__).resolve().parents[3]
-RESYNC_S = 1
+from sparsegate.clients.opa import RoutingOpa
+from sparsegate_ebpf.policy import parse_policy
 
+FLOW_POLICY = "sparsegate-flow-policy"
+LEASE = "sparsegate-operator"
 
 
 def pod(name: str, *, sa: str = "default", labels: dict | None = None, port: int | None = None) -> dict:
+    # The image is never pulled (the pod runner reports ErrImagePull): only the pod's IP matters here.
     container: dict = {"name": "app", "image": "registry.invalid/app:1"}
     if port:
         container["ports"] = [{"name": "http", "containerPort": port}]
@@ -44,36 +45,46 @@ def routing_policy(name: str, spec: dict) -> str:
 
 
 @pytest.fixture
-def web_namespace(kubectl) -> Iterator[str]:
+def web_namespace(stack: Stack) -> Iterator[str]:
     name = f"e2e-web-{uuid.uuid4().hex[:6]}"
-    kubectl("create", "namespace", name)
-    wait_for(lambda: kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
+    stack.kubectl("create", "namespace", name)
+    wait_for(lambda: stack.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
              what="default ServiceAccount")
     yield name
-    kubectl("delete", "namespace", name, "--wait=false", check=False)
+    stack.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
-@pytest.fixture
-def operator(cluster, namespace: str, web_namespace: str, opa_server, tmp_path: Path) -> Iterator[Path]:
-    """`sparsegate run` for the two namespaces, the allow-list published in `namespace`."""
-    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "charts" / "sparsegate" / "crds"))
-    for crd in ("routingpolicies", "sparsemodels", "gateconfigs"):
-        cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}.sparsegate.dev", "--timeout=60s")
-    log = tmp_path / "operator.log"
-    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "SPARSEGATE_OPA_URL": opa_server.url,
-           "SPARSEGATE_NAMESPACE": namespace, "SPARSEGATE_POLICY_RESYNC_SECONDS": str(RESYNC_S)}
-    argv = [sys.executable, "-m", "sparsegate.cli", "run", "--standalone", "-n", namespace, "-n", web_namespace]
-    proc = processes.start(name="operator", argv=argv, log_path=log, pid_file=tmp_path / "operator.pid", env=env,
-                           die_with_parent=True)
-    try:
-        yield log
-    finally:
-        processes.stop_from_pid_file(tmp_path / "operator.pid", grace_s=10, popen=proc)
-        sys.stderr.write(f"[e2e] operator log tail:\n{log.read_text()[-3000:]}\n")
+def leading_operator(stack: Stack) -> dict:
+    """The operator pod holding the Lease, with both containers (operator, OPA) Ready."""
+    def probe() -> dict | None:
+        run = stack.kubectl("get", "lease", LEASE, "-n", RELEASE_NS, "-o", "json", check=False)
+        holder = (json.loads(run.stdout).get("spec") or {}).get("holderIdentity") if run.returncode == 0 else None
+        return next((p for p in stack.operator_pods() if p["metadata"]["name"] == holder
+                     and all(c["ready"] for c in p["status"].get("containerStatuses") or [{"ready": False}])), None)
+    return wait_for(probe, what="a Ready operator pod holding the Lease", timeout_s=120, interval_s=0.5)  # type: ignore[return-value]
 
 
-def test_routing_policy_end_to_end(kubectl, namespace: str, web_namespace: str, opa_server, operator: Path) -> None:
-    models, web = namespace, web_namespace
+def operator_env(stack: Stack, name: str) -> str | None:
+    dep = json.loads(stack.kubectl("get", "deployment", "-n", RELEASE_NS, "-l", "app.kubernetes.io/component=operator",
+                                   "-o", "json").stdout)["items"][0]
+    container = next(c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "operator")
+    return next((e.get("value") for e in container.get("env") or [] if e["name"] == name), None)
+
+
+def opa_token(stack: Stack) -> str:
+    secret = json.loads(stack.kubectl("get", "secret", "sparsegate-opa-token", "-n", RELEASE_NS, "-o", "json").stdout)
+    return base64.b64decode(secret["data"]["token"]).decode()
+
+
+def test_routing_policy_end_to_end(stack: Stack, stack_namespace: str, web_namespace: str) -> None:
+    models, web = stack_namespace, web_namespace
+    kubectl = stack.kubectl
+    # The shared stack's resync period (tests/e2e/conftest.py sets it through the chart's extraEnv).
+    resync_s = float(operator_env(stack, "SPARSEGATE_POLICY_RESYNC_SECONDS") or 10)
+    operator = leading_operator(stack)
+    opa_url = f"http://{operator['status']['podIP']}:8181"  # the sidecar the operator asks
+    opa_container = stack.container_name(operator, "opa")
+    token = opa_token(stack)
 
     def get(kind: str, name: str, ns: str = models) -> dict:
         return json.loads(kubectl("get", kind, name, "-n", ns, "-o", "json").stdout)
@@ -83,19 +94,20 @@ def test_routing_policy_end_to_end(kubectl, namespace: str, web_namespace: str, 
         return next((c["status"] for c in conds if c["type"] == type_), None)
 
     def allow_list() -> dict | None:
-        run = kubectl("get", "configmap", "sparsegate-flow-policy", "-n", models, "-o", "json", check=False)
+        run = kubectl("get", "configmap", FLOW_POLICY, "-n", RELEASE_NS, "-o", "json", check=False)
         return json.loads(json.loads(run.stdout)["data"]["policy.json"]) if run.returncode == 0 else None
 
     def opa(call: str, *args: object) -> object:
         async def go() -> object:
-            client = RoutingOpa(url=opa_server.url)
+            client = RoutingOpa(url=opa_url, token=token)
             try:
                 return await getattr(client, call)(*args)
             finally:
                 client.close()
         return asyncio.run(go())
 
-    # Given a fresh operator: it publishes a deny-all allow-list before any policy exists
+    # Given no RoutingPolicy anywhere: the operator's published allow-list denies everything
+    assert json.loads(kubectl("get", "routingpolicies", "-A", "-o", "json").stdout)["items"] == []
     empty = wait_for(allow_list, what="initial allow-list")
     assert empty["defaultAction"] == "deny" and empty["entries"] == []
 
@@ -137,22 +149,32 @@ def test_routing_policy_end_to_end(kubectl, namespace: str, web_namespace: str, 
     assert bad.returncode != 0
     assert "sources[].spiffeID cannot be combined" in bad.stderr and "ports[].port must be between" in bad.stderr
 
-    # When OPA dies and a wider policy (all of web → mixtral) arrives meanwhile
-    opa_server.stop()
-    kubectl("apply", "-n", models, "-f", "-", input=routing_policy("allow-web", {
-        "action": "Allow", "sources": [{"namespace": web}], "targets": [{"sparseModel": "*"}]}))
-    # Then both policies turn Degraded and the published allow-list stays exactly as it was
-    wait_for(lambda: condition("allow-frontend", "Degraded") == "True" and condition("allow-web", "Degraded") == "True",
-             what="Degraded=True on both policies")
-    assert condition("allow-web", "Ready") == "False"
-    time.sleep(3 * RESYNC_S)
-    assert allow_list() == doc
+    # When OPA becomes unreachable (its container frozen) and a wider policy (all of web → mixtral)
+    # arrives meanwhile
+    podman.podman("pause", opa_container)
+    paused = True
+    try:
+        kubectl("apply", "-n", models, "-f", "-", input=routing_policy("allow-web", {
+            "action": "Allow", "sources": [{"namespace": web}], "targets": [{"sparseModel": "*"}]}))
+        # Then both policies turn Degraded and the published allow-list stays exactly as it was
+        wait_for(lambda: condition("allow-frontend", "Degraded") == "True"
+                 and condition("allow-web", "Degraded") == "True", what="Degraded=True on both policies")
+        assert condition("allow-web", "Ready") == "False"
+        time.sleep(3 * resync_s)
+        assert allow_list() == doc
 
-    # When OPA comes back empty (a restart), nobody re-applies anything
-    opa_server.start()
+        # When OPA comes back empty (the frozen container is killed; the pod runner restarts it), and
+        # nobody re-applies anything
+        podman.podman("kill", "--signal", "KILL", opa_container)
+        paused = False
+    finally:
+        if paused:  # leave the shared stack's OPA running whatever failed
+            podman.podman("unpause", opa_container, check=False)
     # Then the operator pushes everything again and publishes the decisions of both policies
     wait_for(lambda: condition("allow-web", "Ready") == "True" and condition("allow-frontend", "Ready") == "True"
              and condition("allow-web", "Degraded") == "False", what="Ready again after OPA restart", timeout_s=90)
+    restarted = next(c for c in leading_operator(stack)["status"]["containerStatuses"] if c["name"] == "opa")
+    assert restarted["lastState"]["terminated"]["exitCode"] == 137
     assert set(opa("loaded_policies")) == {f"{models}/allow-frontend", f"{models}/allow-web"}
     widened = wait_for(lambda: (d := allow_list()) and len(d["entries"]) == 4 and d, what="4 entries")
     assert {(e["srcIP"], e["dstIP"]) for e in widened["entries"]} == {
