@@ -308,7 +308,8 @@ class ContainerPodRunner:
             self._submit(track, self._create, plan, c, name)
             return Observed("waiting", "ContainerCreating", **base)
         obs_base = dict(base, container_id=state.id[:12])
-        if state.state == "running":
+        # A paused (frozen) container has not exited: it is a hung process, for probes to judge.
+        if state.state in ("running", "paused"):
             track.waiting = ("ContainerCreating", "")
             return self._probe(plan, pod, c, name, state, track, now, obs_base)
         # Exited (or created but never started): count the exit once, then restart after back-off.
