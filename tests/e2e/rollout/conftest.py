@@ -1,97 +1,108 @@
-"""Fixtures for the rollout e2e tests: one real fleet, on its own control plane, per module.
+"""Fixtures for the rollout e2e tests: one dev stack, with a real fleet, per module.
 
-``rollout_cluster`` is a local control plane of this module's own (etcd, kube-apiserver,
-controller-manager, scheduler, kwok) on a pod CIDR no other cluster on this machine uses: pods
-must own their loopback IP:port for real model servers to bind them, and another cluster in
-the contract's default 127.20.0.0/16 (a demo, another session) would own some of those. It also
-keeps other tests' operators (the session operator serves all namespaces) off this fleet.
+``stack`` is the dev stack (``dev/devstack.py``) of this module's own: the project's images, a
+container-mode local control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok;
+the pod runner runs every pod's containers from their images with podman) on a pod CIDR no
+other cluster on this machine uses — pods own their loopback IP:port, and another cluster in
+the contract's default 127.20.0.0/16 (a demo, another session) would own some of those — and
+the chart installed with helm, so the operator runs in-cluster from its image with the chart's
+ServiceAccount and RBAC (pods list, ``<m>-admin`` Secret get, GateConfig status patch, Events,
+the leader Lease), OPA as its sidecar. Chart values: a 1 s rollout tick, a 3 s resting check,
+and ``operator.watchNamespaces`` = the tests' namespace (per-namespace RoleBinding).
 
-``fleet`` installs the CRDs, creates a GateConfig and a SparseModel of ``REPLICAS`` pods, runs
-the pod runner (one real model server per pod, on the pod's IP), the operator (``sparsegate
-run``, 1 s rollout tick) and a loopback load generator, and tears all of it down.
-
-The operator runs with a token of the chart's ServiceAccount (the chart is installed with the
-real helm), so the rollout also proves the chart's RBAC: pods list, ``<m>-admin`` Secret get,
-GateConfig status patch, Events.
+``fleet`` applies a GateConfig and a SparseModel of ``REPLICAS`` pods without ``spec.image``
+(the chart's ``modelServer.image``: one model-server container per pod, bound on the pod's
+IP), waits until every server answers, checks the pod IPs are served by this cluster's
+servers, and runs a loopback load generator across the tests.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import uuid
+import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from localcluster import LocalCluster, nodes, processes
+from devstack import Stack
+from loadgen import BackgroundLoad
+from localcluster import nodes
+from localcluster.health import wait_for
 from localcluster.ports import pick_unused_pod_cidr
 
-from loadgen import BackgroundLoad
-from rollout_e2e_support import (ANALYSIS_INTERVAL, BASE_PARAMS, GATE, MODEL, QPS, REPLICAS, REPO, Fleet, Operator,
-                                 _wait)
+from rollout_e2e_support import (ANALYSIS_INTERVAL, BASE_PARAMS, GATE, MODEL, NAMESPACE, QPS, REPLICAS, Fleet,
+                                 Operator)
+
+# Operator env the tests need (see CONTRACTS: rollout controller): a 1 s tick instead of 5 s, and
+# a 3 s resting check instead of 30 s, so each rollout takes seconds.
+OPERATOR_ENV = {"SPARSEGATE_ROLLOUT_TICK_S": "1", "SPARSEGATE_ROLLOUT_RESTING_CHECK_S": "3"}
+
+
+def chart_values() -> list[str]:
+    flags = ["--set", f"operator.watchNamespaces={{{NAMESPACE}}}"]
+    for i, (name, value) in enumerate(OPERATOR_ENV.items()):
+        flags += ["--set", f"operator.extraEnv[{i}].name={name}", "--set-string", f"operator.extraEnv[{i}].value={value}"]
+    return flags
+
 
 @pytest.fixture(scope="module")
-def rollout_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    local = LocalCluster(state_dir=tmp_path_factory.mktemp("rollout-cluster"), pod_cidr=pick_unused_pod_cidr(),
-                         node_shape=nodes.NodeShape(count=2, gpu_count=0))
-    local.start()
-    sys.stderr.write(f"\n[e2e] rollout cluster up in {local.timings['total']:.1f}s, pods in {local.pod_cidr}\n")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(state_dir=tmp_path_factory.mktemp("rollout-stack"), pod_cidr=pick_unused_pod_cidr(),
+              node_shape=nodes.NodeShape(count=2, gpu_count=0), extra_values=chart_values())
+    t0 = time.monotonic()
     try:
-        yield local
+        s.build_images()
+        t_images = time.monotonic()
+        s.start_cluster()
+        # The namespace first: the chart binds the operator's ClusterRole in it (watchNamespaces).
+        s.kubectl("create", "namespace", NAMESPACE)
+        s.up()
+        sys.stderr.write(f"\n[e2e] rollout stack: images {t_images - t0:.1f}s, cluster+helm+operator Ready "
+                         f"{time.monotonic() - t_images:.1f}s, pods in {s.cluster.pod_cidr}\n")
+        yield s
     finally:
-        local.stop()
+        sys.stderr.write(f"[e2e] rollout stack diagnostics:\n{s.diagnose()[-6000:]}\n")
+        s.down()
 
 
 @pytest.fixture(scope="module")
-def fleet(rollout_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    cluster = rollout_cluster
-    work = tmp_path_factory.mktemp("rollout")
-    # The chart with the real helm: CRDs, and the operator's ServiceAccount and RBAC, whose token the
-    # operator then runs with — so these tests also prove the chart grants what rollouts need.
-    helm = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache" / "sparsegate" / "bin")) / "helm"
-    if not helm.is_file():
-        pytest.fail(f"the real helm binary is required at {helm}; run dev/setup/binaries.sh helm")
-    subprocess.run([str(helm), f"--kubeconfig={cluster.kubeconfig}", "upgrade", "--install", "sg",
-                    str(REPO / "charts" / "sparsegate"), "-n", "sparsegate-system", "--create-namespace",
-                    "--wait=false"], check=True, capture_output=True, text=True, timeout=180)
-    for crd in ("sparsemodels", "gateconfigs"):
-        cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}.sparsegate.dev", "--timeout=60s")
-    ns = f"rollout-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", ns)
-    _wait("default ServiceAccount", lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", ns,
-                                                            check=False).returncode == 0, timeout=60)
+def fleet(stack: Stack) -> Iterator[Fleet]:
+    ns = NAMESPACE
+    # Pods are rejected until the namespace's default ServiceAccount exists.
+    wait_for(lambda: stack.kubectl("get", "serviceaccount", "default", "-n", ns, check=False).returncode == 0,
+             what="default ServiceAccount", timeout_s=60, interval_s=0.5)
     gateconfig = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "GateConfig", "metadata": {"name": GATE},
                   "spec": {"params": BASE_PARAMS,
                            "rollout": {"steps": [5, 20, 100], "analysisInterval": ANALYSIS_INTERVAL,
                                        "slaP99LatencyMs": 800, "maxDrift": 0.2, "autoRollback": True}}}
+    # No spec.image: the chart's modelServer.image (the locally built model-server image).
     model = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "SparseModel", "metadata": {"name": MODEL},
-             "spec": {"image": "ghcr.io/sparsegate/model-server:0.1.0", "replicas": REPLICAS,
-                      "gateConfigRef": {"name": GATE},
+             "spec": {"replicas": REPLICAS, "gateConfigRef": {"name": GATE},
                       "model": {"dModel": 128, "experts": 4, "maxExpertsPerToken": 2}}}
-    cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
-                                                                    "items": [gateconfig, model]}))
-    kubeconfig = cluster.service_account_kubeconfig(namespace="sparsegate-system",
-                                                    service_account="sg-sparsegate-operator",
-                                                    path=work / "operator.kubeconfig", duration="2h")
-    op = Operator(cluster=cluster, namespace=ns, work=work, kubeconfig=kubeconfig)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "dev"), os.environ.get("PYTHONPATH", "")])}
-    runner_dir = work / "podrunner"
-    runner = processes.start(
-        name="podrunner",
-        argv=[sys.executable, "-m", "localcluster", "--state-dir", str(cluster.state_dir), "podrunner",
-              "--work-dir", str(runner_dir), "--selector", f"sparsegate.dev/model={MODEL}"],
-        log_path=work / "podrunner.log", pid_file=work / "podrunner.pid", env=env, die_with_parent=True)
-    f = Fleet(cluster=cluster, namespace=ns, operator=op)
+    op = Operator(stack=stack)
+    op.expected_restarts = op.restart_count()
+    f = Fleet(stack=stack, namespace=ns, operator=op)
+    t0 = time.monotonic()
+    stack.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
+                                                                  "items": [gateconfig, model]}))
     try:
-        op.start()
-
         def all_serving() -> bool:
-            versions = f.pod_versions()
-            return len(versions) == REPLICAS and all(versions.values())
-        _wait(f"{REPLICAS} model servers answering /healthz", all_serving, timeout=240, op=op)
+            # Ready (the pod runner's readiness probe, /readyz: the model is built) and answering
+            # /healthz with a gate version; /healthz alone answers while the model still loads.
+            pods = f.pods()
+            ready = len(pods) == REPLICAS and all(
+                any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])
+                for p in pods)
+            versions = f.pod_versions() if ready else {}
+            return ready and len(versions) == REPLICAS and all(versions.values())
+
+        try:
+            wait_for(all_serving, what=f"{REPLICAS} model servers Ready and answering /healthz", timeout_s=300,
+                     interval_s=1.0)
+        except AssertionError as exc:
+            pytest.fail(f"{exc}\n{stack.diagnose()}")
+        sys.stderr.write(f"[e2e] {REPLICAS} model-server containers serving {time.monotonic() - t0:.1f}s after "
+                         f"apply\n")
         f.check_pods_are_ours()
         f.watch("the GateConfig to be initialised", lambda ro: ro.get("phase") == "Succeeded", timeout=60)
         f.load = BackgroundLoad(f.targets, qps=QPS).start()
@@ -100,7 +111,7 @@ def fleet(rollout_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactor
         if f.load is not None:
             f.load.stop()
             sys.stderr.write(f"[e2e] load: {f.load.stats}\n")
-        op.stop()
-        sys.stderr.write(f"[e2e] rollout operator log tail:\n{op.tail(40)}\n")
-        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-        processes.stop_from_pid_file(work / "podrunner.pid", grace_s=15, popen=runner)
+        # The whole container log outlives the stack (which removes the container) in the state dir.
+        log = stack.cluster.state_dir / "operator-container.log"
+        log.write_text(op.tail(1_000_000))
+        sys.stderr.write(f"[e2e] rollout operator log ({log}) tail:\n{op.tail(40)}\n")

@@ -1,87 +1,120 @@
 """Helpers for the rollout e2e tests (a module of its own: test files cannot import conftest by
-name, pytest cannot tell the conftests of different directories apart)."""
+name, pytest cannot tell the conftests of different directories apart).
+
+The operator here is the chart's, running in-cluster from its image (Deployment
+``sparsegate-operator`` in ``sparsegate-system``, container ``operator``, OPA as its sidecar) on the
+dev stack (``dev/devstack.py``); :class:`Operator` reads and crashes it the way a cluster user
+would: logs of the container, metrics at the pod IP, SIGKILL to the container (the pod runner
+restarts it, as a kubelet does).
+"""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from devstack import Stack
 from loadgen import BackgroundLoad
-from localcluster import processes
-from localcluster.ports import free_port
+from localcluster import podman
+from localcluster.health import wait_for
 
 REPO = Path(__file__).resolve().parents[3]
+NAMESPACE = "rollout"  # the one namespace the operator serves here (chart operator.watchNamespaces)
 MODEL = "rollout-m"
 GATE = "gate"
 REPLICAS = 10  # 5 % → 1 pod, 20 % → 2 pods, 100 % → 10 (each server holds ~320 MB)
 QPS = 50.0
 ANALYSIS_INTERVAL = "4s"
+METRICS_PORT = 9090  # the chart's operator.metrics.port, bound on the pod IP
 
 BASE_PARAMS = {"toolGateThreshold": 0.85, "entropyBeta": 0.1, "confidenceThreshold": 0.6,
                "capacityFactor": 1.25, "minExpertsPerToken": 1, "maxExpertsPerToken": 4,
                "precisionPolicy": "auto"}
 
 
+def _operator_container(pod: dict) -> dict:
+    return next((c for c in (pod.get("status") or {}).get("containerStatuses") or [] if c["name"] == "operator"), {})
+
 
 @dataclass
 class Operator:
-    """`sparsegate run` for one namespace; kill() is a crash (SIGKILL), start() a fresh process."""
+    """The in-cluster operator: kill() is a crash (SIGKILL to its container), wait_restarted() waits
+    for the fresh process the pod runner starts in its place."""
 
-    cluster: Any
-    namespace: str
-    work: Path
-    kubeconfig: Path | None = None  # the chart ServiceAccount's identity (default: admin)
-    metrics_port: int = field(default_factory=free_port)
-    proc: subprocess.Popen[bytes] | None = None
-    starts: int = 0
+    stack: Stack
+    # Restarts of the operator container accounted for: those before the tests began, plus one per
+    # kill(). Any other restart (a crash of its own, a failed liveness probe) fails the waits.
+    expected_restarts: int = 0
+    restarts_at_kill: int = 0
 
-    @property
-    def log(self) -> Path:
-        return self.work / "operator.log"
+    def pod(self) -> dict:
+        """The Ready operator pod (waits for one)."""
+        return self.stack.wait_operator_ready()
 
-    def start(self) -> None:
-        self.starts += 1
-        self.metrics_port = free_port()
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig or self.cluster.kubeconfig),
-               "SPARSEGATE_ROLLOUT_TICK_S": "1",
-               "SPARSEGATE_ROLLOUT_RESTING_CHECK_S": "3", "POD_NAME": f"rollout-e2e-{self.starts}"}
-        argv = [sys.executable, "-m", "sparsegate.cli", "run", "--standalone", "-n", self.namespace,
-                f"--metrics-port={self.metrics_port}"]
-        self.proc = processes.start(name="operator", argv=argv, log_path=self.log,
-                                    pid_file=self.work / "operator.pid", env=env, die_with_parent=True)
-        deadline = time.monotonic() + 60
-        while True:
-            assert self.proc.poll() is None, f"operator exited {self.proc.returncode}:\n{self.tail()}"
-            try:
-                self.metrics()
-                return
-            except OSError:
-                assert time.monotonic() < deadline, f"operator metrics not up in 60 s:\n{self.tail()}"
-                time.sleep(0.3)
+    def restart_count(self) -> int:
+        return sum(_operator_container(p).get("restartCount", 0) for p in self.stack.operator_pods())
 
     def kill(self) -> None:
-        """A crash: SIGKILL to the operator's process group, no chance to clean up."""
-        assert self.proc is not None and self.proc.poll() is None
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
+        """A crash: SIGKILL to the operator container, no chance to clean up; returns once it is dead."""
+        pod = self.pod()
+        name = self.stack.container_name(pod, "operator")
+        started = self._state(name).get("StartedAt")
+        self.restarts_at_kill = _operator_container(pod).get("restartCount", 0)
+        self.expected_restarts += 1
+        self.stack.kill_container(pod, "operator")
+        # Dead (or already started again by the runner, which restarts a long-lived container at once).
+        def dead_or_restarted() -> bool:
+            state = self._state(name)
+            return state.get("StartedAt") != started or not state.get("Running")
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            processes.stop_from_pid_file(self.work / "operator.pid", grace_s=10, popen=self.proc)
+        wait_for(dead_or_restarted, what="the operator container to die", timeout_s=30, interval_s=0.1)
+
+    def wait_restarted(self, timeout_s: float = 120) -> dict:
+        """The pod runner restarted the killed container (restartCount up, exit 137) and the new
+        process serves its metrics; returns the container's status."""
+        def restarted() -> dict | None:
+            for p in self.stack.operator_pods():
+                c = _operator_container(p)
+                if c.get("restartCount", 0) > self.restarts_at_kill and c.get("ready"):
+                    return c
+            return None
+
+        try:
+            status: dict = wait_for(restarted, what="the operator container restarted by the pod runner",  # type: ignore[assignment]
+                                    timeout_s=timeout_s, interval_s=0.5)
+        except AssertionError as exc:
+            pytest.fail(f"{exc}\n{self.stack.diagnose()}")
+        assert status["lastState"]["terminated"]["exitCode"] == 137, status
+        wait_for(self._metrics_up, what="the restarted operator's metrics", timeout_s=60, interval_s=0.3)
+        return status
+
+    def _metrics_up(self) -> bool:
+        try:
+            self.metrics()
+            return True
+        except OSError:
+            return False
+
+    @staticmethod
+    def _state(name: str) -> dict:
+        """podman's State of one container ({} when there is none)."""
+        proc = podman.podman("inspect", "--format", "{{json .State}}", name, check=False)
+        return json.loads(proc.stdout) if proc.returncode == 0 and proc.stdout.strip() else {}
+
+    def unexpected_restarts(self) -> int:
+        """Restarts of the operator container that no kill() of this module caused."""
+        return self.restart_count() - self.expected_restarts
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
+        ip = self.pod()["status"]["podIP"]
+        with urllib.request.urlopen(f"http://{ip}:{METRICS_PORT}/metrics", timeout=5) as resp:
             return resp.read().decode()
 
     def metric(self, name: str, **labels: str) -> float:
@@ -95,17 +128,23 @@ class Operator:
         return 0.0
 
     def tail(self, n: int = 60) -> str:
-        if not self.log.exists():
-            return "(no operator log)"
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        pods = self.stack.operator_pods()
+        if not pods:
+            return "(no operator pod)"
+        return self.stack.logs(pods[0], "operator", n) or "(no operator log)"
 
 
 @dataclass
 class Fleet:
-    cluster: Any
+    stack: Stack
     namespace: str
     operator: Operator
     load: BackgroundLoad | None = None
+
+    @property
+    def cluster(self) -> Any:
+        """The stack's LocalCluster (``kubectl``)."""
+        return self.stack.cluster
 
     # ---------------------------------------------------------------- reading
     def get(self, *args: str) -> dict:
@@ -184,30 +223,28 @@ class Fleet:
 
     # ---------------------------------------------------------------- waiting
     def watch(self, what: str, done: Callable[[dict], bool], *, timeout: float = 120.0) -> list[dict]:
-        """Poll status.rollout until ``done``; returns the distinct states seen on the way."""
+        """Poll status.rollout until ``done``; returns the distinct states seen on the way. Fails at
+        once if the operator container restarted without a kill() (checked every 2 s)."""
         seen: list[dict] = []
-        deadline = time.monotonic() + timeout
-        while True:
+        last_check = [time.monotonic()]
+
+        def reached() -> bool:
             ro = self.rollout()
             state = {k: ro.get(k) for k in ("phase", "step", "canaryInstances", "canaryVersion", "reason")}
             if not seen or seen[-1] != state:
                 seen.append(state)
             if done(ro):
-                return seen
-            if time.monotonic() > deadline:
-                pytest.fail(f"timed out waiting for {what}; last status.rollout: {json.dumps(ro)[:1500]}\n"
-                            f"states seen: {seen}\noperator log:\n{self.operator.tail()}")
-            if self.operator.proc is not None and self.operator.proc.poll() is not None:
-                pytest.fail(f"operator exited while waiting for {what}:\n{self.operator.tail()}")
-            time.sleep(0.25)
+                return True
+            if time.monotonic() - last_check[0] >= 2.0:
+                last_check[0] = time.monotonic()
+                if self.operator.unexpected_restarts() > 0:
+                    pytest.fail(f"the operator container restarted while waiting for {what}:\n"
+                                f"{self.stack.diagnose()}")
+            return False
 
-
-def _wait(what: str, probe: Callable[[], Any], *, timeout: float, op: Operator | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}" + (f"\noperator log:\n{op.tail()}" if op else ""))
-        time.sleep(0.5)
+        try:
+            wait_for(reached, what=what, timeout_s=timeout, interval_s=0.25)
+        except AssertionError as exc:
+            pytest.fail(f"{exc}; last status.rollout: {json.dumps(self.rollout())[:1500]}\n"
+                        f"states seen: {seen}\noperator log:\n{self.operator.tail()}")
+        return seen

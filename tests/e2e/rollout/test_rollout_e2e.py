@@ -1,10 +1,12 @@
 """Progressive GateConfig rollout end to end, with real model servers under load.
 
-Given 10 real model-server processes (one per kwok pod, on the pod's IP) serving ~50 qps,
-the operator with a 1 s tick and a 4 s analysis window, when spec.params changes:
+Given 10 real model-server containers (the chart's model-server image, one per kwok pod, on
+the pod's IP) serving ~50 qps, and the operator running in-cluster from its image (installed with
+helm) with a 1 s tick and a 4 s analysis window, when spec.params changes:
 a good version goes 5 → 20 → 100 % and is promoted; a bad one (injected errors or latency
 over the SLA) is rolled back at the first step with the reason and numbers in status; a
-crashed operator resumes from the same step without re-pushing; pause holds, resume continues,
+crashed operator (its container SIGKILLed, restarted by the pod runner) resumes from the same
+step without re-pushing; pause holds, resume continues,
 abort rolls back, promote skips ahead. The tests share one fleet and run in order.
 """
 
@@ -89,7 +91,7 @@ def test_operator_crash_mid_rollout_resumes_without_repushing(fleet: Fleet) -> N
     frozen = fleet.rollout()
     on_new = sorted(n for n, v in fleet.pod_versions().items() if v == new)
     assert len(on_new) == 2 and frozen["step"] == 2 and fleet.stable_version() == stable
-    fleet.operator.start()  # a fresh process: no memory of the rollout but what status holds
+    fleet.operator.wait_restarted()  # a fresh process: no memory of the rollout but what status holds
 
     seen = fleet.watch("promotion after restart", lambda ro: ro.get("phase") == "Succeeded"
                        and fleet.stable_version() == new)
