@@ -20,8 +20,7 @@ def _cluster(args: argparse.Namespace, **kwargs: object) -> LocalCluster:
 def cmd_up(args: argparse.Namespace) -> int:
     shape = NodeShape(count=args.nodes, gpu_count=min(args.gpu_nodes, args.nodes))
     # Detached: the components must outlive this command.
-    cluster = _cluster(args, node_shape=shape, die_with_parent=False, pod_runner=args.podrunner,
-                       pod_runner_command=args.podrunner_command, containers=args.containers)
+    cluster = _cluster(args, node_shape=shape, die_with_parent=False, containers=args.containers)
     cluster.start()
     print(f"cluster up in {cluster.timings['total']:.1f}s ({json.dumps(cluster.timings)})")
     print(f"server:     {cluster.server}")
@@ -67,10 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="start the control plane and register fake nodes")
     up.add_argument("--nodes", type=int, default=4)
     up.add_argument("--gpu-nodes", type=int, default=2)
-    up.add_argument("--podrunner", action="store_true", help="also run the pod runner (real processes for model pods)")
-    up.add_argument("--podrunner-command", help="pod runner command template (see `podrunner --help`)")
     up.add_argument("--containers", action="store_true",
-                    help="run every pod's containers from their images with podman (pod runner in container mode)")
+                    help="run every pod's containers from their images with podman (the pod runner)")
     up.set_defaults(func=cmd_up)
     sub.add_parser("down", help="stop every component (via pid files)").set_defaults(func=cmd_down)
     sub.add_parser("status", help="which components run").set_defaults(func=cmd_status)
@@ -78,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     nodes_cmd.add_argument("--count", type=int)
     nodes_cmd.add_argument("--gpu-nodes", type=int, default=2)
     nodes_cmd.set_defaults(func=cmd_nodes)
-    runner = sub.add_parser("podrunner", help="run a real process per sparsegate-model pod (see --help)", add_help=False)
+    runner = sub.add_parser("podrunner", help="run every pod's containers with podman (see --help)", add_help=False)
     runner.set_defaults(func=cmd_podrunner)
     # The pod runner parses its own options (REMAINDER does not take ones that start with --).
     args, rest = parser.parse_known_args(argv)

@@ -52,8 +52,6 @@ class LocalCluster:
         bin_directory: Path | None = None,
         die_with_parent: bool = True,
         startup_timeout_s: float = 180.0,
-        pod_runner: bool = False,
-        pod_runner_command: str | None = None,
         containers: bool = False,
     ) -> None:
         self.layout = config.Layout(Path(state_dir) if state_dir is not None else default_state_dir())
@@ -62,10 +60,8 @@ class LocalCluster:
         self.bin_directory = bin_directory
         self.die_with_parent = die_with_parent
         self.startup_timeout_s = startup_timeout_s
-        # Optionally also run the pod runner (podrunner.py) as a managed component.
-        self.pod_runner = pod_runner
-        self.pod_runner_command = pod_runner_command
-        # Container mode: every pod runs its containers with podman (the runner reports readiness).
+        # Container mode: the pod runner (podrunner.py) runs every pod's containers with podman and
+        # reports their readiness; without it, kwok marks pods Ready and nothing runs.
         self.containers = containers
         self.ports: config.Ports | None = None
         self.timings: dict[str, float] = {}
@@ -259,7 +255,7 @@ class LocalCluster:
             what="default ServiceAccount", timeout_s=self.startup_timeout_s, interval_s=0.2,
         )
         t = self._lap("service-account", t)
-        if self.pod_runner or self.containers:
+        if self.containers:
             self._start_pod_runner()
             self._lap("podrunner", t)
         self.timings["total"] = round(time.monotonic() - t0, 3)
@@ -300,10 +296,6 @@ class LocalCluster:
     def _start_pod_runner(self) -> None:
         argv = [sys.executable, "-m", "localcluster", "--state-dir", str(self.state_dir), "podrunner",
                 "--work-dir", str(self.state_dir / "podrunner")]
-        if self.containers:
-            argv += ["--containers"]
-        if self.pod_runner_command:
-            argv += ["--command", self.pod_runner_command]
         dev_dir = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (dev_dir, os.environ.get("PYTHONPATH")) if p)}
         proc = processes.start(

@@ -11,8 +11,6 @@ namespace of its own on it.
 
 from __future__ import annotations
 
-import os
-import shlex
 import subprocess
 import sys
 import time
@@ -23,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from devstack import Stack
-from localcluster import LocalCluster, processes
+from localcluster import LocalCluster
 from localcluster.health import wait_for
 from localcluster.ports import pick_unused_pod_cidr
 
@@ -89,35 +87,6 @@ def kube_api_client(cluster: LocalCluster):  # -> kubernetes.client.ApiClient
     from kubernetes import config as kube_config
 
     return kube_config.new_client_from_config(config_file=str(cluster.kubeconfig))
-
-
-@pytest.fixture
-def pod_runner(cluster: LocalCluster, tmp_path: Path) -> Iterator[Callable[..., Path]]:
-    """Starts ``python -m localcluster podrunner`` (optionally with ``command=`` template); stopped after.
-
-    Returns the runner's work directory (one sub-directory per pod with process.log / process.pid).
-    """
-    started: list[tuple[subprocess.Popen[bytes], Path]] = []
-
-    def start(*, command: str | None = None, selector: str | None = None) -> Path:
-        work = tmp_path / f"podrunner-{len(started)}"
-        pid_file = work / "runner.pid"
-        argv = [sys.executable, "-m", "localcluster", "--state-dir", str(cluster.state_dir), "podrunner",
-                "--work-dir", str(work), "--pid-file", str(pid_file)]
-        if command:
-            argv += ["--command", command]
-        if selector:
-            argv += ["--selector", selector]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(E2E_DIR.parent.parent / "dev"), os.environ.get("PYTHONPATH", "")])}
-        proc = processes.start(name="podrunner", argv=argv, log_path=work / "runner.log", pid_file=work / "runner.popen.pid",
-                               env=env, die_with_parent=True)
-        started.append((proc, work))
-        sys.stderr.write(f"[e2e] podrunner: {shlex.join(argv)}\n")
-        return work
-
-    yield start
-    for proc, work in started:
-        processes.stop_from_pid_file(work / "runner.popen.pid", grace_s=10, popen=proc)
 
 
 @pytest.fixture(scope="session")

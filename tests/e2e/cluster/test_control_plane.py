@@ -133,7 +133,7 @@ def test_cli_up_then_down_from_another_process(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(DEV_DIR)}
     run = lambda *a: subprocess.run([sys.executable, "-m", "localcluster", "--state-dir", str(state), *a],  # noqa: E731
                                     env=env, capture_output=True, text=True, timeout=240)
-    up = run("up", "--nodes", "1", "--gpu-nodes", "1", "--podrunner")
+    up = run("up", "--nodes", "1", "--gpu-nodes", "1", "--containers")
     try:
         assert up.returncode == 0, up.stderr
         assert "cluster up in" in up.stdout

@@ -17,8 +17,8 @@ def test_podrunner_options_pass_through(monkeypatch: pytest.MonkeyPatch, tmp_pat
     from localcluster import podrunner
 
     monkeypatch.setattr(podrunner, "main", fake_main)
-    assert cli.main(["--state-dir", str(tmp_path), "podrunner", "--work-dir", "/w", "--command", "x {host}"]) == 0
-    assert seen == {"argv": ["--work-dir", "/w", "--command", "x {host}"], "state_dir": tmp_path}
+    assert cli.main(["--state-dir", str(tmp_path), "podrunner", "--work-dir", "/w"]) == 0
+    assert seen == {"argv": ["--work-dir", "/w"], "state_dir": tmp_path}
 
 
 def test_unknown_options_are_rejected_for_other_commands(tmp_path: Path) -> None:
