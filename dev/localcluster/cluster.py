@@ -7,7 +7,6 @@ works from another process.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import shutil
@@ -151,25 +150,6 @@ class LocalCluster:
         if check and proc.returncode != 0:
             raise ClusterError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
         return proc
-
-    def service_account_kubeconfig(self, *, namespace: str, service_account: str, path: Path,
-                                   duration: str = "24h") -> Path:
-        """This cluster's server and CA with a ServiceAccount's token (``kubectl create token``) as
-        identity: what a pod of that ServiceAccount would be, so a local process proves the RBAC."""
-        token = self.kubectl("create", "token", service_account, "-n", namespace,
-                             f"--duration={duration}").stdout.strip()
-        admin = yaml.safe_load(self.kubeconfig.read_text())
-        cl = dict(admin["clusters"][0]["cluster"])
-        if "certificate-authority-data" not in cl:
-            cl["certificate-authority-data"] = base64.b64encode(
-                Path(cl.pop("certificate-authority")).read_bytes()).decode()
-        document = {"apiVersion": "v1", "kind": "Config", "current-context": "sa",
-                    "clusters": [{"name": "local", "cluster": cl}],
-                    "users": [{"name": service_account, "user": {"token": token}}],
-                    "contexts": [{"name": "sa", "context": {"cluster": "local", "user": service_account,
-                                                             "namespace": namespace}}]}
-        _write_private(path, yaml.safe_dump(document))
-        return path
 
     def register_nodes(self, shape: nodes.NodeShape) -> None:
         """Registers the first ``shape.count`` fake nodes (existing ones are kept) and waits until all are Ready."""
