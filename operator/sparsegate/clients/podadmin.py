@@ -6,13 +6,15 @@ so the checksum must begin with the version's hex digits) — the double check o
 ``PUT /admin/gate`` (Bearer token from Secret ``<model>-admin``) hot-swaps the gate without a
 restart; the server answers 422 for a document it rejects.
 
-All calls are bounded (timeout per request, a concurrency cap) so a fleet of 1,000 pods is
-one short round, and a dead pod costs one timeout, never a stuck reconcile.
+All calls are bounded (timeout per request, a concurrency cap, a cap on every body read) so a
+fleet of 1,000 pods is one short round, a dead pod costs one timeout, never a stuck reconcile, and
+a misbehaving pod cannot make the operator buffer an unbounded answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +23,31 @@ import aiohttp
 
 from sparsegate_contracts.gate import version_matches_checksum
 
-__all__ = ["PodTarget", "PodHealth", "PushResult", "PodAdmin"]
+__all__ = ["PodTarget", "PodHealth", "PushResult", "PodAdmin", "BodyTooLarge", "read_capped"]
+
+JSON_BODY_LIMIT = 64 * 1024  # /healthz and /admin/gate answers are a few hundred bytes
+METRICS_BODY_LIMIT = 4 * 1024 * 1024  # a model server's /metrics is tens of KiB
+
+
+class BodyTooLarge(ValueError):
+    """A pod answered more bytes than the operator reads from it."""
+
+
+async def read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The body, or :class:`BodyTooLarge` as soon as it exceeds ``limit`` bytes."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise BodyTooLarge(f"body of {resp.content_length} bytes exceeds {limit}")
+    chunks, size = [], 0
+    while chunk := await resp.content.read(64 * 1024):
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _json(resp: aiohttp.ClientResponse) -> Any:
+    return json.loads(await read_capped(resp, JSON_BODY_LIMIT))
 
 
 @dataclass(frozen=True)
@@ -83,9 +109,11 @@ class PodAdmin:
                 async with session.get(f"{t.base}/healthz") as resp:
                     if resp.status != 200:
                         return PodHealth(name=t.name, version=None, error=f"/healthz {resp.status}")
-                    body = await resp.json(content_type=None)
+                    body = await _json(resp)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
                 return PodHealth(name=t.name, version=None, error=f"/healthz: {type(e).__name__} {e}".strip())
+            if not isinstance(body, dict):
+                return PodHealth(name=t.name, version=None, error=f"/healthz answered {type(body).__name__}, not an object")
             version, checksum = body.get("gateVersion"), body.get("checksum")
             if body.get("status") != "ok" or not version_matches_checksum(version, checksum):
                 return PodHealth(name=t.name, version=None, error=f"/healthz inconsistent: {body}")
@@ -107,12 +135,12 @@ class PodAdmin:
                 async with session.put(
                     f"{t.base}/admin/gate", json=dict(doc), headers={"Authorization": f"Bearer {t.token}"}
                 ) as resp:
-                    body = await resp.json(content_type=None)
+                    body = await _json(resp)
                     if resp.status != 200:
                         return PushResult(name=t.name, ok=False, error=f"PUT /admin/gate {resp.status}: {body}")
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
                 return PushResult(name=t.name, ok=False, error=f"PUT /admin/gate: {type(e).__name__} {e}".strip())
-            version = body.get("version")
+            version = body.get("version") if isinstance(body, dict) else None
             return PushResult(name=t.name, ok=version == doc["version"], version=version,
                               error=None if version == doc["version"] else f"pod answered version {version}")
 
@@ -125,8 +153,10 @@ class PodAdmin:
         async def one(session: aiohttp.ClientSession, t: PodTarget) -> tuple[str, str | None]:
             try:
                 async with session.get(f"{t.base}/metrics") as resp:
-                    return t.name, (await resp.text()) if resp.status == 200 else None
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                    if resp.status != 200:
+                        return t.name, None
+                    return t.name, (await read_capped(resp, METRICS_BODY_LIMIT)).decode(errors="replace")
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, BodyTooLarge):
                 return t.name, None
 
         results = await self._each(targets, one)

@@ -117,3 +117,38 @@ def test_prometheus_queries() -> None:
     assert prom.selector(namespace="ns1", pods=["m.a"]) == 'namespace="ns1",pod=~"m\\\\.a"'
     with pytest.raises(ValueError):
         prom.selector(namespace="ns1", pods=['x"}) or vector(1'])
+
+
+async def test_oversized_or_odd_answers_are_pod_errors_not_operator_memory() -> None:
+    """A pod (or whatever holds its IP) answering megabytes or non-objects costs the operator a
+    bounded read and an error for that pod, never an exception or an unbounded buffer."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from sparsegate.clients import podadmin
+
+    def answer(response: web.Response):
+        async def handler(_: web.Request) -> web.Response:
+            return response
+        return handler
+
+    huge = b"x" * (podadmin.METRICS_BODY_LIMIT + 1)
+    app = web.Application()
+    app.router.add_get("/healthz", answer(web.Response(body=b"[" + b"1," * 40_000 + b"1]",
+                                                        content_type="application/json")))
+    app.router.add_get("/metrics", answer(web.Response(body=huge, content_type="text/plain")))
+    app.router.add_put("/admin/gate", answer(web.json_response([1, 2])))
+    async with TestServer(app, host="127.0.0.1") as srv:
+        target = PodTarget(name="odd", ip="127.0.0.1", port=srv.port, token=TOKEN)
+        health = (await PodAdmin().health([target]))["odd"]
+        assert health.version is None and "exceeds" in health.error
+        assert await PodAdmin().scrape([target]) == {}
+        pushed = (await PodAdmin().push([(target, dict(gateparams.DEFAULT_DOCUMENT.to_json()))]))["odd"]
+        assert not pushed.ok
+
+    small = web.Application()
+    small.router.add_get("/healthz", answer(web.json_response(["not", "an", "object"])))
+    async with TestServer(small, host="127.0.0.1") as srv:
+        target = PodTarget(name="odd", ip="127.0.0.1", port=srv.port, token=TOKEN)
+        health = (await PodAdmin().health([target]))["odd"]
+        assert health.version is None and "not an object" in health.error
