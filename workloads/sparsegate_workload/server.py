@@ -41,6 +41,11 @@ log = logging.getLogger("sparsegate.workload")
 MAX_BATCH = 64
 MAX_TOTAL_TOKENS = 4096
 MAX_BODY_BYTES = 1 << 20
+# Admission: requests admitted at once (running + waiting for the one model thread). Beyond it the
+# server answers 429 at once instead of queueing without bound; a request that waits longer than
+# the timeout for its result answers 503 (its batch still finishes, its slot is then freed).
+DEFAULT_MAX_INFLIGHT = 64
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +72,10 @@ class ServerState:
     executor: concurrent.futures.ThreadPoolExecutor | None = None
     metrics: ServerMetrics | None = None
     started: float = dataclasses.field(default_factory=time.monotonic)
+    load_error: str | None = None  # the background model build failed: unhealthy, with this reason
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    inflight: int = 0
 
 
 STATE = web.AppKey("state", ServerState)
@@ -112,7 +121,9 @@ async def _read_json(request: web.Request) -> Any:
         raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes") from None
     try:
         return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError:
+        raise ApiError(400, "body is not valid JSON: nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, and integers over 4,300 digits
         raise ApiError(400, f"body is not valid JSON: {e}") from None
 
 
@@ -173,10 +184,15 @@ async def infer(request: web.Request) -> web.Response:
     state = request.app[STATE]
     started = time.perf_counter()
     code = 500
+    admitted = False
     try:
         gate = state.gate  # read once: this request runs wholly under this version
         if gate is None or state.model is None or state.metrics is None:
             raise ApiError(503, "model is still loading")
+        if state.inflight >= state.max_inflight:
+            raise ApiError(429, f"{state.inflight} requests in flight (limit {state.max_inflight}): retry later")
+        state.inflight += 1
+        admitted = True
         body = await _read_json(request)
         cfg = state.model_config
         tokens, return_logits = parse_infer_request(body, vocab_size=cfg.vocab_size,
@@ -187,10 +203,17 @@ async def infer(request: web.Request) -> web.Response:
         if fault.error_rate > 0 and state.rng.random() < fault.error_rate:
             raise ApiError(503, f"fault injected by gate version {gate.doc.version} "
                                 f"(faultInjection.errorRate={fault.error_rate})")
-        result = await asyncio.get_running_loop().run_in_executor(
+        batch = asyncio.get_running_loop().run_in_executor(
             state.executor, lambda: run_batch(state.model, tokens, gate=gate.params,
                                               precisions=gate.precisions,
                                               return_logits=return_logits))
+        try:
+            result = await asyncio.wait_for(asyncio.shield(batch), timeout=state.request_timeout_s)
+        except asyncio.TimeoutError:
+            # The executor cannot be interrupted: the slot stays taken until the batch is done.
+            admitted = False
+            batch.add_done_callback(lambda _: _release(state))
+            raise ApiError(503, f"no result within {state.request_timeout_s:g} s") from None
         state.metrics.observe_batch(result)
         code = 200
         return web.json_response(_result_json(result, gate))
@@ -198,13 +221,22 @@ async def infer(request: web.Request) -> web.Response:
         code = e.status
         raise
     finally:
+        if admitted:
+            _release(state)
         if state.metrics is not None:
             state.metrics.requests.labels(code=str(code)).inc()
             state.metrics.duration.observe(time.perf_counter() - started)
 
 
+def _release(state: ServerState) -> None:
+    state.inflight -= 1
+
+
 async def healthz(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    if state.load_error is not None:
+        # Liveness fails with the reason, so the kubelet restarts the server and the error is seen.
+        return web.json_response({"status": "error", "error": state.load_error}, status=500)
     doc = state.gate.doc if state.gate else state.pending_doc
     return web.json_response({"status": "ok", "gateVersion": doc.version,
                               "checksum": doc.checksum,
@@ -221,6 +253,8 @@ async def model_info(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    if state.load_error is not None:
+        return web.json_response({"ready": False, "reason": state.load_error}, status=503)
     if state.gate is None or state.model is None:
         return web.json_response({"ready": False, "reason": "model is still loading"},
                                  status=503)
@@ -290,9 +324,14 @@ async def _load_model(app: web.Application) -> None:
     state.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                            thread_name_prefix="model")
     loop = asyncio.get_running_loop()
-    model = await loop.run_in_executor(
-        state.executor, lambda: build_model(state.model_config, gate=DEFAULT_DOCUMENT.params))
-    doc = parse_document(state.pending_doc.to_json(), num_experts=model.cfg.num_experts)
+    try:
+        model = await loop.run_in_executor(
+            state.executor, lambda: build_model(state.model_config, gate=DEFAULT_DOCUMENT.params))
+        doc = parse_document(state.pending_doc.to_json(), num_experts=model.cfg.num_experts)
+    except Exception as e:  # the model cannot be served: say so on /healthz and /readyz, and log it
+        state.load_error = f"model failed to load: {type(e).__name__}: {e}"
+        log.exception("model failed to load")
+        return
     metrics_ = ServerMetrics(n_layers=model.cfg.n_layers, num_experts=model.cfg.num_experts)
     metrics_.set_gate(version=doc.version, checksum=doc.checksum)
     state.metrics, state.model = metrics_, model
@@ -312,11 +351,13 @@ async def _cleanup(app: web.Application) -> None:
 
 
 def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, admin_token: str | None = None,
-               model_config: ModelConfig = ModelConfig(), fault_seed: int = 0
+               model_config: ModelConfig = ModelConfig(), fault_seed: int = 0,
+               max_inflight: int = DEFAULT_MAX_INFLIGHT, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
                ) -> web.Application:
     app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
     app[STATE] = ServerState(model_config=model_config, admin_token=admin_token,
-                             rng=random.Random(fault_seed), pending_doc=gate_doc)
+                             rng=random.Random(fault_seed), pending_doc=gate_doc,
+                             max_inflight=max_inflight, request_timeout_s=request_timeout_s)
     app.router.add_post("/v1/infer", infer)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/model", model_info)
@@ -384,6 +425,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="torch intra-op threads (default 1: many servers share a machine)")
     p.add_argument("--seed", type=int, default=0, help="model init seed")
     p.add_argument("--fault-seed", type=int, default=0, help="seed of the fault-injection RNG")
+    p.add_argument("--max-inflight", type=int, default=DEFAULT_MAX_INFLIGHT,
+                   help="inference requests admitted at once (running + queued); beyond it: 429")
+    p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
+                   help="seconds a request waits for its result before answering 503")
     add_model_flags(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -394,6 +439,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg = model_config_from_args(args)
     except ValueError as e:
         p.error(str(e))
+    if args.max_inflight < 1 or args.request_timeout <= 0:
+        p.error("--max-inflight must be at least 1 and --request-timeout above 0")
     try:
         doc = (load_gate_file(args.gate_config, num_experts=cfg.num_experts)
                if args.gate_config else DEFAULT_DOCUMENT)
@@ -401,7 +448,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--gate-config {args.gate_config}: {e} (this model has {cfg.num_experts} "
                 f"experts)")
     app = create_app(gate_doc=doc, admin_token=os.environ.get(args.admin_token_env) or None,
-                     model_config=cfg, fault_seed=args.fault_seed)
+                     model_config=cfg, fault_seed=args.fault_seed, max_inflight=args.max_inflight,
+                     request_timeout_s=args.request_timeout)
     log.info("serving on %s:%d gate %s model %s", args.host, args.port, doc.version,
              json.dumps(cfg.shape(), sort_keys=True))
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)

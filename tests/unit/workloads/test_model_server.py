@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from sparsegate_workload.gateparams import DEFAULT_PARAMS, make_document
 from sparsegate_workload.inference import run_batch
 from sparsegate_workload.model import build_model
-from sparsegate_workload.server import create_app, wait_ready
+from sparsegate_workload.server import STATE, create_app, wait_ready
 from localcluster.ports import free_port
 
 TOKEN = "test-admin-token"
@@ -293,3 +293,63 @@ async def test_event_loop_stays_responsive_while_the_model_computes(client):
     # Model batches run one at a time in the executor thread; /healthz answered in between.
     assert not all(t.done() for t in pending)
     assert all(r.status == 200 for r in await asyncio.gather(*pending))
+
+
+async def test_hostile_json_is_a_400_not_a_500(client):
+    headers = {"Content-Type": "application/json"}
+    for body, message in ((b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+                          (b'{"tokens": [[' + b"9" * 5000 + b"]]}", "not valid JSON")):
+        resp = await client.post("/v1/infer", data=body, headers=headers)
+        assert resp.status == 400, await resp.text()
+        assert message in (await resp.json())["error"]
+
+
+async def serving(app):
+    c = TestClient(TestServer(app, host="127.0.0.1"), connector=aiohttp.TCPConnector(limit=0))
+    await c.start_server()
+    await wait_ready(app)
+    return c
+
+
+async def test_admission_is_bounded_and_requests_time_out():
+    # One request admitted at a time: while a slow one (300 ms of injected latency) is in flight,
+    # the next is refused at once with 429, not queued without bound.
+    slow = make_document({**DEFAULT_PARAMS, "faultInjection": {"errorRate": 0.0, "addedLatencyMs": 300}})
+    c = await serving(create_app(admin_token=TOKEN, gate_doc=slow, max_inflight=1))
+    try:
+        body = {"tokens": [[1, 2, 3]]}
+        first = asyncio.create_task(c.post("/v1/infer", json=body))
+        await asyncio.sleep(0.1)
+        second = await c.post("/v1/infer", json=body)
+        assert second.status == 429 and "limit 1" in (await second.json())["error"]
+        assert (await first).status == 200
+        assert (await c.post("/v1/infer", json=body)).status == 200  # the slot is free again
+    finally:
+        await c.close()
+    # A result later than the timeout answers 503; the slot frees once the batch is done.
+    c = await serving(create_app(admin_token=TOKEN, request_timeout_s=0.0005, max_inflight=1))
+    try:
+        resp = await c.post("/v1/infer", json={"tokens": [[i % 500 for i in range(256)] for _ in range(16)]})
+        assert resp.status == 503 and "no result within" in (await resp.json())["error"]
+        await asyncio.sleep(1.0)
+        assert c.server.app[STATE].inflight == 0
+    finally:
+        await c.close()
+
+
+async def test_a_model_that_fails_to_load_is_unhealthy_with_the_reason(monkeypatch):
+    from sparsegate_workload import server
+
+    def broken(*_a, **_k):
+        raise RuntimeError("shard model-00002.safetensors is missing")
+
+    monkeypatch.setattr(server, "build_model", broken)
+    c = await serving(create_app(admin_token=TOKEN))
+    try:
+        health = await c.get("/healthz")
+        assert health.status == 500 and "model-00002.safetensors" in (await health.json())["error"]
+        ready = await c.get("/readyz")
+        assert ready.status == 503 and "failed to load" in (await ready.json())["reason"]
+        assert (await c.post("/v1/infer", json={"tokens": [[1]]})).status == 503
+    finally:
+        await c.close()
