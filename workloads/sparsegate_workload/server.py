@@ -44,7 +44,7 @@ MAX_BODY_BYTES = 1 << 20
 # Admission: requests admitted at once (running + waiting for the one model thread). Beyond it the
 # server answers 429 at once instead of queueing without bound; a request that waits longer than
 # the timeout for its result answers 503 (its batch still finishes, its slot is then freed).
-DEFAULT_MAX_INFLIGHT = 64
+DEFAULT_MAX_INFLIGHT = 256  # the order of vLLM's max_num_seqs (256) and TGI's max_concurrent_requests (128)
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
 
 
