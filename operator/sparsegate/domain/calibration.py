@@ -62,21 +62,25 @@ INCONCLUSIVE_FRACTION = 0.1
 # (a 1 s tick over a 60 s window needs 60), so status stays small.
 MAX_SAMPLES = 120
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+# The CRDs' duration grammar (pattern ``^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$``, a Go duration without
+# its sign and sub-millisecond units): one or more number+unit terms, e.g. ``1m30s``.
+DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"
+_DURATION = re.compile(DURATION_PATTERN)
+_TERM = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 def parse_duration(value: Any, *, field: str = "duration") -> float:
-    """``30s``/``2m``/``500ms``/bare number (seconds) → seconds (> 0)."""
+    """A CRD duration (``30s``, ``1m30s``, ``500ms``) or a bare number of seconds → seconds (> 0)."""
     if isinstance(value, bool):
         raise ValueError(f"{field}: expected a duration, got {value!r}")
     if isinstance(value, int | float):
         seconds = float(value)
     else:
-        m = _DURATION.match(str(value))
-        if not m:
-            raise ValueError(f"{field}: cannot parse duration {value!r} (e.g. 30s, 2m, 500ms)")
-        seconds = float(m.group(1)) * _UNIT_S[m.group(2)]
+        text = str(value).strip()
+        if not _DURATION.match(text):
+            raise ValueError(f"{field}: cannot parse duration {value!r} (e.g. 30s, 1m30s, 500ms)")
+        seconds = sum(float(n) * _UNIT_S[unit] for n, unit in _TERM.findall(text))
     if not seconds > 0 or math.isinf(seconds):
         raise ValueError(f"{field}: duration must be positive, got {value!r}")
     return seconds

@@ -18,6 +18,7 @@ from operator_e2e_support import EXAMPLES
 GATE = yaml.safe_load((EXAMPLES / "gateconfig.yaml").read_text())
 MODEL = yaml.safe_load((EXAMPLES / "sparsemodel.yaml").read_text())
 PROBE = yaml.safe_load((EXAMPLES / "telemetryprobe.yaml").read_text())
+ROUTE = yaml.safe_load((EXAMPLES / "routingpolicy.yaml").read_text())
 
 
 def variant(base: dict, path: str, value) -> dict:
@@ -50,6 +51,15 @@ INVALID = [
     (variant(GATE, "spec.calibration.qpsThreshold.decay", 1), "spec.calibration.qpsThreshold.decay", "less than 1"),
     (variant(GATE, "spec.rollout.analysisInterval", "soon"), "spec.rollout.analysisInterval", "should match"),
     (variant(PROBE, "spec.xdpMode", "turbo"), "spec.xdpMode", "Unsupported value"),
+    # What the schema accepts, the operator accepts: the rest is refused here, naming the field.
+    (variant(GATE, "spec.rollout.analysisInterval", "0s"), "spec.rollout.analysisInterval", "positive duration"),
+    (variant(GATE, "spec.calibration.qpsThreshold.window", "0ms"), "spec.calibration.qpsThreshold.window",
+     "positive duration"),
+    (variant(MODEL, "metadata.name", "1st-model"), "metadata.name", "DNS-1035"),
+    (variant(MODEL, "metadata.name", "moe.small"), "metadata.name", "DNS-1035"),
+    (variant(MODEL, "spec.model.dModel", 100_000), "spec.model.dModel", "less than or equal to 16384"),
+    (variant(ROUTE, "spec.sources", [{"spiffeID": "spiffe://cluster.local/ns/web/../sa/admin"}]),
+     "spec.sources[0].spiffeID", "may not be '.' or '..'"),
 ]
 
 
@@ -76,6 +86,9 @@ def test_examples_are_valid_and_defaults_are_filled(stack, stack_namespace):
                               "precisionPolicy": "auto"}
     assert spec["rollout"]["steps"] == [5, 20, 100] and spec["rollout"]["autoRollback"] is True
     assert spec["calibration"]["errorRateCap"] == {"initial": 0.02, "decay": 0.95, "window": "60s"}
+    # Compound durations are one grammar for the API server and the operator's parser.
+    compound = variant(GATE, "spec.rollout.analysisInterval", "1m30s")
+    stack.kubectl("apply", "--dry-run=server", "-n", stack_namespace, "-f", "-", input=json.dumps(compound))
 
 
 def test_category_and_short_names(stack, stack_namespace):

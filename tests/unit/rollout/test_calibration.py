@@ -17,13 +17,14 @@ from sparsegate.domain.calibration import (
 
 @pytest.mark.parametrize(
     ("raw", "seconds"),
-    [("30s", 30.0), ("2m", 120.0), ("500ms", 0.5), (5, 5.0), ("1.5s", 1.5), ("1h", 3600.0)],
+    [("30s", 30.0), ("2m", 120.0), ("500ms", 0.5), (5, 5.0), ("1.5s", 1.5), ("1h", 3600.0),
+     ("1m30s", 90.0), ("1h0m0.5s", 3600.5), ("2m500ms", 120.5)],
 )
 def test_parse_duration(raw: object, seconds: float) -> None:
     assert parse_duration(raw) == seconds
 
 
-@pytest.mark.parametrize("raw", ["", "fast", "-3s", 0, True, "10d"])
+@pytest.mark.parametrize("raw", ["", "fast", "-3s", 0, True, "10d", "0s", "0m0s", "30", "1m 30s"])
 def test_parse_duration_rejects(raw: object) -> None:
     with pytest.raises(ValueError):
         parse_duration(raw)
@@ -89,3 +90,15 @@ def test_error_cap_relaxes_with_stable_errors_and_tightens_as_they_decay() -> No
     assert 0.02 < later.error_rate_cap < 0.025
     gone = thresholds(calibration=DEFAULT_CALIBRATION, qps_samples=[], error_samples=errs2 + [(61.0, 0.0)], now=61.0)
     assert gone.error_rate_cap == pytest.approx(0.02)
+
+
+def test_the_crds_duration_pattern_is_the_parsers() -> None:
+    """One grammar: every duration field of the CRDs uses the pattern parse_duration accepts."""
+    import pathlib
+
+    from sparsegate.domain.calibration import DURATION_PATTERN
+
+    crds = pathlib.Path(__file__).resolve().parents[3] / "charts" / "sparsegate" / "crds"
+    patterns = [line.split("pattern:", 1)[1].strip().strip("'") for path in crds.glob("*.yaml")
+                for line in path.read_text().splitlines() if "pattern:" in line and "(ms|s|m|h)" in line]
+    assert len(patterns) == 4 and set(patterns) == {DURATION_PATTERN}
