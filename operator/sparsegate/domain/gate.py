@@ -33,10 +33,12 @@ def resolve(gateconfig: Mapping[str, Any] | None, *, referenced: bool,
     """Resolve the gate for a model with ``num_experts`` experts.
 
     ``referenced`` says whether the model names a GateConfig at all: without a reference the
-    built-in defaults apply; with one that does not exist there is no gate (Degraded).
+    built-in defaults apply, with their experts-per-token bounds fitted to the model (a 2-expert
+    model gets max 2, not the default 4 it could never serve); with a reference that does not
+    exist there is no gate (Degraded).
     """
     if not referenced:
-        return _checked(gatedoc.DEFAULT_DOCUMENT.to_json(), "default", num_experts)
+        return _checked(default_document(num_experts).to_json(), "default", num_experts)
     if gateconfig is None:
         return GateResolution(document=None, source="missing", error="GateConfig not found")
     stable = (gateconfig.get("status") or {}).get("stable")
@@ -48,6 +50,16 @@ def resolve(gateconfig: Mapping[str, Any] | None, *, referenced: bool,
     except gatedoc.GateParamsError as e:
         return GateResolution(document=None, source="spec.params", error=str(e))
     return GateResolution(document=doc, source="spec.params")
+
+
+def default_document(num_experts: int) -> gatedoc.GateDocument:
+    """The built-in gate for a model of ``num_experts`` experts (unchanged when it already fits)."""
+    params = gatedoc.DEFAULT_PARAMS
+    cap = max(num_experts, 1)
+    if params["maxExpertsPerToken"] <= cap:
+        return gatedoc.DEFAULT_DOCUMENT
+    return gatedoc.make_document({**params, "maxExpertsPerToken": cap,
+                                  "minExpertsPerToken": min(params["minExpertsPerToken"], cap)})
 
 
 def _checked(doc: Mapping[str, Any], source: str, num_experts: int) -> GateResolution:

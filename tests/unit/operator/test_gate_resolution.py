@@ -53,3 +53,14 @@ def test_stable_block_shape():
     stable = gate.stable_from_params(PARAMS)
     assert set(stable) == {"version", "checksum", "params"}
     assert stable["checksum"] == gateparams.checksum_of(PARAMS)
+
+
+def test_builtin_defaults_fit_a_small_model_instead_of_degrading_it():
+    # A 2-expert model with no GateConfig: the default's max 4 could never be served.
+    r = gate.resolve(None, referenced=False, num_experts=2)
+    assert r.error is None and r.source == "default"
+    assert r.document.params.max_experts_per_token == 2 and r.document.params.min_experts_per_token == 1
+    assert r.document.version != gateparams.DEFAULT_DOCUMENT.version  # content-addressed: its own version
+    one = gate.resolve(None, referenced=False, num_experts=1).document.params
+    assert (one.min_experts_per_token, one.max_experts_per_token) == (1, 1)
+    assert gate.resolve(None, referenced=False, num_experts=8).document == gateparams.DEFAULT_DOCUMENT
