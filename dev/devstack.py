@@ -24,6 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "sparsegate"
 RELEASE, RELEASE_NS = "sparsegate", "sparsegate-system"
 OPERATOR_LABELS = "app.kubernetes.io/component=operator"
+# What the stack runs by default; the node agent (``"agent"``) is opt-in: it needs BPF and an interface.
+DEFAULT_IMAGES = ("operator", "model-server", "opa")
 
 
 def split_ref(ref: str) -> tuple[str, str]:
@@ -57,10 +59,11 @@ class Stack:
 
     # -- bring-up ---------------------------------------------------------------------------
 
-    def build_images(self) -> dict[str, str]:
+    def build_images(self, names: Sequence[str] = DEFAULT_IMAGES) -> dict[str, str]:
+        """Builds (or finds cached) ``names``; the chart is pointed at exactly these images."""
         import imagebuild
 
-        self.images = imagebuild.ensure_images(["operator", "model-server", "opa"])
+        self.images = imagebuild.ensure_images(list(names))
         return self.images
 
     def start_cluster(self) -> None:
