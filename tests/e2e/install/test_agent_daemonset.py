@@ -1,0 +1,337 @@
+"""The node agent as the chart deploys it: the DaemonSet's pod, from the agent image, on this machine.
+
+Given a veth pair this test creates — one end in the host network namespace (where the agent's
+hostNetwork pod attaches XDP), the other in a network namespace of the test's own — and the chart
+installed with ``agent.enabled=true`` on that one interface and one node (every kwok node is this
+same host: several agents would fight over one interface), then the agent pod runs the agent image
+(root with BPF/NET_ADMIN/PERFMON only, no seccomp profile: unconfined, as on a kubelet without
+SeccompDefault) and is Ready, the kernel shows its XDP program on the veth, its metrics (node IP :
+``agent.metricsPort``) say so, it enforces the flow policy the operator published (the deny-all it
+writes at start, then whatever the ConfigMap says), real packets sent over the veth are counted and
+dropped or passed as the policy says, and uninstalling the DaemonSet detaches the program (the pod
+runner stops the container with its grace period; the agent detaches on SIGTERM).
+
+Safety: XDP goes only on the veth end created here. Before the chart is installed its rendered
+DaemonSet is checked to name exactly that interface (the chart default is eth0). The packets go to
+an address inside the test's subnet through a neighbour entry with a made-up MAC address: the host
+end has no IPv4 address, IPv6 and forwarding are off on it, and the kernel drops frames addressed
+to another host's MAC (PACKET_OTHERHOST) after XDP has seen them, so nothing reaches the host's
+stack or leaves the veth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import secrets
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from devstack import CHART, RELEASE, RELEASE_NS, Stack, image_values
+from localcluster import nodes, podman
+from localcluster.health import wait_for
+from localcluster.ports import free_port, pick_unused_pod_cidr
+from prometheus_client.parser import text_string_to_metric_families
+from sparsegate_contracts import flowpolicy
+from sparsegate_ebpf.xdp import attached_program
+
+pytestmark = [pytest.mark.e2e, pytest.mark.bpf, pytest.mark.slow]
+
+PY = sys.executable
+AGENT_LABELS = "app.kubernetes.io/component=agent"
+NODE, NODE_IP = nodes.node_name(0), nodes.node_ip(0)
+XDP_MODES = {1: "native", 2: "generic"}  # `ip -j -d link` xdp.mode (XDP_ATTACHED_DRV / _SKB)
+SENT_DENIED, SENT_ALLOWED = 200, 50
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=20)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostVeth:
+    """A veth pair: ``host_if`` in the host network namespace, ``peer_if`` in namespace ``ns``."""
+
+    ns: str
+    host_if: str
+    peer_if: str
+    src_ip: str  # the peer's address
+    dst_ip: str  # an address of the peer's subnet that nobody has: reached through a fake MAC
+    dst_mac: str
+
+    @classmethod
+    @contextlib.contextmanager
+    def create(cls) -> Iterator[HostVeth]:
+        tag = secrets.token_hex(3)
+        subnet = int(tag[:2], 16)
+        veth = cls(ns=f"sga-{tag}", host_if=f"sgah{tag}", peer_if=f"sgap{tag}", src_ip=f"10.201.{subnet}.1",
+                   dst_ip=f"10.201.{subnet}.2", dst_mac="02:53:47:00:00:02")
+        try:
+            _ip("netns", "add", veth.ns)
+            _ip("link", "add", veth.host_if, "type", "veth", "peer", "name", veth.peer_if, "netns", veth.ns)
+            # The host end is a sink: no IPv4 address, no IPv6, never forwards what arrives on it.
+            Path(f"/proc/sys/net/ipv6/conf/{veth.host_if}/disable_ipv6").write_text("1")
+            Path(f"/proc/sys/net/ipv4/conf/{veth.host_if}/forwarding").write_text("0")
+            _ip("link", "set", veth.host_if, "up")
+            _ip("-n", veth.ns, "addr", "add", f"{veth.src_ip}/24", "dev", veth.peer_if)
+            _ip("-n", veth.ns, "link", "set", veth.peer_if, "up")
+            _ip("-n", veth.ns, "link", "set", "lo", "up")
+            _ip("-n", veth.ns, "neigh", "replace", veth.dst_ip, "lladdr", veth.dst_mac, "dev", veth.peer_if,
+                "nud", "permanent")
+            yield veth
+        finally:
+            # Deleting the namespace deletes the pair (and any XDP program on either end) with it.
+            subprocess.run(["ip", "netns", "del", veth.ns], capture_output=True, timeout=20, check=False)
+            subprocess.run(["ip", "link", "del", veth.host_if], capture_output=True, timeout=20, check=False)
+
+    def send_udp(self, port: int, count: int) -> int:
+        """``count`` datagrams from the peer namespace over the veth; returns how many were sent."""
+        out = subprocess.run(["ip", "netns", "exec", self.ns, PY, "-m", "sparsegate_ebpf.netapps", "udp-send",
+                              "--dst", self.dst_ip, "--port", str(port), "--count", str(count)],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        return int(out)
+
+    def xdp(self) -> dict | None:
+        """What the kernel has attached to the host end, as iproute2 reports it."""
+        return attached_program(self.host_if)
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str) -> Metrics:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def try_scrape(url: str) -> Metrics | None:
+    try:
+        return scrape(url)
+    except OSError:
+        return None
+
+
+def sample(m: Metrics, name: str, **labels: str) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def labelled(m: Metrics, name: str) -> list[dict[str, str]]:
+    return [dict(labels) for (n, labels), v in m.items() if n == name and v]
+
+
+def flow(m: Metrics, veth: HostVeth, port: int) -> tuple[float, float]:
+    """(packets, dropped) of the veth's UDP flow to ``port``, summed over source ports."""
+    want = {"src": veth.src_ip, "dst": veth.dst_ip, "dport": str(port), "proto": "udp"}
+    packets = dropped = 0.0
+    for (name, labels), v in m.items():
+        d = dict(labels)
+        if all(d.get(k) == w for k, w in want.items()):
+            packets += v if name == "sparsegate_xdp_flow_packets_total" else 0
+            dropped += v if name == "sparsegate_xdp_flow_dropped_packets_total" else 0
+    return packets, dropped
+
+
+def enforced_version(m: Metrics | None) -> str | None:
+    versions = [d["version"] for d in labelled(m or {}, "sparsegate_xdp_policy_info")]
+    return versions[0] if len(versions) == 1 else None
+
+
+# -- the stack and the agent ---------------------------------------------------------------------
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"\n[e2e] agent daemonset: {msg}\n")
+
+
+@pytest.fixture(scope="module")
+def veth() -> Iterator[HostVeth]:
+    with HostVeth.create() as v:
+        yield v
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, veth: HostVeth) -> Iterator[Stack]:
+    # Depends on `veth` so the pair outlives the stack: the agent detaches before the veth goes.
+    s = Stack(state_dir=tmp_path_factory.mktemp("agent-install"), pod_cidr=pick_unused_pod_cidr(),
+              node_shape=nodes.NodeShape(count=2, gpu_count=1))
+    t0 = time.monotonic()
+    s.build_images(["operator", "opa", "agent"])
+    t_images = time.monotonic()
+    try:
+        s.up()
+        log(f"images {t_images - t0:.1f}s, cluster+helm+operator Ready {time.monotonic() - t_images:.1f}s")
+        yield s
+    finally:
+        sys.stderr.write(f"[e2e] agent daemonset stack diagnostics:\n{s.diagnose()[-6000:]}\n")
+        s.down()
+
+
+@dataclasses.dataclass
+class Agent:
+    pod: dict
+    metrics_url: str
+    daemonset: str  # its name, as the chart renders it
+
+
+def agent_pods(stack: Stack) -> list[dict]:
+    return [p for p in stack.pods(RELEASE_NS, AGENT_LABELS) if not p["metadata"].get("deletionTimestamp")]
+
+
+def ready(pod: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions") or [])
+
+
+def rendered_daemonset(stack: Stack, values: list[str]) -> dict:
+    out = stack.helm("template", RELEASE, str(CHART), "-n", RELEASE_NS, *image_values(stack.images),
+                     *stack.extra_values, *values).stdout
+    (ds,) = [d for d in yaml.safe_load_all(out) if d and d.get("kind") == "DaemonSet"]
+    return ds
+
+
+@pytest.fixture(scope="module")
+def agent(stack: Stack, veth: HostVeth) -> Agent:
+    port = free_port(host=NODE_IP)
+    values = ["--set", "agent.enabled=true", "--set", f"agent.interfaces={{{veth.host_if}}}",
+              "--set", f"agent.nodeSelector.kubernetes\\.io/hostname={NODE}", "--set", f"agent.metricsPort={port}"]
+    # Safety first: what would run attaches to this test's veth end only, on one node only.
+    ds = rendered_daemonset(stack, values)
+    spec = ds["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    assert [a for a in container["command"] if a.startswith("--interfaces")] == [f"--interfaces={veth.host_if}"]
+    assert spec["nodeSelector"] == {"kubernetes.io/hostname": NODE}
+    labels = json.loads(stack.kubectl("get", "node", NODE, "-o", "json").stdout)["metadata"]["labels"]
+    assert labels["kubernetes.io/hostname"] == NODE
+
+    t0 = time.monotonic()
+    stack.install(*values)
+    try:
+        pod = wait_for(lambda: next((p for p in agent_pods(stack) if ready(p)), None), what="agent pod Ready",
+                       timeout_s=180, interval_s=0.5)
+        t_ready = time.monotonic()
+        url = f"http://{pod['status']['podIP']}:{port}/metrics"
+        wait_for(lambda: any(d.get("interface") == veth.host_if
+                             for d in labelled(try_scrape(url) or {}, "sparsegate_xdp_attached")),
+                 what="the agent's XDP program attached to the veth", timeout_s=180, interval_s=0.5)
+    except AssertionError as exc:
+        pods = stack.pods(RELEASE_NS, AGENT_LABELS)
+        tails = "\n".join(f"--- {p['metadata']['name']}:\n{stack.logs(p, 'agent')}" for p in pods)
+        raise AssertionError(f"{exc}\n{tails}\n{stack.diagnose()}") from None
+    log(f"helm upgrade with agent.enabled=true -> agent pod Ready {t_ready - t0:.1f}s, "
+        f"XDP attached (BCC compiled in the container) {time.monotonic() - t0:.1f}s")
+    return Agent(pod=pod, metrics_url=url, daemonset=ds["metadata"]["name"])
+
+
+# -- the tests ----------------------------------------------------------------------------------
+
+def test_agent_pod_runs_the_agent_image_with_bpf_capabilities_only(stack: Stack, agent: Agent,
+                                                                   veth: HostVeth) -> None:
+    ds = stack.get("daemonset", agent.daemonset, RELEASE_NS)
+    assert ds["status"]["desiredNumberScheduled"] == 1, ds["status"]
+    pod = agent.pod
+    assert pod["spec"]["nodeName"] == NODE and pod["spec"]["hostNetwork"] is True
+    assert pod["status"]["podIP"] == NODE_IP  # hostNetwork: the node's IP, where the metrics listen
+    (status,) = pod["status"]["containerStatuses"]
+    assert status["image"] == stack.images["agent"] and status["ready"] and status["restartCount"] == 0
+
+    inspect = json.loads(podman.podman("inspect", stack.container_name(pod, "agent")).stdout)[0]
+    assert inspect["ImageName"] == stack.images["agent"]
+    host = inspect["HostConfig"]
+    assert not host["Privileged"] and host["ReadonlyRootfs"] and host["NetworkMode"] == "host"
+    assert inspect["Config"]["User"] in ("0", "0:0")
+    assert "seccomp=unconfined" in host["SecurityOpt"] and "no-new-privileges" in host["SecurityOpt"], host
+    # The process holds exactly BPF, NET_ADMIN and PERFMON.
+    assert sorted(inspect["EffectiveCaps"]) == ["CAP_BPF", "CAP_NET_ADMIN", "CAP_PERFMON"], inspect["EffectiveCaps"]
+
+    m = scrape(agent.metrics_url)
+    assert sample(m, "sparsegate_agent_bpf_available") == 1
+    attached = labelled(m, "sparsegate_xdp_attached")
+    prog = veth.xdp()
+    assert prog and prog["prog"]["name"] == "xdp_flow", prog  # the kernel agrees with the metrics
+    assert attached == [{"interface": veth.host_if, "mode": XDP_MODES[prog["mode"]]}], attached
+
+
+def test_agent_enforces_the_published_policy_on_veth_packets(stack: Stack, agent: Agent, veth: HostVeth) -> None:
+    cm = stack.get("configmap", flowpolicy.CONFIGMAP_NAME, RELEASE_NS)
+    published = json.loads(cm["data"][flowpolicy.DOCUMENT_KEY])
+    # What the operator writes at start with no RoutingPolicy: deny everything.
+    assert published["defaultAction"] == "deny" and published["entries"] == [], published
+    t0 = time.monotonic()
+    wait_for(lambda: enforced_version(try_scrape(agent.metrics_url)) == published["version"],
+             what=f"the agent enforcing {published['version']}", timeout_s=60, interval_s=0.5)
+    log(f"operator's policy live in the agent {time.monotonic() - t0:.1f}s after the first check")
+
+    port = 7000 + secrets.randbelow(1000)
+    before = scrape(agent.metrics_url)
+    assert flow(before, veth, port) == (0, 0)
+    assert veth.send_udp(port, SENT_DENIED) == SENT_DENIED
+    m = scrape(agent.metrics_url)
+    assert flow(m, veth, port) == (SENT_DENIED, SENT_DENIED)
+    assert sample(m, "sparsegate_xdp_port_packets_total", port=str(port), proto="udp") == SENT_DENIED
+    denied = sample(m, "sparsegate_xdp_policy_verdicts_total", rule="default:deny", action="deny")
+    assert denied - sample(before, "sparsegate_xdp_policy_verdicts_total", rule="default:deny",
+                           action="deny") == SENT_DENIED
+
+    # The agent follows the ConfigMap, whoever writes it: an allow-list naming this flow, then the
+    # operator's document again (its publisher only writes when its own document changes).
+    rule = "e2e/agent-daemonset#allow"
+    allow = flowpolicy.build_document(entries=[flowpolicy.entry(
+        src_ip=veth.src_ip, dst_ip=veth.dst_ip, dst_port=port, protocol="udp", action="allow", rule=rule)])
+    annotation = "sparsegate.dev/flow-policy-version"
+
+    def publish(document: dict) -> None:
+        patch = {"metadata": {"annotations": {annotation: document["version"]}},
+                 "data": {flowpolicy.DOCUMENT_KEY: flowpolicy.document_text(document)}}
+        stack.kubectl("patch", "configmap", flowpolicy.CONFIGMAP_NAME, "-n", RELEASE_NS, "--type=merge",
+                      "-p", json.dumps(patch))
+
+    t0 = time.monotonic()
+    publish(allow)
+    try:
+        wait_for(lambda: enforced_version(try_scrape(agent.metrics_url)) == allow["version"],
+                 what="the agent enforcing the updated ConfigMap", timeout_s=60, interval_s=0.2)
+        log(f"ConfigMap change live in the agent {time.monotonic() - t0:.1f}s after the patch")
+        assert veth.send_udp(port, SENT_ALLOWED) == SENT_ALLOWED
+        m = scrape(agent.metrics_url)
+        assert flow(m, veth, port) == (SENT_DENIED + SENT_ALLOWED, SENT_DENIED)
+        assert sample(m, "sparsegate_xdp_policy_verdicts_total", rule=rule, action="allow") == SENT_ALLOWED
+    finally:
+        publish(published)
+    wait_for(lambda: enforced_version(try_scrape(agent.metrics_url)) == published["version"],
+             what="the agent back on the operator's policy", timeout_s=60, interval_s=0.2)
+
+
+def test_uninstalling_the_daemonset_detaches_xdp(stack: Stack, agent: Agent, veth: HostVeth) -> None:
+    assert veth.xdp(), "the agent's program should be attached before the DaemonSet goes"
+    name = stack.container_name(agent.pod, "agent")
+    # The container's log file (k8s-file), held open: still readable once the runner removed the
+    # container, so the agent's own account of its stop can be read to the end. (`podman logs
+    # --follow` does not always return after `podman rm -f` with podman 4.3.)
+    inspect = json.loads(podman.podman("inspect", name).stdout)[0]
+    with open(inspect["HostConfig"]["LogConfig"]["Path"], "rb") as log_file:
+        t0 = time.monotonic()
+        stack.install("--set", "agent.enabled=false")
+        assert stack.kubectl("get", "daemonset", agent.daemonset, "-n", RELEASE_NS,
+                             check=False).returncode != 0, "the DaemonSet should be gone"
+        wait_for(lambda: not stack.pods(RELEASE_NS, AGENT_LABELS), what="agent pod deleted", timeout_s=60,
+                 interval_s=0.5)
+        wait_for(lambda: podman.podman("container", "exists", name, check=False).returncode == 1,
+                 what="agent container removed by the pod runner", timeout_s=60, interval_s=0.5)
+        t_gone = time.monotonic()
+        agent_log = log_file.read().decode(errors="replace")
+    # The runner stopped it with SIGTERM within the grace period and the agent detached (a netlink
+    # XDP attachment would outlive a SIGKILLed agent).
+    link = json.loads(subprocess.run(["ip", "-j", "link", "show", "dev", veth.host_if], capture_output=True,
+                                     text=True, timeout=10, check=True).stdout)[0]
+    assert "xdp" not in link, link
+    assert f"XDP detached from {veth.host_if}" in agent_log and "bye" in agent_log, agent_log[-3000:]
+    log(f"helm upgrade with agent.enabled=false -> container gone, XDP detached {t_gone - t0:.1f}s")
