@@ -38,8 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL, GATE, NS = "moe-small", "default-gate", "default"
 DEMO_REPLICAS = 6  # 5 % → 1 pod, 20 % → 2 pods, 100 % → 6
 # A 2 s rollout tick (the chart's operator.extraEnv) so the demo ends in minutes.
-DEMO_VALUES = ["--set", "operator.extraEnv[0].name=SPARSEGATE_ROLLOUT_TICK_S",
-               "--set-string", "operator.extraEnv[0].value=2"]
+DEMO_OPERATOR_ENV = {"SPARSEGATE_ROLLOUT_TICK_S": "2"}
 
 
 def log(msg: str) -> None:
@@ -49,7 +48,7 @@ def log(msg: str) -> None:
 
 class Demo:
     def __init__(self, state_dir: Path) -> None:
-        self.stack = Stack(state_dir=state_dir, die_with_parent=False, extra_values=DEMO_VALUES)
+        self.stack = Stack(state_dir=state_dir, die_with_parent=False, operator_env=DEMO_OPERATOR_ENV)
         self.cluster = self.stack.cluster
         self.work = state_dir / "demo"
         self.work.mkdir(parents=True, exist_ok=True)

@@ -46,15 +46,24 @@ def image_values(images: Mapping[str, str]) -> list[str]:
     return flags
 
 
+def operator_env_values(env: Mapping[str, str]) -> list[str]:
+    """helm flags that give the operator container ``env`` (the chart's ``operator.extraEnv``)."""
+    flags: list[str] = []
+    for i, (name, value) in enumerate(env.items()):
+        flags += ["--set", f"operator.extraEnv[{i}].name={name}", "--set-string", f"operator.extraEnv[{i}].value={value}"]
+    return flags
+
+
 class Stack:
     """Images + container-mode cluster + helm release. ``up()`` is idempotent for a running stack."""
 
     def __init__(self, *, state_dir: Path, pod_cidr: str | None = None, node_shape: nodes.NodeShape | None = None,
-                 die_with_parent: bool = True, extra_values: Sequence[str] = ()) -> None:
+                 die_with_parent: bool = True, operator_env: Mapping[str, str] | None = None,
+                 extra_values: Sequence[str] = ()) -> None:
         kwargs: dict[str, Any] = {"pod_cidr": pod_cidr} if pod_cidr else {}
         self.cluster = LocalCluster(state_dir=state_dir, containers=True, node_shape=node_shape,
                                     die_with_parent=die_with_parent, **kwargs)
-        self.extra_values = list(extra_values)
+        self.extra_values = [*operator_env_values(operator_env or {}), *extra_values]
         self.images: dict[str, str] = {}
 
     # -- bring-up ---------------------------------------------------------------------------

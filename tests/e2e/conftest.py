@@ -95,10 +95,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
     Its own pod range, like ``cluster``: a demo stack (127.20.0.0/16) may be running on this machine.
     """
-    values: list[str] = []
-    for i, (name, value) in enumerate(STACK_OPERATOR_ENV.items()):
-        values += ["--set", f"operator.extraEnv[{i}].name={name}", "--set-string", f"operator.extraEnv[{i}].value={value}"]
-    s = Stack(state_dir=tmp_path_factory.mktemp("stack"), pod_cidr=pick_unused_pod_cidr(), extra_values=values)
+    s = Stack(state_dir=tmp_path_factory.mktemp("stack"), pod_cidr=pick_unused_pod_cidr(),
+              operator_env=STACK_OPERATOR_ENV)
     t0 = time.monotonic()
     s.build_images()
     t_images = time.monotonic()

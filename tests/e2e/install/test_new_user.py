@@ -40,8 +40,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = Stack(state_dir=tmp_path_factory.mktemp("install"), pod_cidr=pick_unused_pod_cidr(),
               node_shape=nodes.NodeShape(count=2, gpu_count=1),
               # A 1 s rollout tick instead of 5 s, so the test ends in seconds, not minutes.
-              extra_values=["--set", "operator.extraEnv[0].name=SPARSEGATE_ROLLOUT_TICK_S",
-                            "--set-string", "operator.extraEnv[0].value=1"])
+              operator_env={"SPARSEGATE_ROLLOUT_TICK_S": "1"})
     t0 = time.monotonic()
     s.build_images()
     t_images = time.monotonic()

@@ -38,17 +38,13 @@ from rollout_e2e_support import (ANALYSIS_INTERVAL, BASE_PARAMS, GATE, MODEL, NA
 OPERATOR_ENV = {"SPARSEGATE_ROLLOUT_TICK_S": "1", "SPARSEGATE_ROLLOUT_RESTING_CHECK_S": "3"}
 
 
-def chart_values() -> list[str]:
-    flags = ["--set", f"operator.watchNamespaces={{{NAMESPACE}}}"]
-    for i, (name, value) in enumerate(OPERATOR_ENV.items()):
-        flags += ["--set", f"operator.extraEnv[{i}].name={name}", "--set-string", f"operator.extraEnv[{i}].value={value}"]
-    return flags
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = Stack(state_dir=tmp_path_factory.mktemp("rollout-stack"), pod_cidr=pick_unused_pod_cidr(),
-              node_shape=nodes.NodeShape(count=2, gpu_count=0), extra_values=chart_values())
+              node_shape=nodes.NodeShape(count=2, gpu_count=0), operator_env=OPERATOR_ENV,
+              extra_values=["--set", f"operator.watchNamespaces={{{NAMESPACE}}}"])
     t0 = time.monotonic()
     try:
         s.build_images()
