@@ -254,12 +254,21 @@ class ContainerPodRunner:
         pods = self.api.list_pod_for_all_namespaces()
         client = self.api.api_client
         desired: dict[str, tuple[PodPlan, dict[str, Any]]] = {}
+        # One GET per object per pass: every pod mounts kube-root-ca.crt, replicas share their ConfigMaps.
+        read: dict[tuple[str, str, str], Mapping[str, str] | None] = {}
+
+        def lookup(kind: str) -> Any:
+            def get(ns: str, name: str) -> Mapping[str, str] | None:
+                if (kind, ns, name) not in read:
+                    read[(kind, ns, name)] = self._read(kind, ns, name)
+                return read[(kind, ns, name)]
+            return get
+
         for obj in pods.items:
             pod = client.sanitize_for_serialization(obj)
             meta = pod["metadata"]
             try:
-                plan = plan_pod(pod, secrets=lambda ns, n: self._read("secret", ns, n),
-                                configmaps=lambda ns, n: self._read("configmap", ns, n),
+                plan = plan_pod(pod, secrets=lookup("secret"), configmaps=lookup("configmap"),
                                 tokens=self.tokens, service_env=self.service_env)
             except NotReadyToRun as exc:
                 LOG.info("pod %s/%s waits: %s", meta.get("namespace"), meta.get("name"), exc)
@@ -387,7 +396,7 @@ class ContainerPodRunner:
 
     def _create(self, plan: PodPlan, c: ContainerPlan, name: str) -> None:
         labels = {podman.LABEL_RUNNER: self.runner_id, podman.LABEL_POD_UID: plan.uid,
-                  podman.LABEL_CONTAINER: c.name, podman.LABEL_FINGERPRINT: c.fingerprint(),
+                  podman.LABEL_CONTAINER: c.name,
                   # The pod's terminationGracePeriodSeconds (capped): how long a stop may wait.
                   podman.LABEL_GRACE: str(min(plan.grace_s, STOP_GRACE_CAP_S))}
         argv = podman.run_argv(c, name=name, labels=labels, mounts=self._mounts(plan, c), hostname=plan.name)
