@@ -20,7 +20,6 @@ CONF = Path(__file__).resolve().parents[1] / "containers" / "containers.conf"
 LABEL_RUNNER = "io.sparsegate.runner"
 LABEL_POD_UID = "io.sparsegate.pod-uid"
 LABEL_CONTAINER = "io.sparsegate.container"
-LABEL_FINGERPRINT = "io.sparsegate.fingerprint"
 LABEL_GRACE = "io.sparsegate.grace-seconds"
 
 

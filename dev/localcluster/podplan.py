@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import hashlib
-import json
 import posixpath
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -87,7 +85,8 @@ class Mount:
 
 @dataclasses.dataclass(frozen=True)
 class ContainerPlan:
-    """One container as podman should run it. Any change of these fields recreates the container."""
+    """One container as podman should run it; fixed when the container is created (restarts reuse
+    it), as a kubelet resolves a container's env once per start and pod specs do not change."""
 
     name: str
     image: str
@@ -107,10 +106,6 @@ class ContainerPlan:
     readiness: Probe | None = None
     liveness: Probe | None = None
     startup: Probe | None = None
-
-    def fingerprint(self) -> str:
-        body = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
-        return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +296,8 @@ def _mode(value: Any, default: int) -> int:
 def _key_files(data: Mapping[str, str | bytes], items: Sequence[Mapping[str, Any]] | None,
                default_mode: int, *, what: str, optional: bool) -> list[tuple[str, bytes, int]]:
     def raw(v: str | bytes) -> bytes:
-        return v if isinstance(v, bytes) else v.encode()
+        # surrogateescape: a binary Secret value comes back byte for byte (see decode_secret).
+        return v if isinstance(v, bytes) else v.encode(errors="surrogateescape")
 
     if not items:
         return [(k, raw(v), default_mode) for k, v in sorted(data.items())]
@@ -520,4 +516,5 @@ def pod_status(plan: PodPlan, observed: Mapping[str, Observed], *, previous: Map
 
 def decode_secret(data: Mapping[str, str] | None) -> dict[str, str]:
     """A Secret's ``data`` (base64) as text, the shape :data:`Lookup` returns."""
-    return {k: base64.b64decode(v).decode() for k, v in (data or {}).items()}
+    # Binary values survive (as a kubelet writes them) instead of failing the whole pass.
+    return {k: base64.b64decode(v).decode(errors="surrogateescape") for k, v in (data or {}).items()}

@@ -205,3 +205,15 @@ def test_probe_thresholds(monkeypatch):
     assert _step_probe(probe, state, started_at=0, now=6.5) is None  # not due yet
     assert [_step_probe(probe, state, started_at=0, now=t) for t in (7, 8, 9)] == [None, None, False]
     assert not state.ok
+
+
+def test_binary_secret_values_are_written_byte_for_byte():
+    import base64
+
+    from localcluster.podplan import decode_secret, volume_files
+
+    blob = bytes(range(256))
+    data = decode_secret({"key.der": base64.b64encode(blob).decode()})
+    vol = volume_files({"name": "tls", "secret": {"secretName": "tls"}}, pod=pod(),
+                       secrets=lambda ns, n: data, configmaps=lambda ns, n: None, tokens=token_source)
+    assert vol.files == (("key.der", blob, 0o644),)
