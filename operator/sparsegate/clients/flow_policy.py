@@ -55,7 +55,8 @@ class FlowPolicyConfigMap:
             "metadata": {
                 "name": self.name,
                 "namespace": self.namespace,
-                "labels": {names.PART_OF_LABEL: names.PART_OF, names.COMPONENT_LABEL: names.FLOW_POLICY_COMPONENT},
+                "labels": {names.PART_OF_LABEL: names.PART_OF, names.COMPONENT_LABEL: names.FLOW_POLICY_COMPONENT,
+                           names.MANAGED_BY_LABEL: names.MANAGED_BY},
                 "annotations": {names.FLOW_POLICY_VERSION_ANNOTATION: str(document.get("version", ""))},
             },
             "data": {KEY: flowpolicy.document_text(document)},
