@@ -1,8 +1,9 @@
 """GateConfig progressive rollout: observe → decide (pure) → persist → act, once per tick.
 
-One Kopf timer per GateConfig runs :func:`RolloutLoop.tick`:
+One loop per GateConfig (``handlers.periodic``: watch-driven, no finalizer) runs
+:func:`RolloutLoop.tick`:
 
-1. read the GateConfig fresh (the timer's body may predate our own last status write);
+1. read the GateConfig fresh (the watched body may predate our own last status write);
 2. observe: pods of the SparseModels whose ``spec.gateConfigRef`` names it (Kopf index
    ``models_by_gate``), their ``/healthz`` (heartbeat + version/checksum double check) and,
    while a canary is in flight, their ``/metrics``;
@@ -61,6 +62,7 @@ from sparsegate.domain.rollout import (
     next_action,
     parse_spec,
 )
+from sparsegate.handlers.periodic import ObjectLoops
 
 GROUP, VERSION = names.GROUP, names.VERSION
 TICK_S = float(os.environ.get("SPARSEGATE_ROLLOUT_TICK_S", "5"))
@@ -329,17 +331,37 @@ def _loop(memo: kopf.Memo) -> RolloutLoop:
     return loop
 
 
-@kopf.timer(GROUP, VERSION, names.GATECONFIGS, interval=TICK_S, initial_delay=0)
-async def rollout_tick(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, models_by_gate: kopf.Index,
-                       logger: logging.Logger, **_: Any) -> None:
+_loops = ObjectLoops(kind="GateConfig", interval_s=TICK_S)
+
+
+@kopf.on.event(GROUP, VERSION, names.GATECONFIGS)
+async def gateconfig_rollout_loop(type: str | None, body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
+                                  models_by_gate: kopf.Index, logger: logging.Logger, **_: Any) -> None:
+    """Runs the GateConfig's rollout tick every TICK_S (a loop, not a Kopf timer: no finalizer, so
+    deleting a GateConfig never waits for the operator; its rollout state lives in the object)."""
+
+    async def tick(seen: Mapping[str, Any]) -> None:
+        await rollout_tick(seen=seen, namespace=namespace, name=name, memo=memo, models_by_gate=models_by_gate,
+                           logger=logger)
+
+    _loops.seen(key=(namespace, name), event_type=type, body=dict(body), tick=tick, logger=logger)
+
+
+async def rollout_tick(*, seen: Mapping[str, Any], namespace: str, name: str, memo: kopf.Memo,
+                       models_by_gate: kopf.Index, logger: logging.Logger) -> None:
     cache = getattr(memo, "rollout_cache", None)
     if cache is None:
         cache = memo.rollout_cache = _Cache()
     models = sorted(set(models_by_gate.get((namespace, name), [])))
     try:
-        await _loop(memo).tick(namespace=namespace, name=name, models=models, cache=cache, seen=body,
+        await _loop(memo).tick(namespace=namespace, name=name, models=models, cache=cache, seen=seen,
                                logger=logger)
     except Conflict:
         logger.debug("GateConfig %s/%s changed during the tick; next tick retries", namespace, name)
     except KubeError as e:
         logger.warning("rollout tick for %s/%s: %s", namespace, name, e)
+
+
+@kopf.on.cleanup()
+async def stop_rollout_loops(**_: Any) -> None:
+    await _loops.stop()

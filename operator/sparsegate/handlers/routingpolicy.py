@@ -10,10 +10,12 @@ RoutingPolicies and pods, then writes only its own object's status:
 3. publish the IP-level allow-list ConfigMap when its version changed;
 4. read back which policy generations OPA holds (`status.loadedInOPA`).
 
-A timer on each RoutingPolicy repeats this every `SPARSEGATE_POLICY_RESYNC_SECONDS`; it costs one
-GET when neither the policies, the pods nor OPA changed. Fail closed: when OPA is unreachable the
-allow-list is only ever narrowed (deleted policies, departed pods), the object gets Degraded=True,
-and create/update/delete handlers retry with backoff (kopf.TemporaryError).
+A loop per RoutingPolicy (``handlers.periodic``, driven by watch events: no finalizer, so deleting
+a policy never waits for the operator or OPA) repeats this every
+`SPARSEGATE_POLICY_RESYNC_SECONDS`; it costs one GET when neither the policies, the pods nor OPA
+changed. Fail closed: when OPA is unreachable the allow-list is only ever narrowed (deleted
+policies, departed pods), the object gets Degraded=True, and create/update handlers retry with
+backoff (kopf.TemporaryError); a deletion narrows and completes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import asyncio
 import copy
 import dataclasses
 import datetime
+import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -44,8 +47,10 @@ from sparsegate.domain.policy_compile import (
     ip_owners,
     narrow_document,
     pod_info,
+    policies_named,
 )
 from sparsegate.domain.policy_status import SyncOutcome, status_changed, status_patch
+from sparsegate.handlers.periodic import ObjectLoops
 
 GROUP, VERSION, PLURAL = names.GROUP, names.VERSION, names.ROUTINGPOLICIES
 
@@ -251,38 +256,88 @@ async def reconcile_routing_policy(retry: int, logger: kopf.Logger, **kwargs: An
         raise kopf.TemporaryError(f"OPA not usable: {error}", delay=_backoff(retry))
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL)
-async def delete_routing_policy(retry: int, logger: kopf.Logger, **kwargs: Any) -> None:
-    error = await _sync_and_status(**_pick(kwargs), exclude_self=True)
+_loops = ObjectLoops(kind="RoutingPolicy", interval_s=Settings.from_env().resync_seconds, initial_delay_s=1.0)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def routing_policy_event(type: str | None, logger: kopf.Logger, **kwargs: Any) -> None:
+    """Runs each policy's resync loop, and syncs once when a policy goes.
+
+    No finalizer: a deleted policy leaves the index before this runs, so the sync below (and every
+    later one) computes the allow-list without it; while OPA is unreachable that sync still narrows
+    the published allow-list (fail closed) and the deletion is not held up. OPA keeps the policy's
+    data until the next successful sync, which only the operator reads. Agents drop a deleted
+    policy's entries on their own too (``sparsegate_ebpf.policysource``), so access does not outlive
+    the policy while the operator is down.
+    """
+    picked = _pick(kwargs)
+    key = (picked["namespace"], picked["name"])
+
+    async def resync(_: Any) -> None:
+        await resync_routing_policy(logger=logger, **picked)
+
+    if _loops.seen(key=key, event_type=type, body=kwargs["body"], tick=resync, logger=logger):
+        return
+    error = await _sync_and_status(**picked, exclude_self=True)
     if error is not None:
-        # Its allow entries are already gone from the allow-list; OPA must drop it too before the
-        # object goes, or a later reader of OPA would still see it.
-        raise kopf.TemporaryError(f"OPA not usable, policy still held there: {error}", delay=_backoff(retry))
+        logger.warning(f"RoutingPolicy deleted while OPA is not usable: its allow entries were removed "
+                       f"from the allow-list; OPA drops it at the next successful sync ({error})")
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=Settings.from_env().resync_seconds, initial_delay=1.0)
-async def resync_routing_policies(logger: kopf.Logger, **kwargs: Any) -> None:
+async def resync_routing_policy(logger: kopf.Logger | logging.Logger, **picked: Any) -> None:
     """Notices OPA restarts (revision gone) and pod churn; Degraded while OPA is unreachable."""
-    error = await _sync_and_status(**_pick(kwargs))
+    error = await _sync_and_status(**picked)
     if error is not None:
         logger.warning(f"OPA not usable, allow-list kept (fail closed): {error}")
 
 
 @kopf.on.startup()
-async def publish_default_deny(logger: kopf.Logger, **_: Any) -> None:
-    """Zero trust from the first moment: with no allow-list yet, publish an empty (deny-all) one.
-    An existing one is left alone until OPA has been asked (it may be the last good one)."""
+async def check_allow_list_at_startup(logger: kopf.Logger, **_: Any) -> None:
+    """Zero trust from the first moment, and nothing kept for policies deleted while we were down.
+
+    With no allow-list yet, publish an empty (deny-all) one. An existing one is kept until OPA has
+    been asked (it may be the last good one), minus the entries of policies that no longer exist:
+    policies go without a finalizer, so one may have been deleted while no operator ran, and if it
+    was the last one no handler would ever run to drop its entries. Checking needs no OPA (only
+    narrowing) and no index (one GET per policy named in the allow-list).
+    """
     sync = _state()
     try:
-        if await sync.store.read() is None:
+        document = await sync.store.read()
+        if document is None:
             await sync.store.publish(flow_document(decisions={}, pods=[]))
             logger.info("published an empty (default deny) flow allow-list")
+            return
+        named = policies_named(document)
+        live = {key for key in named if "/" not in key or await _still_exists(sync, key)}
+        narrowed = narrow_document(document=document, owners_then=None, owners_now={}, live_policies=live)
+        if len(narrowed["entries"]) < len(document.get("entries") or ()):
+            await sync.store.publish(narrowed)
+            logger.info(f"dropped the allow entries of deleted RoutingPolicies {sorted(named - live)}")
+        sync.published = narrowed if len(narrowed["entries"]) < len(document.get("entries") or ()) else document
     except Exception as e:  # noqa: BLE001 (the handlers retry publishing; startup must not fail)
         logger.warning(f"could not check the flow allow-list at startup: {e}")
 
 
+async def _still_exists(sync: PolicySync, key: str) -> bool:
+    """False only when the API server says the policy is gone; any doubt keeps its entries for now."""
+    namespace, _, name = key.partition("/")
+    try:
+        body = await asyncio.to_thread(_kube(sync).get, "RoutingPolicy", namespace=namespace, name=name)
+    except Exception:  # noqa: BLE001 (forbidden, unreachable: the handlers decide later)
+        return True
+    return body is not None and not (body.get("metadata") or {}).get("deletionTimestamp")
+
+
+def _kube(sync: PolicySync) -> Kube:
+    if sync.kube is None:
+        raise RuntimeError("PolicySync needs a Kube client to read RoutingPolicies")
+    return sync.kube
+
+
 @kopf.on.cleanup()
 async def close_opa_client(**_: Any) -> None:
+    await _loops.stop()
     if _sync is not None:
         _sync.opa.close()
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+from sparsegate_contracts import flowpolicy
+
 from sparsegate.domain.policy import PolicySource, Port, build_opa_data
 from sparsegate.domain.policy_compile import (
     FlowTable,
@@ -118,3 +120,16 @@ def test_narrowing_never_widens() -> None:
     # Without owner knowledge (operator restarted while OPA is down) only deleted policies go.
     kept = narrow_document(document=doc, owners_then=None, owners_now=now, live_policies={"models/a", "models/b"})
     assert kept["entries"] == doc["entries"]
+
+
+def test_policies_named_and_narrowing_to_live_policies_without_pod_owners() -> None:
+    """The operator's startup check: entries of policies that are gone are dropped, nothing else."""
+    from sparsegate.domain.policy_compile import narrow_document, policies_named
+
+    rows = [flowpolicy.entry(src_ip="10.0.0.1", dst_ip="10.0.0.2", dst_port=8080, protocol="tcp", action="allow",
+                             rule=f"{key}#r0") for key in ("a/kept", "b/deleted")]
+    document = flowpolicy.build_document(entries=rows)
+    assert policies_named(document) == {"a/kept", "b/deleted"}
+    narrowed = narrow_document(document=document, owners_then=None, owners_now={}, live_policies={"a/kept"})
+    assert [e["rule"] for e in narrowed["entries"]] == ["a/kept#r0"]
+    assert narrowed["defaultAction"] == flowpolicy.DENY

@@ -1,0 +1,79 @@
+"""ObjectLoops: the finalizer-free replacement of Kopf timers (operator/sparsegate/handlers/periodic.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from sparsegate.handlers.periodic import ObjectLoops
+
+
+def body(*, deleting: bool = False, generation: int = 1) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": "g", "namespace": "ns", "generation": generation}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-12-03T00:00:00Z"
+    return {"metadata": meta}
+
+
+async def test_first_event_starts_a_loop_that_ticks_with_the_latest_body() -> None:
+    loops = ObjectLoops(kind="GateConfig", interval_s=0.01)
+    seen: list[int] = []
+
+    async def tick(b: Any) -> None:
+        seen.append(b["metadata"]["generation"])
+
+    assert loops.seen(key=("ns", "g"), event_type=None, body=body(generation=1), tick=tick)
+    await asyncio.sleep(0.05)
+    loops.seen(key=("ns", "g"), event_type="MODIFIED", body=body(generation=2), tick=tick)
+    await asyncio.sleep(0.05)
+    await loops.stop()
+    assert seen[0] == 1 and seen[-1] == 2 and len(seen) >= 4
+    assert set(seen) == {1, 2} and seen == sorted(seen)  # one loop, never two interleaved
+
+
+async def test_deleted_or_deleting_objects_stop_their_loop() -> None:
+    loops = ObjectLoops(kind="RoutingPolicy", interval_s=0.01)
+    calls = 0
+
+    async def tick(_: Any) -> None:
+        nonlocal calls
+        calls += 1
+
+    loops.seen(key=("ns", "a"), event_type="ADDED", body=body(), tick=tick)
+    loops.seen(key=("ns", "b"), event_type="ADDED", body=body(), tick=tick)
+    await asyncio.sleep(0.03)
+    assert not loops.seen(key=("ns", "a"), event_type="DELETED", body=body(), tick=tick)
+    assert not loops.seen(key=("ns", "b"), event_type="MODIFIED", body=body(deleting=True), tick=tick)
+    assert len(loops) == 0
+    before = calls
+    await asyncio.sleep(0.05)
+    assert calls == before  # cancelled: no tick after the deletion was seen
+    await loops.stop()
+
+
+async def test_a_failing_round_is_logged_and_the_loop_goes_on(caplog) -> None:
+    loops = ObjectLoops(kind="GateConfig", interval_s=0.01)
+    rounds = 0
+
+    async def tick(_: Any) -> None:
+        nonlocal rounds
+        rounds += 1
+        if rounds == 1:
+            raise ConnectionResetError("API server went away")
+
+    loops.seen(key=("ns", "g"), event_type=None, body=body(), tick=tick)
+    await asyncio.sleep(0.06)
+    await loops.stop()
+    assert rounds >= 3
+    assert "ConnectionResetError" in caplog.text
+
+
+async def test_deleted_before_its_first_event_starts_nothing() -> None:
+    loops = ObjectLoops(kind="GateConfig", interval_s=0.01)
+
+    async def tick(_: Any) -> None:
+        raise AssertionError("no loop for an object already being deleted")
+
+    assert not loops.seen(key=("ns", "g"), event_type=None, body=body(deleting=True), tick=tick)
+    await asyncio.sleep(0.03)
+    assert ("ns", "g") not in loops
