@@ -6,7 +6,9 @@
 
 Until the first valid policy arrives the program passes everything (counted as
 `no_policy`): fail-open at start-up so a node is never black-holed by an agent restart.
-An invalid document is rejected and the live policy stays in force.
+An invalid document is rejected and the live policy stays in force. With a ConfigMap source the
+agent also watches RoutingPolicies (`--policy-liveness watch`, the default) and drops the allow
+entries of deleted ones itself, so access ends with the policy even while the operator is down.
 When BPF is unavailable (no bcc, not root, verifier refusal) the agent logs why, keeps
 serving /metrics with `sparsegate_agent_bpf_available 0`, and exits 1 on SIGTERM.
 """
@@ -43,6 +45,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--xdp-mode", choices=[m.value for m in xdp.XdpMode], default="auto")
     ap.add_argument("--poll-interval", type=float, default=1.0, help="policy file poll period (s)")
     ap.add_argument("--telemetry-only", action="store_true", help="count, never drop")
+    ap.add_argument("--policy-liveness", choices=["watch", "off"], default="watch",
+                    help="with --policy-configmap: also watch RoutingPolicies and drop the allow entries of "
+                         "deleted ones without waiting for the operator (needs list/watch on routingpolicies)")
+    ap.add_argument("--policy-liveness-namespaces", default="",
+                    help="comma-separated namespaces whose RoutingPolicies are watched (default: all)")
     args = ap.parse_args(argv)
     args.interfaces = [i for i in args.interfaces.split(",") if i]
     if args.policy_configmap and args.policy_configmap.count("/") != 1:
@@ -111,6 +118,13 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, stop: threading.Eve
         target, kwargs = policysource.watch_file, {"path": args.policy_file, "interval": args.poll_interval}
     else:
         ns, name = args.policy_configmap.split("/")
+        if args.policy_liveness == "watch":
+            live_filter = policysource.LivePolicyFilter(on_document)
+            on_document = live_filter.document
+            namespaces = [n for n in args.policy_liveness_namespaces.split(",") if n] or None
+            threading.Thread(target=policysource.watch_routing_policies, name="policy-liveness", daemon=True,
+                             kwargs={"on_policies": live_filter.policies, "stop": stop,
+                                     "namespaces": namespaces}).start()
         target, kwargs = policysource.watch_configmap, {"namespace": ns, "name": name}
     watcher = threading.Thread(target=target, kwargs={**kwargs, "on_document": on_document, "stop": stop},
                                name="policy-source", daemon=True)

@@ -2,22 +2,31 @@
 
 Each source calls `on_document(text)` with the raw `policy.json` text whenever it changes;
 validation and the swap happen in the agent. The ConfigMap-to-text step is a pure function.
+
+`LivePolicyFilter` sits between a source and the agent: it also follows which RoutingPolicies
+exist (`watch_routing_policies`) and drops the allow entries of deleted ones, so a policy's access
+ends when the policy goes even while the operator is down (the operator republishes the same
+narrowing when it runs). It only ever narrows: until the first list succeeds, and while the API
+server is unreachable, documents pass as published.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from sparsegate_contracts.flowpolicy import DOCUMENT_KEY
+from sparsegate_contracts import names
+from sparsegate_contracts.flowpolicy import DOCUMENT_KEY, document_text, without_policies
 
 log = logging.getLogger(__name__)
 
 POLICY_KEY = DOCUMENT_KEY
 OnDocument = Callable[[str], None]
+OnPolicies = Callable[[set[str]], None]
 
 
 def document_from_configmap(obj: Any) -> str | None:
@@ -101,5 +110,109 @@ def watch_configmap(*, namespace: str, name: str, on_document: OnDocument, stop:
             backoff = 1.0
         except Exception as exc:
             log.warning("watching ConfigMap %s/%s: %s (retrying in %.0fs)", namespace, name, exc, backoff)
+            stop.wait(backoff)
+            backoff = min(backoff * 2, 30.0)
+
+
+class LivePolicyFilter:
+    """The latest published document, minus allow entries of RoutingPolicies that no longer exist."""
+
+    def __init__(self, on_document: OnDocument) -> None:
+        self._emit = _Dedup(on_document)
+        self._lock = threading.Lock()
+        self._text: str | None = None
+        self._live: set[str] | None = None  # None: not listed yet (nothing is dropped)
+        self.dropped_entries = 0
+
+    def document(self, text: str) -> None:
+        with self._lock:
+            self._text = text
+            self._forward()
+
+    def policies(self, live: set[str]) -> None:
+        with self._lock:
+            self._live = set(live)
+            self._forward()
+
+    def _forward(self) -> None:
+        if self._text is None:
+            return
+        text, self.dropped_entries = self._text, 0
+        if self._live is not None:
+            try:
+                document = json.loads(self._text)
+                narrowed = without_policies(document, live=self._live) if isinstance(document, dict) else None
+            except (ValueError, TypeError, AttributeError):
+                narrowed = None  # the agent's parser reports what is wrong with it
+            if narrowed is not None:
+                self.dropped_entries = len(document.get("entries") or ()) - len(narrowed["entries"])
+                text = document_text(narrowed)
+                log.info("dropping %d allow entries of deleted RoutingPolicies", self.dropped_entries)
+        self._emit(text)
+
+
+def watch_routing_policies(*, on_policies: OnPolicies, stop: threading.Event, namespaces: list[str] | None = None,
+                           api_client: Any = None) -> None:
+    """List then watch RoutingPolicies (every namespace, or ``namespaces``); report the live ``ns/name`` set.
+
+    Objects with a deletionTimestamp count as gone. Re-lists on any error; the last set reported
+    stands in between (an unreachable API server never widens what the filter keeps).
+    """
+    from kubernetes import client, config, watch  # only this source needs the client
+
+    if api_client is None:
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+    api = client.CustomObjectsApi(api_client)
+    scopes: list[str | None] = list(namespaces) if namespaces else [None]
+
+    def live_key(obj: Mapping[str, Any]) -> str | None:
+        meta = obj.get("metadata") or {}
+        return None if meta.get("deletionTimestamp") else f"{meta.get('namespace')}/{meta.get('name')}"
+
+    def lister(ns: str | None) -> tuple[Any, tuple[Any, ...]]:
+        plural = (names.GROUP, names.VERSION, names.ROUTINGPOLICIES)
+        if ns is None:
+            return api.list_cluster_custom_object, plural
+        return api.list_namespaced_custom_object, (plural[0], plural[1], ns, plural[2])
+
+    backoff = 1.0
+    while not stop.is_set():
+        try:
+            live: dict[str | None, set[str]] = {}
+            versions: dict[str | None, str] = {}
+            for ns in scopes:
+                fn, args = lister(ns)
+                listed = fn(*args)
+                live[ns] = {k for o in listed.get("items") or () if (k := live_key(o))}
+                versions[ns] = listed["metadata"]["resourceVersion"]
+            on_policies(set().union(*live.values()))
+            # One scope watched at a time would starve the others: with several namespaces, poll
+            # (re-list every 5 s); with one scope, watch it.
+            if len(scopes) > 1:
+                stop.wait(5.0)
+                continue
+            ns = scopes[0]
+            fn, args = lister(ns)
+            w = watch.Watch()
+            for event in w.stream(fn, *args, resource_version=versions[ns], timeout_seconds=30):
+                if stop.is_set():
+                    w.stop()
+                    break
+                obj, key = event["object"], None
+                meta = obj.get("metadata") or {}
+                key = f"{meta.get('namespace')}/{meta.get('name')}"
+                if event["type"] == "DELETED" or live_key(obj) is None:
+                    live[ns].discard(key)
+                elif event["type"] in ("ADDED", "MODIFIED"):
+                    live[ns].add(key)
+                else:
+                    continue
+                on_policies(set(live[ns]))
+            backoff = 1.0
+        except Exception as exc:
+            log.warning("watching RoutingPolicies: %s (retrying in %.0fs)", exc, backoff)
             stop.wait(backoff)
             backoff = min(backoff * 2, 30.0)

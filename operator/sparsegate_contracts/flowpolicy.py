@@ -65,6 +65,26 @@ class FlowPolicy:
         return names
 
 
+def policy_of_rule(rule: str) -> str:
+    """``"ns/name"`` of the RoutingPolicy that produced an entry (its ``rule`` is ``"ns/name#id"``)."""
+    return str(rule).split("#", 1)[0]
+
+
+def without_policies(document: Mapping[str, Any], *, live: Iterable[str]) -> dict[str, Any] | None:
+    """The document minus the ALLOW entries of RoutingPolicies not in ``live``; None if nothing goes.
+
+    Narrowing only: deny entries and entries with no ``ns/name`` rule are kept, so applying this
+    never widens access. The agents use it to drop a deleted policy's access without the operator.
+    """
+    live = set(live)
+    entries = list(document.get("entries") or ())
+    kept = [e for e in entries
+            if e.get("action") != ALLOW or "/" not in (p := policy_of_rule(e.get("rule", ""))) or p in live]
+    if len(kept) == len(entries):
+        return None
+    return build_document(entries=kept, default_action=document.get("defaultAction", DENY))
+
+
 def version_of(body: Mapping[str, Any]) -> str:
     """The version of a document without its ``version`` field (content address)."""
     return sha256_of(body)

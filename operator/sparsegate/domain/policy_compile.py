@@ -213,19 +213,14 @@ def narrow_document(
     rows = [
         e
         for e in document.get("entries") or ()
-        if policy_of_rule(e.get("rule", "")) in live_policies and same(e["srcIP"]) and same(e["dstIP"])
+        if flowpolicy.policy_of_rule(e.get("rule", "")) in live_policies and same(e["srcIP"]) and same(e["dstIP"])
     ]
     return flowpolicy.build_document(entries=rows, default_action=flowpolicy.DENY)
 
 
-def policy_of_rule(rule: str) -> str:
-    """``"ns/name"`` of an allow-list entry's ``rule`` (``"ns/name#id"``): which policy produced it."""
-    return str(rule).split("#", 1)[0]
-
-
 def policies_named(document: Mapping[str, Any]) -> set[str]:
     """Every policy (``"ns/name"``) that has entries in a flow document."""
-    return {policy_of_rule(e.get("rule", "")) for e in document.get("entries") or ()}
+    return {flowpolicy.policy_of_rule(e.get("rule", "")) for e in document.get("entries") or ()}
 
 
 def ip_owners(pods: Iterable[PodInfo]) -> dict[str, str]:

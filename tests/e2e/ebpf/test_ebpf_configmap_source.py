@@ -4,9 +4,12 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 from sparsegate_ebpf.policy import parse_policy
 from sparsegate_ebpf.policysource import POLICY_KEY, watch_configmap
+
+CRDS = Path(__file__).resolve().parents[3] / "charts" / "sparsegate" / "crds"
 
 
 def doc(version: str, port: int) -> str:
@@ -47,3 +50,68 @@ def _wait(cond, what: str, timeout: float = 60.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def test_deleted_routing_policy_loses_its_allow_entries_without_the_operator(cluster, kube_api_client,
+                                                                            namespace: str) -> None:
+    """No operator runs here at all: the agent's own RoutingPolicy watch drops the deleted policy's access."""
+    from kubernetes import client
+
+    from sparsegate_ebpf.policysource import LivePolicyFilter, watch_routing_policies
+
+    cluster.kubectl("apply", "-f", str(CRDS / "routingpolicies.yaml"))
+    custom = client.CustomObjectsApi(kube_api_client)
+    for name in ("keep", "gone"):
+        policy = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "RoutingPolicy", "metadata": {"name": name},
+                  "spec": {"action": "Allow", "sources": [{"namespace": namespace, "serviceAccount": "default"}],
+                           "targets": [{"sparseModel": "m"}], "ports": [{"port": 8080}]}}
+        _wait_created(lambda: custom.create_namespaced_custom_object("sparsegate.dev", "v1alpha1", namespace,
+                                                                     "routingpolicies", policy))
+    published = json.dumps({"defaultAction": "deny", "entries": [
+        {"srcIP": "10.0.0.1", "dstIP": "10.0.0.9", "dstPort": 8080, "protocol": "tcp", "action": "allow",
+         "rule": f"{namespace}/keep#0"},
+        {"srcIP": "10.0.0.2", "dstIP": "10.0.0.9", "dstPort": 8080, "protocol": "tcp", "action": "allow",
+         "rule": f"{namespace}/gone#0"}]})
+    client.CoreV1Api(kube_api_client).create_namespaced_config_map(namespace, client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="sparsegate-flow-policy"), data={POLICY_KEY: published}))
+
+    seen: list[str] = []
+    live_filter = LivePolicyFilter(seen.append)
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=watch_configmap, daemon=True, kwargs={
+            "namespace": namespace, "name": "sparsegate-flow-policy", "on_document": live_filter.document,
+            "stop": stop, "api_client": kube_api_client}),
+        threading.Thread(target=watch_routing_policies, daemon=True, kwargs={
+            "on_policies": live_filter.policies, "stop": stop, "namespaces": [namespace],
+            "api_client": kube_api_client})]
+    for t in threads:
+        t.start()
+    try:
+        def allowed_rules() -> list[str]:
+            return [e.rule for e in parse_policy(seen[-1]).entries if e.action == "allow"] if seen else []
+
+        _wait(lambda: allowed_rules() == [f"{namespace}/keep#0", f"{namespace}/gone#0"], "both policies enforced")
+        t0 = time.monotonic()
+        custom.delete_namespaced_custom_object("sparsegate.dev", "v1alpha1", namespace, "routingpolicies", "gone")
+        # No finalizer holds the deletion (no operator runs), and the agent narrows within the watch latency.
+        _wait(lambda: allowed_rules() == [f"{namespace}/keep#0"], "the deleted policy's entries dropped", timeout=10)
+        print(f"\n[liveness] deleted policy's allow entries dropped by the agent in {time.monotonic() - t0:.2f}s")
+        assert live_filter.dropped_entries == 1
+    finally:
+        stop.set()
+
+
+def _wait_created(create) -> None:
+    """The CRD may take a moment to be served after `kubectl apply`."""
+    from kubernetes.client import ApiException
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            create()
+            return
+        except ApiException as e:
+            if e.status != 404 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
