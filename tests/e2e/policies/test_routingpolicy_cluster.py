@@ -180,13 +180,95 @@ def test_routing_policy_end_to_end(stack: Stack, stack_namespace: str, web_names
     assert {(e["srcIP"], e["dstIP"]) for e in widened["entries"]} == {
         (src, dst) for src in (ip["fe-0"], ip["other-0"]) for dst in (ip["mixtral-0"], ip["mixtral-1"])}
 
-    # When the wide policy is deleted, OPA drops it and its entries go
+    # When the wide policy is deleted (at once: no finalizer), OPA drops it and its entries go
     kubectl("delete", "routingpolicy", "allow-web", "-n", models, "--timeout=60s", timeout=90)
-    assert set(opa("loaded_policies")) == {f"{models}/allow-frontend"}
+    wait_for(lambda: set(opa("loaded_policies")) == {f"{models}/allow-frontend"}, what="OPA dropped allow-web")
     final = wait_for(lambda: (d := allow_list()) and len(d["entries"]) == 2 and d, what="2 entries")
     assert {e["srcIP"] for e in final["entries"]} == {ip["fe-0"]}
 
     # When the last policy goes, nothing is allowed any more (and no finalizer is left behind)
     kubectl("delete", "routingpolicy", "allow-frontend", "-n", models, "--timeout=60s", timeout=90)
-    assert opa("loaded_policies") == {}
+    wait_for(lambda: opa("loaded_policies") == {}, what="OPA holds no policy")
     wait_for(lambda: (d := allow_list()) is not None and d["entries"] == [], what="empty allow-list")
+
+
+def operator_deployment(stack: Stack) -> dict:
+    return json.loads(stack.kubectl("get", "deployment", "-n", RELEASE_NS, "-l", "app.kubernetes.io/component=operator",
+                                    "-o", "json").stdout)["items"][0]
+
+
+def timed_delete(stack: Stack, kind: str, name: str, ns: str) -> float:
+    """Seconds `kubectl delete` takes to see the object gone (it waits for finalizers, if any)."""
+    t0 = time.monotonic()
+    stack.kubectl("delete", kind, name, "-n", ns, "--timeout=30s", timeout=60)
+    return time.monotonic() - t0
+
+
+def test_deletion_completes_and_narrows_while_opa_or_the_operator_is_down(
+        stack: Stack, stack_namespace: str, web_namespace: str) -> None:
+    """No finalizer holds a RoutingPolicy or GateConfig: deletion completes with OPA frozen or no operator
+    running, the allow-list is narrowed (never widened) meanwhile or at the operator's return."""
+    models, web = stack_namespace, web_namespace
+    kubectl = stack.kubectl
+    operator = leading_operator(stack)
+    opa_container = stack.container_name(operator, "opa")
+
+    def get(kind: str, name: str, ns: str = models) -> dict:
+        return json.loads(kubectl("get", kind, name, "-n", ns, "-o", "json").stdout)
+
+    def entries() -> set[tuple[str, str]]:
+        run = kubectl("get", "configmap", FLOW_POLICY, "-n", RELEASE_NS, "-o", "json")
+        doc = json.loads(json.loads(run.stdout)["data"]["policy.json"])
+        return {(e["srcIP"], e["rule"].split("#")[0]) for e in doc["entries"] if e["rule"].startswith(f"{models}/")}
+
+    # Given callers with two identities, a model pod, one policy per identity and a GateConfig
+    for sa in ("frontend", "batch"):
+        kubectl("create", "serviceaccount", sa, "-n", web)
+    for p, ns in [(pod("fe-0", sa="frontend"), web), (pod("batch-0", sa="batch"), web),
+                  (pod("mixtral-0", labels={"sparsegate.dev/model": "mixtral"}, port=8080), models)]:
+        kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(p))
+    ip = {name: wait_for(lambda: get("pod", name, ns).get("status", {}).get("podIP"), what=f"{name} IP")
+          for name, ns in [("fe-0", web), ("batch-0", web), ("mixtral-0", models)]}
+    for name, sa in [("via-opa-outage", "frontend"), ("via-operator-outage", "batch")]:
+        kubectl("apply", "-n", models, "-f", "-", input=routing_policy(name, {
+            "action": "Allow", "sources": [{"namespace": web, "serviceAccount": sa}],
+            "targets": [{"sparseModel": "mixtral"}], "ports": [{"port": 8080}]}))
+    gate = ({"apiVersion": "sparsegate.dev/v1alpha1", "kind": "GateConfig",
+                                  "metadata": {"name": "gate"}, "spec": {"params": {"toolGateThreshold": 0.85}}})
+    kubectl("apply", "-n", models, "-f", "-", input=json.dumps(gate))
+    both = {(ip["fe-0"], f"{models}/via-opa-outage"), (ip["batch-0"], f"{models}/via-operator-outage")}
+    wait_for(lambda: entries() == both, what="both policies' entries published")
+    wait_for(lambda: (get("gateconfig", "gate").get("status") or {}).get("stable"), what="GateConfig stable")
+    for kind, name in [("routingpolicy", "via-opa-outage"), ("routingpolicy", "via-operator-outage"),
+                       ("gateconfig", "gate")]:
+        assert not get(kind, name)["metadata"].get("finalizers"), f"{kind}/{name} carries a finalizer"
+
+    # When OPA is frozen and a policy is deleted
+    podman.podman("pause", opa_container)
+    try:
+        seconds = timed_delete(stack, "routingpolicy", "via-opa-outage", models)
+        # Then the deletion completes at once and its entries leave the allow-list without OPA
+        narrowed = wait_for(lambda: (e := entries()) == {(ip["batch-0"], f"{models}/via-operator-outage")} and e,
+                            what="the deleted policy's entries dropped while OPA is frozen", timeout_s=30)
+        print(f"\n[faults] RoutingPolicy deleted with OPA frozen: {seconds:.2f}s; allow-list narrowed to {narrowed}")
+        assert seconds < 10
+    finally:
+        podman.podman("unpause", opa_container, check=False)
+
+    # When no operator runs and the other policy and the GateConfig are deleted
+    deployment = operator_deployment(stack)
+    name, replicas = deployment["metadata"]["name"], deployment["spec"]["replicas"]
+    kubectl("scale", "deployment", name, "-n", RELEASE_NS, "--replicas=0")
+    try:
+        wait_for(lambda: not stack.operator_pods(), what="no operator pod", timeout_s=120)
+        seconds = [timed_delete(stack, "routingpolicy", "via-operator-outage", models),
+                   timed_delete(stack, "gateconfig", "gate", models)]
+        print(f"[faults] RoutingPolicy / GateConfig deleted with no operator: {seconds[0]:.2f}s / {seconds[1]:.2f}s")
+        assert max(seconds) < 10
+        # (The node agents drop the gone policy's entries themselves meanwhile: tests/e2e/ebpf.)
+        assert entries() == {(ip["batch-0"], f"{models}/via-operator-outage")}
+    finally:
+        kubectl("scale", "deployment", name, "-n", RELEASE_NS, f"--replicas={replicas}")
+    # Then the returning operator drops the entries of the policy deleted while it was away
+    leading_operator(stack)
+    wait_for(lambda: entries() == set(), what="allow-list without the policy deleted during the outage", timeout_s=120)
