@@ -25,6 +25,8 @@ from sparsegate.clients.kube import Kube
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # No handler needs a finalizer any more; naming ours lets Kopf remove it from objects that
+    # earlier operator versions marked (their deletion would otherwise wait for us).
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
