@@ -233,14 +233,16 @@ def test_deletion_completes_and_narrows_while_opa_or_the_operator_is_down(
         kubectl("apply", "-n", models, "-f", "-", input=routing_policy(name, {
             "action": "Allow", "sources": [{"namespace": web, "serviceAccount": sa}],
             "targets": [{"sparseModel": "mixtral"}], "ports": [{"port": 8080}]}))
-    gate = ({"apiVersion": "sparsegate.dev/v1alpha1", "kind": "GateConfig",
-                                  "metadata": {"name": "gate"}, "spec": {"params": {"toolGateThreshold": 0.85}}})
+    # (the GateConfig as an earlier operator version left it: with its finalizer, which Kopf removes)
+    gate = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "GateConfig",
+            "metadata": {"name": "gate", "finalizers": ["sparsegate.dev/finalizer"]},
+            "spec": {"params": {"toolGateThreshold": 0.85}}}
     kubectl("apply", "-n", models, "-f", "-", input=json.dumps(gate))
     both = {(ip["fe-0"], f"{models}/via-opa-outage"), (ip["batch-0"], f"{models}/via-operator-outage")}
     wait_for(lambda: entries() == both, what="both policies' entries published")
     wait_for(lambda: (get("gateconfig", "gate").get("status") or {}).get("stable"), what="GateConfig stable")
-    for kind, name in [("routingpolicy", "via-opa-outage"), ("routingpolicy", "via-operator-outage"),
-                       ("gateconfig", "gate")]:
+    wait_for(lambda: not get("gateconfig", "gate")["metadata"].get("finalizers"), what="old finalizer removed")
+    for kind, name in [("routingpolicy", "via-opa-outage"), ("routingpolicy", "via-operator-outage")]:
         assert not get(kind, name)["metadata"].get("finalizers"), f"{kind}/{name} carries a finalizer"
 
     # When OPA is frozen and a policy is deleted
