@@ -1,11 +1,18 @@
 """Node agent: load the XDP program, attach it, export /metrics, follow the flow policy.
 
     python -m sparsegate_ebpf.agent --interfaces eth0[,..] --metrics-port 9102 \
-        (--policy-file F | --policy-configmap NS/NAME) [--xdp-mode auto|native|generic]
+        (--policy-file F | --policy-configmap NS/NAME) [--xdp-mode auto|native|generic] \
+        [--initial-policy-timeout 30] [--on-exit detach|keep|daemonset --daemonset NS/NAME]
     python -m sparsegate_ebpf.agent --version
 
-Until the first valid policy arrives the program passes everything (counted as
-`no_policy`): fail-open at start-up so a node is never black-holed by an agent restart.
+A restart widens nothing (handover.py): the first valid policy is written into the new program's
+maps before it is attached, and the program replaces the one a previous agent left attached in one
+step. If no valid policy arrives within --initial-policy-timeout the program is attached anyway and
+passes everything until one does (counted as `no_policy`, logged, and exported as
+`sparsegate_agent_attached_without_policy 1`): a node must not stay without telemetry for ever.
+On exit the program is detached (`--on-exit detach`, the default), left attached for a successor
+(`keep`), or, in Kubernetes (`daemonset`), left attached unless the agent's DaemonSet is gone or
+being deleted.
 An invalid document is rejected and the live policy stays in force. With a ConfigMap source the
 agent also watches RoutingPolicies (`--policy-liveness watch`, the default) and drops the allow
 entries of deleted ones itself, so access ends with the policy even while the operator is down.
@@ -16,15 +23,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, start_http_server
 from sparsegate_contracts.version import version_line
 
-from . import policysource, programs, xdp
+from . import handover, policysource, programs, xdp
+from .handover import ExitAction, OnExit, StartCollector, StartState
 from .metrics import AgentState, XdpCollector
 from .policy import PolicyError, parse_policy
 from .policyswap import PolicySwapper
@@ -50,14 +61,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "deleted ones without waiting for the operator (needs list/watch on routingpolicies)")
     ap.add_argument("--policy-liveness-namespaces", default="",
                     help="comma-separated namespaces whose RoutingPolicies are watched (default: all)")
+    ap.add_argument("--initial-policy-timeout", type=float, default=30.0, metavar="SECONDS",
+                    help="wait this long for the first valid policy before attaching XDP; then attach "
+                         "anyway, passing everything until a policy arrives (logged, and exported as "
+                         "sparsegate_agent_attached_without_policy)")
+    ap.add_argument("--on-exit", choices=[m.value for m in OnExit], default=OnExit.DETACH.value,
+                    help="on SIGTERM: detach XDP; keep it attached (a restarted agent replaces it, and "
+                         "the policy in force stays enforced meanwhile); or daemonset: keep it unless "
+                         "the --daemonset is gone or being deleted (asked at exit; unreachable -> keep)")
+    ap.add_argument("--daemonset", metavar="NS/NAME", default=os.environ.get("SPARSEGATE_AGENT_DAEMONSET", ""),
+                    help="the agent's DaemonSet, for --on-exit daemonset (env SPARSEGATE_AGENT_DAEMONSET); "
+                         "needs RBAC get on daemonsets")
     args = ap.parse_args(argv)
     args.interfaces = [i for i in args.interfaces.split(",") if i]
     if args.policy_configmap and args.policy_configmap.count("/") != 1:
         ap.error("--policy-configmap must be NAMESPACE/NAME")
+    if args.daemonset and args.daemonset.count("/") != 1:
+        ap.error("--daemonset must be NAMESPACE/NAME")
+    if args.on_exit == OnExit.DAEMONSET.value and not args.daemonset:
+        ap.error("--on-exit daemonset needs --daemonset NAMESPACE/NAME (or SPARSEGATE_AGENT_DAEMONSET)")
     return args
 
 
-def make_policy_handler(*, state: AgentState) -> policysource.OnDocument:
+def make_policy_handler(*, state: AgentState,
+                        on_applied: Callable[[], None] | None = None) -> policysource.OnDocument:
+    """Validate and swap in each document; `on_applied` runs after every successful swap."""
+
     def on_document(text: str) -> None:
         try:
             policy = parse_policy(text)
@@ -72,24 +101,27 @@ def make_policy_handler(*, state: AgentState) -> policysource.OnDocument:
         log.info("policy %s live as generation %d in %s (%d records, fill %.1f ms, swap %.1f ms)",
                  policy.version, result.generation, result.slot, result.entries,
                  result.fill_seconds * 1e3, result.swap_seconds * 1e3)
+        if on_applied is not None:
+            on_applied()
 
     return on_document
 
 
 def run(args: argparse.Namespace, *, stop: threading.Event) -> int:
-    state = AgentState()
+    state, start = AgentState(), StartState()
     registry = CollectorRegistry()
     registry.register(XdpCollector(state=state))
+    registry.register(StartCollector(state=start))
     httpd, _ = start_http_server(args.metrics_port, addr=args.metrics_addr, registry=registry)
     log.info("serving /metrics on %s:%d", args.metrics_addr, args.metrics_port)
     try:
-        return _run_bpf(args, state=state, stop=stop)
+        return _run_bpf(args, state=state, start=start, stop=stop)
     finally:
         httpd.shutdown()
         httpd.server_close()
 
 
-def _run_bpf(args: argparse.Namespace, *, state: AgentState, stop: threading.Event) -> int:
+def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, stop: threading.Event) -> int:
     try:
         prog = programs.load(enforce=not args.telemetry_only)
     except programs.BpfUnavailable as exc:
@@ -101,6 +133,19 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, stop: threading.Eve
     state.swapper = PolicySwapper(bpf=prog.bpf)
     state.bpf_available = True
 
+    # The policy source starts before the program is attached: the first policy goes into the
+    # maps of a program no packet reaches yet, so the program is never live without it.
+    first_policy = threading.Event()
+
+    def applied() -> None:
+        first_policy.set()
+        start.attached_without_policy = False
+
+    _start_policy_source(args, on_document=make_policy_handler(state=state, on_applied=applied), stop=stop)
+    if not _wait_first_policy(args, first_policy=first_policy, start=start, stop=stop):
+        prog.close()  # stopped before attaching: whatever a predecessor left stays as it is
+        return 0
+
     mode = xdp.XdpMode(args.xdp_mode)
     try:
         for ifname in args.interfaces:
@@ -109,11 +154,24 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, stop: threading.Eve
             log.info("XDP attached to %s in %s mode", ifname, used.value)
     except xdp.AttachError as exc:
         log.error("%s", exc)
-        _detach_all(state)
+        _exit(args, state=state)
         prog.close()
         return 1
+    if not args.telemetry_only:
+        # Set, then re-check: a policy applied meanwhile clears it (applied() sets the event first).
+        start.attached_without_policy = True
+        if first_policy.is_set():
+            start.attached_without_policy = False
+    log.info("agent ready")
+    stop.wait()
+    _exit(args, state=state)
+    prog.close()
+    log.info("bye")
+    return 0
 
-    on_document = make_policy_handler(state=state)
+
+def _start_policy_source(args: argparse.Namespace, *, on_document: policysource.OnDocument,
+                         stop: threading.Event) -> None:
     if args.policy_file:
         target, kwargs = policysource.watch_file, {"path": args.policy_file, "interval": args.poll_interval}
     else:
@@ -126,22 +184,54 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, stop: threading.Eve
                              kwargs={"on_policies": live_filter.policies, "stop": stop,
                                      "namespaces": namespaces}).start()
         target, kwargs = policysource.watch_configmap, {"namespace": ns, "name": name}
-    watcher = threading.Thread(target=target, kwargs={**kwargs, "on_document": on_document, "stop": stop},
-                               name="policy-source", daemon=True)
-    watcher.start()
-    log.info("agent ready")
-    stop.wait()
+    threading.Thread(target=target, kwargs={**kwargs, "on_document": on_document, "stop": stop},
+                     name="policy-source", daemon=True).start()
+
+
+def _wait_first_policy(args: argparse.Namespace, *, first_policy: threading.Event, start: StartState,
+                       stop: threading.Event) -> bool:
+    """Wait (bounded) for the first policy; False when stopped meanwhile."""
+    if args.telemetry_only:
+        return not stop.is_set()  # a program that never drops has nothing to widen
+    t0 = time.monotonic()
+    deadline = t0 + args.initial_policy_timeout
+    while not first_policy.is_set() and not stop.is_set() and time.monotonic() < deadline:
+        first_policy.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+    start.initial_policy_wait_seconds = time.monotonic() - t0
+    if stop.is_set():
+        log.info("stopped before the first policy arrived; nothing attached by this agent")
+        return False
+    if first_policy.is_set():
+        log.info("first policy in the maps after %.2fs; attaching", start.initial_policy_wait_seconds)
+    else:
+        log.warning("no valid policy within --initial-policy-timeout %.0fs: attaching XDP anyway; it passes "
+                    "everything (counted no_policy) until a policy arrives, so telemetry is not lost for ever",
+                    args.initial_policy_timeout)
+    return True
+
+
+def _exit(args: argparse.Namespace, *, state: AgentState) -> None:
+    """Detach or keep the program, as --on-exit decides."""
+    if not state.attached:
+        return
+    daemonset = tuple(args.daemonset.split("/")) if args.daemonset else None
+    decision = handover.decide_on_exit(OnExit(args.on_exit), daemonset=daemonset)
+    if decision.action == ExitAction.KEEP:
+        log.info("leaving XDP attached on %s with policy %s: %s", ",".join(state.attached),
+                 state.policy_version or "none", decision.reason)
+        state.attached.clear()
+        return
+    log.info("detaching XDP: %s", decision.reason)
     _detach_all(state)
-    prog.close()
-    log.info("detached from %s; bye", ",".join(args.interfaces))
-    return 0
 
 
 def _detach_all(state: AgentState) -> None:
     for ifname, mode in list(state.attached.items()):
         try:
-            xdp.detach(bpf=state.program.bpf, ifname=ifname, mode=xdp.XdpMode(mode))
+            xdp.detach_own(prog_fd=state.program.prog_fd, ifname=ifname, mode=xdp.XdpMode(mode))
             log.info("XDP detached from %s", ifname)
+        except xdp.NotOurs as exc:
+            log.info("%s (a successor's): left in place", exc)
         except Exception as exc:
             log.error("detaching XDP from %s failed: %s", ifname, exc)
         del state.attached[ifname]

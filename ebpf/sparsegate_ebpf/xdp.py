@@ -1,9 +1,20 @@
-"""Attach/detach the loaded program to interfaces, native (driver) XDP or generic (skb)."""
+"""Attach/replace/detach the loaded program on interfaces, native (driver) XDP or generic (skb).
+
+A restarting agent must never leave an interface without its program, even for a moment: the
+program a predecessor left attached (it keeps its maps, hence the policy in force, alive) is
+replaced in one netlink call (`XDP_FLAGS_REPLACE`: compare-and-swap on the attached program), and
+an exiting agent detaches only the program that is still its own. Both go through libbpf's
+`bpf_xdp_attach`, which `libbcc.so` links (python3-bpfcc 0.26's `attach_xdp` takes no expected
+program).
+"""
 from __future__ import annotations
 
+import ctypes as ct
 import enum
 import json
 import logging
+import os
+import socket
 import subprocess
 from typing import Any
 
@@ -12,6 +23,7 @@ log = logging.getLogger(__name__)
 XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0  # never replace someone else's program
 XDP_FLAGS_SKB_MODE = 1 << 1
 XDP_FLAGS_DRV_MODE = 1 << 2
+XDP_FLAGS_REPLACE = 1 << 4  # only if the attached program is the expected one (opts.old_prog_fd)
 
 
 class XdpMode(str, enum.Enum):
@@ -30,8 +42,13 @@ class AttachError(RuntimeError):
     pass
 
 
-# `ip -j -d link` xdp.mode -> the flag that detaches it (XDP_ATTACHED_DRV / _SKB).
-_ATTACHED_FLAGS = {1: XDP_FLAGS_DRV_MODE, 2: XDP_FLAGS_SKB_MODE}
+class NotOurs(RuntimeError):
+    """The program attached is not the one expected (someone replaced or removed it)."""
+
+
+# `ip -j -d link` xdp.mode (XDP_ATTACHED_DRV / _SKB) -> the mode whose flag addresses it.
+_ATTACHED_MODES = {1: XdpMode.NATIVE, 2: XdpMode.GENERIC}
+_ATTACHED_FLAGS = {k: _FLAGS[m] for k, m in _ATTACHED_MODES.items()}
 
 
 def attached_program(ifname: str) -> dict[str, Any] | None:
@@ -41,25 +58,89 @@ def attached_program(ifname: str) -> dict[str, Any] | None:
     return json.loads(out)[0].get("xdp")
 
 
+class _XdpAttachOpts(ct.Structure):
+    # libbpf's struct bpf_xdp_attach_opts { size_t sz; int old_prog_fd; size_t :0; }
+    _fields_ = [("sz", ct.c_size_t), ("old_prog_fd", ct.c_int)]
+
+
+def _libbpf() -> Any:
+    from bcc import lib  # libbcc.so, linked against the system libbpf
+
+    lib.bpf_xdp_attach.argtypes = [ct.c_int, ct.c_int, ct.c_uint32, ct.POINTER(_XdpAttachOpts)]
+    lib.bpf_xdp_attach.restype = ct.c_int
+    lib.bpf_prog_get_fd_by_id.argtypes = [ct.c_uint32]
+    lib.bpf_prog_get_fd_by_id.restype = ct.c_int
+    return lib
+
+
+def _xdp_cas(*, ifname: str, new_fd: int, expected_fd: int, mode: XdpMode) -> None:
+    """Put `new_fd` (-1: nothing) on `ifname` iff `expected_fd`'s program is the one attached."""
+    opts = _XdpAttachOpts(sz=ct.sizeof(_XdpAttachOpts), old_prog_fd=expected_fd)
+    rc = _libbpf().bpf_xdp_attach(socket.if_nametoindex(ifname), new_fd, _FLAGS[mode] | XDP_FLAGS_REPLACE,
+                                  ct.byref(opts))
+    if rc == -17:  # EEXIST: "Active program does not match expected"
+        raise NotOurs(f"the XDP program on {ifname} is not the expected one")
+    if rc < 0:
+        raise OSError(-rc, f"bpf_xdp_attach({ifname}): {os.strerror(-rc)}")
+
+
+def replace(*, prog_fd: int, ifname: str, mode: XdpMode, expected_id: int) -> None:
+    """Swap the attached program `expected_id` for `prog_fd` in one step: at no instant is the
+    interface without a program. Raises NotOurs when `expected_id` is no longer attached."""
+    old_fd = _libbpf().bpf_prog_get_fd_by_id(expected_id)
+    if old_fd < 0:
+        raise NotOurs(f"prog id {expected_id} on {ifname} is gone: {os.strerror(-old_fd)}")
+    try:
+        _xdp_cas(ifname=ifname, new_fd=prog_fd, expected_fd=old_fd, mode=mode)
+    finally:
+        os.close(old_fd)
+
+
+def detach_own(*, prog_fd: int, ifname: str, mode: XdpMode) -> None:
+    """Detach `prog_fd` from `ifname` only if it is still the program attached there: a successor
+    that already replaced it (DaemonSet surge, a second agent) keeps its program."""
+    _xdp_cas(ifname=ifname, new_fd=-1, expected_fd=prog_fd, mode=mode)
+
+
 def remove_stale(*, bpf: Any, ifname: str, prog_name: str) -> bool:
-    """Netlink XDP attachments outlive their process: after a crash (SIGKILL, OOM) our old
-    program keeps running with its last policy and blocks re-attachment. Remove it if (and
-    only if) it carries our program's name; someone else's program is never touched."""
+    """Remove our program left by a previous agent, if (and only if) it carries our program's
+    name; someone else's program is never touched. Used only where it cannot be replaced in one
+    step (a different mode was asked for): the interface runs without a program in between."""
     current = attached_program(ifname)
     if not current or current.get("prog", {}).get("name") != prog_name:
         return False
     flags = _ATTACHED_FLAGS.get(current.get("mode"))
     if flags is None:
         return False
-    log.warning("removing stale %s (prog id %s) left on %s by a previous agent",
+    log.warning("removing %s (prog id %s) left on %s by a previous agent",
                 prog_name, current["prog"].get("id"), ifname)
     bpf.remove_xdp(ifname.encode(), flags)
     return True
 
 
 def attach(*, bpf: Any, fn: Any, ifname: str, mode: XdpMode, prog_name: str = "xdp_flow") -> XdpMode:
-    """Attach and return the mode actually used."""
-    remove_stale(bpf=bpf, ifname=ifname, prog_name=prog_name)
+    """Attach and return the mode actually used.
+
+    Our own program left by a previous agent (restart, crash, SIGKILL: netlink attachments outlive
+    their process) is replaced atomically in the mode it runs in, when that mode is the one asked
+    for (or `auto`); a different mode needs remove-then-attach. A foreign program is never touched:
+    AttachError."""
+    current = attached_program(ifname)
+    if current and current.get("prog", {}).get("name") == prog_name:
+        running = _ATTACHED_MODES.get(current.get("mode"))
+        if running is not None and mode in (XdpMode.AUTO, running):
+            try:
+                replace(prog_fd=fn.fd, ifname=ifname, mode=running, expected_id=current["prog"]["id"])
+                log.info("replaced %s (prog id %s) on %s in one step", prog_name, current["prog"]["id"], ifname)
+                return running
+            except NotOurs as exc:  # it changed under us: start over with what is there now
+                log.warning("%s; attaching afresh", exc)
+            except OSError as exc:
+                raise AttachError(f"cannot replace XDP on {ifname}: {exc}") from exc
+        else:
+            log.warning("%s runs on %s in mode %s, %s asked: removing it first (no program in between)",
+                        prog_name, ifname, running, mode.value)
+        remove_stale(bpf=bpf, ifname=ifname, prog_name=prog_name)
     order = [XdpMode.NATIVE, XdpMode.GENERIC] if mode == XdpMode.AUTO else [mode]
     errors = []
     for m in order:
@@ -73,4 +154,5 @@ def attach(*, bpf: Any, fn: Any, ifname: str, mode: XdpMode, prog_name: str = "x
 
 
 def detach(*, bpf: Any, ifname: str, mode: XdpMode) -> None:
+    """Detach whatever program runs on `ifname` in `mode`."""
     bpf.remove_xdp(ifname.encode(), _FLAGS[mode])

@@ -77,7 +77,8 @@ def test_agent_attaches_exports_follows_policy_file_and_detaches_on_sigterm(lab:
     with log.open("w") as log_f:
         agent = lab.popen(lab.server_ns, [PY, "-m", "sparsegate_ebpf.agent", "--interfaces", lab.server_if,
                                           "--metrics-port", str(PORT), "--metrics-addr", "127.0.0.1",
-                                          "--policy-file", str(policy), "--poll-interval", "0.2"],
+                                          "--policy-file", str(policy), "--poll-interval", "0.2",
+                                          "--on-exit", "detach"],
                           stdout=log_f, stderr=subprocess.STDOUT)
     try:
         m = wait_for(lambda: (x := scrape(lab)) and sample(x, "sparsegate_xdp_policy_info", version="v1") and x,

@@ -1,0 +1,165 @@
+"""An agent restart widens nothing: a denied flow sent without pause across SIGTERM+start and
+SIGKILL+start never reaches the server, and an allowed flow keeps flowing.
+
+Given two namespaces joined by a veth, the agent (a process, policy from a file: deny by default,
+one allowed UDP port) enforcing on the server's end, and a client sending two paced UDP flows
+(one allowed, one denied) for the whole test, when the agent is stopped and a new one started,
+then the server's sockets count what got through: the denied port must count 0, and the allowed
+port's losses (sent - received) are reported.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sparsegate_ebpf.vethlab import VethLab
+
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
+PY = sys.executable
+PORT = 9102
+ALLOWED, DENIED = 9000, 9001
+
+# Sends one datagram to each port every ~1 ms until the stop file exists, then prints what it sent.
+# (netapps' udp-send stops after a count or duration; a restart takes as long as it takes.)
+SENDER = """
+import json, os, socket, sys, time
+dst, stop, ports = sys.argv[1], sys.argv[2], [int(p) for p in sys.argv[3:]]
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sent = {p: 0 for p in ports}
+while not os.path.exists(stop):
+    for p in ports:
+        s.sendto(b"r" * 32, (dst, p))
+        sent[p] += 1
+    time.sleep(0.001)
+print(json.dumps(sent), flush=True)
+"""
+
+
+def scrape(lab: VethLab) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    code = f"import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:{PORT}/metrics',timeout=5).read().decode())"
+    text = lab.run(lab.server_ns, [PY, "-c", code]).stdout
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def sample(metrics: dict, name: str, **labels: str) -> float:
+    return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_ready(lab: VethLab, agent: subprocess.Popen[str], version: str, timeout: float = 60.0) -> dict:
+    """Until the agent's metrics say: policy `version` live and the program attached."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert agent.poll() is None, f"agent exited with {agent.returncode}"
+        try:
+            m = scrape(lab)
+            if sample(m, "sparsegate_xdp_policy_info", version=version) and sample(
+                    m, "sparsegate_xdp_attached", interface=lab.server_if, mode="native"):
+                return m
+        except (subprocess.CalledProcessError, ValueError):
+            pass
+        assert time.monotonic() < deadline, f"agent not ready with policy {version}"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def policy(lab: VethLab, tmp_path: Path) -> Path:
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"version": "v1", "defaultAction": "deny", "entries": [
+        {"srcIP": lab.client_ip, "dstIP": lab.server_ip, "dstPort": ALLOWED, "protocol": "udp",
+         "action": "allow", "rule": "test/restart#allowed"},
+        {"srcIP": lab.client_ip, "dstIP": lab.server_ip, "dstPort": DENIED, "protocol": "udp",
+         "action": "deny", "rule": "test/restart#denied"}]}))
+    return path
+
+
+class Agents:
+    """Starts agent processes in the server namespace, each logging to its own file."""
+
+    def __init__(self, lab: VethLab, policy: Path, tmp_path: Path) -> None:
+        self.lab, self.policy, self.tmp = lab, policy, tmp_path
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, *extra: str) -> subprocess.Popen[str]:
+        log = self.tmp / f"agent{len(self.procs)}.log"
+        with log.open("w") as log_f:
+            proc = self.lab.popen(self.lab.server_ns, [
+                PY, "-m", "sparsegate_ebpf.agent", "--interfaces", self.lab.server_if,
+                "--metrics-port", str(PORT), "--metrics-addr", "127.0.0.1",
+                "--policy-file", str(self.policy), "--poll-interval", "0.2", *extra],
+                stdout=log_f, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def log(self, i: int) -> str:
+        return (self.tmp / f"agent{i}.log").read_text()
+
+
+@pytest.fixture
+def agents(lab: VethLab, policy: Path, tmp_path: Path) -> Iterator[Agents]:
+    a = Agents(lab, policy, tmp_path)
+    yield a
+    for proc in a.procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(20)
+
+
+def restart_under_traffic(lab: VethLab, agents: Agents, tmp_path: Path, *, sig: signal.Signals,
+                          extra: tuple[str, ...]) -> tuple[dict[int, int], dict[int, int], float]:
+    """(sent, received) per port and the restart's duration (stop signal -> new agent ready)."""
+    first = agents.start(*extra)
+    wait_ready(lab, first, "v1")
+    rx = lab.popen(lab.server_ns, [PY, "-m", "sparsegate_ebpf.netapps", "udp-count", "--ports", str(ALLOWED),
+                                   str(DENIED), "--idle", "3", "--max-time", "300"],
+                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert rx.stdout.readline().strip() == "ready"
+    stop = tmp_path / "stop-sending"
+    tx = lab.popen(lab.client_ns, [PY, "-c", SENDER, lab.server_ip, str(stop), str(ALLOWED), str(DENIED)],
+                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        time.sleep(1.0)  # steady traffic under the first agent
+        t0 = time.monotonic()
+        first.send_signal(sig)
+        first.wait(30)
+        second = agents.start(*extra)
+        wait_ready(lab, second, "v1")
+        took = time.monotonic() - t0
+        time.sleep(1.0)  # steady traffic under the second agent
+    finally:
+        stop.touch()
+    sent_out, sent_err = tx.communicate(timeout=30)
+    assert tx.returncode == 0, sent_err
+    rx_out, rx_err = rx.communicate(timeout=60)
+    assert rx.returncode == 0, rx_err
+    sent = {int(k): v for k, v in json.loads(sent_out).items()}
+    received = {int(k): v for k, v in json.loads(rx_out.strip().splitlines()[-1]).items()}
+    print(f"\n{sig.name}+start: restart {took:.2f}s, sent {sent}, received {received}, "
+          f"denied delivered {received[DENIED]}, allowed lost {sent[ALLOWED] - received[ALLOWED]}")
+    return sent, received, took
+
+
+RESTART_FLAGS = ("--on-exit", "keep")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_restart_delivers_no_denied_packet_and_keeps_allowed_traffic(
+        lab: VethLab, agents: Agents, tmp_path: Path, sig: signal.Signals) -> None:
+    sent, received, _ = restart_under_traffic(lab, agents, tmp_path, sig=sig, extra=RESTART_FLAGS)
+    assert sent[DENIED] > 1000 and sent[ALLOWED] > 1000, sent  # traffic ran throughout
+    assert received[DENIED] == 0, f"{received[DENIED]} denied packets reached the server"
+    assert sent[ALLOWED] - received[ALLOWED] == 0
+    # How: the first agent left its program attached, the second filled its maps first, then
+    # swapped programs in one netlink call.
+    if sig == signal.SIGTERM:
+        assert "leaving XDP attached" in agents.log(0), agents.log(0)
+    second = agents.log(1)
+    assert second.index("first policy in the maps") < second.index("replaced xdp_flow"), second
