@@ -1,0 +1,201 @@
+"""Restart handover, the pure parts: the exit decision (from a DaemonSet body, NotFound, or an error),
+the DaemonSet read against a stub API server on loopback, the bounded wait for the first policy, and
+the start-up metrics. No BPF: the e2e test tests/e2e/ebpf/test_ebpf_agent_restart.py runs the real thing."""
+from __future__ import annotations
+
+import argparse
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from sparsegate_ebpf import agent
+from sparsegate_ebpf.handover import (
+    ExitAction, OnExit, StartCollector, StartState, decide_from_daemonset, decide_on_exit, read_daemonset)
+
+DS = {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": "sg-agent", "namespace": "sg"}}
+
+
+def test_daemonset_present_keeps_the_program() -> None:
+    d = decide_from_daemonset(DS, None)
+    assert d.action == ExitAction.KEEP and "restart" in d.reason
+
+
+def test_daemonset_not_found_detaches() -> None:
+    d = decide_from_daemonset(None, None)
+    assert d.action == ExitAction.DETACH and "gone" in d.reason
+
+
+def test_daemonset_being_deleted_detaches() -> None:
+    deleting = {**DS, "metadata": {**DS["metadata"], "deletionTimestamp": "2026-12-03T10:00:00Z"}}
+    d = decide_from_daemonset(deleting, None)
+    assert d.action == ExitAction.DETACH and "being deleted" in d.reason
+
+
+def test_an_unanswered_question_keeps_the_program_and_says_why() -> None:
+    d = decide_from_daemonset(None, ConnectionRefusedError("connection refused"))
+    assert d.action == ExitAction.KEEP and "connection refused" in d.reason
+
+
+def test_fixed_modes_ask_nobody() -> None:
+    def reader(ns: str, name: str):
+        raise AssertionError("asked the API server")
+
+    assert decide_on_exit(OnExit.KEEP, daemonset=("sg", "a"), reader=reader).action == ExitAction.KEEP
+    assert decide_on_exit(OnExit.DETACH, daemonset=None, reader=reader).action == ExitAction.DETACH
+
+
+def test_daemonset_mode_asks_for_the_named_daemonset() -> None:
+    asked: list[tuple[str, str]] = []
+
+    def reader(ns: str, name: str):
+        asked.append((ns, name))
+        return None, None
+
+    assert decide_on_exit(OnExit.DAEMONSET, daemonset=("sg", "sg-agent"), reader=reader).action == ExitAction.DETACH
+    assert asked == [("sg", "sg-agent")]
+    with pytest.raises(ValueError):
+        decide_on_exit(OnExit.DAEMONSET, daemonset=None, reader=reader)
+
+
+def test_daemonset_mode_needs_a_daemonset_flag() -> None:
+    base = ["--interfaces", "eth0", "--policy-file", "p.json"]
+    with pytest.raises(SystemExit):
+        agent.parse_args([*base, "--on-exit", "daemonset"])
+    args = agent.parse_args([*base, "--on-exit", "daemonset", "--daemonset", "sg/sg-agent"])
+    assert (args.on_exit, args.daemonset) == ("daemonset", "sg/sg-agent")
+    assert agent.parse_args(base).on_exit == "detach"  # unchanged default for stand-alone use
+
+
+# --- read_daemonset against a stub API server (loopback) ------------------------------------------
+
+@pytest.fixture
+def apiserver() -> Iterator[dict]:
+    """Answers GET /apis/apps/v1/namespaces/<ns>/daemonsets/<name> with reply["status"], reply["body"]."""
+    reply: dict = {"status": 200, "body": DS, "paths": []}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            reply["paths"].append(self.path)
+            data = json.dumps(reply["body"]).encode()
+            self.send_response(reply["status"])
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    reply["url"] = f"http://127.0.0.1:{server.server_address[1]}"
+    yield reply
+    server.shutdown()
+    server.server_close()
+
+
+def _client(url: str):
+    from kubernetes import client
+
+    cfg = client.Configuration()
+    cfg.host = url
+    cfg.retries = 0
+    return client.ApiClient(cfg)
+
+
+def test_read_daemonset_returns_the_body(apiserver: dict) -> None:
+    body, err = read_daemonset("sg", "sg-agent", api_client=_client(apiserver["url"]))
+    assert (body, err) == (DS, None)
+    assert apiserver["paths"] == ["/apis/apps/v1/namespaces/sg/daemonsets/sg-agent"]
+
+
+def test_read_daemonset_not_found_is_none_without_error(apiserver: dict) -> None:
+    apiserver.update(status=404, body={"kind": "Status", "reason": "NotFound", "code": 404})
+    assert read_daemonset("sg", "sg-agent", api_client=_client(apiserver["url"])) == (None, None)
+
+
+def test_read_daemonset_forbidden_is_an_error(apiserver: dict) -> None:
+    apiserver.update(status=403, body={"kind": "Status", "reason": "Forbidden", "code": 403})
+    body, err = read_daemonset("sg", "sg-agent", api_client=_client(apiserver["url"]))
+    assert body is None and getattr(err, "status", None) == 403
+    assert decide_from_daemonset(body, err).action == ExitAction.KEEP
+
+
+def test_read_daemonset_unreachable_is_an_error_within_its_timeout() -> None:
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    t0 = time.monotonic()
+    body, err = read_daemonset("sg", "sg-agent", timeout=1.0, api_client=_client(url))
+    assert body is None and err is not None and time.monotonic() - t0 < 5
+
+
+# --- the bounded wait for the first policy ---------------------------------------------------------
+
+def _args(timeout: float, telemetry_only: bool = False) -> argparse.Namespace:
+    return argparse.Namespace(initial_policy_timeout=timeout, telemetry_only=telemetry_only)
+
+
+def test_first_policy_ends_the_wait() -> None:
+    first, stop, start = threading.Event(), threading.Event(), StartState()
+    threading.Timer(0.2, first.set).start()
+    assert agent._wait_first_policy(_args(10.0), first_policy=first, start=start, stop=stop) is True
+    assert 0.15 < start.initial_policy_wait_seconds < 5
+
+
+def test_no_policy_in_time_attaches_anyway() -> None:
+    first, stop, start = threading.Event(), threading.Event(), StartState()
+    assert agent._wait_first_policy(_args(0.3), first_policy=first, start=start, stop=stop) is True
+    assert 0.25 < start.initial_policy_wait_seconds < 5
+
+
+def test_stop_during_the_wait_attaches_nothing() -> None:
+    first, stop, start = threading.Event(), threading.Event(), StartState()
+    threading.Timer(0.1, stop.set).start()
+    assert agent._wait_first_policy(_args(30.0), first_policy=first, start=start, stop=stop) is False
+
+
+def test_telemetry_only_does_not_wait() -> None:
+    first, stop, start = threading.Event(), threading.Event(), StartState()
+    assert agent._wait_first_policy(_args(30.0, telemetry_only=True), first_policy=first, start=start,
+                                    stop=stop) is True
+    assert start.initial_policy_wait_seconds == 0.0
+
+
+def test_start_metrics() -> None:
+    state = StartState(initial_policy_wait_seconds=1.5, attached_without_policy=True)
+    registry = CollectorRegistry()
+    registry.register(StartCollector(state=state))
+    text = generate_latest(registry).decode()
+    assert "sparsegate_agent_initial_policy_wait_seconds 1.5" in text
+    assert "sparsegate_agent_attached_without_policy 1.0" in text
+    state.attached_without_policy = False
+    assert "sparsegate_agent_attached_without_policy 0.0" in generate_latest(registry).decode()
+
+
+def test_on_applied_runs_only_after_a_valid_policy_is_swapped_in() -> None:
+    from sparsegate_ebpf.metrics import AgentState
+    from sparsegate_ebpf.policyswap import SwapResult
+
+    class Swapper:  # our own wrapper's interface, not BCC's
+        def __init__(self) -> None:
+            self.applied: list[str] = []
+
+        def apply(self, policy):
+            self.applied.append(policy.version)
+            return SwapResult(len(self.applied), "policy_a", 1, 0.0, 0.0)
+
+    state = AgentState(swapper=Swapper())
+    calls: list[str] = []
+    on_document = agent.make_policy_handler(state=state, on_applied=lambda: calls.append(state.policy_version))
+    on_document("{broken")
+    assert calls == [] and state.policy_errors == 1
+    on_document(json.dumps({"version": "v1", "defaultAction": "deny", "entries": []}))
+    assert calls == ["v1"] and state.swapper.applied == ["v1"]
