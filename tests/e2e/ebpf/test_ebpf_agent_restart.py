@@ -10,6 +10,7 @@ port's losses (sent - received) are reported.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -88,14 +89,14 @@ class Agents:
         self.lab, self.policy, self.tmp = lab, policy, tmp_path
         self.procs: list[subprocess.Popen[str]] = []
 
-    def start(self, *extra: str) -> subprocess.Popen[str]:
+    def start(self, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         log = self.tmp / f"agent{len(self.procs)}.log"
         with log.open("w") as log_f:
             proc = self.lab.popen(self.lab.server_ns, [
                 PY, "-m", "sparsegate_ebpf.agent", "--interfaces", self.lab.server_if,
                 "--metrics-port", str(PORT), "--metrics-addr", "127.0.0.1",
                 "--policy-file", str(self.policy), "--poll-interval", "0.2", *extra],
-                stdout=log_f, stderr=subprocess.STDOUT)
+                stdout=log_f, stderr=subprocess.STDOUT, env=env)
         self.procs.append(proc)
         return proc
 
@@ -163,3 +164,80 @@ def test_restart_delivers_no_denied_packet_and_keeps_allowed_traffic(
         assert "leaving XDP attached" in agents.log(0), agents.log(0)
     second = agents.log(1)
     assert second.index("first policy in the maps") < second.index("replaced xdp_flow"), second
+
+
+# A stand-in for the API server, inside the server namespace: GET on the agent's DaemonSet answers
+# as the file `state` says: "exists", "deleting" (deletionTimestamp set) or "gone" (404).
+APISERVER = """
+import http.server, json, sys
+state_file, port = sys.argv[1], int(sys.argv[2])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        state = open(state_file).read().strip()
+        meta = {"name": "sg-agent", "namespace": "sg"}
+        if state == "deleting":
+            meta["deletionTimestamp"] = "2026-12-03T00:00:00Z"
+        code, body = (404, {"kind": "Status", "code": 404, "reason": "NotFound"}) if state == "gone" else (
+            200, {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": meta})
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def log_message(self, *a):
+        print(self.path, flush=True)
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def xdp_prog_id(lab: VethLab) -> int | None:
+    link = json.loads(lab.run(lab.server_ns, ["ip", "-j", "-d", "link", "show", lab.server_if]).stdout)[0]
+    return (link.get("xdp") or {}).get("prog", {}).get("id")
+
+
+def test_daemonset_mode_keeps_the_program_on_restart_and_detaches_when_the_daemonset_goes(
+        lab: VethLab, agents: Agents, tmp_path: Path) -> None:
+    state, api_port = tmp_path / "daemonset-state", 18443
+    state.write_text("exists")
+    api = lab.popen(lab.server_ns, [PY, "-c", APISERVER, str(state), str(api_port)],
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "stub",
+        "clusters": [{"name": "stub", "cluster": {"server": f"http://127.0.0.1:{api_port}"}}],
+        "users": [{"name": "stub", "user": {}}],
+        "contexts": [{"name": "stub", "context": {"cluster": "stub", "user": "stub"}}]}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    env["KUBECONFIG"] = str(kubeconfig)
+    flags = ("--on-exit", "daemonset", "--daemonset", "sg/sg-agent")
+    try:
+        first = agents.start(*flags, env=env)
+        wait_ready(lab, first, "v1")
+        kept = xdp_prog_id(lab)
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(30) == 0
+        assert "the DaemonSet still exists" in agents.log(0), agents.log(0)
+        assert xdp_prog_id(lab) == kept  # restart: still attached, still enforcing
+
+        state.write_text("deleting")
+        second = agents.start(*flags, env=env)
+        wait_ready(lab, second, "v1")
+        assert xdp_prog_id(lab) not in (None, kept)  # replaced by the second agent's program
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(30) == 0
+        assert "detaching XDP: the DaemonSet is being deleted" in agents.log(1), agents.log(1)
+        assert f"XDP detached from {lab.server_if}" in agents.log(1)
+        assert xdp_prog_id(lab) is None
+
+        state.write_text("gone")
+        third = agents.start(*flags, env=env)
+        wait_ready(lab, third, "v1")
+        third.send_signal(signal.SIGTERM)
+        assert third.wait(30) == 0
+        assert "detaching XDP: the DaemonSet is gone" in agents.log(2), agents.log(2)
+        assert xdp_prog_id(lab) is None
+    finally:
+        api.kill()
+        requests = api.communicate(timeout=10)[0]
+    assert requests.count("/apis/apps/v1/namespaces/sg/daemonsets/sg-agent") == 3, requests
