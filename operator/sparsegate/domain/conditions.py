@@ -1,8 +1,10 @@
 """SparseModel status conditions, derived (never stored twice) from what the operator observed.
 
 Three condition types follow the Kubernetes convention (a list keyed by ``type``):
-Ready, Progressing and Degraded. ``derive_status`` is a pure function of the last rendered gate,
-the Deployment's status and the previous conditions (to keep ``lastTransitionTime`` stable).
+Ready, Progressing and Degraded; two more, Reconciling and Stalled, restate them in the terms
+kstatus (sigs.k8s.io/cli-utils, used by Flux and kpt) reads, so their health checks need no
+configuration. Each is a pure function of the Deployment's status and the last reconcile's result;
+``set_conditions`` keeps ``lastTransitionTime`` stable across writes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ class ConditionType(str, enum.Enum):
     """The Deployment is rolling out or scaling toward the desired instances."""
     DEGRADED = "Degraded"
     """The operator cannot render the model as asked (missing or invalid gate, apply failure)."""
+    RECONCILING = "Reconciling"
+    """kstatus: True while the model is not Ready and not Stalled (instances starting, rolling)."""
+    STALLED = "Stalled"
+    """kstatus: True while Degraded is True: nothing moves until the spec or its GateConfig changes."""
 
 
 class Reason(str, enum.Enum):
@@ -160,6 +166,24 @@ def workload_conditions(*, desired: int, deployment: Mapping[str, Any] | None,
             Condition(ConditionType.PROGRESSING, Status.TRUE, Reason.REPLICAS_NOT_READY, counts)]
 
 
+def kstatus_conditions(workload: Sequence[Condition], *, degraded: Condition | None,
+                       stalled: bool) -> list[Condition]:
+    """Reconciling (from :func:`workload_conditions`' Ready) and, when ``degraded`` is this
+    writer's to give, Stalled (mirroring it). ``stalled``: whether the model is Stalled now (the
+    Deployment watcher passes the last reconcile's Degraded, which it does not recompute)."""
+    ready = next(cond for cond in workload if cond.type is ConditionType.READY)
+    reconciling = ready.status is not Status.TRUE and not stalled
+    out = [Condition(ConditionType.RECONCILING, Status.TRUE if reconciling else Status.FALSE,
+                     ready.reason, ready.message)]
+    if degraded is not None:
+        out.append(Condition(ConditionType.STALLED, degraded.status, degraded.reason, degraded.message))
+    return out
+
+
+# Conditions that restate others for kstatus: their transitions are not posted as Events twice.
+KSTATUS_MIRRORS = frozenset({ConditionType.RECONCILING.value, ConditionType.STALLED.value})
+
+
 def is_degraded(conditions: Iterable[Mapping[str, Any]]) -> bool:
     return any(c.get("type") == ConditionType.DEGRADED.value and c.get("status") == Status.TRUE.value
                for c in conditions)
@@ -167,6 +191,8 @@ def is_degraded(conditions: Iterable[Mapping[str, Any]]) -> bool:
 
 def transitions(previous: Iterable[Mapping[str, Any]],
                 current: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """Conditions whose status changed (or appeared): these become Kubernetes Events."""
+    """Conditions whose status changed (or appeared): these become Kubernetes Events (the
+    :data:`KSTATUS_MIRRORS` left out: their change is the Ready/Degraded change already listed)."""
     before = {c.get("type"): c.get("status") for c in previous}
-    return [c for c in current if before.get(c.get("type")) != c.get("status")]
+    return [c for c in current
+            if before.get(c.get("type")) != c.get("status") and c.get("type") not in KSTATUS_MIRRORS]

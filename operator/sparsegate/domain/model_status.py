@@ -1,9 +1,9 @@
 """SparseModel ``status`` as a pure function of what one reconcile or one Deployment event saw.
 
 Two writers share one shape: the reconcile (after rendering and applying) owns observedGeneration,
-the gate fields and Degraded; the Deployment watcher refreshes replica counts, Ready and
-Progressing and carries the rest over. Both go through ``workload_conditions`` so Ready means the
-same thing whichever wrote last.
+the gate fields, Degraded and its kstatus mirror Stalled; the Deployment watcher refreshes replica
+counts, Ready, Progressing and Reconciling and carries the rest over. Both go through
+``workload_conditions`` so Ready means the same thing whichever wrote last.
 """
 
 from __future__ import annotations
@@ -35,8 +35,11 @@ def after_reconcile(*, model: Mapping[str, Any], generation: int | None, gate: G
     status: dict[str, Any] = {
         "observedGeneration": generation,
         **_replica_counts(deployment),
-        "conditions": c.set_conditions(previous.get("conditions") or [], [*workload, degraded],
-                                       now=now, observed_generation=generation),
+        "conditions": c.set_conditions(
+            previous.get("conditions") or [],
+            [*workload, degraded, *c.kstatus_conditions(workload, degraded=degraded,
+                                                        stalled=degraded.status is c.Status.TRUE)],
+            now=now, observed_generation=generation),
     }
     if gate.document is not None and apply_error is None:
         status["gateVersion"] = gate.document.version
@@ -49,10 +52,14 @@ def after_deployment_event(*, model: Mapping[str, Any], deployment: Mapping[str,
     """Status patch after the model's Deployment changed; None when nothing would change."""
     previous = model.get("status") or {}
     prev_conditions = previous.get("conditions") or []
+    degraded = c.is_degraded(prev_conditions)
     workload = c.workload_conditions(desired=desired_replicas(model), deployment=deployment,
-                                     degraded=c.is_degraded(prev_conditions), problems=problems)
+                                     degraded=degraded, problems=problems)
     observed = previous.get("observedGeneration")
-    merged = c.set_conditions(prev_conditions, workload, now=now, observed_generation=observed)
+    # Stalled is the reconcile's (it mirrors Degraded, which only the reconcile decides).
+    merged = c.set_conditions(prev_conditions,
+                              [*workload, *c.kstatus_conditions(workload, degraded=None, stalled=degraded)],
+                              now=now, observed_generation=observed)
     patch = {**_replica_counts(deployment), "conditions": merged}
     if all(previous.get(k) == v for k, v in patch.items() if k != "conditions") and \
             _same_conditions(prev_conditions, merged):

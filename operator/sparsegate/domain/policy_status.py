@@ -4,6 +4,10 @@ Conditions (a list keyed by `type`):
 - Ready: OPA holds this generation of the policy and its decisions are published.
 - Degraded: the operator cannot reach OPA; the published allow-list is the last good one (or
   narrower), never wider, until OPA answers again.
+- Reconciling (kstatus): not Ready yet and not Stalled: OPA does not hold this generation yet or
+  cannot be reached (the sync retries on its own).
+- Stalled (kstatus): OPA refused the policy or its data; retrying the same input cannot help, the
+  spec has to change.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ class ConditionType(str, enum.Enum):
     """OPA holds this generation and the allow-list from its decisions is published."""
     DEGRADED = "Degraded"
     """OPA is unreachable: the operator fails closed and retries."""
+    RECONCILING = "Reconciling"
+    """kstatus: not Ready and not Stalled; the next sync may get there without a spec change."""
+    STALLED = "Stalled"
+    """kstatus: OPA rejected this generation's input; only a spec change can fix it."""
 
 
 class Reason(str, enum.Enum):
@@ -74,6 +82,14 @@ def status_patch(
             _condition(ConditionType.DEGRADED, False, Reason.AS_EXPECTED, "OPA reachable"),
         ]
         loaded_in_opa = loaded
+    stalled = bool(outcome.error) and outcome.rejected
+    reconciling = not (loaded and not outcome.error) and not stalled
+    ready = conditions[0]
+    conditions += [
+        _condition(ConditionType.RECONCILING, reconciling, Reason(ready["reason"]), ready["message"]),
+        _condition(ConditionType.STALLED, True, Reason.OPA_REJECTED, outcome.error or "")
+        if stalled else _condition(ConditionType.STALLED, False, Reason.AS_EXPECTED, "no input refused by OPA"),
+    ]
     merged = merge_conditions(previous.get("conditions") or (), conditions, now=now,
                               observed_generation=outcome.generation, order=[t.value for t in ConditionType])
     patch: dict[str, Any] = {

@@ -24,6 +24,14 @@ Flow for a new spec version (``steps`` default 5 → 20 → 100 % of instances):
     any active ─abort annotation─▶ RollingBack ─▶ Aborted
     any active ─spec.rollout.paused─▶ Paused ─unpaused─▶ Progressing (same step)
     any active ─newer spec─▶ Progressing at step 1 (canary pods, stable unchanged)
+    any active ─promote annotation "step"─▶ Progressing at the next step (analysis skipped)
+    RolledBack/Aborted ─retry annotation (spec still on the rejected version)─▶ Progressing at step 1
+    Failed (analysis, autoRollback off) ─retry annotation─▶ Progressing (same step, analysed again)
+
+Every version that becomes ``status.stable`` is appended to ``status.history`` (the last
+:data:`HISTORY_LIMIT`, numbered revisions), so ``kubectl sparsegate undo`` can write an earlier
+version's params back into the spec. :func:`gateconfig_conditions` adds the kstatus conditions
+(``Ready``, ``Reconciling``, ``Stalled``) that Flux and kpt read.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sparsegate_contracts import gate as gatedoc
-from sparsegate_contracts.names import ABORT_ANNOTATION, PROMOTE_ANNOTATION
+from sparsegate_contracts.names import ABORT_ANNOTATION, GROUP, PROMOTE_ANNOTATION
 
 from sparsegate.domain.analysis import AnalysisResult, GroupMetrics, Verdict, analyse
 from sparsegate.domain.conditions import merge_conditions
@@ -55,6 +63,14 @@ DEFAULT_SLA_P99_MS = 800.0
 DEFAULT_MAX_DRIFT = 0.1
 DEFAULT_MIN_REQUESTS = 20
 DEFAULT_PROGRESS_DEADLINE_S = 120.0
+HISTORY_LIMIT = 10  # promoted stable versions kept in status.history (undo targets)
+
+# One-shot request to re-run a rejected version (belongs beside ABORT/PROMOTE in
+# sparsegate_contracts.names; defined here, once, until it moves there).
+RETRY_ANNOTATION = f"{GROUP}/retry"
+# PROMOTE_ANNOTATION's value "step" promotes one step; any other value (the documented
+# `sparsegate.dev/promote=now`) promotes to all instances, as it always has.
+PROMOTE_STEP_VALUE = "step"
 
 
 class Phase(str, enum.Enum):
@@ -194,6 +210,44 @@ def _epoch(s: str | None) -> float | None:
 
 
 @dataclass(frozen=True)
+class Revision:
+    """One version that became stable: enough to write its params back into the spec (undo)."""
+
+    revision: int  # 1, 2, ... in promotion order; a version promoted again gets a new number
+    gate: GateVersion
+    promoted_at: float | None
+    reason: str = ""  # why it became stable: Initialized, Promoted, NoInstances, ...
+
+    @classmethod
+    def from_status(cls, raw: Mapping[str, Any]) -> Revision | None:
+        gate = GateVersion.from_status(raw)
+        if gate is None or not isinstance(raw.get("revision"), int):
+            return None
+        return cls(revision=raw["revision"], gate=gate, promoted_at=_epoch(raw.get("promotedAt")),
+                   reason=raw.get("reason") or "")
+
+    def to_status(self) -> dict[str, Any]:
+        out = {"revision": self.revision, **self.gate.document(), "promotedAt": _iso(self.promoted_at),
+               "reason": self.reason}
+        return {k: v for k, v in out.items() if v is not None}
+
+
+def record_stable(history: Sequence[Revision], *, stable: GateVersion | None, now: float, reason: str,
+                  limit: int = HISTORY_LIMIT) -> tuple[Revision, ...]:
+    """``history`` with ``stable`` as its newest revision (unchanged when it already is).
+
+    A version promoted again (an undo) moves to the end under a new number, as Argo Rollouts
+    renumbers a ReplicaSet it rolls back to, so the list holds distinct versions, oldest first.
+    """
+    if stable is None or (history and history[-1].gate.version == stable.version):
+        return tuple(history)
+    number = max((r.revision for r in history), default=0) + 1
+    kept = [r for r in history if r.gate.version != stable.version]
+    kept.append(Revision(revision=number, gate=stable, promoted_at=now, reason=reason))
+    return tuple(kept[-limit:])
+
+
+@dataclass(frozen=True)
 class RolloutStatus:
     """Everything the rollout controller persists in GateConfig ``status``."""
 
@@ -216,10 +270,11 @@ class RolloutStatus:
     qps_samples: tuple[tuple[float, float], ...] = ()
     error_samples: tuple[tuple[float, float], ...] = ()
     conditions: tuple[Mapping[str, Any], ...] = ()
+    history: tuple[Revision, ...] = ()  # promoted stable versions, oldest first; last == stable
 
     @classmethod
     def from_status(cls, raw: Mapping[str, Any] | None) -> RolloutStatus:
-        """Read GateConfig ``status`` (``stable``, ``conditions`` and the ``rollout`` block)."""
+        """Read GateConfig ``status`` (``stable``, ``history``, ``conditions``, the ``rollout`` block)."""
         raw = raw or {}
         ro = raw.get("rollout") or {}
         phase = ro.get("phase")
@@ -245,10 +300,11 @@ class RolloutStatus:
             qps_samples=tuple(tuple(x) for x in calibration.get("qps", ())),
             error_samples=tuple(tuple(x) for x in calibration.get("errorRate", ())),
             conditions=tuple(raw.get("conditions") or ()),
+            history=tuple(r for r in (Revision.from_status(x) for x in raw.get("history") or ()) if r),
         )
 
     def to_status(self, *, steps: Sequence[int]) -> dict[str, Any]:
-        """``stable``, ``conditions`` and ``rollout`` for GateConfig status (None values left out).
+        """``stable``, ``history``, ``conditions`` and ``rollout`` for GateConfig status (None values left out).
 
         Written as a whole (JSON patch ``add /status``): merge patches would merge the params
         maps of successive versions and corrupt their checksums.
@@ -289,6 +345,8 @@ class RolloutStatus:
         }
         if self.stable:
             out["stable"] = self.stable.document()
+        if self.history:
+            out["history"] = [r.to_status() for r in self.history]
         return out
 
 
@@ -306,13 +364,27 @@ class PodObservation:
 class Observations:
     pods: tuple[PodObservation, ...] = ()
     abort: bool = False
-    promote: bool = False
+    promote: bool = False  # to all instances at once
+    promote_step: bool = False  # to the next step, skipping the current step's analysis
+    retry: bool = False  # re-run the rejected version the spec still names, or a Failed step
     # Canary and stable groups since status.analysis_started_at (None: no data yet).
     canary_metrics: GroupMetrics | None = None
     stable_metrics: GroupMetrics | None = None
     # Calibration samples for this tick: fleet qps and the stable pods' error rate.
     fleet_qps: float | None = None
     stable_error_rate: float | None = None
+
+
+def annotation_requests(annotations: Mapping[str, str] | None) -> dict[str, bool]:
+    """The one-shot requests in a GateConfig's annotations, as :class:`Observations` fields."""
+    annotations = annotations or {}
+    promote = annotations.get(PROMOTE_ANNOTATION)
+    return {
+        "abort": ABORT_ANNOTATION in annotations,
+        "promote": promote is not None and promote != PROMOTE_STEP_VALUE,
+        "promote_step": promote == PROMOTE_STEP_VALUE,
+        "retry": RETRY_ANNOTATION in annotations,
+    }
 
 
 @dataclass(frozen=True)
@@ -400,18 +472,59 @@ def desired_versions(*, status: RolloutStatus, pods: Sequence[PodObservation]) -
     return {p.name: status.stable for p in pods}
 
 
+def kstatus_conditions(*, status: RolloutStatus, target_version: str | None) -> list[dict[str, Any]]:
+    """``Ready``, ``Reconciling`` and ``Stalled`` as kstatus (Flux, kpt) reads them.
+
+    Reconciling is True while versions are being pushed or judged; Stalled is True when nothing
+    moves until a person acts: the spec is invalid, analysis failed with autoRollback off, or
+    the spec still names the version that was rolled back or aborted. A paused rollout is
+    neither (Ready False, so kstatus reads InProgress). ``target_version`` is the spec's version
+    (None when the spec cannot be parsed).
+    """
+    phase, reason, message = status.phase, status.reason or status.phase.value, status.message
+    if phase == Phase.PAUSED:
+        reason = Phase.PAUSED.value  # whatever paused it (RolloutStarted while paused, Paused)
+    rejected_wanted = (phase in (Phase.ROLLED_BACK, Phase.ABORTED)
+                       and (target_version is None or target_version == status.rejected_version))
+    stalled = phase == Phase.FAILED or rejected_wanted
+    reconciling = phase in (Phase.PENDING, Phase.PROGRESSING, Phase.ANALYSING, Phase.ROLLING_BACK)
+    ready = not stalled and not reconciling and phase != Phase.PAUSED
+    if rejected_wanted:
+        message = (f"{message}; spec still asks for rejected {status.rejected_version}: change spec.params, "
+                   f"or annotate {RETRY_ANNOTATION} to try it again")
+    stable = status.stable.version if status.stable else "-"
+
+    def cond(ctype: str, value: bool, why: str, text: str) -> dict[str, Any]:
+        return {"type": ctype, "status": "True" if value else "False", "reason": why, "message": text}
+
+    return [
+        cond("Ready", ready, reason if not ready else "StableVersionServed",
+             message if not ready else f"every instance runs the version the spec asks for ({stable})"),
+        cond("Reconciling", reconciling, reason if reconciling else phase.value,
+             message if reconciling else f"phase {phase.value}"),
+        cond("Stalled", stalled, reason if stalled else phase.value, message if stalled else f"phase {phase.value}"),
+    ]
+
+
+CONDITION_ORDER = ("Ready", "Reconciling", "Stalled", "Progressing", "Degraded")
+
+
 def conditions(
-    *, phase: Phase, reason: str, message: str, previous: Sequence[Mapping[str, Any]], now: float
+    *, status: RolloutStatus, target_version: str | None, previous: Sequence[Mapping[str, Any]], now: float
 ) -> tuple[dict[str, Any], ...]:
-    """``Progressing`` and ``Degraded`` conditions; lastTransitionTime kept while unchanged."""
+    """All GateConfig conditions: kstatus' three plus ``Progressing`` and ``Degraded`` (the rollout's
+    own view: a rollback leaves Degraded True until the next rollout); lastTransitionTime kept while
+    a condition's status is unchanged."""
+    phase, reason, message = status.phase, status.reason, status.message
     wanted = {
         "Progressing": phase in (Phase.PROGRESSING, Phase.ANALYSING, Phase.ROLLING_BACK),
         "Degraded": phase in (Phase.ROLLED_BACK, Phase.ABORTED, Phase.FAILED),
     }
-    new = [{"type": ctype, "status": "True" if value else "False", "reason": reason or phase.value,
-            "message": message} for ctype, value in wanted.items()]
-    merged = merge_conditions(previous, new, now=_iso(now) or "", order=list(wanted))
-    return tuple(c for c in merged if c["type"] in wanted)
+    new = [*kstatus_conditions(status=status, target_version=target_version),
+           *({"type": ctype, "status": "True" if value else "False", "reason": reason or phase.value,
+              "message": message} for ctype, value in wanted.items())]
+    merged = merge_conditions(previous, new, now=_iso(now) or "", order=CONDITION_ORDER)
+    return tuple(c for c in merged if c["type"] in CONDITION_ORDER)
 
 
 # ---------------------------------------------------------------- transitions
@@ -503,7 +616,7 @@ def invalid_spec(*, status: RolloutStatus, error: str, now: float) -> Decision:
     """A spec that cannot be parsed: Failed, nothing pushed (pods keep what they run)."""
     s = dataclasses.replace(status, phase=Phase.FAILED, reason="InvalidSpec", message=error)
     s = dataclasses.replace(
-        s, conditions=conditions(phase=s.phase, reason=s.reason, message=s.message, previous=status.conditions, now=now)
+        s, conditions=conditions(status=s, target_version=None, previous=status.conditions, now=now)
     )
     acts: tuple[Action, ...] = ()
     if status.reason != "InvalidSpec" or status.message != error:
@@ -518,8 +631,10 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
     # One-shot annotations are consumed whatever the phase; their effect is recorded in status.
     if obs.abort:
         acts.append(ClearAnnotation(ABORT_ANNOTATION))
-    if obs.promote:
+    if obs.promote or obs.promote_step:
         acts.append(ClearAnnotation(PROMOTE_ANNOTATION))
+    if obs.retry:
+        acts.append(ClearAnnotation(RETRY_ANNOTATION))
     target = spec.target
 
     # First reconcile: the spec's version becomes stable (what new pods start with), unless
@@ -541,6 +656,17 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
         else:
             s = dataclasses.replace(s, phase=Phase.SUCCEEDED, reason="SpecValid")
 
+    # Retry: forget the rejection of the version the spec still names (the start below then rolls
+    # it out from step 1), or send a step whose analysis failed (autoRollback off) back to work.
+    retried = False
+    if obs.retry and s.phase in (Phase.ROLLED_BACK, Phase.ABORTED) and s.rejected_version == target.version:
+        s = dataclasses.replace(s, rejected_version=None)
+        retried = True
+    elif obs.retry and s.phase == Phase.FAILED and s.canary is not None and s.step is not None:
+        s = dataclasses.replace(s, phase=Phase.PROGRESSING, step_started_at=now, analysis_started_at=None,
+                                reason="Retried", message=f"retrying step {s.step + 1}/{len(spec.steps)}")
+        acts.append(EmitEvent("Normal", "Retried", s.message))
+
     in_flight = s.canary is not None and (s.phase in ACTIVE_PHASES or s.phase == Phase.FAILED)
 
     # Spec changes.
@@ -560,8 +686,8 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
             ]
             in_flight = True
     elif s.stable is not None and target.version not in (s.stable.version, s.rejected_version):
-        s = _start(s, spec=spec, obs=obs, now=now, reason="RolloutStarted")
-        acts.append(EmitEvent("Normal", "RolloutStarted", s.message))
+        s = _start(s, spec=spec, obs=obs, now=now, reason="Retried" if retried else "RolloutStarted")
+        acts.append(EmitEvent("Normal", s.reason, s.message))
         in_flight = True
 
     # Abort / promote (one-shot annotations).
@@ -571,6 +697,19 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
         s = _rollback(s, after=Phase.ABORTED, reason="Aborted", message=msg, reject=True)
         in_flight = False
     elif obs.promote and in_flight:
+        last = len(spec.steps) - 1
+        s = _advance_step(s, spec=spec, obs=obs, step=last, now=now)
+        s = dataclasses.replace(s, promote=True, reason="PromoteRequested")
+        acts.append(EmitEvent("Normal", "PromoteRequested", f"promoting {s.canary.version} to all instances"))
+    elif obs.promote_step and in_flight and s.step is not None and s.step < len(spec.steps) - 1:
+        # One step on, this step's analysis skipped; the next step is analysed as usual. Paused
+        # stays paused (spec.rollout.paused is the spec's to change): the held step moves on.
+        paused = s.phase == Phase.PAUSED
+        s = _advance_step(s, spec=spec, obs=obs, step=s.step + 1, now=now)
+        s = dataclasses.replace(s, phase=Phase.PAUSED if paused else s.phase, reason="StepPromoteRequested")
+        acts.append(EmitEvent("Normal", "StepPromoteRequested", s.message))
+    elif obs.promote_step and in_flight:
+        # Already at the last step: promoting it is promoting fully.
         last = len(spec.steps) - 1
         s = _advance_step(s, spec=spec, obs=obs, step=last, now=now)
         s = dataclasses.replace(s, promote=True, reason="PromoteRequested")
@@ -695,8 +834,10 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
         s,
         pod_versions={p.name: p.version for p in obs.pods if p.version is not None},
         instances=len(obs.pods),
-        conditions=conditions(phase=s.phase, reason=s.reason, message=s.message, previous=status.conditions, now=now),
+        history=record_stable(s.history, stable=s.stable, now=now, reason=s.reason),
     )
+    s = dataclasses.replace(
+        s, conditions=conditions(status=s, target_version=target.version, previous=status.conditions, now=now))
     return Decision(status=s, actions=tuple(acts))
 
 
