@@ -1,0 +1,205 @@
+"""Hugging Face MoE checkpoints (built here, tiny, random) loaded with the dynamic gate.
+
+The proof the patch is right: with the gate set to the family's own top-k (min = max = k, no
+capacity cap) the logits equal the unpatched transformers model's. Then the dynamic knobs, hot
+swap, capacity drops, and every malformed-checkpoint case naming its file.
+"""
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from sparsegate_contracts.gate import GateParams, GateParamsError, make_document  # noqa: E402
+from sparsegate_workload.hf import (  # noqa: E402
+    CheckpointError, SparseGatedMoEBlock, build_tiny_checkpoint, load_moe_checkpoint)
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {f: build_tiny_checkpoint(tmp_path_factory.mktemp(f), family=f, seed=1)
+            for f in FAMILIES}
+
+
+def _tokens(batch=2, seq=12, seed=0):
+    return torch.randint(0, 384, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _upstream_logits(path, ids):
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
+    with torch.no_grad():
+        return ref(input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_topk_gate_reproduces_upstream_logits(checkpoints, family):
+    lm = load_moe_checkpoint(checkpoints[family])  # default gate: the family's own top-k
+    assert sum(isinstance(m, SparseGatedMoEBlock) for m in lm.model.modules()) == 2
+    ids = _tokens()
+    out = lm.forward(ids)
+    ref = _upstream_logits(checkpoints[family], ids)
+    assert out.logits.shape == ref.shape
+    torch.testing.assert_close(out.logits, ref, rtol=1e-5, atol=1e-5)
+    assert out.mean_active_experts == pytest.approx(lm.top_k) and out.dropped == 0
+    # Not vacuous: one expert per token must change the logits.
+    lm.set_gate(GateParams(min_experts_per_token=1, max_experts_per_token=1), dropless=True)
+    assert (lm.forward(ids).logits - ref).abs().max() > 1e-3
+
+
+def test_explicit_gate_document_with_min_max_k_matches_upstream(checkpoints):
+    path = checkpoints["qwen3_moe"]  # renormalises (norm_topk_prob) on top of top-k
+    doc = make_document({"minExpertsPerToken": 2, "maxExpertsPerToken": 2,
+                         "confidenceThreshold": 0.3, "capacityFactor": 8,  # cf = E: never caps
+                         "precisionPolicy": "fp32"})
+    lm = load_moe_checkpoint(path, gate=doc)
+    ids = _tokens(seed=3)
+    out = lm.forward(ids)
+    torch.testing.assert_close(out.logits, _upstream_logits(path, ids), rtol=1e-5, atol=1e-5)
+    assert out.gate.version == doc.version and out.dropped == 0
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_threshold_and_max_experts_steer_experts_per_token(checkpoints, family):
+    lm = load_moe_checkpoint(checkpoints[family])
+    ids = _tokens(batch=4, seq=16)
+    means = {}
+    for threshold in (0.3, 0.6, 0.95):
+        lm.set_gate(GateParams(confidence_threshold=threshold, min_experts_per_token=1,
+                               max_experts_per_token=8), dropless=True)
+        means[threshold] = lm.forward(ids).mean_active_experts
+    assert 1.0 <= means[0.3] < means[0.6] < means[0.95] <= 8.0
+    lm.set_gate(GateParams(confidence_threshold=0.95, max_experts_per_token=1), dropless=True)
+    out = lm.forward(ids)
+    assert out.mean_active_experts == 1.0
+    assert all(sum(st.counts) == ids.numel() for st in out.layers)
+
+
+def test_hot_swap_takes_effect_on_next_forward_and_never_mid_call(checkpoints):
+    lm = load_moe_checkpoint(checkpoints["olmoe"])
+    ids = _tokens()
+    wide = make_document({"minExpertsPerToken": 3, "maxExpertsPerToken": 3})
+    narrow = make_document({"minExpertsPerToken": 1, "maxExpertsPerToken": 1})
+    lm.set_gate(wide)  # default capacityFactor 1.25 may cap: count choices before the cap
+    assert lm.forward(ids).mean_selected_experts == 3.0
+    with torch.inference_mode(), lm.pinned_gate() as call:
+        lm.model(input_ids=ids, use_cache=False)
+        lm.set_gate(narrow)  # arrives while a call is in flight
+        lm.model(input_ids=ids, use_cache=False)
+    assert call.gate.version == wide.version and len(call.layers) == 4
+    assert all(st.mean_selected == 3.0 for st in call.layers)
+    out = lm.forward(ids)
+    assert out.gate.version == narrow.version and out.mean_selected_experts == 1.0
+
+
+def test_capacity_cap_drops_are_reported(checkpoints):
+    lm = load_moe_checkpoint(checkpoints["mixtral"],
+                             gate=GateParams(min_experts_per_token=2, max_experts_per_token=2,
+                                             capacity_factor=0.5))
+    out = lm.forward(_tokens(batch=4, seq=16))
+    assert out.dropped > 0
+    assert out.mean_active_experts < out.mean_selected_experts == 2.0
+    for st in out.layers:
+        assert st.dropped == 2 * st.num_tokens - sum(st.counts)
+        assert max(st.counts) <= -(-0.5 * 2 * st.num_tokens // 8)  # ceil(cf * A / E)
+
+
+def test_gate_asking_for_more_experts_than_exist_is_refused(checkpoints):
+    lm = load_moe_checkpoint(checkpoints["mixtral"])
+    with pytest.raises(GateParamsError, match="maxExpertsPerToken"):
+        lm.set_gate(GateParams(max_experts_per_token=9))
+
+
+def test_precision_auto_after_calibration_and_forced_int8(checkpoints):
+    lm = load_moe_checkpoint(checkpoints["qwen2_moe"], calibrate=True)
+    assert len(lm.gate_sensitivity) == 2 and all(s >= 0 for s in lm.gate_sensitivity)
+    lm.set_gate(GateParams(precision_policy="auto"))
+    assert lm.gate.precisions == tuple("fp32" if s >= 1e-3 else "int8"
+                                       for s in lm.gate_sensitivity)
+    lm.set_gate(GateParams(precision_policy="int8"))
+    out = lm.forward(_tokens())
+    assert out.gate.precisions == ("int8", "int8") and torch.isfinite(out.logits).all()
+
+
+def test_tokenizer_saved_with_checkpoint_round_trips(checkpoints):
+    lm = load_moe_checkpoint(checkpoints["mixtral"])
+    ids = lm.tokenizer("sparse experts, hello world")["input_ids"]
+    assert lm.tokenizer.decode(ids) == "sparse experts, hello world"
+    assert max(ids) < lm.model.config.vocab_size
+    out = lm.forward(torch.tensor([ids]))
+    assert out.logits.shape == (1, len(ids), lm.model.config.vocab_size)
+
+
+def test_bf16_load_routes_and_runs(checkpoints):
+    lm = load_moe_checkpoint(checkpoints["mixtral"], dtype=torch.bfloat16)
+    out = lm.forward(_tokens())
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits.float()).all()
+    assert out.mean_active_experts == 2.0
+
+
+# --- malformed checkpoints: one exception type, message names the file or field -------------
+
+def test_missing_shard_names_the_file(tmp_path):
+    path = build_tiny_checkpoint(tmp_path / "ck", family="mixtral", max_shard_size="200KB",
+                                 tokenizer=False)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[1]
+    (path / shard).unlink()
+    with pytest.raises(CheckpointError, match=f"{shard}: missing shard") as err:
+        load_moe_checkpoint(path)
+    assert err.value.file == path / shard
+
+
+def test_truncated_shard_names_the_file(tmp_path):
+    path = build_tiny_checkpoint(tmp_path / "ck", family="olmoe", tokenizer=False)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match="model.safetensors: truncated") as err:
+        load_moe_checkpoint(path)
+    assert err.value.file == weights
+
+
+def test_stored_dtype_not_accepted_names_the_file(tmp_path):
+    path = build_tiny_checkpoint(tmp_path / "ck", family="qwen3_moe", dtype=torch.float64,
+                                 tokenizer=False)
+    with pytest.raises(CheckpointError, match="model.safetensors: tensor .* stored as F64"):
+        load_moe_checkpoint(path)
+
+
+def test_requested_dtype_not_accepted(checkpoints):
+    with pytest.raises(CheckpointError, match="dtype torch.int8 is not accepted"):
+        load_moe_checkpoint(checkpoints["mixtral"], dtype=torch.int8)
+
+
+def test_non_moe_family_names_config_field(tmp_path):
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError,
+                       match=r"config.json: model_type 'llama' is not a supported MoE family"):
+        load_moe_checkpoint(tmp_path)
+
+
+def test_missing_config_names_the_file(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json: missing") as err:
+        load_moe_checkpoint(tmp_path)
+    assert err.value.file == tmp_path / "config.json"
+
+
+def test_weights_file_without_a_tensor_is_refused(tmp_path):
+    """A shard that parses but lacks a weight the model needs must not load random weights."""
+    from safetensors.torch import load_file, save_file
+    path = build_tiny_checkpoint(tmp_path / "ck", family="mixtral", tokenizer=False)
+    weights = path / "model.safetensors"
+    tensors = load_file(weights)
+    dropped = next(k for k in tensors if k.endswith("gate.weight"))
+    del tensors[dropped]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model.safetensors\): lacks 1 weights"):
+        load_moe_checkpoint(path)

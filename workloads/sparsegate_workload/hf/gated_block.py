@@ -1,0 +1,199 @@
+"""The MoE block that replaces a Hugging Face family's sparse block: sparsegate's dynamic gate
+and sorted dispatch over the checkpoint's own weights (no copy).
+
+Routing is the built-in model's (`gating.top_p_mask` + `gating.assign`): fp32 softmax over the
+router logits, the fewest experts whose mass reaches ``confidenceThreshold`` clamped to
+``[minExpertsPerToken, maxExpertsPerToken]``, optional capacity cap. Kept probabilities are
+renormalised only where the family does so (`families.MoEFamily.renormalize`), so with
+min = max = k and no cap the block computes exactly the upstream top-k block.
+
+Dispatch (FACTS.md "MoE dispatch on CPU"): gather the kept rows once in expert order, one
+``mm`` pair per non-empty expert on its contiguous slice (the upstream [out, in] weights used as
+transposed views: BLAS reads them in place), weights applied in place, combine by gathers.
+
+The gate in force is one immutable `ActiveGate`; the model holds it in a shared `GateSlot` and
+swaps it by reference. A caller pins it for a whole forward (or a whole ``generate``) with
+`GateCall`: every block then reads the pinned gate, so no forward mixes two gate versions, and
+each block appends its routing stats to that call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparsegate_contracts.gate import GateDocument, GateParams
+
+from ..experts import combine
+from ..gating import Router, Routing, assign, top_p_mask
+from ..moe import MoEStats
+from ..precision import Precision
+
+
+@dataclasses.dataclass(frozen=True)
+class ActiveGate:
+    """A gate as routed: params, per-MoE-layer router precision, capacity factor (None:
+    dropless) and the document it came from (None when installed from bare params)."""
+
+    params: GateParams
+    precisions: tuple[Precision, ...]
+    capacity_factor: float | None
+    document: GateDocument | None = None
+
+    @property
+    def version(self) -> str | None:
+        return self.document.version if self.document is not None else None
+
+
+class GateSlot:
+    """Holder of the gate in force, shared by a model and its blocks; replaced by reference."""
+
+    def __init__(self, active: ActiveGate) -> None:
+        self.active = active
+
+
+@dataclasses.dataclass
+class GateCall:
+    """One pinned gate and the routing stats of every block call made under it, in order."""
+
+    gate: ActiveGate
+    layers: list[MoEStats] = dataclasses.field(default_factory=list)
+
+    @property
+    def mean_active_experts(self) -> float:
+        """Kept assignments per token, averaged over block calls (0.0 when none ran)."""
+        return sum(s.mean_active for s in self.layers) / len(self.layers) if self.layers else 0.0
+
+    @property
+    def mean_selected_experts(self) -> float:
+        return (sum(s.mean_selected for s in self.layers) / len(self.layers)
+                if self.layers else 0.0)
+
+    @property
+    def dropped(self) -> int:
+        return sum(s.dropped for s in self.layers)
+
+
+_CURRENT_CALL: contextvars.ContextVar[GateCall | None] = contextvars.ContextVar(
+    "sparsegate_hf_gate_call", default=None)
+
+
+@contextlib.contextmanager
+def pin_gate(gate: ActiveGate) -> Iterator[GateCall]:
+    """Blocks called inside (in this thread or task) route with `gate` and record into the
+    yielded call."""
+    call = GateCall(gate=gate)
+    token = _CURRENT_CALL.set(call)
+    try:
+        yield call
+    finally:
+        _CURRENT_CALL.reset(token)
+
+
+def _swiglu(h: torch.Tensor, *, inplace: bool) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    if inplace:
+        return F.silu(gate, inplace=True).mul_(up)
+    return F.silu(gate) * up
+
+
+class SparseGatedMoEBlock(nn.Module):
+    """Drop-in for a family's sparse MoE block: same input/output, same parameter names
+    (``gate.weight``, ``experts.gate_up_proj``, ``experts.down_proj``, Qwen2-MoE's
+    ``shared_expert*``), so the state dict keeps the checkpoint's keys."""
+
+    def __init__(self, upstream: nn.Module, *, moe_index: int, renormalize: bool,
+                 shared_expert: bool, slot: GateSlot) -> None:
+        super().__init__()
+        weight = upstream.gate.weight
+        self.num_experts, hidden = weight.shape
+        self.top_k = int(upstream.gate.top_k)
+        self.gate = Router(hidden, self.num_experts)
+        self.gate.weight = weight  # the checkpoint's parameter itself, not a copy
+        self.gate.freeze_precisions()  # a precision switch at serving time is then a lookup
+        self.experts = upstream.experts
+        if shared_expert:
+            self.shared_expert = upstream.shared_expert
+            self.shared_expert_gate = upstream.shared_expert_gate
+        self.has_shared_expert = shared_expert
+        self.moe_index = moe_index
+        self.renormalize = renormalize
+        self._slot = slot
+
+    def route(self, flat: torch.Tensor, gate: ActiveGate) -> Routing:
+        params = gate.params
+        probs = torch.softmax(self.gate.logits(flat, gate.precisions[self.moe_index]), dim=-1)
+        lo = min(params.min_experts_per_token, self.num_experts)
+        hi = min(params.max_experts_per_token, self.num_experts)
+        if lo == hi:
+            # Fixed k: top-k picks the same experts in the same (descending) order as the
+            # threshold search clamped to k, on a [T, k] instead of a sorted [T, E] selection.
+            sorted_p, sorted_e = probs.topk(hi, dim=-1)
+            mask = torch.ones_like(sorted_p, dtype=torch.bool)
+        else:
+            sorted_p, sorted_e, mask = top_p_mask(
+                probs, threshold=params.confidence_threshold, min_k=lo, max_k=hi)
+        return assign(probs, sorted_p, sorted_e, mask, capacity_factor=gate.capacity_factor,
+                      normalize=self.renormalize)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        call = _CURRENT_CALL.get()
+        gate = call.gate if call is not None else self._slot.active
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        routing = self.route(flat, gate)
+        out = self.dispatch(flat, routing)
+        if self.has_shared_expert:
+            shared = self.shared_expert(flat)
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * shared
+        if call is not None:
+            call.layers.append(_stats(routing, entropy_beta=gate.params.entropy_beta))
+        return out.reshape(hidden_states.shape)
+
+    def dispatch(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """[T, d] -> [T, d]: the kept experts' SwiGLU outputs, combined with the gate weights."""
+        w_gate_up, w_down = self.experts.gate_up_proj, self.experts.down_proj
+        xs = flat.index_select(0, routing.token_idx)
+        w = routing.weights.unsqueeze(-1).to(flat.dtype)
+        n_assign, d_model = xs.shape
+        if torch.is_grad_enabled() and (flat.requires_grad or w.requires_grad
+                                        or w_gate_up.requires_grad):
+            # unbind once: indexing the stacked weight per expert under autograd would build a
+            # full-size gradient per select (FACTS.md).
+            gu, dn = w_gate_up.unbind(0), w_down.unbind(0)
+            chunks, start = [], 0
+            for e, n in enumerate(routing.counts):
+                if n:
+                    h = _swiglu(F.linear(xs[start:start + n], gu[e]), inplace=False)
+                    chunks.append(F.linear(h, dn[e]))
+                    start += n
+            ys = torch.cat(chunks) * w if chunks else xs.new_zeros(0, d_model)
+            return combine(torch.cat([ys, ys.new_zeros(1, d_model)]), routing.slots)
+        # Inference: each expert writes straight into its slice; row A stays zero (padding).
+        ys = flat.new_empty(n_assign + 1, d_model)
+        ys[n_assign].zero_()
+        start = 0
+        for e, n in enumerate(routing.counts):
+            if n:
+                end = start + n
+                h = _swiglu(torch.mm(xs[start:end], w_gate_up[e].t()), inplace=True)
+                torch.mm(h, w_down[e].t(), out=ys[start:end])
+                start = end
+        ys[:n_assign].mul_(w)
+        return combine(ys, routing.slots)
+
+
+def _stats(routing: Routing, *, entropy_beta: float) -> MoEStats:
+    """The built-in layers' per-layer stats (moe.MoEStats), from one routing."""
+    n = routing.num_tokens
+    kept = routing.num_assignments
+    return MoEStats(counts=routing.counts, num_tokens=n,
+                    mean_selected=(kept + routing.dropped) / max(n, 1),
+                    mean_active=kept / max(n, 1), dropped=routing.dropped,
+                    entropy=float(routing.entropy.detach()), aux_loss=routing.aux_loss,
+                    entropy_loss=entropy_beta * routing.entropy)
