@@ -1,0 +1,77 @@
+"""The chart's Argo CD health checks (charts/sparsegate/health/<group>/<Kind>/health.lua), run with
+lupa the way Argo CD runs them: the resource as the global ``obj``, a table with ``status`` and
+``message`` returned. Each kind's ``health_test.yaml`` (Argo CD's own test format) lists the
+expected result per testdata object; the testdata statuses were produced by the operator's pure
+status functions (rollout state machine, model_status, policy_status). The rollout's phases are
+also checked live in tests/unit/rollout/test_rollout_argocd_health.py, and on a real cluster in
+tests/e2e/operator/test_kubectl_plugin.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lupa
+import pytest
+import yaml
+from sparsegate_contracts import names
+
+HEALTH = Path(__file__).resolve().parents[3] / "charts" / "sparsegate" / "health" / names.GROUP
+ARGO_STATUSES = {"Healthy", "Progressing", "Degraded", "Suspended", "Missing", "Unknown"}
+
+
+def run_health(kind: str, obj: dict[str, Any]) -> tuple[str, str]:
+    """(status, message) the kind's health.lua returns for ``obj``."""
+    lua = lupa.LuaRuntime(unpack_returned_tuples=True)
+    lua.globals().obj = lua.table_from(obj, recursive=True)
+    hs = lua.execute((HEALTH / kind / "health.lua").read_text())
+    return hs["status"], hs["message"]
+
+
+def cases() -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for kind in sorted(names.PLURALS):
+        for case in yaml.safe_load((HEALTH / kind / "health_test.yaml").read_text())["tests"]:
+            out.append((kind, case))
+    return out
+
+
+def test_every_kind_has_a_health_check_and_every_testdata_file_a_case() -> None:
+    assert sorted(p.name for p in HEALTH.iterdir()) == sorted(names.PLURALS)
+    for kind in names.PLURALS:
+        listed = {c["inputPath"] for k, c in cases() if k == kind}
+        files = {f"testdata/{p.name}" for p in (HEALTH / kind / "testdata").glob("*.yaml")}
+        assert listed == files and files, kind
+
+
+@pytest.mark.parametrize(("kind", "case"), cases(), ids=lambda x: x if isinstance(x, str) else x["inputPath"])
+def test_health_lua_on_testdata(kind: str, case: dict[str, Any]) -> None:
+    obj = yaml.safe_load((HEALTH / kind / case["inputPath"]).read_text())
+    assert obj["kind"] == kind
+    status, message = run_health(kind, obj)
+    assert status in ARGO_STATUSES
+    assert (status, message) == (case["healthStatus"]["status"], case["healthStatus"]["message"])
+
+
+def test_the_cases_cover_what_argo_users_ask_for() -> None:
+    expected = {
+        ("GateConfig", "testdata/paused.yaml"): "Suspended",
+        ("GateConfig", "testdata/analysing.yaml"): "Progressing",
+        ("GateConfig", "testdata/rolled-back.yaml"): "Degraded",
+        ("GateConfig", "testdata/aborted.yaml"): "Degraded",
+        ("GateConfig", "testdata/rolled-back-spec-reverted.yaml"): "Healthy",
+        ("GateConfig", "testdata/succeeded.yaml"): "Healthy",
+        ("SparseModel", "testdata/gateconfig-not-found.yaml"): "Degraded",
+        ("RoutingPolicy", "testdata/opa-rejected.yaml"): "Degraded",
+        ("TelemetryProbe", "testdata/no-status.yaml"): "Healthy",
+    }
+    got = {(k, c["inputPath"]): c["healthStatus"]["status"] for k, c in cases()}
+    assert {key: got.get(key) for key in expected} == expected
+
+
+def test_a_spec_edit_not_yet_observed_is_progressing_whatever_the_conditions_say() -> None:
+    for kind in ("GateConfig", "SparseModel", "RoutingPolicy"):
+        obj = yaml.safe_load((HEALTH / kind / "testdata" / "generation-not-observed.yaml").read_text())
+        assert obj["metadata"]["generation"] > obj["status"]["observedGeneration"]
+        assert run_health(kind, obj)[0] == "Progressing"
