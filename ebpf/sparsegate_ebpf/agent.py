@@ -7,9 +7,11 @@
 
 A restart widens nothing (handover.py): the first valid policy is written into the new program's
 maps before it is attached, and the program replaces the one a previous agent left attached in one
-step. If no valid policy arrives within --initial-policy-timeout the program is attached anyway and
-passes everything until one does (counted as `no_policy`, logged, and exported as
-`sparsegate_agent_attached_without_policy 1`): a node must not stay without telemetry for ever.
+step. If no valid policy arrives within --initial-policy-timeout, the policy that program still
+enforces is carried over (inherit.py); with no such program (or one without a policy) the program
+is attached anyway and passes everything until a policy arrives (counted as `no_policy`, logged,
+and exported as `sparsegate_agent_attached_without_policy 1`): a node must not stay without
+telemetry for ever.
 On exit the program is detached (`--on-exit detach`, the default), left attached for a successor
 (`keep`), or, in Kubernetes (`daemonset`), left attached unless the agent's DaemonSet is gone or
 being deleted.
@@ -34,13 +36,14 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, start_http_server
 from sparsegate_contracts.version import version_line
 
-from . import handover, policysource, programs, xdp
+from . import handover, inherit, policysource, programs, xdp
 from .handover import ExitAction, OnExit, StartCollector, StartState
 from .metrics import AgentState, XdpCollector
 from .policy import PolicyError, parse_policy
 from .policyswap import PolicySwapper
 
 log = logging.getLogger("sparsegate_ebpf.agent")
+INHERITED = "inherited"  # sparsegate_xdp_policy_info{version} of a policy carried over from a predecessor
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -139,12 +142,18 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
 
     def applied() -> None:
         first_policy.set()
-        start.attached_without_policy = False
+        start.attached_without_policy = start.inherited_policy = False
 
     _start_policy_source(args, on_document=make_policy_handler(state=state, on_applied=applied), stop=stop)
     if not _wait_first_policy(args, first_policy=first_policy, start=start, stop=stop):
         prog.close()  # stopped before attaching: whatever a predecessor left stays as it is
         return 0
+
+    if not args.telemetry_only and not first_policy.is_set():
+        # Set, then re-check: a document applied meanwhile clears it (applied() sets the event first).
+        start.inherited_policy = _inherit(args, state=state)
+        if first_policy.is_set():
+            start.inherited_policy = False
 
     mode = xdp.XdpMode(args.xdp_mode)
     try:
@@ -157,9 +166,8 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
         _exit(args, state=state)
         prog.close()
         return 1
-    if not args.telemetry_only:
-        # Set, then re-check: a policy applied meanwhile clears it (applied() sets the event first).
-        start.attached_without_policy = True
+    if not args.telemetry_only and not start.inherited_policy:
+        start.attached_without_policy = True  # same set-then-re-check as above
         if first_policy.is_set():
             start.attached_without_policy = False
     log.info("agent ready")
@@ -208,6 +216,33 @@ def _wait_first_policy(args: argparse.Namespace, *, first_policy: threading.Even
                     "everything (counted no_policy) until a policy arrives, so telemetry is not lost for ever",
                     args.initial_policy_timeout)
     return True
+
+
+def _inherit(args: argparse.Namespace, *, state: AgentState) -> bool:
+    """No document in time: carry over the policy our predecessor's program still enforces (if one
+    is attached), so replacing it widens nothing. True when that policy is now in our maps."""
+    for ifname in args.interfaces:
+        try:
+            current = xdp.attached_program(ifname)
+            if not current or current.get("prog", {}).get("name") != programs.FUNCTION:
+                continue
+            records = inherit.live_policy(current["prog"]["id"])
+        except Exception as exc:  # unreadable: attach without it, as if there were none
+            log.warning("cannot read the policy of the program on %s: %s", ifname, exc)
+            continue
+        if records is None:
+            log.info("the program left on %s had no policy either", ifname)
+            return False
+        result = state.swapper.apply_records_if_empty(records)
+        if result is None:
+            return False  # a document arrived meanwhile
+        state.policy_version = INHERITED
+        state.policy_swaps += 1
+        log.warning("carried over the policy still enforced on %s by the previous agent's program (prog id %s, "
+                    "generation %d, %d records) until a document arrives", ifname, current["prog"]["id"],
+                    result.generation, result.entries)
+        return True
+    return False
 
 
 def _exit(args: argparse.Namespace, *, state: AgentState) -> None:

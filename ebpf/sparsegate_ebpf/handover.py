@@ -5,9 +5,11 @@ flow the policy denies passes. Two rules close it:
 
 * **Start**: the new program gets the first valid policy in its maps *before* it is attached,
   then replaces its predecessor in one netlink call (xdp.attach). The wait is bounded
-  (--initial-policy-timeout): a node whose policy source stays unreachable gets its program
-  anyway, passing everything (counted `no_policy`), because a node must not stay without
-  telemetry for ever; that case is logged and exported (`sparsegate_agent_attached_without_policy`).
+  (--initial-policy-timeout), because a node must not stay without telemetry for ever. When it
+  expires, the policy the predecessor's program still enforces is copied into the new program
+  (inherit.py; `sparsegate_agent_inherited_policy`); with no predecessor (or one without a
+  policy) the program is attached with none and passes everything (counted `no_policy`), logged
+  and exported (`sparsegate_agent_attached_without_policy`).
 * **Exit**: an agent being restarted leaves its program attached. The attachment holds the
   program and the program its maps, so the policy in force stays enforced until the successor
   replaces it; a SIGKILLed agent leaves it the same way. Only an agent being *removed* detaches.
@@ -113,6 +115,7 @@ class StartState:
 
     initial_policy_wait_seconds: float = 0.0
     attached_without_policy: bool = False
+    inherited_policy: bool = False
 
 
 class StartCollector:
@@ -133,3 +136,9 @@ class StartCollector:
             "(the program passes everything until one does)")
         without.add_metric([], 1.0 if self._state.attached_without_policy else 0.0)
         yield without
+        inherited = GaugeMetricFamily(
+            "sparsegate_agent_inherited_policy",
+            "1 while the live policy is the one carried over from the previous agent's program "
+            "(no document within --initial-policy-timeout)")
+        inherited.add_metric([], 1.0 if self._state.inherited_policy else 0.0)
+        yield inherited

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .maps import PolicyKey, PolicyVal
 from .policy import FlowPolicy, compile_policy
 
 POOL = ("policy_a", "policy_b")
@@ -44,20 +45,38 @@ class PolicySwapper:
         with self._lock:
             generation = self.generation + 1
             records = compile_policy(policy, generation=generation)
-            target = 1 if self._active == 0 else 0
-            inner = self._pool[target]
-            t0 = time.perf_counter()
-            inner.clear()  # not live: nothing reads it (see module docstring)
-            for key, val in records:
-                inner[key] = val
-            t1 = time.perf_counter()
-            self._outer[ct.c_int(0)] = ct.c_int(inner.get_fd())
-            t2 = time.perf_counter()
-            self._active = target
-            self.generation = generation
-            self.policy = policy
-            self.rule_names[generation] = policy.rule_names()
-            # Keep attribution for recent generations only (their verdict counters may linger).
-            for old in [g for g in self.rule_names if g < generation - 256]:
-                del self.rule_names[old]
-            return SwapResult(generation, POOL[target], len(records), t1 - t0, t2 - t1)
+            return self._install(records, generation=generation, policy=policy, rule_names=policy.rule_names())
+
+    def apply_records_if_empty(self, records: list[tuple[PolicyKey, PolicyVal]]) -> SwapResult | None:
+        """Make records read from another program live as they are (inherit.py), unless a policy
+        is live already (a document that arrived meanwhile is newer: None). They keep their
+        generation (the meta record's), so verdicts stay attributed to one generation; rule names
+        are unknown (the document is not in the maps): verdicts read gen<N>/rule<M>."""
+        generation = next((v.generation for k, v in records if k.proto == 0), None)
+        if generation is None:
+            raise ValueError("no meta record: not a policy map")
+        with self._lock:
+            if self._active is not None:
+                return None
+            return self._install(records, generation=generation, policy=None, rule_names={})
+
+    def _install(self, records: list[tuple[PolicyKey, PolicyVal]], *, generation: int,
+                 policy: FlowPolicy | None, rule_names: dict[int, str]) -> SwapResult:
+        """Fill the inactive inner map, then flip the outer slot (caller holds self._lock)."""
+        target = 1 if self._active == 0 else 0
+        inner = self._pool[target]
+        t0 = time.perf_counter()
+        inner.clear()  # not live: nothing reads it (see module docstring)
+        for key, val in records:
+            inner[key] = val
+        t1 = time.perf_counter()
+        self._outer[ct.c_int(0)] = ct.c_int(inner.get_fd())
+        t2 = time.perf_counter()
+        self._active = target
+        self.generation = generation
+        self.policy = policy
+        self.rule_names[generation] = rule_names
+        # Keep attribution for recent generations only (their verdict counters may linger).
+        for old in [g for g in self.rule_names if g < generation - 256]:
+            del self.rule_names[old]
+        return SwapResult(generation, POOL[target], len(records), t1 - t0, t2 - t1)

@@ -5,7 +5,9 @@ Given two namespaces joined by a veth, the agent (a process, policy from a file:
 one allowed UDP port) enforcing on the server's end, and a client sending two paced UDP flows
 (one allowed, one denied) for the whole test, when the agent is stopped and a new one started,
 then the server's sockets count what got through: the denied port must count 0, and the allowed
-port's losses (sent - received) are reported.
+port's losses (sent - received) are reported. Also: a crashed agent restarting while its policy
+source is unavailable carries over the policy its predecessor's program enforced; a first start
+with no policy at all attaches anyway and says so; `--on-exit daemonset` asks a stub API server.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -115,8 +117,11 @@ def agents(lab: VethLab, policy: Path, tmp_path: Path) -> Iterator[Agents]:
 
 
 def restart_under_traffic(lab: VethLab, agents: Agents, tmp_path: Path, *, sig: signal.Signals,
-                          extra: tuple[str, ...]) -> tuple[dict[int, int], dict[int, int], float]:
-    """(sent, received) per port and the restart's duration (stop signal -> new agent ready)."""
+                          extra: tuple[str, ...], then: tuple[str, ...] = (), then_version: str = "v1",
+                          between: Callable[[], None] = lambda: None,
+                          ) -> tuple[dict[int, int], dict[int, int], float]:
+    """(sent, received) per port and the restart's duration (stop signal -> new agent ready). The
+    second agent gets `then` on top of `extra`, `between` runs while no agent runs."""
     first = agents.start(*extra)
     wait_ready(lab, first, "v1")
     rx = lab.popen(lab.server_ns, [PY, "-m", "sparsegate_ebpf.netapps", "udp-count", "--ports", str(ALLOWED),
@@ -131,8 +136,9 @@ def restart_under_traffic(lab: VethLab, agents: Agents, tmp_path: Path, *, sig: 
         t0 = time.monotonic()
         first.send_signal(sig)
         first.wait(30)
-        second = agents.start(*extra)
-        wait_ready(lab, second, "v1")
+        between()
+        second = agents.start(*extra, *then)
+        wait_ready(lab, second, then_version)
         took = time.monotonic() - t0
         time.sleep(1.0)  # steady traffic under the second agent
     finally:
@@ -164,6 +170,56 @@ def test_restart_delivers_no_denied_packet_and_keeps_allowed_traffic(
         assert "leaving XDP attached" in agents.log(0), agents.log(0)
     second = agents.log(1)
     assert second.index("first policy in the maps") < second.index("replaced xdp_flow"), second
+
+
+def test_no_document_after_a_crash_carries_over_the_policy_the_old_program_enforces(
+        lab: VethLab, agents: Agents, tmp_path: Path, policy: Path) -> None:
+    """The policy source is unavailable when the crashed agent comes back (here: the file is gone)."""
+    hidden = tmp_path / "policy.hidden"
+    sent, received, _ = restart_under_traffic(
+        lab, agents, tmp_path, sig=signal.SIGKILL, extra=RESTART_FLAGS, then=("--initial-policy-timeout", "1"),
+        then_version="inherited", between=lambda: policy.rename(hidden))
+    assert sent[DENIED] > 1000 and received[DENIED] == 0, (sent, received)
+    assert sent[ALLOWED] - received[ALLOWED] == 0
+    m = scrape(lab)
+    assert sample(m, "sparsegate_agent_inherited_policy") == 1
+    assert sample(m, "sparsegate_agent_attached_without_policy") == 0
+    # The same generation (1) keeps judging; rule names are not in the maps.
+    assert sample(m, "sparsegate_xdp_policy_verdicts_total", rule="gen1/rule2", action="deny") > 0
+    assert "carried over the policy" in agents.log(1)
+    hidden.rename(policy)  # the source is back: its document replaces the carried-over records
+    deadline = time.monotonic() + 30
+    while not sample(m := scrape(lab), "sparsegate_xdp_policy_info", version="v1"):
+        assert time.monotonic() < deadline, "the returning document was not applied"
+        time.sleep(0.1)
+    assert sample(m, "sparsegate_agent_inherited_policy") == 0
+    assert sample(m, "sparsegate_xdp_policy_generation") == 2
+
+
+def test_no_document_and_no_predecessor_attaches_anyway_and_says_so(
+        lab: VethLab, agents: Agents, tmp_path: Path, policy: Path) -> None:
+    """The documented fail-open: a first start that never gets a policy still gets telemetry."""
+    policy.unlink()
+    proc = agents.start("--initial-policy-timeout", "1")
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, agents.log(0)
+        try:
+            m = scrape(lab)
+            if sample(m, "sparsegate_xdp_attached", interface=lab.server_if, mode="native"):
+                break
+        except (subprocess.CalledProcessError, ValueError):
+            pass
+        assert time.monotonic() < deadline, agents.log(0)
+        time.sleep(0.1)
+    assert sample(m, "sparsegate_agent_attached_without_policy") == 1
+    assert sample(m, "sparsegate_agent_initial_policy_wait_seconds") >= 1
+    assert "no valid policy within --initial-policy-timeout" in agents.log(0)
+    out = lab.run(lab.client_ns, [PY, "-m", "sparsegate_ebpf.netapps", "udp-send", "--dst", lab.server_ip,
+                                  "--port", str(DENIED), "--count", "20"]).stdout
+    assert int(out) == 20
+    time.sleep(0.5)
+    assert sample(scrape(lab), "sparsegate_xdp_packets_total", type="no_policy") == 20
 
 
 # A stand-in for the API server, inside the server namespace: GET on the agent's DaemonSet answers

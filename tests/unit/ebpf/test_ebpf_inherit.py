@@ -1,0 +1,95 @@
+"""Carrying a policy over from another program (inherit.py + PolicySwapper.apply_records_if_empty),
+on two real loaded programs: the session's enforcing one plays the predecessor, a second enforcing
+one the successor; test_run frames show the successor judging with the carried-over records."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from sparsegate_ebpf import inherit
+from sparsegate_ebpf import packets as P
+from sparsegate_ebpf.policy import compile_policy, parse_policy
+from sparsegate_ebpf.policyswap import PolicySwapper
+from sparsegate_ebpf.maps import ACTION_ALLOW, ACTION_DENY
+from sparsegate_ebpf.programs import BpfUnavailable, LoadedProgram
+from sparsegate_ebpf.testing import clear_policy, require_program, reset_maps, verdicts
+from sparsegate_ebpf.testrun import run_xdp
+
+pytestmark = pytest.mark.bpf
+
+DOC = {"version": "v7", "defaultAction": "deny", "entries": [
+    {"srcIP": "10.1.0.1", "dstIP": "10.1.0.2", "dstPort": 8080, "protocol": "tcp", "action": "allow", "rule": "a#0"},
+    {"srcIP": "10.1.0.1", "dstIP": "10.1.0.2", "dstPort": 8081, "protocol": "udp", "action": "deny", "rule": "a#1"}]}
+
+
+def prog_id(prog: LoadedProgram) -> int:
+    info = inherit._ProgInfo()
+    inherit._info(inherit._lib(), prog.prog_fd, info)
+    return info.id
+
+
+def as_bytes(records) -> set[tuple[bytes, bytes]]:
+    return {(bytes(k), bytes(v)) for k, v in records}
+
+
+@pytest.fixture(scope="module")
+def _second_enforcing() -> Iterator[LoadedProgram]:
+    try:
+        prog = require_program(enforce=True)
+    except BpfUnavailable as exc:
+        pytest.fail(f"XDP program unavailable: {exc} (set up with: sudo dev/setup/bpf.sh)", pytrace=False)
+    yield prog
+    prog.close()
+
+
+@pytest.fixture
+def successor(_second_enforcing: LoadedProgram) -> LoadedProgram:
+    """A second enforcing program (the session one plays the predecessor), with empty maps."""
+    reset_maps(_second_enforcing)
+    clear_policy(_second_enforcing)
+    return _second_enforcing
+
+
+def test_reads_back_exactly_the_live_records(enforce_prog: LoadedProgram) -> None:
+    swapper = PolicySwapper(bpf=enforce_prog.bpf)
+    swapper.apply(parse_policy({**DOC, "entries": []}))
+    swapper.apply(parse_policy(DOC))  # generation 2, in the B map: the live one is read, not the pool's first
+    got = inherit.live_policy(prog_id(enforce_prog))
+    assert got is not None
+    assert as_bytes(got) == as_bytes(compile_policy(parse_policy(DOC), generation=2))
+
+
+def test_a_program_without_policy_has_nothing_to_carry_over(enforce_prog: LoadedProgram) -> None:
+    assert inherit.live_policy(prog_id(enforce_prog)) is None  # the fixture emptied the outer slot
+
+
+def test_an_unknown_program_is_an_error() -> None:
+    with pytest.raises(OSError):
+        inherit.live_policy(2**31 - 1)
+
+
+def test_carried_over_records_go_live_only_into_an_empty_swapper(enforce_prog: LoadedProgram,
+                                                                 successor: LoadedProgram) -> None:
+    PolicySwapper(bpf=enforce_prog.bpf).apply(parse_policy(DOC))
+    records = inherit.live_policy(prog_id(enforce_prog))
+    swapper = PolicySwapper(bpf=successor.bpf)
+    result = swapper.apply_records_if_empty(records)
+    assert result is not None and result.generation == 1 and result.entries == 3
+    assert swapper.rule_names[1] == {} and swapper.policy is None
+    assert as_bytes(inherit.live_policy(prog_id(successor))) == as_bytes(records)
+    # The successor judges with them, attributed to the predecessor's generation.
+    frame = P.udp_frame(src="10.1.0.1", dst="10.1.0.2", sport=40000, dport=8081)
+    assert run_xdp(prog_fd=successor.prog_fd, data=frame).verdict == "drop"
+    frame = P.tcp_frame(src="10.1.0.1", dst="10.1.0.2", sport=40000, dport=8080)
+    assert run_xdp(prog_fd=successor.prog_fd, data=frame).verdict == "pass"
+    assert verdicts(successor) == {(1, 2, ACTION_DENY): 1, (1, 1, ACTION_ALLOW): 1}
+    assert swapper.apply_records_if_empty(records) is None  # something is live: never overwritten
+    nxt = swapper.apply(parse_policy(DOC))
+    assert nxt.generation == 2  # documents continue after the carried-over generation
+
+
+def test_records_without_meta_are_refused(successor: LoadedProgram) -> None:
+    records = compile_policy(parse_policy(DOC), generation=1)[1:]
+    with pytest.raises(ValueError):
+        PolicySwapper(bpf=successor.bpf).apply_records_if_empty(records)
