@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 
 from sparsegate_contracts.version import version_line
 
+from sparsegate.domain.lease import LEASE_DURATION_S, RENEW_DEADLINE_S, RETRY_PERIOD_S, Timing
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsegate", description=__doc__)
@@ -45,6 +47,17 @@ def _parser() -> argparse.ArgumentParser:
                      help="run only while holding a coordination.k8s.io Lease")
     run.add_argument("--lease-name", default="sparsegate-operator")
     run.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "default"))
+    # client-go/controller-runtime semantics and defaults (sparsegate.domain.lease).
+    run.add_argument("--lease-duration", type=int, default=LEASE_DURATION_S, metavar="SECONDS",
+                     help="a standby takes the Lease after seeing it unchanged this long "
+                          "(on its own monotonic clock) (default: %(default)s)")
+    run.add_argument("--renew-deadline", type=float, default=RENEW_DEADLINE_S, metavar="SECONDS",
+                     help="the leader exits when it has not renewed this long after its last "
+                          "successful renewal began; must be below --lease-duration "
+                          "(default: %(default)s)")
+    run.add_argument("--retry-period", type=float, default=RETRY_PERIOD_S, metavar="SECONDS",
+                     help="pause between renewals and between acquisition attempts "
+                          "(default: %(default)s)")
     run.add_argument("--log-format", choices=["full", "plain", "json"], default="full",
                      help="Kopf's log formats; object-related lines carry [namespace/name]")
     run.add_argument("--verbose", "-v", action="store_true")
@@ -76,11 +89,22 @@ def _standby_server(liveness: str | None) -> ThreadingHTTPServer | None:
     return server
 
 
+def election_timing(args: argparse.Namespace) -> Timing:
+    """The validated durations of ``sparsegate run`` (ValueError names the broken rule)."""
+    return Timing(lease_duration_s=args.lease_duration, renew_deadline_s=args.renew_deadline,
+                  retry_period_s=args.retry_period)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.command == "version":
         print(version_line("sparsegate"))
         return 0
+    try:
+        timing = election_timing(args)
+    except ValueError as e:
+        parser.error(str(e))
     import kopf
 
     # Kopf's formatter for every logger (ours included): prefixes object lines with the object.
@@ -92,33 +116,38 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.metrics_port:
         metrics.serve(port=args.metrics_port, addr=args.metrics_address)
-    lost = threading.Event()
     elector = None
     if args.leader_elect:
         from sparsegate.clients.kube import Kube
         from sparsegate.clients.leader import LeaderElector
 
+        # A client of its own: election requests never queue behind the handlers' requests.
         elector = LeaderElector(Kube.from_environment(), name=args.lease_name,
                                 namespace=args.lease_namespace,
-                                identity=os.environ.get("POD_NAME") or socket.gethostname())
+                                identity=os.environ.get("POD_NAME") or socket.gethostname(),
+                                timing=timing)
         standby = _standby_server(args.liveness)
         try:
-            if not elector.acquire(lost):
+            if not elector.acquire(threading.Event()):
                 return 1
         finally:
             if standby is not None:  # free the port for Kopf's own liveness endpoint
                 standby.shutdown()
                 standby.server_close()
-        elector.keep(lost)  # losing the Lease SIGTERMs us; the pod restarts as a standby
+        # Losing the Lease (another holder, or no renewal within the renew deadline) ends this
+        # process at once with exit status 1; the pod restarts as a standby.
+        elector.keep()
     kopf.run(
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         standalone=args.standalone or None,
         liveness_endpoint=args.liveness,
     )
-    if elector is not None and not lost.is_set():
+    if elector is not None:
+        # Kopf has stopped (clean shutdown): nothing acts any more, so hand the Lease over.
+        elector.stop()
         elector.release()
-    return 1 if lost.is_set() else 0
+    return 0
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import kubernetes
 from sparsegate_contracts import names
 
 FIELD_MANAGER = "sparsegate"
+# Default bound on one request (connect + response); callers with a deadline pass a shorter one.
+REQUEST_TIMEOUT_S = 30.0
 
 # Plural and group/version per kind this operator writes; add here when rendering a new kind.
 _KINDS: dict[str, tuple[str, str]] = {
@@ -81,12 +83,13 @@ class Kube:
 
     def request(self, method: str, path: str, *, body: Any = None,
                 query: Mapping[str, str] | None = None,
-                content_type: str = "application/json") -> dict[str, Any]:
+                content_type: str = "application/json",
+                timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
         params = self._api.param_serialize(
             method=method, resource_path=path, query_params=list((query or {}).items()),
             header_params={"Content-Type": content_type, "Accept": "application/json"},
             body=body, auth_settings=["BearerToken"])
-        resp = self._api.call_api(*params, _request_timeout=30)
+        resp = self._api.call_api(*params, _request_timeout=timeout)
         raw = resp.read()
         try:
             data = json.loads(raw) if raw else {}
