@@ -1,0 +1,149 @@
+"""``kubectl sparsegate``: watch and steer GateConfig rollouts (after ``kubectl argo rollouts``).
+
+Commands: ``get [NAME] [-A]``, ``status NAME [--watch]``, ``pause``, ``resume``, ``promote [--full]``,
+``abort``, ``retry``, ``undo [--to-revision N]``. Uses the user's kubeconfig (``$KUBECONFIG``,
+``--kubeconfig``, ``--context``) through the official Kubernetes client, and writes only what a
+user could write with kubectl: ``spec.rollout.paused``, ``spec.params`` (undo) and the one-shot
+annotations the operator consumes. It never writes status: the operator is its one writer.
+Printing and patch building are pure functions in :mod:`sparsegate.kubectl_plugin.view`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sparsegate_contracts import names
+from sparsegate_contracts.version import version_line
+
+from sparsegate.kubectl_plugin import view
+
+PROG = "kubectl-sparsegate"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Watch and steer sparsegate GateConfig rollouts.")
+    p.add_argument("--version", action="version", version=version_line(PROG))
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
+    p.add_argument("--context", help="kubeconfig context (default: the current one)")
+    p.add_argument("-n", "--namespace", help="namespace (default: the context's, else 'default')")
+    sub = p.add_subparsers(dest="command", required=True)
+    get = sub.add_parser("get", help="table of GateConfigs: phase, step, canary share, versions, analysis")
+    get.add_argument("name", nargs="?")
+    get.add_argument("-A", "--all-namespaces", action="store_true")
+    status = sub.add_parser("status", help="one GateConfig in detail: steps, analysis values, history")
+    status.add_argument("name")
+    status.add_argument("-w", "--watch", action="store_true", help="print again on every change (Ctrl-C ends)")
+    for verb, text in (("pause", "hold the rollout at its step (spec.rollout.paused: true)"),
+                       ("resume", "continue a paused rollout (spec.rollout.paused: false)"),
+                       ("abort", "roll the canary back to the stable version"),
+                       ("retry", "roll out again the version a rollback or abort rejected, or re-analyse a "
+                                 "failed step")):
+        sub.add_parser(verb, help=text).add_argument("name")
+    promote = sub.add_parser("promote", help="skip the current step's analysis: on to the next step")
+    promote.add_argument("name")
+    promote.add_argument("--full", action="store_true", help="skip every remaining step: all instances at once")
+    undo = sub.add_parser("undo", help="roll out an earlier version from status.history (writes spec.params)")
+    undo.add_argument("name")
+    undo.add_argument("--to-revision", type=int, help="revision number (default: the one before the stable)")
+    return p
+
+
+class Client:
+    """The few GateConfig calls the commands make (CustomObjectsApi with the user's kubeconfig)."""
+
+    def __init__(self, *, kubeconfig: str | None, context: str | None) -> None:
+        from kubernetes import client, config
+
+        config.load_kube_config(config_file=kubeconfig, context=context)
+        self.api = client.CustomObjectsApi()
+        contexts, current = config.list_kube_config_contexts(config_file=kubeconfig)
+        chosen = next((c for c in contexts if c.get("name") == context), current) if context else current
+        self.default_namespace = ((chosen or {}).get("context") or {}).get("namespace") or "default"
+
+    def get(self, namespace: str, name: str) -> dict[str, Any]:
+        return self.api.get_namespaced_custom_object(names.GROUP, names.VERSION, namespace, names.GATECONFIGS, name)
+
+    def list(self, namespace: str | None) -> list[dict[str, Any]]:
+        if namespace is None:
+            out = self.api.list_cluster_custom_object(names.GROUP, names.VERSION, names.GATECONFIGS)
+        else:
+            out = self.api.list_namespaced_custom_object(names.GROUP, names.VERSION, namespace, names.GATECONFIGS)
+        return list(out.get("items") or [])
+
+    def patch(self, namespace: str, name: str, body: Any) -> dict[str, Any]:
+        # A dict goes as a merge patch, a list as a JSON patch (the client picks the content type).
+        return self.api.patch_namespaced_custom_object(names.GROUP, names.VERSION, namespace, names.GATECONFIGS,
+                                                       name, body)
+
+    def watch(self, namespace: str, name: str) -> Any:
+        from kubernetes import watch
+
+        return watch.Watch().stream(self.api.list_namespaced_custom_object, names.GROUP, names.VERSION, namespace,
+                                    names.GATECONFIGS, field_selector=f"metadata.name={name}")
+
+
+def _watch_status(client: Client, namespace: str, name: str, out: Callable[[str], None]) -> None:
+    clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
+    while True:  # a watch ends when the server closes it (timeouts): start another
+        for event in client.watch(namespace, name):
+            if event["type"] == "DELETED":
+                out(f"GateConfig {namespace}/{name} deleted\n")
+                return
+            out(clear + view.status_view(event["object"]))
+
+
+def run(argv: Sequence[str], *, client_factory: Callable[..., Client] = Client,
+        out: Callable[[str], None] = sys.stdout.write) -> int:
+    args = _parser().parse_args(argv)
+    client = client_factory(kubeconfig=args.kubeconfig, context=args.context)
+    namespace = args.namespace or client.default_namespace
+    cmd = args.command
+    if cmd == "get":
+        if args.name:
+            objs = [client.get(namespace, args.name)]
+        else:
+            objs = client.list(None if args.all_namespaces else namespace)
+        out(view.get_table(objs, with_namespace=args.all_namespaces) + "\n")
+        return 0
+    if cmd == "status":
+        if args.watch:
+            _watch_status(client, namespace, args.name, out)
+        else:
+            out(view.status_view(client.get(namespace, args.name)))
+        return 0
+    obj = client.get(namespace, args.name)  # also: a clear "not found" before any write
+    if cmd in ("pause", "resume"):
+        body: Any = view.pause_patch(cmd == "pause")
+        done = "paused" if cmd == "pause" else "resumed"
+    elif cmd == "promote":
+        body, done = view.promote_patch(full=args.full), "promote requested" + (" (full)" if args.full else "")
+    elif cmd == "abort":
+        body, done = view.abort_patch(), "abort requested"
+    elif cmd == "retry":
+        body, done = view.retry_patch(obj), "retry requested"
+    else:
+        target = view.undo_target(obj, to_revision=args.to_revision)
+        body = view.undo_patch(obj, to_revision=args.to_revision)
+        done = f"spec.params set to revision {target.get('revision')} ({target.get('version')})"
+    client.patch(namespace, args.name, body)
+    out(f"gateconfig.{names.GROUP}/{args.name} {done}\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point (``kubectl-sparsegate``, so kubectl finds it as ``kubectl sparsegate``)."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        return run(sys.argv[1:] if argv is None else argv)
+    except view.PluginError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 1
+    except ApiException as e:
+        sys.stderr.write(f"error: {e.status} {e.reason}\n")
+        return 1
+    except KeyboardInterrupt:
+        return 130

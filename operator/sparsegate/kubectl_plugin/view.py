@@ -1,0 +1,213 @@
+"""What ``kubectl sparsegate`` prints and writes, as pure functions of GateConfig objects.
+
+Nothing here talks to the API server: the command module reads objects, hands them to these
+functions and sends the patches they return. The status fields read are the ones
+``sparsegate.domain.rollout.RolloutStatus.to_status`` writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from sparsegate.domain.rollout import (
+    ABORT_ANNOTATION,
+    DEFAULT_STEPS,
+    PROMOTE_ANNOTATION,
+    PROMOTE_STEP_VALUE,
+    RETRY_ANNOTATION,
+)
+
+PROMOTE_FULL_VALUE = "full"  # any value but PROMOTE_STEP_VALUE promotes fully; this one says so
+
+
+class PluginError(Exception):
+    """A request the plugin refuses, with the reason for the user."""
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _rollout(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    return ((obj.get("status") or {}).get("rollout")) or {}
+
+
+def spec_steps(obj: Mapping[str, Any]) -> list[int]:
+    """The rollout's step percentages as the spec gives them (the operator's default otherwise)."""
+    steps = (((obj.get("spec") or {}).get("rollout")) or {}).get("steps")
+    return [int(s) for s in steps] if steps else list(DEFAULT_STEPS)
+
+
+def analysis_summary(analysis: Mapping[str, Any] | None) -> str:
+    """``errorRate=0.01/0.02 p99LatencyMs=120/800 ...``: each check's value over its threshold,
+    a failed check marked with ``!``; ``-`` when nothing was analysed yet."""
+    if not analysis:
+        return "-"
+    parts = []
+    for check in analysis.get("checks") or []:
+        value = check.get("value")
+        shown = "n/a" if value is None else f"{value:g}"
+        mark = "" if check.get("passed", True) else "!"
+        parts.append(f"{mark}{check.get('name')}={shown}/{check.get('threshold', 0):g}")
+    return " ".join(parts) or str(analysis.get("verdict") or "-")
+
+
+def row(obj: Mapping[str, Any], *, with_namespace: bool = False) -> list[str]:
+    """One line of ``kubectl sparsegate get``."""
+    meta = obj.get("metadata") or {}
+    ro = _rollout(obj)
+    stable = ((obj.get("status") or {}).get("stable") or {}).get("version") or "-"
+    step = f"{ro['step']}/{ro.get('steps', len(spec_steps(obj)))}" if ro.get("step") else "-"
+    percent = f"{ro['canaryPercent']}%" if ro.get("canaryPercent") is not None and ro.get("canaryVersion") else "-"
+    cells = [meta.get("name", ""), ro.get("phase") or "Pending", step, percent, ro.get("canaryVersion") or "-",
+             stable, analysis_summary(ro.get("analysis"))]
+    return [meta.get("namespace", ""), *cells] if with_namespace else cells
+
+
+GET_HEADER = ["NAME", "PHASE", "STEP", "CANARY%", "CANARY", "STABLE", "ANALYSIS"]
+
+
+def table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
+    """Left-aligned columns, two spaces apart, like kubectl's tables (no trailing spaces)."""
+    all_rows = [list(header), *[list(r) for r in rows]]
+    widths = [max(len(r[i]) for r in all_rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in all_rows)
+
+
+def get_table(objs: Sequence[Mapping[str, Any]], *, with_namespace: bool = False) -> str:
+    header = (["NAMESPACE"] if with_namespace else []) + GET_HEADER
+    ordered = sorted(objs, key=lambda o: ((o.get("metadata") or {}).get("namespace", ""),
+                                          (o.get("metadata") or {}).get("name", "")))
+    return table([row(o, with_namespace=with_namespace) for o in ordered], header)
+
+
+def _step_marks(obj: Mapping[str, Any]) -> list[list[str]]:
+    """One row per spec step: done, current (with the phase) or pending."""
+    ro = _rollout(obj)
+    current = ro.get("step") if ro.get("canaryVersion") else None
+    out = []
+    for i, percent in enumerate(spec_steps(obj), start=1):
+        if current is None:
+            state = "-"
+        elif i < current:
+            state = "done"
+        elif i == current:
+            state = f"<- {ro.get('phase', '')}"
+        else:
+            state = "pending"
+        out.append([f"{i}", f"{percent}%", state])
+    return out
+
+
+def status_view(obj: Mapping[str, Any], *, now: datetime | None = None) -> str:
+    """The ``kubectl sparsegate status NAME`` page: versions, steps, canary share, analysis values,
+    conditions and revision history."""
+    meta = obj.get("metadata") or {}
+    status = obj.get("status") or {}
+    ro = _rollout(obj)
+    stable = (status.get("stable") or {}).get("version") or "-"
+    lines = [
+        f"Name:       {meta.get('namespace', '')}/{meta.get('name', '')}",
+        f"Phase:      {ro.get('phase') or 'Pending'}" + (f" ({ro['reason']})" if ro.get("reason") else ""),
+        f"Message:    {ro.get('message') or '-'}",
+        f"Stable:     {stable}",
+        f"Canary:     {ro.get('canaryVersion') or '-'}"
+        + (f"  {ro.get('canaryPercent')}% target, {ro['canaryInstances']} instances"
+           if ro.get("canaryVersion") and ro.get("canaryInstances") else ""),
+    ]
+    if ro.get("rejectedVersion"):
+        lines.append(f"Rejected:   {ro['rejectedVersion']} (not rolled out again while the spec names it; "
+                     f"`kubectl sparsegate retry` to try it again)")
+    counts = ro.get("versionCounts") or {}
+    if counts:
+        lines.append("Instances:  " + ", ".join(f"{v}: {n}" for v, n in sorted(counts.items())))
+    lines += ["", table(_step_marks(obj), ["STEP", "WEIGHT", "STATE"]), ""]
+    analysis = ro.get("analysis")
+    if analysis:
+        lines.append(f"Analysis:   {analysis.get('verdict', '-')}, {analysis.get('canaryRequests', 0):g} canary "
+                     f"requests at {analysis.get('canaryQps', 0):g} qps")
+        checks = [[str(c.get("name")), "n/a" if c.get("value") is None else f"{c['value']:g}",
+                   f"{c.get('threshold', 0):g}", "pass" if c.get("passed") else "FAIL"]
+                  for c in analysis.get("checks") or []]
+        if checks:
+            lines += [table(checks, ["CHECK", "VALUE", "THRESHOLD", "RESULT"]), ""]
+    conditions = status.get("conditions") or []
+    if conditions:
+        lines += [table([[str(c.get("type")), str(c.get("status")), str(c.get("reason", ""))] for c in conditions],
+                        ["CONDITION", "STATUS", "REASON"]), ""]
+    history = status.get("history") or []
+    if history:
+        rows = [[str(r.get("revision")), str(r.get("version")), str(r.get("reason", "")),
+                 _age(r.get("promotedAt"), now=now), "stable" if r.get("version") == stable else ""]
+                for r in reversed(history)]
+        lines.append(table(rows, ["REVISION", "VERSION", "REASON", "AGE", ""]))
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _age(stamp: str | None, *, now: datetime | None) -> str:
+    if not stamp:
+        return "-"
+    when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    seconds = max(0, int(((now or datetime.now(tz=UTC)) - when).total_seconds()))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+# ---------------------------------------------------------------- writing
+
+
+def pause_patch(paused: bool) -> dict[str, Any]:
+    """Merge patch for ``spec.rollout.paused`` (the spec field, so GitOps sees the same switch)."""
+    return {"spec": {"rollout": {"paused": paused}}}
+
+
+def annotation_patch(name: str, value: str) -> dict[str, Any]:
+    return {"metadata": {"annotations": {name: value}}}
+
+
+def promote_patch(*, full: bool) -> dict[str, Any]:
+    """The one-shot promote request: the next step (analysis of this one skipped) or, ``full``,
+    every remaining step at once."""
+    return annotation_patch(PROMOTE_ANNOTATION, PROMOTE_FULL_VALUE if full else PROMOTE_STEP_VALUE)
+
+
+def abort_patch() -> dict[str, Any]:
+    return annotation_patch(ABORT_ANNOTATION, "kubectl-sparsegate")
+
+
+def retry_patch(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The retry request; refused when there is nothing to retry (the operator would ignore it)."""
+    ro = _rollout(obj)
+    phase = ro.get("phase")
+    if phase not in ("RolledBack", "Aborted", "Failed"):
+        raise PluginError(f"nothing to retry: phase is {phase or 'Pending'} (retry follows a rollback, an abort "
+                          f"or a failed analysis)")
+    return annotation_patch(RETRY_ANNOTATION, "kubectl-sparsegate")
+
+
+def undo_target(obj: Mapping[str, Any], *, to_revision: int | None = None) -> Mapping[str, Any]:
+    """The history entry ``undo`` rolls out: ``to_revision``, or the one before the stable version."""
+    history = list((obj.get("status") or {}).get("history") or [])
+    stable = ((obj.get("status") or {}).get("stable") or {}).get("version")
+    if to_revision is not None:
+        found = [r for r in history if r.get("revision") == to_revision]
+        if not found:
+            known = ", ".join(str(r.get("revision")) for r in history) or "none"
+            raise PluginError(f"no revision {to_revision} in status.history (known: {known})")
+        return found[0]
+    earlier = [r for r in history if r.get("version") != stable]
+    if not earlier:
+        raise PluginError("no earlier revision in status.history to undo to")
+    return earlier[-1]
+
+
+def undo_patch(obj: Mapping[str, Any], *, to_revision: int | None = None) -> list[dict[str, Any]]:
+    """JSON patch writing the revision's params as ``spec.params`` (replaced whole: a merge patch
+    would keep keys the old version did not have, and hash to a third version)."""
+    target = undo_target(obj, to_revision=to_revision)
+    if not isinstance(target.get("params"), Mapping):
+        raise PluginError(f"revision {target.get('revision')} has no params recorded")
+    return [{"op": "replace", "path": "/spec/params", "value": dict(target["params"])}]

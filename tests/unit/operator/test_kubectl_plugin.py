@@ -1,0 +1,201 @@
+"""kubectl sparsegate: its pure views and patches, and each command against a fake client at our own
+boundary (``Client``); the real API server round trip is tests/e2e/operator/test_kubectl_plugin.py."""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from sparsegate.domain.rollout import (
+    ABORT_ANNOTATION,
+    PROMOTE_ANNOTATION,
+    RETRY_ANNOTATION,
+    GateVersion,
+    annotation_requests,
+)
+from sparsegate.kubectl_plugin import run, view
+
+V1 = {"toolGateThreshold": 0.85, "entropyBeta": 0.1}
+V2 = {"toolGateThreshold": 0.8, "entropyBeta": 0.1}
+V3 = {"toolGateThreshold": 0.75, "entropyBeta": 0.1}
+
+
+def doc(params: dict) -> dict[str, Any]:
+    return GateVersion.from_params(params).document()
+
+
+def revision(n: int, params: dict, at: str = "2027-01-01T00:00:00.000Z") -> dict[str, Any]:
+    return {"revision": n, **doc(params), "promotedAt": at, "reason": "Promoted"}
+
+
+def gateconfig(name: str = "gate", namespace: str = "ns", **rollout: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "sparsegate.dev/v1alpha1", "kind": "GateConfig",
+        "metadata": {"name": name, "namespace": namespace, "generation": 4},
+        "spec": {"params": V3, "rollout": {"steps": [10, 50, 100]}},
+        "status": {
+            "observedGeneration": 4,
+            "stable": doc(V2),
+            "history": [revision(1, V1), revision(2, V2)],
+            "rollout": {"phase": "Analysing", "reason": "Analysing", "message": "step 2/3: analysing",
+                        "step": 2, "steps": 3, "canaryPercent": 50, "canaryVersion": doc(V3)["version"],
+                        "canaryInstances": "5/10", "versionCounts": {doc(V3)["version"]: 5, doc(V2)["version"]: 5},
+                        "analysis": {"verdict": "Pass", "canaryRequests": 120.0, "canaryQps": 12.0, "checks": [
+                            {"name": "errorRate", "value": 0.01, "threshold": 0.02, "passed": True},
+                            {"name": "p99LatencyMs", "value": None, "threshold": 800, "passed": True},
+                            {"name": "drift", "value": 0.3, "threshold": 0.1, "passed": False}]},
+                        **rollout},
+            "conditions": [{"type": "Ready", "status": "False", "reason": "Analysing"},
+                           {"type": "Reconciling", "status": "True", "reason": "Analysing"}],
+        },
+    }
+
+
+# ---------------------------------------------------------------- views
+
+
+def test_get_table_columns_and_analysis_values() -> None:
+    resting = gateconfig("other")
+    resting["status"]["rollout"] = {"phase": "Succeeded", "steps": 3}
+    text = view.get_table([gateconfig(), resting])
+    lines = text.splitlines()
+    assert lines[0].split() == ["NAME", "PHASE", "STEP", "CANARY%", "CANARY", "STABLE", "ANALYSIS"]
+    assert lines[1].split() == ["gate", "Analysing", "2/3", "50%", doc(V3)["version"], doc(V2)["version"],
+                                "errorRate=0.01/0.02", "p99LatencyMs=n/a/800", "!drift=0.3/0.1"]
+    assert lines[2].split() == ["other", "Succeeded", "-", "-", "-", doc(V2)["version"], "-"]
+    assert all(line == line.rstrip() for line in lines)
+
+
+def test_get_table_all_namespaces_sorted() -> None:
+    text = view.get_table([gateconfig("b", "ns2"), gateconfig("a", "ns2"), gateconfig("z", "ns1")],
+                          with_namespace=True)
+    assert [line.split()[:2] for line in text.splitlines()] == [
+        ["NAMESPACE", "NAME"], ["ns1", "z"], ["ns2", "a"], ["ns2", "b"]]
+
+
+def test_status_view_steps_analysis_conditions_history() -> None:
+    text = view.status_view(gateconfig(), now=datetime(2027, 1, 1, 2, 0, tzinfo=UTC))
+    assert "Phase:      Analysing (Analysing)" in text
+    assert f"Canary:     {doc(V3)['version']}  50% target, 5/10 instances" in text
+    steps = [line.split() for line in text.splitlines() if line.split()[:1] in (["1"], ["2"], ["3"])
+             and "%" in line]
+    assert steps == [["1", "10%", "done"], ["2", "50%", "<-", "Analysing"], ["3", "100%", "pending"]]
+    assert any(line.split() == ["drift", "0.3", "0.1", "FAIL"] for line in text.splitlines())
+    assert any(line.split() == ["Reconciling", "True", "Analysing"] for line in text.splitlines())
+    history = [line.split() for line in text.splitlines() if line.startswith(("1 ", "2 ")) and "g-" in line]
+    assert history == [["2", doc(V2)["version"], "Promoted", "2h", "stable"], ["1", doc(V1)["version"], "Promoted", "2h"]]
+
+
+def test_status_view_of_a_fresh_object() -> None:
+    obj = {"metadata": {"name": "g", "namespace": "ns"}, "spec": {"params": V1}}
+    text = view.status_view(obj)
+    assert "Phase:      Pending" in text and "100%" in text  # the default steps, none current
+
+
+def test_patches_are_what_the_operator_reads() -> None:
+    assert view.pause_patch(True) == {"spec": {"rollout": {"paused": True}}}
+    # The operator's own parser turns each annotation into the intended request.
+    full = view.promote_patch(full=True)["metadata"]["annotations"]
+    step = view.promote_patch(full=False)["metadata"]["annotations"]
+    assert annotation_requests(full)["promote"] and not annotation_requests(full)["promote_step"]
+    assert annotation_requests(step)["promote_step"] and not annotation_requests(step)["promote"]
+    assert annotation_requests(view.abort_patch()["metadata"]["annotations"])["abort"]
+    rolled_back = gateconfig(phase="RolledBack")
+    assert annotation_requests(view.retry_patch(rolled_back)["metadata"]["annotations"])["retry"]
+    assert {PROMOTE_ANNOTATION, ABORT_ANNOTATION, RETRY_ANNOTATION} == {
+        *full, *view.abort_patch()["metadata"]["annotations"], *view.retry_patch(rolled_back)["metadata"]["annotations"]}
+
+
+def test_retry_refused_when_nothing_was_rejected() -> None:
+    with pytest.raises(view.PluginError, match="nothing to retry: phase is Analysing"):
+        view.retry_patch(gateconfig())
+
+
+def test_undo_targets() -> None:
+    obj = gateconfig()
+    assert view.undo_target(obj)["revision"] == 1  # the one before the stable version
+    assert view.undo_patch(obj) == [{"op": "replace", "path": "/spec/params", "value": V1}]
+    assert view.undo_patch(obj, to_revision=2)[0]["value"] == V2
+    with pytest.raises(view.PluginError, match=r"no revision 7 in status.history \(known: 1, 2\)"):
+        view.undo_target(obj, to_revision=7)
+    only_stable = copy.deepcopy(obj)
+    only_stable["status"]["history"] = [revision(1, V2)]
+    with pytest.raises(view.PluginError, match="no earlier revision"):
+        view.undo_target(only_stable)
+    # The params written back hash to the recorded version: the rollout that follows targets it.
+    assert GateVersion.from_params(view.undo_patch(obj)[0]["value"]).version == doc(V1)["version"]
+
+
+# ---------------------------------------------------------------- commands
+
+
+class FakeClient:
+    def __init__(self, objs: list[dict[str, Any]], *, kubeconfig: str | None = None,
+                 context: str | None = None) -> None:
+        self.objs = {(o["metadata"]["namespace"], o["metadata"]["name"]): o for o in objs}
+        self.default_namespace = "ns"
+        self.patches: list[tuple[str, str, Any]] = []
+        self.seen = {"kubeconfig": kubeconfig, "context": context}
+
+    def get(self, namespace: str, name: str) -> dict[str, Any]:
+        return self.objs[(namespace, name)]
+
+    def list(self, namespace: str | None) -> list[dict[str, Any]]:
+        return [o for (ns, _), o in self.objs.items() if namespace in (None, ns)]
+
+    def patch(self, namespace: str, name: str, body: Any) -> dict[str, Any]:
+        self.patches.append((namespace, name, body))
+        return self.objs[(namespace, name)]
+
+    def watch(self, namespace: str, name: str) -> Any:
+        obj = self.objs[(namespace, name)]
+        later = copy.deepcopy(obj)
+        later["status"]["rollout"]["phase"] = "Succeeded"
+        yield {"type": "MODIFIED", "object": obj}
+        yield {"type": "MODIFIED", "object": later}
+        yield {"type": "DELETED", "object": later}
+
+
+def cli(argv: list[str], objs: list[dict[str, Any]]) -> tuple[FakeClient, str]:
+    made: list[FakeClient] = []
+    printed: list[str] = []
+
+    def factory(**kw: Any) -> FakeClient:
+        made.append(FakeClient(objs, **kw))
+        return made[0]
+
+    assert run(argv, client_factory=factory, out=printed.append) == 0
+    return made[0], "".join(printed)
+
+
+@pytest.mark.parametrize(("argv", "body"), [
+    (["pause", "gate"], {"spec": {"rollout": {"paused": True}}}),
+    (["resume", "gate"], {"spec": {"rollout": {"paused": False}}}),
+    (["promote", "gate"], {"metadata": {"annotations": {PROMOTE_ANNOTATION: "step"}}}),
+    (["promote", "gate", "--full"], {"metadata": {"annotations": {PROMOTE_ANNOTATION: "full"}}}),
+    (["abort", "gate"], {"metadata": {"annotations": {ABORT_ANNOTATION: "kubectl-sparsegate"}}}),
+    (["undo", "gate"], [{"op": "replace", "path": "/spec/params", "value": V1}]),
+    (["-n", "other", "undo", "gate", "--to-revision", "2"], [{"op": "replace", "path": "/spec/params", "value": V2}]),
+])
+def test_commands_send_one_patch(argv: list[str], body: Any) -> None:
+    namespace = "other" if "other" in argv else "ns"
+    client, printed = cli(argv, [gateconfig(), gateconfig(namespace="other")])
+    assert client.patches == [(namespace, "gate", body)]
+    assert printed.startswith("gateconfig.sparsegate.dev/gate ")
+
+
+def test_get_and_status_print_without_writing() -> None:
+    client, printed = cli(["--context", "c1", "get", "-A"], [gateconfig(), gateconfig(namespace="other")])
+    assert client.patches == [] and client.seen == {"kubeconfig": None, "context": "c1"}
+    assert printed.splitlines()[0].split()[0] == "NAMESPACE" and len(printed.splitlines()) == 3
+    _, printed = cli(["status", "gate"], [gateconfig()])
+    assert "Analysing" in printed and "REVISION" in printed
+
+
+def test_status_watch_prints_every_change_until_deleted() -> None:
+    _, printed = cli(["status", "gate", "--watch"], [gateconfig()])
+    assert printed.count("Name:       ns/gate") == 2
+    assert "Phase:      Succeeded" in printed and printed.endswith("GateConfig ns/gate deleted\n")
