@@ -203,3 +203,12 @@ def test_weights_file_without_a_tensor_is_refused(tmp_path):
     save_file(tensors, weights, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"model.safetensors\): lacks 1 weights"):
         load_moe_checkpoint(path)
+
+
+def test_patched_model_saves_a_checkpoint_upstream_transformers_reads(checkpoints, tmp_path):
+    """Same parameter names and shapes after patching: save_pretrained round-trips."""
+    lm = load_moe_checkpoint(checkpoints["qwen2_moe"])
+    lm.model.save_pretrained(tmp_path)
+    ids = _tokens(seed=5)
+    torch.testing.assert_close(_upstream_logits(tmp_path, ids), lm.forward(ids).logits,
+                               rtol=1e-5, atol=1e-5)

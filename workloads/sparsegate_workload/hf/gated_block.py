@@ -8,8 +8,11 @@ renormalised only where the family does so (`families.MoEFamily.renormalize`), s
 min = max = k and no cap the block computes exactly the upstream top-k block.
 
 Dispatch (FACTS.md "MoE dispatch on CPU"): gather the kept rows once in expert order, one
-``mm`` pair per non-empty expert on its contiguous slice (the upstream [out, in] weights used as
-transposed views: BLAS reads them in place), weights applied in place, combine by gathers.
+``mm`` pair per non-empty expert on its contiguous slice, weights applied in place, combine by
+gathers. At patch time each expert weight is re-laid out once as [in, out] contiguous storage
+and the upstream parameter becomes a transposed view of it (same shape, values and name, no
+second copy): measured here, fp32 at ~64 rows per expert runs ~13% faster that way than BLAS
+reading the [out, in] layout transposed (bf16 the same either way).
 
 The gate in force is one immutable `ActiveGate`; the model holds it in a shared `GateSlot` and
 swaps it by reference. A caller pins it for a whole forward (or a whole ``generate``) with
@@ -117,7 +120,7 @@ class SparseGatedMoEBlock(nn.Module):
         self.gate = Router(hidden, self.num_experts)
         self.gate.weight = weight  # the checkpoint's parameter itself, not a copy
         self.gate.freeze_precisions()  # a precision switch at serving time is then a lookup
-        self.experts = upstream.experts
+        self.experts = _relayout_experts(upstream.experts)
         if shared_expert:
             self.shared_expert = upstream.shared_expert
             self.shared_expert_gate = upstream.shared_expert_gate
@@ -157,7 +160,9 @@ class SparseGatedMoEBlock(nn.Module):
 
     def dispatch(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
         """[T, d] -> [T, d]: the kept experts' SwiGLU outputs, combined with the gate weights."""
-        w_gate_up, w_down = self.experts.gate_up_proj, self.experts.down_proj
+        # [E, d, 2f] and [E, f, d]: contiguous views of the storage `_relayout_experts` made.
+        w_gate_up = self.experts.gate_up_proj.transpose(1, 2)
+        w_down = self.experts.down_proj.transpose(1, 2)
         xs = flat.index_select(0, routing.token_idx)
         w = routing.weights.unsqueeze(-1).to(flat.dtype)
         n_assign, d_model = xs.shape
@@ -169,8 +174,8 @@ class SparseGatedMoEBlock(nn.Module):
             chunks, start = [], 0
             for e, n in enumerate(routing.counts):
                 if n:
-                    h = _swiglu(F.linear(xs[start:start + n], gu[e]), inplace=False)
-                    chunks.append(F.linear(h, dn[e]))
+                    h = _swiglu(xs[start:start + n] @ gu[e], inplace=False)
+                    chunks.append(h @ dn[e])
                     start += n
             ys = torch.cat(chunks) * w if chunks else xs.new_zeros(0, d_model)
             return combine(torch.cat([ys, ys.new_zeros(1, d_model)]), routing.slots)
@@ -181,11 +186,25 @@ class SparseGatedMoEBlock(nn.Module):
         for e, n in enumerate(routing.counts):
             if n:
                 end = start + n
-                h = _swiglu(torch.mm(xs[start:end], w_gate_up[e].t()), inplace=True)
-                torch.mm(h, w_down[e].t(), out=ys[start:end])
+                h = _swiglu(torch.mm(xs[start:end], w_gate_up[e]), inplace=True)
+                torch.mm(h, w_down[e], out=ys[start:end])
                 start = end
         ys[:n_assign].mul_(w)
         return combine(ys, routing.slots)
+
+
+def _relayout_experts(experts: nn.Module) -> nn.Module:
+    """Store gate_up_proj [E, 2f, d] and down_proj [E, d, f] as transposed views of
+    contiguous [E, d, 2f] / [E, f, d] tensors; one expert tensor is copied at a time."""
+    for name in ("gate_up_proj", "down_proj"):
+        param = getattr(experts, name)
+        if param.transpose(1, 2).is_contiguous():
+            continue  # already laid out (e.g. a block patched twice)
+        with torch.no_grad():
+            stored = param.detach().transpose(1, 2).contiguous()
+        setattr(experts, name, nn.Parameter(stored.transpose(1, 2),
+                                            requires_grad=param.requires_grad))
+    return experts
 
 
 def _stats(routing: Routing, *, entropy_beta: float) -> MoEStats:

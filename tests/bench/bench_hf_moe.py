@@ -1,0 +1,195 @@
+"""A loaded Hugging Face Mixtral checkpoint's MoE block: upstream forward vs sparsegate's patched
+block vs a dense SwiGLU of equal active FLOPs, CPU, side by side.
+
+    python tests/bench/bench_hf_moe.py [--tokens 256,1024,4096] [--dtypes fp32,bf16] [--runs 10]
+                                       [--threads 1] [--d-model 512] [--d-ff 1024]
+
+A one-layer Mixtral checkpoint (8 experts, top-2, random weights, router drawn wider so its
+confidences spread) is built in code, saved, and loaded twice from disk: unpatched through
+transformers (its default experts implementation on this torch, and "eager" for reference) and
+through `load_moe_checkpoint` with the family's own top-2 gate (min = max = 2, dropless), so all
+three blocks route every token to the same two experts with the same weights (checked: the
+outputs are compared each size). Runs interleave block by block, so machine noise hits all alike.
+- R vs upstream = patched time / upstream (default) time, median of per-run ratios (same work,
+  so < 1 means our routing+dispatch is faster). Goal: <= 0.8 at >= 1024 tokens.
+- R vs dense = (MoE time / MoE active FLOPs) / (dense time / dense FLOPs), as bench_moe.py
+  defines it; dense width = d_ff * 2 (top-2), router FLOPs counted apart. Goal: <= 1.3 at 256.
+- route ms: the patched block's routing alone (gate matmul, softmax, top-k, grouping, the one
+  host sync), timed in the same runs, to show where its time goes.
+Writes tests/bench/results/bench_hf_moe.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import torch  # noqa: E402
+
+from sparsegate_workload.experts import DenseSwiGLU  # noqa: E402
+from sparsegate_workload.hf import build_tiny_checkpoint, load_moe_checkpoint  # noqa: E402
+from sparsegate_workload.moe import dense_equivalent_width  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_hf_moe.json"
+GOAL_VS_UPSTREAM, GOAL_UPSTREAM_MIN_TOKENS = 0.8, 1024
+GOAL_VS_DENSE, GOAL_DENSE_TOKENS = 1.3, 256
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def load_blocks(path: Path, dtype: torch.dtype) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    upstream = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    eager = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
+                                                 experts_implementation="eager")
+    lm = load_moe_checkpoint(path, dtype=dtype)  # family top-2, dropless
+    return dict(upstream=upstream.model.layers[0].mlp.eval(),
+                upstream_impl=upstream.config._experts_implementation,
+                eager=eager.model.layers[0].mlp.eval(), lm=lm, patched=lm.blocks[0])
+
+
+def bench(n_tokens: int, dtype_name: str, blocks: dict, args: argparse.Namespace) -> dict:
+    d, f = args.d_model, args.d_ff
+    dtype = DTYPES[dtype_name]
+    x = torch.randn(1, n_tokens, d, generator=torch.Generator().manual_seed(n_tokens)).to(dtype)
+    lm, patched = blocks["lm"], blocks["patched"]
+    width = dense_equivalent_width(d_ff=f, mean_k=2.0)
+    dense = DenseSwiGLU(d, width)
+    dense.reset_parameters(torch.Generator().manual_seed(1))
+    dense = dense.to(dtype).requires_grad_(False)
+    flat = x.reshape(-1, d)
+
+    def run_patched() -> None:
+        with lm.pinned_gate():  # the server's path: one pinned gate, stats recorded
+            patched(x)
+
+    fns = {"upstream": lambda: blocks["upstream"](x), "eager": lambda: blocks["eager"](x),
+           "patched": run_patched, "dense": lambda: dense(flat),
+           "route": lambda: patched.route(flat, lm.gate)}
+    with torch.inference_mode():
+        y_up, y_eager = blocks["upstream"](x), blocks["eager"](x)
+        with lm.pinned_gate() as call:
+            y_ours = patched(x)
+        max_diff = max((y_ours - y_up).abs().max().item(), (y_eager - y_up).abs().max().item())
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        for run in range(args.runs + 1):  # run 0 warms up
+            for name, fn in fns.items():
+                t = _timed(fn)
+                if run:
+                    times[name].append(t)
+    stats = call.layers[0]
+    moe_flops = sum(stats.counts) * 6 * d * f
+    dense_flops = n_tokens * 6 * d * width
+    med = {k: statistics.median(v) for k, v in times.items()}
+
+    def r_dense(name: str) -> list[float]:
+        return [(tm / moe_flops) / (td / dense_flops)
+                for tm, td in zip(times[name], times["dense"])]
+
+    vs_up = [tp / tu for tp, tu in zip(times["patched"], times["upstream"])]
+    return dict(
+        tokens=n_tokens, dtype=dtype_name, upstream_impl=blocks["upstream_impl"],
+        mean_active_experts=stats.mean_active, dropped=stats.dropped,
+        max_abs_diff_vs_upstream=max_diff, dense_width=width, moe_flops=moe_flops,
+        dense_flops=dense_flops, router_flops=n_tokens * 2 * d * patched.num_experts,
+        **{f"{k}_ms": v * 1e3 for k, v in med.items()},
+        patched_gflops=moe_flops / med["patched"] / 1e9,
+        upstream_gflops=moe_flops / med["upstream"] / 1e9,
+        dense_gflops=dense_flops / med["dense"] / 1e9,
+        ratio_vs_upstream=statistics.median(vs_up), ratio_vs_upstream_min=min(vs_up),
+        ratio_vs_upstream_max=max(vs_up),
+        ratio_vs_eager=statistics.median(tp / te for tp, te in zip(times["patched"],
+                                                                   times["eager"])),
+        ratio_vs_dense=statistics.median(r_dense("patched")),
+        upstream_ratio_vs_dense=statistics.median(r_dense("upstream")))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", default="256,1024,4096")
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--d-ff", type=int, default=1024)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args()
+    if args.runs < 10:
+        sys.exit("medians need >= 10 runs")
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    started = time.time()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_checkpoint(Path(tmp) / "mixtral", family="mixtral", layers=1,
+                                     hidden_size=args.d_model, heads=8,
+                                     expert_ffn=args.d_ff, experts=args.experts, top_k=2,
+                                     tokenizer=False)
+        for dtype_name in args.dtypes.split(","):
+            blocks = load_blocks(path, DTYPES[dtype_name])
+            for n in (int(t) for t in args.tokens.split(",")):
+                results.append(bench(n, dtype_name, blocks, args))
+    load_after = os.getloadavg()
+
+    print(f"HF Mixtral MoE block (d_model {args.d_model}, d_ff {args.d_ff}, {args.experts} "
+          f"experts, top-2, loaded from safetensors): upstream transformers forward vs "
+          f"sparsegate patched vs dense SwiGLU; {args.threads} thread(s), medians of "
+          f"{args.runs} runs; torch {torch.__version__}; loadavg {load_before[0]:.1f} -> "
+          f"{load_after[0]:.1f} on {os.cpu_count()} CPUs (shared machine: ~25% run-to-run noise)")
+    hdr = (f"{'tokens':>6} {'dtype':<5} {'upstream ms':>11} {'eager ms':>8} {'ours ms':>8} "
+           f"{'route ms':>8} {'dense ms':>8} {'ours GF/s':>9} {'R vs up':>7} {'R range':>11} "
+           f"{'R vs eager':>10} {'R vs dense':>10} {'up vs dense':>11} {'max |diff|':>10}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in results:
+        print(f"{r['tokens']:>6} {r['dtype']:<5} {r['upstream_ms']:>11.1f} {r['eager_ms']:>8.1f} "
+              f"{r['patched_ms']:>8.1f} {r['route_ms']:>8.2f} {r['dense_ms']:>8.1f} "
+              f"{r['patched_gflops']:>9.1f} {r['ratio_vs_upstream']:>7.2f} "
+              f"{r['ratio_vs_upstream_min']:>5.2f}-{r['ratio_vs_upstream_max']:<5.2f} "
+              f"{r['ratio_vs_eager']:>10.2f} {r['ratio_vs_dense']:>10.2f} "
+              f"{r['upstream_ratio_vs_dense']:>11.2f} {r['max_abs_diff_vs_upstream']:>10.2e}")
+    print(f"upstream default experts implementation: {results[0]['upstream_impl']}")
+    verdicts = []
+    for r in results:
+        if r["tokens"] >= GOAL_UPSTREAM_MIN_TOKENS:
+            verdicts.append(dict(goal=f"R vs upstream <= {GOAL_VS_UPSTREAM}", tokens=r["tokens"],
+                                 dtype=r["dtype"], ratio=r["ratio_vs_upstream"],
+                                 met=r["ratio_vs_upstream"] <= GOAL_VS_UPSTREAM))
+        if r["tokens"] == GOAL_DENSE_TOKENS:
+            verdicts.append(dict(goal=f"R vs dense <= {GOAL_VS_DENSE}", tokens=r["tokens"],
+                                 dtype=r["dtype"], ratio=r["ratio_vs_dense"],
+                                 met=r["ratio_vs_dense"] <= GOAL_VS_DENSE))
+    for v in verdicts:
+        print(f"goal {v['goal']} at {v['tokens']} tokens, {v['dtype']}: R = {v['ratio']:.2f} -> "
+              f"{'met' if v['met'] else 'NOT met'}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(
+        benchmark="hf_moe_block", mode="forward (inference)", started=started,
+        seconds=time.time() - started, torch=torch.__version__,
+        transformers=__import__("transformers").__version__,
+        python=platform.python_version(), cpus=os.cpu_count(), threads=args.threads,
+        loadavg_before=load_before, loadavg_after=load_after,
+        config=dict(family="mixtral", d_model=args.d_model, d_ff=args.d_ff,
+                    experts=args.experts, top_k=2, runs=args.runs, dtypes=args.dtypes),
+        goals=verdicts, results=results), indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
