@@ -26,6 +26,18 @@ STAGES_FILE = Path(__file__).with_name("kwok-stages.yaml")
 POD_START_STAGE = Path(__file__).with_name("kwok-stage-pod-start.yaml")
 POD_RUNNER = "podrunner"
 
+# The opt-in audit policy: who wrote what and when (Metadata: no bodies), nothing for reads, one
+# event per request (at ResponseComplete). Enough to tell which identity wrote and when.
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [
+        {"level": "Metadata", "verbs": ["create", "update", "patch", "delete", "deletecollection"]},
+        {"level": "None"},
+    ],
+}
+
 
 class ClusterError(RuntimeError):
     """The cluster could not be started, or is in a state that forbids the request."""
@@ -52,6 +64,7 @@ class LocalCluster:
         die_with_parent: bool = True,
         startup_timeout_s: float = 180.0,
         containers: bool = False,
+        audit_log: bool = False,
     ) -> None:
         self.layout = config.Layout(Path(state_dir) if state_dir is not None else default_state_dir())
         self.node_shape = node_shape or nodes.NodeShape()
@@ -62,6 +75,8 @@ class LocalCluster:
         # Container mode: the pod runner (podrunner.py) runs every pod's containers with podman and
         # reports their readiness; without it, kwok marks pods Ready and nothing runs.
         self.containers = containers
+        # Audit log of every write (AUDIT_POLICY) at ``audit_log_path``; off by default (cost).
+        self.audit_log = audit_log
         self.ports: config.Ports | None = None
         self.timings: dict[str, float] = {}
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -76,6 +91,11 @@ class LocalCluster:
     @property
     def kubeconfig(self) -> Path:
         return self.layout.kubeconfig
+
+    @property
+    def audit_log_path(self) -> Path:
+        """JSON lines, one audit event per write request (only when started with ``audit_log``)."""
+        return self.layout.logs / "audit.log"
 
     @property
     def server(self) -> str:
@@ -198,7 +218,7 @@ class LocalCluster:
         )
         t = self._lap("etcd", t)
 
-        apiserver = self._spawn("kube-apiserver", config.apiserver_args(layout, ports))
+        apiserver = self._spawn("kube-apiserver", config.apiserver_args(layout, ports) + self._audit_args())
         admin_tls = health.client_tls(ca=layout.cert("ca"), cert=layout.cert("admin"), key=layout.key("admin"))
         health.wait_until(
             health.endpoint_ok(config.LOOPBACK, ports.apiserver, "/readyz", context=admin_tls),
@@ -261,6 +281,21 @@ class LocalCluster:
             path = layout.component_kubeconfig(component)
             path.parent.mkdir(parents=True, exist_ok=True)
             _write_private(path, kubeconfig_for(component, component))
+
+    def _audit_args(self) -> list[str]:
+        if not self.audit_log:
+            return []
+        policy = self.layout.work_dir("kube-apiserver") / "audit-policy.yaml"
+        policy.parent.mkdir(parents=True, exist_ok=True)
+        policy.write_text(yaml.safe_dump(AUDIT_POLICY, sort_keys=False))
+        return [
+            f"--audit-policy-file={policy}",
+            f"--audit-log-path={self.audit_log_path}",
+            "--audit-log-format=json",
+            # Blocking: each event is written in its request's own path, not batched in the
+            # background, so the log is current up to the requests just served.
+            "--audit-log-mode=blocking",
+        ]
 
     def _stages_file(self) -> Path:
         """kwok's stages; in container mode pod-ready gives way to pod-start (readiness is the runner's)."""

@@ -2,7 +2,9 @@
 
 Two operators must never act at once. The leader therefore:
 
-- bounds every election request by the time left before its renew deadline (never beyond it);
+- gives every election request a timeout no longer than the time left before its renew
+  deadline (urllib3 may still retry a broken connection inside one call, which is why the
+  deadline is enforced by the watchdog below, not by the requests);
 - treats *any* exception of an attempt (API error, refused or reset connection, timeout, TLS
   error, a bug) as one failed attempt: the renewer thread logs it and tries again, it never dies;
 - runs a separate watchdog thread that wakes at the deadline, so a request hung in a socket
@@ -129,15 +131,17 @@ class LeaderElector:
 
     def acquire(self, stop: threading.Event) -> bool:
         """Block until leading (True) or ``stop`` is set (False)."""
+        holder_seen: str | None = None
         while not stop.is_set():
             try:
                 if self.try_acquire_or_renew():
                     logger.info("leading as %s (Lease %s/%s)", self.identity, self.namespace, self.name)
                     return True
-                if self.observation is not None:
-                    logger.debug("Lease held by %s; expires for us in %.1fs unless renewed",
-                                 self.observation.record and self.observation.record.holder,
-                                 lease.expires_in(self.observation, now=self._clock()))
+                record = self.observation.record if self.observation else None
+                if record is not None and record.holder != holder_seen:
+                    holder_seen = record.holder
+                    logger.info("standing by: Lease %s/%s held by %s (ours once unchanged for %ss)",
+                                self.namespace, self.name, holder_seen, record.lease_duration_s)
             except Exception as e:  # noqa: BLE001 (a standby just retries)
                 logger.warning("leader election: %s: %s", type(e).__name__, e)
             stop.wait(self.timing.retry_period_s * random.uniform(1.0, lease.JITTER_FACTOR))
