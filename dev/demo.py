@@ -48,7 +48,9 @@ def log(msg: str) -> None:
 
 class Demo:
     def __init__(self, state_dir: Path) -> None:
-        self.stack = Stack(state_dir=state_dir, die_with_parent=False, operator_env=DEMO_OPERATOR_ENV)
+        # The chart serves only the release namespace by default; the examples go to NS.
+        self.stack = Stack(state_dir=state_dir, die_with_parent=False, operator_env=DEMO_OPERATOR_ENV,
+                           extra_values=["--set", f"operator.watchNamespaces={{{NS}}}"])
         self.cluster = self.stack.cluster
         self.work = state_dir / "demo"
         self.work.mkdir(parents=True, exist_ok=True)

@@ -96,7 +96,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     Its own pod range, like ``cluster``: a demo stack (127.20.0.0/16) may be running on this machine.
     """
     s = Stack(state_dir=tmp_path_factory.mktemp("stack"), pod_cidr=pick_unused_pod_cidr(),
-              operator_env=STACK_OPERATOR_ENV)
+              operator_env=STACK_OPERATOR_ENV,
+              # Tests make a namespace each (stack_namespace): the operator must serve them all.
+              # The chart's admission policy stays on, so every test's writes go through it.
+              extra_values=["--set", "operator.clusterWide=true"])
     t0 = time.monotonic()
     s.build_images()
     t_images = time.monotonic()

@@ -1,11 +1,12 @@
 """The new user's path: images, ``helm install`` with chart defaults, everything running in-cluster.
 
 Given the project's images (built from its Containerfiles) and a cluster whose pods run their
-containers (the pod runner in container mode), when the chart is installed with helm — defaults
-plus the local image names — then the operator runs in-cluster from its image with the chart's
-ServiceAccount, OPA runs as its sidecar, the example SparseModel's pods run the model-server
-image, a GateConfig change rolls out 5 → 20 → 100 % and survives the operator container being
-killed mid-rollout, and a RoutingPolicy is decided by the chart's OPA.
+containers (the pod runner in container mode), when the chart is installed with helm — defaults plus
+the local image names and ``operator.watchNamespaces`` naming the examples' namespace — then the
+operator runs in-cluster from its image with the chart's ServiceAccount, OPA runs as its sidecar,
+the example SparseModel's pods run the model-server image, a GateConfig change rolls out 5 → 20 →
+100 % and survives the operator container being killed mid-rollout, and a RoutingPolicy is decided
+by the chart's OPA.
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = Stack(state_dir=tmp_path_factory.mktemp("install"), pod_cidr=pick_unused_pod_cidr(),
               node_shape=nodes.NodeShape(count=2, gpu_count=1),
               # A 1 s rollout tick instead of 5 s, so the test ends in seconds, not minutes.
-              operator_env={"SPARSEGATE_ROLLOUT_TICK_S": "1"})
+              operator_env={"SPARSEGATE_ROLLOUT_TICK_S": "1"},
+              # The one value a user of the examples sets: serve the namespace they go to (the
+              # chart serves only its release namespace by default).
+              extra_values=["--set", f"operator.watchNamespaces={{{NS}}}"])
     t0 = time.monotonic()
     s.build_images()
     t_images = time.monotonic()

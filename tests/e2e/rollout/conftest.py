@@ -8,7 +8,7 @@ the contract's default 127.20.0.0/16 (a demo, another session) would own some of
 the chart installed with helm, so the operator runs in-cluster from its image with the chart's
 ServiceAccount and RBAC (pods list, ``<m>-admin`` Secret get, GateConfig status patch, Events,
 the leader Lease), OPA as its sidecar. Chart values: a 1 s rollout tick, a 3 s resting check,
-and ``operator.watchNamespaces`` = the tests' namespace (per-namespace RoleBinding).
+and ``operator.watchNamespaces`` = the tests' namespace (a Role and RoleBinding there).
 
 ``fleet`` applies a GateConfig and a SparseModel of ``REPLICAS`` pods without ``spec.image``
 (the chart's ``modelServer.image``: one model-server container per pod, bound on the pod's
@@ -50,7 +50,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         s.build_images()
         t_images = time.monotonic()
         s.start_cluster()
-        # The namespace first: the chart binds the operator's ClusterRole in it (watchNamespaces).
+        # The namespace first: the chart puts the operator's Role and RoleBinding in it (watchNamespaces).
         s.kubectl("create", "namespace", NAMESPACE)
         s.up()
         sys.stderr.write(f"\n[e2e] rollout stack: images {t_images - t0:.1f}s, cluster+helm+operator Ready "
