@@ -114,6 +114,9 @@ def test_gate_asking_for_more_experts_than_exist_is_refused(checkpoints):
     lm = load_moe_checkpoint(checkpoints["mixtral"])
     with pytest.raises(GateParamsError, match="maxExpertsPerToken"):
         lm.set_gate(GateParams(max_experts_per_token=9))
+    with pytest.raises(GateParamsError, match="must not exceed"):
+        lm.set_gate(GateParams(min_experts_per_token=3, max_experts_per_token=2))
+    assert lm.gate.params == lm.upstream_gate_params()  # a refused gate leaves the old one
 
 
 def test_precision_auto_after_calibration_and_forced_int8(checkpoints):

@@ -97,6 +97,10 @@ class SparseGatedCausalLM:
             if value > self.num_experts:
                 raise GateParamsError(
                     f"{name} ({value}) exceeds the model's {self.num_experts} experts")
+        if params.min_experts_per_token > params.max_experts_per_token:
+            raise GateParamsError(
+                f"minExpertsPerToken ({params.min_experts_per_token}) must not exceed "
+                f"maxExpertsPerToken ({params.max_experts_per_token})")
         active = ActiveGate(params=params,
                             precisions=self.resolve_precisions(params.precision_policy),
                             capacity_factor=None if dropless else params.capacity_factor,
@@ -107,13 +111,14 @@ class SparseGatedCausalLM:
     def resolve_precisions(self, policy: str) -> tuple[Precision, ...]:
         """Router weight precision per MoE block. "auto" uses the measured gate sensitivity;
         before `calibrate_gate_precision` ran it keeps fp32 (unmeasured counts as sensitive)."""
-        if policy in PRECISIONS or self.gate_sensitivity is None:
-            fixed: Precision = policy if policy in PRECISIONS else "fp32"  # type: ignore
-            if policy not in PRECISIONS and policy != "auto":
-                raise GateParamsError(f"unknown precision policy {policy!r}")
-            return (fixed,) * len(self.blocks)
-        return tuple(choose_precision(policy=policy, sensitivity=s)
-                     for s in self.gate_sensitivity)
+        if policy == "auto" and self.gate_sensitivity is not None:
+            return tuple(choose_precision(policy=policy, sensitivity=s)
+                         for s in self.gate_sensitivity)
+        if policy == "auto":
+            return ("fp32",) * len(self.blocks)
+        if policy in PRECISIONS:
+            return (policy,) * len(self.blocks)  # type: ignore[return-value]
+        raise GateParamsError(f"unknown precision policy {policy!r}")
 
     def pinned_gate(self) -> ContextManager[GateCall]:
         """Pin the current gate for everything inside (e.g. a generate()); collects stats."""
