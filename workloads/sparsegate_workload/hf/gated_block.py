@@ -1,11 +1,13 @@
 """The MoE block that replaces a Hugging Face family's sparse block: sparsegate's dynamic gate
-and sorted dispatch over the checkpoint's own weights (no copy).
+and sorted dispatch over the checkpoint's own weights.
 
 Routing is the built-in model's (`gating.top_p_mask` + `gating.assign`): fp32 softmax over the
 router logits, the fewest experts whose mass reaches ``confidenceThreshold`` clamped to
 ``[minExpertsPerToken, maxExpertsPerToken]``, optional capacity cap. Kept probabilities are
 renormalised only where the family does so (`families.MoEFamily.renormalize`), so with
-min = max = k and no cap the block computes exactly the upstream top-k block.
+min = max = k and no cap the block picks the upstream block's experts with its weights, and
+the fp32 logits match upstream's to float rounding (in bf16 the router here still computes its
+logits in fp32 where upstream rounds them to bf16, so near-tied tokens can choose otherwise).
 
 Dispatch (FACTS.md "MoE dispatch on CPU"): gather the kept rows once in expert order, one
 ``mm`` pair per non-empty expert on its contiguous slice, weights applied in place, combine by
@@ -16,8 +18,9 @@ reading the [out, in] layout transposed (bf16 the same either way).
 
 The gate in force is one immutable `ActiveGate`; the model holds it in a shared `GateSlot` and
 swaps it by reference. A caller pins it for a whole forward (or a whole ``generate``) with
-`GateCall`: every block then reads the pinned gate, so no forward mixes two gate versions, and
-each block appends its routing stats to that call.
+`pin_gate`: every block then reads the pinned gate, so that forward never mixes two gate
+versions, and each block appends its routing stats to the `GateCall`. A block called outside
+any pin reads the slot itself and records nothing.
 """
 
 from __future__ import annotations
