@@ -99,3 +99,43 @@ def test_crds_have_one_source():
     out = subprocess.run(["git", "grep", "-l", "-E", "^kind: +CustomResourceDefinition"], cwd=ROOT,
                          capture_output=True, text=True, check=False).stdout.split()
     assert [p for p in out if not p.startswith("charts/sparsegate/crds/")] == []
+
+
+ALL = [*MINE, "routingpolicies.yaml"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_user_field_is_bounded(name):
+    """What users write is bounded: arrays by maxItems, maps by maxProperties, strings by maxLength
+    or an enum (CEL cost estimates need the bounds; tests/e2e/operator/test_crd_fuzz.py sends one
+    past each to the API server)."""
+    (version,) = load(name)["spec"]["versions"]
+    unbounded = []
+    for path, sub in walk(version["schema"]["openAPIV3Schema"]):
+        if not path.startswith(".spec"):
+            continue
+        kind = sub.get("type")
+        if kind == "array" and "maxItems" not in sub:
+            unbounded.append(path)
+        elif kind == "object" and isinstance(sub.get("additionalProperties"), dict) and "maxProperties" not in sub:
+            unbounded.append(path)
+        elif kind == "string" and "maxLength" not in sub and "enum" not in sub:
+            unbounded.append(path)
+    assert unbounded == []
+
+
+def test_name_references_are_object_names():
+    """A SparseModel's gateConfigRef names a GateConfig (DNS-1123 subdomain, at most 253); a
+    RoutingPolicy target names a SparseModel (DNS-1035 label, at most 63, as its CRD's rule says)."""
+    import re
+
+    (model,) = load("sparsemodels.yaml")["spec"]["versions"]
+    ref = model["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["gateConfigRef"]["properties"]["name"]
+    assert ref["maxLength"] == 253
+    assert re.match(ref["pattern"], "gate.v1-a") and not re.match(ref["pattern"], "..")
+    (policy,) = load("routingpolicies.yaml")["spec"]["versions"]
+    target = policy["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["targets"]["items"]
+    name = target["properties"]["sparseModel"]
+    assert name["maxLength"] == 63
+    assert re.match(name["pattern"], "*") and re.match(name["pattern"], "moe-small")
+    assert not re.match(name["pattern"], "moe.small") and not re.match(name["pattern"], "1st")

@@ -1,0 +1,107 @@
+"""The CRD fuzz generator (tests/e2e/operator/crd_fuzz_cases.py) without a cluster: enough cases,
+every kind and category, deterministic for a seed, and every CEL rule of the CRDs known to it.
+
+The API server's verdict on each case is tests/e2e/operator/test_crd_fuzz.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+CRD_DIR = ROOT / "charts" / "sparsegate" / "crds"
+
+
+def _load_generator():
+    # Loaded from its file under its own name: the e2e tests import it by its bare name.
+    path = ROOT / "tests" / "e2e" / "operator" / "crd_fuzz_cases.py"
+    spec = importlib.util.spec_from_file_location("crd_fuzz_cases_under_unit_test", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+fuzz = _load_generator()
+SCHEMAS = fuzz.load_schemas(CRD_DIR)
+EXAMPLES = fuzz.load_examples(ROOT / "examples")
+
+
+@pytest.fixture(scope="module")
+def cases() -> list:
+    return fuzz.invalid_cases(SCHEMAS, EXAMPLES)
+
+
+def test_at_least_200_cases_over_every_kind_and_category(cases, capsys):
+    by_kind, by_category = fuzz.counts(cases)
+    with capsys.disabled():
+        print(f"\n{len(cases)} invalid cases; per kind {by_kind}; per category {by_category}")
+    assert len(cases) >= 200
+    assert all(n >= 20 for n in by_kind.values()), by_kind
+    assert all(n >= 1 for n in by_category.values()), by_category
+    # Unique ids: a failing case can be named and re-run on its own.
+    assert len({c.id for c in cases}) == len(cases)
+
+
+def test_deterministic_for_a_seed(cases):
+    again = fuzz.invalid_cases(SCHEMAS, EXAMPLES)
+    assert [(c.id, c.obj) for c in again] == [(c.id, c.obj) for c in cases]
+    other = fuzz.invalid_cases(SCHEMAS, EXAMPLES, seed=fuzz.DEFAULT_SEED + 1)
+    # Another seed picks other wrong values (same fields, so the same number of cases per field).
+    assert [c.id for c in other] != [c.id for c in cases]
+    assert {fuzz.normalise(c.path) for c in other} == {fuzz.normalise(c.path) for c in cases}
+
+
+def test_each_case_is_one_change_to_a_valid_base_at_its_path(cases):
+    bases = fuzz.full_bases(EXAMPLES)
+    for case in cases:
+        base = bases[case.kind]
+        # As JSON: in Python True == 1, on the wire they are different types.
+        assert json.dumps(case.obj, sort_keys=True) != json.dumps(base, sort_keys=True), case.id
+        assert case.obj.get("kind", base["kind"]) == base["kind"]
+        assert case.path.startswith(("spec", "metadata.name", fuzz.UNKNOWN_KEY)), case.id
+        assert case.strict == (case.category == "unknown_field"), case.id
+    # The bases themselves were not mutated by the generator.
+    assert fuzz.full_bases(EXAMPLES) == bases
+
+
+def test_every_field_under_spec_is_mutated(cases):
+    for kind in fuzz.KINDS:
+        mutated = {fuzz.normalise(c.path) for c in cases if c.kind == kind}
+        fields = set(fuzz.spec_paths(SCHEMAS[kind]))
+        assert fields and fields <= mutated, fields - mutated
+
+
+def test_a_cel_rule_without_fuzz_cases_is_an_error():
+    schemas = copy.deepcopy(SCHEMAS)
+    spec = schemas["TelemetryProbe"]["properties"]["spec"]
+    spec.setdefault("x-kubernetes-validations", []).append({"rule": "size(self.interfaces) < 9", "message": "m"})
+    with pytest.raises(KeyError, match="size\\(self.interfaces\\) < 9"):
+        fuzz.invalid_cases(schemas, EXAMPLES)
+
+
+def test_every_cel_rule_of_the_crds_has_cases():
+    rules = {(kind, holder, rule) for kind in fuzz.KINDS for holder, rule in fuzz.cel_rules(SCHEMAS[kind])
+             if not holder.startswith("status")}
+    assert rules == set(fuzz.KNOWN_RULES)
+
+
+def test_valid_edges_cover_the_operator_kinds_with_few_running_models():
+    edges = fuzz.valid_edges(SCHEMAS, EXAMPLES)
+    for kind in fuzz.KINDS:
+        names = [e.obj["metadata"]["name"] for e in edges if e.kind == kind]
+        assert len(names) >= 2 and len(set(names)) == len(names), kind
+    models = [e.obj for e in edges if e.kind == "SparseModel"]
+    # Each running model server costs a CPU-heavy container on the test machine.
+    assert all(m["spec"].get("replicas", 1) <= 1 for m in models)
+    assert max(len(e.obj["metadata"]["name"]) for e in edges if e.kind == "SparseModel") == 63
+    assert max(len(e.obj["metadata"]["name"]) for e in edges if e.kind == "GateConfig") == 253
+    refs = {m["spec"].get("gateConfigRef", {}).get("name") for m in models} - {None}
+    gates = {e.obj["metadata"]["name"] for e in edges if e.kind == "GateConfig"}
+    assert refs - gates == {"no-such-gate"}  # one dangling reference, on purpose
