@@ -46,3 +46,20 @@ FLOW_POLICY_VERSION_ANNOTATION = f"{GROUP}/flow-policy-version"  # sparsegate-fl
 KOPF_ANNOTATION_PREFIX = GROUP
 KOPF_DIFFBASE_KEY = "last-handled-configuration"
 FINALIZER = f"{GROUP}/finalizer"
+
+# The model server's admin channel (GET/PUT /admin/gate): a TLS listener of its own on every
+# model-server pod (container port ADMIN_PORT_NAME, not in the Service: the operator calls pod IPs).
+# Secret <model>-admin (type Opaque) holds exactly these keys; the server reads them as files of a
+# Secret volume, so a change of the Secret reaches running pods without a restart.
+ADMIN_PORT_NAME = "admin"
+DEFAULT_ADMIN_PORT = 8443
+ADMIN_TOKEN_KEY = "token"
+ADMIN_TLS_CERT_KEY = "tls.crt"
+ADMIN_TLS_KEY_KEY = "tls.key"
+ADMIN_SECRET_KEYS = (ADMIN_TOKEN_KEY, ADMIN_TLS_CERT_KEY, ADMIN_TLS_KEY_KEY)
+
+
+def admin_server_name(*, model: str, namespace: str) -> str:
+    """The DNS name the model's admin certificate carries (subjectAltName) and the operator checks
+    (TLS server name). Not resolvable and never looked up: it names the model, not a host."""
+    return f"{model}.{namespace}.admin.{GROUP}"

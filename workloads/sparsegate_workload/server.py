@@ -9,6 +9,11 @@ event loop can never be seen half-applied: each request runs wholly under one ve
 errorRate p each inference request fails with 503 with probability p (seeded RNG) and
 addedLatencyMs sleeps (asyncio) before answering. It exists so tests and demos can roll out a
 deliberately bad version and watch the rollout controller's analysis catch it.
+
+Two listeners: inference, probes and metrics on ``--port`` (plain HTTP); ``GET``/``PUT /admin/gate``
+only on ``--admin-port``, TLS with the Secret volume's certificate and Bearer token (see
+``admin.py``: why, and how a changed Secret rotates both without a restart). Both share one
+:class:`ServerState`, so a PUT on the admin listener swaps the gate the inference requests read.
 """
 
 from __future__ import annotations
@@ -17,11 +22,11 @@ import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
-import hmac
 import json
 import logging
 import os
 import random
+import ssl
 import time
 from typing import Any, Awaitable, Callable
 
@@ -29,8 +34,10 @@ import torch
 from aiohttp import web
 from sparsegate_contracts.gate import (DEFAULT_DOCUMENT, GateDocument, GateParams, GateParamsError,
                                        parse_document)
+from sparsegate_contracts.names import DEFAULT_ADMIN_PORT
 from sparsegate_contracts.version import version_line
 
+from .admin import AdminAuth, AdminDenied, AdminFiles, check_bearer
 from .inference import InferenceResult, run_batch
 from .metrics import ServerMetrics
 from .model import ModelConfig, TinyMoELM, build_model, default_heads, effective_gate
@@ -64,7 +71,6 @@ def _applied(doc: GateDocument, model: TinyMoELM) -> AppliedGate:
 @dataclasses.dataclass
 class ServerState:
     model_config: ModelConfig
-    admin_token: str | None
     rng: random.Random
     gate: AppliedGate | None = None       # swapped by reference, never mutated
     pending_doc: GateDocument = DEFAULT_DOCUMENT
@@ -80,6 +86,17 @@ class ServerState:
 
 STATE = web.AppKey("state", ServerState)
 LOADER = web.AppKey("loader", asyncio.Task)
+AUTH = web.AppKey("admin_auth", AdminAuth)
+ADMIN_RUNNER = web.AppKey("admin_runner", web.AppRunner)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdminListener:
+    """Where the admin app listens, and the files its TLS and token come from."""
+
+    host: str
+    port: int
+    files: AdminFiles
 
 
 class ApiError(Exception):
@@ -278,26 +295,24 @@ def _gate_json(gate: AppliedGate) -> dict[str, Any]:
                                          "max": gate.params.max_experts_per_token}}
 
 
+def _check_admin(request: web.Request) -> None:
+    try:
+        check_bearer(request.headers.get("Authorization", ""), request.app[AUTH].token())
+    except AdminDenied as e:
+        raise ApiError(e.status, e.message) from None
+
+
 async def get_gate(request: web.Request) -> web.Response:
+    _check_admin(request)
     state = request.app[STATE]
     if state.gate is None:
         raise ApiError(503, "model is still loading")
     return web.json_response(_gate_json(state.gate))
 
 
-def _check_admin(request: web.Request, token: str | None) -> None:
-    if not token:
-        raise ApiError(403, "admin API disabled: no admin token configured on this server")
-    header = request.headers.get("Authorization", "")
-    if not header.startswith("Bearer "):
-        raise ApiError(401, "missing Bearer token")
-    if not hmac.compare_digest(header[len("Bearer "):].encode(), token.encode()):
-        raise ApiError(403, "invalid admin token")
-
-
 async def put_gate(request: web.Request) -> web.Response:
+    _check_admin(request)
     state = request.app[STATE]
-    _check_admin(request, state.admin_token)
     if state.gate is None or state.model is None or state.metrics is None:
         raise ApiError(503, "model is still loading")
     body = await _read_json(request)
@@ -350,12 +365,14 @@ async def _cleanup(app: web.Application) -> None:
         state.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, admin_token: str | None = None,
-               model_config: ModelConfig = ModelConfig(), fault_seed: int = 0,
-               max_inflight: int = DEFAULT_MAX_INFLIGHT, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
-               ) -> web.Application:
+def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: ModelConfig = ModelConfig(),
+               fault_seed: int = 0, max_inflight: int = DEFAULT_MAX_INFLIGHT,
+               request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+               admin: AdminListener | None = None) -> web.Application:
+    """The inference app (no /admin routes). ``admin``: also serve :func:`create_admin_app` on
+    its own TLS listener for as long as this app runs (None: no admin channel at all)."""
     app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
-    app[STATE] = ServerState(model_config=model_config, admin_token=admin_token,
+    app[STATE] = ServerState(model_config=model_config,
                              rng=random.Random(fault_seed), pending_doc=gate_doc,
                              max_inflight=max_inflight, request_timeout_s=request_timeout_s)
     app.router.add_post("/v1/infer", infer)
@@ -363,11 +380,36 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, admin_token: str | 
     app.router.add_get("/v1/model", model_info)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/admin/gate", get_gate)
-    app.router.add_put("/admin/gate", put_gate)
     app.on_startup.append(_startup)
+    if admin is not None:
+        app.on_startup.append(lambda a: _start_admin(a, admin))
+        app.on_cleanup.append(_stop_admin)
     app.on_cleanup.append(_cleanup)
     return app
+
+
+def create_admin_app(app: web.Application, *, auth: AdminAuth) -> web.Application:
+    """``GET``/``PUT /admin/gate`` over the same state as ``app`` (the inference app); every
+    request needs ``auth``'s Bearer token. TLS is the listener's (:class:`AdminListener`)."""
+    admin = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
+    admin[STATE] = app[STATE]
+    admin[AUTH] = auth
+    admin.router.add_get("/admin/gate", get_gate)
+    admin.router.add_put("/admin/gate", put_gate)
+    return admin
+
+
+async def _start_admin(app: web.Application, listener: AdminListener) -> None:
+    runner = web.AppRunner(create_admin_app(app, auth=listener.files), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, listener.host, listener.port, ssl_context=listener.files.ssl_context()).start()
+    app[ADMIN_RUNNER] = runner
+
+
+async def _stop_admin(app: web.Application) -> None:
+    runner = app.get(ADMIN_RUNNER)
+    if runner is not None:
+        await runner.cleanup()
 
 
 async def wait_ready(app: web.Application) -> None:
@@ -412,14 +454,18 @@ def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
                        max_experts_per_token=args.max_experts_per_token)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of ``python -m sparsegate_workload.server`` (what the operator renders into pods)."""
     p = argparse.ArgumentParser(prog="python -m sparsegate_workload.server")
     p.add_argument("--version", action="version", version=version_line("sparsegate_workload.server"))
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--gate-config", help="gate document JSON (the <model>-gate ConfigMap)")
-    p.add_argument("--admin-token-env", default="SPARSEGATE_ADMIN_TOKEN",
-                   help="environment variable holding the admin Bearer token")
+    p.add_argument("--admin-port", type=int, default=DEFAULT_ADMIN_PORT,
+                   help="TLS port of GET/PUT /admin/gate (bound on --host)")
+    p.add_argument("--admin-token-file", help="file holding the admin Bearer token")
+    p.add_argument("--admin-tls-cert", help="PEM certificate the admin listener presents")
+    p.add_argument("--admin-tls-key", help="PEM private key of --admin-tls-cert")
     p.add_argument("--threads", type=int,
                    default=int(os.environ.get("SPARSEGATE_TORCH_THREADS", "1")),
                    help="torch intra-op threads (default 1: many servers share a machine)")
@@ -430,6 +476,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                    help="seconds a request waits for its result before answering 503")
     add_model_flags(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -447,11 +498,25 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, json.JSONDecodeError, GateParamsError) as e:
         p.error(f"--gate-config {args.gate_config}: {e} (this model has {cfg.num_experts} "
                 f"experts)")
-    app = create_app(gate_doc=doc, admin_token=os.environ.get(args.admin_token_env) or None,
-                     model_config=cfg, fault_seed=args.fault_seed, max_inflight=args.max_inflight,
-                     request_timeout_s=args.request_timeout)
-    log.info("serving on %s:%d gate %s model %s", args.host, args.port, doc.version,
-             json.dumps(cfg.shape(), sort_keys=True))
+    admin_files = (args.admin_token_file, args.admin_tls_cert, args.admin_tls_key)
+    listener: AdminListener | None = None
+    if any(admin_files):
+        if not all(admin_files):
+            p.error("--admin-token-file, --admin-tls-cert and --admin-tls-key go together")
+        if args.admin_port == args.port:
+            p.error("--admin-port must differ from --port")
+        try:
+            files = AdminFiles(token_file=args.admin_token_file, cert_file=args.admin_tls_cert,
+                               key_file=args.admin_tls_key)
+        except (OSError, ssl.SSLError, ValueError) as e:
+            p.error(f"admin credentials: {e}")
+        listener = AdminListener(host=args.host, port=args.admin_port, files=files)
+    app = create_app(gate_doc=doc, model_config=cfg, fault_seed=args.fault_seed,
+                     max_inflight=args.max_inflight, request_timeout_s=args.request_timeout,
+                     admin=listener)
+    log.info("serving on %s:%d gate %s model %s; admin %s", args.host, args.port, doc.version,
+             json.dumps(cfg.shape(), sort_keys=True),
+             f"TLS on {args.host}:{args.admin_port}" if listener else "disabled (no --admin-token-file)")
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
 
 

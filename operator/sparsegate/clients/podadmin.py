@@ -3,8 +3,12 @@
 ``GET /healthz`` is the heartbeat and reports ``gateVersion`` and ``checksum``; a pod counts
 as running a version only when both agree (the version is the content address of the params,
 so the checksum must begin with the version's hex digits) — the double check of issue 6.
-``PUT /admin/gate`` (Bearer token from Secret ``<model>-admin``) hot-swaps the gate without a
-restart; the server answers 422 for a document it rejects.
+``PUT /admin/gate`` hot-swaps the gate without a restart; the server answers 422 for a document it
+rejects. It goes to the pod's admin port over TLS, with a context that trusts only the model's
+certificate and checks the model's server name (:class:`AdminCredentials`, built from Secret
+``<model>-admin`` by ``clients.admin_credentials``), so the Bearer token is sent only after the pod
+has proved it holds the model's private key. Health and metrics stay on the plain inference port:
+they carry no secret.
 
 All calls are bounded (timeout per request, a concurrency cap, a cap on every body read) so a
 fleet of 1,000 pods is one short round, a dead pod costs one timeout, never a stuck reconcile, and
@@ -15,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from collections.abc import Iterable, Mapping
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +29,7 @@ import aiohttp
 
 from sparsegate_contracts.gate import version_matches_checksum
 
-__all__ = ["PodTarget", "PodHealth", "PushResult", "PodAdmin", "BodyTooLarge", "read_capped"]
+__all__ = ["AdminCredentials", "PodTarget", "PodHealth", "PushResult", "PodAdmin", "BodyTooLarge", "read_capped"]
 
 JSON_BODY_LIMIT = 64 * 1024  # /healthz and /admin/gate answers are a few hundred bytes
 METRICS_BODY_LIMIT = 4 * 1024 * 1024  # a model server's /metrics is tens of KiB
@@ -51,15 +57,37 @@ async def _json(resp: aiohttp.ClientResponse) -> Any:
 
 
 @dataclass(frozen=True)
+class AdminCredentials:
+    """What a push to one model's pods needs: the token, and the TLS context that admits only a
+    server presenting the model's certificate for ``server_name``."""
+
+    token: str = dataclasses.field(repr=False)
+    server_name: str
+    ssl: ssl.SSLContext = dataclasses.field(repr=False)
+    source: str = ""  # where it came from, for error messages (never the token)
+
+
+def _host(ip: str) -> str:
+    return f"[{ip}]" if ":" in ip else ip
+
+
+@dataclass(frozen=True)
 class PodTarget:
     name: str
     ip: str
-    port: int
-    token: str | None  # admin Bearer token (None: the Secret is missing)
+    port: int  # inference port: /healthz, /metrics (plain HTTP, no secret)
+    admin_port: int | None = None  # the pod's TLS admin port (None: it declares none)
+    admin: AdminCredentials | None = None  # None: no token goes to this pod (see ``refusal``)
+    previous_admin: AdminCredentials | None = None  # during a rotation, if ``admin``'s cert is refused
+    refusal: str | None = None  # why ``admin`` is None
 
     @property
     def base(self) -> str:
-        return f"http://{self.ip}:{self.port}"
+        return f"http://{_host(self.ip)}:{self.port}"
+
+    @property
+    def admin_base(self) -> str:
+        return f"https://{_host(self.ip)}:{self.admin_port}"
 
 
 @dataclass(frozen=True)
@@ -81,6 +109,7 @@ class PushResult:
     ok: bool
     version: str | None = None
     error: str | None = None
+    certificate_refused: bool = False  # the pod's TLS certificate is not the model's
 
 
 class PodAdmin:
@@ -127,22 +156,40 @@ class PodAdmin:
         docs = {t.name: doc for t, doc in pushes}
         targets = [t for t, _ in pushes]
 
-        async def one(session: aiohttp.ClientSession, t: PodTarget) -> PushResult:
-            doc = docs[t.name]
-            if not t.token:
-                return PushResult(name=t.name, ok=False, error="no admin token (Secret missing)")
+        async def put(session: aiohttp.ClientSession, t: PodTarget, creds: AdminCredentials,
+                      doc: Mapping[str, Any]) -> PushResult:
             try:
+                # ssl= pins the model's certificate; server_hostname= is the name checked against
+                # it (the URL holds an IP). The token is written only after the handshake passed.
                 async with session.put(
-                    f"{t.base}/admin/gate", json=dict(doc), headers={"Authorization": f"Bearer {t.token}"}
+                    f"{t.admin_base}/admin/gate", json=dict(doc), ssl=creds.ssl, server_hostname=creds.server_name,
+                    headers={"Authorization": f"Bearer {creds.token}"}
                 ) as resp:
                     body = await _json(resp)
                     if resp.status != 200:
                         return PushResult(name=t.name, ok=False, error=f"PUT /admin/gate {resp.status}: {body}")
+            except aiohttp.ClientConnectorCertificateError as e:
+                return PushResult(name=t.name, ok=False, certificate_refused=True,
+                                  error=f"PUT /admin/gate: the pod's certificate is not {creds.server_name}'s "
+                                        f"({creds.source}): {e.certificate_error}")
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
                 return PushResult(name=t.name, ok=False, error=f"PUT /admin/gate: {type(e).__name__} {e}".strip())
             version = body.get("version") if isinstance(body, dict) else None
             return PushResult(name=t.name, ok=version == doc["version"], version=version,
                               error=None if version == doc["version"] else f"pod answered version {version}")
+
+        async def one(session: aiohttp.ClientSession, t: PodTarget) -> PushResult:
+            doc = docs[t.name]
+            if t.admin is None:
+                return PushResult(name=t.name, ok=False, error=f"no admin token sent: {t.refusal or 'no credentials'}")
+            if t.admin_port is None:
+                return PushResult(name=t.name, ok=False,
+                                  error="the pod declares no admin port (it predates the TLS admin channel)")
+            result = await put(session, t, t.admin, doc)
+            if result.certificate_refused and t.previous_admin is not None:
+                # Mid-rotation: this pod's Secret volume may not show the new files yet.
+                result = await put(session, t, t.previous_admin, doc)
+            return result
 
         results = await self._each(targets, one)
         return {r.name: r for r in results}

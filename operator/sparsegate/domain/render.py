@@ -9,9 +9,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from sparsegate_contracts import names
 from sparsegate_contracts.gate import GateDocument
 from sparsegate_contracts.names import (
+    ADMIN_PORT_NAME,
+    ADMIN_TLS_CERT_KEY,
+    ADMIN_TLS_KEY_KEY,
+    ADMIN_TOKEN_KEY,
     API_VERSION,
+    DEFAULT_ADMIN_PORT,
     GATE_CHECKSUM_ANNOTATION,
     GATE_VERSION_ANNOTATION,
     INSTANCE_LABEL,
@@ -22,12 +28,15 @@ from sparsegate_contracts.names import (
     NAME_LABEL,
 )
 
+from sparsegate.domain.admin_tls import AdminMaterial
+
 KIND = "SparseModel"
 
 GATE_KEY = "gate.json"
 GATE_DIR = "/etc/sparsegate"
-ADMIN_TOKEN_KEY = "token"
-ADMIN_TOKEN_ENV = "SPARSEGATE_ADMIN_TOKEN"
+# Secret <model>-admin mounted as a directory (not subPath), so a changed Secret reaches the
+# running server's files and it rotates its token and certificate without a restart.
+ADMIN_DIR = "/etc/sparsegate-admin"
 CONTAINER_NAME = "server"
 PORT_NAME = "http"
 DEFAULT_PORT = 8080
@@ -103,11 +112,19 @@ def render_configmap(model: Mapping[str, Any], document: GateDocument) -> dict[s
             "data": {GATE_KEY: gate_json(document)}}
 
 
-def render_secret(model: Mapping[str, Any], *, token: str) -> dict[str, Any]:
-    """The admin-token Secret; created once (the token is random), never re-applied."""
+def admin_server_name(model: Mapping[str, Any]) -> str:
+    """The name in the model's admin certificate and the TLS server name the operator checks."""
+    meta = model["metadata"]
+    return names.admin_server_name(model=meta["name"], namespace=meta["namespace"])
+
+
+def render_secret(model: Mapping[str, Any], *, material: AdminMaterial) -> dict[str, Any]:
+    """Secret ``<model>-admin``: token, certificate and key of the admin channel. Random, so it is
+    created once (or replaced when incomplete or expiring, see ``admin_tls.secret_problem``),
+    never re-applied on each reconcile."""
     name = admin_secret_name(model["metadata"]["name"])
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": _metadata(model, name), "stringData": {ADMIN_TOKEN_KEY: token}}
+            "metadata": _metadata(model, name), "data": material.secret_data()}
 
 
 def render_service(model: Mapping[str, Any]) -> dict[str, Any]:
@@ -151,7 +168,7 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
 
     The gate version goes on the Deployment's metadata, NOT the pod template: a new stable gate
     changes what new pods read from the ConfigMap, while running pods are switched one by one by
-    the rollout controller (PUT /admin/gate), never by a rolling restart.
+    the rollout controller (PUT /admin/gate on the admin port), never by a rolling restart.
     """
     meta, spec = model["metadata"], model["spec"]
     name = meta["name"]
@@ -161,13 +178,18 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
         "image": spec.get("image") or default_image.image,
         "command": ["python", "-m", "sparsegate_workload.server"],
         "args": [f"--host=$({POD_IP_ENV})", "--port", str(port),
-                 "--gate-config", f"{GATE_DIR}/{GATE_KEY}", "--admin-token-env", ADMIN_TOKEN_ENV,
+                 "--gate-config", f"{GATE_DIR}/{GATE_KEY}",
+                 "--admin-port", str(DEFAULT_ADMIN_PORT),
+                 "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_TOKEN_KEY}",
+                 "--admin-tls-cert", f"{ADMIN_DIR}/{ADMIN_TLS_CERT_KEY}",
+                 "--admin-tls-key", f"{ADMIN_DIR}/{ADMIN_TLS_KEY_KEY}",
                  *model_shape_args(model)],
-        "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
-        "env": [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                {"name": ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
-                    "name": admin_secret_name(name), "key": ADMIN_TOKEN_KEY}}}],
-        "volumeMounts": [{"name": "gate", "mountPath": GATE_DIR, "readOnly": True}],
+        # The admin port is declared (the operator reads it from the pod) but in no Service.
+        "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
+                  {"name": ADMIN_PORT_NAME, "containerPort": DEFAULT_ADMIN_PORT, "protocol": "TCP"}],
+        "env": [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "volumeMounts": [{"name": "gate", "mountPath": GATE_DIR, "readOnly": True},
+                         {"name": "admin", "mountPath": ADMIN_DIR, "readOnly": True}],
         # Importing torch and building the model can take minutes on a busy node: liveness only
         # starts once the server has answered /healthz (up to 5 minutes), as for any slow starter.
         "startupProbe": {"httpGet": {"path": "/healthz", "port": PORT_NAME}, "periodSeconds": 2,
@@ -180,7 +202,10 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
     pod_spec: dict[str, Any] = {
         "containers": [container],
         # Mount the directory, not a subPath, so ConfigMap updates reach running pods' files.
-        "volumes": [{"name": "gate", "configMap": {"name": gate_configmap_name(name)}}],
+        # The Secret's default file mode (0644, owner root) lets the image's non-root user read
+        # the key; the pod runs the server alone, so no other process shares those files.
+        "volumes": [{"name": "gate", "configMap": {"name": gate_configmap_name(name)}},
+                    {"name": "admin", "secret": {"secretName": admin_secret_name(name)}}],
     }
     n_gpus = gpus(model)
     if n_gpus > 0:

@@ -5,7 +5,10 @@ One loop per GateConfig (``handlers.periodic``: watch-driven, no finalizer) runs
 
 1. read the GateConfig fresh (the watched body may predate our own last status write);
 2. observe: pods of the SparseModels whose ``spec.gateConfigRef`` names it (Kopf index
-   ``models_by_gate``), their ``/healthz`` (heartbeat + version/checksum double check) and,
+   ``models_by_gate``) — only pods whose owner chain leads to the model (pod → ReplicaSet →
+   Deployment → SparseModel, ``domain.pod_ownership``) are talked to; a pod that only carries the
+   model's labels counts as unreachable and gets no token, no push, no scrape (Warning Event
+   ``AdminTokenWithheld``) — their ``/healthz`` (heartbeat + version/checksum double check) and,
    while a canary is in flight, their ``/metrics``;
 3. decide with ``domain.rollout.next_action`` (pure);
 4. persist the new status (JSON patch replacing the whole status, optimistic concurrency)
@@ -24,7 +27,6 @@ use Prometheus' HTTP API for analysis metrics instead of scraping pods directly.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import os
 import time
@@ -38,11 +40,13 @@ import prometheus_client
 
 from sparsegate_contracts import names
 
+from sparsegate.clients.admin_credentials import AdminCredentialStore, ModelCredentials
 from sparsegate.clients.kube import Conflict, Kube, KubeError
 from sparsegate.clients.metrics_source import PrometheusAPI, group_from_snapshots, parse_pod_counters
 from sparsegate.clients.podadmin import PodAdmin, PodTarget
 from sparsegate.domain import render
 from sparsegate.domain.analysis import PodCounters
+from sparsegate.domain.pod_ownership import ownership_problem
 from sparsegate.domain.rollout import (
     ABORT_ANNOTATION,
     PROMOTE_ANNOTATION,
@@ -91,13 +95,29 @@ class _Cache:
     prev: dict[str, PodCounters] = field(default_factory=dict)  # last scrape, for tick rates
     window_key: tuple[Any, ...] | None = None  # (canary version, step, analysis start)
     window_start: dict[str, PodCounters] = field(default_factory=dict)
-    tokens: dict[str, str] = field(default_factory=dict)  # "model/uid" → admin token
+    # Admin credentials per model: re-read from the Secret on every fleet refresh, rebuilt only
+    # when its resourceVersion changes (never cached beyond the Secret they came from).
+    credentials: AdminCredentialStore = field(default_factory=AdminCredentialStore)
+    withheld: set[tuple[str, str]] = field(default_factory=set)  # (pod uid, reason) already reported
 
 
 @dataclass(frozen=True)
 class _Fleet:
-    targets: dict[str, PodTarget]  # reachable candidates (have an IP)
-    all_pods: tuple[str, ...]  # every live pod, with or without IP
+    targets: dict[str, PodTarget]  # reachable candidates (have an IP) whose owner chain is the model's
+    all_pods: tuple[str, ...]  # every live pod, with or without IP, owned or not
+    withheld: dict[str, tuple[str, str]] = field(default_factory=dict)  # pod → (uid, why no token)
+
+
+def admin_port(pod: Mapping[str, Any]) -> int | None:
+    """The model server's TLS admin port as the pod declares it (None: a pod rendered before the
+    admin channel had a port of its own)."""
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        if c.get("name") != render.CONTAINER_NAME:
+            continue
+        for port in c.get("ports") or []:
+            if port.get("name") == names.ADMIN_PORT_NAME and port.get("containerPort"):
+                return int(port["containerPort"])
+    return None
 
 
 class RolloutLoop:
@@ -111,45 +131,63 @@ class RolloutLoop:
     # ------------------------------------------------------------ observation
 
     async def _fleet(self, *, namespace: str, models: Sequence[str], cache: _Cache) -> _Fleet:
-        """Pods of the referencing models: their GETs concurrently, one pod LIST for all."""
+        """Pods of the referencing models, and what each may be sent.
+
+        Per model a GET of the SparseModel, its Deployment and its admin Secret (concurrently); one
+        pod LIST and, when there are pods, one ReplicaSet LIST for the namespace. ReplicaSets are
+        listed after the pods, so every live pod's ReplicaSet is in the list."""
         if not models:
             return _Fleet(targets={}, all_pods=())
-        bodies = await asyncio.gather(*(
-            asyncio.to_thread(self.kube.get, "SparseModel", namespace=namespace, name=m) for m in models))
-        ports: dict[str, int] = {}
-        tokens: dict[str, str | None] = {}
-        for model in bodies:
-            if model is None:
-                continue
-            name = model["metadata"]["name"]
-            ports[name] = render.serving_port(model)
-            # Keyed by uid: a model deleted and re-created under its name gets a new Secret.
-            key = f"{name}/{model['metadata'].get('uid')}"
-            if key not in cache.tokens:
-                secret = await asyncio.to_thread(
-                    self.kube.get, "Secret", namespace=namespace, name=render.admin_secret_name(name))
-                raw = ((secret or {}).get("data") or {}).get(render.ADMIN_TOKEN_KEY)
-                if raw:
-                    cache.tokens[key] = base64.b64decode(raw).decode()
-            tokens[name] = cache.tokens.get(key)
-        if not ports:
+
+        def get(kind: str, name: str) -> Any:
+            return asyncio.to_thread(self.kube.get, kind, namespace=namespace, name=name)
+
+        bodies = await asyncio.gather(*(get("SparseModel", m) for m in models))
+        live_models = {b["metadata"]["name"]: b for b in bodies if b is not None}
+        if not live_models:
             return _Fleet(targets={}, all_pods=())
-        selector = f"{names.MODEL_LABEL} in ({','.join(sorted(ports))})"
+        selector = f"{names.MODEL_LABEL} in ({','.join(sorted(live_models))})"
         pods = await asyncio.to_thread(
             self.kube.request, "GET", f"/api/v1/namespaces/{quote(namespace)}/pods",
             query={"labelSelector": selector})
+        order = sorted(live_models)
+        deployments = await asyncio.gather(*(get("Deployment", m) for m in order))
+        secrets = await asyncio.gather(*(get("Secret", render.admin_secret_name(m)) for m in order))
+        creds: dict[str, ModelCredentials] = {
+            m: cache.credentials.update(secret, namespace=namespace, model=m,
+                                        server_name=render.admin_server_name(live_models[m]))
+            for m, secret in zip(order, secrets)}
+        deployment_of = dict(zip(order, deployments))
+        items = pods.get("items", [])
+        replicasets: dict[str, Mapping[str, Any]] = {}
+        if items:
+            listed = await asyncio.to_thread(
+                self.kube.request, "GET", f"/apis/apps/v1/namespaces/{quote(namespace)}/replicasets",
+                query={"labelSelector": selector})
+            replicasets = {rs["metadata"]["uid"]: rs for rs in listed.get("items", [])}
         targets: dict[str, PodTarget] = {}
+        withheld: dict[str, tuple[str, str]] = {}
         live: list[str] = []
-        for pod in pods.get("items", []):
+        for pod in items:
             meta, status = pod["metadata"], pod.get("status") or {}
             model_name = (meta.get("labels") or {}).get(names.MODEL_LABEL)
-            if model_name not in ports or meta.get("deletionTimestamp") or status.get("phase") in ("Succeeded", "Failed"):
+            if model_name not in live_models or meta.get("deletionTimestamp") \
+                    or status.get("phase") in ("Succeeded", "Failed"):
                 continue
             live.append(meta["name"])
+            problem = ownership_problem(pod, replicasets=replicasets, deployment=deployment_of[model_name],
+                                        model=live_models[model_name])
+            if problem is not None:
+                # Labelled as the model's but not provably its pod: no token, no push, no scrape;
+                # it counts as an unreachable pod, so a rollout waits rather than counting it done.
+                withheld[meta["name"]] = (meta.get("uid", ""), problem)
+                continue
             if status.get("podIP"):
-                targets[meta["name"]] = PodTarget(name=meta["name"], ip=status["podIP"], port=ports[model_name],
-                                                  token=tokens[model_name])
-        return _Fleet(targets=targets, all_pods=tuple(sorted(live)))
+                c = creds[model_name]
+                targets[meta["name"]] = PodTarget(
+                    name=meta["name"], ip=status["podIP"], port=render.serving_port(live_models[model_name]),
+                    admin_port=admin_port(pod), admin=c.current, previous_admin=c.previous, refusal=c.error)
+        return _Fleet(targets=targets, all_pods=tuple(sorted(live)), withheld=withheld)
 
     async def _observe_pods(self, fleet: _Fleet) -> tuple[PodObservation, ...]:
         health = await self.admin.health(list(fleet.targets.values()))
@@ -259,6 +297,7 @@ class RolloutLoop:
         cache.last_full_check = now
 
         fleet = await self._fleet(namespace=namespace, models=models, cache=cache)
+        self._report_withheld(body, fleet, cache=cache, logger=logger)
         decision: Decision | None = None
         for _ in range(3):
             pods = await self._observe_pods(fleet)
@@ -272,6 +311,17 @@ class RolloutLoop:
             # Pushed: look again now so verified pods (and the next phase) are recorded this tick.
             status, abort, promote, now = decision.status, False, False, self.clock()
         return decision
+
+    @staticmethod
+    def _report_withheld(body: Mapping[str, Any], fleet: _Fleet, *, cache: _Cache, logger: logging.Logger) -> None:
+        """One Warning Event (and log line) per pod and reason that was refused the admin token."""
+        for pod, (uid, why) in sorted(fleet.withheld.items()):
+            if (uid, why) in cache.withheld:
+                continue
+            cache.withheld.add((uid, why))
+            message = f"pod {pod} carries a model's labels but is not its pod ({why}): no admin token sent"
+            logger.warning("%s", message)
+            kopf.event(dict(body), type="Warning", reason="AdminTokenWithheld", message=message[:1024])
 
     async def _persist(self, body: Mapping[str, Any], decision: Decision, *, steps: Sequence[int]) -> dict[str, Any]:
         """Replace status (keeping fields other writers own); skipped when nothing changed."""

@@ -7,14 +7,13 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import secrets
 from typing import Any, Callable, Mapping
 from urllib.parse import quote
 
 from sparsegate_contracts import names
 
 from sparsegate.clients.kube import Kube, KubeError
-from sparsegate.domain import conditions, gate, model_status, render
+from sparsegate.domain import admin_tls, conditions, gate, model_status, render
 
 # (body of the object the event is about, type Normal|Warning, reason, message)
 EventSink = Callable[[Mapping[str, Any], str, str, str], None]
@@ -59,10 +58,7 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
     apply_error: str | None = None
     if resolution.document is not None:
         try:
-            created = kube.create_if_absent(
-                render.render_secret(model, token=secrets.token_urlsafe(32)))
-            if created:
-                logger.info("created admin Secret %s", render.admin_secret_name(meta["name"]))
+            ensure_admin_secret(kube, model, events=events, logger=logger)
             for obj in render.render_applied(model, resolution.document, default_image=default_image):
                 applied = kube.apply(obj)
                 if obj["kind"] == "Deployment":
@@ -87,6 +83,33 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
     if apply_error:
         raise KubeError(500, "ApplyFailed", apply_error)
     return "degraded" if resolution.document is None else "success"
+
+
+def ensure_admin_secret(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
+                        logger: logging.Logger) -> None:
+    """Secret ``<model>-admin`` exists and holds a token and a certificate for this model.
+
+    Created once with fresh material (random: never re-applied). An existing Secret is replaced
+    (PUT, carrying its resourceVersion) only when ``admin_tls.secret_problem`` finds it unusable:
+    made by an operator before the TLS admin channel (token only), a certificate for another name,
+    or one ending within 30 days. Running pods pick the new files up without a restart."""
+    name = render.admin_secret_name(model["metadata"]["name"])
+    server_name = render.admin_server_name(model)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    existing = kube.get("Secret", namespace=model["metadata"]["namespace"], name=name)
+    if existing is None:
+        secret = render.render_secret(model, material=admin_tls.new_material(server_name=server_name, now=now))
+        if kube.create_if_absent(secret):
+            logger.info("created admin Secret %s", name)
+        return
+    problem = admin_tls.secret_problem(existing, server_name=server_name, now=now)
+    if problem is None:
+        return
+    secret = render.render_secret(model, material=admin_tls.new_material(server_name=server_name, now=now))
+    secret["metadata"]["resourceVersion"] = existing["metadata"].get("resourceVersion")
+    kube.replace(secret)
+    events(model, "Normal", "AdminSecretReplaced", f"Secret {name} replaced with a new token and certificate: {problem}")
+    logger.info("replaced admin Secret %s: %s", name, problem)
 
 
 def live_owner(kube: Kube, *, namespace: str, name: str,

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from sparsegate.domain import render
+from sparsegate.domain.admin_tls import AdminMaterial
 from sparsegate_workload import gateparams
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -25,9 +26,12 @@ def model(**spec_overrides):
 DOC = gateparams.make_document(gateparams.DEFAULT_PARAMS)
 
 
+MATERIAL = AdminMaterial(token="t", cert_pem="CERT", key_pem="KEY")
+
+
 def test_every_object_is_owned_by_the_model_and_labelled():
     m = model()
-    objs = render.render_applied(m, DOC) + [render.render_secret(m, token="t")]
+    objs = render.render_applied(m, DOC) + [render.render_secret(m, material=MATERIAL)]
     assert [o["kind"] for o in objs] == ["ConfigMap", "Service", "Deployment", "Secret"]
     assert [o["metadata"]["name"] for o in objs] == ["moe-small-gate", "moe-small", "moe-small",
                                                       "moe-small-admin"]
@@ -48,18 +52,38 @@ def test_pod_template_matches_the_contract():
     # the selector is a subset of the template labels (else the API server rejects it)
     assert dep["spec"]["selector"]["matchLabels"].items() <= tmpl["metadata"]["labels"].items()
     (c,) = tmpl["spec"]["containers"]
-    assert c["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
-    assert c["env"] == [
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "SPARSEGATE_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": "moe-small-admin", "key": "token"}}}]
-    (mount,) = c["volumeMounts"]
-    (vol,) = tmpl["spec"]["volumes"]
-    assert vol["configMap"]["name"] == "moe-small-gate" and vol["name"] == mount["name"]
-    assert f'{mount["mountPath"]}/{render.GATE_KEY}' == "/etc/sparsegate/gate.json"
+    assert c["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"},
+                          {"name": "admin", "containerPort": 8443, "protocol": "TCP"}]
+    # No secret in the environment: the admin token is a file of the Secret volume, so it rotates.
+    assert c["env"] == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    gate_mount, admin_mount = c["volumeMounts"]
+    gate_vol, admin_vol = tmpl["spec"]["volumes"]
+    assert gate_vol["configMap"]["name"] == "moe-small-gate" and gate_vol["name"] == gate_mount["name"]
+    assert f'{gate_mount["mountPath"]}/{render.GATE_KEY}' == "/etc/sparsegate/gate.json"
     assert c["args"][c["args"].index("--gate-config") + 1] == "/etc/sparsegate/gate.json"
-    assert c["args"][c["args"].index("--admin-token-env") + 1] == "SPARSEGATE_ADMIN_TOKEN"
+    # The whole Secret as a directory (no subPath: a kubelet does not update subPath mounts).
+    assert admin_vol == {"name": admin_mount["name"], "secret": {"secretName": "moe-small-admin"}}
+    assert "subPath" not in admin_mount and admin_mount["readOnly"]
+    for flag, key in (("--admin-token-file", "token"), ("--admin-tls-cert", "tls.crt"),
+                      ("--admin-tls-key", "tls.key")):
+        assert c["args"][c["args"].index(flag) + 1] == f'{admin_mount["mountPath"]}/{key}'
+    assert c["args"][c["args"].index("--admin-port") + 1] == "8443"
     assert dep["spec"]["replicas"] == 2
+
+
+def test_admin_port_is_not_in_the_service():
+    (port,) = render.render_service(model())["spec"]["ports"]
+    assert port["name"] == "http"
+
+
+def test_admin_secret_holds_exactly_token_and_tls_pair_as_base64_data():
+    import base64
+
+    secret = render.render_secret(model(), material=MATERIAL)
+    assert secret["type"] == "Opaque" and "stringData" not in secret
+    assert {k: base64.b64decode(v).decode() for k, v in secret["data"].items()} == {
+        "token": "t", "tls.crt": "CERT", "tls.key": "KEY"}
+    assert render.admin_server_name(model()) == "moe-small.ml.admin.sparsegate.dev"
 
 
 def test_serving_port_flows_to_container_service_and_args():
@@ -138,18 +162,16 @@ def test_absent_optional_shape_fields_leave_the_server_defaults():
 
 
 def test_shape_flags_parse_with_the_servers_own_parser():
-    """The rendered args are exactly what `python -m sparsegate_workload.server` accepts."""
-    import argparse
-
+    """The rendered args are exactly what `python -m sparsegate_workload.server` accepts (its own
+    parser, so a renamed or removed server flag fails here)."""
     from sparsegate_workload import server
 
-    p = argparse.ArgumentParser()
-    for flag in ("--host", "--port", "--gate-config", "--admin-token-env"):
-        p.add_argument(flag)
-    server.add_model_flags(p)
-    ns = p.parse_args(_args(model(model={"dModel": 96, "experts": 6, "minExpertsPerToken": 1,
-                                         "maxExpertsPerToken": 3})))
-    cfg = server.model_config_from_args(argparse.Namespace(**vars(ns), seed=0))
+    m = model(model={"dModel": 96, "experts": 6, "minExpertsPerToken": 1, "maxExpertsPerToken": 3})
+    c = render.render_deployment(m, DOC)["spec"]["template"]["spec"]["containers"][0]
+    ns = server.build_parser().parse_args([a.replace("$(POD_IP)", "10.0.0.1") for a in c["args"]])
+    assert (ns.host, ns.port, ns.admin_port) == ("10.0.0.1", 8080, 8443)
+    assert ns.admin_tls_key.endswith("/tls.key")
+    cfg = server.model_config_from_args(ns)
     assert (cfg.d_model, cfg.num_experts, cfg.min_experts_per_token,
             cfg.max_experts_per_token) == (96, 6, 1, 3)
 

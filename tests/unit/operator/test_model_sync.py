@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from sparsegate.clients.kube import KubeError
+from sparsegate.domain import admin_tls
 from sparsegate.handlers import modelsync
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -26,6 +27,7 @@ class MemoryKube:
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str], dict] = {}
         self.applied: list[str] = []
+        self.replaced: list[str] = []
         self.fail_apply: str | None = None
         self.rv = 0
 
@@ -45,6 +47,14 @@ class MemoryKube:
         if self.fail_apply == obj["kind"]:
             raise KubeError(422, "Invalid", {"message": f"{obj['kind']} refused"})
         self.applied.append(obj["kind"])
+        return self.put(obj)
+
+    def replace(self, obj):
+        m = obj["metadata"]
+        current = self.objects.get((obj["kind"], m["namespace"], m["name"]))
+        if current is None or current["metadata"]["resourceVersion"] != m.get("resourceVersion"):
+            raise KubeError(409, "Conflict", {"message": "resourceVersion changed"})
+        self.replaced.append(obj["kind"])
         return self.put(obj)
 
     def create_if_absent(self, obj):
@@ -110,10 +120,14 @@ def test_reconcile_renders_everything_once_and_records_the_gate(kube):
     events = []
     assert modelsync.reconcile(kube, model_of(kube), events=lambda *a: events.append(a), logger=LOG) == "success"
     assert kube.applied == ["ConfigMap", "Service", "Deployment"]
-    token = kube.get("Secret", namespace="ns", name="moe-small-admin")["stringData"]["token"]
+    secret = kube.get("Secret", namespace="ns", name="moe-small-admin")
+    assert sorted(secret["data"]) == ["tls.crt", "tls.key", "token"]
+    assert admin_tls.certificate_names(admin_tls.material_from_secret(secret).cert_pem) == [
+        "moe-small.ns.admin.sparsegate.dev"]
     modelsync.reconcile(kube, model_of(kube), events=lambda *a: events.append(a), logger=LOG)
-    # the Secret is created once: the token survives re-reconciles
-    assert kube.get("Secret", namespace="ns", name="moe-small-admin")["stringData"]["token"] == token
+    # the Secret is created once: token and certificate survive re-reconciles
+    assert kube.get("Secret", namespace="ns", name="moe-small-admin")["data"] == secret["data"]
+    assert kube.replaced == []
     st = model_of(kube)["status"]
     assert st["observedGeneration"] == 1 and st["gateVersion"].startswith("g-")
     assert conditions(kube)["Degraded"]["status"] == "False"
@@ -223,3 +237,34 @@ def test_ready_comes_from_the_deployment_as_it_is_when_status_is_written(kube):
     kube.apply = apply_then_controller_observes
     modelsync.reconcile(kube, model_of(kube), events=lambda *a: None, logger=LOG)
     assert conditions(kube)["Ready"]["status"] == "True"
+
+
+@pytest.mark.parametrize("case", ["token-only", "other-model", "expiring"])
+def test_an_unusable_admin_secret_is_replaced_with_a_complete_one(kube, case):
+    """A Secret from an operator before the TLS admin channel (token only), one whose certificate
+    names another model, or one ending within 30 days, is replaced (PUT with its resourceVersion)."""
+    import base64
+    import datetime
+
+    gateconfig(kube)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if case == "token-only":
+        data = {"token": base64.b64encode(b"old-token").decode()}
+    else:
+        name = "other.ns.admin.sparsegate.dev" if case == "other-model" else "moe-small.ns.admin.sparsegate.dev"
+        cert, key = admin_tls.issue(server_name=name, now=now,
+                                    validity=datetime.timedelta(days=10 if case == "expiring" else 365))
+        data = admin_tls.AdminMaterial(token="old-token", cert_pem=cert, key_pem=key).secret_data()
+    kube.put({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+              "metadata": {"name": "moe-small-admin", "namespace": "ns"}, "data": data})
+    events = []
+    assert modelsync.reconcile(kube, model_of(kube), events=lambda *a: events.append(a), logger=LOG) == "success"
+    assert kube.replaced == ["Secret"]
+    secret = kube.get("Secret", namespace="ns", name="moe-small-admin")
+    assert admin_tls.secret_problem(secret, server_name="moe-small.ns.admin.sparsegate.dev", now=now) is None
+    assert admin_tls.material_from_secret(secret).token != "old-token"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert any(e[2] == "AdminSecretReplaced" for e in events)
+    # Complete now: the next reconcile leaves it alone.
+    modelsync.reconcile(kube, model_of(kube), events=lambda *a: None, logger=LOG)
+    assert kube.replaced == ["Secret"]

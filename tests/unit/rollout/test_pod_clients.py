@@ -1,13 +1,15 @@
 """PodAdmin, the direct /metrics scrape and the load generator against a real model server.
 
-One real ``python -m sparsegate_workload.server`` process on a loopback port (starts in
-about a second); nothing is mocked. The Prometheus provider's PromQL is checked as text here and
+One real ``python -m sparsegate_workload.server`` process on loopback ports (inference, and the
+TLS admin listener with a certificate from the operator's own builder; starts in about a second);
+nothing is mocked. The Prometheus provider's PromQL is checked as text here and
 against a real Prometheus in tests/e2e/rollout/test_prometheus_provider.py.
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
+import datetime
 import subprocess
 import sys
 import time
@@ -19,20 +21,39 @@ from loadgen import LoadGen, check_loopback
 from sparsegate_workload import gateparams
 
 from sparsegate.clients.metrics_source import PrometheusAPI, group_from_snapshots, parse_pod_counters
-from sparsegate.clients.podadmin import PodAdmin, PodTarget
+from sparsegate.clients.admin_credentials import client_context
+from sparsegate.clients.podadmin import AdminCredentials, PodAdmin, PodTarget
+from sparsegate.domain import admin_tls
+from sparsegate_contracts import names
 from sparsegate_contracts.gate import version_matches_checksum as consistent
 from localcluster.ports import free_port
 
 TOKEN = "test-admin-token"
+SERVER_NAME = names.admin_server_name(model="m", namespace="ns")
+NOW = datetime.datetime.now(datetime.timezone.utc)
 
+
+def credentials(cert_pem: str, *, token: str = TOKEN, server_name: str = SERVER_NAME) -> AdminCredentials:
+    return AdminCredentials(token=token, server_name=server_name, ssl=client_context(cert_pem), source="test")
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[PodTarget]:
-    port = free_port()
-    env = {**os.environ, "SPARSEGATE_ADMIN_TOKEN": TOKEN}
+def cert_pem(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    return admin_tls.issue(server_name=SERVER_NAME, now=NOW)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, cert_pem: tuple[str, str]) -> Iterator[PodTarget]:
+    d = tmp_path_factory.mktemp("admin")
+    (d / "token").write_text(TOKEN)
+    (d / "tls.crt").write_text(cert_pem[0])
+    (d / "tls.key").write_text(cert_pem[1])
+    port, admin_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "sparsegate_workload.server", "--host", "127.0.0.1",
-                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                             "--port", str(port), "--admin-port", str(admin_port),
+                             "--admin-token-file", str(d / "token"), "--admin-tls-cert", str(d / "tls.crt"),
+                             "--admin-tls-key", str(d / "tls.key")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -45,7 +66,8 @@ def server() -> Iterator[PodTarget]:
                 pass
             assert time.monotonic() < deadline, "model server was not ready within 60 s"
             time.sleep(0.2)
-        yield PodTarget(name="pod-a", ip="127.0.0.1", port=port, token=TOKEN)
+        yield PodTarget(name="pod-a", ip="127.0.0.1", port=port, admin_port=admin_port,
+                        admin=credentials(cert_pem[0]))
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -58,7 +80,7 @@ def test_consistent_version_checksum() -> None:
     assert not consistent("g-", doc.checksum) and not consistent(None, doc.checksum)
 
 
-async def test_health_push_and_verify(server: PodTarget) -> None:
+async def test_health_push_and_verify(server: PodTarget, cert_pem: tuple[str, str]) -> None:
     admin = PodAdmin(timeout_s=5)
     health = (await admin.health([server]))["pod-a"]
     assert health.reachable and health.version == gateparams.DEFAULT_DOCUMENT.version
@@ -67,7 +89,7 @@ async def test_health_push_and_verify(server: PodTarget) -> None:
     assert result.ok, result.error
     assert (await admin.health([server]))["pod-a"].version == new["version"]
     # Wrong token: refused, version unchanged.
-    bad = PodTarget(name="pod-a", ip=server.ip, port=server.port, token="wrong")
+    bad = dataclasses.replace(server, admin=credentials(cert_pem[0], token="wrong"))
     back = gateparams.DEFAULT_DOCUMENT.to_json()
     refused = (await admin.push([(bad, back)]))["pod-a"]
     assert not refused.ok and "403" in refused.error
@@ -75,8 +97,44 @@ async def test_health_push_and_verify(server: PodTarget) -> None:
     assert (await admin.push([(server, back)]))["pod-a"].ok
 
 
+async def test_a_server_without_the_models_key_never_gets_the_token(server: PodTarget,
+                                                                   cert_pem: tuple[str, str]) -> None:
+    """Credentials pinning another model's certificate (the server holds m's key, not other's):
+    the handshake fails, so no request, no token, and the gate is unchanged."""
+    other_name = names.admin_server_name(model="other", namespace="ns")
+    other_cert, _ = admin_tls.issue(server_name=other_name, now=NOW)
+    admin = PodAdmin(timeout_s=5)
+    before = (await admin.health([server]))["pod-a"].version
+    doc = gateparams.make_document({"toolGateThreshold": 0.71}).to_json()
+    for creds in (credentials(other_cert, server_name=other_name),
+                  credentials(cert_pem[0], server_name=other_name)):  # right cert, wrong name
+        result = (await admin.push([(dataclasses.replace(server, admin=creds), doc)]))["pod-a"]
+        assert not result.ok and result.certificate_refused, result
+        assert "certificate is not" in result.error
+    assert (await admin.health([server]))["pod-a"].version == before
+    # Mid-rotation: current credentials refused by this pod's (older) certificate, the previous
+    # ones accepted: the push lands, with the previous token, on the holder of the previous key.
+    rotating = dataclasses.replace(server, admin=credentials(other_cert, server_name=other_name, token="new"),
+                                   previous_admin=server.admin)
+    assert (await admin.push([(rotating, doc)]))["pod-a"].ok
+    assert (await admin.push([(server, gateparams.DEFAULT_DOCUMENT.to_json())]))["pod-a"].ok
+
+
+async def test_no_credentials_or_no_admin_port_sends_nothing(server: PodTarget) -> None:
+    admin = PodAdmin(timeout_s=5)
+    doc = gateparams.make_document({"toolGateThreshold": 0.72}).to_json()
+    withheld = dataclasses.replace(server, admin=None, refusal="Secret of model m not found")
+    result = (await admin.push([(withheld, doc)]))["pod-a"]
+    assert not result.ok and "Secret of model m not found" in result.error
+    old_pod = dataclasses.replace(server, admin_port=None)
+    result = (await admin.push([(old_pod, doc)]))["pod-a"]
+    assert not result.ok and "no admin port" in result.error
+    assert (await admin.health([server]))["pod-a"].version != doc["version"]
+
+
 async def test_unreachable_pod_is_reported_not_raised() -> None:
-    dead = PodTarget(name="dead", ip="127.0.0.1", port=free_port(), token=TOKEN)
+    dead = PodTarget(name="dead", ip="127.0.0.1", port=free_port(), admin_port=free_port(),
+                     admin=credentials(admin_tls.issue(server_name=SERVER_NAME, now=NOW)[0]))
     admin = PodAdmin(timeout_s=1)
     assert not (await admin.health([dead]))["dead"].reachable
     assert not (await admin.push([(dead, gateparams.DEFAULT_DOCUMENT.to_json())]))["dead"].ok
@@ -119,9 +177,14 @@ def test_prometheus_queries() -> None:
         prom.selector(namespace="ns1", pods=['x"}) or vector(1'])
 
 
-async def test_oversized_or_odd_answers_are_pod_errors_not_operator_memory() -> None:
+async def test_oversized_or_odd_answers_are_pod_errors_not_operator_memory(
+        tmp_path, cert_pem: tuple[str, str]) -> None:
     """A pod (or whatever holds its IP) answering megabytes or non-objects costs the operator a
-    bounded read and an error for that pod, never an exception or an unbounded buffer."""
+    bounded read and an error for that pod, never an exception or an unbounded buffer. The admin
+    answer comes over TLS with the model's certificate (it is a pod holding the model's key that
+    misbehaves)."""
+    import ssl
+
     from aiohttp import web
     from aiohttp.test_utils import TestServer
 
@@ -137,18 +200,30 @@ async def test_oversized_or_odd_answers_are_pod_errors_not_operator_memory() -> 
     app.router.add_get("/healthz", answer(web.Response(body=b"[" + b"1," * 40_000 + b"1]",
                                                         content_type="application/json")))
     app.router.add_get("/metrics", answer(web.Response(body=huge, content_type="text/plain")))
-    app.router.add_put("/admin/gate", answer(web.json_response([1, 2])))
-    async with TestServer(app, host="127.0.0.1") as srv:
-        target = PodTarget(name="odd", ip="127.0.0.1", port=srv.port, token=TOKEN)
-        health = (await PodAdmin().health([target]))["odd"]
-        assert health.version is None and "exceeds" in health.error
-        assert await PodAdmin().scrape([target]) == {}
-        pushed = (await PodAdmin().push([(target, dict(gateparams.DEFAULT_DOCUMENT.to_json()))]))["odd"]
-        assert not pushed.ok
+    admin_app = web.Application()
+    admin_app.router.add_put("/admin/gate", answer(web.json_response([1, 2])))
+    (tmp_path / "c").write_text(cert_pem[0])
+    (tmp_path / "k").write_text(cert_pem[1])
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(tmp_path / "c", tmp_path / "k")
+    admin_srv = TestServer(admin_app, host="127.0.0.1")
+    await admin_srv.start_server(ssl=tls)
+    try:
+        async with TestServer(app, host="127.0.0.1") as srv:
+            target = PodTarget(name="odd", ip="127.0.0.1", port=srv.port, admin_port=admin_srv.port,
+                               admin=credentials(cert_pem[0]))
+            health = (await PodAdmin().health([target]))["odd"]
+            assert health.version is None and "exceeds" in health.error
+            assert await PodAdmin().scrape([target]) == {}
+            pushed = (await PodAdmin().push([(target, dict(gateparams.DEFAULT_DOCUMENT.to_json()))]))["odd"]
+            assert not pushed.ok and not pushed.certificate_refused
+            assert "answered version None" in pushed.error
+    finally:
+        await admin_srv.close()
 
     small = web.Application()
     small.router.add_get("/healthz", answer(web.json_response(["not", "an", "object"])))
     async with TestServer(small, host="127.0.0.1") as srv:
-        target = PodTarget(name="odd", ip="127.0.0.1", port=srv.port, token=TOKEN)
+        target = PodTarget(name="odd", ip="127.0.0.1", port=srv.port)
         health = (await PodAdmin().health([target]))["odd"]
         assert health.version is None and "not an object" in health.error

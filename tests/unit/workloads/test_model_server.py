@@ -17,7 +17,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from sparsegate_workload.gateparams import DEFAULT_PARAMS, make_document
 from sparsegate_workload.inference import run_batch
 from sparsegate_workload.model import build_model
-from sparsegate_workload.server import STATE, create_app, wait_ready
+from sparsegate_workload.admin import StaticToken
+from sparsegate_workload.server import STATE, create_admin_app, create_app, wait_ready
 from localcluster.ports import free_port
 
 TOKEN = "test-admin-token"
@@ -34,10 +35,19 @@ VERSION_B = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 3, "maxExpert
 
 @pytest.fixture
 async def client():
-    app = create_app(admin_token=TOKEN, gate_doc=VERSION_A)
+    app = create_app(gate_doc=VERSION_A)
     async with TestClient(TestServer(app, host="127.0.0.1"),
                           connector=aiohttp.TCPConnector(limit=0)) as c:
         await wait_ready(app)
+        yield c
+
+
+@pytest.fixture
+async def admin(client):
+    """The admin app over the same state, served in-process without TLS (the TLS listener and
+    token files are tested in test_admin_listener.py)."""
+    async with TestClient(TestServer(create_admin_app(client.server.app, auth=StaticToken(TOKEN)),
+                                     host="127.0.0.1")) as c:
         yield c
 
 
@@ -110,32 +120,43 @@ async def test_bad_json_content_type_and_size(client):
     assert resp.status == 405 and "error" in await resp.json()
 
 
-async def test_admin_endpoint_requires_the_bearer_token(client):
+async def test_admin_endpoint_requires_the_bearer_token(client, admin):
     doc = VERSION_B.to_json()
-    assert (await client.put("/admin/gate", json=doc)).status == 401
-    bad = await client.put("/admin/gate", json=doc, headers={"Authorization": "Bearer nope"})
+    assert (await admin.put("/admin/gate", json=doc)).status == 401
+    bad = await admin.put("/admin/gate", json=doc, headers={"Authorization": "Bearer nope"})
     assert bad.status == 403 and "invalid admin token" in (await bad.json())["error"]
-    basic = await client.put("/admin/gate", json=doc, headers={"Authorization": "Basic eDp5"})
+    basic = await admin.put("/admin/gate", json=doc, headers={"Authorization": "Basic eDp5"})
     assert basic.status == 401
-    assert (await (await client.get("/admin/gate")).json())["version"] == VERSION_A.version
-    ok = await client.put("/admin/gate", json=doc, headers=AUTH)
+    # Reading the gate needs the token too.
+    assert (await admin.get("/admin/gate")).status == 401
+    assert (await admin.get("/admin/gate", headers={"Authorization": "Bearer nope"})).status == 403
+    assert (await (await admin.get("/admin/gate", headers=AUTH)).json())["version"] == VERSION_A.version
+    ok = await admin.put("/admin/gate", json=doc, headers=AUTH)
     assert ok.status == 200
     body = await ok.json()
     assert body["applied"] and body["previousVersion"] == VERSION_A.version
-    assert (await (await client.get("/admin/gate")).json())["version"] == VERSION_B.version
-    again = await (await client.put("/admin/gate", json=doc, headers=AUTH)).json()
+    assert (await (await admin.get("/admin/gate", headers=AUTH)).json())["version"] == VERSION_B.version
+    again = await (await admin.put("/admin/gate", json=doc, headers=AUTH)).json()
     assert again["applied"] is False
+    # The swap reached the inference app: they share one state.
+    assert (await (await client.get("/healthz")).json())["gateVersion"] == VERSION_B.version
 
 
-async def test_admin_disabled_without_configured_token():
-    app = create_app(admin_token=None)
-    async with TestClient(TestServer(app, host="127.0.0.1")) as c:
-        await wait_ready(app)
+async def test_inference_port_serves_no_admin_routes(client):
+    for method in ("GET", "PUT"):
+        resp = await client.request(method, "/admin/gate", json=VERSION_B.to_json(), headers=AUTH)
+        assert resp.status == 404 and "error" in await resp.json()
+    assert (await (await client.get("/healthz")).json())["gateVersion"] == VERSION_A.version
+
+
+async def test_admin_disabled_without_configured_token(client):
+    async with TestClient(TestServer(create_admin_app(client.server.app, auth=StaticToken(None)),
+                                     host="127.0.0.1")) as c:
         resp = await c.put("/admin/gate", json=VERSION_B.to_json(), headers=AUTH)
         assert resp.status == 403 and "disabled" in (await resp.json())["error"]
 
 
-async def test_invalid_gate_documents_are_rejected_and_not_applied(client):
+async def test_invalid_gate_documents_are_rejected_and_not_applied(client, admin):
     tampered = VERSION_B.to_json()
     tampered["params"] = {**tampered["params"], "entropyBeta": 0.5}
     for doc, message in [
@@ -144,15 +165,15 @@ async def test_invalid_gate_documents_are_rejected_and_not_applied(client):
         (make_document({"maxExpertsPerToken": 9}).to_json(), "maxExpertsPerToken"),
         ({"version": "x"}, "missing"),
     ]:
-        resp = await client.put("/admin/gate", json=doc, headers=AUTH)
+        resp = await admin.put("/admin/gate", json=doc, headers=AUTH)
         assert resp.status == 422 and message in (await resp.json())["error"]
-    resp = await client.put("/admin/gate", data=b"{", headers={**AUTH,
+    resp = await admin.put("/admin/gate", data=b"{", headers={**AUTH,
                                                                 "Content-Type": "application/json"})
     assert resp.status == 400
     assert (await (await client.get("/healthz")).json())["gateVersion"] == VERSION_A.version
 
 
-async def test_hot_reload_under_concurrent_load_never_fails_or_mixes_versions(client):
+async def test_hot_reload_under_concurrent_load_never_fails_or_mixes_versions(client, admin):
     applied = {VERSION_A.version: VERSION_A, VERSION_B.version: VERSION_B}
     results: list[tuple[int, dict]] = []
     done = asyncio.Event()
@@ -166,7 +187,7 @@ async def test_hot_reload_under_concurrent_load_never_fails_or_mixes_versions(cl
                 return
 
     async def swap_to(doc):
-        resp = await client.put("/admin/gate", json=doc.to_json(), headers=AUTH)
+        resp = await admin.put("/admin/gate", json=doc.to_json(), headers=AUTH)
         assert resp.status == 200
         # Swap again only once a request that started under this version has finished, so
         # every swap happens with the full load in flight, whatever the machine's speed.
@@ -196,10 +217,10 @@ async def test_hot_reload_under_concurrent_load_never_fails_or_mixes_versions(cl
     assert seen == set(applied)
 
 
-async def test_fault_injection_is_a_seeded_chaos_knob(client):
+async def test_fault_injection_is_a_seeded_chaos_knob(client, admin):
     faulty = make_document({**DEFAULT_PARAMS, "faultInjection": {"errorRate": 0.5,
                                                                  "addedLatencyMs": 30}})
-    assert (await client.put("/admin/gate", json=faulty.to_json(), headers=AUTH)).status == 200
+    assert (await admin.put("/admin/gate", json=faulty.to_json(), headers=AUTH)).status == 200
     started = time.perf_counter()
     statuses = []
     for _ in range(40):
@@ -212,14 +233,14 @@ async def test_fault_injection_is_a_seeded_chaos_knob(client):
     metrics = await (await client.get("/metrics")).text()
     assert f'sparsegate_requests_total{{code="503"}} {statuses.count(503)}.0' in metrics
     # Same seed, same sequence of failures.
-    app2 = create_app(admin_token=TOKEN, gate_doc=faulty)
+    app2 = create_app(gate_doc=faulty)
     async with TestClient(TestServer(app2, host="127.0.0.1")) as c2:
         await wait_ready(app2)
         again = [(await _infer(c2, [[1, 2, 3]])).status for _ in range(40)]
     assert again == statuses
 
 
-async def test_metrics_are_exposed(client):
+async def test_metrics_are_exposed(client, admin):
     for _ in range(3):
         assert (await _infer(client, [[1, 2, 3, 4]])).status == 200
     assert (await _infer(client, [[1, 2, 9999]])).status == 422
@@ -240,21 +261,25 @@ async def test_metrics_are_exposed(client):
     assert 0.0 <= samples["sparsegate_gate_entropy"] <= 2.08
     info = f'sparsegate_gate_config_info{{checksum="{VERSION_A.checksum}",version="{VERSION_A.version}"}}'
     assert samples[info] == 1.0
-    await client.put("/admin/gate", json=VERSION_B.to_json(), headers=AUTH)
+    await admin.put("/admin/gate", json=VERSION_B.to_json(), headers=AUTH)
     text = await (await client.get("/metrics")).text()
     assert VERSION_B.version in text and VERSION_A.version not in text
 
 
 
-def test_module_entry_point_serves_with_gate_file_and_token_env(tmp_path):
+def test_module_entry_point_serves_inference_and_tls_admin_from_files(tmp_path):
+    from admin_files import admin_call, paths, write_secret_volume
+
     gate_file = tmp_path / "gate.json"
     gate_file.write_text(json.dumps(VERSION_B.to_json()))
-    port = free_port()
-    env = {**os.environ, "MY_TOKEN": TOKEN}
+    cert = write_secret_volume(tmp_path / "admin", token=TOKEN)
+    token_file, cert_file, key_file = paths(tmp_path / "admin")
+    port, admin_port = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "sparsegate_workload.server", "--host", "127.0.0.1",
-         "--port", str(port), "--gate-config", str(gate_file), "--admin-token-env", "MY_TOKEN"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+         "--port", str(port), "--gate-config", str(gate_file), "--admin-port", str(admin_port),
+         "--admin-token-file", token_file, "--admin-tls-cert", cert_file, "--admin-tls-key", key_file],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -270,11 +295,10 @@ def test_module_entry_point_serves_with_gate_file_and_token_env(tmp_path):
             time.sleep(0.1)
         with urllib.request.urlopen(base + "/healthz") as r:
             assert json.load(r)["gateVersion"] == VERSION_B.version
-        req = urllib.request.Request(base + "/admin/gate", method="PUT",
-                                     data=json.dumps(VERSION_A.to_json()).encode(),
-                                     headers={**AUTH, "Content-Type": "application/json"})
-        with urllib.request.urlopen(req) as r:
-            assert json.load(r)["version"] == VERSION_A.version
+        # The operator's way in: TLS trusting the model's certificate alone, checked for its name.
+        status, body = asyncio.run(admin_call("PUT", admin_port, cert_pem=cert, token=TOKEN,
+                                              body=VERSION_A.to_json()))
+        assert status == 200 and body["version"] == VERSION_A.version
         req = urllib.request.Request(base + "/v1/infer", data=b'{"tokens": [[1, 2, 3]]}',
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req) as r:
@@ -282,6 +306,19 @@ def test_module_entry_point_serves_with_gate_file_and_token_env(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
+
+
+def test_module_entry_point_refuses_half_configured_admin(tmp_path):
+    from admin_files import paths, write_secret_volume
+
+    write_secret_volume(tmp_path / "admin", token=TOKEN)
+    token_file, cert_file, _ = paths(tmp_path / "admin")
+    for args, message in ((["--admin-token-file", token_file], "go together"),
+                          (["--admin-token-file", token_file, "--admin-tls-cert", cert_file,
+                            "--admin-tls-key", cert_file], "admin credentials")):
+        done = subprocess.run([sys.executable, "-m", "sparsegate_workload.server", *args],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
 async def test_event_loop_stays_responsive_while_the_model_computes(client):
@@ -315,7 +352,7 @@ async def test_admission_is_bounded_and_requests_time_out():
     # One request admitted at a time: while a slow one (300 ms of injected latency) is in flight,
     # the next is refused at once with 429, not queued without bound.
     slow = make_document({**DEFAULT_PARAMS, "faultInjection": {"errorRate": 0.0, "addedLatencyMs": 300}})
-    c = await serving(create_app(admin_token=TOKEN, gate_doc=slow, max_inflight=1))
+    c = await serving(create_app(gate_doc=slow, max_inflight=1))
     try:
         body = {"tokens": [[1, 2, 3]]}
         first = asyncio.create_task(c.post("/v1/infer", json=body))
@@ -327,7 +364,7 @@ async def test_admission_is_bounded_and_requests_time_out():
     finally:
         await c.close()
     # A result later than the timeout answers 503; the slot frees once the batch is done.
-    c = await serving(create_app(admin_token=TOKEN, request_timeout_s=0.0005, max_inflight=1))
+    c = await serving(create_app(request_timeout_s=0.0005, max_inflight=1))
     try:
         resp = await c.post("/v1/infer", json={"tokens": [[i % 500 for i in range(256)] for _ in range(16)]})
         assert resp.status == 503 and "no result within" in (await resp.json())["error"]
@@ -344,7 +381,7 @@ async def test_a_model_that_fails_to_load_is_unhealthy_with_the_reason(monkeypat
         raise RuntimeError("shard model-00002.safetensors is missing")
 
     monkeypatch.setattr(server, "build_model", broken)
-    c = await serving(create_app(admin_token=TOKEN))
+    c = await serving(create_app())
     try:
         health = await c.get("/healthz")
         assert health.status == 500 and "model-00002.safetensors" in (await health.json())["error"]

@@ -14,7 +14,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from sparsegate_workload.gateparams import DEFAULT_PARAMS, GateParams, make_document
 from sparsegate_workload.model import ModelConfig, effective_gate
-from sparsegate_workload.server import create_app, wait_ready
+from sparsegate_workload.admin import StaticToken
+from sparsegate_workload.server import create_admin_app, create_app, wait_ready
 from localcluster.ports import free_port
 
 TOKEN = "shape-token"
@@ -58,7 +59,7 @@ def test_gate_range_is_clamped_into_the_models(gate, bounds, expected) -> None:
 
 @pytest.fixture
 async def small_client():
-    app = create_app(admin_token=TOKEN, model_config=SMALL)
+    app = create_app(model_config=SMALL)
     async with TestClient(TestServer(app, host="127.0.0.1"),
                           connector=aiohttp.TCPConnector(limit=0)) as c:
         await wait_ready(app)
@@ -81,17 +82,24 @@ async def test_server_builds_reports_and_serves_the_given_shape(small_client) ->
     assert resp.status == 422 and "[0, 100)" in (await resp.json())["error"]
 
 
-async def test_gate_asking_for_more_experts_than_the_model_has_is_refused(small_client) -> None:
+@pytest.fixture
+async def small_admin(small_client):
+    async with TestClient(TestServer(create_admin_app(small_client.server.app, auth=StaticToken(TOKEN)),
+                                     host="127.0.0.1")) as c:
+        yield c
+
+
+async def test_gate_asking_for_more_experts_than_the_model_has_is_refused(small_client, small_admin) -> None:
     too_many = make_document({**DEFAULT_PARAMS, "maxExpertsPerToken": 6}).to_json()
-    resp = await small_client.put("/admin/gate", json=too_many, headers=AUTH)
+    resp = await small_admin.put("/admin/gate", json=too_many, headers=AUTH)
     body = await resp.json()
     assert resp.status == 422
     assert "maxExpertsPerToken" in body["error"] and "4 experts" in body["error"]
-    assert (await (await small_client.get("/admin/gate")).json())["version"] != too_many["version"]
+    assert (await (await small_admin.get("/admin/gate", headers=AUTH)).json())["version"] != too_many["version"]
     # within the expert count but above the model's per-token maximum: applied, then clamped
     three = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 3, "maxExpertsPerToken": 3,
                            "capacityFactor": 8}).to_json()
-    resp = await small_client.put("/admin/gate", json=three, headers=AUTH)
+    resp = await small_admin.put("/admin/gate", json=three, headers=AUTH)
     body = await resp.json()
     assert resp.status == 200 and body["applied"] is True
     assert body["effectiveExpertsPerToken"] == {"min": 2, "max": 2}
