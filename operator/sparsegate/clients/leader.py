@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 # Exit status after losing the Lease (controller-runtime exits 1 too); the pod restarts as a standby.
 LOST_EXIT_CODE = 1
+# Longest a loss waits for its log line to be written before the process ends anyway.
+EXIT_BACKSTOP_S = 1.0
 # Below this much time left a request is not worth starting: it would be cut short anyway.
 MIN_REQUEST_S = 0.05
 
@@ -188,6 +190,11 @@ class LeaderElector:
         if self._lost.is_set():
             return
         self._lost.set()
+        if self._exit is _hard_exit:
+            # Logging can block (a stalled stderr pipe holds its handler's lock): exit regardless.
+            backstop = threading.Timer(EXIT_BACKSTOP_S, os._exit, args=(LOST_EXIT_CODE,))
+            backstop.daemon = True
+            backstop.start()
         logger.error("leader election lost (%s): exiting at once so nothing more is written", reason)
         self._exit(LOST_EXIT_CODE)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime
 import socket
+import subprocess
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -344,3 +346,29 @@ def test_clean_stop_ends_the_threads_and_hands_the_lease_back():
     a.release()
     assert api.lease["spec"]["holderIdentity"] is None
     time.sleep(0.7)  # past the old deadline: the disarmed watchdog stays quiet
+
+
+# -- the real exit, in a child process ---------------------------------------------------------
+
+LOSE = """
+import logging, sys, threading
+from sparsegate.clients.leader import LeaderElector
+class Stuck(logging.Handler):
+    def emit(self, record):
+        threading.Event().wait()  # a stalled log pipe
+logging.basicConfig(stream=sys.stderr)
+if sys.argv[1] == "stuck":
+    logging.getLogger().addHandler(Stuck())
+LeaderElector(None, name="l", namespace="ns", identity="a").lose("test")
+print("still running")
+"""
+
+
+@pytest.mark.parametrize("logging_", ["ok", "stuck"])
+def test_a_loss_ends_the_process_at_once_with_status_1(logging_):
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", LOSE, logging_], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == LOST_EXIT_CODE == 1 and "still running" not in proc.stdout, proc
+    assert "leader election lost (test)" in proc.stderr
+    if logging_ == "stuck":  # the backstop ends it although the log call never returns
+        assert time.monotonic() - t0 < 10
