@@ -6,9 +6,9 @@ One loop per GateConfig (``handlers.periodic``: watch-driven, no finalizer) runs
 1. read the GateConfig fresh (the watched body may predate our own last status write);
 2. observe: pods of the SparseModels whose ``spec.gateConfigRef`` names it (Kopf index
    ``models_by_gate``) — only pods whose owner chain leads to the model (pod → ReplicaSet →
-   Deployment → SparseModel, ``domain.pod_ownership``) are talked to; a pod that only carries the
-   model's labels counts as unreachable and gets no token, no push, no scrape (Warning Event
-   ``AdminTokenWithheld``) — their ``/healthz`` (heartbeat + version/checksum double check) and,
+   Deployment → SparseModel, ``domain.pod_ownership``) are the model's; a pod that only carries
+   the model's labels gets no token, no push, no scrape and is no part of the rollout (Warning
+   Event ``AdminTokenWithheld``) — their ``/healthz`` (heartbeat + version/checksum double check) and,
    while a canary is in flight, their ``/metrics``;
 3. decide with ``domain.rollout.next_action`` (pure);
 4. persist the new status (JSON patch replacing the whole status, optimistic concurrency)
@@ -104,7 +104,7 @@ class _Cache:
 @dataclass(frozen=True)
 class _Fleet:
     targets: dict[str, PodTarget]  # reachable candidates (have an IP) whose owner chain is the model's
-    all_pods: tuple[str, ...]  # every live pod, with or without IP, owned or not
+    all_pods: tuple[str, ...]  # every live pod of the models, with or without IP
     withheld: dict[str, tuple[str, str]] = field(default_factory=dict)  # pod → (uid, why no token)
 
 
@@ -174,14 +174,14 @@ class RolloutLoop:
             if model_name not in live_models or meta.get("deletionTimestamp") \
                     or status.get("phase") in ("Succeeded", "Failed"):
                 continue
-            live.append(meta["name"])
             problem = ownership_problem(pod, replicasets=replicasets, deployment=deployment_of[model_name],
                                         model=live_models[model_name])
             if problem is not None:
-                # Labelled as the model's but not provably its pod: no token, no push, no scrape;
-                # it counts as an unreachable pod, so a rollout waits rather than counting it done.
+                # Labelled as the model's but not its pod: no token, no push, no scrape, and not
+                # part of the rollout (a labelled pod must not be able to stall or fake one).
                 withheld[meta["name"]] = (meta.get("uid", ""), problem)
                 continue
+            live.append(meta["name"])
             if status.get("podIP"):
                 c = creds[model_name]
                 targets[meta["name"]] = PodTarget(

@@ -178,26 +178,41 @@ class Fleet:
         return out
 
     def check_pods_are_ours(self) -> None:
-        """Each pod IP must be served by this cluster's server: a no-op PUT with the model's token.
+        """Each pod IP must be served by this cluster's server: a GET /admin/gate over TLS that
+        trusts only this model's certificate (from Secret <model>-admin) and sends its token.
 
         Another local cluster on this machine with the same pod CIDR can own a pod's IP:port
-        (its server answers /healthz, but refuses our token). Fail clearly instead of timing out.
+        (its server answers /healthz, but holds another certificate and token). Fail clearly
+        instead of timing out.
         """
+        import asyncio
         import base64
 
-        token = base64.b64decode(self.get("secret", f"{MODEL}-admin")["data"]["token"]).decode()
-        doc = json.dumps(self.gateconfig()["status"]["stable"]).encode()
+        import aiohttp
+
+        from sparsegate.clients.admin_credentials import client_context
+        from sparsegate_contracts import names
+
+        data = {k: base64.b64decode(v).decode() for k, v in self.get("secret", f"{MODEL}-admin")["data"].items()}
+        ctx = client_context(data[names.ADMIN_TLS_CERT_KEY])
+        server_name = names.admin_server_name(model=MODEL, namespace=NAMESPACE)
+
+        async def check(ip: str) -> int:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+                async with session.get(f"https://{ip}:{names.DEFAULT_ADMIN_PORT}/admin/gate", ssl=ctx,
+                                       server_hostname=server_name, timeout=aiohttp.ClientTimeout(total=5),
+                                       headers={"Authorization": f"Bearer {data[names.ADMIN_TOKEN_KEY]}"}) as resp:
+                    return resp.status
+
         for p in self.pods():
-            req = urllib.request.Request(f"http://{p['status']['podIP']}:8080/admin/gate", data=doc, method="PUT",
-                                         headers={"Authorization": f"Bearer {token}",
-                                                  "Content-Type": "application/json"})
+            ip = p["status"]["podIP"]
             try:
-                with urllib.request.urlopen(req, timeout=5) as resp:
-                    assert resp.status == 200
-            except urllib.error.HTTPError as e:
-                pytest.fail(f"pod {p['metadata']['name']} at {p['status']['podIP']}:8080 refused this cluster's "
-                            f"admin token ({e.code}): another process (another local cluster with the same "
-                            f"pod CIDR?) owns that address")
+                status = asyncio.run(check(ip))
+            except (aiohttp.ClientError, OSError) as e:
+                pytest.fail(f"pod {p['metadata']['name']} at {ip}:{names.DEFAULT_ADMIN_PORT} is not this "
+                            f"model's admin listener ({type(e).__name__}: {e}): another process (another local "
+                            f"cluster with the same pod CIDR?) owns that address")
+            assert status == 200, f"pod {p['metadata']['name']} refused this model's admin token ({status})"
 
     def events(self) -> list[dict]:
         return self.get("events", "--field-selector", f"involvedObject.kind=GateConfig,involvedObject.name={GATE}")["items"]

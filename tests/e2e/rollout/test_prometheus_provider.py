@@ -17,6 +17,7 @@ window / (window − 2·1.1 intervals) (with a little slack for scrape jitter on
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import math
 import os
@@ -33,11 +34,15 @@ from loadgen import LoadGen
 from sparsegate_workload import gateparams
 
 from localcluster.ports import free_port
+from sparsegate.clients.admin_credentials import client_context
 from sparsegate.clients.metrics_source import PrometheusAPI, group_from_snapshots, parse_pod_counters
-from sparsegate.clients.podadmin import PodAdmin, PodTarget
+from sparsegate.clients.podadmin import AdminCredentials, PodAdmin, PodTarget
+from sparsegate.domain import admin_tls
 from sparsegate.domain.analysis import GroupMetrics, PodCounters
+from sparsegate_contracts import names
 
 TOKEN = "prom-test-admin-token"
+SERVER_NAME = names.admin_server_name(model="prom", namespace="test")
 NAMESPACE = "prom-e2e"
 HEALTHY = ("m-a", "m-b")
 FAULTY = ("m-c",)
@@ -73,17 +78,23 @@ def _wait_http_ok(url: str, *, proc: subprocess.Popen[bytes], what: str, log: Pa
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, PodTarget]]:
     work = tmp_path_factory.mktemp("prom-servers")
-    env = {**os.environ, "SPARSEGATE_ADMIN_TOKEN": TOKEN}
+    # The admin channel as in a pod: token and the model's certificate as files, TLS on its own port.
+    cert_pem, key_pem = admin_tls.issue(server_name=SERVER_NAME, now=datetime.datetime.now(datetime.timezone.utc))
+    for key, text in (("token", TOKEN), ("tls.crt", cert_pem), ("tls.key", key_pem)):
+        (work / key).write_text(text)
+    creds = AdminCredentials(token=TOKEN, server_name=SERVER_NAME, ssl=client_context(cert_pem), source="test")
     procs: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
     targets: dict[str, PodTarget] = {}
     try:
         for name in (*HEALTHY, *FAULTY):  # all start at once; each imports torch (~seconds)
-            port, log = free_port(), work / f"{name}.log"
+            port, admin_port, log = free_port(), free_port(), work / f"{name}.log"
             with log.open("wb") as out:
                 procs[name] = (subprocess.Popen(
                     [sys.executable, "-m", "sparsegate_workload.server", "--host", "127.0.0.1",
-                     "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT), log)
-            targets[name] = PodTarget(name=name, ip="127.0.0.1", port=port, token=TOKEN)
+                     "--port", str(port), "--admin-port", str(admin_port),
+                     "--admin-token-file", str(work / "token"), "--admin-tls-cert", str(work / "tls.crt"),
+                     "--admin-tls-key", str(work / "tls.key")], stdout=out, stderr=subprocess.STDOUT), log)
+            targets[name] = PodTarget(name=name, ip="127.0.0.1", port=port, admin_port=admin_port, admin=creds)
         for name, (proc, log) in procs.items():
             _wait_http_ok(f"{targets[name].base}/readyz", proc=proc, what=f"model server {name}", log=log,
                           timeout_s=60)
