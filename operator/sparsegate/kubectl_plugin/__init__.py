@@ -11,6 +11,7 @@ Printing and patch building are pure functions in :mod:`sparsegate.kubectl_plugi
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,16 +25,26 @@ PROG = "kubectl-sparsegate"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Watch and steer sparsegate GateConfig rollouts.")
+    # Connection flags go before or after the command, as with kubectl (SUPPRESS: a subcommand
+    # that does not repeat a flag leaves the value given before it alone).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--kubeconfig", default=argparse.SUPPRESS,
+                        help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
+    common.add_argument("--context", default=argparse.SUPPRESS, help="kubeconfig context (default: the current one)")
+    common.add_argument("-n", "--namespace", default=argparse.SUPPRESS,
+                        help="namespace (default: the context's, else 'default')")
+    p = argparse.ArgumentParser(prog=PROG, description="Watch and steer sparsegate GateConfig rollouts.",
+                                parents=[common])
     p.add_argument("--version", action="version", version=version_line(PROG))
-    p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
-    p.add_argument("--context", help="kubeconfig context (default: the current one)")
-    p.add_argument("-n", "--namespace", help="namespace (default: the context's, else 'default')")
     sub = p.add_subparsers(dest="command", required=True)
-    get = sub.add_parser("get", help="table of GateConfigs: phase, step, canary share, versions, analysis")
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, parents=[common])
+
+    get = command("get", "table of GateConfigs: phase, step, canary share, versions, analysis")
     get.add_argument("name", nargs="?")
     get.add_argument("-A", "--all-namespaces", action="store_true")
-    status = sub.add_parser("status", help="one GateConfig in detail: steps, analysis values, history")
+    status = command("status", "one GateConfig in detail: steps, analysis values, history")
     status.add_argument("name")
     status.add_argument("-w", "--watch", action="store_true", help="print again on every change (Ctrl-C ends)")
     for verb, text in (("pause", "hold the rollout at its step (spec.rollout.paused: true)"),
@@ -41,11 +52,11 @@ def _parser() -> argparse.ArgumentParser:
                        ("abort", "roll the canary back to the stable version"),
                        ("retry", "roll out again the version a rollback or abort rejected, or re-analyse a "
                                  "failed step")):
-        sub.add_parser(verb, help=text).add_argument("name")
-    promote = sub.add_parser("promote", help="skip the current step's analysis: on to the next step")
+        command(verb, text).add_argument("name")
+    promote = command("promote", "skip the current step's analysis: on to the next step")
     promote.add_argument("name")
     promote.add_argument("--full", action="store_true", help="skip every remaining step: all instances at once")
-    undo = sub.add_parser("undo", help="roll out an earlier version from status.history (writes spec.params)")
+    undo = command("undo", "roll out an earlier version from status.history (writes spec.params)")
     undo.add_argument("name")
     undo.add_argument("--to-revision", type=int, help="revision number (default: the one before the stable)")
     return p
@@ -74,9 +85,11 @@ class Client:
         return list(out.get("items") or [])
 
     def patch(self, namespace: str, name: str, body: Any) -> dict[str, Any]:
-        # A dict goes as a merge patch, a list as a JSON patch (the client picks the content type).
+        # A dict goes as a merge patch, a list as a JSON patch (named: the client sends merge
+        # patches unless told otherwise).
+        kind = "application/json-patch+json" if isinstance(body, list) else "application/merge-patch+json"
         return self.api.patch_namespaced_custom_object(names.GROUP, names.VERSION, namespace, names.GATECONFIGS,
-                                                       name, body)
+                                                       name, body, _content_type=kind)
 
     def watch(self, namespace: str, name: str) -> Any:
         from kubernetes import watch
@@ -98,8 +111,8 @@ def _watch_status(client: Client, namespace: str, name: str, out: Callable[[str]
 def run(argv: Sequence[str], *, client_factory: Callable[..., Client] = Client,
         out: Callable[[str], None] = sys.stdout.write) -> int:
     args = _parser().parse_args(argv)
-    client = client_factory(kubeconfig=args.kubeconfig, context=args.context)
-    namespace = args.namespace or client.default_namespace
+    client = client_factory(kubeconfig=getattr(args, "kubeconfig", None), context=getattr(args, "context", None))
+    namespace = getattr(args, "namespace", None) or client.default_namespace
     cmd = args.command
     if cmd == "get":
         if args.name:
@@ -143,7 +156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"error: {e}\n")
         return 1
     except ApiException as e:
-        sys.stderr.write(f"error: {e.status} {e.reason}\n")
+        try:
+            detail = json.loads(e.body or "{}").get("message") or ""
+        except (ValueError, AttributeError):
+            detail = ""
+        sys.stderr.write(f"error: {e.status} {e.reason}" + (f": {detail}" if detail else "") + "\n")
         return 1
     except KeyboardInterrupt:
         return 130

@@ -179,6 +179,7 @@ def cli(argv: list[str], objs: list[dict[str, Any]]) -> tuple[FakeClient, str]:
     (["abort", "gate"], {"metadata": {"annotations": {ABORT_ANNOTATION: "kubectl-sparsegate"}}}),
     (["undo", "gate"], [{"op": "replace", "path": "/spec/params", "value": V1}]),
     (["-n", "other", "undo", "gate", "--to-revision", "2"], [{"op": "replace", "path": "/spec/params", "value": V2}]),
+    (["pause", "gate", "-n", "other"], {"spec": {"rollout": {"paused": True}}}),  # flags after the command too
 ])
 def test_commands_send_one_patch(argv: list[str], body: Any) -> None:
     namespace = "other" if "other" in argv else "ns"
