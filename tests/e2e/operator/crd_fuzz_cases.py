@@ -411,7 +411,7 @@ DURATION_RULE = "duration(self) > duration('0s')"
 def _duration_cases(path: str) -> list[CelCase]:
     return [("out_of_range", path, "'0s' not positive", _set(path, "0s")),
             ("out_of_range", path, "'0h0m0.0s' not positive", _set(path, "0h0m0.0s")),
-            ("out_of_range", path, f"'2562048h' past Go's duration", _set(path, "2562048h"))]
+            ("out_of_range", path, "'2562048h' past Go's duration", _set(path, "2562048h"))]
 
 
 LABEL_KEY_RULE = ("self.all(k, size(k) <= 317 && k.matches('^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]"
@@ -483,6 +483,14 @@ CEL_CASES: dict[tuple[str, str, str], list[CelCase]] = {
     ("RoutingPolicy", "spec.sources[]", "!has(self.spiffeID) || self.spiffeID.startsWith('spiffe://')"): [
         ("bad_format", "spec.sources[1].spiffeID", "scheme in capitals",
          _set("spec.sources[1].spiffeID", "SPIFFE://cluster.local/ns/web")),
+    ],
+    ("RoutingPolicy", "spec", "size(self.sources) * size(self.targets) <= 256"): [
+        ("cross_field", "spec.sources", "17 sources x 16 targets > 256 pairs",
+         _sets(("spec.sources", [{"namespace": f"ns-{i}"} for i in range(17)]),
+               ("spec.targets", [{"sparseModel": f"m{i}"} for i in range(16)]))),
+        ("cross_field", "spec.sources", "64 sources x 64 targets",
+         _sets(("spec.sources", [{"namespace": f"ns-{i}"} for i in range(64)]),
+               ("spec.targets", [{"sparseModel": f"m{i}"} for i in range(64)]))),
     ],
     ("RoutingPolicy", "spec.sources[].matchLabels", LABEL_KEY_RULE): _label_key_cases("spec.sources[0].matchLabels"),
     ("TelemetryProbe", "spec.nodeSelector", LABEL_KEY_RULE): _label_key_cases("spec.nodeSelector"),
@@ -639,16 +647,16 @@ def valid_edges(schemas: Mapping[str, Mapping[str, Any]], examples: Mapping[str,
                  "rollout": {"steps": list(range(100 - 5 * (steps_max - 1), 101, 5)), "paused": True}})),
         Edge("GateConfig", "empty spec (every default)", named("GateConfig", "gc-defaults", {})),
     ]
-    # RoutingPolicy: the fullest and the emptiest.
-    max_sources = bound("RoutingPolicy", "spec.sources", "maxItems")
-    max_targets = bound("RoutingPolicy", "spec.targets", "maxItems")
+    # RoutingPolicy: the fullest and the emptiest. Sources x targets is capped by a CEL rule (256
+    # pairs): 16 x 16, every other list full.
+    max_sources = max_targets = 16
     max_groups = bound("RoutingPolicy", "spec.targets[0].expertGroups", "maxItems")
     max_routes = bound("RoutingPolicy", "spec.targets[0].routes", "maxItems")
     max_ports = bound("RoutingPolicy", "spec.ports", "maxItems")
     spiffe_len = bound("RoutingPolicy", "spec.sources[0].spiffeID", "maxLength")
     spiffe_head = "spiffe://cluster.local/ns/web/sa/"
     edges += [
-        Edge("RoutingPolicy", "most sources x most targets, every list full, longest strings, top priority",
+        Edge("RoutingPolicy", "most (source, target) pairs, every other list full, longest strings, top priority",
              named("RoutingPolicy", "rp-fullest", {
                  "action": "Allow", "priority": bound("RoutingPolicy", "spec.priority", "maximum"),
                  "sources": [
