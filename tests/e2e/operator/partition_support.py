@@ -31,14 +31,16 @@ LEASE = "sparsegate-operator"  # the CLI's default --lease-name (and the chart's
 class CuttableProxy:
     """A TCP relay 127.0.0.1:<port> → the API server that a test can cut and heal.
 
-    Cut: every open connection is torn down, and new connections are accepted but never
-    answered (a blackhole: the client's TLS handshake hangs until its own timeout), which is how
-    a partitioned network looks to the operator. Heal: connections relay again.
+    Cut: every open connection is torn down, and new connections are either accepted but never
+    answered (``blackhole``: the client's TLS handshake hangs until its own timeout, as when
+    packets are dropped) or closed at once (``reset``: the client fails fast with a connection
+    error, as when the route is refused). Heal: connections relay again.
     TLS passes through untouched (the client still verifies the API server's certificate).
     """
 
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
+    def __init__(self, target: tuple[str, int], *, mode: str = "blackhole") -> None:
+        assert mode in ("blackhole", "reset"), mode
+        self.target, self.mode = target, mode
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
@@ -59,9 +61,12 @@ class CuttableProxy:
             except OSError:
                 return  # closed
             with self._lock:
-                if self._cut:
+                if self._cut and self.mode == "blackhole":
                     self._held.append(client)
                     continue
+            if self._cut:
+                self._drop(client)
+                continue
             try:
                 upstream = socket.create_connection(self.target, timeout=5)
                 upstream.settimeout(None)

@@ -5,7 +5,8 @@ renew deadline 10 s, retry 2 s), each as its own ServiceAccount (the chart's ope
 each reaching the API server through its own TCP proxy, on a control plane that audits every
 write; A leads and reconciles a SparseModel that the test keeps changing (so a leader writes
 all the time).
-When A's proxy is cut (open connections torn down, new ones blackholed),
+When A's proxy is cut (open connections torn down; new ones blackholed, or reset at once: a
+connection error that is no API error, which once killed the renewal thread silently),
 Then A exits on its own (status 1, "leader election lost") within its renew deadline, B takes
 the Lease only after that and within lease + retries + slack, and B reconciles;
 And after A's proxy is healed and A restarts (as its pod would) it stays a standby; in the audit
@@ -56,10 +57,12 @@ def lease_holder(cluster: LocalCluster, namespace: str) -> str | None:
     return (json.loads(run.stdout).get("spec") or {}).get("holderIdentity") if run.returncode == 0 else None
 
 
-def test_partitioned_leader_stops_before_the_standby_writes(audited_cluster: LocalCluster, tmp_path: Path):
+@pytest.mark.parametrize("cut", ["blackhole", "reset"])
+def test_partitioned_leader_stops_before_the_standby_writes(audited_cluster: LocalCluster, tmp_path: Path,
+                                                            cut: str):
     cluster = audited_cluster
     ns = f"partition-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("apply", "--server-side", "-f", str(CHART / "crds"))
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
     cluster.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
     cluster.kubectl("create", "namespace", ns)
     for sa in ("op-a", "op-b"):
@@ -67,7 +70,7 @@ def test_partitioned_leader_stops_before_the_standby_writes(audited_cluster: Loc
     grant_chart_rbac(cluster, namespace=ns, service_accounts=["op-a", "op-b"])
     user_a, user_b = service_account_user(ns, "op-a"), service_account_user(ns, "op-b")
 
-    proxies = {sa: CuttableProxy(apiserver_address(cluster)) for sa in ("op-a", "op-b")}
+    proxies = {sa: CuttableProxy(apiserver_address(cluster), mode=cut) for sa in ("op-a", "op-b")}
     kubeconfigs = {sa: token_kubeconfig(cluster, path=tmp_path / f"{sa}.kubeconfig", server=proxies[sa].url,
                                         namespace=ns, service_account=sa) for sa in proxies}
     procs: list[OperatorProcess] = []
@@ -147,7 +150,7 @@ def test_partitioned_leader_stops_before_the_standby_writes(audited_cluster: Loc
         a_last = max(w.completed for w in by_a)
         gap_exit_s = b_first.received - a_exit
         sys.stderr.write(
-            f"\n[e2e] partition: A exited {a_exit - t_cut:.1f}s after the cut; B took the Lease "
+            f"\n[e2e] partition ({cut}): A exited {a_exit - t_cut:.1f}s after the cut; B took the Lease "
             f"{b_first.received - t_cut:.1f}s after the cut, {gap_exit_s:.1f}s after A exited; "
             f"A's last write completed {b_first.received - a_last:.1f}s before B's first; "
             f"writes A {len(by_a)}, B {len(by_b)}; double writers observed: {len(overlap)}\n")
