@@ -105,3 +105,30 @@ def test_valid_edges_cover_the_operator_kinds_with_few_running_models():
     refs = {m["spec"].get("gateConfigRef", {}).get("name") for m in models} - {None}
     gates = {e.obj["metadata"]["name"] for e in edges if e.kind == "GateConfig"}
     assert refs - gates == {"no-such-gate"}  # one dangling reference, on purpose
+
+
+def test_operator_parsers_accept_the_valid_edges():
+    """What the schema accepts at its bounds, the operator's pure parsers accept too (the e2e test
+    shows the running operator's conditions for the same objects)."""
+    from sparsegate.domain import gate, policy, render, rollout
+
+    edges = fuzz.valid_edges(SCHEMAS, EXAMPLES)
+    gates = {e.obj["metadata"]["name"]: e.obj for e in edges if e.kind == "GateConfig"}
+    for g in gates.values():
+        parsed = rollout.parse_spec(g["spec"])
+        assert parsed.steps[-1] == 100 and parsed.analysis_interval_s > 0 and parsed.progress_deadline_s > 0
+    for e in edges:
+        if e.kind == "SparseModel":
+            model = {**e.obj, "metadata": {**e.obj["metadata"], "namespace": "ns", "uid": "u"}}
+            ref = e.obj["spec"].get("gateConfigRef", {}).get("name")
+            resolution = gate.resolve(gates.get(ref), referenced=ref is not None,
+                                      num_experts=e.obj["spec"]["model"]["experts"])
+            if ref == "no-such-gate":
+                assert resolution.document is None and resolution.source == "missing"
+                continue
+            assert resolution.document is not None, (e.note, resolution.error)
+            deployment = next(o for o in render.render_applied(model, resolution.document) if o["kind"] == "Deployment")
+            assert deployment["spec"]["replicas"] == e.obj["spec"]["replicas"]
+        elif e.kind == "RoutingPolicy":
+            rules = policy.rules_from_spec(namespace="ns", name=e.obj["metadata"]["name"], spec=e.obj["spec"])
+            assert len(rules) == len(e.obj["spec"]["sources"]) * len(e.obj["spec"]["targets"]) <= 256
