@@ -62,7 +62,7 @@ INT32_MAX = 2**31 - 1
 MAX_GO_DURATION = "2562047h"
 
 Token = str | int
-Path_ = tuple[Token, ...]
+FieldPath = tuple[Token, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +114,7 @@ def load_examples(examples_dir: Path) -> dict[str, dict[str, Any]]:
 # ---------------------------------------------------------------- paths
 
 
-def path_text(path: Path_) -> str:
+def path_text(path: FieldPath) -> str:
     out = ""
     for token in path:
         out += f"[{token}]" if isinstance(token, int) else (f".{token}" if out else token)
@@ -126,13 +126,13 @@ def normalise(path: str) -> str:
     return re.sub(r"\[\d+\]", "[]", path)
 
 
-def get_at(obj: Any, path: Path_) -> Any:
+def get_at(obj: Any, path: FieldPath) -> Any:
     for token in path:
         obj = obj[token]
     return obj
 
 
-def set_at(obj: dict[str, Any], path: Path_, value: Any) -> dict[str, Any]:
+def set_at(obj: dict[str, Any], path: FieldPath, value: Any) -> dict[str, Any]:
     """A copy of ``obj`` with ``value`` at ``path`` (missing parent objects are created)."""
     out = copy.deepcopy(obj)
     node: Any = out
@@ -142,13 +142,13 @@ def set_at(obj: dict[str, Any], path: Path_, value: Any) -> dict[str, Any]:
     return out
 
 
-def delete_at(obj: dict[str, Any], path: Path_) -> dict[str, Any]:
+def delete_at(obj: dict[str, Any], path: FieldPath) -> dict[str, Any]:
     out = copy.deepcopy(obj)
     del get_at(out, path[:-1])[path[-1]]
     return out
 
 
-def P(text: str) -> Path_:
+def parse_path(text: str) -> FieldPath:
     """``"spec.sources[1].spiffeID"`` → ``("spec", "sources", 1, "spiffeID")``."""
     out: list[Token] = []
     for part in text.split("."):
@@ -229,7 +229,7 @@ class Walker:
         self._seen: set[tuple[str, str, str]] = set()
         self.covered: set[str] = set()
 
-    def add(self, category: str, path: Path_ | str, note: str, obj: dict[str, Any], *, strict: bool = False) -> None:
+    def add(self, category: str, path: FieldPath | str, note: str, obj: dict[str, Any], *, strict: bool = False) -> None:
         text = path if isinstance(path, str) else path_text(path)
         key = (category, normalise(text), note)
         if key in self._seen:  # the same mutation on another item of an array adds nothing
@@ -242,7 +242,7 @@ class Walker:
 
     # -- walk ----------------------------------------------------------------------------
 
-    def walk(self, schema: Mapping[str, Any], path: Path_) -> None:
+    def walk(self, schema: Mapping[str, Any], path: FieldPath) -> None:
         value = get_at(self.base, path)
         self.covered.add(normalise(path_text(path)))
         kind = _types(schema)
@@ -259,12 +259,12 @@ class Walker:
         elif kind == "string":
             self.string(schema, path, value)
 
-    def wrong_type(self, schema: Mapping[str, Any], path: Path_) -> None:
+    def wrong_type(self, schema: Mapping[str, Any], path: FieldPath) -> None:
         candidates = WRONG_TYPE_VALUES.get(_types(schema) or "", [])
         for bad in self.pick(candidates, 2):
             self.add("wrong_type", path, f"{type(bad).__name__} {bad!r}"[:40], set_at(self.base, path, bad))
 
-    def object(self, schema: Mapping[str, Any], path: Path_, value: Mapping[str, Any]) -> None:
+    def object(self, schema: Mapping[str, Any], path: FieldPath, value: Mapping[str, Any]) -> None:
         props = schema.get("properties") or {}
         extra = schema.get("additionalProperties")
         if not schema.get("x-kubernetes-preserve-unknown-fields") and not extra:
@@ -279,7 +279,7 @@ class Walker:
             if name in value:
                 self.walk(sub, (*path, name))
 
-    def map_values(self, schema: Mapping[str, Any], values: Mapping[str, Any], path: Path_,
+    def map_values(self, schema: Mapping[str, Any], values: Mapping[str, Any], path: FieldPath,
                    value: Mapping[str, Any]) -> None:
         key = next(iter(value))
         if "maxProperties" in schema:
@@ -295,7 +295,7 @@ class Walker:
             for bad in self.bad_patterns(values):
                 self.add("bad_format", (*path, key), f"value {bad!r}", set_at(self.base, (*path, key), bad))
 
-    def array(self, schema: Mapping[str, Any], path: Path_, value: Sequence[Any]) -> None:
+    def array(self, schema: Mapping[str, Any], path: FieldPath, value: Sequence[Any]) -> None:
         items = schema.get("items") or {}
         if "maxItems" in schema:
             n = schema["maxItems"] + 1
@@ -306,7 +306,7 @@ class Walker:
         for i in range(len(value)):
             self.walk(items, (*path, i))
 
-    def numeric(self, schema: Mapping[str, Any], path: Path_) -> None:
+    def numeric(self, schema: Mapping[str, Any], path: FieldPath) -> None:
         integer = _types(schema) == "integer"
         step = 1 if integer else round(self.rng.uniform(0.001, 1.0), 3)
         if "minimum" in schema:
@@ -322,7 +322,7 @@ class Walker:
         elif integer:
             self.add("out_of_range", path, "2^63 above int64", set_at(self.base, path, 2**63))
 
-    def string(self, schema: Mapping[str, Any], path: Path_, value: str) -> None:
+    def string(self, schema: Mapping[str, Any], path: FieldPath, value: str) -> None:
         if "enum" in schema:
             bad = self.pick([p for p in ENUM_PROBES if p not in schema["enum"]], 1)[0]
             self.add("bad_format", path, f"{bad!r} not in enum", set_at(self.base, path, bad))
@@ -386,19 +386,19 @@ Mutation = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 def _set(path: str, value: Any) -> Mutation:
-    return lambda obj: set_at(obj, P(path), value)
+    return lambda obj: set_at(obj, parse_path(path), value)
 
 
 def _sets(*pairs: tuple[str, Any]) -> Mutation:
     def apply(obj: dict[str, Any]) -> dict[str, Any]:
         for path, value in pairs:
-            obj = set_at(obj, P(path), value)
+            obj = set_at(obj, parse_path(path), value)
         return obj
     return apply
 
 
 def _drop_then_set(drop: str, path: str, value: Any) -> Mutation:
-    return lambda obj: set_at(delete_at(obj, P(drop)), P(path), value)
+    return lambda obj: set_at(delete_at(obj, parse_path(drop)), parse_path(path), value)
 
 
 # (kind, normalised schema path of the rule's holder, rule) → [(category, field path, note, mutation)].
@@ -559,7 +559,7 @@ def invalid_cases(schemas: Mapping[str, Mapping[str, Any]], examples: Mapping[st
         if missing:
             raise AssertionError(f"{kind}: the full base has no {', '.join(missing)}; add them to EXTRAS")
         for category, note, name in NAME_CASES:
-            walker.add(category, "metadata.name", note, set_at(bases[kind], P("metadata.name"), name))
+            walker.add(category, "metadata.name", note, set_at(bases[kind], parse_path("metadata.name"), name))
         for holder, rule in cel_rules(schemas[kind]):
             if holder.startswith("status"):
                 continue
@@ -573,7 +573,7 @@ def invalid_cases(schemas: Mapping[str, Mapping[str, Any]], examples: Mapping[st
 
 
 def schema_at(schema: Mapping[str, Any], path: str) -> Mapping[str, Any]:
-    for token in P(path):
+    for token in parse_path(path):
         schema = schema["items"] if isinstance(token, int) else schema["properties"][token]
     return schema
 

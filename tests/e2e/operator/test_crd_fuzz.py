@@ -73,7 +73,7 @@ def names_field(message: str, path: str) -> bool:
     segments plus the field's own name as a word (``spec.ports[0]: ... ports[].port must ...``)."""
     if path in message:
         return True
-    tokens = fuzz.P(path)
+    tokens = fuzz.parse_path(path)
     leaf = tokens[-1]
     for cut in range(len(tokens) - 1, 1, -1):
         parent = fuzz.path_text(tokens[:cut])
