@@ -171,3 +171,6 @@ def test_a_model_in_the_served_namespace_becomes_ready_under_the_policy(stack: S
                                                      "-o", "json", check=False).stdout or "null"),
                     what="flow-policy ConfigMap", timeout_s=60)
     assert flow["metadata"]["labels"][names.MANAGED_BY_LABEL] == names.MANAGED_BY
+    # And none of its writes was refused on the way (a refusal is logged, then retried).
+    log = stack.logs(stack.wait_operator_ready(), "operator", lines=5000)
+    assert "ValidatingAdmissionPolicy" not in log and "Forbidden" not in log, log[-3000:]
