@@ -125,6 +125,15 @@ def run(args: argparse.Namespace, *, stop: threading.Event) -> int:
 
 
 def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, stop: threading.Event) -> int:
+    # Followed from now on: at exit an uninstall may already have removed the pod's token and CA.
+    exit_reader: handover.DaemonSetReader | None = None
+    if args.on_exit == OnExit.DAEMONSET.value:
+        ds_namespace, ds_name = args.daemonset.split("/")
+        ds_watch = handover.DaemonSetWatch(ds_namespace, ds_name)
+        # Its own never-set stop: it must keep following through SIGTERM (the deletion event may
+        # arrive just after it); a daemon thread, it ends with the process.
+        threading.Thread(target=ds_watch.run, args=(threading.Event(),), name="own-daemonset", daemon=True).start()
+        exit_reader = ds_watch.read
     try:
         prog = programs.load(enforce=not args.telemetry_only)
     except programs.BpfUnavailable as exc:
@@ -163,7 +172,7 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
             log.info("XDP attached to %s in %s mode", ifname, used.value)
     except xdp.AttachError as exc:
         log.error("%s", exc)
-        _exit(args, state=state)
+        _exit(args, state=state, reader=exit_reader)
         prog.close()
         return 1
     if not args.telemetry_only and not start.inherited_policy:
@@ -172,7 +181,7 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
             start.attached_without_policy = False
     log.info("agent ready")
     stop.wait()
-    _exit(args, state=state)
+    _exit(args, state=state, reader=exit_reader)
     prog.close()
     log.info("bye")
     return 0
@@ -245,12 +254,13 @@ def _inherit(args: argparse.Namespace, *, state: AgentState) -> bool:
     return False
 
 
-def _exit(args: argparse.Namespace, *, state: AgentState) -> None:
+def _exit(args: argparse.Namespace, *, state: AgentState, reader: handover.DaemonSetReader | None = None) -> None:
     """Detach or keep the program, as --on-exit decides."""
     if not state.attached:
         return
     daemonset = tuple(args.daemonset.split("/")) if args.daemonset else None
-    decision = handover.decide_on_exit(OnExit(args.on_exit), daemonset=daemonset)
+    decision = handover.decide_on_exit(OnExit(args.on_exit), daemonset=daemonset,
+                                       reader=reader or handover.read_daemonset)
     if decision.action == ExitAction.KEEP:
         log.info("leaving XDP attached on %s with policy %s: %s", ",".join(state.attached),
                  state.policy_version or "none", decision.reason)

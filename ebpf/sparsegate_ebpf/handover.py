@@ -15,15 +15,19 @@ flow the policy denies passes. Two rules close it:
   replaces it; a SIGKILLed agent leaves it the same way. Only an agent being *removed* detaches.
 
 SIGTERM looks the same in both cases, so in Kubernetes the agent asks the API server, at exit,
-whether its DaemonSet still exists and is not being deleted. When it cannot tell (API server
-unreachable, no RBAC) it keeps the program: a kept program enforces the last policy it had,
-while detaching on a mere restart would let everything through until the successor attaches.
+whether its DaemonSet still exists and is not being deleted. An uninstall also takes away the
+agent's ServiceAccount and RBAC, often before its pod stops: a 401 or 403 counts as removal
+(detach), else the program would enforce its last policy on the node for ever. When it cannot
+tell (API server unreachable, timeouts, other errors) it keeps the program: a kept program
+enforces the last policy it had, while detaching on a mere restart would let everything through
+until the successor attaches.
 """
 from __future__ import annotations
 
 import enum
 import json
 import logging
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +61,9 @@ class ExitDecision:
 
 def decide_from_daemonset(body: Mapping[str, Any] | None, error: BaseException | None) -> ExitDecision:
     """Keep or detach, given the DaemonSet as read at exit (None: NotFound) or the read's error."""
+    if getattr(error, "status", None) in (401, 403):
+        return ExitDecision(ExitAction.DETACH, f"the agent's credentials or RBAC are gone ({getattr(error, 'status')}): "
+                                               "removed with its release")
     if error is not None:
         return ExitDecision(ExitAction.KEEP, f"cannot tell whether the DaemonSet is being removed ({error}); "
                                              "keeping the program, which enforces the last policy it had")
@@ -95,6 +102,92 @@ def read_daemonset(namespace: str, name: str, *, timeout: float = 3.0,
         if isinstance(exc, ApiException) and exc.status == 404:
             return None, None
         return None, exc
+
+
+class DaemonSetWatch:
+    """Follows the agent's own DaemonSet while the agent runs, so the exit decision needs no fresh
+    API call at exit: an uninstall removes the pod's token and CA files, its ServiceAccount and
+    RBAC, often before the agent's SIGTERM, so a read at exit would fail and keep the program.
+
+    Removal is seen as the DaemonSet's DELETED event, its deletionTimestamp, its absence, or the
+    API server refusing the agent's credentials (401/403: the release's RBAC or ServiceAccount went).
+    """
+
+    def __init__(self, namespace: str, name: str, *, api_client: Any = None) -> None:
+        self.namespace, self.name = namespace, name
+        self.removed = threading.Event()
+        self.body: Mapping[str, Any] | None = None
+        self.error: BaseException | None = None
+        self._api_client = api_client
+
+    def _api(self) -> Any:
+        from kubernetes import client, config
+
+        if self._api_client is None:
+            cfg = client.Configuration()
+            try:
+                config.load_incluster_config(client_configuration=cfg)
+            except config.ConfigException:
+                config.load_kube_config(client_configuration=cfg)
+            self._api_client = client.ApiClient(cfg)
+        return client.AppsV1Api(self._api_client)
+
+    def _seen(self, obj: Mapping[str, Any] | None) -> None:
+        if obj is None or (obj.get("metadata") or {}).get("deletionTimestamp"):
+            self.removed.set()
+        self.body = obj
+
+    def run(self, stop: threading.Event) -> None:
+        """List, then watch, until ``stop`` or removal; errors other than 401/403 are retried."""
+        backoff = 1.0
+        while not stop.is_set() and not self.removed.is_set():
+            try:
+                from kubernetes import watch
+
+                api = self._api()
+                listed = api.list_namespaced_daemon_set(self.namespace, field_selector=f"metadata.name={self.name}",
+                                                        _preload_content=False, _request_timeout=10)
+                body = json.loads(listed.data)
+                items = body.get("items") or []
+                self._seen(items[0] if items else None)
+                self.error = None
+                w = watch.Watch()
+                for event in w.stream(api.list_namespaced_daemon_set, self.namespace,
+                                      field_selector=f"metadata.name={self.name}",
+                                      resource_version=body["metadata"]["resourceVersion"], timeout_seconds=30):
+                    obj = event["object"].to_dict() if hasattr(event["object"], "to_dict") else event["object"]
+                    if event["type"] == "DELETED":
+                        self._seen(None)
+                    elif event["type"] in ("ADDED", "MODIFIED"):
+                        meta = obj.get("metadata") or {}
+                        self._seen({"metadata": {"deletionTimestamp": meta.get("deletion_timestamp")
+                                                 or meta.get("deletionTimestamp"), "name": meta.get("name")}})
+                    if stop.is_set() or self.removed.is_set():
+                        w.stop()
+                        break
+                backoff = 1.0
+            except Exception as exc:  # noqa: BLE001 (the decision reads self.error)
+                self.error = exc
+                if getattr(exc, "status", None) in (401, 403):
+                    self.body = None
+                    log.info("the API server refuses the agent's credentials (%s): its release is being removed",
+                             getattr(exc, "status"))
+                    self.removed.set()
+                    return
+                stop.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+
+    def read(self, namespace: str, name: str, *, grace_s: float = 2.0) -> tuple[Mapping[str, Any] | None,
+                                                                                 BaseException | None]:
+        """A :data:`DaemonSetReader`: waits ``grace_s`` for a removal already under way to be seen
+        (the DaemonSet's deletion event races the pod's SIGTERM), then reports what was seen."""
+        if self.removed.wait(grace_s):
+            if getattr(self.error, "status", None) in (401, 403):
+                return None, self.error
+            return self.body, None  # None: gone; a body: being deleted
+        if self.body is not None:
+            return self.body, None
+        return None, self.error or RuntimeError("the DaemonSet was never read")
 
 
 def decide_on_exit(on_exit: OnExit, *, daemonset: tuple[str, str] | None,

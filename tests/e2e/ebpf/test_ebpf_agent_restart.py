@@ -7,7 +7,7 @@ one allowed UDP port) enforcing on the server's end, and a client sending two pa
 then the server's sockets count what got through: the denied port must count 0, and the allowed
 port's losses (sent - received) are reported. Also: a crashed agent restarting while its policy
 source is unavailable carries over the policy its predecessor's program enforced; a first start
-with no policy at all attaches anyway and says so; `--on-exit daemonset` asks a stub API server.
+with no policy at all attaches anyway and says so; `--on-exit daemonset` follows a stub API server.
 """
 from __future__ import annotations
 
@@ -222,28 +222,33 @@ def test_no_document_and_no_predecessor_attaches_anyway_and_says_so(
     assert sample(scrape(lab), "sparsegate_xdp_packets_total", type="no_policy") == 20
 
 
-# A stand-in for the API server, inside the server namespace: GET on the agent's DaemonSet answers
-# as the file `state` says: "exists", "deleting" (deletionTimestamp set) or "gone" (404).
+# A stand-in for the API server, inside the server namespace: the agent lists (and watches) its own
+# DaemonSet; the answer follows the file `state`: "exists", "deleting" (deletionTimestamp set) or
+# "gone" (an empty list). Watches end after a second with no event, and the agent lists again.
 APISERVER = """
-import http.server, json, sys
+import http.server, json, sys, time
 state_file, port = sys.argv[1], int(sys.argv[2])
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         state = open(state_file).read().strip()
-        meta = {"name": "sg-agent", "namespace": "sg"}
-        if state == "deleting":
-            meta["deletionTimestamp"] = "2026-12-03T00:00:00Z"
-        code, body = (404, {"kind": "Status", "code": 404, "reason": "NotFound"}) if state == "gone" else (
-            200, {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": meta})
-        data = json.dumps(body).encode()
-        self.send_response(code)
+        if "watch=" in self.path:
+            time.sleep(1.0)
+            data = b""
+        else:
+            meta = {"name": "sg-agent", "namespace": "sg"}
+            if state == "deleting":
+                meta["deletionTimestamp"] = "2026-12-03T00:00:00Z"
+            items = [] if state == "gone" else [{"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": meta}]
+            data = json.dumps({"apiVersion": "apps/v1", "kind": "DaemonSetList",
+                               "metadata": {"resourceVersion": "1"}, "items": items}).encode()
+        self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
     def log_message(self, *a):
         print(self.path, flush=True)
-http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 
 
@@ -296,4 +301,6 @@ def test_daemonset_mode_keeps_the_program_on_restart_and_detaches_when_the_daemo
     finally:
         api.kill()
         requests = api.communicate(timeout=10)[0]
-    assert requests.count("/apis/apps/v1/namespaces/sg/daemonsets/sg-agent") == 3, requests
+    lists = [r for r in requests.splitlines() if r.startswith("/apis/apps/v1/namespaces/sg/daemonsets?")
+             and "watch=" not in r]
+    assert len(lists) >= 3 and all("fieldSelector=metadata.name%3Dsg-agent" in r for r in lists), requests

@@ -283,9 +283,17 @@ def test_agent_enforces_the_published_policy_on_veth_packets(stack: Stack, agent
 
     # The agent follows the ConfigMap, whoever writes it: an allow-list naming this flow, then the
     # operator's document again (its publisher only writes when its own document changes).
-    rule = "e2e/agent-daemonset#allow"
-    allow = flowpolicy.build_document(entries=[flowpolicy.entry(
-        src_ip=veth.src_ip, dst_ip=veth.dst_ip, dst_port=port, protocol="udp", action="allow", rule=rule)])
+    # Its rule names no RoutingPolicy ("ns/name#..."), so the agent's own policy-liveness filter keeps
+    # it; the second entry names a RoutingPolicy that does not exist, so the agent (reading
+    # RoutingPolicies with the chart's RBAC) drops it and enforces the narrowed document.
+    rule = "e2e-agent-daemonset#allow"
+    published_by_hand = flowpolicy.build_document(entries=[
+        flowpolicy.entry(src_ip=veth.src_ip, dst_ip=veth.dst_ip, dst_port=port, protocol="udp", action="allow",
+                         rule=rule),
+        flowpolicy.entry(src_ip=veth.src_ip, dst_ip=veth.dst_ip, dst_port=port + 1, protocol="udp", action="allow",
+                         rule=f"{RELEASE_NS}/no-such-policy#0")])
+    allow = flowpolicy.without_policies(published_by_hand, live=())
+    assert allow is not None and [e["rule"] for e in allow["entries"]] == [rule]
     annotation = "sparsegate.dev/flow-policy-version"
 
     def publish(document: dict) -> None:
@@ -295,7 +303,7 @@ def test_agent_enforces_the_published_policy_on_veth_packets(stack: Stack, agent
                       "-p", json.dumps(patch))
 
     t0 = time.monotonic()
-    publish(allow)
+    publish(published_by_hand)
     try:
         wait_for(lambda: enforced_version(try_scrape(agent.metrics_url)) == allow["version"],
                  what="the agent enforcing the updated ConfigMap", timeout_s=60, interval_s=0.2)
@@ -328,10 +336,12 @@ def test_uninstalling_the_daemonset_detaches_xdp(stack: Stack, agent: Agent, vet
                  what="agent container removed by the pod runner", timeout_s=60, interval_s=0.5)
         t_gone = time.monotonic()
         agent_log = log_file.read().decode(errors="replace")
-    # The runner stopped it with SIGTERM within the grace period and the agent detached (a netlink
-    # XDP attachment would outlive a SIGKILLed agent).
+    # The runner stopped it with SIGTERM within the grace period and the agent detached: it saw its
+    # DaemonSet go (--on-exit daemonset; on a mere restart it leaves XDP attached for its successor).
     link = json.loads(subprocess.run(["ip", "-j", "link", "show", "dev", veth.host_if], capture_output=True,
                                      text=True, timeout=10, check=True).stdout)[0]
+    if "xdp" in link:
+        sys.stderr.write(f"[e2e] agent log tail:\n{agent_log[-3000:]}\n")
     assert "xdp" not in link, link
     assert f"XDP detached from {veth.host_if}" in agent_log and "bye" in agent_log, agent_log[-3000:]
     log(f"helm upgrade with agent.enabled=false -> container gone, XDP detached {t_gone - t0:.1f}s")

@@ -118,11 +118,14 @@ def test_read_daemonset_not_found_is_none_without_error(apiserver: dict) -> None
     assert read_daemonset("sg", "sg-agent", api_client=_client(apiserver["url"])) == (None, None)
 
 
-def test_read_daemonset_forbidden_is_an_error(apiserver: dict) -> None:
-    apiserver.update(status=403, body={"kind": "Status", "reason": "Forbidden", "code": 403})
-    body, err = read_daemonset("sg", "sg-agent", api_client=_client(apiserver["url"]))
-    assert body is None and getattr(err, "status", None) == 403
-    assert decide_from_daemonset(body, err).action == ExitAction.KEEP
+def test_read_daemonset_forbidden_or_unauthorized_means_removed(apiserver: dict) -> None:
+    # An uninstall deletes the agent's Role/RoleBinding and ServiceAccount with its DaemonSet,
+    # often before the pod's SIGTERM: the agent is being removed, so it detaches.
+    for status, reason in ((403, "Forbidden"), (401, "Unauthorized")):
+        apiserver.update(status=status, body={"kind": "Status", "reason": reason, "code": status})
+        body, err = read_daemonset("sg", "sg-agent", api_client=_client(apiserver["url"]))
+        assert body is None and getattr(err, "status", None) == status
+        assert decide_from_daemonset(body, err).action == ExitAction.DETACH
 
 
 def test_read_daemonset_unreachable_is_an_error_within_its_timeout() -> None:
@@ -199,3 +202,21 @@ def test_on_applied_runs_only_after_a_valid_policy_is_swapped_in() -> None:
     assert calls == [] and state.policy_errors == 1
     on_document(json.dumps({"version": "v1", "defaultAction": "deny", "entries": []}))
     assert calls == ["v1"] and state.swapper.applied == ["v1"]
+
+
+def test_daemonset_watch_read_reports_what_it_followed() -> None:
+    """The exit decision uses what the watch saw while the agent ran (no API call at exit)."""
+    from sparsegate_ebpf.handover import DaemonSetWatch
+
+    w = DaemonSetWatch("sg", "sg-agent")
+    assert w.read("sg", "sg-agent", grace_s=0)[0] is None  # never read: an error, so KEEP
+    assert decide_from_daemonset(*w.read("sg", "sg-agent", grace_s=0)).action == ExitAction.KEEP
+    w._seen(DS)
+    assert decide_from_daemonset(*w.read("sg", "sg-agent", grace_s=0)).action == ExitAction.KEEP
+    w._seen({"metadata": {"name": "sg-agent", "deletionTimestamp": "2026-12-03T00:00:00Z"}})
+    d = decide_from_daemonset(*w.read("sg", "sg-agent", grace_s=0))
+    assert d.action == ExitAction.DETACH and "being deleted" in d.reason
+    gone = DaemonSetWatch("sg", "sg-agent")
+    gone._seen(None)
+    d = decide_from_daemonset(*gone.read("sg", "sg-agent", grace_s=0))
+    assert d.action == ExitAction.DETACH and "gone" in d.reason
