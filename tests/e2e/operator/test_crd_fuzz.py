@@ -178,16 +178,17 @@ def test_valid_edges_get_a_condition_and_the_operator_never_crashes(stack: Stack
         except AssertionError:
             raise AssertionError(f"conditions now: {json.dumps(current, indent=1)}") from None
         sys.stderr.write(f"[fuzz] expected conditions after {time.monotonic() - t0:.1f}s\n")
+        # The same operator processes, and nothing they logged since the edges arrived is a crash
+        # or a handler exception. Checked before the deletions below: what follows them is the
+        # deletion path, not the edge cases.
+        assert operator_restarts(stack) == restarts
+        for pod, lines in operator_log(stack).items():
+            new = lines[log_before.get(pod, 0):]
+            crashes = [line for line in new if "Traceback" in line or "failed with an exception" in line]
+            assert crashes == [], f"{pod}:\n" + "\n".join(new[-80:])
     finally:
         # The models go now (their Deployments with them); the namespace is deleted after the test.
         for edge in created:
             if edge.kind == "SparseModel":
                 api.delete_namespaced_custom_object(names.GROUP, names.VERSION, stack_namespace, "sparsemodels",
                                                     edge.obj["metadata"]["name"])
-
-    # Still the same operator processes, and nothing they logged since the test began is a crash.
-    assert operator_restarts(stack) == restarts
-    for pod, lines in operator_log(stack).items():
-        new = lines[log_before.get(pod, 0):]
-        crashes = [line for line in new if "Traceback" in line or "failed with an exception" in line]
-        assert crashes == [], f"{pod}:\n" + "\n".join(new[-80:])
