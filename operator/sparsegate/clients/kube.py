@@ -168,6 +168,8 @@ class Kube:
                 self.patch_status(kind, namespace=namespace, name=name, status=patch,
                                   resource_version=current["metadata"]["resourceVersion"])
                 return current
+            except NotFound:
+                return None  # deleted between the read and the write (no finalizer holds it)
             except Conflict:
                 continue
         raise KubeError(409, "Conflict", f"status of {kind} {namespace}/{name} kept changing")
