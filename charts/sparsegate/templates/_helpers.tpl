@@ -87,3 +87,13 @@ token
 - name: POD_IP
   valueFrom: {fieldRef: {fieldPath: status.podIP}}
 {{- end -}}
+
+{{- /*
+The namespaces the operator serves when operator.clusterWide is false: operator.watchNamespaces,
+or the release namespace when that is empty. One definition, read by operator/rbac.yaml (a Role and
+a RoleBinding per namespace), operator/deployment.yaml (a --namespace flag per namespace) and the
+agent (which RoutingPolicies it follows).
+*/ -}}
+{{- define "sparsegate.operator.namespaces" -}}
+{{- .Values.operator.watchNamespaces | default (list .Release.Namespace) | join "," -}}
+{{- end -}}
