@@ -3,7 +3,8 @@
 For every Running pod of its cluster (kwok assigned the node and a loopback pod IP) the runner:
 plans the pod (:mod:`localcluster.podplan`), writes its volumes as files (ConfigMaps, Secrets,
 emptyDirs, the projected ServiceAccount token from a bound TokenRequest, refreshed before it
-expires), runs each container with podman on the host network from its image, probes it
+expires; rewritten on every pass when their source changed, so running containers see updates),
+runs each container with podman on the host network from its image, probes it
 (readiness, liveness, startup), restarts it with back-off when it exits or fails liveness, and
 writes the pod's ``containerStatuses`` and ``Ready``/``ContainersReady`` conditions. A missing image
 waits with ``ErrImageNeverPull`` (pull policy Never) or ``ErrImagePull`` (no registry is reachable,
@@ -174,6 +175,7 @@ class ContainerPodRunner:
         self.events_sent: set[tuple[str, str, str]] = set()
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="podman")
         self._lock = threading.Lock()
+        self._volumes_lock = threading.Lock()  # the pass and container creation both write volumes
         self._stop = threading.Event()
         self._changed = threading.Event()
         self._images: set[str] = set()
@@ -216,6 +218,10 @@ class ContainerPodRunner:
         return self.work_dir / f"{plan.namespace}_{plan.name}_{plan.uid[:8]}"
 
     def _write_volume(self, root: Path, vol: VolumeFiles) -> Path:
+        with self._volumes_lock:
+            return self._write_volume_locked(root, vol)
+
+    def _write_volume_locked(self, root: Path, vol: VolumeFiles) -> Path:
         if vol.kind == "hostPath":
             return Path(vol.host_path or "/")
         path = root / "volumes" / vol.name
@@ -288,6 +294,15 @@ class ContainerPodRunner:
                 self._remove(name, grace_s=int(state.labels.get(podman.LABEL_GRACE, STOP_GRACE_CAP_S)))
         for uid in [u for u in self.plans if u not in desired]:
             self._forget_pod(uid)
+        # As a kubelet syncs ConfigMap/Secret volumes of running pods: rewrite files whose source
+        # changed (unchanged files are left alone), so a running container sees a changed Secret
+        # without a restart. Each file is replaced atomically, but not all of a volume's files at
+        # once (a kubelet swaps a ..data symlink): a reader may briefly see some new, some old.
+        for plan, _ in desired.values():
+            root = self._pod_dir(plan)
+            if root.is_dir():
+                for vol in plan.volumes:
+                    self._write_volume(root, vol)
         now = time.time()
         for plan, pod in desired.values():
             observed = {c.name: self._drive(plan, pod, c, existing.get(container_name(plan, c.name)), now)
