@@ -4,6 +4,11 @@ Dispatch (see FACTS.md "MoE dispatch on CPU"): the router already sorted assignm
 and synced the counts once, so here we gather the token rows once, run each non-empty expert on
 its contiguous slice (or all experts in one `F.grouped_mm`), multiply by the combine weight and
 scatter-add back. Gate and up projections are one fused [d, 2f] weight per expert.
+
+Storage (precision.py): trained as fp32 parameters; frozen for serving they can be stored bf16
+or int8 (one scale per expert and output column) with no fp32 copy left. The loop dequantises
+one expert at a time into the activation dtype (int8: the values are cast, the matmul output is
+scaled per column, which equals using q * scale as the weight).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .gating import Routing
+from .precision import Precision, StoredWeight, is_lower
 
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
@@ -60,6 +66,7 @@ class SwiGLUExperts(nn.Module):
         self.num_experts = num_experts
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, d_model, 2 * d_ff))
         self.w_down = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
+        self._storage: tuple[StoredWeight, StoredWeight] | None = None
 
     def reset_parameters(self, generator: torch.Generator) -> None:
         d_ff, d_model = self.w_down.shape[1], self.w_down.shape[2]
@@ -68,8 +75,48 @@ class SwiGLUExperts(nn.Module):
             self.w_down.normal_(0.0, d_ff ** -0.5, generator=generator)
 
     def flops_per_assignment(self) -> int:
-        d_ff, d_model = self.w_down.shape[1], self.w_down.shape[2]
+        d_ff, d_model = self.storage[1].data.shape[1:]
         return 2 * d_model * 3 * d_ff
+
+    @property
+    def storage(self) -> tuple[StoredWeight, StoredWeight]:
+        """(fused gate+up [E, d, 2f], down [E, f, d]) as served now; fp32 is the parameters."""
+        if self.w_gate_up is not None and self.w_down is not None:
+            return (StoredWeight.store(self.w_gate_up, "fp32"),
+                    StoredWeight.store(self.w_down, "fp32"))
+        if self._storage is None:
+            raise RuntimeError("experts have neither parameters nor stored weights")
+        return self._storage
+
+    @property
+    def storage_precision(self) -> Precision:
+        return self.storage[0].precision
+
+    def store(self, precision: Precision) -> None:
+        """Hold the expert weights in `precision`; bf16/int8 drop the fp32 parameters. From a
+        stored bf16/int8 only a lower precision is possible (`load_fp32` first)."""
+        gate_up, down = self.storage
+        if gate_up.precision == precision:
+            return
+        if self.w_gate_up is None and not is_lower(precision, gate_up.precision):
+            raise ValueError(f"experts stored in {gate_up.precision} cannot become {precision} "
+                             f"without their fp32 weights (load_fp32)")
+        if self.w_gate_up is not None and self.w_gate_up.requires_grad:
+            raise RuntimeError("experts that train keep their fp32 parameters")
+        # in_dim=1: the input dimension of [E, in, out]; one scale per (expert, out column).
+        stored = tuple(StoredWeight.store(w.materialize(torch.float32)
+                                          if w.scale is not None else w.data,
+                                          precision, in_dim=1) for w in (gate_up, down))
+        self._storage = stored  # type: ignore[assignment]
+        if precision != "fp32":
+            self.w_gate_up = None
+            self.w_down = None
+
+    def load_fp32(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+        """Re-materialise the full-precision weights (from the model's source)."""
+        self.w_gate_up = nn.Parameter(w_gate_up.detach(), requires_grad=False)
+        self.w_down = nn.Parameter(w_down.detach(), requires_grad=False)
+        self._storage = None
 
     def _use_grouped(self) -> bool:
         if self.backend != "auto":
@@ -85,35 +132,41 @@ class SwiGLUExperts(nn.Module):
         xs = x.index_select(0, routing.token_idx)
         w = routing.weights.unsqueeze(-1).to(x.dtype)
         n_assign, d_model = xs.shape
-        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
-                                        or self.w_gate_up.requires_grad):
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (
+                self.w_gate_up is not None and self.w_gate_up.requires_grad)):
             ys = self._experts_autograd(xs, routing.counts) * w
             ys = torch.cat([ys, ys.new_zeros(1, d_model)])
         else:
             # Inference: each expert writes straight into its slice; row A stays zero (padding).
+            gate_up, down = self.storage  # read once: a concurrent re-store cannot split a batch
             ys = x.new_empty(n_assign + 1, d_model)
             ys[n_assign].zero_()
             if self._use_grouped():
-                ys[:n_assign] = self._grouped(xs, routing.counts)
+                ys[:n_assign] = self._grouped(xs, routing.counts, gate_up, down)
             else:
                 start = 0
                 for e, n in enumerate(routing.counts):
                     if n:
                         end = start + n
-                        h = _swiglu(torch.mm(xs[start:end], self.w_gate_up[e]))
-                        torch.mm(h, self.w_down[e], out=ys[start:end])
+                        h = _swiglu(_expert_mm(xs[start:end], gate_up, e))
+                        _expert_mm(h, down, e, out=ys[start:end])
                         start = end
             ys[:n_assign].mul_(w)
         return combine(ys, routing.slots)
 
-    def _grouped(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _grouped(self, xs: torch.Tensor, counts: list[int], gate_up: StoredWeight,
+                 down: StoredWeight) -> torch.Tensor:
+        # grouped_mm takes whole stacked weights: a bf16/int8 storage is dequantised in full
+        # for the call (a transient copy; the loop backend dequantises one expert at a time).
         offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        h = F.grouped_mm(xs, self.w_gate_up, offs=offs)
-        return F.grouped_mm(_swiglu(h), self.w_down, offs=offs)
+        h = F.grouped_mm(xs, gate_up.materialize(xs.dtype), offs=offs)
+        return F.grouped_mm(_swiglu(h), down.materialize(xs.dtype), offs=offs)
 
     def _experts_autograd(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        if self._use_grouped():
-            return self._grouped(xs, counts)
+        if self._use_grouped():  # the parameters themselves: autograd needs them
+            offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            h = F.grouped_mm(xs, self.w_gate_up, offs=offs)
+            return F.grouped_mm(_swiglu(h), self.w_down, offs=offs)
         # unbind once: indexing the stacked weight per expert would build a full-size gradient
         # per select in backward (FACTS.md).
         w_gu, w_down = self.w_gate_up.unbind(0), self.w_down.unbind(0)
@@ -123,6 +176,17 @@ class SwiGLUExperts(nn.Module):
                 chunks.append(_swiglu(xs[start:start + n] @ w_gu[e]) @ w_down[e])
                 start += n
         return torch.cat(chunks) if chunks else xs.new_zeros(0, xs.shape[1])
+
+
+def _expert_mm(x: torch.Tensor, weight: StoredWeight, e: int, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ expert e's weight in x's dtype (into `out` when given). int8: cast the values and
+    scale the output columns (x @ (q * s) == (x @ q) * s for a per-column s), so no scaled
+    weight copy is made."""
+    if weight.scale is None:
+        return torch.mm(x, weight.materialize(x.dtype, e), out=out)
+    y = torch.mm(x, weight.data[e].to(x.dtype), out=out)
+    return y.mul_(weight.scale[e].to(x.dtype))
 
 
 def combine(ys_padded: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .precision import PRECISIONS, Precision, fake_quantize, stored_weight
+from .precision import Precision, StoredWeight, fake_quantize, is_lower
 
 
 @dataclasses.dataclass
@@ -107,33 +107,62 @@ def assign(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch.Tensor,
 
 
 class Router(nn.Module):
-    """Linear gate d_model -> E whose weight can be held in fp32, bf16 or int8 (weight-only)."""
+    """Linear gate d_model -> E. Training (``weight`` requires grad): an fp32 parameter with
+    fake quantisation. Serving (frozen): one `StoredWeight` in fp32, bf16 or int8 (one scale
+    per expert row); in bf16/int8 the fp32 parameter is dropped (``weight`` is None)."""
 
     def __init__(self, d_model: int, num_experts: int) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
-        self._stored: dict[str, torch.Tensor] = {}
-        self._stored_at = -1  # weight._version the variants were made from
+        self._storage: StoredWeight | None = None
 
     def reset_parameters(self, generator: torch.Generator) -> None:
         with torch.no_grad():
             self.weight.normal_(0.0, self.weight.shape[1] ** -0.5, generator=generator)
-        self._stored = {}
+        self._storage = None
 
-    def freeze_precisions(self) -> None:
-        """Precompute every stored variant so switching precision at serving time is a lookup."""
-        self._stored = {p: stored_weight(self.weight, p) for p in PRECISIONS}
-        self._stored_at = self.weight._version
+    @property
+    def storage(self) -> StoredWeight:
+        """The weight as served now (fp32 storage is the parameter itself, no copy)."""
+        if self.weight is not None:  # a parameter exists only while stored fp32
+            return StoredWeight.store(self.weight, "fp32")
+        if self._storage is None:
+            raise RuntimeError("router has neither a parameter nor a stored weight")
+        return self._storage
 
-    def logits(self, x: torch.Tensor, precision: Precision) -> torch.Tensor:
-        if torch.is_grad_enabled() and self.weight.requires_grad:
-            w = fake_quantize(self.weight, precision)
-        else:
-            if self._stored_at != self.weight._version:  # in-place updates invalidate
-                self.freeze_precisions()
-            w = self._stored[precision]
-        return F.linear(x.float(), w)
+    def store(self, precision: Precision) -> None:
+        """Hold the weight in `precision` from now on. From fp32 any precision; from a stored
+        bf16/int8 only a lower one (the fp32 values are gone: `load_fp32` first)."""
+        current = self.storage
+        if current.precision == precision:
+            return
+        if self.weight is None and not is_lower(precision, current.precision):
+            raise ValueError(f"router stored in {current.precision} cannot become {precision} "
+                             f"without its fp32 weights (load_fp32)")
+        if self.weight is not None and self.weight.requires_grad:
+            raise RuntimeError("a router that trains keeps its fp32 parameter (fake quant)")
+        source = current.data if current.scale is None else current.materialize(torch.float32)
+        stored = StoredWeight.store(source, precision)
+        self._storage = stored
+        if precision != "fp32":
+            self.weight = None  # the point: no fp32 copy left in a quantised router
+
+    def load_fp32(self, weight: torch.Tensor) -> None:
+        """Re-materialise the full-precision weight (from the model's source), stored fp32."""
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        self._storage = None
+
+    def logits(self, x: torch.Tensor, precision: Precision | None = None) -> torch.Tensor:
+        """fp32 logits. Training: weight rounded to `precision` with a straight-through
+        gradient. Serving: the stored weight, first converted to `precision` when given and
+        different (see `store`); None serves whatever is stored."""
+        w = self.weight
+        if w is not None and w.requires_grad:
+            return F.linear(x.float(), fake_quantize(w, precision or "fp32").float())
+        if precision is not None:
+            self.store(precision)
+        return F.linear(x.float(), self.storage.materialize(torch.float32))
 
 
 class DynamicGate(Router):

@@ -1,10 +1,17 @@
 """A tiny causal LM whose FFNs are dynamic sparse MoE layers; built in code, seeded, nothing
-downloaded. It is untrained: its job is to exercise routing, gating and serving for real."""
+downloaded. It is untrained: its job is to exercise routing, gating and serving for real.
+
+Mixed precision (precision.py): `build_model` measures each layer's router and expert gradient
+variance on seeded calibration batches, freezes the model and stores every layer's weights in
+the precisions its gate's ``precisionPolicy`` resolves to. A forward asked for other precisions
+re-stores first (in the calling thread, i.e. between the server's batches): a lower precision is
+converted from what is stored; anything else is re-derived from the weights' source (for a built
+model, its seed), since a bf16/int8 layer keeps no fp32 copy."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +21,7 @@ from sparsegate_contracts.gate import MAX_EXPERTS_LIMIT, GateParams
 
 from .gating import ToolGate
 from .moe import DynamicMoE, MoEStats
-from .precision import Precision, choose_precision, gradient_variance
+from .precision import LayerBytes, Precision, RunningVariance, choose_precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +148,10 @@ class TinyMoELM(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model)
         self.tool_gate = ToolGate(cfg.d_model)
-        self.gate_sensitivity: list[float] = []
+        self.gate_sensitivity: list[float] = []     # per layer, router; empty = unmeasured
+        self.expert_sensitivity: list[float] = []   # per layer, experts; empty = unmeasured
+        # fp32 MoE weights per layer on demand (see store_precisions); None = no source.
+        self.weight_source: Callable[[], list[dict[str, torch.Tensor]]] | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -159,7 +169,14 @@ class TinyMoELM(nn.Module):
             self.tool_gate.proj.bias.zero_()
 
     def forward(self, tokens: torch.Tensor, *, gate: GateParams,
-                precisions: Sequence[Precision]) -> ModelOutput:
+                precisions: Sequence[Precision],
+                expert_precisions: Sequence[Precision] | None = None) -> ModelOutput:
+        """`precisions`: router weight precision per layer. Frozen, the layers are first
+        stored as asked (`expert_precisions` None: what `gate.precision_policy` resolves to);
+        training, routers fake-quantise to `precisions` and experts stay fp32."""
+        if self.frozen:
+            self.store_precisions(precisions, expert_precisions if expert_precisions is not None
+                                  else self.resolve_expert_precisions(gate.precision_policy))
         b, s = tokens.shape
         x = self.embed(tokens) + self.pos(torch.arange(s, device=tokens.device))
         stats: list[MoEStats] = []
@@ -174,17 +191,72 @@ class TinyMoELM(nn.Module):
                            entropy_loss=sum((st.entropy_loss for st in stats), zero))
 
     def resolve_precisions(self, policy: str) -> tuple[Precision, ...]:
-        return tuple(choose_precision(policy=policy, sensitivity=s)
-                     for s in self.gate_sensitivity)
+        """Router weight precision per layer for a gate's precisionPolicy (unmeasured: fp32)."""
+        return _resolve(policy, self.gate_sensitivity, len(self.blocks))
+
+    def resolve_expert_precisions(self, policy: str) -> tuple[Precision, ...]:
+        """Expert weight precision per layer for a gate's precisionPolicy (unmeasured: fp32)."""
+        return _resolve(policy, self.expert_sensitivity, len(self.blocks))
+
+    @property
+    def frozen(self) -> bool:
+        """Serving mode: no MoE weight trains, so weights live in their stored precision."""
+        return not any(p.requires_grad for blk in self.blocks for p in blk.moe.parameters())
+
+    def store_precisions(self, gate: Sequence[Precision], experts: Sequence[Precision]
+                         ) -> None:
+        """Store layer i's router weight in gate[i] and expert weights in experts[i]. A layer
+        already stored below fp32 is re-derived from `weight_source` when it changes (so the
+        result never depends on the order of switches); without a source only a lower
+        precision can be reached (ValueError otherwise)."""
+        if not self.frozen:
+            raise RuntimeError("store_precisions needs a frozen model (requires_grad_(False))")
+        targets = list(zip(gate, experts, strict=True))
+        if len(targets) != len(self.blocks):
+            raise ValueError(f"{len(targets)} precisions for {len(self.blocks)} layers")
+        stale = [i for i, (blk, want) in enumerate(zip(self.blocks, targets))
+                 if blk.moe.precisions != want and blk.moe.precisions != ("fp32", "fp32")]
+        if stale and self.weight_source is not None:
+            source = self.weight_source()
+            for i in stale:
+                self.blocks[i].moe.load_fp32(**source[i])
+            del source  # the transient fp32 copy goes now, before anything else is allocated
+        for blk, (g, e) in zip(self.blocks, targets):
+            blk.moe.store(gate=g, experts=e)
+
+    def weight_bytes(self) -> list[LayerBytes]:
+        """Per MoE layer: router and expert bytes as stored now, and as fp32 would be."""
+        return [blk.moe.weight_bytes(i) for i, blk in enumerate(self.blocks)]
 
 
-def measure_gate_sensitivity(model: TinyMoELM, *, gate: GateParams, batches: int = 4,
-                             batch_size: int = 4, seq_len: int = 32, seed: int = 1
-                             ) -> list[float]:
-    """Per layer: variance across calibration micro-batches of the gate weight's gradient of
-    the training loss (next-token CE + balance + entropy terms); seeded, so deterministic."""
+def _resolve(policy: str, sensitivity: Sequence[float], n_layers: int
+             ) -> tuple[Precision, ...]:
+    measured: Sequence[float | None] = sensitivity or [None] * n_layers
+    return tuple(choose_precision(policy=policy, sensitivity=s) for s in measured)
+
+
+def seeded_moe_weights(cfg: ModelConfig) -> list[dict[str, torch.Tensor]]:
+    """The fp32 MoE weights of a freshly initialised `TinyMoELM(cfg)` (what `build_model`
+    serves), per layer: re-derived from the seed, the source a bf16/int8 layer is restored from."""
+    fresh = TinyMoELM(cfg)
+    return [{"gate": blk.moe.gate.weight.detach(), "w_gate_up": blk.moe.experts.w_gate_up.detach(),
+             "w_down": blk.moe.experts.w_down.detach()} for blk in fresh.blocks]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sensitivity:
+    gate: list[float]       # per layer: router weight gradient variance
+    experts: list[float]    # per layer: expert weights (gate+up and down together)
+
+
+def measure_sensitivity(model: TinyMoELM, *, gate: GateParams, batches: int = 4,
+                        batch_size: int = 4, seq_len: int = 32, seed: int = 1) -> Sensitivity:
+    """Per layer: variance across calibration micro-batches of the router weight's and of the
+    expert weights' gradient of the training loss (next-token CE + balance + entropy terms), on
+    seeded random token batches (the tiny model's own data: it is untrained, no corpus)."""
     g = torch.Generator().manual_seed(seed)
-    grads: list[list[torch.Tensor]] = [[] for _ in model.blocks]
+    gate_acc = [RunningVariance() for _ in model.blocks]
+    expert_acc = [RunningVariance() for _ in model.blocks]
     fp32 = ("fp32",) * len(model.blocks)
     for _ in range(batches):
         tokens = torch.randint(0, model.cfg.vocab_size, (batch_size, seq_len), generator=g)
@@ -194,17 +266,33 @@ def measure_gate_sensitivity(model: TinyMoELM, *, gate: GateParams, batches: int
                              tokens[:, 1:].reshape(-1))
         (ce + 0.01 * out.aux_loss + out.entropy_loss).backward()
         for i, blk in enumerate(model.blocks):
-            grads[i].append(blk.moe.gate.weight.grad.detach().clone())
+            gate_acc[i].add(blk.moe.gate.weight.grad)
+            ex = blk.moe.experts
+            expert_acc[i].add(torch.cat([ex.w_gate_up.grad.reshape(-1),
+                                         ex.w_down.grad.reshape(-1)]))
     model.zero_grad(set_to_none=True)
-    return [gradient_variance(gs) for gs in grads]
+    return Sensitivity(gate=[a.variance() for a in gate_acc],
+                       experts=[a.variance() for a in expert_acc])
+
+
+def measure_gate_sensitivity(model: TinyMoELM, *, gate: GateParams, batches: int = 4,
+                             batch_size: int = 4, seq_len: int = 32, seed: int = 1
+                             ) -> list[float]:
+    """The router half of `measure_sensitivity`."""
+    return measure_sensitivity(model, gate=gate, batches=batches, batch_size=batch_size,
+                               seq_len=seq_len, seed=seed).gate
 
 
 def build_model(cfg: ModelConfig = ModelConfig(), *, gate: GateParams = GateParams()
                 ) -> TinyMoELM:
-    """Seeded model, calibrated for the precision rule, frozen for serving."""
+    """Seeded model, calibrated for the precision rule, frozen for serving and stored in the
+    precisions `gate.precision_policy` resolves to (its seed is the source for re-stores)."""
     model = TinyMoELM(cfg)
-    model.gate_sensitivity = measure_gate_sensitivity(model, gate=gate)
+    measured = measure_sensitivity(model, gate=gate)
+    model.gate_sensitivity, model.expert_sensitivity = measured.gate, measured.experts
     model.eval().requires_grad_(False)
-    for blk in model.blocks:
-        blk.moe.gate.freeze_precisions()
+    model.weight_source = lambda: seeded_moe_weights(cfg)
+    policy = gate.precision_policy
+    model.store_precisions(model.resolve_precisions(policy),
+                           model.resolve_expert_precisions(policy))
     return model

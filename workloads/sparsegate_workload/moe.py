@@ -13,7 +13,7 @@ from torch import nn
 
 from .experts import DenseSwiGLU, SwiGLUExperts
 from .gating import DynamicGate, Routing, TopKGate
-from .precision import Precision
+from .precision import LayerBytes, Precision, layer_bytes
 
 
 @dataclasses.dataclass
@@ -43,7 +43,33 @@ def _stats(routing: Routing, *, entropy_beta: float) -> MoEStats:
                     entropy_loss=entropy_beta * routing.entropy)
 
 
-class DynamicMoE(nn.Module):
+class _StoredMoE(nn.Module):
+    """Storage of a routed MoE layer's weights (router + experts), see precision.py."""
+
+    gate: DynamicGate | TopKGate
+    experts: SwiGLUExperts
+
+    def store(self, *, gate: Precision, experts: Precision) -> None:
+        """Hold the router weight in `gate` and the expert weights in `experts` precision."""
+        self.gate.store(gate)
+        self.experts.store(experts)
+
+    def load_fp32(self, *, gate: torch.Tensor, w_gate_up: torch.Tensor,
+                  w_down: torch.Tensor) -> None:
+        """Re-materialise every weight in full precision (from the model's source)."""
+        self.gate.load_fp32(gate)
+        self.experts.load_fp32(w_gate_up, w_down)
+
+    @property
+    def precisions(self) -> tuple[Precision, Precision]:
+        """(router, experts) storage precision now."""
+        return self.gate.storage.precision, self.experts.storage_precision
+
+    def weight_bytes(self, layer: int = 0) -> LayerBytes:
+        return layer_bytes(layer, self.gate.storage, self.experts.storage)
+
+
+class DynamicMoE(_StoredMoE):
     def __init__(self, d_model: int, d_ff: int, num_experts: int, *, backend: str = "auto"
                  ) -> None:
         super().__init__()
@@ -66,7 +92,7 @@ class DynamicMoE(nn.Module):
         return y.reshape(x.shape), _stats(routing, entropy_beta=entropy_beta)
 
 
-class TopKMoE(nn.Module):
+class TopKMoE(_StoredMoE):
     def __init__(self, d_model: int, d_ff: int, num_experts: int, *, k: int,
                  backend: str = "auto") -> None:
         super().__init__()
