@@ -81,44 +81,47 @@ candidates contains rule if {
 	some rule in data.sparsegate.policies.targets[tkey][ikey]
 }
 
+# The request's fields as the matching functions below take them (null when the request leaves one
+# out): `flow_decisions` calls the same functions with each caller class and port.
+default caller_service_account := null
+
+caller_service_account := src_service_account
+
 matches(rule) if {
-	service_account_ok(rule)
-	labels_ok(rule)
-	port_ok(rule)
-	scope_ok(rule, "expertGroups", "expertGroup")
-	scope_ok(rule, "routes", "route")
+	service_account_ok(rule, caller_service_account)
+	labels_ok(rule, src_labels)
+	port_ok(rule, object.get(input.target, "port", null), target_protocol)
+	scope_ok(rule, "expertGroups", object.get(input.target, "expertGroup", null))
+	scope_ok(rule, "routes", object.get(input.target, "route", null))
 }
 
-service_account_ok(rule) if not rule.serviceAccount
+service_account_ok(rule, _) if not rule.serviceAccount
 
-service_account_ok(rule) if rule.serviceAccount == src_service_account
+service_account_ok(rule, service_account) if rule.serviceAccount == service_account
 
-labels_ok(rule) if {
+labels_ok(rule, labels) if {
 	every key, value in object.get(rule, "matchLabels", {}) {
-		src_labels[key] == value
+		labels[key] == value
 	}
 }
 
-port_ok(rule) if count(object.get(rule, "ports", [])) == 0
+port_ok(rule, _, _) if count(object.get(rule, "ports", [])) == 0
 
-port_ok(rule) if {
+port_ok(rule, port, protocol) if {
 	some p in rule.ports
-	p.port == input.target.port
-	lower(p.protocol) == target_protocol
+	p.port == port
+	lower(p.protocol) == protocol
 }
 
 # A rule without a scope list covers the whole model.
 scope_ok(rule, list, _) if count(object.get(rule, list, [])) == 0
 
 # A scoped rule covers requests naming one of its entries.
-scope_ok(rule, list, field) if input.target[field] in rule[list]
+scope_ok(rule, list, requested) if requested in rule[list]
 
 # A flow (L4) query names no expert group or route: a scoped Allow admits the connection (the
 # model server narrows it per request), a scoped Deny must not cut the whole flow.
-scope_ok(rule, _, field) if {
-	rule.action == "allow"
-	not input.target[field]
-}
+scope_ok(rule, _, null) if rule.action == "allow"
 
 deny_hits contains rule if {
 	some rule in candidates
@@ -173,3 +176,80 @@ batch_decisions := [d |
 	some q in input.batch
 	d := decision with input as q
 ]
+
+# --- The whole allow-list in one evaluation ----------------------------------------------------
+# The operator's allow-list build: every (caller class, model, port) a rule decides, for the pushed
+# rules and the pods the operator sends (sparsegate.domain.policy_compile.flow_question):
+#
+#   input: {"classes": [{"namespace", "serviceAccount", "labels", "keys": [identity key, ...]}],
+#           "filed": {identity key: [class index, ...]},
+#           "models": [{"namespace", "sparseModel", "ports": [{"port", "protocol"}]}]}
+#   flow_decisions: [[class index, model index, port, protocol, allow, rule id], ...]
+#
+# The same questions as asking `decision` once per candidate (policy_compile.candidate_queries) and
+# the same answers, without a `with` per question: per model, its buckets are found by ground keys
+# and only the classes filed under those identity keys are considered. A class's keys are the three
+# `identity_keys` would compute for it (the operator files them as it files the rules,
+# sparsegate.domain.policy.identity_key). Ports: those the model's rules name, plus the model pods'
+# ports when a rule names none. A question no rule decides gets no element (default deny).
+
+model_keys(m) := [concat("/", [m.namespace, m.sparseModel]), concat("/", [m.namespace, "*"])]
+
+flow_decisions contains answer if {
+	some j, m in input.models
+	tkeys := model_keys(m)
+	ports := model_ports(m, tkeys)
+	some tkey in tkeys
+	some ikey, _ in data.sparsegate.policies.targets[tkey]
+	some i in input.filed[ikey]
+	c := input.classes[i]
+
+	# The class's rules for this model whose port-independent conditions hold (a class filed in two
+	# of the model's buckets is decided twice, identically: a set keeps one answer).
+	rules := [r |
+		some k in tkeys
+		some key in c.keys
+		some r in data.sparsegate.policies.targets[k][key]
+		service_account_ok(r, c.serviceAccount)
+		labels_ok(r, object.get(c, "labels", {}))
+		flow_scope_ok(r)
+	]
+	count(rules) > 0
+	some p in ports
+	denies := [r.id | some r in rules; r.action == "deny"; port_ok(r, p.port, p.protocol)]
+	allows := [r.id | some r in rules; r.action == "allow"; port_ok(r, p.port, p.protocol)]
+	verdict := flow_verdict(denies, allows, rules)
+	answer := [i, j, p.port, p.protocol, verdict[0], verdict[1]]
+}
+
+# Candidate ports of a model: those its rules name, and its pods' ports if a rule names none.
+model_ports(m, tkeys) := {{"port": p.port, "protocol": lower(p.protocol)} |
+	some tkey in tkeys
+	some rules in data.sparsegate.policies.targets[tkey]
+	some r in rules
+	some p in rule_ports(r, m)
+}
+
+rule_ports(r, m) := m.ports if count(object.get(r, "ports", [])) == 0
+
+rule_ports(r, _) := r.ports if count(object.get(r, "ports", [])) > 0
+
+# scope_ok for both lists when the request names neither (a flow): any Allow, an unscoped Deny.
+flow_scope_ok(r) if r.action == "allow"
+
+flow_scope_ok(r) if {
+	count(object.get(r, "expertGroups", [])) == 0
+	count(object.get(r, "routes", [])) == 0
+}
+
+# Deny wins; the reported rule is the highest-priority one of the winning action (as `decision`).
+flow_verdict(denies, _, rules) := [false, best(denies, rules)] if count(denies) > 0
+
+flow_verdict(denies, allows, rules) := [true, best(allows, rules)] if {
+	count(denies) == 0
+	count(allows) > 0
+}
+
+best(ids, _) := ids[0] if count(ids) == 1
+
+best(ids, rules) := ranked({r | some r in rules; r.id in ids})[0] if count(ids) > 1

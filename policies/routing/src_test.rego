@@ -181,3 +181,73 @@ test_spiffe_id_alone_gives_namespace_and_service_account if {
 	not routing.allow with input as req({"spiffeID": "spiffe://elsewhere/ns/edge/sa/gateway"}, to_model("mixtral", 8080))
 		with data.sparsegate.policies as p
 }
+
+# --- The whole allow-list in one evaluation ------------------------------------------------------
+
+# Classes and models as the operator sends them (policy_compile.flow_question): each class with
+# its identity keys, the reverse index, and the models with their pods' ports.
+flow_classes := [
+	{"serviceAccount": "frontend", "keys": [frontend_id, "ns:web", "*"]},
+	{"serviceAccount": "job", "labels": {"tier": "trusted"}, "keys": ["spiffe://cluster.local/ns/batch/sa/job", "ns:batch", "*"]},
+	{"serviceAccount": "tool", "keys": ["spiffe://cluster.local/ns/tools/sa/tool", "ns:tools", "*"]},
+	{"serviceAccount": "bot", "labels": {"tier": "trusted"}, "keys": ["spiffe://cluster.local/ns/ops/sa/bot", "ns:ops", "*"]},
+	{"serviceAccount": "intruder", "keys": ["spiffe://cluster.local/ns/web/sa/intruder", "ns:web", "*"]},
+]
+
+flow_input := {
+	"classes": flow_classes,
+	"filed": {key: idxs |
+		some c in flow_classes
+		some key in c.keys
+		idxs := [i | some i, d in flow_classes; key in d.keys]
+	},
+	"models": [
+		{"namespace": "models", "sparseModel": "mixtral", "ports": [{"port": 8080, "protocol": "tcp"}]},
+		{"namespace": "models", "sparseModel": "llama", "ports": [{"port": 8080, "protocol": "tcp"}, {"port": 7070, "protocol": "udp"}]},
+	],
+}
+
+flows := fs if {
+	fs := routing.flow_decisions with input as flow_input with data.sparsegate.policies as policies
+}
+
+test_flow_decisions_cover_every_decided_flow if {
+	flows == {
+		[0, 0, 8080, "tcp", true, "models/allow-frontend#s0t0"],
+		[1, 0, 8080, "tcp", false, "models/deny-batch#s0t0"], # deny wins over batch-all (prio 100)
+		[1, 0, 9090, "tcp", false, "models/deny-batch#s0t0"], # port-less deny: every candidate port
+		[2, 0, 8080, "tcp", true, "models/tools-code#s0t0"], # scoped allow admits the flow
+		[3, 0, 9090, "tcp", true, "models/trusted#s0t0"], # any namespace, labels match
+		[1, 1, 8080, "tcp", true, "models/batch-all#s0t0"], # <ns>/* target; no deny on llama
+		[1, 1, 7070, "udp", true, "models/batch-all#s0t0"], # port-less allow: the pods' ports
+	}
+}
+
+test_flow_decisions_agree_with_single_decisions if {
+	every f in flows {
+		c := flow_input.classes[f[0]]
+		m := flow_input.models[f[1]]
+		ns := split(c.keys[1], ":")[1]
+		d := decide(req(caller(ns, c.serviceAccount, object.get(c, "labels", {})), {"namespace": m.namespace, "sparseModel": m.sparseModel, "port": f[2], "protocol": f[3]}))
+		d.allow == f[4]
+		d.rule == f[5]
+	}
+}
+
+test_flow_decisions_rank_several_hits_and_skip_scoped_deny if {
+	p := json.patch(policies, [{"op": "add", "path": "/targets/models~1mixtral/ns:web", "value": [
+		rule("models/low#s0t0", "allow", {"priority": 1}),
+		rule("models/high#s0t0", "allow", {"priority": 50}),
+		rule("models/no-math#s0t0", "deny", {"expertGroups": ["math"]}),
+	]}])
+	fs := routing.flow_decisions with input as flow_input with data.sparsegate.policies as p
+	[0, 0, 8080, "tcp", true, "models/high#s0t0"] in fs
+	not [0, 0, 8080, "tcp", true, "models/allow-frontend#s0t0"] in fs
+	[4, 0, 8080, "tcp", true, "models/high#s0t0"] in fs # web/intruder: the namespace-wide allows
+}
+
+test_flow_decisions_without_data_or_classes_are_empty if {
+	count(routing.flow_decisions) == 0 with input as flow_input
+	count(routing.flow_decisions) == 0 with input as {"classes": [], "filed": {}, "models": flow_input.models}
+		with data.sparsegate.policies as policies
+}

@@ -159,6 +159,70 @@ def candidate_queries(
                                           q.service_account, q.labels))
 
 
+@dataclass(frozen=True)
+class FlowQuestion:
+    """The whole allow-list as one question to OPA (`data.sparsegate.routing.flow_decisions`).
+
+    `input` names every identity class and every model (with its pods' ports) once; OPA answers with
+    class and model indexes, which `decisions` maps back to the same `QueryKey`s the per-question
+    path (`candidate_queries`) would have asked, so `flow_document` is unchanged.
+    """
+
+    classes: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...]
+    models: tuple[tuple[str, str], ...]
+    input: dict[str, Any]
+
+    def decisions(self, answers: Iterable[Sequence[Any]]) -> dict[QueryKey, dict[str, Any]]:
+        out: dict[QueryKey, dict[str, Any]] = {}
+        for class_index, model_index, port, protocol, allow, rule in answers:
+            ns, sa, labels = self.classes[int(class_index)]
+            target_ns, model = self.models[int(model_index)]
+            key = QueryKey(namespace=ns, service_account=sa, labels=labels, target_namespace=target_ns,
+                           model=model, port=int(port), protocol=str(protocol))
+            out[key] = {"allow": bool(allow), "rule": str(rule)}
+        return out
+
+
+def flow_question(
+    *, targets: Mapping[str, Mapping[str, Any]], pods: Sequence[PodInfo], trust_domain: str
+) -> FlowQuestion:
+    """The identity classes and models of `pods` that the indexed rules (`targets`) can decide, as
+    `flow_decisions` takes them.
+
+    Each class comes with the identity keys it is filed under (of the three `identity_keys` gives,
+    those some rule bucket uses) and the input carries the reverse index, so that OPA finds the
+    classes of a bucket by lookup (grouping them inside Rego cost more than the decisions). Classes
+    filed under no used key and models without rules cannot get an entry and are left out: the input
+    OPA parses stays proportional to what can match.
+    """
+    used_keys = {ikey for buckets in targets.values() for ikey in buckets}
+    classes: list[tuple[str, str, tuple[tuple[str, str], ...]]] = []
+    filed: dict[str, list[int]] = {}
+    rows: list[dict[str, Any]] = []
+    for ns, sa, labels in sorted({pod.identity for pod in pods}):
+        keys = [key for key in (spiffe_id(trust_domain=trust_domain, namespace=ns, service_account=sa),
+                                f"ns:{ns}", ANY) if key in used_keys]
+        if not keys:
+            continue
+        for key in keys:
+            filed.setdefault(key, []).append(len(classes))
+        row: dict[str, Any] = {"serviceAccount": sa, "keys": keys}
+        if labels:
+            row["labels"] = dict(labels)
+        rows.append(row)
+        classes.append((ns, sa, labels))
+    models = _models(pods)
+    order = tuple(key for key in sorted(models)
+                  if target_key(namespace=key[0], model=key[1]) in targets
+                  or target_key(namespace=key[0], model=ANY) in targets)
+    model_rows = []
+    for ns, model in order:
+        ports = sorted({port for pod in models[(ns, model)] for port in pod.ports}, key=lambda p: (p.port, p.protocol))
+        model_rows.append({"namespace": ns, "sparseModel": model, "ports": [p.to_json() for p in ports]})
+    return FlowQuestion(classes=tuple(classes), models=order,
+                        input={"classes": rows, "filed": filed, "models": model_rows})
+
+
 def flow_document(
     *, decisions: Mapping[QueryKey, Mapping[str, Any]], pods: Sequence[PodInfo]
 ) -> dict[str, Any]:

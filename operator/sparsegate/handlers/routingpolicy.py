@@ -6,7 +6,8 @@ RoutingPolicies and pods, then writes only its own object's status:
 
 1. build the indexed OPA data (`domain.policy`); push Rego + data when OPA's revision differs
    (a restarted OPA has none, so it gets everything again without anyone re-applying);
-2. ask OPA about each (identity class, model, port) worth asking (`domain.policy_compile`);
+2. ask OPA, in one evaluation, about every (identity class, model, port) worth asking
+   (`flow_decisions`; questions and answers in `domain.policy_compile`);
 3. publish the IP-level allow-list ConfigMap when its version changed;
 4. read back which policy generations OPA holds (`status.loadedInOPA`).
 
@@ -41,9 +42,9 @@ from sparsegate.clients.opa import DEFAULT_URL, OpaRejected, OpaUnavailable, Rou
 from sparsegate.domain.policy import DEFAULT_TRUST_DOMAIN, PolicySource, build_opa_data
 from sparsegate.domain.policy_compile import (
     PodInfo,
-    candidate_queries,
     decision_counts,
     flow_document,
+    flow_question,
     ip_owners,
     narrow_document,
     pod_info,
@@ -108,10 +109,10 @@ class PolicySync:
                     await self.opa.push(rego=self.rego, data=data)
                     pushed = True
                 if pushed or fingerprint != self.fingerprint:
-                    td = self.settings.trust_domain
-                    queries = candidate_queries(targets=data["targets"], pods=pods, trust_domain=td)
-                    answers = await self.opa.decide_many([q.opa_input(trust_domain=td) for q in queries])
-                    document = flow_document(decisions=dict(zip(queries, answers)), pods=pods)
+                    # The whole allow-list in one evaluation (`flow_decisions`), not one per question.
+                    question = flow_question(targets=data["targets"], pods=pods, trust_domain=self.settings.trust_domain)
+                    answers = await self.opa.flow_decisions(question.input)
+                    document = flow_document(decisions=question.decisions(answers), pods=pods)
                     await self._publish(document)
                     self.owners = ip_owners(pods)
                     self.counts = decision_counts(document)

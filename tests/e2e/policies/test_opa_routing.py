@@ -15,7 +15,14 @@ import pytest
 
 from sparsegate.clients.opa import OpaRejected, OpaUnavailable, RoutingOpa
 from sparsegate.domain.policy import PolicySource, build_opa_data
-from sparsegate.domain.policy_compile import FlowTable, PodInfo, Port, candidate_queries, flow_document
+from sparsegate.domain.policy_compile import (
+    FlowTable,
+    PodInfo,
+    Port,
+    candidate_queries,
+    flow_document,
+    flow_question,
+)
 from sparsegate.handlers.routingpolicy import PolicySync, Settings
 from sparsegate_ebpf.policy import parse_policy
 
@@ -145,6 +152,67 @@ async def test_allow_list_agrees_with_opa_for_every_pair(opa_server, routing_reg
         assert 0 < allowed < len(pairs)  # the scenario exercises both outcomes
     finally:
         opa.close()
+
+
+def _generated(seed: int) -> tuple[list[PolicySource], list[PodInfo]]:
+    """Policies of every shape the CRD allows (SPIFFE IDs, namespace/service-account/label selectors,
+    `*` namespaces and targets, Deny and Allow, priorities, ports named or not, tcp and udp, expert
+    group and route scopes, several sources x targets) over pods of several identity classes."""
+    rng = random.Random(seed)
+    namespaces, sas, models = ["web", "batch", "ops", "models"], ["a", "b", "c"], ["m0", "m1", "m2", "m3"]
+    pods = [PodInfo(namespace="models", name=f"m{i}", ip=f"127.20.0.{i + 1}", service_account="srv",
+                    labels=(("sparsegate.dev/model", models[i % 4]),),
+                    ports=tuple(sorted({Port(8080), *([Port(9090)] if i % 2 else []), *([Port(53, "udp")] if i % 3 == 0 else [])},
+                                       key=lambda p: (p.port, p.protocol))))
+            for i in range(8)]
+    pods += [_pod(f"p{i}", rng.choice(namespaces), f"127.20.1.{i + 1}", rng.choice(sas),
+                  **{k: v for k, v in (("tier", rng.choice(["trusted", "edge"])), ("team", rng.choice(["x", "y"])))
+                     if rng.random() < 0.5})
+             for i in range(30)]
+    sources = []
+    for i in range(40):
+        selectors = [rng.choice([
+            {"namespace": rng.choice(namespaces)},
+            {"namespace": rng.choice(namespaces), "serviceAccount": rng.choice(sas)},
+            {"namespace": rng.choice(namespaces), "matchLabels": {"tier": rng.choice(["trusted", "edge"])}},
+            {"namespace": "*", "matchLabels": {"tier": "trusted", "team": rng.choice(["x", "y"])}},
+            {"namespace": "*", "serviceAccount": rng.choice(sas)},
+            {"spiffeID": f"spiffe://cluster.local/ns/{rng.choice(namespaces)}/sa/{rng.choice(sas)}"},
+            {},  # the policy's own namespace
+        ]) for _ in range(rng.randint(1, 2))]
+        targets = [{"sparseModel": rng.choice(models + ["*"]),
+                    **({"expertGroups": ["code"]} if rng.random() < 0.15 else {}),
+                    **({"routes": ["/v1/infer"]} if rng.random() < 0.1 else {})}
+                   for _ in range(rng.randint(1, 2))]
+        spec: dict[str, Any] = {"action": rng.choice(["Allow", "Allow", "Deny"]), "priority": rng.randint(0, 5),
+                                "sources": selectors, "targets": targets}
+        if rng.random() < 0.5:
+            spec["ports"] = [{"port": rng.choice([8080, 9090])}, *([{"port": 53, "protocol": "UDP"}] if rng.random() < 0.3 else [])]
+        sources.append(PolicySource(namespace="models", name=f"p{i}", generation=1, spec=spec))
+    return sources, pods
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_one_evaluation_decides_exactly_what_the_per_question_path_decides(
+        opa_server, routing_rego: str, seed: int) -> None:
+    """`flow_decisions` (one POST) and `decide_many` over `candidate_queries` (the questions one by
+    one through `decision`) give the same allow-list document, entry for entry, on generated policies."""
+    sources, pods = _generated(seed)
+    data, _ = build_opa_data(sources=sources, trust_domain=TD, rego=routing_rego)
+    opa = RoutingOpa(url=opa_server.url)
+    try:
+        await opa.push(rego=routing_rego, data=data)
+        queries = candidate_queries(targets=data["targets"], pods=pods, trust_domain=TD)
+        answers = await opa.decide_many([q.opa_input(trust_domain=TD) for q in queries])
+        per_question = flow_document(decisions=dict(zip(queries, answers)), pods=pods)
+        question = flow_question(targets=data["targets"], pods=pods, trust_domain=TD)
+        one = flow_document(decisions=question.decisions(await opa.flow_decisions(question.input)), pods=pods)
+    finally:
+        opa.close()
+    assert one == per_question
+    actions = {e["action"] for e in one["entries"]}
+    assert actions == {"allow", "deny"}, actions  # the scenario exercises both outcomes
+    assert len(one["entries"]) > 50
 
 
 async def test_fail_closed_then_resync_after_restart(opa_server) -> None:
