@@ -39,7 +39,8 @@ FLOW_POLICY_COMPONENT = "flow-policy"
 GATE_VERSION_ANNOTATION = f"{GROUP}/gate-version"  # Deployment and <m>-gate ConfigMap
 GATE_CHECKSUM_ANNOTATION = f"{GROUP}/gate-checksum"
 ABORT_ANNOTATION = f"{GROUP}/abort"  # GateConfig, one-shot (any value)
-PROMOTE_ANNOTATION = f"{GROUP}/promote"  # GateConfig, one-shot (any value)
+PROMOTE_ANNOTATION = f"{GROUP}/promote"  # GateConfig, one-shot: value "step" = next step, any other = all instances
+RETRY_ANNOTATION = f"{GROUP}/retry"  # GateConfig, one-shot (any value): re-run the rejected version the spec names
 FLOW_POLICY_VERSION_ANNOTATION = f"{GROUP}/flow-policy-version"  # sparsegate-flow-policy ConfigMap
 
 # Kopf's bookkeeping on our objects: progress/diff-base annotations under GROUP, and a finalizer.

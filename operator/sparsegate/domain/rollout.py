@@ -45,7 +45,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sparsegate_contracts import gate as gatedoc
-from sparsegate_contracts.names import ABORT_ANNOTATION, GROUP, PROMOTE_ANNOTATION
+from sparsegate_contracts.names import ABORT_ANNOTATION, GROUP, PROMOTE_ANNOTATION, RETRY_ANNOTATION
 
 from sparsegate.domain.analysis import AnalysisResult, GroupMetrics, Verdict, analyse
 from sparsegate.domain.conditions import merge_conditions
@@ -65,9 +65,6 @@ DEFAULT_MIN_REQUESTS = 20
 DEFAULT_PROGRESS_DEADLINE_S = 120.0
 HISTORY_LIMIT = 10  # promoted stable versions kept in status.history (undo targets)
 
-# One-shot request to re-run a rejected version (belongs beside ABORT/PROMOTE in
-# sparsegate_contracts.names; defined here, once, until it moves there).
-RETRY_ANNOTATION = f"{GROUP}/retry"
 # PROMOTE_ANNOTATION's value "step" promotes one step; any other value (the documented
 # `sparsegate.dev/promote=now`) promotes to all instances, as it always has.
 PROMOTE_STEP_VALUE = "step"

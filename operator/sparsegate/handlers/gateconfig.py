@@ -48,8 +48,6 @@ from sparsegate.domain import render
 from sparsegate.domain.analysis import PodCounters
 from sparsegate.domain.pod_ownership import ownership_problem
 from sparsegate.domain.rollout import (
-    ABORT_ANNOTATION,
-    PROMOTE_ANNOTATION,
     RESTING_PHASES,
     ClearAnnotation,
     Decision,
@@ -62,6 +60,7 @@ from sparsegate.domain.rollout import (
     RecordStep,
     RolloutStatus,
     SpecError,
+    annotation_requests,
     invalid_spec,
     next_action,
     parse_spec,
@@ -263,9 +262,11 @@ class RolloutLoop:
         """Nothing to do: resting, spec already stable (or rejected), no one-shot annotation."""
         if now - cache.last_full_check >= RESTING_CHECK_S:
             return False
-        annotations = (body.get("metadata") or {}).get("annotations") or {}
-        if ABORT_ANNOTATION in annotations or PROMOTE_ANNOTATION in annotations:
+        meta = body.get("metadata") or {}
+        if any(annotation_requests(meta.get("annotations")).values()):
             return False
+        if (body.get("status") or {}).get("observedGeneration") != meta.get("generation"):
+            return False  # Flux/Argo wait on observedGeneration: record a spec edit (e.g. pause) at once
         status = RolloutStatus.from_status(body.get("status"))
         if status.phase not in RESTING_PHASES or status.stable is None:
             return False
@@ -282,8 +283,7 @@ class RolloutLoop:
             return None
         now = self.clock()
         status = RolloutStatus.from_status(body.get("status"))
-        annotations = body["metadata"].get("annotations") or {}
-        abort, promote = ABORT_ANNOTATION in annotations, PROMOTE_ANNOTATION in annotations
+        requests = annotation_requests(body["metadata"].get("annotations"))
         try:
             spec = parse_spec(body.get("spec") or {})
         except SpecError as e:
@@ -302,14 +302,15 @@ class RolloutLoop:
         for _ in range(3):
             pods = await self._observe_pods(fleet)
             metrics = await self._metrics(namespace=namespace, fleet=fleet, status=status, cache=cache, now=now)
-            obs = Observations(pods=pods, abort=abort, promote=promote, **metrics)
+            obs = Observations(pods=pods, **requests, **metrics)
             decision = next_action(spec=spec, status=status, obs=obs, now=now)
             body = await self._persist(body, decision, steps=spec.steps)
             pushed = await self._act(body, decision, fleet=fleet, logger=logger)
             if not pushed:
                 break  # nothing new landed on a pod: the next tick looks again
             # Pushed: look again now so verified pods (and the next phase) are recorded this tick.
-            status, abort, promote, now = decision.status, False, False, self.clock()
+            status, now = decision.status, self.clock()
+            requests = dict.fromkeys(requests, False)
         return decision
 
     @staticmethod
