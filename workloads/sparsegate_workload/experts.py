@@ -148,8 +148,8 @@ class SwiGLUExperts(nn.Module):
                 for e, n in enumerate(routing.counts):
                     if n:
                         end = start + n
-                        h = _swiglu(_expert_mm(xs[start:end], gate_up, e))
-                        _expert_mm(h, down, e, out=ys[start:end])
+                        h = _swiglu(expert_mm(xs[start:end], gate_up, e))
+                        expert_mm(h, down, e, out=ys[start:end])
                         start = end
             ys[:n_assign].mul_(w)
         return combine(ys, routing.slots)
@@ -178,7 +178,7 @@ class SwiGLUExperts(nn.Module):
         return torch.cat(chunks) if chunks else xs.new_zeros(0, xs.shape[1])
 
 
-def _expert_mm(x: torch.Tensor, weight: StoredWeight, e: int, *,
+def expert_mm(x: torch.Tensor, weight: StoredWeight, e: int, *,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ expert e's weight in x's dtype (into `out` when given). int8: cast the values and
     scale the output columns (x @ (q * s) == (x @ q) * s for a per-column s), so no scaled

@@ -123,7 +123,7 @@ def test_precision_auto_after_calibration_and_forced_int8(checkpoints):
     lm = load_moe_checkpoint(checkpoints["qwen2_moe"], calibrate=True)
     assert len(lm.gate_sensitivity) == 2 and all(s >= 0 for s in lm.gate_sensitivity)
     lm.set_gate(GateParams(precision_policy="auto"))
-    assert lm.gate.precisions == tuple("fp32" if s >= 1e-3 else "int8"
+    assert lm.gate.precisions == tuple("bf16" if s > 1e-3 else "int8"
                                        for s in lm.gate_sensitivity)
     lm.set_gate(GateParams(precision_policy="int8"))
     out = lm.forward(_tokens())

@@ -16,6 +16,13 @@ and the upstream parameter becomes a transposed view of it (same shape, values a
 second copy): measured here, fp32 at ~64 rows per expert runs ~13% faster that way than BLAS
 reading the [out, in] layout transposed (bf16 the same either way).
 
+Weight storage (precision.py): the router weight and the expert weights of each block are held
+in the precisions the installed gate resolves to (`store`, called by the loader's ``set_gate``):
+"fp32" is the checkpoint's tensors as loaded (no copy), bf16 a bf16 copy, int8 int8 values with
+one fp32 scale per output channel; in bf16/int8 the loaded parameters are dropped from the
+module. A block computes with what it stores: experts dequantised one at a time into the
+activation dtype, router logits in fp32.
+
 The gate in force is one immutable `ActiveGate`; the model holds it in a shared `GateSlot` and
 swaps it by reference. A caller pins it for a whole forward (or a whole ``generate``) with
 `pin_gate`: every block then reads the pinned gate, so that forward never mixes two gate
@@ -36,21 +43,23 @@ from torch import nn
 
 from sparsegate_contracts.gate import GateDocument, GateParams
 
-from ..experts import combine
+from ..experts import combine, expert_mm
 from ..gating import Router, Routing, assign, top_p_mask
 from ..moe import MoEStats
-from ..precision import Precision
+from ..precision import LayerBytes, Precision, StoredWeight, is_lower, layer_bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class ActiveGate:
-    """A gate as routed: params, per-MoE-layer router precision, capacity factor (None:
-    dropless) and the document it came from (None when installed from bare params)."""
+    """A gate as routed: params, per-MoE-layer router and expert weight precision, capacity
+    factor (None: dropless) and the document it came from (None when installed from bare
+    params)."""
 
     params: GateParams
     precisions: tuple[Precision, ...]
     capacity_factor: float | None
     document: GateDocument | None = None
+    expert_precisions: tuple[Precision, ...] = ()
 
     @property
     def version(self) -> str | None:
@@ -122,8 +131,8 @@ class SparseGatedMoEBlock(nn.Module):
         self.top_k = int(upstream.gate.top_k)
         self.gate = Router(hidden, self.num_experts)
         self.gate.weight = weight  # the checkpoint's parameter itself, not a copy
-        self.gate.freeze_precisions()  # a precision switch at serving time is then a lookup
         self.experts = _relayout_experts(upstream.experts)
+        self._expert_storage: tuple[StoredWeight, StoredWeight] | None = None
         if shared_expert:
             self.shared_expert = upstream.shared_expert
             self.shared_expert_gate = upstream.shared_expert_gate
@@ -132,9 +141,58 @@ class SparseGatedMoEBlock(nn.Module):
         self.renormalize = renormalize
         self._slot = slot
 
+    @property
+    def expert_storage(self) -> tuple[StoredWeight, StoredWeight]:
+        """(gate+up [E, d, 2f], down [E, f, d]) as held now; "fp32" is the loaded storage."""
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if gate_up is not None and down is not None:
+            return (StoredWeight.store(gate_up.transpose(1, 2), "fp32"),
+                    StoredWeight.store(down.transpose(1, 2), "fp32"))
+        if self._expert_storage is None:
+            raise RuntimeError("experts have neither parameters nor stored weights")
+        return self._expert_storage
+
+    @property
+    def precisions(self) -> tuple[Precision, Precision]:
+        """(router, experts) storage precision now."""
+        return self.gate.storage.precision, self.expert_storage[0].precision
+
+    def store(self, *, gate: Precision, experts: Precision) -> None:
+        """Hold the router weight in `gate` and the expert weights in `experts` precision;
+        bf16/int8 drop the loaded parameters. From bf16/int8 only a lower precision can be
+        reached (`load_fp32` first)."""
+        self.gate.store(gate)
+        gate_up, down = self.expert_storage
+        if gate_up.precision == experts:
+            return
+        if self._expert_storage is not None and not is_lower(experts, gate_up.precision):
+            raise ValueError(f"experts stored in {gate_up.precision} cannot become {experts} "
+                             f"without the checkpoint's weights (load_fp32)")
+        # in_dim=1 of [E, in, out]: one scale per (expert, output column)
+        self._expert_storage = tuple(  # type: ignore[assignment]
+            StoredWeight.store(w.materialize(torch.float32) if w.scale is not None else w.data,
+                               experts, in_dim=1) for w in (gate_up, down))
+        if experts != "fp32":
+            self.experts.gate_up_proj = None
+            self.experts.down_proj = None
+
+    def load_fp32(self, *, gate: torch.Tensor, gate_up_proj: torch.Tensor,
+                  down_proj: torch.Tensor) -> None:
+        """Put back the checkpoint's tensors (upstream layouts [E, d] / [E, 2f, d] / [E, d, f])."""
+        self.gate.load_fp32(gate)
+        for name, tensor in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+            stored = tensor.detach().transpose(1, 2).contiguous()
+            setattr(self.experts, name, nn.Parameter(stored.transpose(1, 2),
+                                                     requires_grad=False))
+        self._expert_storage = None
+
+    def weight_bytes(self) -> LayerBytes:
+        return layer_bytes(self.moe_index, self.gate.storage, self.expert_storage)
+
     def route(self, flat: torch.Tensor, gate: ActiveGate) -> Routing:
         params = gate.params
-        probs = torch.softmax(self.gate.logits(flat, gate.precisions[self.moe_index]), dim=-1)
+        # The router as stored (the loader stores what the gate resolves to); logits in fp32.
+        probs = torch.softmax(self.gate.logits(flat), dim=-1)
         lo = min(params.min_experts_per_token, self.num_experts)
         hi = min(params.max_experts_per_token, self.num_experts)
         if lo == hi:
@@ -163,14 +221,15 @@ class SparseGatedMoEBlock(nn.Module):
 
     def dispatch(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
         """[T, d] -> [T, d]: the kept experts' SwiGLU outputs, combined with the gate weights."""
-        # [E, d, 2f] and [E, f, d]: contiguous views of the storage `_relayout_experts` made.
-        w_gate_up = self.experts.gate_up_proj.transpose(1, 2)
-        w_down = self.experts.down_proj.transpose(1, 2)
         xs = flat.index_select(0, routing.token_idx)
         w = routing.weights.unsqueeze(-1).to(flat.dtype)
         n_assign, d_model = xs.shape
-        if torch.is_grad_enabled() and (flat.requires_grad or w.requires_grad
-                                        or w_gate_up.requires_grad):
+        params = self.experts.gate_up_proj
+        if torch.is_grad_enabled() and (flat.requires_grad or w.requires_grad or (
+                params is not None and params.requires_grad)):
+            # [E, d, 2f] and [E, f, d]: contiguous views of the storage `_relayout_experts` made.
+            w_gate_up = self.experts.gate_up_proj.transpose(1, 2)
+            w_down = self.experts.down_proj.transpose(1, 2)
             # unbind once: indexing the stacked weight per expert under autograd would build a
             # full-size gradient per select (FACTS.md).
             gu, dn = w_gate_up.unbind(0), w_down.unbind(0)
@@ -183,14 +242,16 @@ class SparseGatedMoEBlock(nn.Module):
             ys = torch.cat(chunks) * w if chunks else xs.new_zeros(0, d_model)
             return combine(torch.cat([ys, ys.new_zeros(1, d_model)]), routing.slots)
         # Inference: each expert writes straight into its slice; row A stays zero (padding).
+        # The storage is read once, so a re-store between calls cannot split this one.
+        gate_up, down = self.expert_storage
         ys = flat.new_empty(n_assign + 1, d_model)
         ys[n_assign].zero_()
         start = 0
         for e, n in enumerate(routing.counts):
             if n:
                 end = start + n
-                h = _swiglu(torch.mm(xs[start:end], w_gate_up[e]), inplace=True)
-                torch.mm(h, w_down[e], out=ys[start:end])
+                h = _swiglu(expert_mm(xs[start:end], gate_up, e), inplace=True)
+                expert_mm(h, down, e, out=ys[start:end])
                 start = end
         ys[:n_assign].mul_(w)
         return combine(ys, routing.slots)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,7 @@ from torch import nn
 from sparsegate_contracts.gate import GateDocument, GateParams, GateParamsError
 
 from ..moe import MoEStats
-from ..precision import PRECISIONS, Precision, choose_precision, gradient_variance
+from ..precision import PRECISIONS, LayerBytes, Precision, RunningVariance, choose_precision
 from .checkpoint_files import CheckpointError, check_weight_files, family_of, read_config
 from .families import MoEFamily
 from .gated_block import ActiveGate, GateCall, GateSlot, SparseGatedMoEBlock, pin_gate
@@ -33,6 +33,17 @@ log = logging.getLogger(__name__)
 
 ACCEPTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# Calibration text for checkpoints with a tokenizer: plain English prose, written here (nothing
+# downloaded). Its token windows are the "real data" the precision rule measures on.
+CALIBRATION_TEXT = (
+    "A mixture of experts layer sends every token to a few of its experts. The router scores "
+    "each expert, and the gate keeps the fewest experts whose probability mass reaches a "
+    "threshold. Experts that see many tokens grow busy while others idle, so training adds a "
+    "balance term. When a model is served, its weights can be stored in fewer bits: layers "
+    "whose gradients barely move tolerate eight-bit integers, and sensitive layers keep a "
+    "sixteen-bit format. The operator rolls a new gate out to a few instances first, watches "
+    "error rates and latency, and rolls back when the canary drifts from the stable fleet. "
+    "Numbers, names and punctuation matter too: 42 requests, 3.5 seconds, version g-1a2b.")
 
 
 @dataclasses.dataclass
@@ -58,14 +69,20 @@ class SparseGatedCausalLM:
     """A transformers causal LM whose MoE blocks route with the gate installed by `set_gate`."""
 
     def __init__(self, model: nn.Module, *, family: MoEFamily, path: Path,
-                 tokenizer: Any | None = None) -> None:
+                 tokenizer: Any | None = None,
+                 source: Callable[[], list[dict[str, torch.Tensor]]] | None = None) -> None:
         self.model = model
         self.family = family
         self.path = path
         self.tokenizer = tokenizer
         self.top_k = int(model.config.num_experts_per_tok)
-        # Unmeasured until `calibrate_gate_precision`; "auto" then keeps every router in fp32.
+        # Unmeasured until `calibrate_gate_precision`; "auto" then keeps every layer fp32.
         self.gate_sensitivity: list[float] | None = None
+        self.expert_sensitivity: list[float] | None = None
+        self.calibration_data: str | None = None  # what the variances were measured on
+        # The checkpoint's MoE tensors per block, read again on demand: what a bf16/int8 block
+        # is restored from, since it keeps no copy of them (None: lower precisions only).
+        self.weight_source = source
         self._slot = GateSlot(ActiveGate(params=self.upstream_gate_params(), precisions=(),
                                          capacity_factor=None))
         self.blocks = _patch_blocks(model, family=family, slot=self._slot)
@@ -101,24 +118,54 @@ class SparseGatedCausalLM:
             raise GateParamsError(
                 f"minExpertsPerToken ({params.min_experts_per_token}) must not exceed "
                 f"maxExpertsPerToken ({params.max_experts_per_token})")
-        active = ActiveGate(params=params,
-                            precisions=self.resolve_precisions(params.precision_policy),
+        policy = params.precision_policy
+        active = ActiveGate(params=params, precisions=self.resolve_precisions(policy),
                             capacity_factor=None if dropless else params.capacity_factor,
-                            document=document)
+                            document=document,
+                            expert_precisions=self.resolve_expert_precisions(policy))
+        # Storage first, then the swap: a forward pinned to the old gate computes with
+        # whatever each block stores when it reaches it (each block reads its storage once).
+        self.store_precisions(active.precisions, active.expert_precisions)
         self._slot.active = active
         return active
 
     def resolve_precisions(self, policy: str) -> tuple[Precision, ...]:
-        """Router weight precision per MoE block. "auto" uses the measured gate sensitivity;
-        before `calibrate_gate_precision` ran it keeps fp32 (unmeasured counts as sensitive)."""
-        if policy == "auto" and self.gate_sensitivity is not None:
-            return tuple(choose_precision(policy=policy, sensitivity=s)
-                         for s in self.gate_sensitivity)
-        if policy == "auto":
-            return ("fp32",) * len(self.blocks)
-        if policy in PRECISIONS:
-            return (policy,) * len(self.blocks)  # type: ignore[return-value]
-        raise GateParamsError(f"unknown precision policy {policy!r}")
+        """Router weight precision per MoE block. "auto" applies the rule to the measured
+        router gradient variance; before `calibrate_gate_precision` ran it keeps fp32."""
+        return self._resolve(policy, self.gate_sensitivity)
+
+    def resolve_expert_precisions(self, policy: str) -> tuple[Precision, ...]:
+        """Expert weight precision per MoE block, as `resolve_precisions` for the experts."""
+        return self._resolve(policy, self.expert_sensitivity)
+
+    def _resolve(self, policy: str, measured: list[float] | None) -> tuple[Precision, ...]:
+        if policy != "auto" and policy not in PRECISIONS:
+            raise GateParamsError(f"unknown precision policy {policy!r}")
+        values: Sequence[float | None] = measured or [None] * len(self.blocks)
+        return tuple(choose_precision(policy=policy, sensitivity=v) for v in values)
+
+    def store_precisions(self, gate: Sequence[Precision], experts: Sequence[Precision]
+                         ) -> None:
+        """Store block i's router in gate[i] and its experts in experts[i]. A block already
+        below fp32 that changes is first restored from `weight_source` (the checkpoint read
+        again: a transient second copy of the model while it loads), so the result does not
+        depend on the order of switches."""
+        targets = list(zip(gate, experts, strict=True))
+        if len(targets) != len(self.blocks):
+            raise ValueError(f"{len(targets)} precisions for {len(self.blocks)} MoE blocks")
+        stale = [i for i, (blk, want) in enumerate(zip(self.blocks, targets))
+                 if blk.precisions != want and blk.precisions != ("fp32", "fp32")]
+        if stale and self.weight_source is not None:
+            source = self.weight_source()
+            for i in stale:
+                self.blocks[i].load_fp32(**source[i])
+            del source
+        for blk, (g, e) in zip(self.blocks, targets):
+            blk.store(gate=g, experts=e)
+
+    def weight_bytes(self) -> list[LayerBytes]:
+        """Per MoE block: router and expert bytes as stored now, and as fp32 would be."""
+        return [blk.weight_bytes() for blk in self.blocks]
 
     def pinned_gate(self) -> ContextManager[GateCall]:
         """Pin the current gate for everything inside (e.g. a generate()); collects stats."""
@@ -134,21 +181,29 @@ class SparseGatedCausalLM:
 
     def calibrate_gate_precision(self, *, batches: int = 4, batch_size: int = 2,
                                  seq_len: int = 16, seed: int = 1) -> list[float]:
-        """Measure each router's gradient variance (as the built-in model does: next-token
-        CE + 0.01 balance + entropy terms on seeded random tokens) and re-resolve "auto".
-        Costs `batches` forward+backward passes of the whole model."""
-        g = torch.Generator().manual_seed(seed)
-        weights = [blk.gate.weight for blk in self.blocks]
-        grads: list[list[torch.Tensor]] = [[] for _ in weights]
+        """Measure each block's router and expert gradient variance (as the built-in model
+        does: next-token CE + 0.01 balance + entropy terms) and re-resolve "auto". Data: with
+        a tokenizer, seeded windows of `CALIBRATION_TEXT` tokenized by it; without one, seeded
+        random token ids (`calibration_data` says which). Blocks stored below fp32 are restored
+        from the checkpoint first. Costs `batches` forward+backward passes of the whole model
+        and two fp32 accumulators per MoE weight. Returns the router variances."""
         current = self._slot.active
-        fp32 = dataclasses.replace(current, precisions=("fp32",) * len(self.blocks))
-        device = weights[0].device
-        vocab = int(self.model.config.vocab_size)
+        n = len(self.blocks)
+        self.store_precisions(("fp32",) * n, ("fp32",) * n)
+        fp32 = dataclasses.replace(current, precisions=("fp32",) * n,
+                                   expert_precisions=("fp32",) * n)
+        groups = [(blk.gate.weight, (blk.experts.gate_up_proj, blk.experts.down_proj))
+                  for blk in self.blocks]
+        params = [p for router, experts in groups for p in (router, *experts)]
+        gate_acc = [RunningVariance() for _ in groups]
+        expert_acc = [RunningVariance() for _ in groups]
+        device = params[0].device
+        batch_of = self._calibration_batches(batch_size=batch_size, seq_len=seq_len, seed=seed)
         try:
-            for w in weights:
-                w.requires_grad_(True)
+            for p in params:
+                p.requires_grad_(True)
             for _ in range(batches):
-                tokens = torch.randint(0, vocab, (batch_size, seq_len), generator=g).to(device)
+                tokens = batch_of().to(device)
                 with torch.enable_grad(), pin_gate(fp32) as call:
                     logits = self.model(input_ids=tokens, use_cache=False).logits.float()
                     ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
@@ -156,16 +211,51 @@ class SparseGatedCausalLM:
                     aux = sum(s.aux_loss for s in call.layers)
                     ent = sum(s.entropy_loss for s in call.layers)
                     (ce + 0.01 * aux + ent).backward()
-                for i, w in enumerate(weights):
-                    grads[i].append(w.grad.detach().float().clone())
-                    w.grad = None
+                for i, (router, experts) in enumerate(groups):
+                    gate_acc[i].add(router.grad)
+                    expert_acc[i].add(torch.cat([w.grad.reshape(-1) for w in experts]))
+                for p in params:
+                    p.grad = None
         finally:
-            for w in weights:
-                w.requires_grad_(False)
-        self.gate_sensitivity = [gradient_variance(gs) for gs in grads]
+            for p in params:
+                p.requires_grad_(False)
+        self.gate_sensitivity = [a.variance() for a in gate_acc]
+        self.expert_sensitivity = [a.variance() for a in expert_acc]
         latest = self._slot.active
         self.set_gate(latest.document or latest.params, dropless=latest.capacity_factor is None)
         return self.gate_sensitivity
+
+    def _calibration_batches(self, *, batch_size: int, seq_len: int, seed: int
+                             ) -> Callable[[], torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        vocab = int(self.model.config.vocab_size)
+        if self.tokenizer is None:
+            self.calibration_data = "random token ids (no tokenizer)"
+            return lambda: torch.randint(0, vocab, (batch_size, seq_len), generator=g)
+        ids = torch.tensor(self.tokenizer(CALIBRATION_TEXT)["input_ids"], dtype=torch.long)
+        ids = ids.clamp(max=vocab - 1)
+        if ids.numel() <= seq_len:
+            ids = ids.repeat(seq_len // max(ids.numel(), 1) + 2)
+        self.calibration_data = f"CALIBRATION_TEXT through its tokenizer ({ids.numel()} tokens)"
+
+        def windows() -> torch.Tensor:
+            starts = torch.randint(0, ids.numel() - seq_len + 1, (batch_size,), generator=g)
+            return torch.stack([ids[s:s + seq_len] for s in starts.tolist()])
+        return windows
+
+
+def _checkpoint_moe_weights(directory: Path, *, family: MoEFamily, dtype: torch.dtype,
+                            device: str | torch.device) -> list[dict[str, torch.Tensor]]:
+    """Every sparse block's router and expert tensors, read again from the checkpoint (the
+    whole model loads transiently; only these tensors are kept)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
+    block_type = family.block_type()
+    return [{"gate": m.gate.weight.detach().to(device),
+             "gate_up_proj": m.experts.gate_up_proj.detach().to(device),
+             "down_proj": m.experts.down_proj.detach().to(device)}
+            for m in model.modules() if isinstance(m, block_type)]
 
 
 def _patch_blocks(model: nn.Module, *, family: MoEFamily, slot: GateSlot
@@ -228,7 +318,10 @@ def load_moe_checkpoint(path: str | Path, *, gate: GateParams | GateDocument | N
         except (OSError, ValueError, KeyError) as exc:
             raise CheckpointError(f"{directory}: tokenizer files present but unreadable ({exc})",
                                   file=directory) from exc
-    lm = SparseGatedCausalLM(model, family=family, path=directory, tokenizer=tokenizer)
+    lm = SparseGatedCausalLM(
+        model, family=family, path=directory, tokenizer=tokenizer,
+        source=lambda: _checkpoint_moe_weights(directory, family=family, dtype=dtype,
+                                               device=device))
     if calibrate:
         lm.calibrate_gate_precision()
     if gate is not None:
