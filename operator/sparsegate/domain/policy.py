@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sparsegate_contracts.canonical import sha256_of
+from sparsegate_contracts.canonical import sha256_hex, sha256_of
 
 ANY = "*"
 DEFAULT_TRUST_DOMAIN = "cluster.local"
@@ -191,3 +191,36 @@ def build_opa_data(
     body = {"trustDomain": trust_domain, "policies": loaded, "targets": index_rules(rules)}
     revision = sha256_of({"data": body, "rego": hashlib.sha256(rego.encode()).hexdigest()})
     return {"revision": revision, **body}, rules
+
+
+# 16 hex digits (64 bits) per spec: the record of many policies must fit a ConfigMap annotation,
+# and a collision would need a second spec crafted to hash alike, not an accident.
+_DIGEST_HEX = 16
+
+
+def source_digest(source: PolicySource) -> str:
+    """``"<generation>:<digest of the spec>"``: the spec OPA decided, even across a delete and re-create
+    (generation restarts at 1, the digest does not match a different spec)."""
+    return f"{source.generation}:{sha256_hex(dict(source.spec))[:_DIGEST_HEX]}"
+
+
+def decision_basis(*, sources: Sequence[PolicySource], trust_domain: str, rego: str) -> dict[str, Any]:
+    """What a set of OPA decisions was computed from: the Rego, the trust domain and each policy's
+    spec (`source_digest`). Recorded beside the published allow-list, so that an operator that
+    cannot ask OPA can tell which of today's policies the allow-list already reflects."""
+    return {
+        "rego": hashlib.sha256(rego.encode()).hexdigest()[:_DIGEST_HEX],
+        "trustDomain": trust_domain,
+        "policies": {s.key: source_digest(s) for s in sorted(sources, key=lambda s: s.key)},
+    }
+
+
+def undecided_policies(*, current: Mapping[str, Any], decided: Mapping[str, Any] | None) -> set[str]:
+    """Policies of the `current` basis whose spec OPA has not decided: new ones, changed ones (any
+    generation or spec change), and every one when the decided basis is unknown (`None`: an operator
+    that just started without a record) or came from another Rego or trust domain."""
+    policies = dict(current.get("policies") or {})
+    if decided is None or any(decided.get(k) != current.get(k) for k in ("rego", "trustDomain")):
+        return set(policies)
+    before = decided.get("policies") or {}
+    return {key for key, digest in policies.items() if before.get(key) != digest}

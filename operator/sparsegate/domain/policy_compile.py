@@ -23,6 +23,8 @@ from sparsegate_contracts.names import MODEL_LABEL
 
 from sparsegate.domain.policy import (
     ANY,
+    Action,
+    PolicySource,
     Port,
     spiffe_id,
     target_key,
@@ -278,6 +280,51 @@ def narrow_document(
         e
         for e in document.get("entries") or ()
         if flowpolicy.policy_of_rule(e.get("rule", "")) in live_policies and same(e["srcIP"]) and same(e["dstIP"])
+    ]
+    return flowpolicy.build_document(entries=rows, default_action=flowpolicy.DENY)
+
+
+def narrow_undecided(
+    *,
+    document: Mapping[str, Any],
+    sources: Sequence[PolicySource],
+    undecided: Collection[str],
+    pods: Sequence[PodInfo],
+) -> dict[str, Any]:
+    """Fail closed on policy changes OPA could not evaluate: only ever remove allow entries.
+
+    For each policy in `undecided` (`"ns/name"`: new or changed since OPA last decided; see
+    `domain.policy.undecided_policies`), whatever its new spec says:
+    - its own allow entries go: what it allowed before may be what the change took away (an Allow
+      narrowed, retargeted, turned into a Deny);
+    - if it now denies, every allow entry towards a pod of its targets goes, whichever rule allowed
+      it and whatever the source (a Deny wins over any Allow; a `*` target is every model pod of
+      the policy's namespace), and so does every allow entry towards an IP that is no pod now (it
+      cannot be shown not to be a target).
+    An undecided Allow removes nothing else: an Allow only ever adds access. Deny entries stay
+    (they explain drops; the default denies anyway). When OPA answers again the normal sync
+    publishes what OPA allows, which may be wider again.
+    """
+    undecided = set(undecided)
+    model_of_ip = {pod.ip: (pod.namespace, pod.model) for pod in pods}
+    denied_targets: set[tuple[str, str]] = set()  # (namespace, model | ANY)
+    for source in sources:
+        if source.key in undecided and str(source.spec.get("action", "Allow")).lower() == Action.DENY.value:
+            denied_targets.update((source.namespace, str(t.get("sparseModel") or ANY))
+                                  for t in source.spec.get("targets") or ())
+
+    def denied_now(dst_ip: str) -> bool:
+        if not denied_targets:
+            return False
+        if dst_ip not in model_of_ip:
+            return True
+        namespace, model = model_of_ip[dst_ip]
+        return model is not None and ((namespace, model) in denied_targets or (namespace, ANY) in denied_targets)
+
+    rows = [
+        e for e in document.get("entries") or ()
+        if e.get("action") != flowpolicy.ALLOW
+        or not (flowpolicy.policy_of_rule(e.get("rule", "")) in undecided or denied_now(e["dstIP"]))
     ]
     return flowpolicy.build_document(entries=rows, default_action=flowpolicy.DENY)
 

@@ -8,14 +8,17 @@ RoutingPolicies and pods, then writes only its own object's status:
    (a restarted OPA has none, so it gets everything again without anyone re-applying);
 2. ask OPA, in one evaluation, about every (identity class, model, port) worth asking
    (`flow_decisions`; questions and answers in `domain.policy_compile`);
-3. publish the IP-level allow-list ConfigMap when its version changed;
+3. publish the IP-level allow-list ConfigMap when its version changed, with the decision basis
+   (which policy specs it was decided from) as an annotation;
 4. read back which policy generations OPA holds (`status.loadedInOPA`).
 
 A loop per RoutingPolicy (``handlers.periodic``, driven by watch events: no finalizer, so deleting
 a policy never waits for the operator or OPA) repeats this every
 `SPARSEGATE_POLICY_RESYNC_SECONDS`; it costs one GET when neither the policies, the pods nor OPA
 changed. Fail closed: when OPA is unreachable the allow-list is only ever narrowed (deleted
-policies, departed pods), the object gets Degraded=True, and create/update handlers retry with
+policies, departed pods, and what a policy changed or created since OPA last decided might take
+away: `narrow_undecided`, against the decision basis recorded on the ConfigMap, so a restarted
+operator knows it too), the object gets Degraded=True, and create/update handlers retry with
 backoff (kopf.TemporaryError); a deletion narrows and completes.
 """
 
@@ -39,7 +42,13 @@ from sparsegate_contracts.canonical import sha256_of
 from sparsegate.clients.flow_policy import FlowPolicyConfigMap
 from sparsegate.clients.kube import Kube
 from sparsegate.clients.opa import DEFAULT_URL, OpaRejected, OpaUnavailable, RoutingOpa
-from sparsegate.domain.policy import DEFAULT_TRUST_DOMAIN, PolicySource, build_opa_data
+from sparsegate.domain.policy import (
+    DEFAULT_TRUST_DOMAIN,
+    PolicySource,
+    build_opa_data,
+    decision_basis,
+    undecided_policies,
+)
 from sparsegate.domain.policy_compile import (
     PodInfo,
     decision_counts,
@@ -47,6 +56,7 @@ from sparsegate.domain.policy_compile import (
     flow_question,
     ip_owners,
     narrow_document,
+    narrow_undecided,
     pod_info,
     policies_named,
 )
@@ -54,6 +64,7 @@ from sparsegate.domain.policy_status import SyncOutcome, status_changed, status_
 from sparsegate.handlers.periodic import ObjectLoops
 
 GROUP, VERSION, PLURAL = names.GROUP, names.VERSION, names.ROUTINGPOLICIES
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +103,9 @@ class PolicySync:
         self.status_lock = asyncio.Lock()
         self.kube = kube  # status writes; None where only OPA and the allow-list are exercised
         self.published: dict[str, Any] | None = None  # last document written or found
+        # What the published allow-list was decided from (`decision_basis`): the policy specs OPA
+        # last decided, or that narrowing has since accounted for. None: unknown (nothing decided).
+        self.basis: dict[str, Any] | None = None
         self.owners: dict[str, str] | None = None  # pod owning each IP when OPA last decided
         self.fingerprint: str | None = None  # data revision + pods of the last good sync
         self.counts: dict[str, int] = {}
@@ -102,6 +116,7 @@ class PolicySync:
         """Bring OPA and the allow-list up to date; raises OpaUnavailable/OpaRejected after failing closed."""
         async with self.lock:
             data, _ = build_opa_data(sources=policies, trust_domain=self.settings.trust_domain, rego=self.rego)
+            basis = decision_basis(sources=policies, trust_domain=self.settings.trust_domain, rego=self.rego)
             fingerprint = sha256_of({"revision": data["revision"], "pods": [dataclasses.astuple(p) for p in pods]})
             try:
                 pushed = False
@@ -113,7 +128,7 @@ class PolicySync:
                     question = flow_question(targets=data["targets"], pods=pods, trust_domain=self.settings.trust_domain)
                     answers = await self.opa.flow_decisions(question.input)
                     document = flow_document(decisions=question.decisions(answers), pods=pods)
-                    await self._publish(document)
+                    await self._publish(document, basis)
                     self.owners = ip_owners(pods)
                     self.counts = decision_counts(document)
                     self.fingerprint = fingerprint
@@ -121,29 +136,45 @@ class PolicySync:
                 self.revision = data["revision"]
             except (OpaUnavailable, OpaRejected):
                 self.fingerprint = None  # decide afresh once OPA answers
-                await self._narrow(pods=pods, live={p.key for p in policies})
+                await self._narrow(pods=pods, policies=policies, basis=basis)
                 raise
 
-    async def _publish(self, document: dict[str, Any]) -> None:
+    async def _load_published(self) -> None:
         if self.published is None:
-            self.published = await self.store.read()
-        if self.published is None or self.published.get("version") != document["version"]:
-            await self.store.publish(document)
-            self.published = document
+            self.published, self.basis = await self.store.read_published()
 
-    async def _narrow(self, *, pods: list[PodInfo], live: set[str]) -> None:
-        if self.published is None:
-            self.published = await self.store.read()
+    async def _publish(self, document: dict[str, Any], basis: dict[str, Any]) -> None:
+        await self._load_published()
+        if self.published is None or self.published.get("version") != document["version"] or self.basis != basis:
+            await self.store.publish(document, basis=basis)
+            self.published, self.basis = document, basis
+
+    async def _narrow(self, *, pods: list[PodInfo], policies: list[PolicySource], basis: dict[str, Any]) -> None:
+        """OPA cannot decide: remove what the last decisions no longer justify, add nothing.
+
+        Entries of deleted policies and of departed or reused pod IPs go (`narrow_document`), and so
+        does what a policy changed since OPA last decided might take away (`narrow_undecided`; after a
+        restart "last decided" is the basis recorded with the published allow-list, or nothing). The
+        result is recorded as decided from today's specs: every allow entry left is one they allow.
+        """
+        await self._load_published()
         if self.published is None:
             return  # nothing published: the agent's default (deny) stands
+        undecided = undecided_policies(current=basis, decided=self.basis)
         narrowed = narrow_document(
-            document=self.published, owners_then=self.owners, owners_now=ip_owners(pods), live_policies=live
+            document=self.published, owners_then=self.owners, owners_now=ip_owners(pods),
+            live_policies={p.key for p in policies},
         )
-        if narrowed["version"] != self.published.get("version") and len(narrowed["entries"]) < len(
-            self.published.get("entries") or ()
-        ):
-            await self.store.publish(narrowed)
-            self.published = narrowed
+        narrowed = narrow_undecided(document=narrowed, sources=policies, undecided=undecided, pods=pods)
+        before = len(self.published.get("entries") or ())
+        dropped = before - len(narrowed["entries"])
+        if dropped > 0 or self.basis != basis:
+            document = narrowed if dropped > 0 else self.published
+            await self.store.publish(document, basis=basis)
+            if dropped:
+                log.warning(f"OPA not usable: removed {dropped} of {before} allow-list entries (fail closed; "
+                            f"changed or new policies OPA has not decided: {sorted(undecided) or 'none'})")
+            self.published, self.basis = document, basis
 
     def outcome(self, *, key: str, generation: int, error: Exception | None = None) -> SyncOutcome:
         loaded = self.loaded.get(key) or {}
@@ -297,14 +328,15 @@ async def check_allow_list_at_startup(logger: kopf.Logger, **_: Any) -> None:
     """Zero trust from the first moment, and nothing kept for policies deleted while we were down.
 
     With no allow-list yet, publish an empty (deny-all) one. An existing one is kept until OPA has
-    been asked (it may be the last good one), minus the entries of policies that no longer exist:
+    been asked (it may be the last good one), minus the entries of policies that no longer exist
+    (and, at the first sync if OPA is down, of policies changed since the recorded decision basis):
     policies go without a finalizer, so one may have been deleted while no operator ran, and if it
     was the last one no handler would ever run to drop its entries. Checking needs no OPA (only
     narrowing) and no index (one GET per policy named in the allow-list).
     """
     sync = _state()
     try:
-        document = await sync.store.read()
+        document, basis = await sync.store.read_published()
         if document is None:
             await sync.store.publish(flow_document(decisions={}, pods=[]))
             logger.info("published an empty (default deny) flow allow-list")
@@ -313,9 +345,16 @@ async def check_allow_list_at_startup(logger: kopf.Logger, **_: Any) -> None:
         live = {key for key in named if "/" not in key or await _still_exists(sync, key)}
         narrowed = narrow_document(document=document, owners_then=None, owners_now={}, live_policies=live)
         if len(narrowed["entries"]) < len(document.get("entries") or ()):
-            await sync.store.publish(narrowed)
+            # Dropping a deleted policy's entries leaves the rest as decided: the basis stays.
+            await sync.store.publish(narrowed, basis=basis)
             logger.info(f"dropped the allow entries of deleted RoutingPolicies {sorted(named - live)}")
-        sync.published = narrowed if len(narrowed["entries"]) < len(document.get("entries") or ()) else document
+            document = narrowed
+        # What the first sync narrows against if OPA is down: without a recorded basis, every policy
+        # counts as changed since OPA last decided (this process never saw OPA decide).
+        sync.published, sync.basis = document, basis
+        if basis is None:
+            logger.info("the flow allow-list carries no decision basis: until OPA answers, every "
+                        "RoutingPolicy counts as undecided (fail closed)")
     except Exception as e:  # noqa: BLE001 (the handlers retry publishing; startup must not fail)
         logger.warning(f"could not check the flow allow-list at startup: {e}")
 

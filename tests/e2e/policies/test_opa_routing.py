@@ -62,13 +62,17 @@ PODS = [
 class MemoryStore:
     def __init__(self) -> None:
         self.document: dict[str, Any] | None = None
+        self.basis: dict[str, Any] | None = None
         self.writes = 0
 
     async def read(self) -> dict[str, Any] | None:
         return self.document
 
-    async def publish(self, document: dict[str, Any]) -> None:
-        self.document = document
+    async def read_published(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        return self.document, self.basis
+
+    async def publish(self, document: dict[str, Any], *, basis: dict[str, Any] | None = None) -> None:
+        self.document, self.basis = document, basis
         self.writes += 1
 
 
@@ -261,3 +265,104 @@ async def test_fail_closed_then_resync_after_restart(opa_server) -> None:
         probe.close()
     finally:
         sync.opa.close()
+
+
+def _allows(document: dict[str, Any]) -> set[tuple[str, str, int, str]]:
+    return {(e["srcIP"], e["dstIP"], e["dstPort"], e["protocol"]) for e in document["entries"] if e["action"] == "allow"}
+
+
+DENY_MIXTRAL = PolicySource(namespace="models", name="deny-mixtral", generation=1, spec={
+    "action": "Deny", "sources": [{"namespace": "*"}], "targets": [{"sparseModel": "mixtral"}]})
+# allow-web narrowed: generation 2 names port 9090 instead of 8080
+ALLOW_WEB_NARROWED = PolicySource(namespace="models", name="allow-web", generation=2,
+                                  spec={**ALLOW_WEB.spec, "ports": [{"port": 9090}]})
+
+
+async def _truth(url: str, routing_rego: str, policies: list[PolicySource]) -> set[tuple[str, str, int, str]]:
+    """What OPA allows for these policies (a fresh push to a scratch OPA-backed sync)."""
+    sync, store = _sync(url)
+    try:
+        await sync.sync(policies=policies, pods=PODS)
+    finally:
+        sync.opa.close()
+    return _allows(store.document)
+
+
+async def test_changes_while_opa_is_down_fail_closed_and_opa_restores_them(opa_server, routing_rego: str) -> None:
+    """A Deny added and an Allow narrowed while OPA is down: the allow-list keeps nothing the new
+    specs might remove (compared with what OPA decides for them once back); OPA's return restores."""
+    policies = [ALLOW_WEB, DENY_BATCH, ALLOW_ALL_NS]
+    with_deny = [*policies, DENY_MIXTRAL]
+    narrowed = [ALLOW_WEB_NARROWED, DENY_BATCH, ALLOW_ALL_NS]
+    truth = {"deny": await _truth(opa_server.url, routing_rego, with_deny),
+             "narrowed": await _truth(opa_server.url, routing_rego, narrowed)}
+    opa_server.restart()  # empty again
+    sync, store = _sync(opa_server.url)
+    try:
+        await sync.sync(policies=policies, pods=PODS)
+        good = _allows(store.document)
+        assert ("127.20.1.1", "127.20.0.10", 8080, "tcp") in good  # fe-0 → mixtral-0 by allow-web
+        opa_server.stop()
+
+        # When a Deny of every namespace on mixtral is added while OPA is down
+        with pytest.raises(OpaUnavailable):
+            await sync.sync(policies=with_deny, pods=PODS)
+        during = _allows(store.document)
+        # Then no flow to a mixtral pod is left, llama's stay, and nothing is wider than OPA's answer
+        assert not {f for f in during if f[1] in ("127.20.0.10", "127.20.0.11")}
+        assert {f for f in good if f[1] == "127.20.0.12"} <= during
+        assert during <= good and during <= truth["deny"], during - truth["deny"]
+
+        # When instead allow-web is narrowed (8080 → 9090) while OPA is down
+        sync2, store2 = _sync(opa_server.url)
+        opa_server.start()
+        await sync2.sync(policies=policies, pods=PODS)
+        opa_server.stop()
+        with pytest.raises(OpaUnavailable):
+            await sync2.sync(policies=narrowed, pods=PODS)
+        during2 = _allows(store2.document)
+        assert not any(e["rule"].startswith("models/allow-web#") for e in store2.document["entries"])
+        assert during2 <= truth["narrowed"], during2 - truth["narrowed"]
+        sync2.opa.close()
+
+        # When OPA comes back (empty), the normal sync publishes exactly what OPA allows
+        opa_server.start()
+        await sync.sync(policies=with_deny, pods=PODS)
+        assert _allows(store.document) == truth["deny"]
+    finally:
+        sync.opa.close()
+
+
+async def test_operator_restart_while_opa_is_down_widens_nothing(opa_server, routing_rego: str) -> None:
+    """A new operator process (no memory) meets OPA down: with the recorded basis matching today's
+    specs it keeps the allow-list; a policy changed meanwhile is narrowed; without a record, no
+    allow entry of a live policy survives."""
+    policies = [ALLOW_WEB, DENY_BATCH, ALLOW_ALL_NS]
+    first, store = _sync(opa_server.url)
+    try:
+        await first.sync(policies=policies, pods=PODS)
+    finally:
+        first.opa.close()
+    good, basis = store.document, store.basis
+    assert basis and set(basis["policies"]) == {p.key for p in policies}
+    opa_server.stop()
+
+    async def restarted(current: list[PolicySource]) -> dict[str, Any]:
+        sync, _ = _sync(opa_server.url)
+        sync.store = store
+        try:
+            with pytest.raises(OpaUnavailable):
+                await sync.sync(policies=current, pods=PODS)
+        finally:
+            sync.opa.close()
+        return store.document
+
+    # Unchanged specs: the recorded basis proves the allow-list still matches them
+    assert await restarted(policies) == good
+    # A Deny added while no operator ran (and OPA is down): its targets' entries go
+    after_deny = await restarted([*policies, DENY_MIXTRAL])
+    assert _allows(after_deny) == {f for f in _allows(good) if f[1] not in ("127.20.0.10", "127.20.0.11")}
+    # No record at all (an older operator wrote the ConfigMap): nothing a live policy allowed is kept
+    store.document, store.basis = good, None
+    bare = await restarted(policies)
+    assert _allows(bare) == set() and len(_allows(good)) > 0

@@ -6,7 +6,14 @@ import itertools
 
 from sparsegate_contracts import flowpolicy
 
-from sparsegate.domain.policy import PolicySource, Port, build_opa_data
+from sparsegate.domain.policy import (
+    PolicySource,
+    Port,
+    build_opa_data,
+    decision_basis,
+    source_digest,
+    undecided_policies,
+)
 from sparsegate.domain.policy_compile import (
     FlowTable,
     PodInfo,
@@ -16,6 +23,7 @@ from sparsegate.domain.policy_compile import (
     flow_document,
     ip_owners,
     narrow_document,
+    narrow_undecided,
     pod_info,
 )
 
@@ -133,3 +141,112 @@ def test_policies_named_and_narrowing_to_live_policies_without_pod_owners() -> N
     narrowed = narrow_document(document=document, owners_then=None, owners_now={}, live_policies={"a/kept"})
     assert [e["rule"] for e in narrowed["entries"]] == ["a/kept#r0"]
     assert narrowed["defaultAction"] == flowpolicy.DENY
+
+
+# --- Fail closed on policy changes OPA could not evaluate -------------------------------------------
+
+LLAMA = pod("l-0", "models", "127.20.0.20", model="llama", ports=(8080,))
+OTHER_NS_MODEL = pod("n-0", "elsewhere", "127.20.0.30", model="mixtral", ports=(8080,))
+PODS = [M1, M2, LLAMA, OTHER_NS_MODEL, FE, FE2, OTHER, BATCH]
+
+
+def allow(src: PodInfo, dst: PodInfo, policy: str, port: int = 8080) -> dict:
+    return flowpolicy.entry(src_ip=src.ip, dst_ip=dst.ip, dst_port=port, protocol="tcp", action="allow",
+                            rule=f"{policy}#s0t0")
+
+
+def deny(src: PodInfo, dst: PodInfo, policy: str) -> dict:
+    return flowpolicy.entry(src_ip=src.ip, dst_ip=dst.ip, dst_port=8080, protocol="tcp", action="deny",
+                            rule=f"{policy}#s0t0")
+
+
+# The last decided allow-list: frontend → both mixtral pods and llama (policy fe), other → mixtral-0
+# (policy wide), mixtral in another namespace (policy far), batch denied (policy no-batch).
+DECIDED = flowpolicy.build_document(entries=[
+    allow(FE, M1, "models/fe"), allow(FE, M2, "models/fe"), allow(FE, LLAMA, "models/fe"),
+    allow(OTHER, M1, "models/wide"), allow(FE2, OTHER_NS_MODEL, "elsewhere/far"), deny(BATCH, M1, "models/no-batch"),
+])
+
+
+def rows(document: dict) -> set[tuple[str, str, str, str]]:
+    return {(e["srcIP"], e["dstIP"], e["action"], e["rule"].split("#")[0]) for e in document["entries"]}
+
+
+def source(name: str, spec: dict, *, ns: str = "models", generation: int = 1) -> PolicySource:
+    return PolicySource(namespace=ns, name=name, generation=generation, spec=spec)
+
+
+FE_SPEC = {"action": "Allow", "sources": [{"namespace": "web", "serviceAccount": "frontend"}],
+           "targets": [{"sparseModel": "mixtral"}, {"sparseModel": "llama"}]}
+WIDE_SPEC = {"action": "Allow", "sources": [{"namespace": "web"}], "targets": [{"sparseModel": "*"}]}
+SOURCES = [source("fe", FE_SPEC), source("wide", WIDE_SPEC), source("far", WIDE_SPEC, ns="elsewhere"),
+           source("no-batch", {"action": "Deny", "sources": [{"namespace": "batch"}], "targets": [{"sparseModel": "*"}]})]
+
+
+def test_nothing_undecided_removes_nothing() -> None:
+    out = narrow_undecided(document=DECIDED, sources=SOURCES, undecided=set(), pods=PODS)
+    assert out == DECIDED
+
+
+def test_a_deny_added_removes_every_allow_towards_its_targets_whoever_allowed_it() -> None:
+    added = source("deny-mixtral", {"action": "Deny", "sources": [{"spiffeID": "spiffe://x/ns/y/sa/z"}],
+                                    "targets": [{"sparseModel": "mixtral"}]})
+    out = narrow_undecided(document=DECIDED, sources=[*SOURCES, added], undecided={"models/deny-mixtral"}, pods=PODS)
+    # mixtral in `models` is closed to everyone (fe and wide); llama and the other namespace's mixtral stay
+    assert rows(out) == {(FE.ip, LLAMA.ip, "allow", "models/fe"), (FE2.ip, OTHER_NS_MODEL.ip, "allow", "elsewhere/far"),
+                         (BATCH.ip, M1.ip, "deny", "models/no-batch")}
+    assert rows(out) <= rows(DECIDED) and out["defaultAction"] == "deny"
+
+
+def test_a_deny_with_wildcard_targets_removes_every_model_of_its_namespace_and_unknown_ips() -> None:
+    wild = source("deny-all", {"action": "Deny", "sources": [{"namespace": "*"}], "targets": [{"sparseModel": "*"}]})
+    gone = flowpolicy.entry(src_ip=FE.ip, dst_ip="127.20.9.9", dst_port=8080, protocol="tcp", action="allow",
+                            rule="elsewhere/far#s0t0")  # towards an IP no pod has now
+    document = flowpolicy.build_document(entries=[*DECIDED["entries"], gone])
+    out = narrow_undecided(document=document, sources=[*SOURCES, wild], undecided={"models/deny-all"}, pods=PODS)
+    assert rows(out) == {(FE2.ip, OTHER_NS_MODEL.ip, "allow", "elsewhere/far"), (BATCH.ip, M1.ip, "deny", "models/no-batch")}
+
+
+def test_an_allow_narrowed_or_retargeted_loses_all_it_allowed_and_nothing_else() -> None:
+    # fe no longer names llama: the llama entry must go (the new spec's targets would not find it)
+    narrowed = source("fe", {**FE_SPEC, "targets": [{"sparseModel": "mixtral"}]}, generation=2)
+    sources = [narrowed, *SOURCES[1:]]
+    out = narrow_undecided(document=DECIDED, sources=sources, undecided={"models/fe"}, pods=PODS)
+    assert rows(out) == rows(DECIDED) - {(FE.ip, M1.ip, "allow", "models/fe"), (FE.ip, M2.ip, "allow", "models/fe"),
+                                         (FE.ip, LLAMA.ip, "allow", "models/fe")}
+    # an Allow turned into a Deny also closes its targets to the others
+    turned = source("fe", {**FE_SPEC, "action": "Deny"}, generation=3)
+    out = narrow_undecided(document=DECIDED, sources=[turned, *SOURCES[1:]], undecided={"models/fe"}, pods=PODS)
+    assert rows(out) == {(FE2.ip, OTHER_NS_MODEL.ip, "allow", "elsewhere/far"), (BATCH.ip, M1.ip, "deny", "models/no-batch")}
+
+
+def test_a_new_allow_removes_nothing() -> None:
+    new = source("new", WIDE_SPEC)
+    assert narrow_undecided(document=DECIDED, sources=[*SOURCES, new], undecided={"models/new"}, pods=PODS) == DECIDED
+
+
+def test_everything_undecided_keeps_no_allow_of_a_live_policy() -> None:
+    """An operator restarted while OPA is down, with no record of what OPA decided."""
+    out = narrow_undecided(document=DECIDED, sources=SOURCES, undecided={s.key for s in SOURCES}, pods=PODS)
+    assert [e["action"] for e in out["entries"]] == ["deny"]
+
+
+def test_undecided_policies_follow_generation_spec_rego_and_trust_domain() -> None:
+    basis = decision_basis(sources=SOURCES, trust_domain=TD, rego="package a")
+    assert undecided_policies(current=basis, decided=basis) == set()
+    assert undecided_policies(current=basis, decided=None) == {s.key for s in SOURCES}
+    bumped = [source("fe", FE_SPEC, generation=2), *SOURCES[1:]]  # same spec, new generation: undecided
+    assert undecided_policies(current=decision_basis(sources=bumped, trust_domain=TD, rego="package a"),
+                              decided=basis) == {"models/fe"}
+    # deleted and re-created with another spec: generation 1 again, the digest tells them apart
+    recreated = [source("fe", {**FE_SPEC, "targets": [{"sparseModel": "*"}]}), *SOURCES[1:]]
+    assert source_digest(recreated[0]) != source_digest(SOURCES[0])
+    assert undecided_policies(current=decision_basis(sources=recreated, trust_domain=TD, rego="package a"),
+                              decided=basis) == {"models/fe"}
+    added = [*SOURCES, source("new", WIDE_SPEC)]
+    assert undecided_policies(current=decision_basis(sources=added, trust_domain=TD, rego="package a"),
+                              decided=basis) == {"models/new"}
+    assert undecided_policies(current=decision_basis(sources=SOURCES, trust_domain=TD, rego="package b"),
+                              decided=basis) == {s.key for s in SOURCES}
+    assert undecided_policies(current=decision_basis(sources=SOURCES, trust_domain="other.td", rego="package a"),
+                              decided=basis) == {s.key for s in SOURCES}
