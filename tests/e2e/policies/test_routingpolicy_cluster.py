@@ -274,3 +274,111 @@ def test_deletion_completes_and_narrows_while_opa_or_the_operator_is_down(
     # Then the returning operator drops the entries of the policy deleted while it was away
     leading_operator(stack)
     wait_for(lambda: entries() == set(), what="allow-list without the policy deleted during the outage", timeout_s=120)
+
+
+def test_changes_and_operator_restart_while_opa_is_frozen_never_widen(
+        stack: Stack, stack_namespace: str, web_namespace: str) -> None:
+    """Issue 12 item 5: a Deny added and an Allow narrowed while OPA is frozen, and the operator
+    restarted while OPA is still frozen (with one more policy change meanwhile), each remove what
+    the new specs might take away before OPA returns, and never widen; OPA's return restores
+    exactly what it allows."""
+    models, web = stack_namespace, web_namespace
+    kubectl = stack.kubectl
+    operator = leading_operator(stack)
+    opa_container = stack.container_name(operator, "opa")
+
+    def get(kind: str, name: str, ns: str = models) -> dict:
+        return json.loads(kubectl("get", kind, name, "-n", ns, "-o", "json").stdout)
+
+    def allowed() -> set[tuple[str, str, str]]:
+        """(source pod, model pod, policy) of every allow entry this test's policies decided."""
+        run = kubectl("get", "configmap", FLOW_POLICY, "-n", RELEASE_NS, "-o", "json")
+        doc = json.loads(json.loads(run.stdout)["data"]["policy.json"])
+        return {(name_of[e["srcIP"]], name_of[e["dstIP"]], e["rule"].split("#")[0].split("/")[1])
+                for e in doc["entries"] if e["action"] == "allow" and e["rule"].startswith(f"{models}/")}
+
+    def apply(name: str, spec: dict) -> None:
+        kubectl("apply", "-n", models, "-f", "-", input=routing_policy(name, spec))
+
+    # Given callers fe-0 (frontend) and other-0 in `web`, pods of models mixtral and llama, and
+    # two Allows: frontend → mixtral and llama (priority 10), all of web → every model
+    kubectl("create", "serviceaccount", "frontend", "-n", web)
+    for p, ns in [(pod("fe-0", sa="frontend"), web), (pod("other-0"), web),
+                  (pod("mixtral-0", labels={"sparsegate.dev/model": "mixtral"}, port=8080), models),
+                  (pod("mixtral-1", labels={"sparsegate.dev/model": "mixtral"}, port=8080), models),
+                  (pod("llama-0", labels={"sparsegate.dev/model": "llama"}, port=8080), models)]:
+        kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(p))
+    name_of = {wait_for(lambda: get("pod", n, ns).get("status", {}).get("podIP"), what=f"{n} IP"): n
+               for n, ns in [("fe-0", web), ("other-0", web), ("mixtral-0", models), ("mixtral-1", models),
+                             ("llama-0", models)]}
+    frontend = {"namespace": web, "serviceAccount": "frontend"}
+    apply("allow-fe", {"action": "Allow", "priority": 10, "sources": [frontend],
+                       "targets": [{"sparseModel": "mixtral"}, {"sparseModel": "llama"}], "ports": [{"port": 8080}]})
+    apply("allow-web", {"action": "Allow", "sources": [{"namespace": web}], "targets": [{"sparseModel": "*"}],
+                        "ports": [{"port": 8080}]})
+    start = {(s, d, "allow-fe") for s in ["fe-0"] for d in ["mixtral-0", "mixtral-1", "llama-0"]} | {
+        ("other-0", d, "allow-web") for d in ["mixtral-0", "mixtral-1", "llama-0"]}
+    wait_for(lambda: allowed() == start, what="6 allow entries decided by OPA", timeout_s=60)
+    # Every read of the allow-list while OPA is frozen is compared with the one before it: an entry
+    # that appears is a decision widened without OPA.
+    seen = {"last": start, "widened": set()}
+
+    def observe() -> set[tuple[str, str, str]]:
+        now = allowed()
+        seen["widened"] |= now - seen["last"]
+        seen["last"] = now
+        return now
+
+    def settle(expected: set[tuple[str, str, str]], what: str) -> None:
+        wait_for(lambda: observe() == expected, what=what, timeout_s=120)
+
+    counts = [("start", len(start))]
+    podman.podman("pause", opa_container)
+    paused = True
+    try:
+        # When a Deny of all of web on mixtral is added while OPA is frozen
+        apply("deny-mixtral", {"action": "Deny", "sources": [{"namespace": web}], "targets": [{"sparseModel": "mixtral"}]})
+        # Then no allow to a mixtral pod is left, before OPA returns
+        settle({("fe-0", "llama-0", "allow-fe"), ("other-0", "llama-0", "allow-web")},
+               "mixtral closed while OPA is frozen")
+        counts.append(("deny added", len(seen["last"])))
+
+        # When allow-fe is narrowed to mixtral only while OPA is frozen
+        apply("allow-fe", {"action": "Allow", "priority": 10, "sources": [frontend],
+                           "targets": [{"sparseModel": "mixtral"}], "ports": [{"port": 8080}]})
+        # Then what allow-fe allowed is gone too
+        settle({("other-0", "llama-0", "allow-web")}, "allow-fe's entries gone while OPA is frozen")
+        counts.append(("allow narrowed", len(seen["last"])))
+
+        # When the operator container is killed while OPA is still frozen, and a Deny of frontend on
+        # llama is added before it is back (it never saw OPA decide; only the ConfigMap's record can tell)
+        def restarts() -> int:
+            statuses = get("pod", operator["metadata"]["name"], RELEASE_NS)["status"]["containerStatuses"]
+            return next(c.get("restartCount", 0) for c in statuses if c["name"] == "operator")
+        before = restarts()
+        stack.kill_container(operator, "operator")
+        apply("deny-fe-llama", {"action": "Deny", "sources": [frontend], "targets": [{"sparseModel": "llama"}]})
+        wait_for(lambda: restarts() > before, what="operator container restarted", timeout_s=120)
+        # Then the restarted operator closes llama (the new Deny's target) before OPA returns
+        settle(set(), "llama closed by the restarted operator while OPA is frozen")
+        counts.append(("operator restarted", len(seen["last"])))
+        assert condition_of(stack, models, "deny-fe-llama", "Ready") != "True"  # OPA never decided it
+
+        podman.podman("unpause", opa_container)
+        paused = False
+    finally:
+        if paused:  # leave the shared stack's OPA running whatever failed
+            podman.podman("unpause", opa_container, check=False)
+    # When OPA answers again: exactly what it allows comes back (other-0 → llama: deny-fe-llama
+    # names frontend only)
+    wait_for(lambda: allowed() == {("other-0", "llama-0", "allow-web")}, what="OPA's decisions restored",
+             timeout_s=120)
+    counts.append(("OPA back", 1))
+    print("\n[faults] allow entries while OPA was frozen: " + ", ".join(f"{label} {n}" for label, n in counts)
+          + f"; decisions widened while frozen: {len(seen['widened'])}")
+    assert not seen["widened"], seen["widened"]
+
+
+def condition_of(stack: Stack, ns: str, name: str, type_: str) -> str | None:
+    body = json.loads(stack.kubectl("get", "routingpolicy", name, "-n", ns, "-o", "json").stdout)
+    return next((c["status"] for c in (body.get("status") or {}).get("conditions") or [] if c["type"] == type_), None)
