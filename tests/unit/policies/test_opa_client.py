@@ -31,6 +31,8 @@ async def test_unreachable_opa_raises_opa_unavailable(call: str) -> None:
             await opa.push(rego="package x", data={})
         with pytest.raises(OpaUnavailable):
             await opa.decide_many([{"source": {}, "target": {}}])
+        with pytest.raises(OpaUnavailable):
+            await opa.flow_decisions({"classes": [], "filed": {}, "models": []})
     finally:
         opa.close()
 
