@@ -189,7 +189,10 @@ ROUTING_SYNC = """
         async def read(self):
             return self.document
 
-        async def publish(self, document):
+        async def read_published(self):
+            return self.document, None
+
+        async def publish(self, document, *, basis=None):
             self.document = document
 
 
