@@ -42,6 +42,8 @@ ABORT_ANNOTATION = f"{GROUP}/abort"  # GateConfig, one-shot (any value)
 PROMOTE_ANNOTATION = f"{GROUP}/promote"  # GateConfig, one-shot: value "step" = next step, any other = all instances
 RETRY_ANNOTATION = f"{GROUP}/retry"  # GateConfig, one-shot (any value): re-run the rejected version the spec names
 FLOW_POLICY_VERSION_ANNOTATION = f"{GROUP}/flow-policy-version"  # sparsegate-flow-policy ConfigMap
+# What OPA last decided the published allow-list from (operator-only; lets a restarted operator fail closed).
+FLOW_POLICY_BASIS_ANNOTATION = f"{GROUP}/flow-policy-basis"
 
 # Kopf's bookkeeping on our objects: progress/diff-base annotations under GROUP, and a finalizer.
 KOPF_ANNOTATION_PREFIX = GROUP

@@ -27,7 +27,7 @@ from sparsegate_contracts.canonical import canonical_json
 
 NAME = flowpolicy.CONFIGMAP_NAME
 KEY = flowpolicy.DOCUMENT_KEY
-BASIS_ANNOTATION = f"{names.GROUP}/flow-policy-basis"
+BASIS_ANNOTATION = names.FLOW_POLICY_BASIS_ANNOTATION
 # Kubernetes allows 256 KiB of annotations per object; leave room for the others. A larger record
 # is not written (fail closed on the next start without OPA, never a refused write).
 BASIS_ANNOTATION_MAX = 200_000
