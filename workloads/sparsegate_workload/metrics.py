@@ -1,5 +1,8 @@
 """Prometheus metrics of one model server, on its own CollectorRegistry (many servers may share
-a process in tests). Names follow CONTRACTS.md."""
+a process in tests). Names follow CONTRACTS.md: the ``sparsegate_*`` series the operator's
+analysis reads, and vLLM's names (``vllm:*``, labelled ``model_name``) where the two overlap, so
+tools built for vLLM (the Gateway API Inference Extension's endpoint picker, dashboards) read
+this server too."""
 
 from __future__ import annotations
 
@@ -8,12 +11,33 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from .inference import InferenceResult
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# vLLM's buckets for these two histograms (vllm/engine/metrics.py), so dashboards line up.
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0)
 
 
 class ServerMetrics:
-    def __init__(self, *, n_layers: int, num_experts: int) -> None:
+    def __init__(self, *, n_layers: int, num_experts: int, model_name: str) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        label = {"model_name": model_name}
+        # vLLM-named series. Running: on the model thread now; waiting: admitted, queued for it.
+        self.running = Gauge("vllm:num_requests_running", "Requests on the model thread now",
+                             ["model_name"], registry=r).labels(**label)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued for the model thread",
+                             ["model_name"], registry=r).labels(**label)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
+                             "OpenAI API request latency, answered with 200",
+                             ["model_name"], buckets=E2E_BUCKETS, registry=r).labels(**label)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds",
+                              "OpenAI API: seconds from arrival to the first generated token",
+                              ["model_name"], buckets=TTFT_BUCKETS, registry=r).labels(**label)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "OpenAI API prompt tokens",
+                                     ["model_name"], registry=r).labels(**label)
+        self.generation_tokens = Counter("vllm:generation_tokens",
+                                         "OpenAI API generated tokens",
+                                         ["model_name"], registry=r).labels(**label)
         # Inference requests only: probes and scrapes would dilute the rollout's error rate.
         self.requests = Counter("sparsegate_requests_total", "Inference requests by HTTP status",
                                 ["code"], registry=r)
@@ -53,14 +77,21 @@ class ServerMetrics:
         self.gate_info.labels(version=version, checksum=checksum).set(1)
 
     def observe_batch(self, result: InferenceResult) -> None:
-        self.tokens.inc(result.num_tokens)
-        for layer, counts in enumerate(result.expert_counts):
+        self.observe_routing(num_tokens=result.num_tokens, expert_counts=result.expert_counts,
+                             active=result.active_experts_per_token,
+                             dropped=result.dropped_assignments, entropy=result.gate_entropy)
+        self.tool_rate.set(result.tool_gate_fire_rate)
+        self.tool_fired.inc(sum(len(c) for c in result.tool_calls))
+
+    def observe_routing(self, *, num_tokens: int, expert_counts: list[list[int]],
+                        active: float, dropped: int, entropy: float) -> None:
+        """Routing of one batch or one generation (tokens processed, per-layer expert counts)."""
+        self.tokens.inc(num_tokens)
+        for layer, counts in enumerate(expert_counts):
             for expert, n in enumerate(counts):
                 if n:
                     self.expert_tokens.labels(layer=str(layer), expert=str(expert)).inc(n)
-        self.assignments.inc(sum(sum(c) for c in result.expert_counts))
-        self.dropped.inc(result.dropped_assignments)
-        self.active.set(result.active_experts_per_token)
-        self.entropy.set(result.gate_entropy)
-        self.tool_rate.set(result.tool_gate_fire_rate)
-        self.tool_fired.inc(sum(len(c) for c in result.tool_calls))
+        self.assignments.inc(sum(sum(c) for c in expert_counts))
+        self.dropped.inc(dropped)
+        self.active.set(active)
+        self.entropy.set(entropy)

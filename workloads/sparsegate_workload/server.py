@@ -26,41 +26,32 @@ import json
 import logging
 import os
 import random
+import signal
 import ssl
+import sys
 import time
 from typing import Any, Awaitable, Callable
 
 import torch
 from aiohttp import web
-from sparsegate_contracts.gate import (DEFAULT_DOCUMENT, GateDocument, GateParams, GateParamsError,
+from sparsegate_contracts.gate import (DEFAULT_DOCUMENT, GateDocument, GateParamsError,
                                        parse_document)
 from sparsegate_contracts.names import DEFAULT_ADMIN_PORT
 from sparsegate_contracts.version import version_line
 
+from . import hf_serving, openai_api
 from .admin import AdminAuth, AdminDenied, AdminFiles, check_bearer
 from .inference import InferenceResult, run_batch
 from .metrics import ServerMetrics
 from .model import ModelConfig, TinyMoELM, build_model, default_heads, effective_gate
-from .precision import Precision
+from .server_state import (BUILTIN_MODEL_NAME, DEFAULT_MAX_INFLIGHT, DEFAULT_REQUEST_TIMEOUT_S,
+                           MAX_BODY_BYTES, STATE, ApiError, AppliedGate, ServerState, admission,
+                           inject_fault, read_json, run_on_model)
 
 log = logging.getLogger("sparsegate.workload")
 
 MAX_BATCH = 64
 MAX_TOTAL_TOKENS = 4096
-MAX_BODY_BYTES = 1 << 20
-# Admission: requests admitted at once (running + waiting for the one model thread). Beyond it the
-# server answers 429 at once instead of queueing without bound; a request that waits longer than
-# the timeout for its result answers 503 (its batch still finishes, its slot is then freed).
-DEFAULT_MAX_INFLIGHT = 256  # the order of vLLM's max_num_seqs (256) and TGI's max_concurrent_requests (128)
-DEFAULT_REQUEST_TIMEOUT_S = 30.0
-
-
-@dataclasses.dataclass(frozen=True)
-class AppliedGate:
-    doc: GateDocument
-    precisions: tuple[Precision, ...]
-    applied_at: float
-    params: GateParams      # doc.params with experts per token clamped into the model's bounds
 
 
 def _applied(doc: GateDocument, model: TinyMoELM) -> AppliedGate:
@@ -68,24 +59,8 @@ def _applied(doc: GateDocument, model: TinyMoELM) -> AppliedGate:
                        applied_at=time.time(), params=effective_gate(doc.params, model.cfg))
 
 
-@dataclasses.dataclass
-class ServerState:
-    model_config: ModelConfig
-    rng: random.Random
-    gate: AppliedGate | None = None       # swapped by reference, never mutated
-    pending_doc: GateDocument = DEFAULT_DOCUMENT
-    model: TinyMoELM | None = None
-    executor: concurrent.futures.ThreadPoolExecutor | None = None
-    metrics: ServerMetrics | None = None
-    started: float = dataclasses.field(default_factory=time.monotonic)
-    load_error: str | None = None  # the background model build failed: unhealthy, with this reason
-    max_inflight: int = DEFAULT_MAX_INFLIGHT
-    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
-    inflight: int = 0
-
-
-STATE = web.AppKey("state", ServerState)
 LOADER = web.AppKey("loader", asyncio.Task)
+EXIT_ON_LOAD_ERROR = web.AppKey("exit_on_load_error", bool)
 AUTH = web.AppKey("admin_auth", AdminAuth)
 ADMIN_RUNNER = web.AppKey("admin_runner", web.AppRunner)
 
@@ -97,13 +72,6 @@ class AdminListener:
     host: str
     port: int
     files: AdminFiles
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -127,21 +95,6 @@ async def json_errors(request: web.Request,
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return _error(500, "internal server error")
-
-
-async def _read_json(request: web.Request) -> Any:
-    if request.content_type != "application/json":
-        raise ApiError(415, f"Content-Type must be application/json, got {request.content_type!r}")
-    try:
-        body = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes") from None
-    try:
-        return json.loads(body)
-    except RecursionError:
-        raise ApiError(400, "body is not valid JSON: nested too deeply") from None
-    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, and integers over 4,300 digits
-        raise ApiError(400, f"body is not valid JSON: {e}") from None
 
 
 def parse_infer_request(body: Any, *, vocab_size: int, max_seq_len: int
@@ -201,36 +154,24 @@ async def infer(request: web.Request) -> web.Response:
     state = request.app[STATE]
     started = time.perf_counter()
     code = 500
-    admitted = False
     try:
         gate = state.gate  # read once: this request runs wholly under this version
-        if gate is None or state.model is None or state.metrics is None:
+        if gate is None or not state.loaded:
             raise ApiError(503, "model is still loading")
-        if state.inflight >= state.max_inflight:
-            raise ApiError(429, f"{state.inflight} requests in flight (limit {state.max_inflight}): retry later")
-        state.inflight += 1
-        admitted = True
-        body = await _read_json(request)
-        cfg = state.model_config
-        tokens, return_logits = parse_infer_request(body, vocab_size=cfg.vocab_size,
-                                                    max_seq_len=cfg.max_seq_len)
-        fault = gate.doc.params.fault_injection
-        if fault.added_latency_ms > 0:
-            await asyncio.sleep(fault.added_latency_ms / 1000)
-        if fault.error_rate > 0 and state.rng.random() < fault.error_rate:
-            raise ApiError(503, f"fault injected by gate version {gate.doc.version} "
-                                f"(faultInjection.errorRate={fault.error_rate})")
-        batch = asyncio.get_running_loop().run_in_executor(
-            state.executor, lambda: run_batch(state.model, tokens, gate=gate.params,
-                                              precisions=gate.precisions,
-                                              return_logits=return_logits))
-        try:
-            result = await asyncio.wait_for(asyncio.shield(batch), timeout=state.request_timeout_s)
-        except asyncio.TimeoutError:
-            # The executor cannot be interrupted: the slot stays taken until the batch is done.
-            admitted = False
-            batch.add_done_callback(lambda _: _release(state))
-            raise ApiError(503, f"no result within {state.request_timeout_s:g} s") from None
+        async with admission(state) as keep:
+            body = await read_json(request)
+            vocab_size, max_seq_len = state.limits()
+            tokens, return_logits = parse_infer_request(body, vocab_size=vocab_size,
+                                                        max_seq_len=max_seq_len)
+            await inject_fault(state, gate)
+            if state.hf is not None:
+                result, gate = await run_on_model(
+                    state, lambda: _hf_batch(state, tokens, return_logits), keep=keep)
+            else:
+                result = await run_on_model(
+                    state, lambda: run_batch(state.model, tokens, gate=gate.params,
+                                             precisions=gate.precisions,
+                                             return_logits=return_logits), keep=keep)
         state.metrics.observe_batch(result)
         code = 200
         return web.json_response(_result_json(result, gate))
@@ -238,15 +179,19 @@ async def infer(request: web.Request) -> web.Response:
         code = e.status
         raise
     finally:
-        if admitted:
-            _release(state)
         if state.metrics is not None:
             state.metrics.requests.labels(code=str(code)).inc()
             state.metrics.duration.observe(time.perf_counter() - started)
 
 
-def _release(state: ServerState) -> None:
-    state.inflight -= 1
+def _hf_batch(state: ServerState, tokens: list[list[int]], return_logits: bool
+              ) -> tuple[InferenceResult, AppliedGate]:
+    # On the model thread, where gate swaps of a checkpoint also run: the gate read here is the
+    # one the checkpoint routes this batch with (the admission-time read may be older).
+    gate = state.gate
+    assert state.hf is not None and gate is not None
+    result, _ = state.hf.run_batch(tokens, return_logits=return_logits)
+    return result, gate
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -258,21 +203,20 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "gateVersion": doc.version,
                               "checksum": doc.checksum,
                               "uptimeSeconds": round(time.monotonic() - state.started, 3),
-                              "model": state.model_config.shape()})
+                              "model": state.shape()})
 
 
 async def model_info(request: web.Request) -> web.Response:
     """The model's shape (known before it is built) and whether it is loaded."""
     state = request.app[STATE]
-    return web.json_response({"model": state.model_config.shape(),
-                              "loaded": state.model is not None})
+    return web.json_response({"model": state.shape(), "loaded": state.loaded})
 
 
 async def readyz(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.load_error is not None:
         return web.json_response({"ready": False, "reason": state.load_error}, status=503)
-    if state.gate is None or state.model is None:
+    if not state.loaded:
         return web.json_response({"ready": False, "reason": "model is still loading"},
                                  status=503)
     return web.json_response({"ready": True, "gateVersion": state.gate.doc.version})
@@ -313,25 +257,41 @@ async def get_gate(request: web.Request) -> web.Response:
 async def put_gate(request: web.Request) -> web.Response:
     _check_admin(request)
     state = request.app[STATE]
-    if state.gate is None or state.model is None or state.metrics is None:
+    if state.gate is None or not state.loaded or state.metrics is None:
         raise ApiError(503, "model is still loading")
-    body = await _read_json(request)
+    body = await read_json(request)
+    num_experts = state.hf.num_experts if state.hf is not None else state.model_config.num_experts
     try:
-        doc = parse_document(body, num_experts=state.model_config.num_experts)
+        doc = parse_document(body, num_experts=num_experts)
+        if doc.version == state.gate.doc.version:
+            return web.json_response({**_gate_json(state.gate), "applied": False})
+        previous = state.gate.doc.version
+        if state.hf is not None:
+            # A checkpoint swaps on the model thread, between batches: set_gate may re-store
+            # weights, which must not overlap a forward. It also sets state.gate there.
+            new = await asyncio.get_running_loop().run_in_executor(
+                state.executor, lambda: _swap_checkpoint_gate(state, doc))
+        else:
+            new = _applied(doc, state.model)
+            # The swap: one reference assignment on the event loop thread.
+            state.gate = new
     except GateParamsError as e:
         state.metrics.gate_applies.labels(result="rejected").inc()
-        raise ApiError(422, f"{e} (this model has {state.model_config.num_experts} experts)"
-                       ) from None
-    if doc.version == state.gate.doc.version:
-        return web.json_response({**_gate_json(state.gate), "applied": False})
-    new = _applied(doc, state.model)
-    previous = state.gate.doc.version
-    # The swap: one reference assignment on the event loop thread.
-    state.gate = new
+        raise ApiError(422, f"{e} (this model has {num_experts} experts)") from None
     state.metrics.set_gate(version=doc.version, checksum=doc.checksum)
     state.metrics.gate_applies.labels(result="applied").inc()
     log.info("gate %s -> %s", previous, doc.version)
     return web.json_response({**_gate_json(new), "applied": True, "previousVersion": previous})
+
+
+def _swap_checkpoint_gate(state: ServerState, doc: GateDocument) -> AppliedGate:
+    """On the model thread: install ``doc`` in the checkpoint, then publish it (a checkpoint has
+    no per-token bounds of its own beyond its expert count, so params are the document's)."""
+    assert state.hf is not None
+    precisions = state.hf.set_gate(doc)
+    state.gate = AppliedGate(doc=doc, precisions=precisions, applied_at=time.time(),
+                             params=doc.params)
+    return state.gate
 
 
 async def _load_model(app: web.Application) -> None:
@@ -340,17 +300,43 @@ async def _load_model(app: web.Application) -> None:
                                                            thread_name_prefix="model")
     loop = asyncio.get_running_loop()
     try:
-        model = await loop.run_in_executor(
-            state.executor, lambda: build_model(state.model_config, gate=DEFAULT_DOCUMENT.params))
-        doc = parse_document(state.pending_doc.to_json(), num_experts=model.cfg.num_experts)
+        if state.model_path is not None:
+            hf = await loop.run_in_executor(state.executor, lambda: _load_checkpoint(state))
+            metrics_ = ServerMetrics(n_layers=hf.n_layers, num_experts=hf.num_experts,
+                                     model_name=hf.name)
+        else:
+            model = await loop.run_in_executor(
+                state.executor, lambda: build_model(state.model_config,
+                                                    gate=DEFAULT_DOCUMENT.params))
+            doc = parse_document(state.pending_doc.to_json(), num_experts=model.cfg.num_experts)
+            metrics_ = ServerMetrics(n_layers=model.cfg.n_layers,
+                                     num_experts=model.cfg.num_experts,
+                                     model_name=BUILTIN_MODEL_NAME)
     except Exception as e:  # the model cannot be served: say so on /healthz and /readyz, and log it
+        # CheckpointError messages name the offending file.
         state.load_error = f"model failed to load: {type(e).__name__}: {e}"
         log.exception("model failed to load")
+        if app[EXIT_ON_LOAD_ERROR]:
+            # The process entry point: exit (main() turns it into exit code 1) so the pod
+            # restarts and shows the reason, rather than lingering unready.
+            signal.raise_signal(signal.SIGTERM)
         return
-    metrics_ = ServerMetrics(n_layers=model.cfg.n_layers, num_experts=model.cfg.num_experts)
+    if state.model_path is not None:
+        assert state.gate is not None
+        metrics_.set_gate(version=state.gate.doc.version, checksum=state.gate.doc.checksum)
+        state.metrics, state.hf = metrics_, hf
+        return
     metrics_.set_gate(version=doc.version, checksum=doc.checksum)
     state.metrics, state.model = metrics_, model
     state.gate = _applied(doc, model)
+
+
+def _load_checkpoint(state: ServerState) -> hf_serving.HFServedModel:
+    assert state.model_path is not None
+    hf = hf_serving.load(state.model_path, gate=state.pending_doc, name=state.served_name)
+    state.gate = AppliedGate(doc=state.pending_doc, precisions=hf.lm.gate.precisions,
+                             applied_at=time.time(), params=state.pending_doc.params)
+    return hf
 
 
 async def _startup(app: web.Application) -> None:
@@ -368,13 +354,21 @@ async def _cleanup(app: web.Application) -> None:
 def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: ModelConfig = ModelConfig(),
                fault_seed: int = 0, max_inflight: int = DEFAULT_MAX_INFLIGHT,
                request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-               admin: AdminListener | None = None) -> web.Application:
+               admin: AdminListener | None = None, model_path: str | None = None,
+               served_name: str | None = None, exit_on_load_error: bool = False
+               ) -> web.Application:
     """The inference app (no /admin routes). ``admin``: also serve :func:`create_admin_app` on
-    its own TLS listener for as long as this app runs (None: no admin channel at all)."""
+    its own TLS listener for as long as this app runs (None: no admin channel at all).
+    ``model_path``: serve that Hugging Face checkpoint directory instead of the built-in model
+    (``model_config`` is then unused); ``served_name`` is its OpenAI model id.
+    ``exit_on_load_error``: a failed load also sends this process SIGTERM (the entry point)."""
     app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
     app[STATE] = ServerState(model_config=model_config,
                              rng=random.Random(fault_seed), pending_doc=gate_doc,
-                             max_inflight=max_inflight, request_timeout_s=request_timeout_s)
+                             max_inflight=max_inflight, request_timeout_s=request_timeout_s,
+                             model_path=model_path, served_name=served_name)
+    app[EXIT_ON_LOAD_ERROR] = exit_on_load_error
+    openai_api.add_routes(app)
     app.router.add_post("/v1/infer", infer)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/model", model_info)
@@ -470,6 +464,13 @@ def build_parser() -> argparse.ArgumentParser:
                    default=int(os.environ.get("SPARSEGATE_TORCH_THREADS", "1")),
                    help="torch intra-op threads (default 1: many servers share a machine)")
     p.add_argument("--seed", type=int, default=0, help="model init seed")
+    p.add_argument("--model-path", metavar="DIR",
+                   help="serve this local Hugging Face MoE checkpoint (config.json, safetensors, "
+                        "tokenizer files) instead of the built-in model; the shape flags are "
+                        "then ignored. Nothing is downloaded.")
+    p.add_argument("--served-model-name",
+                   help="model id on the OpenAI API and in vLLM metrics (default: the "
+                        "--model-path directory's name)")
     p.add_argument("--fault-seed", type=int, default=0, help="seed of the fault-injection RNG")
     p.add_argument("--max-inflight", type=int, default=DEFAULT_MAX_INFLIGHT,
                    help="inference requests admitted at once (running + queued); beyond it: 429")
@@ -492,12 +493,14 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     if args.max_inflight < 1 or args.request_timeout <= 0:
         p.error("--max-inflight must be at least 1 and --request-timeout above 0")
+    # A checkpoint's expert count is known once it has loaded; the load then checks the gate.
+    num_experts = None if args.model_path else cfg.num_experts
     try:
-        doc = (load_gate_file(args.gate_config, num_experts=cfg.num_experts)
+        doc = (load_gate_file(args.gate_config, num_experts=num_experts)
                if args.gate_config else DEFAULT_DOCUMENT)
     except (OSError, json.JSONDecodeError, GateParamsError) as e:
-        p.error(f"--gate-config {args.gate_config}: {e} (this model has {cfg.num_experts} "
-                f"experts)")
+        p.error(f"--gate-config {args.gate_config}: {e}" + (
+            f" (this model has {cfg.num_experts} experts)" if num_experts else ""))
     admin_files = (args.admin_token_file, args.admin_tls_cert, args.admin_tls_key)
     listener: AdminListener | None = None
     if any(admin_files):
@@ -513,11 +516,15 @@ def main(argv: list[str] | None = None) -> None:
         listener = AdminListener(host=args.host, port=args.admin_port, files=files)
     app = create_app(gate_doc=doc, model_config=cfg, fault_seed=args.fault_seed,
                      max_inflight=args.max_inflight, request_timeout_s=args.request_timeout,
-                     admin=listener)
+                     admin=listener, model_path=args.model_path,
+                     served_name=args.served_model_name, exit_on_load_error=True)
     log.info("serving on %s:%d gate %s model %s; admin %s", args.host, args.port, doc.version,
-             json.dumps(cfg.shape(), sort_keys=True),
+             json.dumps(app[STATE].shape(), sort_keys=True),
              f"TLS on {args.host}:{args.admin_port}" if listener else "disabled (no --admin-token-file)")
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    if app[STATE].load_error is not None:
+        print(app[STATE].load_error, file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,280 @@
+"""The server on a Hugging Face checkpoint (--model-path): the OpenAI API (models, completions,
+chat, SSE streaming, usage with experts per token), /v1/infer, gate hot swap, vLLM-named
+metrics, and a malformed checkpoint (unready with the file named; the entry point exits 1).
+A tiny random Mixtral checkpoint built in code (nothing downloaded), in-process aiohttp."""
+
+import json
+import os
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from sparsegate_workload.admin import StaticToken
+from sparsegate_workload.gateparams import DEFAULT_PARAMS, make_document
+from sparsegate_workload.hf import build_tiny_checkpoint
+from sparsegate_workload.server import STATE, create_admin_app, create_app, wait_ready
+from localcluster.ports import free_port
+
+TOKEN = "test-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+NAME = "tiny-mixtral"
+# capacityFactor 8: the cap cannot drop anything, so experts per token are exactly min = max.
+ONE_EXPERT = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 1, "maxExpertsPerToken": 1,
+                            "capacityFactor": 8})
+TWO_EXPERTS = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 2, "maxExpertsPerToken": 2,
+                             "capacityFactor": 8})
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("ck") / NAME, family="mixtral")
+
+
+async def _serve(app):
+    client = TestClient(TestServer(app, host="127.0.0.1"), connector=aiohttp.TCPConnector(limit=0))
+    await client.start_server()
+    await wait_ready(app)
+    return client
+
+
+@pytest.fixture
+async def client(checkpoint):
+    c = await _serve(create_app(gate_doc=ONE_EXPERT, model_path=str(checkpoint)))
+    yield c
+    await c.close()
+
+
+def _complete(client, **body):
+    return client.post("/v1/completions", json={"prompt": "the gate keeps", "temperature": 0,
+                                                "max_tokens": 6, **body})
+
+
+async def _sse(resp):
+    """The data lines of an SSE answer, JSON-decoded except the final [DONE]."""
+    assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+    raw = (await resp.read()).decode()
+    events = [block for block in raw.split("\n\n") if block]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e[len("data: "):]) for e in events[:-1]]
+
+
+async def test_models_lists_the_checkpoint(client):
+    body = await (await client.get("/v1/models")).json()
+    assert body["object"] == "list"
+    assert [(m["id"], m["object"], m["max_model_len"]) for m in body["data"]] == [
+        (NAME, "model", 256)]
+    shape = (await (await client.get("/v1/model")).json())["model"]
+    assert shape["family"] == "mixtral" and shape["experts"] == 8 and shape["tokenizer"] is True
+
+
+async def test_completion_is_the_greedy_decode_with_usage(client):
+    resp = await _complete(client)
+    assert resp.status == 200
+    body = await resp.json()
+    hf = client.server.app[STATE].hf
+    prompt = hf.tokenizer("the gate keeps")["input_ids"]
+    direct = hf.generate(prompt, max_tokens=6)
+    assert body["object"] == "text_completion" and body["model"] == NAME
+    [choice] = body["choices"]
+    assert choice["text"] == hf.tokenizer.decode(direct.token_ids, skip_special_tokens=True)
+    assert choice["finish_reason"] == direct.finish_reason
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == len(prompt)
+    assert usage["completion_tokens"] == len(direct.token_ids)
+    assert usage["total_tokens"] == len(prompt) + len(direct.token_ids)
+    # minExpertsPerToken = maxExpertsPerToken = 1 and nothing dropped: exactly one per token.
+    assert usage["sparsegate"] == {"mean_experts_per_token": 1.0, "dropped_assignments": 0,
+                                   "gate_version": ONE_EXPERT.version}
+
+
+async def test_sampling_is_seeded(client):
+    texts = [(await (await _complete(client, temperature=1.0, seed=seed)).json()
+              )["choices"][0]["text"] for seed in (7, 7, 8)]
+    assert texts[0] == texts[1]
+    greedy = (await (await _complete(client)).json())["choices"][0]["text"]
+    assert {texts[0], texts[2]} != {greedy}  # sampling is not silently greedy
+
+
+async def test_chat_without_a_template_joins_role_and_content(client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    resp = await client.post("/v1/chat/completions",
+                             json={"model": NAME, "messages": messages, "temperature": 0,
+                                   "max_tokens": 4})
+    assert resp.status == 200
+    body = await resp.json()
+    hf = client.server.app[STATE].hf
+    prompt = hf.tokenizer("system: be brief\nuser: hello\nassistant:")["input_ids"]
+    direct = hf.generate(prompt, max_tokens=4)
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": hf.tokenizer.decode(direct.token_ids, skip_special_tokens=True)}
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+
+
+async def test_chat_uses_the_tokenizer_template_when_it_has_one(client):
+    hf = client.server.app[STATE].hf
+    hf.tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                                  "{% endfor %}<assistant>")
+    try:
+        body = await (await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "temperature": 0})).json()
+        assert body["usage"]["prompt_tokens"] == len(hf.tokenizer("<user>hi<assistant>")["input_ids"])
+    finally:
+        hf.tokenizer.chat_template = None
+
+
+async def test_streaming_sends_openai_chunks_then_done(client):
+    whole = (await (await _complete(client)).json())
+    chunks = await _sse(await _complete(client, stream=True,
+                                        stream_options={"include_usage": True}))
+    assert {c["object"] for c in chunks} == {"text_completion"}
+    assert len({c["id"] for c in chunks}) == 1
+    text_chunks = [c for c in chunks if c["choices"]]
+    assert "".join(c["choices"][0]["text"] for c in text_chunks) == whole["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in text_chunks][-1] == \
+        whole["choices"][0]["finish_reason"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+
+
+async def test_chat_streaming_starts_with_the_role_and_sends_no_usage_unasked(client):
+    resp = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3,
+        "temperature": 0, "stream": True})
+    chunks = await _sse(resp)
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0]["delta"] == {}
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert not any("usage" in c for c in chunks)
+
+
+async def test_over_the_context_length_is_a_400_in_openai_shape(client):
+    resp = await _complete(client, prompt="experts " * 300)
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "maximum context length is 256 tokens" in error["message"]
+    # A short prompt whose max_tokens would run past the context: also refused up front.
+    resp = await _complete(client, prompt="x " * 200, max_tokens=100)
+    assert resp.status == 400 and "maximum context length" in (await resp.json())["error"]["message"]
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "gpt-4"}, 404, "model"),
+    ({"n": 2}, 400, "n"),
+    ({"temperature": 3}, 400, "temperature"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"max_tokens": 100_000}, 400, "max_tokens"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"logit_bias": {}}, 400, "logit_bias"),
+])
+async def test_bad_requests_name_the_parameter(client, body, status, param):
+    resp = await _complete(client, **body)
+    assert resp.status == status
+    assert (await resp.json())["error"]["param"] == param
+
+
+async def test_infer_keeps_its_shape_on_a_checkpoint(client):
+    hf = client.server.app[STATE].hf
+    prompt = hf.tokenizer("the gate keeps")["input_ids"]
+    resp = await client.post("/v1/infer", json={"tokens": [prompt], "returnLogits": True})
+    assert resp.status == 200
+    body = await resp.json()
+    assert set(body) == {"gateVersion", "checksum", "nextTokens", "expertCounts",
+                         "activeExpertsPerToken", "selectedExpertsPerToken",
+                         "droppedAssignments", "gateEntropy", "toolCalls", "toolGateFireRate",
+                         "precisions", "numTokens", "logits"}
+    assert body["nextTokens"] == [hf.generate(prompt, max_tokens=1).token_ids[0]]
+    assert body["gateVersion"] == ONE_EXPERT.version and body["activeExpertsPerToken"] == 1.0
+    assert [sum(c) for c in body["expertCounts"]] == [len(prompt)] * 2
+    assert body["toolCalls"] == [[]] and body["toolGateFireRate"] == 0.0
+    assert len(body["logits"][0]) == 384
+    resp = await client.post("/v1/infer", json={"tokens": [[384]]})
+    assert resp.status == 422 and "outside the vocabulary [0, 384)" in (await resp.json())["error"]
+
+
+async def test_gate_hot_swap_changes_what_usage_reports(client):
+    async with TestClient(TestServer(create_admin_app(client.server.app, auth=StaticToken(TOKEN)),
+                                     host="127.0.0.1")) as admin:
+        resp = await admin.put("/admin/gate", json=TWO_EXPERTS.to_json(), headers=AUTH)
+        assert resp.status == 200 and (await resp.json())["applied"] is True
+        usage = (await (await _complete(client)).json())["usage"]["sparsegate"]
+        assert usage["gate_version"] == TWO_EXPERTS.version
+        assert usage["mean_experts_per_token"] == 2.0
+        too_many = make_document({**DEFAULT_PARAMS, "maxExpertsPerToken": 9}, num_experts=None)
+        resp = await admin.put("/admin/gate", json=too_many.to_json(), headers=AUTH)
+        assert resp.status == 422 and "8 experts" in (await resp.json())["error"]
+        assert (await (await admin.get("/admin/gate", headers=AUTH)).json())["version"] == \
+            TWO_EXPERTS.version
+
+
+async def test_metrics_use_vllm_names_and_keep_sparsegate_ones(client):
+    await _complete(client)
+    await _sse(await _complete(client, stream=True))
+    text = await (await client.get("/metrics")).text()
+    label = f'{{model_name="{NAME}"}}'
+    for line in (f"vllm:num_requests_running{label} 0.0", f"vllm:num_requests_waiting{label} 0.0",
+                 f"vllm:e2e_request_latency_seconds_count{label} 2.0",
+                 f"vllm:time_to_first_token_seconds_count{label} 2.0",
+                 f"vllm:generation_tokens_total{label} 12.0",
+                 'sparsegate_requests_total{code="200"} 2.0',
+                 f'sparsegate_gate_config_info{{checksum="{ONE_EXPERT.checksum}",'
+                 f'version="{ONE_EXPERT.version}"}} 1.0'):
+        assert line in text, line
+    prompt = len(client.server.app[STATE].hf.tokenizer("the gate keeps")["input_ids"])
+    assert f"vllm:prompt_tokens_total{label} {2 * prompt}.0" in text
+    assert "sparsegate_active_experts_per_token 1.0" in text
+
+
+async def test_the_builtin_model_serves_no_text_api():
+    app = create_app()
+    c = await _serve(app)
+    try:
+        assert (await (await c.get("/v1/models")).json())["data"] == []
+        resp = await c.post("/v1/completions", json={"prompt": "hi"})
+        assert resp.status == 404 and "no tokenizer" in (await resp.json())["error"]["message"]
+        assert 'vllm:num_requests_running{model_name="builtin"}' in \
+            await (await c.get("/metrics")).text()
+    finally:
+        await c.close()
+
+
+@pytest.fixture
+def missing_shard(tmp_path):
+    path = build_tiny_checkpoint(tmp_path / "broken", family="mixtral", max_shard_size="200KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[1]
+    (path / shard).unlink()
+    return path, shard
+
+
+async def test_a_malformed_checkpoint_is_unready_naming_the_file(missing_shard):
+    path, shard = missing_shard
+    app = create_app(model_path=str(path))
+    c = await _serve(app)
+    try:
+        health = await c.get("/healthz")
+        assert health.status == 500 and shard in (await health.json())["error"]
+        ready = await c.get("/readyz")
+        assert ready.status == 503 and shard in (await ready.json())["reason"]
+        resp = await c.post("/v1/completions", json={"prompt": "hi"})
+        assert resp.status == 503 and shard in (await resp.json())["error"]["message"]
+    finally:
+        await c.close()
+
+
+def test_the_entry_point_exits_nonzero_naming_the_file(missing_shard):
+    path, shard = missing_shard
+    env = {**os.environ, "SPARSEGATE_TORCH_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "sparsegate_workload.server", "--port",
+                           str(free_port()), "--model-path", str(path)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1
+    assert f"{shard}: missing shard" in proc.stderr.splitlines()[-1]

@@ -1,0 +1,139 @@
+"""A Hugging Face MoE checkpoint as the server runs it: token-id batches (``/v1/infer``) and
+text generation (the OpenAI API), both pinned to one gate version per request.
+
+Pure torch + the `hf` loader (no web framework), so the server stays a thin adapter. Every call
+here runs on the server's single model thread; `set_gate` too, so a gate swap (which may
+re-store weights) never overlaps a forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from sparsegate_contracts.gate import GateDocument
+
+from .inference import InferenceResult
+from .moe import MoEStats
+from .precision import Precision
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One completion: what was generated and how the experts were used doing it."""
+
+    prompt_tokens: int
+    token_ids: list[int]               # generated ids (the stop token included when it ended it)
+    finish_reason: str                 # "stop" (end-of-sequence token) or "length" (max_tokens)
+    gate_version: str | None
+    expert_counts: list[list[int]]     # [layer][expert] tokens processed, prompt + generated
+    mean_experts_per_token: float      # kept assignments per (token, MoE layer), all tokens
+    dropped_assignments: int
+    gate_entropy: float                # mean over block calls (nats)
+    first_token_s: float | None = None  # set by the caller that times it
+
+
+class HFServedModel:
+    """A loaded checkpoint plus the few facts the server reports about it."""
+
+    def __init__(self, lm: Any, *, name: str) -> None:
+        self.lm = lm
+        self.name = name
+        cfg = lm.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.context_length = int(cfg.max_position_embeddings)
+        self.n_layers = len(lm.blocks)
+        self.num_experts = int(lm.num_experts)
+        self.tokenizer = lm.tokenizer
+        eos = cfg.eos_token_id
+        self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+    def shape(self) -> dict[str, Any]:
+        """What ``/healthz`` and ``/v1/model`` report for a checkpoint."""
+        return {"source": str(self.lm.path), "family": self.lm.family.model_type,
+                "name": self.name, "experts": self.num_experts, "layers": self.n_layers,
+                "vocab": self.vocab_size, "maxSeqLen": self.context_length,
+                "topK": self.lm.top_k, "tokenizer": self.tokenizer is not None}
+
+    def set_gate(self, doc: GateDocument) -> tuple[Precision, ...]:
+        """Install ``doc`` (raises GateParamsError); returns the router precision per block."""
+        return self.lm.set_gate(doc).precisions
+
+    def run_batch(self, tokens: Sequence[Sequence[int]], *, return_logits: bool = False
+                  ) -> tuple[InferenceResult, str | None]:
+        """The ``/v1/infer`` result for a checkpoint, and the gate version that computed it.
+        A checkpoint has no tool gate: ``toolCalls`` are empty and the fire rate 0."""
+        batch = torch.tensor(tokens, dtype=torch.long)
+        out = self.lm.forward(batch)
+        last = out.logits[:, -1, :].float()
+        n = max(len(out.layers), 1)
+        result = InferenceResult(
+            next_tokens=last.argmax(dim=-1).tolist(),
+            last_logits=last.tolist() if return_logits else None,
+            expert_counts=[st.counts for st in out.layers],
+            active_experts_per_token=out.mean_active_experts,
+            selected_experts_per_token=out.mean_selected_experts,
+            dropped_assignments=out.dropped,
+            gate_entropy=sum(st.entropy for st in out.layers) / n,
+            tool_calls=[[] for _ in tokens], tool_gate_fire_rate=0.0,
+            num_tokens=batch.numel())
+        return result, out.gate.version
+
+    def generate(self, prompt: Sequence[int], *, max_tokens: int, temperature: float = 0.0,
+                 seed: int = 0, on_token: Callable[[int], None] | None = None) -> Generation:
+        """Decode up to ``max_tokens`` after ``prompt`` with the KV cache, under one pinned gate.
+        temperature 0 is greedy; above 0, softmax sampling with a generator seeded by ``seed``
+        (same seed, same tokens). Stops early at the checkpoint's end-of-sequence token."""
+        generator = torch.Generator().manual_seed(seed)
+        generated: list[int] = []
+        finish = "length"
+        with torch.inference_mode(), self.lm.pinned_gate() as call:
+            out = self.lm.model(input_ids=torch.tensor([list(prompt)]), use_cache=True)
+            for step in range(max_tokens):
+                logits = out.logits[0, -1].float()
+                if temperature > 0:
+                    probs = torch.softmax(logits / temperature, dim=-1)
+                    token = int(torch.multinomial(probs, 1, generator=generator))
+                else:
+                    token = int(logits.argmax())
+                generated.append(token)
+                if on_token is not None:
+                    on_token(token)
+                if token in self.eos_ids:
+                    finish = "stop"
+                    break
+                if step + 1 < max_tokens:  # no forward for a token nobody will read
+                    out = self.lm.model(input_ids=torch.tensor([[token]]),
+                                        cache=out.cache, use_cache=True)
+        return _generation(call.layers, n_blocks=self.n_layers, num_experts=self.num_experts,
+                           prompt_tokens=len(prompt), token_ids=generated, finish=finish,
+                           gate_version=call.gate.version)
+
+
+def _generation(layers: list[MoEStats], *, n_blocks: int, num_experts: int, prompt_tokens: int,
+                token_ids: list[int], finish: str, gate_version: str | None) -> Generation:
+    # Block calls arrive in layer order once per forward: call i belongs to block i % n_blocks.
+    counts = [[0] * num_experts for _ in range(n_blocks)]
+    for i, st in enumerate(layers):
+        for e, c in enumerate(st.counts):
+            counts[i % n_blocks][e] += c
+    pairs = sum(st.num_tokens for st in layers)
+    kept = sum(sum(st.counts) for st in layers)
+    return Generation(prompt_tokens=prompt_tokens, token_ids=token_ids, finish_reason=finish,
+                      gate_version=gate_version, expert_counts=counts,
+                      mean_experts_per_token=kept / pairs if pairs else 0.0,
+                      dropped_assignments=sum(st.dropped for st in layers),
+                      gate_entropy=(sum(st.entropy for st in layers) / len(layers)
+                                    if layers else 0.0))
+
+
+def load(path: str | Path, *, gate: GateDocument, name: str | None = None) -> HFServedModel:
+    """Load the checkpoint under ``gate`` (raises CheckpointError naming the file, or
+    GateParamsError). ``name``: the OpenAI model id (default: the directory's name)."""
+    from .hf import load_moe_checkpoint  # transformers loads here, not when the server starts
+
+    lm = load_moe_checkpoint(path, gate=gate, dtype=torch.float32)
+    return HFServedModel(lm, name=name or Path(path).resolve().name)

@@ -1,0 +1,352 @@
+"""OpenAI-compatible text API over a Hugging Face checkpoint: ``GET /v1/models``,
+``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` → server-sent events).
+
+Text goes in and out through the checkpoint's own tokenizer. Chat prompts use the tokenizer's
+chat template when it has one; otherwise each message becomes a ``"<role>: <content>"`` line and
+a final ``"assistant:"`` line asks for the answer. Decoding is one sequence per request on the
+server's model thread, with the KV cache, under one pinned gate version: greedy at
+``temperature`` 0, else seeded sampling (``seed``, default 0: the same request gives the same
+text). It ends at the end-of-sequence token or at ``max_tokens``.
+
+``usage`` carries OpenAI's token counts plus ``usage.sparsegate``: ``mean_experts_per_token``
+(kept expert assignments per token and MoE layer, over prompt and generated tokens),
+``dropped_assignments`` (capacity cap) and ``gate_version`` (the gate that routed the request).
+Errors answer OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``. The built-in
+model has no tokenizer: ``/v1/models`` lists nothing and the two others answer 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from .hf_serving import Generation, HFServedModel
+from .server_state import (STATE, ApiError, ServerState, admission, inject_fault, read_json,
+                           run_on_model)
+
+log = logging.getLogger("sparsegate.workload.openai")
+
+MAX_TOKENS_LIMIT = 512           # most tokens one request may generate (CPU-sized)
+DEFAULT_COMPLETION_TOKENS = 16   # OpenAI's default max_tokens for /v1/completions
+# Fields accepted only at their no-op value: clients send them by default.
+_NEUTRAL = {"n": 1, "top_p": 1, "stop": None, "logprobs": None, "echo": False,
+            "presence_penalty": 0, "frequency_penalty": 0, "suffix": None, "best_of": 1}
+_COMMON = {"model", "max_tokens", "temperature", "seed", "stream", "stream_options", "user"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A validated request: what to feed the model and how to answer."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    seed: int
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with usage
+
+
+def _openai_error(status: int, message: str, *, param: str | None = None) -> web.Response:
+    kind = ("invalid_request_error" if status < 429 else "rate_limit_error" if status == 429
+            else "server_error")
+    code = "model_not_found" if status == 404 else None
+    return web.json_response({"error": {"message": message, "type": kind, "param": param,
+                                        "code": code}}, status=status)
+
+
+class OpenAIError(ApiError):
+    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+        super().__init__(status, message)
+        self.param = param
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _openai_errors(handler: Handler) -> Handler:
+    """Answer every failure in OpenAI's error shape (the server's own endpoints keep theirs)."""
+    @functools.wraps(handler)
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return _openai_error(e.status, e.message, param=getattr(e, "param", None))
+        except Exception:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return _openai_error(500, "internal server error")
+    return wrapped
+
+
+def _text_model(state: ServerState) -> HFServedModel:
+    if state.model_path is None:
+        raise OpenAIError(404, "the built-in model has no tokenizer, so it serves no text API: "
+                               "use POST /v1/infer with token ids, or serve a checkpoint "
+                               "(--model-path)")
+    if state.load_error is not None or state.hf is None or not state.loaded:
+        raise OpenAIError(503, state.load_error or "model is still loading")
+    if state.hf.tokenizer is None:
+        raise OpenAIError(404, f"checkpoint {state.model_path} has no tokenizer files, so it "
+                               "serves no text API: use POST /v1/infer with token ids")
+    return state.hf
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    hf = state.hf
+    data = [] if hf is None or hf.tokenizer is None else [{
+        "id": hf.name, "object": "model", "created": int(state.started_wall),
+        "owned_by": "sparsegate", "root": str(hf.lm.path), "max_model_len": hf.context_length}]
+    return web.json_response({"object": "list", "data": data})
+
+
+def _int(body: dict[str, Any], name: str, *, default: int, low: int, high: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise OpenAIError(400, f"{name} must be an integer in [{low}, {high}], got {value!r}",
+                          param=name)
+    return value
+
+
+def _prompt_text(body: dict[str, Any], *, chat: bool, hf: HFServedModel) -> list[int]:
+    tok = hf.tokenizer
+    if not chat:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise OpenAIError(400, "prompt must be one non-empty string", param="prompt")
+        return list(tok(prompt)["input_ids"])
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages):
+        raise OpenAIError(400, "messages must be a non-empty list of {role, content} objects "
+                               "with string content", param="messages")
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if not isinstance(ids, list) else ids  # v5 may return a mapping
+        return list(ids)
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
+    return list(tok(text)["input_ids"])
+
+
+def parse_request(body: Any, *, chat: bool, hf: HFServedModel) -> Plan:
+    """Validate an OpenAI request for ``hf``; raises OpenAIError (400/404) naming the field."""
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "body must be a JSON object")
+    allowed = _COMMON | set(_NEUTRAL) | ({"messages", "max_completion_tokens"} if chat
+                                         else {"prompt"})
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise OpenAIError(400, f"unsupported fields: {', '.join(unknown)}", param=unknown[0])
+    for name, neutral in _NEUTRAL.items():
+        if body.get(name) not in (None, neutral):
+            raise OpenAIError(400, f"{name} is only supported as {json.dumps(neutral)}",
+                              param=name)
+    model = body.get("model")
+    if model is not None and model != hf.name:
+        raise OpenAIError(404, f"the model {model!r} does not exist here (serving {hf.name!r})",
+                          param="model")
+    prompt_ids = _prompt_text(body, chat=chat, hf=hf)
+    room = hf.context_length - len(prompt_ids)
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    default = DEFAULT_COMPLETION_TOKENS if not chat else max(1, min(MAX_TOKENS_LIMIT, room))
+    max_tokens = _int(body, key, default=default, low=1, high=MAX_TOKENS_LIMIT)
+    if len(prompt_ids) + max_tokens > hf.context_length:
+        raise OpenAIError(400, f"This model's maximum context length is {hf.context_length} "
+                               f"tokens. However, you requested {len(prompt_ids) + max_tokens} "
+                               f"tokens ({len(prompt_ids)} in the prompt, {max_tokens} in the "
+                               "completion). Please reduce the prompt or max_tokens.",
+                          param=key)
+    temperature = body.get("temperature")
+    temperature = 1.0 if temperature is None else temperature  # OpenAI's default
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not 0 <= temperature <= 2:
+        raise OpenAIError(400, f"temperature must be a number in [0, 2], got {temperature!r}",
+                          param="temperature")
+    stream = body.get("stream") or False
+    options = body.get("stream_options") or {}
+    if not isinstance(stream, bool) or not isinstance(options, dict):
+        raise OpenAIError(400, "stream must be a boolean and stream_options an object",
+                          param="stream")
+    return Plan(prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=float(temperature),
+                seed=_int(body, "seed", default=0, low=0, high=2**63 - 1), stream=stream,
+                include_usage=bool(options.get("include_usage", False)))
+
+
+def usage(gen: Generation) -> dict[str, Any]:
+    completion = len(gen.token_ids)
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": gen.prompt_tokens + completion,
+            "sparsegate": {"mean_experts_per_token": round(gen.mean_experts_per_token, 6),
+                           "dropped_assignments": gen.dropped_assignments,
+                           "gate_version": gen.gate_version}}
+
+
+class _Call:
+    """One request's identity, timing and metrics bookkeeping."""
+
+    def __init__(self, state: ServerState, *, chat: bool, hf: HFServedModel) -> None:
+        self.state, self.chat, self.hf = state, chat, hf
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.started = time.perf_counter()
+        self.first_token: float | None = None
+
+    def on_token(self, _token: int) -> None:  # on the model thread
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
+
+    def chunk(self, *, text: str | None, finish: str | None, first: bool = False
+              ) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
+                {} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat
+                else "text_completion", "created": self.created, "model": self.hf.name,
+                "choices": [choice]}
+
+    def full(self, gen: Generation) -> dict[str, Any]:
+        text = self.hf.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.hf.name, "choices": [choice],
+                "usage": usage(gen)}
+
+    def observe(self, gen: Generation) -> None:
+        m = self.state.metrics
+        assert m is not None
+        m.e2e.observe(time.perf_counter() - self.started)
+        if self.first_token is not None:
+            m.ttft.observe(self.first_token - self.started)
+        m.prompt_tokens.inc(gen.prompt_tokens)
+        m.generation_tokens.inc(len(gen.token_ids))
+        m.observe_routing(num_tokens=gen.prompt_tokens + len(gen.token_ids),
+                          expert_counts=gen.expert_counts, active=gen.mean_experts_per_token,
+                          dropped=gen.dropped_assignments, entropy=gen.gate_entropy)
+
+
+async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
+    state = request.app[STATE]
+    started = time.perf_counter()
+    code = 500
+    try:
+        hf = _text_model(state)
+        gate = state.gate
+        assert gate is not None
+        async with admission(state) as keep:
+            plan = parse_request(await read_json(request), chat=chat, hf=hf)
+            await inject_fault(state, gate)
+            call = _Call(state, chat=chat, hf=hf)
+            if plan.stream:
+                code = 200  # the status is sent before the tokens; a later failure is an event
+                return await _stream(request, call, plan, keep=keep)
+            gen = await run_on_model(state, lambda: hf.generate(
+                plan.prompt_ids, max_tokens=plan.max_tokens, temperature=plan.temperature,
+                seed=plan.seed, on_token=call.on_token), keep=keep)
+        call.observe(gen)
+        code = 200
+        return web.json_response(call.full(gen))
+    except ApiError as e:
+        code = e.status
+        raise
+    finally:
+        # The sparsegate series count these requests too: the rollout analysis reads them.
+        if state.metrics is not None:
+            state.metrics.requests.labels(code=str(code)).inc()
+            state.metrics.duration.observe(time.perf_counter() - started)
+
+
+async def _stream(request: web.Request, call: _Call, plan: Plan, *,
+                  keep: Callable[[], None]) -> web.StreamResponse:
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[int] = asyncio.Queue()
+
+    def on_token(token: int) -> None:  # model thread → event loop
+        call.on_token(token)
+        loop.call_soon_threadsafe(queue.put_nowait, token)
+    hf = call.hf
+    task = asyncio.ensure_future(run_on_model(call.state, lambda: hf.generate(
+        plan.prompt_ids, max_tokens=plan.max_tokens, temperature=plan.temperature,
+        seed=plan.seed, on_token=on_token), keep=keep))
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+
+    async def send(obj: Any) -> None:
+        await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
+    if call.chat:
+        await send(call.chunk(text=None, finish=None, first=True))
+    ids: list[int] = []
+    sent = ""
+    async for token in _tokens(queue, task):
+        ids.append(token)
+        text = hf.tokenizer.decode(ids, skip_special_tokens=True)
+        # Hold back a trailing partial UTF-8 character until its next byte arrives.
+        if len(text) > len(sent) and not text.endswith("\ufffd"):
+            await send(call.chunk(text=text[len(sent):], finish=None))
+            sent = text
+    try:
+        gen = task.result()
+    except ApiError as e:
+        await send({"error": {"message": e.message, "type": "server_error", "param": None,
+                              "code": None}})
+    else:
+        call.observe(gen)
+        await send(call.chunk(text=None if call.chat else "", finish=gen.finish_reason))
+        if plan.include_usage:
+            await send({**call.chunk(text=None, finish=None), "choices": [],
+                        "usage": usage(gen)})
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _tokens(queue: asyncio.Queue[int], task: asyncio.Future[Any]) -> AsyncIterator[int]:
+    """Tokens as the model thread makes them, until the generation ends (or fails)."""
+    while True:
+        getter = asyncio.ensure_future(queue.get())
+        done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            yield getter.result()
+            continue
+        getter.cancel()
+        # The thread queued every token before its result: the queue holds the rest.
+        while not queue.empty():
+            yield queue.get_nowait()
+        return
+
+
+@_openai_errors
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, chat=False)
+
+
+@_openai_errors
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, chat=True)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)

@@ -1,0 +1,163 @@
+"""State one model server shares between its listeners and API modules, and the few helpers
+every inference endpoint uses: JSON body reading, admission, running work on the model thread.
+
+Kept apart from ``server.py`` so the OpenAI API module (``openai_api.py``) and the server can
+both use them without importing each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import random
+import time
+from typing import Any, AsyncIterator, Callable, TypeVar
+
+from aiohttp import web
+from sparsegate_contracts.gate import DEFAULT_DOCUMENT, GateDocument, GateParams
+
+from .hf_serving import HFServedModel
+from .metrics import ServerMetrics
+from .model import ModelConfig, TinyMoELM
+from .precision import Precision
+
+MAX_BODY_BYTES = 1 << 20
+# Admission: requests admitted at once (running + waiting for the one model thread). Beyond it the
+# server answers 429 at once instead of queueing without bound; a request that waits longer than
+# the timeout for its result answers 503 (its batch still finishes, its slot is then freed).
+DEFAULT_MAX_INFLIGHT = 256  # the order of vLLM's max_num_seqs (256) and TGI's max_concurrent_requests (128)
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+BUILTIN_MODEL_NAME = "builtin"  # model_name label of the built-in model's metrics
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class AppliedGate:
+    doc: GateDocument
+    precisions: tuple[Precision, ...]
+    applied_at: float
+    params: GateParams      # doc.params with experts per token clamped into the model's bounds
+
+
+@dataclasses.dataclass
+class ServerState:
+    model_config: ModelConfig
+    rng: random.Random
+    gate: AppliedGate | None = None       # swapped by reference, never mutated
+    pending_doc: GateDocument = DEFAULT_DOCUMENT
+    model: TinyMoELM | None = None        # the built-in model (None with a checkpoint)
+    model_path: str | None = None         # a Hugging Face checkpoint directory instead of it
+    served_name: str | None = None        # its OpenAI model id (None: the directory's name)
+    hf: HFServedModel | None = None       # the loaded checkpoint
+    executor: concurrent.futures.ThreadPoolExecutor | None = None
+    metrics: ServerMetrics | None = None
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    started_wall: float = dataclasses.field(default_factory=time.time)  # /v1/models "created"
+    load_error: str | None = None  # the background model load failed: unhealthy, with this reason
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    inflight: int = 0
+
+    @property
+    def loaded(self) -> bool:
+        return self.gate is not None and self.metrics is not None and (
+            self.model is not None or self.hf is not None)
+
+    def shape(self) -> dict[str, Any]:
+        """What /healthz and /v1/model report: the built-in shape, or the checkpoint's facts
+        (only its source until it has loaded)."""
+        if self.model_path is None:
+            return self.model_config.shape()
+        return self.hf.shape() if self.hf is not None else {"source": self.model_path}
+
+    def limits(self) -> tuple[int, int]:
+        """(vocabulary size, longest sequence) of the model being served."""
+        if self.hf is not None:
+            return self.hf.vocab_size, self.hf.context_length
+        return self.model_config.vocab_size, self.model_config.max_seq_len
+
+
+STATE = web.AppKey("state", ServerState)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+async def read_json(request: web.Request) -> Any:
+    if request.content_type != "application/json":
+        raise ApiError(415, f"Content-Type must be application/json, got {request.content_type!r}")
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes") from None
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise ApiError(400, "body is not valid JSON: nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, and integers over 4,300 digits
+        raise ApiError(400, f"body is not valid JSON: {e}") from None
+
+
+@contextlib.asynccontextmanager
+async def admission(state: ServerState) -> AsyncIterator[Callable[[], None]]:
+    """Hold one of ``max_inflight`` slots (429 when none is free). Yields ``keep``: call it
+    when the slot must outlive the block (a timed-out batch still running frees it itself)."""
+    if state.inflight >= state.max_inflight:
+        raise ApiError(429, f"{state.inflight} requests in flight (limit {state.max_inflight}): retry later")
+    state.inflight += 1
+    held = [True]
+
+    def keep() -> None:
+        held[0] = False
+    try:
+        yield keep
+    finally:
+        if held[0]:
+            state.inflight -= 1
+
+
+async def run_on_model(state: ServerState, fn: Callable[[], T], *,
+                       keep: Callable[[], None]) -> T:
+    """Run ``fn`` on the one model thread; 503 after ``request_timeout_s``. Counts it in the
+    vLLM running/waiting gauges (waiting while queued behind other batches)."""
+    metrics = state.metrics
+    assert metrics is not None
+    metrics.waiting.inc()
+
+    def job() -> T:
+        metrics.waiting.dec()
+        metrics.running.inc()
+        try:
+            return fn()
+        finally:
+            metrics.running.dec()
+    future = asyncio.get_running_loop().run_in_executor(state.executor, job)
+    try:
+        return await asyncio.wait_for(asyncio.shield(future), timeout=state.request_timeout_s)
+    except asyncio.TimeoutError:
+        # The executor cannot be interrupted: the slot stays taken until the batch is done.
+        keep()
+        future.add_done_callback(lambda _: _release(state))
+        raise ApiError(503, f"no result within {state.request_timeout_s:g} s") from None
+
+
+async def inject_fault(state: ServerState, gate: AppliedGate) -> None:
+    """The gate's faultInjection chaos knob (see server.py's docstring); raises ApiError 503."""
+    fault = gate.doc.params.fault_injection
+    if fault.added_latency_ms > 0:
+        await asyncio.sleep(fault.added_latency_ms / 1000)
+    if fault.error_rate > 0 and state.rng.random() < fault.error_rate:
+        raise ApiError(503, f"fault injected by gate version {gate.doc.version} "
+                            f"(faultInjection.errorRate={fault.error_rate})")
+
+
+def _release(state: ServerState) -> None:
+    state.inflight -= 1
