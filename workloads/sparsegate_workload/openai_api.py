@@ -30,7 +30,7 @@ from aiohttp import web
 
 from .hf_serving import Generation, HFServedModel
 from .server_state import (STATE, ApiError, ServerState, admission, inject_fault, read_json,
-                           run_on_model)
+                           release_when_done, run_on_model)
 
 log = logging.getLogger("sparsegate.workload.openai")
 
@@ -277,7 +277,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
 
 
 async def _stream(request: web.Request, call: _Call, plan: Plan, *,
-                  keep: Callable[[], None]) -> web.StreamResponse:
+                  keep: Callable[[], bool]) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[int] = asyncio.Queue()
 
@@ -288,6 +288,18 @@ async def _stream(request: web.Request, call: _Call, plan: Plan, *,
     task = asyncio.ensure_future(run_on_model(call.state, lambda: hf.generate(
         plan.prompt_ids, max_tokens=plan.max_tokens, temperature=plan.temperature,
         seed=plan.seed, on_token=on_token), keep=keep))
+    try:
+        return await _send_events(request, call, plan, queue, task)
+    except BaseException:
+        if not task.done():  # the client went away mid-stream; the generation runs on
+            release_when_done(call.state, task, keep=keep)
+        raise
+
+
+async def _send_events(request: web.Request, call: _Call, plan: Plan,
+                       queue: asyncio.Queue[int], task: asyncio.Future[Generation]
+                       ) -> web.StreamResponse:
+    hf = call.hf
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)

@@ -1,9 +1,18 @@
 """Model server (aiohttp): inference, probes, metrics and hot-reloadable gate params.
 
+Two model kinds: the built-in TinyMoELM (default; shape from flags) or a local Hugging Face MoE
+checkpoint (``--model-path DIR``, loaded through `hf_serving`/`hf`). Both serve ``/v1/infer``
+(token ids); a checkpoint with a tokenizer also serves the OpenAI text API (`openai_api`).
+Either loads in the background while probes answer; a load that fails (for a checkpoint, the
+message names the file) makes ``/healthz`` 500 and ``/readyz`` 503 with the reason, and the
+entry point then exits 1 so the pod restarts with the reason in its log.
+
 Hot reload: the gate in effect is an immutable `AppliedGate` held by one attribute. A request
 reads that attribute exactly once and carries the object through fault injection, the model
 batch (run in a one-thread executor) and its response, so a PUT that swaps the reference in the
-event loop can never be seen half-applied: each request runs wholly under one version.
+event loop can never be seen half-applied: each request runs wholly under one version. A
+checkpoint holds its gate inside the model (``set_gate`` may re-store weights), so its swap runs
+on the model thread between batches and each batch reports the gate read there.
 
 `faultInjection` in the gate params is a CHAOS-TESTING KNOB, not a model setting: with
 errorRate p each inference request fails with 503 with probability p (seeded RNG) and

@@ -107,16 +107,18 @@ async def read_json(request: web.Request) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def admission(state: ServerState) -> AsyncIterator[Callable[[], None]]:
+async def admission(state: ServerState) -> AsyncIterator[Callable[[], bool]]:
     """Hold one of ``max_inflight`` slots (429 when none is free). Yields ``keep``: call it
-    when the slot must outlive the block (a timed-out batch still running frees it itself)."""
+    when the slot must outlive the block (work still running frees it itself); it returns
+    whether the block still held the slot, so exactly one party frees it."""
     if state.inflight >= state.max_inflight:
         raise ApiError(429, f"{state.inflight} requests in flight (limit {state.max_inflight}): retry later")
     state.inflight += 1
     held = [True]
 
-    def keep() -> None:
-        held[0] = False
+    def keep() -> bool:
+        was, held[0] = held[0], False
+        return was
     try:
         yield keep
     finally:
@@ -125,7 +127,7 @@ async def admission(state: ServerState) -> AsyncIterator[Callable[[], None]]:
 
 
 async def run_on_model(state: ServerState, fn: Callable[[], T], *,
-                       keep: Callable[[], None]) -> T:
+                       keep: Callable[[], bool]) -> T:
     """Run ``fn`` on the one model thread; 503 after ``request_timeout_s``. Counts it in the
     vLLM running/waiting gauges (waiting while queued behind other batches)."""
     metrics = state.metrics
@@ -143,9 +145,7 @@ async def run_on_model(state: ServerState, fn: Callable[[], T], *,
     try:
         return await asyncio.wait_for(asyncio.shield(future), timeout=state.request_timeout_s)
     except asyncio.TimeoutError:
-        # The executor cannot be interrupted: the slot stays taken until the batch is done.
-        keep()
-        future.add_done_callback(lambda _: _release(state))
+        release_when_done(state, future, keep=keep)
         raise ApiError(503, f"no result within {state.request_timeout_s:g} s") from None
 
 
@@ -159,5 +159,15 @@ async def inject_fault(state: ServerState, gate: AppliedGate) -> None:
                             f"(faultInjection.errorRate={fault.error_rate})")
 
 
-def _release(state: ServerState) -> None:
+def release_when_done(state: ServerState, future: asyncio.Future[Any], *,
+                      keep: Callable[[], bool]) -> None:
+    """The request is leaving while its work still runs: the executor cannot be interrupted,
+    so its admission slot stays taken until the work is done (unless already handed off)."""
+    if keep():
+        future.add_done_callback(lambda f: _release(state, f))
+
+
+def _release(state: ServerState, done: asyncio.Future[Any]) -> None:
     state.inflight -= 1
+    if not done.cancelled():
+        done.exception()  # nobody awaits it any more: retrieved here, not logged as lost

@@ -3,6 +3,7 @@ chat, SSE streaming, usage with experts per token), /v1/infer, gate hot swap, vL
 metrics, and a malformed checkpoint (unready with the file named; the entry point exits 1).
 A tiny random Mixtral checkpoint built in code (nothing downloaded), in-process aiohttp."""
 
+import asyncio
 import json
 import os
 import subprocess
@@ -278,3 +279,17 @@ def test_the_entry_point_exits_nonzero_naming_the_file(missing_shard):
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 1
     assert f"{shard}: missing shard" in proc.stderr.splitlines()[-1]
+
+
+async def test_a_client_leaving_mid_stream_frees_its_slot(client):
+    state = client.server.app[STATE]
+    resp = await _complete(client, stream=True, max_tokens=200, prompt="a")
+    assert resp.status == 200
+    await resp.content.readline()  # the first event has been sent
+    resp.close()
+    for _ in range(200):  # the generation finishes on the model thread, then frees the slot
+        if state.inflight == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert state.inflight == 0
+    assert (await _complete(client)).status == 200
