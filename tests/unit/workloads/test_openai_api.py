@@ -256,8 +256,18 @@ def missing_shard(tmp_path):
     return path, shard
 
 
-async def test_a_malformed_checkpoint_is_unready_naming_the_file(missing_shard):
-    path, shard = missing_shard
+@pytest.fixture
+def dense_config(tmp_path):
+    """A config.json of a dense (non-MoE) family."""
+    path = tmp_path / "dense"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 32}))
+    return path, "config.json"
+
+
+@pytest.mark.parametrize("broken", ["missing_shard", "dense_config"])
+async def test_a_malformed_checkpoint_is_unready_naming_the_file(broken, request):
+    path, shard = request.getfixturevalue(broken)
     app = create_app(model_path=str(path))
     c = await _serve(app)
     try:
