@@ -342,7 +342,11 @@ async def _load_model(app: web.Application) -> None:
 
 def _load_checkpoint(state: ServerState) -> hf_serving.HFServedModel:
     assert state.model_path is not None
-    hf = hf_serving.load(state.model_path, gate=state.pending_doc, name=state.served_name)
+    try:
+        hf = hf_serving.load(state.model_path, gate=state.pending_doc, name=state.served_name)
+    except GateParamsError as e:  # say which gate, as a CheckpointError says which file
+        raise GateParamsError(f"gate {state.pending_doc.version} (--gate-config) does not fit "
+                              f"checkpoint {state.model_path}: {e}") from e
     state.gate = AppliedGate(doc=state.pending_doc, precisions=hf.lm.gate.precisions,
                              applied_at=time.time(), params=state.pending_doc.params)
     return hf

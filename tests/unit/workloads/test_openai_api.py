@@ -303,3 +303,39 @@ async def test_a_client_leaving_mid_stream_frees_its_slot(client):
         await asyncio.sleep(0.05)
     assert state.inflight == 0
     assert (await _complete(client)).status == 200
+
+
+async def test_each_concurrent_request_reports_the_gate_that_routed_all_of_it(client):
+    """Completions in flight while gates swap: every one ran wholly under the version it reports
+    (one expert per token under ONE_EXPERT, two under TWO_EXPERTS; never a mix)."""
+    experts = {ONE_EXPERT.version: 1.0, TWO_EXPERTS.version: 2.0}
+    async with TestClient(TestServer(create_admin_app(client.server.app, auth=StaticToken(TOKEN)),
+                                     host="127.0.0.1")) as admin:
+        async def swaps():
+            await asyncio.sleep(0.05)
+            for doc in (TWO_EXPERTS, ONE_EXPERT, TWO_EXPERTS):
+                assert (await admin.put("/admin/gate", json=doc.to_json(), headers=AUTH)).status == 200
+                await asyncio.sleep(0.1)
+
+        async def request(i):  # staggered, so swaps fall between queued generations
+            await asyncio.sleep(0.03 * i)
+            return await _complete(client, max_tokens=20, prompt=f"request {i}")
+        results = await asyncio.gather(swaps(), *[request(i) for i in range(12)])
+    versions = []
+    for resp in results[1:]:
+        usage = (await resp.json())["usage"]["sparsegate"]
+        assert usage["mean_experts_per_token"] == experts[usage["gate_version"]]
+        versions.append(usage["gate_version"])
+    # The first request ran before any swap; later ones queued behind a swap to TWO_EXPERTS.
+    assert versions[0] == ONE_EXPERT.version and TWO_EXPERTS.version in versions
+
+
+async def test_a_gate_that_does_not_fit_the_checkpoint_is_unready_naming_the_gate(checkpoint):
+    too_many = make_document({**DEFAULT_PARAMS, "maxExpertsPerToken": 9}, num_experts=None)
+    app = create_app(gate_doc=too_many, model_path=str(checkpoint))
+    c = await _serve(app)
+    try:
+        reason = (await (await c.get("/readyz")).json())["reason"]
+        assert f"gate {too_many.version} (--gate-config)" in reason and "8 experts" in reason
+    finally:
+        await c.close()
