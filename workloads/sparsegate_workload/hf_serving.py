@@ -130,10 +130,16 @@ def _generation(layers: list[MoEStats], *, n_blocks: int, num_experts: int, prom
                                     if layers else 0.0))
 
 
-def load(path: str | Path, *, gate: GateDocument, name: str | None = None) -> HFServedModel:
-    """Load the checkpoint under ``gate`` (raises CheckpointError naming the file, or
-    GateParamsError). ``name``: the OpenAI model id (default: the directory's name)."""
+# --model-dtype values: the compute dtypes the loader accepts.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load(path: str | Path, *, gate: GateDocument, name: str | None = None,
+         dtype: str = "float32") -> HFServedModel:
+    """Load the checkpoint under ``gate`` in ``dtype`` (a DTYPES key; raises CheckpointError
+    naming the file, or GateParamsError). ``name``: the OpenAI model id (default: the
+    directory's name)."""
     from .hf import load_moe_checkpoint  # transformers loads here, not when the server starts
 
-    lm = load_moe_checkpoint(path, gate=gate, dtype=torch.float32)
+    lm = load_moe_checkpoint(path, gate=gate, dtype=DTYPES[dtype])
     return HFServedModel(lm, name=name or Path(path).resolve().name)

@@ -343,7 +343,8 @@ async def _load_model(app: web.Application) -> None:
 def _load_checkpoint(state: ServerState) -> hf_serving.HFServedModel:
     assert state.model_path is not None
     try:
-        hf = hf_serving.load(state.model_path, gate=state.pending_doc, name=state.served_name)
+        hf = hf_serving.load(state.model_path, gate=state.pending_doc, name=state.served_name,
+                             dtype=state.model_dtype)
     except GateParamsError as e:  # say which gate, as a CheckpointError says which file
         raise GateParamsError(f"gate {state.pending_doc.version} (--gate-config) does not fit "
                               f"checkpoint {state.model_path}: {e}") from e
@@ -368,18 +369,20 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
                fault_seed: int = 0, max_inflight: int = DEFAULT_MAX_INFLIGHT,
                request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
                admin: AdminListener | None = None, model_path: str | None = None,
-               served_name: str | None = None, exit_on_load_error: bool = False
-               ) -> web.Application:
+               served_name: str | None = None, model_dtype: str = "float32",
+               exit_on_load_error: bool = False) -> web.Application:
     """The inference app (no /admin routes). ``admin``: also serve :func:`create_admin_app` on
     its own TLS listener for as long as this app runs (None: no admin channel at all).
     ``model_path``: serve that Hugging Face checkpoint directory instead of the built-in model
-    (``model_config`` is then unused); ``served_name`` is its OpenAI model id.
+    (``model_config`` is then unused) in ``model_dtype``; ``served_name`` is its OpenAI
+    model id.
     ``exit_on_load_error``: a failed load also sends this process SIGTERM (the entry point)."""
     app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
     app[STATE] = ServerState(model_config=model_config,
                              rng=random.Random(fault_seed), pending_doc=gate_doc,
                              max_inflight=max_inflight, request_timeout_s=request_timeout_s,
-                             model_path=model_path, served_name=served_name)
+                             model_path=model_path, served_name=served_name,
+                             model_dtype=model_dtype)
     app[EXIT_ON_LOAD_ERROR] = exit_on_load_error
     openai_api.add_routes(app)
     app.router.add_post("/v1/infer", infer)
@@ -484,6 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name",
                    help="model id on the OpenAI API and in vLLM metrics (default: the "
                         "--model-path directory's name)")
+    p.add_argument("--model-dtype", choices=sorted(hf_serving.DTYPES), default="float32",
+                   help="compute dtype of --model-path (bfloat16 halves a bf16 checkpoint's "
+                        "memory against the float32 default)")
     p.add_argument("--fault-seed", type=int, default=0, help="seed of the fault-injection RNG")
     p.add_argument("--max-inflight", type=int, default=DEFAULT_MAX_INFLIGHT,
                    help="inference requests admitted at once (running + queued); beyond it: 429")
@@ -530,7 +536,8 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(gate_doc=doc, model_config=cfg, fault_seed=args.fault_seed,
                      max_inflight=args.max_inflight, request_timeout_s=args.request_timeout,
                      admin=listener, model_path=args.model_path,
-                     served_name=args.served_model_name, exit_on_load_error=True)
+                     served_name=args.served_model_name, model_dtype=args.model_dtype,
+                     exit_on_load_error=True)
     log.info("serving on %s:%d gate %s model %s; admin %s", args.host, args.port, doc.version,
              json.dumps(app[STATE].shape(), sort_keys=True),
              f"TLS on {args.host}:{args.admin_port}" if listener else "disabled (no --admin-token-file)")

@@ -52,6 +52,7 @@ class ServerState:
     model: TinyMoELM | None = None        # the built-in model (None with a checkpoint)
     model_path: str | None = None         # a Hugging Face checkpoint directory instead of it
     served_name: str | None = None        # its OpenAI model id (None: the directory's name)
+    model_dtype: str = "float32"          # its compute dtype (hf_serving.DTYPES)
     hf: HFServedModel | None = None       # the loaded checkpoint
     executor: concurrent.futures.ThreadPoolExecutor | None = None
     metrics: ServerMetrics | None = None

@@ -11,6 +11,7 @@ import sys
 
 import aiohttp
 import pytest
+import torch
 from aiohttp.test_utils import TestClient, TestServer
 
 from sparsegate_workload.admin import StaticToken
@@ -337,5 +338,17 @@ async def test_a_gate_that_does_not_fit_the_checkpoint_is_unready_naming_the_gat
     try:
         reason = (await (await c.get("/readyz")).json())["reason"]
         assert f"gate {too_many.version} (--gate-config)" in reason and "8 experts" in reason
+    finally:
+        await c.close()
+
+
+async def test_a_checkpoint_serves_in_bfloat16(checkpoint):
+    app = create_app(gate_doc=ONE_EXPERT, model_path=str(checkpoint), model_dtype="bfloat16")
+    c = await _serve(app)
+    try:
+        assert next(app[STATE].hf.lm.model.parameters()).dtype == torch.bfloat16
+        resp = await _complete(c)
+        assert resp.status == 200
+        assert (await resp.json())["usage"]["sparsegate"]["mean_experts_per_token"] == 1.0
     finally:
         await c.close()
