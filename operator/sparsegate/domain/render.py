@@ -162,6 +162,25 @@ def model_shape_args(model: Mapping[str, Any]) -> list[str]:
     return args
 
 
+BUILTIN_SOURCE_PREFIX = "builtin:"
+MODEL_VOLUME = "model"
+
+
+def checkpoint_path(model: Mapping[str, Any]) -> str | None:
+    """The Hugging Face checkpoint directory ``spec.model.source`` names, None for the built-in model."""
+    source = model["spec"]["model"].get("source")
+    return None if not source or source.startswith(BUILTIN_SOURCE_PREFIX) else str(source)
+
+
+def model_args(model: Mapping[str, Any]) -> list[str]:
+    """Server flags for the model: a checkpoint (its own shape; served under the SparseModel's name)
+    or the built-in model's shape."""
+    path = checkpoint_path(model)
+    if path is None:
+        return model_shape_args(model)
+    return ["--model-path", path, "--served-model-name", model["metadata"]["name"]]
+
+
 def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
                       default_image: DefaultImage = DefaultImage()) -> dict[str, Any]:
     """The model server Deployment.
@@ -183,7 +202,7 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
                  "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_TOKEN_KEY}",
                  "--admin-tls-cert", f"{ADMIN_DIR}/{ADMIN_TLS_CERT_KEY}",
                  "--admin-tls-key", f"{ADMIN_DIR}/{ADMIN_TLS_KEY_KEY}",
-                 *model_shape_args(model)],
+                 *model_args(model)],
         # The admin port is declared (the operator reads it from the pod) but in no Service.
         "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
                   {"name": ADMIN_PORT_NAME, "containerPort": DEFAULT_ADMIN_PORT, "protocol": "TCP"}],
@@ -207,6 +226,12 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
         "volumes": [{"name": "gate", "configMap": {"name": gate_configmap_name(name)}},
                     {"name": "admin", "secret": {"secretName": admin_secret_name(name)}}],
     }
+    claim = spec["model"].get("persistentVolumeClaim")
+    if claim:
+        # Read-only: the checkpoint is data the server only reads (and many pods share it).
+        pod_spec["volumes"].append({"name": MODEL_VOLUME, "persistentVolumeClaim": {
+            "claimName": claim["claimName"], "readOnly": True}})
+        container["volumeMounts"].append({"name": MODEL_VOLUME, "mountPath": claim["mountPath"], "readOnly": True})
     n_gpus = gpus(model)
     if n_gpus > 0:
         container["resources"] = {"limits": {GPU_RESOURCE: str(n_gpus)},

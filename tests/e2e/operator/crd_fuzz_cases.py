@@ -172,7 +172,10 @@ def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, A
 
 # What the examples leave out, so that every field of every schema has a value to mutate.
 EXTRAS: dict[str, dict[str, Any]] = {
-    "SparseModel": {"spec": {"image": "registry.local/sparsegate-model-server:dev"}},
+    "SparseModel": {"spec": {"image": "registry.local/sparsegate-model-server:dev",
+                             "model": {"source": "/models/moe/checkpoint",
+                                       "persistentVolumeClaim": {"claimName": "moe-weights",
+                                                                 "mountPath": "/models"}}}},
     "GateConfig": {"spec": {
         "params": {"faultInjection": {"errorRate": 0.0, "addedLatencyMs": 0}},
         "rollout": {"minRequests": 20, "progressDeadline": "120s"},

@@ -219,3 +219,27 @@ def test_liveness_waits_for_a_slow_start():
     # Liveness (10 s × 3) would kill a server still importing torch; the startup probe allows minutes.
     assert startup["httpGet"]["path"] == "/healthz" and startup["periodSeconds"] * startup["failureThreshold"] >= 300
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+
+
+def test_checkpoint_source_renders_the_path_not_the_shape_and_mounts_the_claim_read_only():
+    m = model()
+    m["spec"]["model"].update(source="/models/mixtral/ckpt",
+                              persistentVolumeClaim={"claimName": "weights", "mountPath": "/models"})
+    pod = render.render_deployment(m, DOC)["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    args = c["args"]
+    assert args[args.index("--model-path") + 1] == "/models/mixtral/ckpt"
+    assert args[args.index("--served-model-name") + 1] == m["metadata"]["name"]
+    assert "--d-model" not in args and "--experts" not in args  # the checkpoint carries its shape
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+
+
+def test_builtin_source_and_no_source_render_the_same_builtin_model():
+    plain = render.render_deployment(model(), DOC)
+    m = model()
+    m["spec"]["model"]["source"] = "builtin:tiny"
+    assert render.render_deployment(m, DOC) == plain
+    args = plain["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--model-path" not in args and "--d-model" in args
+    assert all(v["name"] != "model" for v in plain["spec"]["template"]["spec"]["volumes"])
