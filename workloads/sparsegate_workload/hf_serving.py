@@ -50,13 +50,15 @@ class HFServedModel:
         self.tokenizer = lm.tokenizer
         eos = cfg.eos_token_id
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.device = next(lm.model.parameters()).device
 
     def shape(self) -> dict[str, Any]:
         """What ``/healthz`` and ``/v1/model`` report for a checkpoint."""
         return {"source": str(self.lm.path), "family": self.lm.family.model_type,
                 "name": self.name, "experts": self.num_experts, "layers": self.n_layers,
                 "vocab": self.vocab_size, "maxSeqLen": self.context_length,
-                "topK": self.lm.top_k, "tokenizer": self.tokenizer is not None}
+                "topK": self.lm.top_k, "tokenizer": self.tokenizer is not None,
+                "device": str(self.device)}
 
     def set_gate(self, doc: GateDocument) -> tuple[Precision, ...]:
         """Install ``doc`` (raises GateParamsError); returns the router precision per block."""
@@ -66,7 +68,7 @@ class HFServedModel:
                   ) -> tuple[InferenceResult, str | None]:
         """The ``/v1/infer`` result for a checkpoint, and the gate version that computed it.
         A checkpoint has no tool gate: ``toolCalls`` are empty and the fire rate 0."""
-        batch = torch.tensor(tokens, dtype=torch.long)
+        batch = torch.tensor(tokens, dtype=torch.long, device=self.device)
         out = self.lm.forward(batch)
         last = out.logits[:, -1, :].float()
         n = max(len(out.layers), 1)
@@ -86,16 +88,19 @@ class HFServedModel:
                  seed: int = 0, on_token: Callable[[int], None] | None = None) -> Generation:
         """Decode up to ``max_tokens`` after ``prompt`` with the KV cache, under one pinned gate.
         temperature 0 is greedy; above 0, softmax sampling with a generator seeded by ``seed``
-        (same seed, same tokens). Stops early at the checkpoint's end-of-sequence token."""
+        (same seed, same tokens; drawn on the CPU whatever the device). Stops early at the
+        checkpoint's end-of-sequence token. One sequence alone: the server decodes through
+        `batch_decode` instead, which this is the reference for."""
         generator = torch.Generator().manual_seed(seed)
         generated: list[int] = []
         finish = "length"
         with torch.inference_mode(), self.lm.pinned_gate() as call:
-            out = self.lm.model(input_ids=torch.tensor([list(prompt)]), use_cache=True)
+            out = self.lm.model(input_ids=torch.tensor([list(prompt)], device=self.device),
+                                use_cache=True)
             for step in range(max_tokens):
                 logits = out.logits[0, -1].float()
                 if temperature > 0:
-                    probs = torch.softmax(logits / temperature, dim=-1)
+                    probs = torch.softmax(logits.cpu() / temperature, dim=-1)
                     token = int(torch.multinomial(probs, 1, generator=generator))
                 else:
                     token = int(logits.argmax())
@@ -106,7 +111,7 @@ class HFServedModel:
                     finish = "stop"
                     break
                 if step + 1 < max_tokens:  # no forward for a token nobody will read
-                    out = self.lm.model(input_ids=torch.tensor([[token]]),
+                    out = self.lm.model(input_ids=torch.tensor([[token]], device=self.device),
                                         cache=out.cache, use_cache=True)
         return _generation(call.layers, n_blocks=self.n_layers, num_experts=self.num_experts,
                            prompt_tokens=len(prompt), token_ids=generated, finish=finish,
@@ -135,11 +140,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def load(path: str | Path, *, gate: GateDocument, name: str | None = None,
-         dtype: str = "float32") -> HFServedModel:
-    """Load the checkpoint under ``gate`` in ``dtype`` (a DTYPES key; raises CheckpointError
-    naming the file, or GateParamsError). ``name``: the OpenAI model id (default: the
-    directory's name)."""
+         dtype: str = "float32", device: str | torch.device = "cpu") -> HFServedModel:
+    """Load the checkpoint under ``gate`` in ``dtype`` (a DTYPES key) onto ``device`` (weights,
+    KV caches and the MoE dispatch all run there; raises CheckpointError naming the file, or
+    GateParamsError). ``name``: the OpenAI model id (default: the directory's name)."""
     from .hf import load_moe_checkpoint  # transformers loads here, not when the server starts
 
-    lm = load_moe_checkpoint(path, gate=gate, dtype=DTYPES[dtype])
+    lm = load_moe_checkpoint(path, gate=gate, dtype=DTYPES[dtype], device=device)
     return HFServedModel(lm, name=name or Path(path).resolve().name)

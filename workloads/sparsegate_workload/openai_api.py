@@ -3,10 +3,12 @@
 
 Text goes in and out through the checkpoint's own tokenizer. Chat prompts use the tokenizer's
 chat template when it has one; otherwise each message becomes a ``"<role>: <content>"`` line and
-a final ``"assistant:"`` line asks for the answer. Decoding is one sequence per request on the
-server's model thread, with the KV cache, under one pinned gate version: greedy at
-``temperature`` 0, else seeded sampling (``seed``, default 0: the same request gives the same
-text). It ends at the end-of-sequence token or at ``max_tokens``.
+a final ``"assistant:"`` line asks for the answer. Concurrent requests decode together in the
+server's continuous-batching engine (`batch_engine`: one model step per token for all of them,
+a KV cache per sequence, each request under one gate version): greedy at ``temperature`` 0,
+else seeded sampling (``seed``, default 0: the same request gives the same text, batched or
+alone). It ends at the end-of-sequence token or at ``max_tokens``. A full queue answers 429, a
+request past ``--request-timeout`` 503 (in a stream: an error event), and it leaves its batch.
 
 ``usage`` carries OpenAI's token counts plus ``usage.sparsegate``: ``mean_experts_per_token``
 (kept expert assignments per token and MoE layer, over prompt and generated tokens),
@@ -29,8 +31,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from .hf_serving import Generation, HFServedModel
-from .server_state import (STATE, ApiError, ServerState, admission, inject_fault, read_json,
-                           release_when_done, run_on_model)
+from .batch_engine import GenerationHandle
+from .server_state import STATE, ApiError, ServerState, admission, free_slot, inject_fault, read_json
 
 log = logging.getLogger("sparsegate.workload.openai")
 
@@ -205,10 +207,6 @@ class _Call:
         self.started = time.perf_counter()
         self.first_token: float | None = None
 
-    def on_token(self, _token: int) -> None:  # on the model thread
-        if self.first_token is None:
-            self.first_token = time.perf_counter()
-
     def chunk(self, *, text: str | None, finish: str | None, first: bool = False
               ) -> dict[str, Any]:
         if self.chat:
@@ -252,17 +250,25 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     try:
         hf = _text_model(state)
         gate = state.gate
-        assert gate is not None
+        assert gate is not None and state.engine is not None
         async with admission(state) as keep:
             plan = parse_request(await read_json(request), chat=chat, hf=hf)
             await inject_fault(state, gate)
             call = _Call(state, chat=chat, hf=hf)
-            if plan.stream:
-                code = 200  # the status is sent before the tokens; a later failure is an event
-                return await _stream(request, call, plan, keep=keep)
-            gen = await run_on_model(state, lambda: hf.generate(
+            handle = state.engine.submit(
                 plan.prompt_ids, max_tokens=plan.max_tokens, temperature=plan.temperature,
-                seed=plan.seed, on_token=call.on_token), keep=keep)
+                seed=plan.seed, timeout_s=state.request_timeout_s,
+                on_leave=lambda: free_slot(state))
+            keep()  # the engine frees the slot when the request leaves its queue or batch
+        if plan.stream:
+            code = 200  # the status is sent before the tokens; a later failure is an event
+            return await _stream(request, call, plan, handle)
+        try:
+            gen = await asyncio.shield(handle.done)
+        except asyncio.CancelledError:  # the client went away: leave the batch
+            state.engine.cancel(handle)
+            raise
+        call.first_token = handle.first_token_at
         call.observe(gen)
         code = 200
         return web.json_response(call.full(gen))
@@ -276,30 +282,21 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
             state.metrics.duration.observe(time.perf_counter() - started)
 
 
-async def _stream(request: web.Request, call: _Call, plan: Plan, *,
-                  keep: Callable[[], bool]) -> web.StreamResponse:
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[int] = asyncio.Queue()
-
-    def on_token(token: int) -> None:  # model thread → event loop
-        call.on_token(token)
-        loop.call_soon_threadsafe(queue.put_nowait, token)
-    hf = call.hf
-    task = asyncio.ensure_future(run_on_model(call.state, lambda: hf.generate(
-        plan.prompt_ids, max_tokens=plan.max_tokens, temperature=plan.temperature,
-        seed=plan.seed, on_token=on_token), keep=keep))
+async def _stream(request: web.Request, call: _Call, plan: Plan,
+                  handle: GenerationHandle) -> web.StreamResponse:
     try:
-        return await _send_events(request, call, plan, queue, task)
+        return await _send_events(request, call, plan, handle)
     except BaseException:
-        if not task.done():  # the client went away mid-stream; the generation runs on
-            release_when_done(call.state, task, keep=keep)
+        # The client went away mid-stream: its sequence leaves the batch at the next step.
+        assert call.state.engine is not None
+        call.state.engine.cancel(handle)
         raise
 
 
 async def _send_events(request: web.Request, call: _Call, plan: Plan,
-                       queue: asyncio.Queue[int], task: asyncio.Future[Generation]
-                       ) -> web.StreamResponse:
+                       handle: GenerationHandle) -> web.StreamResponse:
     hf = call.hf
+    queue, task = handle.tokens, handle.done
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
@@ -323,6 +320,7 @@ async def _send_events(request: web.Request, call: _Call, plan: Plan,
         await send({"error": {"message": e.message, "type": "server_error", "param": None,
                               "code": None}})
     else:
+        call.first_token = handle.first_token_at
         call.observe(gen)
         await send(call.chunk(text=None if call.chat else "", finish=gen.finish_reason))
         if plan.include_usage:

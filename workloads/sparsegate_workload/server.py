@@ -7,6 +7,12 @@ Either loads in the background while probes answer; a load that fails (for a che
 message names the file) makes ``/healthz`` 500 and ``/readyz`` 503 with the reason, and the
 entry point then exits 1 so the pod restarts with the reason in its log.
 
+Generation (the OpenAI API on a checkpoint) runs through a continuous-batching engine
+(`batch_engine` + `batch_decode`): concurrent requests decode together, one model step per
+token, each with its own KV cache, joining and leaving between steps; ``--max-num-seqs`` bounds
+a batch, ``--max-inflight`` the queue (429 beyond), ``--request-timeout`` each request (503, and
+it leaves its batch). ``--device`` places a checkpoint on the CPU or a CUDA GPU.
+
 Hot reload: the gate in effect is an immutable `AppliedGate` held by one attribute. A request
 reads that attribute exactly once and carries the object through fault injection, the model
 batch (run in a one-thread executor) and its response, so a PUT that swaps the reference in the
@@ -50,6 +56,9 @@ from sparsegate_contracts.version import version_line
 
 from . import hf_serving, openai_api
 from .admin import AdminAuth, AdminDenied, AdminFiles, check_bearer
+from .batch_decode import BatchDecoder
+from .batch_engine import DEFAULT_MAX_NUM_SEQS, BatchEngine
+from .devices import DEVICE_CHOICES, DeviceError, resolve_device
 from .inference import InferenceResult, run_batch
 from .metrics import ServerMetrics
 from .model import ModelConfig, TinyMoELM, build_model, default_heads, effective_gate
@@ -333,6 +342,8 @@ async def _load_model(app: web.Application) -> None:
     if state.model_path is not None:
         assert state.gate is not None
         metrics_.set_gate(version=state.gate.doc.version, checksum=state.gate.doc.checksum)
+        state.engine = BatchEngine(BatchDecoder(hf), executor=state.executor,
+                                   max_num_seqs=state.max_num_seqs, metrics=metrics_)
         state.metrics, state.hf = metrics_, hf
         return
     metrics_.set_gate(version=doc.version, checksum=doc.checksum)
@@ -344,7 +355,7 @@ def _load_checkpoint(state: ServerState) -> hf_serving.HFServedModel:
     assert state.model_path is not None
     try:
         hf = hf_serving.load(state.model_path, gate=state.pending_doc, name=state.served_name,
-                             dtype=state.model_dtype)
+                             dtype=state.model_dtype, device=resolve_device(state.device))
     except GateParamsError as e:  # say which gate, as a CheckpointError says which file
         raise GateParamsError(f"gate {state.pending_doc.version} (--gate-config) does not fit "
                               f"checkpoint {state.model_path}: {e}") from e
@@ -356,6 +367,13 @@ def _load_checkpoint(state: ServerState) -> hf_serving.HFServedModel:
 async def _startup(app: web.Application) -> None:
     # Serve probes immediately; /readyz turns 200 when the model is built.
     app[LOADER] = asyncio.create_task(_load_model(app))
+
+
+async def _drain(app: web.Application) -> None:
+    # Shutdown: queued and decoding generations end with 503 rather than hang up mid-stream.
+    state = app[STATE]
+    if state.engine is not None:
+        await state.engine.close("server is shutting down")
 
 
 async def _cleanup(app: web.Application) -> None:
@@ -370,19 +388,22 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
                request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
                admin: AdminListener | None = None, model_path: str | None = None,
                served_name: str | None = None, model_dtype: str = "float32",
+               device: str = "auto", max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                exit_on_load_error: bool = False) -> web.Application:
     """The inference app (no /admin routes). ``admin``: also serve :func:`create_admin_app` on
     its own TLS listener for as long as this app runs (None: no admin channel at all).
     ``model_path``: serve that Hugging Face checkpoint directory instead of the built-in model
-    (``model_config`` is then unused) in ``model_dtype``; ``served_name`` is its OpenAI
-    model id.
+    (``model_config`` is then unused) in ``model_dtype`` on ``device`` (auto|cpu|cuda);
+    ``served_name`` is its OpenAI model id; its generations decode in batches of up to
+    ``max_num_seqs`` sequences (`batch_engine`).
     ``exit_on_load_error``: a failed load also sends this process SIGTERM (the entry point)."""
     app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
     app[STATE] = ServerState(model_config=model_config,
                              rng=random.Random(fault_seed), pending_doc=gate_doc,
                              max_inflight=max_inflight, request_timeout_s=request_timeout_s,
                              model_path=model_path, served_name=served_name,
-                             model_dtype=model_dtype)
+                             model_dtype=model_dtype, device=device,
+                             max_num_seqs=max_num_seqs)
     app[EXIT_ON_LOAD_ERROR] = exit_on_load_error
     openai_api.add_routes(app)
     app.router.add_post("/v1/infer", infer)
@@ -391,6 +412,7 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.on_startup.append(_startup)
+    app.on_shutdown.append(_drain)
     if admin is not None:
         app.on_startup.append(lambda a: _start_admin(a, admin))
         app.on_cleanup.append(_stop_admin)
@@ -490,6 +512,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dtype", choices=sorted(hf_serving.DTYPES), default="float32",
                    help="compute dtype of --model-path (bfloat16 halves a bf16 checkpoint's "
                         "memory against the float32 default)")
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                   help="where --model-path runs (weights, KV caches, MoE dispatch): auto = cuda "
+                        "when torch sees a GPU, else cpu; cuda without one exits with the reason. "
+                        "The built-in model always runs on the CPU")
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                   help="generations decoded together in one model step (continuous batching); "
+                        "more wait in the queue bounded by --max-inflight")
     p.add_argument("--fault-seed", type=int, default=0, help="seed of the fault-injection RNG")
     p.add_argument("--max-inflight", type=int, default=DEFAULT_MAX_INFLIGHT,
                    help="inference requests admitted at once (running + queued); beyond it: 429")
@@ -510,8 +539,16 @@ def main(argv: list[str] | None = None) -> None:
         cfg = model_config_from_args(args)
     except ValueError as e:
         p.error(str(e))
-    if args.max_inflight < 1 or args.request_timeout <= 0:
-        p.error("--max-inflight must be at least 1 and --request-timeout above 0")
+    if args.max_inflight < 1 or args.request_timeout <= 0 or args.max_num_seqs < 1:
+        p.error("--max-inflight and --max-num-seqs must be at least 1 and --request-timeout "
+                "above 0")
+    if args.model_path:
+        try:
+            resolve_device(args.device)
+        except DeviceError as e:
+            p.error(str(e))
+    elif args.device == "cuda":
+        p.error("--device cuda needs --model-path: the built-in model runs on the CPU only")
     # A checkpoint's expert count is known once it has loaded; the load then checks the gate.
     num_experts = None if args.model_path else cfg.num_experts
     try:
@@ -537,6 +574,7 @@ def main(argv: list[str] | None = None) -> None:
                      max_inflight=args.max_inflight, request_timeout_s=args.request_timeout,
                      admin=listener, model_path=args.model_path,
                      served_name=args.served_model_name, model_dtype=args.model_dtype,
+                     device=args.device, max_num_seqs=args.max_num_seqs,
                      exit_on_load_error=True)
     log.info("serving on %s:%d gate %s model %s; admin %s", args.host, args.port, doc.version,
              json.dumps(app[STATE].shape(), sort_keys=True),

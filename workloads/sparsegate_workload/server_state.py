@@ -14,7 +14,7 @@ import dataclasses
 import json
 import random
 import time
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 
 from aiohttp import web
 from sparsegate_contracts.gate import DEFAULT_DOCUMENT, GateDocument, GateParams
@@ -23,6 +23,9 @@ from .hf_serving import HFServedModel
 from .metrics import ServerMetrics
 from .model import ModelConfig, TinyMoELM
 from .precision import Precision
+
+if TYPE_CHECKING:  # batch_engine imports this module (ApiError)
+    from .batch_engine import BatchEngine
 
 MAX_BODY_BYTES = 1 << 20
 # Admission: requests admitted at once (running + waiting for the one model thread). Beyond it the
@@ -53,7 +56,10 @@ class ServerState:
     model_path: str | None = None         # a Hugging Face checkpoint directory instead of it
     served_name: str | None = None        # its OpenAI model id (None: the directory's name)
     model_dtype: str = "float32"          # its compute dtype (hf_serving.DTYPES)
+    device: str = "auto"                  # its --device (devices.resolve_device)
+    max_num_seqs: int = 32                # sequences its engine decodes together
     hf: HFServedModel | None = None       # the loaded checkpoint
+    engine: BatchEngine | None = None     # its continuous-batching generation engine
     executor: concurrent.futures.ThreadPoolExecutor | None = None
     metrics: ServerMetrics | None = None
     started: float = dataclasses.field(default_factory=time.monotonic)
@@ -166,6 +172,11 @@ def release_when_done(state: ServerState, future: asyncio.Future[Any], *,
     so its admission slot stays taken until the work is done (unless already handed off)."""
     if keep():
         future.add_done_callback(lambda f: _release(state, f))
+
+
+def free_slot(state: ServerState) -> None:
+    """Give back one admission slot whose holder handed it off with ``keep()``."""
+    state.inflight -= 1
 
 
 def _release(state: ServerState, done: asyncio.Future[Any]) -> None:

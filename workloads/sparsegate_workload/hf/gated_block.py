@@ -79,6 +79,9 @@ class GateCall:
 
     gate: ActiveGate
     layers: list[MoEStats] = dataclasses.field(default_factory=list)
+    # Each block call's whole Routing too, when asked (`pin_gate(keep_routing=True)`): what a
+    # batched decode step splits per sequence (which row used which experts).
+    routings: list[Routing] | None = None
 
     @property
     def mean_active_experts(self) -> float:
@@ -100,10 +103,10 @@ _CURRENT_CALL: contextvars.ContextVar[GateCall | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def pin_gate(gate: ActiveGate) -> Iterator[GateCall]:
+def pin_gate(gate: ActiveGate, *, keep_routing: bool = False) -> Iterator[GateCall]:
     """Blocks called inside (in this thread or task) route with `gate` and record into the
-    yielded call."""
-    call = GateCall(gate=gate)
+    yielded call (their Routing objects too with ``keep_routing``)."""
+    call = GateCall(gate=gate, routings=[] if keep_routing else None)
     token = _CURRENT_CALL.set(call)
     try:
         yield call
@@ -217,6 +220,8 @@ class SparseGatedMoEBlock(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * shared
         if call is not None:
             call.layers.append(_stats(routing, entropy_beta=gate.params.entropy_beta))
+            if call.routings is not None:
+                call.routings.append(routing)
         return out.reshape(hidden_states.shape)
 
     def dispatch(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -1,0 +1,154 @@
+"""BatchDecoder (continuous batching with a per-sequence KV cache) on a tiny Mixtral checkpoint
+built in code: batched tokens and usage equal each request decoded alone, sequences join and
+leave between steps, and each step runs under one gate version (groups keyed by version)."""
+
+import pytest
+import torch
+
+from sparsegate_workload.batch_decode import BatchDecoder, DecodeRequest
+from sparsegate_workload.gateparams import DEFAULT_PARAMS, make_document
+from sparsegate_workload.hf import build_tiny_checkpoint
+from sparsegate_workload.hf_serving import HFServedModel, load
+
+# capacityFactor 8 caps nothing (capacity = assignments), so a step's sequences never compete.
+DYNAMIC = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 1, "maxExpertsPerToken": 3,
+                         "capacityFactor": 8})
+ONE = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 1, "maxExpertsPerToken": 1,
+                     "capacityFactor": 8})
+TWO = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 2, "maxExpertsPerToken": 2,
+                     "capacityFactor": 8})
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> HFServedModel:
+    path = build_tiny_checkpoint(tmp_path_factory.mktemp("ck") / "mixtral", family="mixtral")
+    return load(path, gate=DYNAMIC, device="cpu")
+
+
+def _requests(n, *, first=0):
+    # Prompts of different lengths (so caches are left-padded), some greedy, some sampled.
+    return [DecodeRequest(key=i, prompt_ids=[1] + [(7 * i + j) % 300 + 3 for j in range(2 + 3 * i % 11)],
+                          max_tokens=6 + i % 5, temperature=0.0 if i % 3 else 0.9, seed=i)
+            for i in range(first, first + n)]
+
+
+def _drain(dec, pending, *, per_step=1, on_step=None):
+    """Run jobs until every sequence ended; ``per_step`` requests join per job."""
+    tokens, gens, sizes = {}, {}, []
+    pending = list(pending)
+    while pending or dec.running:
+        admit, pending = pending[:per_step], pending[per_step:]
+        if on_step is not None:
+            on_step(len(sizes))
+        for ev in dec.run(admit, []):
+            tokens.setdefault(ev.key, []).append(ev.token)
+            if ev.generation is not None:
+                gens[ev.key] = ev.generation
+        sizes.append(dec.group_sizes())
+    return tokens, gens, sizes
+
+
+def _solo(hf, req):
+    return hf.generate(req.prompt_ids, max_tokens=req.max_tokens, temperature=req.temperature,
+                       seed=req.seed)
+
+
+def test_batched_tokens_and_usage_equal_each_request_alone(hf):
+    reqs = _requests(9)
+    tokens, gens, sizes = _drain(BatchDecoder(hf), reqs, per_step=2)
+    assert max(sum(s.values()) for s in sizes) >= 5  # really decoded together
+    for req in reqs:
+        solo = _solo(hf, req)
+        assert tokens[req.key] == gens[req.key].token_ids == solo.token_ids, req
+        got = gens[req.key]
+        assert got.finish_reason == solo.finish_reason
+        assert got.expert_counts == solo.expert_counts
+        assert got.mean_experts_per_token == pytest.approx(solo.mean_experts_per_token)
+        assert got.gate_entropy == pytest.approx(solo.gate_entropy, rel=1e-5)
+        assert got.dropped_assignments == solo.dropped_assignments == 0
+        assert got.gate_version == DYNAMIC.version
+    assert all(not s for s in sizes[-1:])  # every group gone once all ended
+
+
+def test_sequences_join_and_leave_between_steps(hf):
+    dec = BatchDecoder(hf)
+    long = DecodeRequest(key="long", prompt_ids=[1, 5, 6], max_tokens=12)
+    short = DecodeRequest(key="short", prompt_ids=[1] + list(range(10, 30)), max_tokens=3)
+    events = dec.run([long], [])
+    assert [e.key for e in events] == ["long", "long"]  # prefill token, then one step
+    events = dec.run([short], [])
+    assert dec.group_sizes() == {DYNAMIC.version: 2}
+    # The short prompt is longer than the long one's cache: the group was padded to it.
+    while dec.running == 2:
+        events = dec.run([], [])
+    assert dec.group_sizes() == {DYNAMIC.version: 1}
+    removed = dec.run([], ["long"])
+    assert removed == [] and dec.running == 0 and dec.group_sizes() == {}
+    assert dec.remove("long") is False
+
+
+def test_a_sequence_removed_mid_batch_leaves_the_others_unchanged(hf):
+    reqs = _requests(4, first=20)
+    dec = BatchDecoder(hf)
+    tokens = {}
+    for ev in dec.run(reqs, []):
+        tokens.setdefault(ev.key, []).append(ev.token)
+    dec.remove(reqs[1].key)
+    while dec.running:
+        for ev in dec.run([], []):
+            tokens.setdefault(ev.key, []).append(ev.token)
+    for req in (reqs[0], reqs[2], reqs[3]):
+        assert tokens[req.key] == _solo(hf, req).token_ids
+
+
+def test_a_gate_swap_between_steps_starts_a_new_group_and_keeps_the_old_version(hf):
+    hf.set_gate(ONE)
+    dec = BatchDecoder(hf)
+    reqs = _requests(6, first=40)
+    solo_one = {r.key: _solo(hf, r) for r in reqs[:3]}
+    hf.set_gate(TWO)
+    solo_two = {r.key: _solo(hf, r) for r in reqs[3:]}
+    hf.set_gate(ONE)
+
+    def swap(step):
+        if step == 3:  # between two jobs, as the server's model thread does
+            hf.set_gate(TWO)
+    try:
+        tokens, gens, sizes = _drain(dec, reqs, per_step=1, on_step=swap)
+    finally:
+        hf.set_gate(DYNAMIC)
+    assert any(len(s) == 2 for s in sizes)  # both versions decoding side by side
+    for r in reqs[:3]:
+        assert gens[r.key].gate_version == ONE.version
+        assert gens[r.key].mean_experts_per_token == 1.0
+        assert gens[r.key].token_ids == solo_one[r.key].token_ids
+    for r in reqs[3:]:
+        assert gens[r.key].gate_version == TWO.version
+        assert gens[r.key].mean_experts_per_token == 2.0
+        assert gens[r.key].token_ids == solo_two[r.key].token_ids
+
+
+def test_eos_and_max_tokens_end_a_sequence_at_its_prefill(hf):
+    dec = BatchDecoder(hf)
+    [ev] = dec.run([DecodeRequest(key="one", prompt_ids=[1, 9, 9], max_tokens=1)], [])
+    assert ev.generation is not None and ev.generation.finish_reason in ("length", "stop")
+    assert ev.generation.token_ids == [ev.token] and dec.running == 0
+    with pytest.raises(ValueError, match="already decoding"):
+        dec.add(DecodeRequest(key="x", prompt_ids=[1, 2], max_tokens=5))
+        dec.add(DecodeRequest(key="x", prompt_ids=[1, 2], max_tokens=5))
+    dec.reset()
+    assert dec.running == 0
+
+
+def test_the_cache_holds_only_columns_some_row_uses(hf):
+    dec = BatchDecoder(hf)
+    dec.run([DecodeRequest(key="a", prompt_ids=[1] * 30, max_tokens=50),
+             DecodeRequest(key="b", prompt_ids=[1, 2], max_tokens=50)], [])
+    group = next(iter(dec._groups.values()))
+    assert group.mask.shape == (2, 31) and group.keys[0].shape[2] == 31
+    dec.remove("a")
+    group = next(iter(dec._groups.values()))
+    # b's own 2 prompt tokens + 2 generated-and-fed tokens; a's 30-token padding trimmed.
+    assert group.mask.shape == (1, 3) and bool(group.mask.all())
+    assert all(k.shape[2] == 3 for k in group.keys)
+    assert torch.equal(group.mask, torch.ones(1, 3, dtype=torch.long))

@@ -1,0 +1,200 @@
+"""Continuous batching for the OpenAI generation endpoints: the event-loop side.
+
+Requests are submitted as `GenerationHandle`s into a FIFO queue. One driver task runs engine
+*jobs* on the server's single model thread (the executor every model call shares, so a gate
+swap or a ``/v1/infer`` batch lands between two jobs, never inside one). A job drops the
+sequences that left (timed out, client gone), prefills the queued requests that fit in
+``max_num_seqs`` and runs one decode step for every decoding sequence (`BatchDecoder.run`);
+back on the event loop, each request gets its tokens (``handle.tokens``) and, on its last one,
+its `Generation` (``handle.done``). So requests join and leave between steps.
+
+The queue's bound is the server's admission (``--max-inflight`` running + queued: beyond it
+429). A handle's timeout fails it with 503 at once; a queued one leaves the queue then, a
+decoding one leaves its batch at the next step boundary, and only then is its ``on_leave``
+called (the admission slot freed), so the slot counts what really occupies the model. Closing
+the engine (server shutdown) fails everything still queued or decoding with 503.
+
+The vLLM gauges stay true: ``waiting`` counts queued handles, ``running`` decoding ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import logging
+import time
+from typing import Callable
+
+from .batch_decode import BatchDecoder, DecodeRequest, TokenEvent
+from .hf_serving import Generation
+from .metrics import ServerMetrics
+from .server_state import ApiError
+
+log = logging.getLogger("sparsegate.workload.batch")
+
+DEFAULT_MAX_NUM_SEQS = 32  # sequences decoded together (vLLM's name: max_num_seqs)
+
+_ids = itertools.count()
+
+
+class GenerationHandle:
+    """One submitted generation, as its HTTP request sees it (event loop only)."""
+
+    def __init__(self, request: DecodeRequest, *, on_leave: Callable[[], None] | None) -> None:
+        self.request = request
+        self.tokens: asyncio.Queue[int] = asyncio.Queue()
+        self.done: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
+        self.first_token_at: float | None = None   # perf_counter when its first token arrived
+        self.state = "waiting"                     # -> "running" -> "left"
+        self.cancelled = False
+        self._on_leave = on_leave
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def key(self) -> object:
+        return self.request.key
+
+    def fail(self, error: Exception) -> None:
+        if not self.done.done():
+            self.done.set_exception(error)
+            self.done.exception()  # retrieved here: a client that left reads it never
+
+    def _left(self) -> None:
+        self.state = "left"
+        if self._timer is not None:
+            self._timer.cancel()
+        on_leave, self._on_leave = self._on_leave, None
+        if on_leave is not None:
+            on_leave()
+
+
+class BatchEngine:
+    """Schedules generations into batched decode steps of one `BatchDecoder`."""
+
+    def __init__(self, decoder: BatchDecoder, *, executor: concurrent.futures.Executor,
+                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 metrics: ServerMetrics | None = None) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        self.decoder = decoder
+        self.max_num_seqs = max_num_seqs
+        self._executor = executor
+        self._metrics = metrics
+        self._waiting: collections.deque[GenerationHandle] = collections.deque()
+        self._running: dict[object, GenerationHandle] = {}
+        self._driver: asyncio.Task[None] | None = None
+        self.closed: str | None = None   # why new work is refused (None: open)
+        self.steps = 0                   # jobs run (each: joins + one decode step per group)
+        self.max_batch = 0               # most sequences decoding at once so far
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def submit(self, prompt_ids: list[int], *, max_tokens: int, temperature: float = 0.0,
+               seed: int = 0, timeout_s: float | None = None,
+               on_leave: Callable[[], None] | None = None) -> GenerationHandle:
+        """Queue one generation. ``timeout_s``: fail with 503 after that long, and leave.
+        ``on_leave``: called once when it no longer occupies the queue or a batch."""
+        if self.closed is not None:
+            raise ApiError(503, self.closed)
+        request = DecodeRequest(key=next(_ids), prompt_ids=list(prompt_ids),
+                                max_tokens=max_tokens, temperature=temperature, seed=seed)
+        handle = GenerationHandle(request, on_leave=on_leave)
+        if timeout_s is not None:
+            handle._timer = asyncio.get_running_loop().call_later(
+                timeout_s, self._expire, handle, timeout_s)
+        self._waiting.append(handle)
+        if self._metrics is not None:
+            self._metrics.waiting.inc()
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.create_task(self._drive())
+        return handle
+
+    def cancel(self, handle: GenerationHandle, error: Exception | None = None) -> None:
+        """The request is gone (client left, or timed out): fail it, and free its place — at
+        once when queued, at the next step boundary when decoding."""
+        if handle.state == "left" or handle.cancelled:
+            return
+        handle.cancelled = True
+        handle.fail(error or ApiError(499, "client closed the request"))
+        if handle.state == "waiting":
+            self._waiting.remove(handle)
+            if self._metrics is not None:
+                self._metrics.waiting.dec()
+            handle._left()
+
+    def _expire(self, handle: GenerationHandle, timeout_s: float) -> None:
+        self.cancel(handle, ApiError(503, f"no result within {timeout_s:g} s"))
+
+    async def close(self, reason: str = "server is shutting down") -> None:
+        """Refuse new work and fail what is queued or decoding (503 ``reason``)."""
+        self.closed = reason
+        for handle in list(self._waiting):
+            self.cancel(handle, ApiError(503, reason))
+        for handle in list(self._running.values()):
+            self.cancel(handle, ApiError(503, reason))
+        if self._driver is not None:
+            try:
+                await self._driver
+            except Exception:  # already logged by the driver
+                pass
+
+    async def _drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._waiting or self._running:
+            admit: list[GenerationHandle] = []
+            while self._waiting and len(self._running) + len(admit) < self.max_num_seqs:
+                if self.closed is not None:
+                    break
+                admit.append(self._waiting.popleft())
+            leave = [h for h in self._running.values() if h.cancelled]
+            for h in admit:
+                h.state = "running"
+                self._running[h.key] = h
+            if self._metrics is not None and admit:
+                self._metrics.waiting.dec(len(admit))
+                self._metrics.running.inc(len(admit))
+            try:
+                events = await loop.run_in_executor(
+                    self._executor, self.decoder.run, [h.request for h in admit],
+                    [h.key for h in leave])
+            except Exception as e:  # the model failed: every sequence in it fails too
+                log.exception("batched decode step failed")
+                await loop.run_in_executor(self._executor, self.decoder.reset)
+                for h in list(self._running.values()):
+                    h.fail(ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
+                    self._leave(h)
+                continue
+            self.steps += 1
+            for h in leave:
+                self._leave(h)
+            self._dispatch(events)
+            self.max_batch = max(self.max_batch, self.decoder.running + sum(
+                1 for e in events if e.generation is not None))
+
+    def _dispatch(self, events: list[TokenEvent]) -> None:
+        now = time.perf_counter()
+        for event in events:
+            handle = self._running.get(event.key)
+            if handle is None:
+                continue
+            if not handle.cancelled:
+                if handle.first_token_at is None:
+                    handle.first_token_at = now
+                handle.tokens.put_nowait(event.token)
+                if event.generation is not None:
+                    handle.done.set_result(event.generation)
+            if event.generation is not None:
+                self._leave(handle)
+
+    def _leave(self, handle: GenerationHandle) -> None:
+        if self._running.pop(handle.key, None) is not None and self._metrics is not None:
+            self._metrics.running.dec()
+        handle._left()
