@@ -421,17 +421,19 @@ def new_run(checks: Sequence[CheckSpec], *, step: int, percent: int, canary_vers
 
 
 def _assess(check: CheckSpec, run: CheckRun) -> tuple[RunPhase, str]:
-    """A declared check's phase from its counts (Argo's assessMetricStatus)."""
+    """A declared check's phase from its counts (Argo's assessMetricStatus), saying why with the
+    latest measurement's own words (value and the condition that decided it)."""
+    last = f" (latest: {run.measurements[-1].message})" if run.measurements and run.measurements[-1].message else ""
     if run.failed > check.failure_limit:
-        return RunPhase.FAILED, f"{run.failed} failed measurement(s) > failureLimit {check.failure_limit}"
+        return RunPhase.FAILED, f"{run.failed} failed measurement(s) > failureLimit {check.failure_limit}{last}"
     if run.inconclusive > check.inconclusive_limit:
         return RunPhase.INCONCLUSIVE, (f"{run.inconclusive} inconclusive measurement(s) > inconclusiveLimit "
-                                       f"{check.inconclusive_limit}")
+                                       f"{check.inconclusive_limit}{last}")
     if run.consecutive_errors > check.consecutive_error_limit:
         return RunPhase.INCONCLUSIVE, (f"{run.consecutive_errors} provider errors in a row > consecutiveErrorLimit "
-                                       f"{check.consecutive_error_limit}")
+                                       f"{check.consecutive_error_limit}{last}")
     if run.taken - run.errors >= check.count:
-        return RunPhase.SUCCESSFUL, f"{run.successful} of {check.count} measurement(s) successful"
+        return RunPhase.SUCCESSFUL, f"{run.successful} of {check.count} measurement(s) successful{last}"
     return RunPhase.RUNNING, ""
 
 

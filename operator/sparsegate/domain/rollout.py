@@ -47,7 +47,18 @@ from typing import Any
 from sparsegate_contracts import gate as gatedoc
 from sparsegate_contracts.names import ABORT_ANNOTATION, GROUP, PROMOTE_ANNOTATION, RETRY_ANNOTATION
 
+from sparsegate.domain import analysis_run as runs
 from sparsegate.domain.analysis import AnalysisResult, GroupMetrics, Verdict, analyse
+from sparsegate.domain.analysis_run import (
+    BUILTIN_CHECK,
+    AnalysisRun,
+    CheckSpec,
+    Measured,
+    Measurement,
+    MeasurementPhase,
+    Provider,
+    RunPhase,
+)
 from sparsegate.domain.conditions import merge_conditions
 from sparsegate.domain.calibration import (
     Calibration,
@@ -147,6 +158,12 @@ class RolloutSpec:
     min_requests: int = DEFAULT_MIN_REQUESTS
     progress_deadline_s: float = DEFAULT_PROGRESS_DEADLINE_S
     calibration: Calibration = field(default_factory=lambda: parse_calibration(None))
+    # spec.rollout.analysis.checks (domain.analysis_run); the implicit builtin check when none are declared.
+    checks: tuple[CheckSpec, ...] = (BUILTIN_CHECK,)
+
+    @property
+    def builtin(self) -> CheckSpec | None:
+        return next((c for c in self.checks if c.provider == Provider.BUILTIN), None)
 
 
 def parse_spec(spec: Mapping[str, Any], *, target: GateVersion | None = None) -> RolloutSpec:
@@ -184,6 +201,7 @@ def parse_spec(spec: Mapping[str, Any], *, target: GateVersion | None = None) ->
                 ro.get("progressDeadline", DEFAULT_PROGRESS_DEADLINE_S), field="progressDeadline"
             ),
             calibration=parse_calibration(spec.get("calibration")),
+            checks=runs.parse_checks(ro.get("analysis")),
         )
     except SpecError:
         raise
@@ -268,6 +286,13 @@ class RolloutStatus:
     error_samples: tuple[tuple[float, float], ...] = ()
     conditions: tuple[Mapping[str, Any], ...] = ()
     history: tuple[Revision, ...] = ()  # promoted stable versions, oldest first; last == stable
+    analysis_runs: tuple[AnalysisRun, ...] = ()  # the last RUN_HISTORY steps' analyses, oldest first
+    analysis_paused: bool = False  # Paused because a check was inconclusive (not by spec.rollout.paused)
+    # The builtin check's data window: where the data the provider holds begins (a restarted operator's
+    # direct scrape begins a new one) and how many ticks brought data. A step passes only on a full
+    # analysisInterval of data from window_from on, not on time since analysis_started_at.
+    window_from: float | None = None
+    window_samples: int = 0
 
     @classmethod
     def from_status(cls, raw: Mapping[str, Any] | None) -> RolloutStatus:
@@ -298,6 +323,10 @@ class RolloutStatus:
             error_samples=tuple(tuple(x) for x in calibration.get("errorRate", ())),
             conditions=tuple(raw.get("conditions") or ()),
             history=tuple(r for r in (Revision.from_status(x) for x in raw.get("history") or ()) if r),
+            analysis_runs=tuple(r for r in (AnalysisRun.from_status(x) for x in raw.get("analysisRuns") or ()) if r),
+            analysis_paused=bool(ro.get("analysisPaused", False)),
+            window_from=_epoch((ro.get("analysisWindow") or {}).get("from")),
+            window_samples=int((ro.get("analysisWindow") or {}).get("samples") or 0),
         )
 
     def to_status(self, *, steps: Sequence[int]) -> dict[str, Any]:
@@ -331,6 +360,9 @@ class RolloutStatus:
             "afterRollback": self.after_rollback.value if self.after_rollback else None,
             "rejectedVersion": self.rejected_version,
             "promote": self.promote,
+            "analysisPaused": self.analysis_paused or None,
+            "analysisWindow": {"from": _iso(self.window_from), "samples": self.window_samples}
+            if self.window_from is not None else None,
             "calibration": {
                 "qps": [list(x) for x in self.qps_samples],
                 "errorRate": [list(x) for x in self.error_samples],
@@ -344,6 +376,8 @@ class RolloutStatus:
             out["stable"] = self.stable.document()
         if self.history:
             out["history"] = [r.to_status() for r in self.history]
+        if self.analysis_runs:
+            out["analysisRuns"] = [r.to_status() for r in self.analysis_runs]
         return out
 
 
@@ -370,6 +404,11 @@ class Observations:
     # Calibration samples for this tick: fleet qps and the stable pods' error rate.
     fleet_qps: float | None = None
     stable_error_rate: float | None = None
+    # Where the builtin provider's window data begins (None: the provider does not say; then
+    # status.analysis_started_at is taken, as Prometheus keeps the data across restarts).
+    window_from: float | None = None
+    # Declared checks measured this tick (check name → provider answer), see analysis_run.due_checks.
+    measurements: Mapping[str, Measured] = field(default_factory=dict)
 
 
 def annotation_requests(annotations: Mapping[str, str] | None) -> dict[str, bool]:
@@ -543,6 +582,9 @@ def _start(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float
         analysis_started_at=None,
         after_rollback=None,
         promote=False,
+        analysis_paused=False,
+        window_from=None,
+        window_samples=0,
         reason=reason,
         message=f"rolling out {spec.target.version} over {s.stable.version if s.stable else '-'}: "
         f"step 1/{len(spec.steps)} ({percent}% = {len(chosen)} of {len(obs.pods)} instances)",
@@ -558,6 +600,7 @@ def _rollback(s: RolloutStatus, *, after: Phase, reason: str, message: str, reje
         rejected_version=s.canary.version if reject and s.canary else s.rejected_version,
         analysis_started_at=None,
         promote=False,
+        analysis_paused=False,
         reason=reason,
         message=message,
     )
@@ -576,6 +619,9 @@ def _promote_fully(s: RolloutStatus, *, spec: RolloutSpec, reason: str, message:
         analysis_started_at=None,
         after_rollback=None,
         promote=False,
+        analysis_paused=False,
+        window_from=None,
+        window_samples=0,
         reason=reason,
         message=message,
     )
@@ -594,6 +640,9 @@ def _advance_step(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, ste
         canary_pods=chosen,
         step_started_at=now,
         analysis_started_at=None,
+        analysis_paused=False,
+        window_from=None,
+        window_samples=0,
         message=f"step {step + 1}/{len(spec.steps)}: {percent}% = {len(chosen)} of {len(obs.pods)} instances",
     )
 
@@ -606,7 +655,8 @@ def _fail(
         return _rollback(s, after=Phase.ROLLED_BACK, reason=reason, message=message, reject=True)
     acts.append(EmitEvent("Warning", reason, f"{message} (autoRollback off: canary kept, abort to roll back)"))
     acts.append(RecordOutcome("failed"))
-    return dataclasses.replace(s, phase=Phase.FAILED, reason=reason, message=message, analysis_started_at=None)
+    return dataclasses.replace(s, phase=Phase.FAILED, reason=reason, message=message, analysis_started_at=None,
+                               analysis_paused=False)
 
 
 def invalid_spec(*, status: RolloutStatus, error: str, now: float) -> Decision:
@@ -659,8 +709,11 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
     if obs.retry and s.phase in (Phase.ROLLED_BACK, Phase.ABORTED) and s.rejected_version == target.version:
         s = dataclasses.replace(s, rejected_version=None)
         retried = True
-    elif obs.retry and s.phase == Phase.FAILED and s.canary is not None and s.step is not None:
+    elif obs.retry and (s.phase == Phase.FAILED or (s.phase == Phase.PAUSED and s.analysis_paused)) \
+            and s.canary is not None and s.step is not None:
+        # A failed step (autoRollback off) or one paused as inconclusive: analysed again from the start.
         s = dataclasses.replace(s, phase=Phase.PROGRESSING, step_started_at=now, analysis_started_at=None,
+                                analysis_paused=False, window_from=None, window_samples=0,
                                 reason="Retried", message=f"retrying step {s.step + 1}/{len(spec.steps)}")
         acts.append(EmitEvent("Normal", "Retried", s.message))
 
@@ -701,7 +754,8 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
     elif obs.promote_step and in_flight and s.step is not None and s.step < len(spec.steps) - 1:
         # One step on, this step's analysis skipped; the next step is analysed as usual. Paused
         # stays paused (spec.rollout.paused is the spec's to change): the held step moves on.
-        paused = s.phase == Phase.PAUSED
+        # An inconclusive-analysis pause is what promote answers: it ends (Argo's promote resumes too).
+        paused = s.phase == Phase.PAUSED and (spec.paused or not s.analysis_paused)
         s = _advance_step(s, spec=spec, obs=obs, step=s.step + 1, now=now)
         s = dataclasses.replace(s, phase=Phase.PAUSED if paused else s.phase, reason="StepPromoteRequested")
         acts.append(EmitEvent("Normal", "StepPromoteRequested", s.message))
@@ -717,7 +771,7 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
         s = dataclasses.replace(s, phase=Phase.PAUSED, analysis_started_at=None, reason="Paused",
                                 message=f"paused at step {s.step + 1}/{len(spec.steps)}")
         acts.append(EmitEvent("Normal", "Paused", s.message))
-    elif s.phase == Phase.PAUSED and (not spec.paused or s.promote):
+    elif s.phase == Phase.PAUSED and not s.analysis_paused and (not spec.paused or s.promote):
         s = dataclasses.replace(s, phase=Phase.PROGRESSING, step_started_at=now, reason="Resumed",
                                 message=f"resumed at step {s.step + 1}/{len(spec.steps)}")
         acts.append(EmitEvent("Normal", "Resumed", s.message))
@@ -753,8 +807,12 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
                              RecordOutcome("succeeded")]
                     s = _promote_fully(s, spec=spec, reason="Promoted", message=msg)
                 else:
+                    run = runs.new_run(spec.checks, step=s.step + 1, percent=percent, canary_version=s.canary.version,
+                                       now=now)
                     s = dataclasses.replace(
                         s, phase=Phase.ANALYSING, analysis_started_at=now, reason="Analysing",
+                        window_from=None, window_samples=0,
+                        analysis_runs=(*s.analysis_runs, run)[-runs.RUN_HISTORY:],
                         message=f"step {s.step + 1}/{len(spec.steps)}: {len(chosen)} of {len(obs.pods)} instances run "
                         f"{s.canary.version}; analysing for {spec.analysis_interval_s:g}s",
                     )
@@ -780,29 +838,7 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
                                     analysis_started_at=None, reason="Reverifying",
                                     message="instances changed during analysis: re-verifying the step")
         else:
-            result = _analyse(s, spec=spec, obs=obs, now=now)
-            if result is not None:
-                s = dataclasses.replace(s, last_analysis=result.to_status())
-            elapsed = now - (s.analysis_started_at or now)
-            if result is not None and result.verdict == Verdict.FAIL:
-                s = _fail(s, spec=spec, reason="AnalysisFailed",
-                          message=f"step {s.step + 1} ({percent}%) analysis {result.message}", acts=acts)
-            elif result is not None and result.verdict == Verdict.PASS and elapsed >= spec.analysis_interval_s:
-                acts.append(RecordStep(percent, now - (s.step_started_at or now)))
-                if s.step == len(spec.steps) - 1:
-                    msg = f"{s.canary.version} promoted: {result.message}"
-                    acts += [EmitEvent("Normal", "Promoted", msg), RecordOutcome("succeeded")]
-                    s = _promote_fully(s, spec=spec, reason="Promoted", message=msg)
-                else:
-                    s = _advance_step(s, spec=spec, obs=obs, step=s.step + 1, now=now)
-                    s = dataclasses.replace(s, reason="StepPromoted")
-                    acts.append(EmitEvent("Normal", "StepPromoted", f"{result.message}; {s.message}"))
-            else:
-                verdict = "waiting for metrics" if result is None else result.message
-                s = dataclasses.replace(
-                    s, message=f"step {s.step + 1}/{len(spec.steps)} ({percent}%): analysing "
-                    f"{elapsed:.0f}/{spec.analysis_interval_s:g}s: {verdict}"
-                )
+            s = _judge_step(s, spec=spec, obs=obs, now=now, percent=percent, acts=acts)
 
     elif s.phase == Phase.ROLLING_BACK:
         assert s.stable is not None
@@ -827,6 +863,11 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
         if p.reachable and p.version != gate.version:
             acts.append(PushGate(pod=name, gate=gate))
 
+    # A run still open when the step stopped being analysed (abort, pause, newer spec, promote,
+    # re-verify) is closed as Terminated, with the reason.
+    if s.analysis_runs and s.analysis_runs[-1].phase == RunPhase.RUNNING and s.phase != Phase.ANALYSING:
+        closed = runs.finish(s.analysis_runs[-1], RunPhase.TERMINATED, f"{s.reason}: {s.message}", now=now)
+        s = dataclasses.replace(s, analysis_runs=(*s.analysis_runs[:-1], closed))
     s = dataclasses.replace(
         s,
         pod_versions={p.name: p.version for p in obs.pods if p.version is not None},
@@ -851,6 +892,125 @@ def _not_at_desired(s: RolloutStatus, pods: Sequence[PodObservation]) -> list[st
             # A stable pod still on an older canary (superseded, or step shrank on restart).
             waiting.append(p.name)
     return waiting
+
+
+def _current_run(s: RolloutStatus, *, spec: RolloutSpec, now: float) -> AnalysisRun:
+    """The open run of the step under analysis (a new one when status has none, e.g. written by an
+    operator that predates runs)."""
+    assert s.canary is not None and s.step is not None
+    last = s.analysis_runs[-1] if s.analysis_runs else None
+    if last is not None and last.phase == RunPhase.RUNNING and last.step == s.step + 1 \
+            and last.canary_version == s.canary.version:
+        return last
+    return runs.new_run(spec.checks, step=s.step + 1, percent=spec.steps[s.step], canary_version=s.canary.version,
+                        now=s.analysis_started_at if s.analysis_started_at is not None else now)
+
+
+def _track_window(s: RolloutStatus, *, obs: Observations) -> tuple[RolloutStatus, str]:
+    """Follow the builtin provider's data window; a window that begins later than the recorded
+    one (an operator restart lost the direct scrape's start snapshots) starts over: the data
+    before it is gone, so the full analysisInterval is counted again from its start."""
+    note = ""
+    if obs.window_from is None:
+        return s, note
+    if s.window_from is None or abs(obs.window_from - s.window_from) > 0.01:
+        if s.window_from is not None:
+            note = (f"; analysis window restarted at {_iso(obs.window_from)} (its data since "
+                    f"{_iso(s.window_from)} is gone, e.g. an operator restart)")
+        s = dataclasses.replace(s, window_from=obs.window_from, window_samples=0)
+    if obs.canary_metrics is not None:
+        s = dataclasses.replace(s, window_samples=s.window_samples + 1)
+    return s, note
+
+
+def _builtin(run: AnalysisRun, check: CheckSpec, *, result: AnalysisResult | None, covered_s: float,
+             spec: RolloutSpec, now: float) -> AnalysisRun:
+    """The builtin check as before runs existed: fail fast; pass on a full window that passes;
+    thin traffic keeps observing. A dry-run builtin records whatever the full window says."""
+    cur = run.check(check.name)
+    if result is None or (cur is not None and cur.phase != RunPhase.RUNNING):
+        return run
+    full = covered_s >= spec.analysis_interval_s
+    if result.verdict == Verdict.FAIL:
+        phase = MeasurementPhase.FAILED
+    elif full and result.verdict == Verdict.PASS:
+        phase = MeasurementPhase.SUCCESSFUL
+    elif full and check.dry_run:
+        phase = MeasurementPhase.INCONCLUSIVE
+    else:
+        return run
+    m = Measurement(phase=phase, at=now, values={c.name: c.value for c in result.checks}, message=result.message)
+    run = runs.record(run, check, m, decide=False)
+    return runs.set_check_phase(run, check.name, RunPhase(phase.value), result.message)
+
+
+def _judge_step(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float, percent: int,
+                acts: list[Action]) -> RolloutStatus:
+    """Analysing, pods in place: record this tick's measurements and decide the step."""
+    assert s.canary is not None and s.step is not None
+    run = _current_run(s, spec=spec, now=now)
+    for check in spec.checks:
+        if check.provider != Provider.BUILTIN and check.name in obs.measurements:
+            run = runs.record(run, check, runs.judge(check, obs.measurements[check.name], now=now))
+    result: AnalysisResult | None = None
+    note = ""
+    builtin = spec.builtin
+    covered = now - (s.analysis_started_at or now)
+    if builtin is not None:
+        s, note = _track_window(s, obs=obs)
+        if s.window_from is not None:
+            covered = now - max(s.window_from, s.analysis_started_at or s.window_from)
+        result = _analyse(s, spec=spec, obs=obs, now=now)
+        if result is not None:
+            s = dataclasses.replace(s, last_analysis=result.to_status())
+        run = _builtin(run, builtin, result=result, covered_s=covered, spec=spec, now=now)
+    verdict, why = runs.run_phase(run, spec.checks)
+    step_text = f"step {s.step + 1} ({percent}%)"
+    if verdict == RunPhase.FAILED:
+        run = runs.finish(run, verdict, why, now=now)
+        s = dataclasses.replace(s, analysis_runs=_replace_run(s, run))
+        return _fail(s, spec=spec, reason="AnalysisFailed", message=f"{step_text} analysis {why}", acts=acts)
+    if verdict == RunPhase.INCONCLUSIVE:
+        run = runs.finish(run, verdict, why, now=now)
+        msg = (f"{step_text} analysis inconclusive, rollout paused: {why}; promote to continue, retry to analyse "
+               f"the step again, abort to roll back")
+        acts.append(EmitEvent("Warning", "AnalysisInconclusive", msg))
+        return dataclasses.replace(
+            s, phase=Phase.PAUSED, analysis_paused=True, analysis_started_at=None, reason="AnalysisInconclusive",
+            message=msg, analysis_runs=_replace_run(s, run))
+    if verdict == RunPhase.SUCCESSFUL:
+        run = runs.finish(run, verdict, why, now=now)
+        s = dataclasses.replace(s, analysis_runs=_replace_run(s, run))
+        summary = result.message if result is not None and builtin is not None and not builtin.dry_run else why
+        acts.append(RecordStep(percent, now - (s.step_started_at or now)))
+        if s.step == len(spec.steps) - 1:
+            msg = f"{s.canary.version} promoted: {summary}"
+            acts += [EmitEvent("Normal", "Promoted", msg), RecordOutcome("succeeded")]
+            return _promote_fully(s, spec=spec, reason="Promoted", message=msg)
+        s = _advance_step(s, spec=spec, obs=obs, step=s.step + 1, now=now)
+        s = dataclasses.replace(s, reason="StepPromoted")
+        acts.append(EmitEvent("Normal", "StepPromoted", f"{summary}; {s.message}"))
+        return s
+    if builtin is not None:
+        verdict_text = "waiting for metrics" if result is None else result.message
+        progress = f"analysing {covered:.0f}/{spec.analysis_interval_s:g}s: {verdict_text}"
+    else:
+        progress = f"analysing: {why}"
+    return dataclasses.replace(s, analysis_runs=_replace_run(s, run),
+                               message=f"step {s.step + 1}/{len(spec.steps)} ({percent}%): {progress}{note}")
+
+
+def _is_last(s: RolloutStatus, run: AnalysisRun) -> bool:
+    last = s.analysis_runs[-1] if s.analysis_runs else None
+    return last is not None and last.step == run.step and last.started_at == run.started_at \
+        and last.canary_version == run.canary_version
+
+
+def _replace_run(s: RolloutStatus, run: AnalysisRun) -> tuple[AnalysisRun, ...]:
+    """status.analysisRuns with ``run`` as its newest entry (replacing it when it is the open one)."""
+    if _is_last(s, run):
+        return (*s.analysis_runs[:-1], run)
+    return (*s.analysis_runs, run)[-runs.RUN_HISTORY:]
 
 
 def _analyse(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float) -> AnalysisResult | None:

@@ -21,12 +21,18 @@ status, looks at what the pods report and only pushes what is still missing.
 Tunables (environment, for tests and the chart):
 ``SPARSEGATE_ROLLOUT_TICK_S`` (default 5) tick interval; ``SPARSEGATE_ROLLOUT_RESTING_CHECK_S``
 (default 30) how often a resting GateConfig still checks its pods; ``SPARSEGATE_PROMETHEUS_URL``
-use Prometheus' HTTP API for analysis metrics instead of scraping pods directly.
+use Prometheus' HTTP API for the builtin analysis instead of scraping pods directly, and the
+address of declared ``prometheus`` checks that name none.
+
+Analysis goes through ``clients.analysis_providers``: the builtin check's provider every tick
+while a canary is in flight, each declared check's provider when ``domain.analysis_run.due_checks``
+says its next measurement is due.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -41,11 +47,20 @@ import prometheus_client
 from sparsegate_contracts import names
 
 from sparsegate.clients.admin_credentials import AdminCredentialStore, ModelCredentials
+from sparsegate.clients.analysis_providers import (
+    BuiltinWindow,
+    DirectScrape,
+    MeasureRequest,
+    PrometheusGroups,
+    PrometheusQuery,
+    WebRequest,
+    measure_safely,
+)
 from sparsegate.clients.kube import Conflict, Kube, KubeError
-from sparsegate.clients.metrics_source import PrometheusAPI, group_from_snapshots, parse_pod_counters
+from sparsegate.clients.metrics_source import PrometheusAPI
 from sparsegate.clients.podadmin import PodAdmin, PodTarget
-from sparsegate.domain import render
-from sparsegate.domain.analysis import PodCounters
+from sparsegate.domain import analysis_run, render
+from sparsegate.domain.analysis_run import Measured, Provider, RunPhase
 from sparsegate.domain.pod_ownership import ownership_problem
 from sparsegate.domain.rollout import (
     RESTING_PHASES,
@@ -58,6 +73,7 @@ from sparsegate.domain.rollout import (
     PushGate,
     RecordOutcome,
     RecordStep,
+    RolloutSpec,
     RolloutStatus,
     SpecError,
     annotation_requests,
@@ -91,9 +107,8 @@ class _Cache:
     """Per-GateConfig memory that is only an optimisation: losing it (restart) is safe."""
 
     last_full_check: float = 0.0
-    prev: dict[str, PodCounters] = field(default_factory=dict)  # last scrape, for tick rates
-    window_key: tuple[Any, ...] | None = None  # (canary version, step, analysis start)
-    window_start: dict[str, PodCounters] = field(default_factory=dict)
+    # The builtin provider of this GateConfig (a DirectScrape owns its window snapshots).
+    builtin: DirectScrape | PrometheusGroups | None = None
     # Admin credentials per model: re-read from the Secret on every fleet refresh, rebuilt only
     # when its resourceVersion changes (never cached beyond the Secret they came from).
     credentials: AdminCredentialStore = field(default_factory=AdminCredentialStore)
@@ -121,11 +136,15 @@ def admin_port(pod: Mapping[str, Any]) -> int | None:
 
 class RolloutLoop:
     def __init__(self, *, kube: Kube, admin: PodAdmin | None = None,
-                 prometheus: PrometheusAPI | None = None, clock: Any = time.time) -> None:
+                 prometheus: PrometheusAPI | None = None, prometheus_url: str | None = None,
+                 clock: Any = time.time) -> None:
         self.kube = kube
         self.admin = admin or PodAdmin()
         self.prometheus = prometheus
         self.clock = clock
+        # Declared checks' providers (stateless; the builtin one is per GateConfig, in its _Cache).
+        self.providers = {Provider.PROMETHEUS: PrometheusQuery(default_address=prometheus_url),
+                          Provider.WEB: WebRequest()}
 
     # ------------------------------------------------------------ observation
 
@@ -196,53 +215,49 @@ class RolloutLoop:
             out.append(PodObservation(name=name, reachable=bool(h and h.reachable), version=h.version if h else None))
         return tuple(out)
 
-    async def _metrics(self, *, namespace: str, fleet: _Fleet, status: RolloutStatus, cache: _Cache,
-                       now: float) -> dict[str, Any]:
-        """Analysis groups since the analysis start, plus this tick's calibration samples."""
-        if status.phase not in (Phase.PROGRESSING, Phase.ANALYSING) or status.canary is None:
-            cache.prev, cache.window_key, cache.window_start = {}, None, {}
-            return {}
+    def _request(self, *, namespace: str, fleet: _Fleet, status: RolloutStatus, now: float) -> MeasureRequest:
         canary = [p for p in status.canary_pods if p in fleet.targets]
         stable = [p for p in fleet.targets if p not in set(status.canary_pods)]
-        if self.prometheus is not None:
-            return await self._prometheus_metrics(namespace=namespace, canary=canary, stable=stable,
-                                                  status=status, now=now)
-        texts = await self.admin.scrape(list(fleet.targets.values()))
-        snap = {name: parse_pod_counters(text, at=now) for name, text in texts.items()}
-        out: dict[str, Any] = {}
-        # Calibration samples: fleet qps and the stable pods' error rate since the last tick.
-        tick = group_from_snapshots(start=cache.prev, end=snap, pods=snap.keys())
-        if tick is not None and tick.seconds > 0:
-            out["fleet_qps"] = tick.qps
-        stable_tick = group_from_snapshots(start=cache.prev, end=snap, pods=stable)
-        if stable_tick is not None and stable_tick.error_rate is not None:
-            out["stable_error_rate"] = stable_tick.error_rate
-        cache.prev = snap
-        if status.phase == Phase.ANALYSING:
-            key = (status.canary.version, status.step, status.analysis_started_at)
-            if cache.window_key != key:
-                # First look at this analysis window (or first since a restart): it starts now.
-                cache.window_key, cache.window_start = key, snap
-            else:
-                out["canary_metrics"] = group_from_snapshots(start=cache.window_start, end=snap, pods=canary)
-                out["stable_metrics"] = group_from_snapshots(start=cache.window_start, end=snap, pods=stable)
-        return out
+        return MeasureRequest(
+            namespace=namespace, now=now, targets=fleet.targets, canary=canary, stable=stable,
+            analysing=status.phase == Phase.ANALYSING,
+            window_key=(status.canary.version if status.canary else None, status.step, status.analysis_started_at),
+            analysis_started_at=status.analysis_started_at)
 
-    async def _prometheus_metrics(self, *, namespace: str, canary: list[str], stable: list[str],
-                                  status: RolloutStatus, now: float) -> dict[str, Any]:
-        assert self.prometheus is not None
-        out: dict[str, Any] = {}
-        if status.phase == Phase.ANALYSING and status.analysis_started_at is not None:
-            window = max(1.0, now - status.analysis_started_at)
-            c = await self.prometheus.group(namespace=namespace, pods=canary, window_s=window)
-            s = await self.prometheus.group(namespace=namespace, pods=stable, window_s=window)
-            out["canary_metrics"], out["stable_metrics"] = c, s
-            groups = [g for g in (c, s) if g is not None]
-            if groups:
-                out["fleet_qps"] = sum(g.qps for g in groups)
-            if s is not None and s.error_rate is not None:
-                out["stable_error_rate"] = s.error_rate
-        return out
+    async def _metrics(self, *, spec: RolloutSpec, request: MeasureRequest, status: RolloutStatus,
+                       cache: _Cache) -> dict[str, Any]:
+        """The builtin check's window groups and this tick's calibration samples (no builtin check: none)."""
+        if cache.builtin is None:
+            cache.builtin = PrometheusGroups(self.prometheus) if self.prometheus is not None else DirectScrape(self.admin)
+        if spec.builtin is None or status.phase not in (Phase.PROGRESSING, Phase.ANALYSING) or status.canary is None:
+            cache.builtin.reset()
+            return {}
+        answer = await cache.builtin.measure(spec.builtin, request)
+        return answer.observations() if isinstance(answer, BuiltinWindow) else {}
+
+    async def _declared(self, *, spec: RolloutSpec, request: MeasureRequest, status: RolloutStatus, name: str,
+                        models: Sequence[str], now: float) -> dict[str, Measured]:
+        """Answers of the declared checks whose measurement is due this tick."""
+        run = status.analysis_runs[-1] if status.analysis_runs else None
+        if status.phase != Phase.ANALYSING or run is None or run.phase != RunPhase.RUNNING \
+                or status.canary is None or status.stable is None or status.step is None:
+            return {}
+        due = analysis_run.due_checks(spec.checks, run, now=now, default_interval_s=spec.analysis_interval_s)
+        if not due:
+            return {}
+
+        def args(check: analysis_run.CheckSpec) -> dict[str, str]:
+            assert status.canary is not None and status.stable is not None and status.step is not None
+            return analysis_run.measure_args(
+                namespace=request.namespace, gate_config=name, models=models, canary_pods=status.canary_pods,
+                stable_pods=[p for p in request.targets if p not in set(status.canary_pods)],
+                canary_version=status.canary.version, stable_version=status.stable.version, step=status.step + 1,
+                percent=spec.steps[min(status.step, len(spec.steps) - 1)],
+                window_s=check.interval_s or spec.analysis_interval_s)
+
+        answers = await asyncio.gather(*(
+            measure_safely(self.providers[c.provider], c, dataclasses.replace(request, args=args(c))) for c in due))
+        return {c.name: a for c, a in zip(due, answers)}
 
     # ------------------------------------------------------------ the tick
 
@@ -301,8 +316,11 @@ class RolloutLoop:
         decision: Decision | None = None
         for _ in range(3):
             pods = await self._observe_pods(fleet)
-            metrics = await self._metrics(namespace=namespace, fleet=fleet, status=status, cache=cache, now=now)
-            obs = Observations(pods=pods, **requests, **metrics)
+            request = self._request(namespace=namespace, fleet=fleet, status=status, now=now)
+            metrics = await self._metrics(spec=spec, request=request, status=status, cache=cache)
+            measured = await self._declared(spec=spec, request=request, status=status, name=name, models=models,
+                                            now=now)
+            obs = Observations(pods=pods, **requests, **metrics, measurements=measured)
             decision = next_action(spec=spec, status=status, obs=obs, now=now)
             body = await self._persist(body, decision, steps=spec.steps)
             pushed = await self._act(body, decision, fleet=fleet, logger=logger)
@@ -378,7 +396,7 @@ def _loop(memo: kopf.Memo) -> RolloutLoop:
     loop = getattr(memo, "rollout_loop", None)
     if loop is None:
         prometheus = PrometheusAPI(PROMETHEUS_URL) if PROMETHEUS_URL else None
-        loop = memo.rollout_loop = RolloutLoop(kube=memo.kube, prometheus=prometheus)
+        loop = memo.rollout_loop = RolloutLoop(kube=memo.kube, prometheus=prometheus, prometheus_url=PROMETHEUS_URL)
     return loop
 
 

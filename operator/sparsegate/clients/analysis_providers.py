@@ -1,0 +1,236 @@
+"""Analysis providers: one interface, selected per check (``domain.analysis_run.Provider``).
+
+``await provider.measure(check, request)`` answers either a :class:`BuiltinWindow` (the builtin
+check's canary and stable groups over the step's window, plus calibration samples) or a
+``domain.analysis_run.Measured`` number (declared checks). The handler asks the provider of each
+check that is due; the state machine (``domain.rollout``) judges the answers.
+
+* :class:`DirectScrape` (builtin, default): ``GET /metrics`` on every pod; it owns its windows
+  (start snapshots kept in memory, keyed by canary version, step and analysis start). A
+  restarted operator has none, so its window begins at its first scrape, and it says so
+  (``window_from``): the state machine then wants a full window of this fresh data.
+* :class:`PrometheusGroups` (builtin, with ``SPARSEGATE_PROMETHEUS_URL``): the same groups
+  from Prometheus' ``increase()`` since the analysis start (the data survives a restart).
+* :class:`PrometheusQuery` (``prometheus`` checks): one instant query answering one number.
+* :class:`WebRequest` (``web`` checks): an HTTP GET/POST answering JSON; ``jsonPath`` picks
+  the number.
+
+Every call is bounded by a timeout and a cap on the body read; a failure is an answer
+(``Measured(error=...)``), never an exception out of ``measure``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+
+from sparsegate.clients.metrics_source import PrometheusAPI, PrometheusError, group_from_snapshots, parse_pod_counters
+from sparsegate.clients.podadmin import BodyTooLarge, PodAdmin, PodTarget, read_capped
+from sparsegate.domain.analysis import GroupMetrics, PodCounters
+from sparsegate.domain.analysis_run import CheckSpec, Measured, render_args
+
+__all__ = ["MeasureRequest", "BuiltinWindow", "AnalysisProvider", "DirectScrape", "PrometheusGroups",
+           "PrometheusQuery", "WebRequest", "measure_safely"]
+
+ANSWER_LIMIT = 256 * 1024  # a web check's JSON or a query's answer: one number is wanted
+
+
+@dataclass(frozen=True)
+class MeasureRequest:
+    """What a provider may need: where, which pods, the placeholder values, the step's window."""
+
+    namespace: str
+    now: float
+    args: Mapping[str, str] = field(default_factory=dict)
+    targets: Mapping[str, PodTarget] = field(default_factory=dict)  # reachable pods of the models
+    canary: Sequence[str] = ()  # canary pods with a target
+    stable: Sequence[str] = ()
+    analysing: bool = False  # the step's pods are in place and its window runs
+    window_key: tuple[Any, ...] | None = None  # (canary version, step, analysis start)
+    analysis_started_at: float | None = None
+
+
+@dataclass(frozen=True)
+class BuiltinWindow:
+    canary_metrics: GroupMetrics | None = None
+    stable_metrics: GroupMetrics | None = None
+    fleet_qps: float | None = None
+    stable_error_rate: float | None = None
+    window_from: float | None = None  # where the window's data begins (None: not analysing)
+
+    def observations(self) -> dict[str, Any]:
+        """As ``domain.rollout.Observations`` keyword arguments (absent values left out)."""
+        out = {"canary_metrics": self.canary_metrics, "stable_metrics": self.stable_metrics,
+               "fleet_qps": self.fleet_qps, "stable_error_rate": self.stable_error_rate,
+               "window_from": self.window_from}
+        return {k: v for k, v in out.items() if v is not None}
+
+
+class AnalysisProvider(Protocol):
+    async def measure(self, check: CheckSpec, request: MeasureRequest) -> BuiltinWindow | Measured: ...
+
+
+async def measure_safely(provider: AnalysisProvider, check: CheckSpec, request: MeasureRequest) -> Measured:
+    """A declared check's answer; any failure of the provider becomes ``Measured(error=...)``."""
+    try:
+        answer = await provider.measure(check, request)
+    except Exception as e:  # noqa: BLE001 - a provider's failure is a measurement error, not a crashed tick
+        return Measured(error=f"{type(e).__name__}: {e}"[:512], at=request.now)
+    if not isinstance(answer, Measured):
+        return Measured(error=f"provider answered {type(answer).__name__}, not a number", at=request.now)
+    return answer
+
+
+# ---------------------------------------------------------------- builtin
+
+
+class DirectScrape:
+    """The builtin check's groups from the pods' own ``/metrics`` (no Prometheus needed)."""
+
+    def __init__(self, admin: PodAdmin) -> None:
+        self.admin = admin
+        self.prev: dict[str, PodCounters] = {}  # last scrape, for this tick's calibration samples
+        self.window_key: tuple[Any, ...] | None = None
+        self.window_start: dict[str, PodCounters] = {}
+        self.window_from: float | None = None
+
+    def reset(self) -> None:
+        self.prev, self.window_key, self.window_start, self.window_from = {}, None, {}, None
+
+    async def measure(self, check: CheckSpec, request: MeasureRequest) -> BuiltinWindow:
+        texts = await self.admin.scrape(list(request.targets.values()))
+        snap = {name: parse_pod_counters(text, at=request.now) for name, text in texts.items()}
+        # Calibration samples: fleet qps and the stable pods' error rate since the last tick.
+        tick = group_from_snapshots(start=self.prev, end=snap, pods=snap.keys())
+        stable_tick = group_from_snapshots(start=self.prev, end=snap, pods=request.stable)
+        self.prev = snap
+        out: dict[str, Any] = {
+            "fleet_qps": tick.qps if tick is not None and tick.seconds > 0 else None,
+            "stable_error_rate": stable_tick.error_rate if stable_tick is not None else None,
+        }
+        if request.analysing:
+            if self.window_key != request.window_key:
+                # First look at this window (or the first since this process started): it starts now.
+                self.window_key, self.window_start, self.window_from = request.window_key, snap, request.now
+            else:
+                out["canary_metrics"] = group_from_snapshots(start=self.window_start, end=snap, pods=request.canary)
+                out["stable_metrics"] = group_from_snapshots(start=self.window_start, end=snap, pods=request.stable)
+            out["window_from"] = self.window_from
+        return BuiltinWindow(**out)
+
+
+class PrometheusGroups:
+    """The builtin check's groups from Prometheus, over the whole window since the analysis start."""
+
+    def __init__(self, api: PrometheusAPI) -> None:
+        self.api = api
+
+    def reset(self) -> None:
+        pass
+
+    async def measure(self, check: CheckSpec, request: MeasureRequest) -> BuiltinWindow:
+        if not request.analysing or request.analysis_started_at is None:
+            return BuiltinWindow()
+        window = max(1.0, request.now - request.analysis_started_at)
+        c = await self.api.group(namespace=request.namespace, pods=list(request.canary), window_s=window)
+        s = await self.api.group(namespace=request.namespace, pods=list(request.stable), window_s=window)
+        groups = [g for g in (c, s) if g is not None]
+        return BuiltinWindow(canary_metrics=c, stable_metrics=s,
+                             fleet_qps=sum(g.qps for g in groups) if groups else None,
+                             stable_error_rate=s.error_rate if s is not None else None,
+                             window_from=request.analysis_started_at)
+
+
+# ---------------------------------------------------------------- declared checks
+
+
+def _number(value: Any, *, what: str) -> float | None:
+    """A JSON value as the measured number: numbers, booleans (1/0), numeric strings; null → no data."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return 1.0 if value else 0.0
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise ValueError(f"{what} is {json.dumps(value)[:80]}, not a number")
+
+
+class PrometheusQuery:
+    """``prometheus`` checks: an instant query (``/api/v1/query``) answering a scalar or one series."""
+
+    def __init__(self, *, default_address: str | None, timeout_s: float = 10.0) -> None:
+        self.default_address = default_address
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def measure(self, check: CheckSpec, request: MeasureRequest) -> Measured:
+        assert check.prometheus is not None
+        address = check.prometheus.address or self.default_address
+        if not address:
+            return Measured(error="no Prometheus address: set provider.prometheus.address or the operator's "
+                                  "SPARSEGATE_PROMETHEUS_URL", at=request.now)
+        query = render_args(check.prometheus.query, request.args)
+        async with aiohttp.ClientSession(timeout=self.timeout) as session:
+            async with session.get(f"{address.rstrip('/')}/api/v1/query",
+                                   params={"query": query, "time": f"{request.now:.3f}"}) as resp:
+                raw = await read_capped(resp, ANSWER_LIMIT)
+                status = resp.status
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return Measured(error=f"Prometheus answered {status} with no JSON", at=request.now)
+        if status != 200 or body.get("status") != "success":
+            raise PrometheusError(f"{status}: {body.get('errorType', '')} {body.get('error', '')}".strip())
+        data = body.get("data") or {}
+        kind, result = data.get("resultType"), data.get("result")
+        if kind == "scalar":
+            return Measured(value=float(result[1]), at=request.now)
+        if kind != "vector":
+            return Measured(error=f"query answered a {kind}, not a scalar or an instant vector", at=request.now)
+        if not result:
+            return Measured(value=None, at=request.now)  # no data
+        if len(result) > 1:
+            return Measured(error=f"query answered {len(result)} series; aggregate it to one (e.g. sum(...))",
+                            at=request.now)
+        value = float(result[0]["value"][1])
+        return Measured(value=None if math.isnan(value) else value, at=request.now)
+
+
+class WebRequest:
+    """``web`` checks: GET or POST a URL, read JSON, select the number with ``jsonPath``."""
+
+    async def measure(self, check: CheckSpec, request: MeasureRequest) -> Measured:
+        web = check.web
+        assert web is not None
+        url = render_args(web.url, request.args)
+        body = render_args(web.body, request.args) if web.body is not None else None
+        headers = dict(web.headers)
+        if body is not None:
+            headers.setdefault("Content-Type", "application/json")
+        timeout = aiohttp.ClientTimeout(total=web.timeout_s)
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                async with session.request(web.method, url, data=body, headers=headers) as resp:
+                    raw = await read_capped(resp, ANSWER_LIMIT)
+                    status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, BodyTooLarge) as e:
+            return Measured(error=f"{web.method} {url}: {type(e).__name__} {e}".strip()[:512], at=request.now)
+        if not 200 <= status < 300:
+            return Measured(error=f"{web.method} {url}: HTTP {status}", at=request.now)
+        try:
+            doc = json.loads(raw)
+            selected = web.json_path.select(doc) if web.json_path is not None else doc
+            value = _number(selected, what=web.json_path.text if web.json_path else "the answer")
+        except ValueError as e:  # JSON, selection (ExprError) and conversion errors
+            return Measured(error=f"{web.method} {url}: {e}"[:512], at=request.now)
+        return Measured(value=value, at=request.now)
