@@ -1,0 +1,24 @@
+"""GateConfig status → the ``sparsegate_rollout_*`` gauges, on every watch event.
+
+A handler of its own (not part of the rollout loop): the gauges follow the status the API server
+holds, whoever wrote it, and the rollout controller needs no metrics code. Kopf shares one watch
+per resource among its handlers, so this adds no API traffic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from sparsegate_contracts import names
+
+from sparsegate import metrics
+
+
+@kopf.on.event(names.GROUP, names.VERSION, names.GATECONFIGS)
+def gateconfig_rollout_gauges(type: str | None, body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
+    if type == "DELETED":
+        metrics.forget_gateconfig(namespace=namespace, name=name)
+    else:
+        metrics.observe_gateconfig(namespace=namespace, name=name, status=body.get("status"))
