@@ -320,6 +320,11 @@ async def _send_events(request: web.Request, call: _Call, plan: Plan,
         await send({"error": {"message": e.message, "type": "server_error", "param": None,
                               "code": None}})
     else:
+        # The generation ended: what was held back (a partial character no byte will complete
+        # now) goes out as the non-streaming answer would show it.
+        text = hf.tokenizer.decode(ids, skip_special_tokens=True)
+        if len(text) > len(sent):
+            await send(call.chunk(text=text[len(sent):], finish=None))
         call.first_token = handle.first_token_at
         call.observe(gen)
         await send(call.chunk(text=None if call.chat else "", finish=gen.finish_reason))
