@@ -174,11 +174,14 @@ def checkpoint_path(model: Mapping[str, Any]) -> str | None:
 
 def model_args(model: Mapping[str, Any]) -> list[str]:
     """Server flags for the model: a checkpoint (its own shape; served under the SparseModel's name)
-    or the built-in model's shape."""
+    or the built-in model's shape. A checkpoint with ``spec.resources.gpus > 0`` runs on CUDA
+    (``--device cuda``: the server exits with the reason if the pod sees no GPU, rather than
+    silently serving from the CPU); the built-in demo model always runs on the CPU."""
     path = checkpoint_path(model)
     if path is None:
         return model_shape_args(model)
-    return ["--model-path", path, "--served-model-name", model["metadata"]["name"]]
+    device = ["--device", "cuda"] if gpus(model) > 0 else []
+    return ["--model-path", path, "--served-model-name", model["metadata"]["name"], *device]
 
 
 def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
