@@ -291,7 +291,8 @@ class Measurement:
     def to_status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"phase": self.phase.value, "time": _iso(self.at), "value": _rounded(self.value)}
         if self.values:
-            out["values"] = {k: _rounded(v) for k, v in self.values.items()}
+            # A check without data (drift at 100 %) is left out: the CRD's numbers are not nullable.
+            out["values"] = {k: r for k, v in self.values.items() if (r := _rounded(v)) is not None}
         if self.message:
             out["message"] = self.message[:512]
         return {k: v for k, v in out.items() if v is not None}
@@ -513,9 +514,10 @@ def run_phase(run: AnalysisRun, checks: Sequence[CheckSpec]) -> tuple[RunPhase, 
 
 
 def finish(run: AnalysisRun, phase: RunPhase, message: str, *, now: float) -> AnalysisRun:
-    """Close the run (and its checks still running, as Terminated when the run is)."""
-    checks = tuple(dataclasses.replace(c, phase=RunPhase.TERMINATED) if c.phase == RunPhase.RUNNING
-                   and phase == RunPhase.TERMINATED else c for c in run.checks)
+    """Close the run; checks still running stop there (Terminated), as Argo terminates the metrics
+    left when a run fails."""
+    checks = tuple(dataclasses.replace(c, phase=RunPhase.TERMINATED) if c.phase == RunPhase.RUNNING else c
+                   for c in run.checks)
     return dataclasses.replace(run, phase=phase, message=message, finished_at=now, checks=checks)
 
 

@@ -44,14 +44,14 @@ def _parser() -> argparse.ArgumentParser:
     get = command("get", "table of GateConfigs: phase, step, canary share, versions, analysis")
     get.add_argument("name", nargs="?")
     get.add_argument("-A", "--all-namespaces", action="store_true")
-    status = command("status", "one GateConfig in detail: steps, analysis values, history")
+    status = command("status", "one GateConfig in detail: steps, analysis values, the latest AnalysisRun, history")
     status.add_argument("name")
     status.add_argument("-w", "--watch", action="store_true", help="print again on every change (Ctrl-C ends)")
     for verb, text in (("pause", "hold the rollout at its step (spec.rollout.paused: true)"),
                        ("resume", "continue a paused rollout (spec.rollout.paused: false)"),
                        ("abort", "roll the canary back to the stable version"),
                        ("retry", "roll out again the version a rollback or abort rejected, or re-analyse a "
-                                 "failed step")):
+                                 "failed or inconclusive step")):
         command(verb, text).add_argument("name")
     promote = command("promote", "skip the current step's analysis: on to the next step")
     promote.add_argument("name")
@@ -129,7 +129,7 @@ def run(argv: Sequence[str], *, client_factory: Callable[..., Client] = Client,
         return 0
     obj = client.get(namespace, args.name)  # also: a clear "not found" before any write
     if cmd in ("pause", "resume"):
-        body: Any = view.pause_patch(cmd == "pause")
+        body: Any = view.pause_patch(True) if cmd == "pause" else view.resume_patch(obj)
         done = "paused" if cmd == "pause" else "resumed"
     elif cmd == "promote":
         body, done = view.promote_patch(full=args.full), "promote requested" + (" (full)" if args.full else "")

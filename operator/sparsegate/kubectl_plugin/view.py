@@ -53,6 +53,35 @@ def analysis_summary(analysis: Mapping[str, Any] | None) -> str:
     return " ".join(parts) or str(analysis.get("verdict") or "-")
 
 
+def latest_run(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The newest entry of ``status.analysisRuns`` (None before any step was analysed)."""
+    analysis_runs = (obj.get("status") or {}).get("analysisRuns") or []
+    return analysis_runs[-1] if analysis_runs else None
+
+
+def _latest_value(check: Mapping[str, Any]) -> str:
+    measurements = check.get("measurements") or []
+    if not measurements:
+        return "-"
+    last = measurements[-1]
+    if last.get("value") is not None:
+        return f"{last['value']:g}"
+    return "n/a" if last.get("phase") != "Error" else "error"
+
+
+def checks_summary(run: Mapping[str, Any] | None) -> str:
+    """``errors=0.01 quality=0.95~``: each declared check's latest value, ``!`` before a failed
+    check, ``?`` before an inconclusive one, ``~`` after a dry-run one; builtin checks left to
+    :func:`analysis_summary`."""
+    parts = []
+    for check in (run or {}).get("checks") or []:
+        if check.get("provider") == "builtin":
+            continue
+        mark = {"Failed": "!", "Inconclusive": "?"}.get(check.get("phase", ""), "")
+        parts.append(f"{mark}{check.get('name')}={_latest_value(check)}{'~' if check.get('dryRun') else ''}")
+    return " ".join(parts)
+
+
 def row(obj: Mapping[str, Any], *, with_namespace: bool = False) -> list[str]:
     """One line of ``kubectl sparsegate get``."""
     meta = obj.get("metadata") or {}
@@ -60,8 +89,10 @@ def row(obj: Mapping[str, Any], *, with_namespace: bool = False) -> list[str]:
     stable = ((obj.get("status") or {}).get("stable") or {}).get("version") or "-"
     step = f"{ro['step']}/{ro.get('steps', len(spec_steps(obj)))}" if ro.get("step") else "-"
     percent = f"{ro['canaryPercent']}%" if ro.get("canaryPercent") is not None and ro.get("canaryVersion") else "-"
+    builtin = analysis_summary(ro.get("analysis")) if ro.get("analysis") else ""
+    declared = checks_summary(latest_run(obj)) if ro.get("canaryVersion") else ""
     cells = [meta.get("name", ""), ro.get("phase") or "Pending", step, percent, ro.get("canaryVersion") or "-",
-             stable, analysis_summary(ro.get("analysis"))]
+             stable, " ".join(x for x in (builtin, declared) if x) or "-"]
     return [meta.get("namespace", ""), *cells] if with_namespace else cells
 
 
@@ -132,6 +163,9 @@ def status_view(obj: Mapping[str, Any], *, now: datetime | None = None) -> str:
                   for c in analysis.get("checks") or []]
         if checks:
             lines += [table(checks, ["CHECK", "VALUE", "THRESHOLD", "RESULT"]), ""]
+    run = latest_run(obj)
+    if run:
+        lines += _run_lines(run)
     conditions = status.get("conditions") or []
     if conditions:
         lines += [table([[str(c.get("type")), str(c.get("status")), str(c.get("reason", ""))] for c in conditions],
@@ -143,6 +177,24 @@ def status_view(obj: Mapping[str, Any], *, now: datetime | None = None) -> str:
                 for r in reversed(history)]
         lines.append(table(rows, ["REVISION", "VERSION", "REASON", "AGE", ""]))
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _run_lines(run: Mapping[str, Any]) -> list[str]:
+    """The latest AnalysisRun: its phase, and per check phase, counts and latest measurements."""
+    lines = [f"AnalysisRun: step {run.get('step')} ({run.get('canaryPercent')}%) of {run.get('canaryVersion')}: "
+             f"{run.get('phase')}" + (f" ({run['message']})" if run.get("message") else "")]
+    rows = []
+    for c in run.get("checks") or []:
+        recent = [m for m in c.get("measurements") or []][-3:]
+        shown = ", ".join(("error" if m.get("phase") == "Error" else
+                           "n/a" if m.get("value") is None else f"{m['value']:g}") + f" {m.get('phase', '')}"
+                          for m in recent) or "-"
+        counts = f"{c.get('successful', 0)}/{c.get('failed', 0)}/{c.get('inconclusive', 0)}/{c.get('errors', 0)}"
+        rows.append([str(c.get("name")), str(c.get("provider")), str(c.get("phase")), counts,
+                     "yes" if c.get("dryRun") else "", shown])
+    if rows:
+        lines += [table(rows, ["CHECK", "PROVIDER", "PHASE", "OK/FAIL/INC/ERR", "DRY-RUN", "LATEST"]), ""]
+    return lines
 
 
 def _age(stamp: str | None, *, now: datetime | None) -> str:
@@ -164,6 +216,15 @@ def pause_patch(paused: bool) -> dict[str, Any]:
     return {"spec": {"rollout": {"paused": paused}}}
 
 
+def resume_patch(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """``spec.rollout.paused: false``; refused for a rollout that inconclusive analysis paused (the
+    spec switch does not hold it, so flipping it would change nothing)."""
+    if _rollout(obj).get("analysisPaused"):
+        raise PluginError("paused because analysis was inconclusive, not by spec.rollout.paused: `promote` to "
+                          "continue, `retry` to analyse the step again, `abort` to roll back")
+    return pause_patch(False)
+
+
 def annotation_patch(name: str, value: str) -> dict[str, Any]:
     return {"metadata": {"annotations": {name: value}}}
 
@@ -182,9 +243,9 @@ def retry_patch(obj: Mapping[str, Any]) -> dict[str, Any]:
     """The retry request; refused when there is nothing to retry (the operator would ignore it)."""
     ro = _rollout(obj)
     phase = ro.get("phase")
-    if phase not in ("RolledBack", "Aborted", "Failed"):
-        raise PluginError(f"nothing to retry: phase is {phase or 'Pending'} (retry follows a rollback, an abort "
-                          f"or a failed analysis)")
+    if phase not in ("RolledBack", "Aborted", "Failed") and not (phase == "Paused" and ro.get("analysisPaused")):
+        raise PluginError(f"nothing to retry: phase is {phase or 'Pending'} (retry follows a rollback, an abort, "
+                          f"a failed analysis or an inconclusive one)")
     return annotation_patch(RETRY_ANNOTATION, "kubectl-sparsegate")
 
 

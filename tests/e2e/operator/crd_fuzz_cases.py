@@ -178,7 +178,23 @@ EXTRAS: dict[str, dict[str, Any]] = {
                                                                  "mountPath": "/models"}}}},
     "GateConfig": {"spec": {
         "params": {"faultInjection": {"errorRate": 0.0, "addedLatencyMs": 0}},
-        "rollout": {"minRequests": 20, "progressDeadline": "120s"},
+        "rollout": {"minRequests": 20, "progressDeadline": "120s",
+                    "analysis": {"checks": [
+                        {"name": "builtin", "provider": {"builtin": {}}},
+                        {"name": "error-ratio", "provider": {"prometheus": {
+                            "address": "http://prometheus.monitoring:9090",
+                            "query": 'sum(rate(sparsegate_requests_total{pod=~"{{args.canaryPods}}",code=~"5.."}'
+                                     '[{{args.window}}]))'}},
+                         "successCondition": "result < 0.05", "failureCondition": "result >= 0.1", "count": 3,
+                         "interval": "30s", "failureLimit": 1, "inconclusiveLimit": 1, "consecutiveErrorLimit": 4,
+                         "dryRun": False},
+                        {"name": "quality", "provider": {"web": {
+                            "url": "http://judge.default:8080/score", "method": "POST",
+                            "body": '{"version": "{{args.canaryVersion}}"}',
+                            "headers": [{"name": "X-Scope", "value": "canary"}], "jsonPath": "$.score",
+                            "timeout": "5s"}},
+                         "successCondition": "result >= 0.9", "dryRun": True},
+                    ]}},
     }},
     "RoutingPolicy": {"spec": {
         "sources": [{"namespace": "default", "serviceAccount": "default", "matchLabels": {"app": "web"}},
@@ -509,6 +525,55 @@ CEL_CASES: dict[tuple[str, str, str], list[CelCase]] = {
          _set("spec.ports", [{"port": 8080}, {"port": 8080, "protocol": "TCP"}])),
     ],
 }
+
+# GateConfig spec.rollout.analysis.checks (full base: [0] builtin, [1] prometheus, [2] web).
+_CHECKS = "spec.rollout.analysis.checks"
+
+
+def _drop_all(*paths: str) -> Mutation:
+    def apply(obj: dict[str, Any]) -> dict[str, Any]:
+        for path in paths:
+            obj = delete_at(obj, parse_path(path))
+        return obj
+    return apply
+
+
+CEL_CASES.update({
+    ("GateConfig", _CHECKS, "self.all(c, self.exists_one(d, d.name == c.name))"): [
+        ("cross_field", _CHECKS, "two checks named error-ratio", _set(f"{_CHECKS}[2].name", "error-ratio")),
+    ],
+    ("GateConfig", _CHECKS, "self.filter(c, has(c.provider.builtin)).size() <= 1"): [
+        ("cross_field", _CHECKS, "two builtin checks", _set(f"{_CHECKS}[1]", {"name": "b2", "provider": {"builtin": {}}})),
+    ],
+    ("GateConfig", f"{_CHECKS}[]",
+     "has(self.provider.builtin) || has(self.successCondition) || has(self.failureCondition)"): [
+        ("missing_required", f"{_CHECKS}[1].successCondition", "prometheus check with both conditions empty",
+         _drop_all(f"{_CHECKS}[1].successCondition", f"{_CHECKS}[1].failureCondition")),
+        ("missing_required", f"{_CHECKS}[2].successCondition", "web check without a condition",
+         _drop_all(f"{_CHECKS}[2].successCondition")),
+    ],
+    ("GateConfig", f"{_CHECKS}[]",
+     "!has(self.provider.builtin) || !(has(self.successCondition) || has(self.failureCondition) || "
+     "has(self.count) || has(self.interval) || has(self.failureLimit) || has(self.inconclusiveLimit) || "
+     "has(self.consecutiveErrorLimit))"): [
+        ("cross_field", f"{_CHECKS}[0].provider.builtin", "builtin check with a successCondition",
+         _set(f"{_CHECKS}[0].successCondition", "result < 1")),
+        ("cross_field", f"{_CHECKS}[0].provider.builtin", "builtin check with a count", _set(f"{_CHECKS}[0].count", 2)),
+    ],
+    ("GateConfig", f"{_CHECKS}[].provider",
+     "(has(self.builtin) ? 1 : 0) + (has(self.prometheus) ? 1 : 0) + (has(self.web) ? 1 : 0) == 1"): [
+        ("missing_required", f"{_CHECKS}[1].provider", "no provider", _set(f"{_CHECKS}[1].provider", {})),
+        ("bad_format", f"{_CHECKS}[1].provider", "unknown provider datadog (pruned: none left)",
+         _set(f"{_CHECKS}[1].provider", {"datadog": {"query": "avg:errors"}})),
+        ("cross_field", f"{_CHECKS}[1].provider", "prometheus and web at once",
+         _set(f"{_CHECKS}[1].provider.web", {"url": "http://judge:8080/score"})),
+        ("cross_field", f"{_CHECKS}[0].provider", "builtin and prometheus at once",
+         _set(f"{_CHECKS}[0].provider.prometheus", {"query": "up"})),
+    ],
+    ("GateConfig", f"{_CHECKS}[].interval", DURATION_RULE): _duration_cases(f"{_CHECKS}[1].interval"),
+    ("GateConfig", f"{_CHECKS}[].provider.web.timeout", DURATION_RULE):
+        _duration_cases(f"{_CHECKS}[2].provider.web.timeout"),
+})
 
 # The table keyed by rule text with its whitespace folded, as cel_rules() yields it.
 KNOWN_RULES = {(kind, holder, " ".join(rule.split())): known for (kind, holder, rule), known in CEL_CASES.items()}
