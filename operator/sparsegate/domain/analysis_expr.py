@@ -322,7 +322,7 @@ def parse_json_path(text: str) -> JsonPath:
         raw = raw[1:-1].strip()
     if raw.startswith("$"):
         raw = raw[1:]
-    elif raw and not raw.startswith((".", "[")):
+    if raw and not raw.startswith((".", "[")):
         raw = "." + raw
     steps: list[str | int] = []
     pos = 0

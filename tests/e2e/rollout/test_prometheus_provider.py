@@ -242,3 +242,99 @@ async def test_prometheus_group_metrics_agree_with_direct_scrape(
     assert await prom.group(namespace=NAMESPACE, pods=["m-none"], window_s=window_s) is None
     assert group_from_snapshots(start=start, end=end, pods=["m-none"]) is None
     assert isinstance(prom_healthy, GroupMetrics) and prom_healthy.pods == len(HEALTHY)
+
+
+# ---------------------------------------------------------------- declared checks (PrometheusQuery)
+
+ERROR_RATIO = ('(sum(increase(sparsegate_requests_total{namespace="{{args.namespace}}",pod=~"{{args.canaryPods}}",'
+               'code=~"5.."}[{{args.window}}])) or vector(0)) / sum(increase(sparsegate_requests_total{'
+               'namespace="{{args.namespace}}",pod=~"{{args.canaryPods}}"}[{{args.window}}]))')
+
+
+def _query_check(query: str, *, address: str | None = None, **fields: object):
+    from sparsegate.domain.analysis_run import parse_checks
+
+    provider = {"query": query, **({"address": address} if address else {})}
+    (check,) = parse_checks({"checks": [{"name": "q", "provider": {"prometheus": provider},
+                                         "successCondition": "result < 0.05", **fields}]})
+    return check
+
+
+def _args(canary: list[str], window_s: float) -> dict[str, str]:
+    from sparsegate.domain.analysis_run import measure_args
+
+    return measure_args(namespace=NAMESPACE, gate_config="gate", models=["prom"], canary_pods=canary,
+                        stable_pods=[n for n in (*HEALTHY, *FAULTY) if n not in canary], canary_version="g-new",
+                        stable_version="g-old", step=1, percent=5, window_s=window_s)
+
+
+async def test_declared_prometheus_query_check(servers: dict[str, PodTarget], prometheus: str) -> None:
+    """A declared ``prometheus`` check's query, placeholders filled, answers the error ratio of the
+    'canary' pods from the real Prometheus; the conditions judge it; bad queries are errors."""
+    from sparsegate.clients.analysis_providers import MeasureRequest, PrometheusQuery, measure_safely
+    from sparsegate.domain.analysis_run import MeasurementPhase, judge
+
+    admin = PodAdmin(timeout_s=5)
+    faulty_doc = gateparams.make_document({"faultInjection": {"errorRate": ERROR_RATE}}).to_json()
+    assert all(r.ok for r in (await admin.push([(servers[n], faulty_doc) for n in FAULTY])).values())
+    everyone = lambda: [f"{t.ip}:{t.port}" for t in servers.values()]  # noqa: E731
+    await LoadGen(targets=everyone, qps=40, seed=3).run(duration_s=4.0)
+    await _caught_up(prometheus, admin, servers)
+
+    provider = PrometheusQuery(default_address=prometheus)
+    window = 30.0
+
+    async def measure(query: str, canary: list[str], **kw: object):
+        check = _query_check(query, **kw)
+        request = MeasureRequest(namespace=NAMESPACE, now=time.time(), args=_args(canary, window))
+        return check, await measure_safely(provider, check, request)
+
+    check, bad = await measure(ERROR_RATIO, list(FAULTY))
+    check_ok, good = await measure(ERROR_RATIO, list(HEALTHY))
+    sys.stderr.write(f"\n[prom] declared error ratio: faulty {bad.value} healthy {good.value}\n")
+    assert bad.error is None and 0.25 < bad.value < 0.75
+    assert good.error is None and good.value == 0.0
+    assert judge(check, bad, now=time.time()).phase == MeasurementPhase.FAILED
+    assert judge(check_ok, good, now=time.time()).phase == MeasurementPhase.SUCCESSFUL
+
+    _, scalar = await measure("scalar(vector(3)) + 0 * {{args.step}}", list(FAULTY))
+    assert scalar.value == 3.0
+    _, empty = await measure('sum(sparsegate_requests_total{namespace="{{args.namespace}}",pod="absent"})',
+                             list(FAULTY))
+    assert empty.value is None and empty.error is None  # no data: judged inconclusive
+    _, many = await measure('sum by (pod) (sparsegate_requests_total{namespace="{{args.namespace}}"})', list(FAULTY))
+    assert many.error is not None and "3 series" in many.error
+    _, broken = await measure("sum(", list(FAULTY))
+    assert broken.error is not None and "bad_data" in broken.error
+    # The check's own address wins over the operator's; none at all is an error, not a crash.
+    _, own = await measure("scalar(vector(1))", list(FAULTY), address=prometheus)
+    assert own.value == 1.0
+    nowhere = await measure_safely(PrometheusQuery(default_address=None), _query_check("vector(1)"),
+                                   MeasureRequest(namespace=NAMESPACE, now=time.time()))
+    assert nowhere.error is not None and "no Prometheus address" in nowhere.error
+
+
+async def test_direct_scrape_window_restarts_with_a_new_process(servers: dict[str, PodTarget]) -> None:
+    """The builtin direct scrape owns its window: a new provider (an operator restart) has no start
+    snapshot, so it begins a new window and says where (window_from), with no data until its next scrape."""
+    from sparsegate.clients.analysis_providers import DirectScrape, MeasureRequest
+    from sparsegate.domain.analysis_run import BUILTIN_CHECK
+
+    key = ("g-new", 0, 1000.0)
+
+    def request(now: float) -> MeasureRequest:
+        return MeasureRequest(namespace=NAMESPACE, now=now, targets=servers, canary=list(FAULTY),
+                              stable=list(HEALTHY), analysing=True, window_key=key, analysis_started_at=1000.0)
+
+    everyone = lambda: [f"{t.ip}:{t.port}" for t in servers.values()]  # noqa: E731
+    first = DirectScrape(PodAdmin(timeout_s=5))
+    t0 = time.time()
+    start = await first.measure(BUILTIN_CHECK, request(t0))
+    assert start.window_from == t0 and start.canary_metrics is None
+    await LoadGen(targets=everyone, qps=30, seed=5).run(duration_s=1.0)
+    later = await first.measure(BUILTIN_CHECK, request(time.time()))
+    assert later.window_from == t0 and later.canary_metrics is not None and later.canary_metrics.requests > 0
+    restarted = DirectScrape(PodAdmin(timeout_s=5))
+    t1 = time.time()
+    fresh = await restarted.measure(BUILTIN_CHECK, request(t1))
+    assert fresh.window_from == t1 > t0 and fresh.canary_metrics is None

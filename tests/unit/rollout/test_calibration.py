@@ -101,4 +101,5 @@ def test_the_crds_duration_pattern_is_the_parsers() -> None:
     crds = pathlib.Path(__file__).resolve().parents[3] / "charts" / "sparsegate" / "crds"
     patterns = [line.split("pattern:", 1)[1].strip().strip("'") for path in crds.glob("*.yaml")
                 for line in path.read_text().splitlines() if "pattern:" in line and "(ms|s|m|h)" in line]
-    assert len(patterns) == 4 and set(patterns) == {DURATION_PATTERN}
+    # GateConfig: two calibration windows, analysisInterval, progressDeadline, a check's interval, a web timeout.
+    assert len(patterns) == 6 and set(patterns) == {DURATION_PATTERN}
