@@ -1,0 +1,204 @@
+"""The rollout tick (handlers.gateconfig.RolloutLoop) with declared checks and across a restart.
+
+Our own wrappers stand in for the cluster and the pods (``Kube``: one GateConfig object whose
+status JSON patches are applied; ``PodAdmin``: pods that take pushes and expose counters); the
+web check's target is a real HTTP server on loopback, and the tick's code runs unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+import sparsegate.handlers.gateconfig as handler
+from sparsegate.clients.podadmin import PodAdmin, PodHealth, PodTarget, PushResult
+from sparsegate.domain.rollout import GateVersion
+from sparsegate.handlers.gateconfig import RolloutLoop, _Cache, _Fleet
+
+V1 = {"toolGateThreshold": 0.85}
+V2 = {"toolGateThreshold": 0.8}
+PODS = ("m-0", "m-1", "m-2", "m-3")
+
+
+class FakeKube:
+    """One GateConfig: GET returns a copy, PATCH .../status applies the tick's JSON patch."""
+
+    def __init__(self, spec: dict) -> None:
+        self.obj: dict[str, Any] = {"metadata": {"name": "gate", "namespace": "ns", "generation": 1,
+                                                 "resourceVersion": "1", "annotations": {}}, "spec": spec}
+
+    def get(self, kind: str, *, namespace: str, name: str) -> dict | None:
+        assert kind == "GateConfig"
+        return copy.deepcopy(self.obj)
+
+    def request(self, method: str, path: str, *, body: Any = None, query: Any = None,
+                content_type: str | None = None) -> dict:
+        assert method == "PATCH" and path.endswith("/gateconfigs/gate/status"), (method, path)
+        for op in body:
+            if op["path"] == "/metadata/resourceVersion":
+                assert op["value"] == self.obj["metadata"]["resourceVersion"]
+            else:
+                self.obj["status"] = copy.deepcopy(op["value"])
+        self.obj["metadata"]["resourceVersion"] = str(int(self.obj["metadata"]["resourceVersion"]) + 1)
+        return copy.deepcopy(self.obj)
+
+    def set_spec(self, spec: dict) -> None:
+        self.obj["spec"] = spec
+        self.obj["metadata"]["generation"] += 1
+
+    @property
+    def status(self) -> dict:
+        return self.obj.get("status") or {}
+
+
+class FakePods(PodAdmin):
+    """Pods that apply pushes and count requests: ``rate`` per second, ``errors`` the 5xx share."""
+
+    def __init__(self, clock: list[float]) -> None:
+        super().__init__()
+        self.versions = {p: GateVersion.from_params(V1).version for p in PODS}
+        self.clock = clock
+        self.rate, self.errors = 50.0, 0.0
+
+    async def health(self, targets: Any) -> dict[str, PodHealth]:
+        return {t.name: PodHealth(name=t.name, version=self.versions[t.name]) for t in targets}
+
+    async def push(self, pushes: Any) -> dict[str, PushResult]:
+        for target, doc in pushes:
+            self.versions[target.name] = doc["version"]
+        return {t.name: PushResult(name=t.name, ok=True, version=d["version"]) for t, d in pushes}
+
+    async def scrape(self, targets: Any) -> dict[str, str]:
+        n = self.rate * self.clock[0]
+        bad = n * self.errors
+        text = (f'sparsegate_requests_total{{code="200"}} {n - bad}\nsparsegate_requests_total{{code="503"}} {bad}\n'
+                f'sparsegate_request_duration_seconds_bucket{{le="0.1"}} {n}\n'
+                f'sparsegate_request_duration_seconds_bucket{{le="+Inf"}} {n}\n')
+        return {t.name: text for t in targets}
+
+
+class Loop(RolloutLoop):
+    async def _fleet(self, *, namespace: str, models: Any, cache: _Cache) -> _Fleet:
+        targets = {p: PodTarget(name=p, ip="127.0.0.1", port=1) for p in PODS}
+        return _Fleet(targets=targets, all_pods=PODS)
+
+
+@pytest.fixture(autouse=True)
+def no_kopf_events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(handler.kopf, "event", lambda body, *, type, reason, message: events.append((reason, message)))
+    return events
+
+
+@pytest.fixture
+async def judge() -> AsyncIterator[dict[str, Any]]:
+    state: dict[str, Any] = {"score": 0.95, "asked": []}
+
+    async def score(request: web.Request) -> web.Response:
+        state["asked"].append(request.query.get("v"))
+        return web.json_response({"score": state["score"]})
+
+    app = web.Application()
+    app.router.add_get("/score", score)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    state["url"] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    try:
+        yield state
+    finally:
+        await runner.cleanup()
+
+
+def spec(params: dict, *, checks: list[dict] | None = None) -> dict:
+    rollout: dict[str, Any] = {"steps": [25, 100], "analysisInterval": "10s", "minRequests": 5}
+    if checks is not None:
+        rollout["analysis"] = {"checks": checks}
+    return {"params": params, "rollout": rollout, "calibration": {"qpsThreshold": {"initial": 1}}}
+
+
+async def tick(loop: RolloutLoop, cache: _Cache, clock: list[float], dt: float) -> dict:
+    clock[0] += dt
+    await loop.tick(namespace="ns", name="gate", models=["m"], cache=cache)
+    return loop.kube.obj["status"]  # type: ignore[attr-defined]
+
+
+async def test_web_check_measured_when_due_and_recorded(judge: dict[str, Any]) -> None:
+    clock = [1000.0]
+    kube = FakeKube(spec(V1))
+    pods = FakePods(clock)
+    loop, cache = Loop(kube=kube, admin=pods, clock=lambda: clock[0]), _Cache()  # type: ignore[arg-type]
+    assert (await tick(loop, cache, clock, 1))["rollout"]["phase"] == "Succeeded"
+    check = {"name": "quality", "provider": {"web": {"url": judge["url"] + "/score?v={{args.canaryVersion}}",
+                                                      "jsonPath": "score"}},
+             "successCondition": "result >= 0.9", "interval": "5s", "count": 2}
+    kube.set_spec(spec(V2, checks=[check]))
+    new = GateVersion.from_params(V2).version
+    st = await tick(loop, cache, clock, 1)
+    assert st["rollout"]["phase"] == "Analysing" and list(pods.versions.values()).count(new) == 1
+    assert judge["asked"] == []
+    st = await tick(loop, cache, clock, 5)
+    assert judge["asked"] == [new]
+    run = st["analysisRuns"][-1]
+    assert run["phase"] == "Running" and run["checks"][0]["measurements"][0]["value"] == 0.95
+    st = await tick(loop, cache, clock, 2)
+    assert judge["asked"] == [new]  # not due again before the interval
+    st = await tick(loop, cache, clock, 3)
+    # Promoted to step 2: pushed, and in the same tick observed again, every pod in place.
+    assert st["rollout"]["phase"] == "Analysing" and st["rollout"]["step"] == 2 and st["rollout"]["reason"] == "Analysing"
+    assert st["analysisRuns"][0]["phase"] == "Successful" and st["analysisRuns"][0]["checks"][0]["count"] == 2
+
+
+async def test_inconclusive_web_check_pauses(judge: dict[str, Any], no_kopf_events: list) -> None:
+    clock = [1000.0]
+    kube = FakeKube(spec(V1))
+    loop, cache = Loop(kube=kube, admin=FakePods(clock), clock=lambda: clock[0]), _Cache()  # type: ignore[arg-type]
+    await tick(loop, cache, clock, 1)
+    judge["score"] = 0.7
+    kube.set_spec(spec(V2, checks=[{"name": "quality", "provider": {"web": {"url": judge["url"] + "/score",
+                                                                              "jsonPath": "score"}},
+                                    "successCondition": "result >= 0.9", "failureCondition": "result < 0.5",
+                                    "interval": "5s"}]))
+    await tick(loop, cache, clock, 1)
+    st = await tick(loop, cache, clock, 5)
+    assert st["rollout"]["phase"] == "Paused" and st["rollout"]["analysisPaused"] is True
+    assert st["rollout"]["reason"] == "AnalysisInconclusive" and ("AnalysisInconclusive", st["rollout"]["message"]) \
+        in no_kopf_events
+
+
+async def test_operator_restart_needs_a_full_window_of_fresh_data() -> None:
+    """The builtin direct scrape, through the real tick: the restarted process (new loop, new cache)
+    scrapes a new window start and does not promote until analysisInterval of data from it."""
+    clock = [1000.0]
+    kube = FakeKube(spec(V1))
+    pods = FakePods(clock)
+    loop, cache = Loop(kube=kube, admin=pods, clock=lambda: clock[0]), _Cache()  # type: ignore[arg-type]
+    await tick(loop, cache, clock, 1)
+    kube.set_spec(spec(V2))
+    st = await tick(loop, cache, clock, 1)
+    assert st["rollout"]["phase"] == "Analysing"
+    started = clock[0]
+    st = await tick(loop, cache, clock, 1)  # the window's first scrape
+    first_from = st["rollout"]["analysisWindow"]["from"]
+    for _ in range(4):
+        st = await tick(loop, cache, clock, 1)
+    assert st["rollout"]["phase"] == "Analysing" and st["rollout"]["analysis"]["verdict"] == "Pass"
+    # Crash 6 s into the 10 s window; back 20 s later with no memory but status.
+    clock[0] += 20
+    loop, cache = Loop(kube=kube, admin=pods, clock=lambda: clock[0]), _Cache()  # type: ignore[arg-type]
+    st = await tick(loop, cache, clock, 0)
+    assert st["rollout"]["analysisWindow"]["from"] != first_from and st["rollout"]["analysisWindow"]["samples"] == 0
+    assert "analysis window restarted" in st["rollout"]["message"]
+    restarted = clock[0]
+    assert restarted - started > 10  # wall time since the analysis began is long past the window...
+    for _ in range(9):
+        st = await tick(loop, cache, clock, 1)
+        assert st["rollout"]["phase"] == "Analysing", "promoted on less than a window of fresh data"
+    st = await tick(loop, cache, clock, 1)  # ...but only now is there 10 s of data after the restart
+    assert st["rollout"]["step"] == 2 and st["analysisRuns"][0]["phase"] == "Successful"
+    assert st["analysisRuns"][0]["checks"][0]["measurements"][-1]["time"] == st["rollout"]["stepStartedAt"]
