@@ -21,12 +21,21 @@ Flow for a new spec version (``steps`` default 5 → 20 → 100 % of instances):
         │                        └──────── next step ◀──────────────┤
         └──────────── promoted (last step passed) ◀─────────────────┘
     Analysing ─analysis fails─▶ RollingBack ─all pods stable─▶ RolledBack
+    Analysing ─a check inconclusive─▶ Paused (analysisPaused) ─promote / retry / abort─▶ on / again / back
     any active ─abort annotation─▶ RollingBack ─▶ Aborted
     any active ─spec.rollout.paused─▶ Paused ─unpaused─▶ Progressing (same step)
     any active ─newer spec─▶ Progressing at step 1 (canary pods, stable unchanged)
     any active ─promote annotation "step"─▶ Progressing at the next step (analysis skipped)
     RolledBack/Aborted ─retry annotation (spec still on the rejected version)─▶ Progressing at step 1
     Failed (analysis, autoRollback off) ─retry annotation─▶ Progressing (same step, analysed again)
+
+What judges a step is ``spec.rollout.analysis.checks`` (:mod:`sparsegate.domain.analysis_run`;
+the builtin check alone when none are declared). Declared checks' answers arrive as
+``Observations.measurements`` when ``analysis_run.due_checks`` says they are due; each step's
+measurements are kept in ``status.analysisRuns``. The builtin check passes only on a full
+``analysisInterval`` of data from where its provider's window begins (``Observations.window_from``,
+kept in ``status.rollout.analysisWindow``): a restarted operator's direct scrape begins a new
+window, and the time the step spent analysing before the restart does not count.
 
 Every version that becomes ``status.stable`` is appended to ``status.history`` (the last
 :data:`HISTORY_LIMIT`, numbered revisions), so ``kubectl sparsegate undo`` can write an earlier
