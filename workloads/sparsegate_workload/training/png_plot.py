@@ -135,7 +135,7 @@ def scatter_png(path: str | Path, points: Sequence[Point], *, title: str, x_labe
     """Write a scatter plot of `points` (with optional reference lines) to `path`."""
     if not points:
         raise ValueError("nothing to plot")
-    left, right, top, bottom = 70, 20, 56, 50
+    left, right, top, bottom = 70, 110, 56, 50
     xs = [p.x for p in points] + [v for v, _ in vlines]
     ys = [p.y for p in points] + [v for v, _ in hlines]
     x_pad = (max(xs) - min(xs)) * 0.08 or 0.5
