@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import pytest
+
 from sparsegate.domain.analysis import GroupMetrics
 from sparsegate.domain.analysis_run import Measured, RunPhase, due_checks
 from sparsegate.domain.rollout import (
@@ -20,6 +22,7 @@ from sparsegate.domain.rollout import (
     PodObservation,
     PushGate,
     RolloutStatus,
+    SpecError,
     next_action,
     parse_spec,
 )
@@ -275,3 +278,20 @@ def test_first_window_without_a_restart_passes_as_before() -> None:
     assert st.phase == Phase.ANALYSING
     st = sim.tick(1, canary=healthy(), window_from=t0)
     assert st.phase == Phase.PROGRESSING and "analysis window restarted" not in st.message
+
+
+def test_full_promote_or_abort_end_an_inconclusive_pause() -> None:
+    for flag, phase in (("promote", Phase.SUCCEEDED), ("abort", Phase.ABORTED)):
+        sim = Sim(gc(V1, [web()]), answers={"quality": 0.7})
+        sim.start()
+        assert sim.tick(5).phase == Phase.PAUSED
+        st = sim.tick(**{flag: True})
+        for _ in range(3):
+            st = sim.tick()
+        assert st.phase == phase and not st.analysis_paused, (flag, st.message)
+        assert set(sim.versions.values()) == {v(V2) if flag == "promote" else v(V1)}
+
+
+def test_invalid_check_is_an_invalid_spec_not_a_crash() -> None:
+    with pytest.raises(SpecError, match=r"spec.rollout.analysis.checks\[0\].successCondition 'result <<< 1'"):
+        parse_spec(gc(V1, [prom(successCondition="result <<< 1")]))
