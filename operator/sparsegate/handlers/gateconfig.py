@@ -98,6 +98,9 @@ TICK_SECONDS = prometheus_client.Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 PUSHES = prometheus_client.Counter(
     "sparsegate_rollout_gate_pushes_total", "PUT /admin/gate calls by result.", ["result"])
+MEASUREMENTS = prometheus_client.Counter(
+    "sparsegate_rollout_analysis_measurements_total",
+    "Declared analysis checks measured, by provider and answer (value, no_data, error).", ["provider", "answer"])
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +260,9 @@ class RolloutLoop:
 
         answers = await asyncio.gather(*(
             measure_safely(self.providers[c.provider], c, dataclasses.replace(request, args=args(c))) for c in due))
+        for c, a in zip(due, answers):
+            answer = "error" if a.error is not None else "no_data" if a.value is None else "value"
+            MEASUREMENTS.labels(provider=c.provider.value, answer=answer).inc()
         return {c.name: a for c, a in zip(due, answers)}
 
     # ------------------------------------------------------------ the tick

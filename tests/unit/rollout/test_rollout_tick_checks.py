@@ -165,7 +165,9 @@ async def test_inconclusive_web_check_pauses(judge: dict[str, Any], no_kopf_even
                                     "successCondition": "result >= 0.9", "failureCondition": "result < 0.5",
                                     "interval": "5s"}]))
     await tick(loop, cache, clock, 1)
+    before = handler.MEASUREMENTS.labels(provider="web", answer="value")._value.get()
     st = await tick(loop, cache, clock, 5)
+    assert handler.MEASUREMENTS.labels(provider="web", answer="value")._value.get() == before + 1
     assert st["rollout"]["phase"] == "Paused" and st["rollout"]["analysisPaused"] is True
     assert st["rollout"]["reason"] == "AnalysisInconclusive" and ("AnalysisInconclusive", st["rollout"]["message"]) \
         in no_kopf_events
