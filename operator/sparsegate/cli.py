@@ -2,6 +2,10 @@
 
 ``sparsegate version`` (or ``--version``) prints ``sparsegate <version>`` of the installed build.
 
+``sparsegate train ARGS...`` runs ``python -m sparsegate_workload.training ARGS...`` (the
+``sparsegate-train`` command) in place of this process: the operator never imports the model
+server's package, so it needs the ``workload`` extra installed beside it.
+
 Wraps ``kopf.run`` so the chart, tests and users start the operator one way, with metrics,
 liveness and optional Lease-based leader election flags in one place.
 """
@@ -9,6 +13,7 @@ liveness and optional Lease-based leader election flags in one place.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import socket
 import sys
@@ -26,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=version_line("sparsegate"))
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("version", help="print the installed version")
+    # Listed for --help only: main() hands `train` and everything after it to the trainer.
+    sub.add_parser("train", add_help=False,
+                   help="train a MoE LM into a checkpoint (sparsegate-train; needs the "
+                        "workload extra); `sparsegate train --help` lists its flags")
     run = sub.add_parser("run", help="run the operator")
     scope = run.add_mutually_exclusive_group()
     scope.add_argument("-n", "--namespace", action="append", default=[],
@@ -95,8 +104,24 @@ def election_timing(args: argparse.Namespace) -> Timing:
                   retry_period_s=args.retry_period)
 
 
+TRAIN_MODULE = "sparsegate_workload.training"
+
+
+def train_command(args: list[str]) -> list[str]:
+    """The command line ``sparsegate train ARGS`` runs (same interpreter, so the same venv)."""
+    return [sys.executable, "-m", TRAIN_MODULE, *args]
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = _parser()
+    if argv[:1] == ["train"]:
+        # find_spec of a top-level name locates it without importing (executing) it.
+        if importlib.util.find_spec(TRAIN_MODULE.split(".")[0]) is None:
+            parser.error("train: the model-server package (sparsegate_workload) is not "
+                         "installed; install sparsegate[workload]")
+        command = train_command(argv[1:])
+        os.execv(command[0], command)
     args = parser.parse_args(argv)
     if args.command == "version":
         print(version_line("sparsegate"))
