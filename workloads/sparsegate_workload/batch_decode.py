@@ -1,9 +1,11 @@
 """Batched decoding of a Hugging Face MoE checkpoint with a per-sequence KV cache: the model
 side of continuous batching (`batch_engine` schedules it from the event loop).
 
-Every call here runs on the server's one model thread. A sequence joins with a prefill of its
-prompt alone (batch of one, so no padding token ever reaches the MoE routing or its capacity),
-which gives its first token and its KV cache. It then decodes in a *group*: the sequences that
+Every call here runs on the server's one model thread. Sequences join with a prefill of their
+prompts packed end to end in one row (positions restarting per prompt, a block-diagonal causal
+mask; up to `MAX_PREFILL_TOKENS` per forward, so no padding token ever reaches the MoE routing;
+a checkpoint with a sliding attention window prefills each prompt alone, since the packing mask
+would ignore the window), which gives each its first token and its KV cache. It then decodes in a *group*: the sequences that
 run under the same gate version, decoded together one token per model step. A group holds each
 layer's keys/values as one left-padded tensor [N, heads, L, head_dim] plus a 0/1 mask [N, L];
 a step feeds each sequence's last token at its own position (``position_ids``) with the mask
@@ -30,12 +32,16 @@ solo path reports them.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Hashable, Sequence
 
 import torch
 
 from .hf.gated_block import ActiveGate, GateCall, pin_gate
 from .hf_serving import Generation, HFServedModel
+
+# Most prompt tokens one packed prefill forward holds (its attention mask is T x T booleans).
+MAX_PREFILL_TOKENS = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,15 +84,32 @@ class _Seq:
         return len(self.req.prompt_ids) + len(self.generated) - 1
 
 
-@dataclasses.dataclass
 class _Group:
-    """The sequences decoding under one gate version, with their left-padded KV cache."""
+    """The sequences decoding under one gate version, with their left-padded KV cache: one
+    ``DynamicCache`` kept across steps (rebuilt only when a sequence joins or leaves)."""
 
-    gate: ActiveGate
-    seqs: list[_Seq]
-    keys: list[torch.Tensor]     # per layer [N, heads, L, head_dim]
-    values: list[torch.Tensor]
-    mask: torch.Tensor           # [N, L] long: 1 where a cached position is real
+    def __init__(self, gate: ActiveGate, seqs: list[_Seq], keys: list[torch.Tensor],
+                 values: list[torch.Tensor], mask: torch.Tensor) -> None:
+        self.gate = gate
+        self.seqs = seqs
+        self.mask = mask          # [N, L] long: 1 where a cached position is real
+        self.padded = False       # some row has padding (else no mask is passed: cheaper)
+        self.set_cache(keys, values)
+
+    def set_cache(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Per layer [N, heads, L, head_dim] keys and values."""
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(ddp_cache_data=list(zip(keys, values)))
+        self.padded = not bool(self.mask.all())
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        return [layer.keys for layer in self.cache.layers]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [layer.values for layer in self.cache.layers]
 
 
 class BatchDecoder:
@@ -98,6 +121,8 @@ class BatchDecoder:
         self.device = next(self.lm.model.parameters()).device
         self._groups: dict[str | None, _Group] = {}
         self._where: dict[Hashable, _Group] = {}
+        # Packing prompts needs a mask of our own, which would ignore a sliding window.
+        self._packable = getattr(self.lm.model.config, "sliding_window", None) is None
 
     @property
     def running(self) -> int:
@@ -112,7 +137,7 @@ class BatchDecoder:
         now), then one decode step per gate group. Returns the tokens made, in order."""
         for key in leave:
             self.remove(key)
-        events = [self.add(req) for req in admit]
+        events = self.add_many(admit)
         events += self.step()
         return events
 
@@ -123,24 +148,68 @@ class BatchDecoder:
 
     def add(self, req: DecodeRequest) -> TokenEvent:
         """Prefill ``req`` alone; its first token, and its generation if that ended it."""
-        if req.key in self._where:
-            raise ValueError(f"sequence {req.key!r} is already decoding")
-        seq = _Seq(req, n_layers=self.hf.n_layers, num_experts=self.hf.num_experts)
-        ids = torch.tensor([list(req.prompt_ids)], dtype=torch.long, device=self.device)
-        with torch.inference_mode(), pin_gate(self.lm.gate) as call:
-            out = self.lm.model(input_ids=ids, use_cache=True)
-        seq.gate_version = call.gate.version
-        self._account_prefill(seq, call)
-        token = self._sample([seq], out.logits[:, -1])[0]
-        done = self._append(seq, token)
-        if done is not None:
-            return TokenEvent(req.key, token, done)
-        cache = out.cache
-        keys = [layer.keys for layer in cache.layers]
-        values = [layer.values for layer in cache.layers]
-        mask = torch.ones(1, ids.shape[1], dtype=torch.long, device=self.device)
-        self._join(call.gate, seq, keys, values, mask)
-        return TokenEvent(req.key, token)
+        return self.add_many([req])[0]
+
+    def add_many(self, reqs: Sequence[DecodeRequest]) -> list[TokenEvent]:
+        """Prefill ``reqs`` under the gate in force, packed into as few forwards as
+        `MAX_PREFILL_TOKENS` allows; each one's first token (and generation if that ended it)."""
+        keys = [r.key for r in reqs]
+        if len(set(keys)) < len(keys) or any(k in self._where for k in keys):
+            raise ValueError(f"a sequence of {keys!r} is already decoding")
+        events: list[TokenEvent] = []
+        pack: list[DecodeRequest] = []
+        for req in reqs:
+            if pack and (sum(len(r.prompt_ids) for r in pack) + len(req.prompt_ids)
+                         > MAX_PREFILL_TOKENS or not self._packable):
+                events += self._prefill(pack)
+                pack = []
+            pack.append(req)
+        if pack:
+            events += self._prefill(pack)
+        return events
+
+    def _prefill(self, reqs: Sequence[DecodeRequest]) -> list[TokenEvent]:
+        """One forward over the prompts of ``reqs`` packed end to end in one row (no padding
+        reaches the MoE routing): positions restart at 0 for each prompt and a block-diagonal
+        causal mask keeps each prompt to itself. Then each joins its gate version's group."""
+        seqs = [_Seq(r, n_layers=self.hf.n_layers, num_experts=self.hf.num_experts)
+                for r in reqs]
+        lengths = [len(r.prompt_ids) for r in reqs]
+        ids = torch.tensor([[t for r in reqs for t in r.prompt_ids]], dtype=torch.long,
+                           device=self.device)
+        owner = torch.repeat_interleave(torch.arange(len(reqs), device=self.device),
+                                        torch.tensor(lengths, device=self.device))
+        kwargs: dict[str, Any] = {}
+        if len(reqs) > 1:
+            starts = torch.tensor([0, *itertools.accumulate(lengths)][:-1],
+                                  device=self.device)
+            positions = torch.arange(ids.shape[1], device=self.device) - starts[owner]
+            same = owner.unsqueeze(1) == owner.unsqueeze(0)
+            causal = positions.unsqueeze(1) >= positions.unsqueeze(0)
+            kwargs = {"position_ids": positions.unsqueeze(0),
+                      "attention_mask": (same & causal)[None, None]}  # [1, 1, T, T], True: attend
+        with torch.inference_mode(), pin_gate(self.lm.gate, keep_routing=len(reqs) > 1) as call:
+            out = self.lm.model(input_ids=ids, use_cache=True, **kwargs)
+        if len(reqs) > 1:
+            self._account_rows(seqs, call, owner=owner)
+        else:
+            self._account_calls(seqs[0], call)
+        ends = list(itertools.accumulate(lengths))
+        last = out.logits[0, [e - 1 for e in ends]]
+        tokens = self._sample(seqs, last)
+        layers = out.cache.layers
+        events = []
+        for seq, token, end, length in zip(seqs, tokens, ends, lengths):
+            seq.gate_version = call.gate.version
+            done = self._append(seq, token)
+            events.append(TokenEvent(seq.req.key, token, done))
+            if done is not None:
+                continue
+            cols = slice(end - length, end)
+            self._join(call.gate, seq, [layer.keys[:, :, cols] for layer in layers],
+                       [layer.values[:, :, cols] for layer in layers],
+                       torch.ones(1, length, dtype=torch.long, device=self.device))
+        return events
 
     def remove(self, key: Hashable) -> bool:
         """Drop ``key``'s sequence (no-op when it is not decoding); True if it was."""
@@ -161,8 +230,6 @@ class BatchDecoder:
     # -- internals -------------------------------------------------------------------------
 
     def _step_group(self, group: _Group) -> list[TokenEvent]:
-        from transformers import DynamicCache
-
         seqs = group.seqs
         n = len(seqs)
         last = torch.tensor([[s.generated[-1]] for s in seqs], dtype=torch.long,
@@ -170,14 +237,15 @@ class BatchDecoder:
         positions = torch.tensor([[s.next_position] for s in seqs], dtype=torch.long,
                                  device=self.device)
         mask = torch.cat([group.mask, group.mask.new_ones(n, 1)], dim=1)
-        cache = DynamicCache(ddp_cache_data=list(zip(group.keys, group.values)))
-        with torch.inference_mode(), pin_gate(group.gate, keep_routing=True) as call:
-            out = self.lm.model(input_ids=last, attention_mask=mask, position_ids=positions,
-                                cache=cache, use_cache=True)
-        group.keys = [layer.keys for layer in out.cache.layers]
-        group.values = [layer.values for layer in out.cache.layers]
-        group.mask = mask
-        self._account_step(seqs, call)
+        # One row needs no split of its routing: the block stats are its own.
+        with torch.inference_mode(), pin_gate(group.gate, keep_routing=n > 1) as call:
+            out = self.lm.model(input_ids=last, attention_mask=mask if group.padded else None,
+                                position_ids=positions, cache=group.cache, use_cache=True)
+        group.mask = mask  # the cache grew by one column in place
+        if n > 1:
+            self._account_rows(seqs, call, owner=torch.arange(n, device=self.device))
+        else:
+            self._account_calls(seqs[0], call)
         tokens = self._sample(seqs, out.logits[:, -1])
         events, keep = [], []
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
@@ -219,7 +287,8 @@ class BatchDecoder:
             dropped_assignments=seq.dropped,
             gate_entropy=sum(seq.entropies) / len(seq.entropies) if seq.entropies else 0.0)
 
-    def _account_prefill(self, seq: _Seq, call: GateCall) -> None:
+    def _account_calls(self, seq: _Seq, call: GateCall) -> None:
+        """Add block calls that routed ``seq``'s tokens alone (its prefill, or a step of one)."""
         n_blocks = self.hf.n_layers
         for i, st in enumerate(call.layers):
             row = seq.counts[i % n_blocks]
@@ -230,23 +299,30 @@ class BatchDecoder:
             seq.dropped += st.dropped
             seq.entropies.append(st.entropy)
 
-    def _account_step(self, seqs: Sequence[_Seq], call: GateCall) -> None:
-        """Split one step's routing (row i = sequence i, one token each) per sequence, with
-        one host transfer for all layers."""
+    def _account_rows(self, seqs: Sequence[_Seq], call: GateCall, *,
+                      owner: torch.Tensor) -> None:
+        """Split block calls that routed several sequences' tokens (token t belongs to
+        ``seqs[owner[t]]``) per sequence, as if each had been routed alone: expert counts, kept
+        and dropped assignments, and one entropy per call (the mean over its tokens). One host
+        transfer for all layers."""
         assert call.routings is not None
         n, n_experts = len(seqs), self.hf.num_experts
         experts = torch.arange(n_experts, device=self.device)
+        tokens = torch.bincount(owner, minlength=n).double()
         per_layer = []
         for r in call.routings:
-            expert_of = experts.repeat_interleave(
-                torch.tensor(r.counts, device=self.device))
-            counts = torch.bincount(r.token_idx * n_experts + expert_of,
+            expert_of = experts.repeat_interleave(torch.tensor(r.counts, device=self.device))
+            counts = torch.bincount(owner[r.token_idx] * n_experts + expert_of,
                                     minlength=n * n_experts).view(n, n_experts)
             probs = r.probs
             entropy = -(probs * probs.clamp_min(1e-12).log()).sum(dim=-1)
-            per_layer.append(torch.cat([counts.double(), r.selected.double().unsqueeze(1),
-                                        entropy.double().unsqueeze(1)], dim=1))
-        table: list[Any] = torch.stack(per_layer).tolist()  # [layers, n, E + 2]
+            selected = torch.zeros(n, dtype=torch.float64, device=self.device).index_add_(
+                0, owner, r.selected.double())
+            mean_entropy = torch.zeros(n, dtype=torch.float64, device=self.device).index_add_(
+                0, owner, entropy.double()) / tokens
+            per_layer.append(torch.cat([counts.double(), selected.unsqueeze(1),
+                                        mean_entropy.unsqueeze(1), tokens.unsqueeze(1)], dim=1))
+        table: list[Any] = torch.stack(per_layer).tolist()  # [layers, n, E + 3]
         n_blocks = self.hf.n_layers
         for layer, rows in enumerate(table):
             for seq, row in zip(seqs, rows):
@@ -255,7 +331,7 @@ class BatchDecoder:
                 target = seq.counts[layer % n_blocks]
                 for e, c in enumerate(counts):
                     target[e] += c
-                seq.pairs += 1
+                seq.pairs += int(row[n_experts + 2])
                 seq.kept += kept
                 seq.dropped += int(row[n_experts]) - kept
                 seq.entropies.append(row[n_experts + 1])
@@ -270,12 +346,12 @@ class BatchDecoder:
         else:
             have, new = group.mask.shape[1], mask.shape[1]
             width = max(have, new)
-            group.keys = [torch.cat([_left_pad(a, width), _left_pad(b, width)])
-                          for a, b in zip(group.keys, keys)]
-            group.values = [torch.cat([_left_pad(a, width), _left_pad(b, width)])
-                            for a, b in zip(group.values, values)]
             group.mask = torch.cat([_left_pad_mask(group.mask, width),
                                     _left_pad_mask(mask, width)])
+            group.set_cache([torch.cat([_left_pad(a, width), _left_pad(b, width)])
+                             for a, b in zip(group.keys, keys)],
+                            [torch.cat([_left_pad(a, width), _left_pad(b, width)])
+                             for a, b in zip(group.values, values)])
             group.seqs.append(seq)
         self._where[seq.req.key] = self._groups[version]
 
@@ -289,8 +365,8 @@ class BatchDecoder:
         # Columns no remaining row uses (the left padding of sequences that left) go too.
         first = int(mask.any(dim=0).nonzero()[0])
         group.mask = mask[:, first:]
-        group.keys = [k.index_select(0, index)[:, :, first:] for k in group.keys]
-        group.values = [v.index_select(0, index)[:, :, first:] for v in group.values]
+        group.set_cache([k.index_select(0, index)[:, :, first:] for k in group.keys],
+                        [v.index_select(0, index)[:, :, first:] for v in group.values])
         group.seqs = [group.seqs[i] for i in keep]
 
 

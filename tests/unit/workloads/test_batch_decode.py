@@ -1,6 +1,7 @@
 """BatchDecoder (continuous batching with a per-sequence KV cache) on a tiny Mixtral checkpoint
-built in code: batched tokens and usage equal each request decoded alone, sequences join and
-leave between steps, and each step runs under one gate version (groups keyed by version)."""
+built in code: batched tokens and usage equal each request decoded alone (prompts prefilled
+packed or two at a time), sequences join and leave between steps, and each step runs under one
+gate version (groups keyed by version)."""
 
 import pytest
 import torch
@@ -53,9 +54,10 @@ def _solo(hf, req):
                        seed=req.seed)
 
 
-def test_batched_tokens_and_usage_equal_each_request_alone(hf):
+@pytest.mark.parametrize("per_step", [2, 9])  # 9: all prompts packed into one prefill
+def test_batched_tokens_and_usage_equal_each_request_alone(hf, per_step):
     reqs = _requests(9)
-    tokens, gens, sizes = _drain(BatchDecoder(hf), reqs, per_step=2)
+    tokens, gens, sizes = _drain(BatchDecoder(hf), reqs, per_step=per_step)
     assert max(sum(s.values()) for s in sizes) >= 5  # really decoded together
     for req in reqs:
         solo = _solo(hf, req)
@@ -152,3 +154,17 @@ def test_the_cache_holds_only_columns_some_row_uses(hf):
     assert group.mask.shape == (1, 3) and bool(group.mask.all())
     assert all(k.shape[2] == 3 for k in group.keys)
     assert torch.equal(group.mask, torch.ones(1, 3, dtype=torch.long))
+
+
+def test_packed_prefill_splits_into_forwards_of_bounded_size(hf, monkeypatch):
+    import sparsegate_workload.batch_decode as bd
+    monkeypatch.setattr(bd, "MAX_PREFILL_TOKENS", 20)
+    dec = BatchDecoder(hf)
+    forwards = []
+    original = dec._prefill
+    monkeypatch.setattr(dec, "_prefill", lambda reqs: forwards.append(len(reqs)) or original(reqs))
+    reqs = [DecodeRequest(key=i, prompt_ids=[1] + [5 + i] * 8, max_tokens=3) for i in range(5)]
+    events = dec.add_many(reqs)
+    assert forwards == [2, 2, 1]  # 9-token prompts, at most 20 tokens per forward
+    for req, ev in zip(reqs, events):
+        assert ev.token == _solo(hf, req).token_ids[0]
