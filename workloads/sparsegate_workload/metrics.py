@@ -22,11 +22,14 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         label = {"model_name": model_name}
-        # vLLM-named series. Running: on the model thread now; waiting: admitted, queued for it.
-        self.running = Gauge("vllm:num_requests_running", "Requests on the model thread now",
-                             ["model_name"], registry=r).labels(**label)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued for the model thread",
-                             ["model_name"], registry=r).labels(**label)
+        # vLLM-named series. Running: generations in the decode batch (batch_engine) plus
+        # /v1/infer batches on the model thread; waiting: admitted, queued for either.
+        self.running = Gauge("vllm:num_requests_running",
+                             "Requests being computed now (in the decode batch or on the model "
+                             "thread)", ["model_name"], registry=r).labels(**label)
+        self.waiting = Gauge("vllm:num_requests_waiting",
+                             "Requests admitted and queued for the decode batch or the model "
+                             "thread", ["model_name"], registry=r).labels(**label)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds",
                              "OpenAI API request latency, answered with 200",
                              ["model_name"], buckets=E2E_BUCKETS, registry=r).labels(**label)
