@@ -14,9 +14,9 @@ from sparsegate_ebpf.programs import BpfUnavailable, LoadedProgram
 from sparsegate_ebpf.testing import clear_policy, require_program, reset_maps
 
 
-def _load(enforce: bool) -> LoadedProgram:
+def _load(enforce: bool, audit: bool = False) -> LoadedProgram:
     try:
-        return require_program(enforce=enforce)
+        return require_program(enforce=enforce, audit=audit)
     except BpfUnavailable as exc:
         pytest.fail(f"XDP program unavailable: {exc} (set up with: sudo dev/setup/bpf.sh)", pytrace=False)
 
@@ -33,6 +33,21 @@ def _telemetry_session() -> Iterator[LoadedProgram]:
     prog = _load(False)
     yield prog
     prog.close()
+
+
+@pytest.fixture(scope="session")
+def _audit_session() -> Iterator[LoadedProgram]:
+    prog = _load(True, audit=True)
+    yield prog
+    prog.close()
+
+
+@pytest.fixture
+def audit_prog(_audit_session: LoadedProgram) -> LoadedProgram:
+    """Judges like enforce_prog, drops nothing (policy-audit mode)."""
+    reset_maps(_audit_session)
+    clear_policy(_audit_session)
+    return _audit_session
 
 
 @pytest.fixture

@@ -2,8 +2,15 @@
 
     python -m sparsegate_ebpf.agent --interfaces eth0[,..] --metrics-port 9102 \
         (--policy-file F | --policy-configmap NS/NAME) [--xdp-mode auto|native|generic] \
+        [--enforcement off|audit|enforce] [--allow-sources IP,..] [--node-addresses auto|none] \
         [--initial-policy-timeout 30] [--on-exit detach|keep|daemonset --daemonset NS/NAME]
     python -m sparsegate_ebpf.agent --version
+
+Enforcement: `off` counts only (telemetry); `audit` judges every packet to a policed destination
+and counts would-be drops (`sparsegate_xdp_policy_audit_drops_total`) without dropping; `enforce`
+drops what the policy denies. Always allowed to policed destinations: --allow-sources, and with
+--node-addresses auto the IPv4 addresses of the agent's own network namespace (in a hostNetwork
+pod: the node's, so kubelet probes pass), re-read whenever a policy document is applied.
 
 A restart widens nothing (handover.py): the first valid policy is written into the new program's
 maps before it is attached, and the program replaces the one a previous agent left attached in one
@@ -24,9 +31,12 @@ serving /metrics with `sparsegate_agent_bpf_available 0`, and exits 1 on SIGTERM
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -43,6 +53,7 @@ from .policy import PolicyError, parse_policy
 from .policyswap import PolicySwapper
 
 log = logging.getLogger("sparsegate_ebpf.agent")
+ENFORCEMENT_MODES = ("off", "audit", "enforce")
 INHERITED = "inherited"  # sparsegate_xdp_policy_info{version} of a policy carried over from a predecessor
 
 
@@ -58,7 +69,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     src.add_argument("--policy-configmap", metavar="NS/NAME")
     ap.add_argument("--xdp-mode", choices=[m.value for m in xdp.XdpMode], default="auto")
     ap.add_argument("--poll-interval", type=float, default=1.0, help="policy file poll period (s)")
-    ap.add_argument("--telemetry-only", action="store_true", help="count, never drop")
+    ap.add_argument("--telemetry-only", action="store_true", help="count, never drop (= --enforcement off)")
+    ap.add_argument("--enforcement", choices=list(ENFORCEMENT_MODES), default=None,
+                    help="off: telemetry only; audit: judge and count would-be drops, drop nothing; enforce: drop "
+                         "what the policy denies (default: enforce, or off with --telemetry-only)")
+    ap.add_argument("--allow-sources", default="",
+                    help="comma-separated IPv4 sources always allowed to policed destinations (e.g. the node IP)")
+    ap.add_argument("--node-addresses", choices=["auto", "none"], default="auto",
+                    help="auto: also always allow the IPv4 addresses of this network namespace's interfaces "
+                         "(the node's, in a hostNetwork pod), read when each policy document is applied")
     ap.add_argument("--policy-liveness", choices=["watch", "off"], default="watch",
                     help="with --policy-configmap: also watch RoutingPolicies and drop the allow entries of "
                          "deleted ones without waiting for the operator (needs list/watch on routingpolicies)")
@@ -77,6 +96,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "needs RBAC get on daemonsets")
     args = ap.parse_args(argv)
     args.interfaces = [i for i in args.interfaces.split(",") if i]
+    if args.telemetry_only and args.enforcement not in (None, "off"):
+        ap.error("--telemetry-only contradicts --enforcement " + args.enforcement)
+    args.enforcement = args.enforcement or ("off" if args.telemetry_only else "enforce")
+    args.telemetry_only = args.enforcement == "off"
+    try:
+        args.allow_sources = [str(ipaddress.IPv4Address(a.strip())) for a in args.allow_sources.split(",") if a.strip()]
+    except ValueError as exc:
+        ap.error(f"--allow-sources: {exc}")
     if args.policy_configmap and args.policy_configmap.count("/") != 1:
         ap.error("--policy-configmap must be NAMESPACE/NAME")
     if args.daemonset and args.daemonset.count("/") != 1:
@@ -86,9 +113,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def make_policy_handler(*, state: AgentState,
-                        on_applied: Callable[[], None] | None = None) -> policysource.OnDocument:
-    """Validate and swap in each document; `on_applied` runs after every successful swap."""
+def local_ipv4_addresses() -> list[str]:
+    """The IPv4 addresses of every interface of this network namespace (`ip -j -4 addr`)."""
+    out = subprocess.run(["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True, timeout=10,
+                         check=True).stdout
+    return sorted({a["local"] for link in json.loads(out) for a in link.get("addr_info", ()) if a.get("local")})
+
+
+def make_policy_handler(*, state: AgentState, on_applied: Callable[[], None] | None = None,
+                        sources: Callable[[], list[str]] | None = None) -> policysource.OnDocument:
+    """Validate and swap in each document; `on_applied` runs after every successful swap.
+    `sources`: the node's own always-allowed sources, asked at each document."""
 
     def on_document(text: str) -> None:
         try:
@@ -97,7 +132,18 @@ def make_policy_handler(*, state: AgentState,
             state.policy_errors += 1
             log.error("rejected policy document (keeping version %s): %s", state.policy_version or "none", exc)
             return
-        result = state.swapper.apply(policy)
+        extra = None
+        if sources is not None:
+            try:
+                extra = tuple(sources())
+            except Exception as exc:  # keep the ones in force rather than lose the document
+                log.warning("cannot read the node's addresses (keeping %s): %s", state.swapper.extra_sources, exc)
+        try:
+            result = state.swapper.apply(policy, extra_sources=extra)
+        except PolicyError as exc:  # over the map capacity once the node's sources are added
+            state.policy_errors += 1
+            log.error("rejected policy document (keeping version %s): %s", state.policy_version or "none", exc)
+            return
         state.policy_version = policy.version
         state.policy_swaps += 1
         state.last_swap_seconds = result.swap_seconds
@@ -111,7 +157,7 @@ def make_policy_handler(*, state: AgentState,
 
 
 def run(args: argparse.Namespace, *, stop: threading.Event) -> int:
-    state, start = AgentState(), StartState()
+    state, start = AgentState(enforcement=args.enforcement), StartState()
     registry = CollectorRegistry()
     registry.register(XdpCollector(state=state))
     registry.register(StartCollector(state=start))
@@ -135,7 +181,7 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
         threading.Thread(target=ds_watch.run, args=(threading.Event(),), name="own-daemonset", daemon=True).start()
         exit_reader = ds_watch.read
     try:
-        prog = programs.load(enforce=not args.telemetry_only)
+        prog = programs.load(enforce=args.enforcement != "off", audit=args.enforcement == "audit")
     except programs.BpfUnavailable as exc:
         state.bpf_error = str(exc)
         log.error("BPF unavailable, no XDP telemetry or enforcement on this node: %s", exc)
@@ -153,12 +199,17 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
         first_policy.set()
         start.attached_without_policy = start.inherited_policy = False
 
-    _start_policy_source(args, on_document=make_policy_handler(state=state, on_applied=applied), stop=stop)
+    def sources() -> list[str]:
+        return sorted(set(args.allow_sources) | set(local_ipv4_addresses() if args.node_addresses == "auto" else ()))
+
+    log.info("enforcement %s; always allowed to policed destinations: %s", args.enforcement, ", ".join(sources()))
+    handler = make_policy_handler(state=state, on_applied=applied, sources=sources)
+    _start_policy_source(args, on_document=handler, stop=stop)
     if not _wait_first_policy(args, first_policy=first_policy, start=start, stop=stop):
         prog.close()  # stopped before attaching: whatever a predecessor left stays as it is
         return 0
 
-    if not args.telemetry_only and not first_policy.is_set():
+    if args.enforcement == "enforce" and not first_policy.is_set():
         # Set, then re-check: a document applied meanwhile clears it (applied() sets the event first).
         start.inherited_policy = _inherit(args, state=state)
         if first_policy.is_set():
@@ -175,7 +226,7 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
         _exit(args, state=state, reader=exit_reader)
         prog.close()
         return 1
-    if not args.telemetry_only and not start.inherited_policy:
+    if args.enforcement == "enforce" and not start.inherited_policy:
         start.attached_without_policy = True  # same set-then-re-check as above
         if first_policy.is_set():
             start.attached_without_policy = False
@@ -208,7 +259,7 @@ def _start_policy_source(args: argparse.Namespace, *, on_document: policysource.
 def _wait_first_policy(args: argparse.Namespace, *, first_policy: threading.Event, start: StartState,
                        stop: threading.Event) -> bool:
     """Wait (bounded) for the first policy; False when stopped meanwhile."""
-    if args.telemetry_only:
+    if args.enforcement != "enforce":
         return not stop.is_set()  # a program that never drops has nothing to widen
     t0 = time.monotonic()
     deadline = t0 + args.initial_policy_timeout

@@ -20,6 +20,20 @@ ACTION_ALLOW = 1
 ACTION_DENY = 2
 POLICY_MAX_ENTRIES = 16384
 
+KEY_ENTRY = 0         # sg_policy_key.kind: an allow-list entry (or, all zero, the meta record)
+KEY_POLICED_DST = 1   # only daddr set: a destination the policy judges
+KEY_ALLOWED_SRC = 2   # only saddr set: a source always allowed to policed destinations
+
+CT_ALLOWED = 1
+CT_OUTBOUND = 2
+
+CLASS_RULE_ALLOW = 1
+CLASS_RULE_DENY = 2
+CLASS_ALLOWED_SOURCE = 3
+CLASS_DNS = 4
+CLASS_CT_REPLY = 5
+CLASS_TCP_UNTRACKED = 6
+
 PROTO_NUMBERS = {"tcp": socket.IPPROTO_TCP, "udp": socket.IPPROTO_UDP}
 PROTO_NAMES = {v: k for k, v in PROTO_NUMBERS.items()}
 
@@ -44,9 +58,16 @@ class Counter(enum.IntEnum):
     POLICY_DENY = 14
     NO_POLICY = 15
     FLOW_TABLE_FULL = 16
+    UNPOLICED = 17
+    ALLOWED_SOURCE = 18
+    DNS = 19
+    OVERLAY = 20
+    CT_REPLY = 21
+    TCP_UNTRACKED = 22
+    AUDIT_DENY = 23
 
 
-COUNTER_MAX = 17
+COUNTER_MAX = 24
 
 
 class FlowKey(ct.Structure):
@@ -67,6 +88,19 @@ class FlowStats(ct.Structure):
         ("dropped", ct.c_uint64),
         ("first_seen_ns", ct.c_uint64),
         ("last_seen_ns", ct.c_uint64),
+        ("ct_generation", ct.c_uint32),
+        ("ct_rule", ct.c_uint16),
+        ("ct_class", ct.c_uint8),
+        ("pad", ct.c_uint8),
+    ]
+
+
+class CtVal(ct.Structure):
+    _fields_ = [
+        ("generation", ct.c_uint32),
+        ("rule_id", ct.c_uint16),
+        ("kind", ct.c_uint8),
+        ("pad", ct.c_uint8),
     ]
 
 
@@ -79,10 +113,6 @@ class Handshake(ct.Structure):
     ]
 
 
-class PortKey(ct.Structure):
-    _fields_ = [("port", ct.c_uint16), ("proto", ct.c_uint8), ("pad", ct.c_uint8)]
-
-
 class CounterVal(ct.Structure):
     _fields_ = [("packets", ct.c_uint64), ("bytes", ct.c_uint64)]
 
@@ -93,7 +123,7 @@ class PolicyKey(ct.Structure):
         ("daddr", ct.c_uint32),
         ("dport", ct.c_uint16),
         ("proto", ct.c_uint8),
-        ("pad", ct.c_uint8),
+        ("kind", ct.c_uint8),
     ]
 
 
@@ -119,8 +149,8 @@ class VerdictKey(ct.Structure):
 STRUCTS: dict[str, type[ct.Structure]] = {
     "sg_flow_key": FlowKey,
     "sg_flow_stats": FlowStats,
+    "sg_ct_val": CtVal,
     "sg_handshake": Handshake,
-    "sg_port_key": PortKey,
     "sg_counter": CounterVal,
     "sg_policy_key": PolicyKey,
     "sg_policy_val": PolicyVal,

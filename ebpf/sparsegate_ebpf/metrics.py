@@ -2,6 +2,10 @@
 
 Nothing is copied periodically; each scrape walks the maps, folds the per-CPU values and
 yields fresh metric families. Flow series are capped (largest by bytes) to bound cardinality.
+Per-port totals are folded from the flow table at scrape time (the program keeps no per-port map:
+one hash update less per packet); a flow that leaves the table (LRU eviction) keeps its last
+scraped counts in its port's total, so the totals never go down, but packets it got between
+that scrape and its eviction are not counted.
 """
 from __future__ import annotations
 
@@ -46,6 +50,32 @@ def fold_counter(per_cpu: Iterable[Any]) -> tuple[int, int]:
     return packets, bytes_
 
 
+class PortTotals:
+    """Monotonic per-(port, proto) totals folded from the flow table at each scrape."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[Any, tuple[int, int, tuple[int, int]]] = {}  # flow -> packets, bytes, port key
+        self._retired: dict[tuple[int, int], list[int]] = {}
+
+    def fold(self, flows: Iterable[tuple[Any, int, int, tuple[int, int]]]) -> dict[tuple[int, int], tuple[int, int]]:
+        """`flows`: (flow key, packets, bytes, (port, proto)) as read now -> totals per port."""
+        with self._lock:
+            now = {key: (packets, bytes_, port) for key, packets, bytes_, port in flows}
+            for key, (packets, bytes_, port) in self._last.items():
+                cur = now.get(key)
+                if cur is None or cur[0] < packets:  # evicted (or evicted and seen again)
+                    acc = self._retired.setdefault(port, [0, 0])
+                    acc[0] += packets
+                    acc[1] += bytes_
+            self._last = now
+            totals = {port: (acc[0], acc[1]) for port, acc in self._retired.items()}
+            for packets, bytes_, port in now.values():
+                p, b = totals.get(port, (0, 0))
+                totals[port] = (p + packets, b + bytes_)
+            return totals
+
+
 @dataclass
 class AgentState:
     """What the agent knows beyond the maps; shared with the collector (read under no lock:
@@ -60,7 +90,9 @@ class AgentState:
     policy_errors: int = 0
     policy_swaps: int = 0
     last_swap_seconds: float = 0.0
+    enforcement: str = "enforce"        # off | audit | enforce
     lock: threading.Lock = field(default_factory=threading.Lock)
+    ports: PortTotals = field(default_factory=PortTotals)
 
 
 def _proto(num: int) -> str:
@@ -88,6 +120,10 @@ class XdpCollector:
         pe = CounterMetricFamily("sparsegate_agent_policy_errors", "Policy documents rejected")
         pe.add_metric([], s.policy_errors)
         yield pe
+        mode = GaugeMetricFamily("sparsegate_xdp_enforcement", "Enforcement mode of the loaded program "
+                                 "(off: telemetry only; audit: judged, never dropped; enforce)", labels=["mode"])
+        mode.add_metric([s.enforcement], 1.0)
+        yield mode
         if not s.bpf_available or s.program is None:
             return
         bpf = s.program.bpf
@@ -95,19 +131,27 @@ class XdpCollector:
         pk = CounterMetricFamily("sparsegate_xdp_packets", "Packets seen by XDP, by type", labels=["type"])
         by = CounterMetricFamily("sparsegate_xdp_bytes", "Bytes seen by XDP, by type", labels=["type"])
         counters = bpf[b"counters"]
+        audit = 0
         for c in Counter:
             packets, bytes_ = fold_counter(counters[counters.Key(int(c))])
             pk.add_metric([c.name.lower()], packets)
             by.add_metric([c.name.lower()], bytes_)
+            if c == Counter.AUDIT_DENY:
+                audit = packets
         yield pk
         yield by
+        ad = CounterMetricFamily("sparsegate_xdp_policy_audit_drops",
+                                 "Packets the policy denies that audit mode passed (would-be drops)")
+        ad.add_metric([], audit)
+        yield ad
 
-        yield from self._flows(bpf)
-        yield from self._ports(bpf)
+        flows = [(k, fold_flow(v)) for k, v in bpf[b"flows"].items()]
+        yield from self._flows(flows)
+        yield from self._ports(flows)
         yield from self._handshakes(bpf)
         yield from self._policy(bpf)
 
-    def _flows(self, bpf: Any) -> Iterator[Metric]:
+    def _flows(self, flows: list[tuple[Any, FlowTotals]]) -> Iterator[Metric]:
         labels = ["src", "dst", "sport", "dport", "proto"]
         fp = CounterMetricFamily("sparsegate_xdp_flow_packets", "Packets per IPv4 flow", labels=labels)
         fb = CounterMetricFamily("sparsegate_xdp_flow_bytes", "Bytes per IPv4 flow", labels=labels)
@@ -117,9 +161,8 @@ class XdpCollector:
         gap = GaugeMetricFamily("sparsegate_xdp_flow_mean_interarrival_seconds",
                                 "(last - first seen) / (packets - 1)", labels=labels)
         idle = GaugeMetricFamily("sparsegate_xdp_flow_idle_seconds", "Now - last seen", labels=labels)
-        now = time.monotonic_ns()  # same clock as bpf_ktime_get_ns
-        flows = [(k, fold_flow(v)) for k, v in bpf[b"flows"].items()]
-        flows.sort(key=lambda kv: kv[1].bytes, reverse=True)
+        now = time.monotonic_ns()  # same clock as bpf_ktime_get_coarse_ns (within a tick)
+        flows = sorted(flows, key=lambda kv: kv[1].bytes, reverse=True)
         for k, t in flows[: self._max_flows]:
             lv = [be32_to_ip(k.saddr), be32_to_ip(k.daddr), str(be16_to_port(k.sport)),
                   str(be16_to_port(k.dport)), _proto(k.proto)]
@@ -135,13 +178,15 @@ class XdpCollector:
         tracked.add_metric([], len(flows))
         yield from (fp, fb, fd, dur, gap, idle, tracked)
 
-    def _ports(self, bpf: Any) -> Iterator[Metric]:
+    def _ports(self, flows: list[tuple[Any, FlowTotals]]) -> Iterator[Metric]:
         pp = CounterMetricFamily("sparsegate_xdp_port_packets", "Packets by destination port", labels=["port", "proto"])
         pb = CounterMetricFamily("sparsegate_xdp_port_bytes", "Bytes by destination port", labels=["port", "proto"])
-        for k, v in bpf[b"port_totals"].items():
-            packets, bytes_ = fold_counter(v)
-            pp.add_metric([str(k.port), _proto(k.proto)], packets)
-            pb.add_metric([str(k.port), _proto(k.proto)], bytes_)
+        totals = self._state.ports.fold(
+            ((k.saddr, k.daddr, k.sport, k.dport, k.proto), t.packets, t.bytes, (be16_to_port(k.dport), k.proto))
+            for k, t in flows)
+        for (port, proto), (packets, bytes_) in sorted(totals.items()):
+            pp.add_metric([str(port), _proto(proto)], packets)
+            pb.add_metric([str(port), _proto(proto)], bytes_)
         yield pp
         yield pb
 

@@ -5,10 +5,12 @@ Pure: no BPF, no I/O. ``parse_policy`` validates a document with ``sparsegate_co
 ``compile_policy`` turns it into the exact (key, value) records one inner policy map holds,
 including the meta record (proto 0) that carries the default action and the generation number.
 
-Semantics: exact match on (srcIP, dstIP, dstPort, protocol); no match -> defaultAction. When
-entries for the same tuple disagree, deny wins (as in Cilium and Istio), whatever their order.
-Only TCP/UDP are policed (the document's protocol field); other IPv4 protocols are counted
-and passed by the program.
+Semantics: only packets to a policed destination (the document's ``policedDestinations``, else its
+entries' destinations) are judged; the rest pass. Sources in the document's ``allowedSources`` and
+the agent's own always-allowed sources (node addresses) pass to every policed destination. Then
+exact match on (srcIP, dstIP, dstPort, protocol); no match -> defaultAction. When entries for the
+same tuple disagree, deny wins (as in Cilium and Istio), whatever their order. Only TCP/UDP are
+policed (the document's protocol field); other IPv4 protocols are counted and passed by the program.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from sparsegate_contracts.flowpolicy import FlowPolicy, PolicyEntry
 from .maps import (
     ACTION_ALLOW,
     ACTION_DENY,
+    KEY_ALLOWED_SRC,
+    KEY_POLICED_DST,
     POLICY_MAX_ENTRIES,
     PROTO_NUMBERS,
     PolicyKey,
@@ -49,10 +53,18 @@ def meta_key() -> PolicyKey:
     return PolicyKey()
 
 
-def compile_policy(policy: FlowPolicy, *, generation: int) -> list[tuple[PolicyKey, PolicyVal]]:
-    """All records of one inner policy map, meta record first."""
+def compile_policy(policy: FlowPolicy, *, generation: int,
+                   extra_sources: tuple[str, ...] = ()) -> list[tuple[PolicyKey, PolicyVal]]:
+    """All records of one inner policy map, meta record first: entries, one record per policed
+    destination (carrying the default action) and one per always-allowed source (the document's
+    ``allowedSources`` plus ``extra_sources``, the node's own addresses)."""
     if not 0 < generation < 2**32:
         raise PolicyError(f"generation out of range: {generation}")
+    sources = sorted(set(policy.allowed_sources) | set(extra_sources))
+    total = len(policy.entries) + len(policy.policed_destinations) + len(sources) + 1
+    if total > POLICY_MAX_ENTRIES:
+        raise PolicyError(f"{total} records (entries, policed destinations, allowed sources, meta) exceed the "
+                          f"map capacity {POLICY_MAX_ENTRIES}")
     records: dict[tuple[int, int, int, int], PolicyVal] = {}
     for rule_id, entry in enumerate(policy.entries, start=1):
         tup = (
@@ -66,7 +78,14 @@ def compile_policy(policy: FlowPolicy, *, generation: int) -> list[tuple[PolicyK
         # Deny precedence; among equals the first rule keeps the attribution.
         if prior is None or (action == ACTION_DENY and prior.action != ACTION_DENY):
             records[tup] = PolicyVal(action=action, rule_id=rule_id, generation=generation)
-    out = [(meta_key(), PolicyVal(action=ACTIONS[policy.default_action], rule_id=0, generation=generation))]
+    default = ACTIONS[policy.default_action]
+    out = [(meta_key(), PolicyVal(action=default, rule_id=0, generation=generation))]
     for (saddr, daddr, dport, proto), val in records.items():
         out.append((PolicyKey(saddr=saddr, daddr=daddr, dport=dport, proto=proto), val))
+    for ip in policy.policed_destinations:
+        out.append((PolicyKey(daddr=ip_to_be32(ip), kind=KEY_POLICED_DST),
+                    PolicyVal(action=default, rule_id=0, generation=generation)))
+    for ip in sources:
+        out.append((PolicyKey(saddr=ip_to_be32(ip), kind=KEY_ALLOWED_SRC),
+                    PolicyVal(action=ACTION_ALLOW, rule_id=0, generation=generation)))
     return out

@@ -40,11 +40,17 @@ class PolicySwapper:
         self.generation = 0
         self.policy: FlowPolicy | None = None
         self.rule_names: dict[int, dict[int, str]] = {}  # generation -> rule_id -> rule
+        # Sources always allowed to policed destinations besides the document's (node addresses).
+        self.extra_sources: tuple[str, ...] = ()
 
-    def apply(self, policy: FlowPolicy) -> SwapResult:
+    def apply(self, policy: FlowPolicy, *, extra_sources: tuple[str, ...] | None = None) -> SwapResult:
+        """Make `policy` live; `extra_sources` (None: keep the current ones) replace the node's own
+        always-allowed sources."""
         with self._lock:
+            if extra_sources is not None:
+                self.extra_sources = tuple(sorted(set(extra_sources)))
             generation = self.generation + 1
-            records = compile_policy(policy, generation=generation)
+            records = compile_policy(policy, generation=generation, extra_sources=self.extra_sources)
             return self._install(records, generation=generation, policy=policy, rule_names=policy.rule_names())
 
     def apply_records_if_empty(self, records: list[tuple[PolicyKey, PolicyVal]]) -> SwapResult | None:
@@ -52,7 +58,7 @@ class PolicySwapper:
         is live already (a document that arrived meanwhile is newer: None). They keep their
         generation (the meta record's), so verdicts stay attributed to one generation; rule names
         are unknown (the document is not in the maps): verdicts read gen<N>/rule<M>."""
-        generation = next((v.generation for k, v in records if k.proto == 0), None)
+        generation = next((v.generation for k, v in records if bytes(k) == bytes(PolicyKey())), None)
         if generation is None:
             raise ValueError("no meta record: not a policy map")
         with self._lock:

@@ -27,6 +27,7 @@ class LoadedProgram:
     bpf: Any          # bcc.BPF
     fn: Any           # bcc function handle (fd, name)
     enforce: bool
+    audit: bool = False  # enforce=True, audit=True: judges and counts, never drops
 
     @property
     def prog_fd(self) -> int:
@@ -39,10 +40,11 @@ class LoadedProgram:
         self.bpf.cleanup()
 
 
-def cflags(*, enforce: bool, flow_entries: int = 65536) -> list[str]:
+def cflags(*, enforce: bool, audit: bool = False, flow_entries: int = 65536) -> list[str]:
     return [
         f"-I{PROGRAM_PATH.parent}",
         f"-DSG_ENFORCE={1 if enforce else 0}",
+        f"-DSG_AUDIT={1 if audit else 0}",
         f"-DSG_FLOW_ENTRIES={flow_entries}",
     ]
 
@@ -57,26 +59,28 @@ def import_bcc() -> Any:
     return bcc
 
 
-def load(*, enforce: bool = True, flow_entries: int = 65536, debug: int = 0) -> LoadedProgram:
-    """Compile, verify and load the program (not attached anywhere yet)."""
+def load(*, enforce: bool = True, audit: bool = False, flow_entries: int = 65536, debug: int = 0) -> LoadedProgram:
+    """Compile, verify and load the program (not attached anywhere yet). `audit` (with `enforce`):
+    the policy is judged and would-be drops are counted (`audit_deny`), but nothing is dropped."""
     bcc = import_bcc()
     if os.geteuid() != 0:
         raise BpfUnavailable("loading XDP programs needs root (CAP_BPF + CAP_NET_ADMIN)")
     try:
-        bpf = bcc.BPF(src_file=str(PROGRAM_PATH).encode(), cflags=cflags(enforce=enforce, flow_entries=flow_entries), debug=debug)
+        bpf = bcc.BPF(src_file=str(PROGRAM_PATH).encode(), cflags=cflags(enforce=enforce, audit=audit, flow_entries=flow_entries),
+                      debug=debug)
         fn = bpf.load_func(FUNCTION.encode(), bcc.BPF.XDP)
     except Exception as exc:  # bcc raises bare Exception on compile/verify failure
         raise BpfUnavailable(f"BCC could not compile/load {PROGRAM_PATH.name}: {exc}") from exc
     _check_layouts(bpf)
-    return LoadedProgram(bpf=bpf, fn=fn, enforce=enforce)
+    return LoadedProgram(bpf=bpf, fn=fn, enforce=enforce, audit=audit and enforce)
 
 
 def _check_layouts(bpf: Any) -> None:
     """BCC builds its own ctypes from the C; make sure ours (maps.py) have the same sizes."""
     expected = {
         "flows": ("sg_flow_key", None),
-        "port_totals": ("sg_port_key", None),
         "handshakes": ("sg_flow_key", "sg_handshake"),
+        "conntrack": ("sg_flow_key", "sg_ct_val"),
         "policy_a": ("sg_policy_key", "sg_policy_val"),
         "verdicts": ("sg_verdict_key", None),
     }

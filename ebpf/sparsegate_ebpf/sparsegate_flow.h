@@ -14,14 +14,39 @@ struct sg_flow_key {
     __u8 pad[3];
 };
 
-/* Per-CPU per-flow counters. first/last_seen_ns: bpf_ktime_get_ns (CLOCK_MONOTONIC). */
+/* Per-CPU per-flow counters. first/last_seen_ns: bpf_ktime_get_coarse_ns (CLOCK_MONOTONIC_COARSE:
+ * one tick of resolution, a fraction of the cost of bpf_ktime_get_ns). The ct_* fields cache the
+ * policy outcome for this flow on this CPU, valid while ct_generation is the live generation. */
 struct sg_flow_stats {
     __u64 packets;
     __u64 bytes;
     __u64 dropped;
     __u64 first_seen_ns;
     __u64 last_seen_ns;
+    __u32 ct_generation;  /* 0: nothing cached */
+    __u16 ct_rule;        /* rule id of a rule verdict (SG_CLASS_RULE_*) */
+    __u8 ct_class;        /* SG_CLASS_* */
+    __u8 pad;
 };
+
+/* Connection tracking shared by all CPUs, keyed by the flow in its initiator's direction. */
+struct sg_ct_val {
+    __u32 generation;   /* policy generation that allowed it (SG_CT_ALLOWED) */
+    __u16 rule_id;
+    __u8 kind;          /* SG_CT_* */
+    __u8 pad;
+};
+
+#define SG_CT_ALLOWED 1   /* a packet to a policed destination allowed by a rule */
+#define SG_CT_OUTBOUND 2  /* a packet from a policed destination (it opened the flow) */
+
+/* What decided a packet to a policed destination (cached per flow and CPU). */
+#define SG_CLASS_RULE_ALLOW 1
+#define SG_CLASS_RULE_DENY 2
+#define SG_CLASS_ALLOWED_SOURCE 3
+#define SG_CLASS_DNS 4
+#define SG_CLASS_CT_REPLY 5
+#define SG_CLASS_TCP_UNTRACKED 6
 
 /* TCP SYN -> SYN-ACK handshake time, keyed by the client->server flow. Only measurable
  * when both directions cross an attached interface (XDP sees ingress only). */
@@ -32,26 +57,27 @@ struct sg_handshake {
     __u64 samples;
 };
 
-struct sg_port_key {
-    __u16 port;   /* host order: easier to read back */
-    __u8 proto;
-    __u8 pad;
-};
-
 struct sg_counter {
     __u64 packets;
     __u64 bytes;
 };
 
-/* Policy entries: exact match on (src, dst, dst port, protocol), network order. The key
- * with proto == 0 (never a valid entry) holds the generation's meta record. */
+/* Policy records, network order. kind SG_KEY_ENTRY: exact match on (src, dst, dst port, protocol);
+ * the all-zero key (proto 0, never a valid entry) holds the generation's meta record.
+ * kind SG_KEY_POLICED_DST (only daddr set): a destination the policy judges; its value carries the
+ * default action and the generation. kind SG_KEY_ALLOWED_SRC (only saddr set): a source always
+ * allowed to policed destinations (node addresses, the operator). */
 struct sg_policy_key {
     __u32 saddr;
     __u32 daddr;
     __u16 dport;
     __u8 proto;
-    __u8 pad;
+    __u8 kind;
 };
+
+#define SG_KEY_ENTRY 0
+#define SG_KEY_POLICED_DST 1
+#define SG_KEY_ALLOWED_SRC 2
 
 struct sg_policy_val {
     __u32 action;       /* SG_ACTION_* ; in the meta record: the default action */
@@ -92,7 +118,14 @@ enum sg_counter_index {
     SG_CNT_POLICY_DENY = 14,
     SG_CNT_NO_POLICY = 15,      /* enforcement on but no policy installed yet: passed */
     SG_CNT_FLOW_TABLE_FULL = 16,
-    SG_CNT_MAX = 17,
+    SG_CNT_UNPOLICED = 17,      /* TCP/UDP to a destination no policy covers: passed */
+    SG_CNT_ALLOWED_SOURCE = 18, /* to a policed destination from a node address / the operator */
+    SG_CNT_DNS = 19,            /* to a policed destination, port 53 (either side) */
+    SG_CNT_OVERLAY = 20,        /* VXLAN (4789, 8472) / Geneve (6081) UDP: passed, inner not policed */
+    SG_CNT_CT_REPLY = 21,       /* reply of a tracked flow (the reverse flow was seen allowed/opened) */
+    SG_CNT_TCP_UNTRACKED = 22,  /* TCP without SYN to a policed destination, no tracked state: passed */
+    SG_CNT_AUDIT_DENY = 23,     /* denied by policy but passed: audit mode (would-be drops) */
+    SG_CNT_MAX = 24,
 };
 
 #endif

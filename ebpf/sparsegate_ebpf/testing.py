@@ -5,21 +5,21 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from .maps import Counter
+from .maps import Counter, be16_to_port
 from .metrics import FlowTotals, fold_counter, fold_flow
 from .programs import BpfUnavailable, LoadedProgram, load
 
 
-def require_program(*, enforce: bool) -> LoadedProgram:
+def require_program(*, enforce: bool, audit: bool = False) -> LoadedProgram:
     """Load the program or raise with the reason; tests turn this into a loud failure."""
     if os.geteuid() != 0:
         raise BpfUnavailable("BPF tests need root (run dev/test.sh as root)")
-    return load(enforce=enforce)
+    return load(enforce=enforce, audit=audit)
 
 
 def reset_maps(prog: LoadedProgram) -> None:
     """Empty every telemetry map (policy maps are left to the swapper)."""
-    for name in ("flows", "port_totals", "handshakes", "verdicts", "counters"):
+    for name in ("flows", "handshakes", "verdicts", "counters", "conntrack"):
         prog.bpf[name.encode()].clear()
 
 
@@ -39,7 +39,13 @@ def verdicts(prog: LoadedProgram) -> dict[tuple[int, int, int], int]:
 
 
 def ports(prog: LoadedProgram) -> dict[tuple[int, int], tuple[int, int]]:
-    return {(k.port, k.proto): fold_counter(v) for k, v in prog.bpf[b"port_totals"].items()}
+    """(port host order, proto) -> (packets, bytes), summed over the flows in the table."""
+    out: dict[tuple[int, int], tuple[int, int]] = {}
+    for (_s, _d, _sp, dport, proto), t in flows(prog).items():
+        key = (be16_to_port(dport), proto)
+        packets, bytes_ = out.get(key, (0, 0))
+        out[key] = (packets + t.packets, bytes_ + t.bytes)
+    return out
 
 
 def nonzero(d: dict[Any, int], keys: Iterable[Any]) -> dict[Any, int]:

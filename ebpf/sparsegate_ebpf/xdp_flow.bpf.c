@@ -1,7 +1,8 @@
-/* sparsegate XDP data plane: per-flow telemetry and (optionally) policy enforcement.
+/* sparsegate XDP data plane: per-flow telemetry and (optionally) scoped, stateful policy.
  *
  * Compiled by BCC (programs.py) with:
- *   -DSG_ENFORCE=0|1    consult the policy map and drop denied flows (1) or only count (0)
+ *   -DSG_ENFORCE=0|1    consult the policy (1) or only count (0)
+ *   -DSG_AUDIT=0|1      with SG_ENFORCE=1: count would-be drops (audit_deny) but pass them
  *   -DSG_FLOW_ENTRIES=N size of the per-flow LRU table
  *
  * Parsing is bounds-checked at every step; anything we cannot parse is counted by type and
@@ -10,10 +11,20 @@
  * passed; the first fragment carries the ports and is judged, so a denied flow cannot be
  * reassembled.
  *
+ * Scope: only packets whose destination is a policed destination (a model pod under a
+ * RoutingPolicy: an SG_KEY_POLICED_DST record) are judged; everything else passes. Before the
+ * allow-list, a packet to a policed destination passes when it comes from an allowed source (node
+ * addresses, the operator), is DNS (port 53), is the reply of a tracked flow, or is TCP without SYN
+ * that no tracked state covers (a TCP connection can only start with a SYN, which is judged; see
+ * ebpf/README.md for what XDP sees in which direction). Overlay UDP (VXLAN, Geneve) passes
+ * before anything else: its inner packets are not policed here.
+ *
  * Policy: an A/B pool of inner hash maps (policy_a, policy_b) behind one outer array slot.
  * Userspace fills the inactive inner map completely, then flips the outer slot with a single
  * update (policyswap.py). The program fetches the inner map pointer once per packet, so every
- * packet is judged by exactly one policy generation.
+ * packet is judged by exactly one policy generation. The outcome is cached in the flow's per-CPU
+ * entry and reused while the destination record carries the same generation, so a swap re-judges
+ * every flow at its next packet (a narrowed policy cuts established flows too).
  */
 #include <uapi/linux/bpf.h>
 #include <linux/if_ether.h>
@@ -26,6 +37,9 @@
 #ifndef SG_ENFORCE
 #define SG_ENFORCE 1
 #endif
+#ifndef SG_AUDIT
+#define SG_AUDIT 0
+#endif
 #ifndef SG_FLOW_ENTRIES
 #define SG_FLOW_ENTRIES 65536
 #endif
@@ -34,16 +48,20 @@
 #define SG_IP_OFFSET 0x1FFF
 #define SG_TCP_FLAG_SYN 0x02
 #define SG_TCP_FLAG_ACK 0x10
+#define SG_PORT_DNS 53
+#define SG_PORT_VXLAN 4789
+#define SG_PORT_VXLAN_LINUX 8472
+#define SG_PORT_GENEVE 6081
 
 BPF_PERCPU_ARRAY(counters, struct sg_counter, SG_CNT_MAX);
 BPF_TABLE("lru_percpu_hash", struct sg_flow_key, struct sg_flow_stats, flows, SG_FLOW_ENTRIES);
-BPF_TABLE("lru_percpu_hash", struct sg_port_key, struct sg_counter, port_totals, 8192);
 BPF_TABLE("lru_hash", struct sg_flow_key, struct sg_handshake, handshakes, 16384);
 
 BPF_HASH(policy_a, struct sg_policy_key, struct sg_policy_val, SG_POLICY_MAX_ENTRIES);
 BPF_HASH(policy_b, struct sg_policy_key, struct sg_policy_val, SG_POLICY_MAX_ENTRIES);
 BPF_ARRAY_OF_MAPS(policy_outer, "policy_a", 1);
 BPF_PERCPU_HASH(verdicts, struct sg_verdict_key, struct sg_counter, 65536);
+BPF_TABLE("lru_hash", struct sg_flow_key, struct sg_ct_val, conntrack, SG_FLOW_ENTRIES);
 
 static __always_inline void count(int idx, __u64 len)
 {
@@ -54,34 +72,20 @@ static __always_inline void count(int idx, __u64 len)
     }
 }
 
-/* Returns XDP_PASS or XDP_DROP for one parsed IPv4 TCP/UDP packet. */
-static __always_inline int judge(struct sg_flow_key *fk, __u64 len)
-{
-#if SG_ENFORCE
-    int zero = 0;
-    void *inner = policy_outer.lookup(&zero);
-    if (!inner) {
-        count(SG_CNT_NO_POLICY, len);
-        return XDP_PASS;
-    }
-    /* Both lookups go to the same inner map: one generation judges the whole packet. */
-    struct sg_policy_key meta_key = {};
-    struct sg_policy_val *meta = bpf_map_lookup_elem(inner, &meta_key);
-    if (!meta) {
-        count(SG_CNT_NO_POLICY, len);
-        return XDP_PASS;
-    }
-    struct sg_policy_key pk = {};
-    pk.saddr = fk->saddr;
-    pk.daddr = fk->daddr;
-    pk.dport = fk->dport;
-    pk.proto = fk->proto;
-    struct sg_policy_val *entry = bpf_map_lookup_elem(inner, &pk);
+/* What judge() decided and wants cached in the flow entry (class 0: nothing to cache). */
+struct sg_outcome {
+    __u32 generation;
+    __u16 rule;
+    __u8 cls;
+};
 
+#if SG_ENFORCE
+static __always_inline void count_verdict(__u32 generation, __u32 rule_id, __u32 action, __u64 len)
+{
     struct sg_verdict_key vk = {};
-    vk.generation = meta->generation;
-    vk.rule_id = entry ? entry->rule_id : 0;
-    vk.action = entry ? entry->action : meta->action;
+    vk.generation = generation;
+    vk.rule_id = rule_id;
+    vk.action = action;
     struct sg_counter *vc = verdicts.lookup(&vk);
     if (vc) {
         vc->packets += 1;
@@ -90,52 +94,145 @@ static __always_inline int judge(struct sg_flow_key *fk, __u64 len)
         struct sg_counter init = {1, len};
         verdicts.update(&vk, &init);
     }
-    if (vk.action == SG_ACTION_DENY) {
-        count(SG_CNT_POLICY_DENY, len);
-        return XDP_DROP;
-    }
-    count(SG_CNT_POLICY_ALLOW, len);
-#endif
-    return XDP_PASS;
 }
 
-static __always_inline void record_flow(struct sg_flow_key *fk, __u64 len, int verdict, __u64 now)
+static __always_inline int apply_class(__u8 cls, __u32 generation, __u16 rule, __u64 len)
 {
-    struct sg_flow_stats *st = flows.lookup(fk);
-    if (st) {
-        st->packets += 1;
-        st->bytes += len;
-        if (verdict == XDP_DROP)
-            st->dropped += 1;
-        st->last_seen_ns = now;
-    } else {
-        struct sg_flow_stats init = {};
-        init.packets = 1;
-        init.bytes = len;
-        init.dropped = verdict == XDP_DROP ? 1 : 0;
-        init.first_seen_ns = now;
-        init.last_seen_ns = now;
-        if (flows.update(fk, &init))
-            count(SG_CNT_FLOW_TABLE_FULL, len);
-    }
-
-    struct sg_port_key ptk = {};
-    ptk.port = bpf_ntohs(fk->dport);
-    ptk.proto = fk->proto;
-    struct sg_counter *pc = port_totals.lookup(&ptk);
-    if (pc) {
-        pc->packets += 1;
-        pc->bytes += len;
-    } else {
-        struct sg_counter init = {1, len};
-        port_totals.update(&ptk, &init);
+    switch (cls) {
+    case SG_CLASS_RULE_ALLOW:
+        count_verdict(generation, rule, SG_ACTION_ALLOW, len);
+        count(SG_CNT_POLICY_ALLOW, len);
+        return XDP_PASS;
+    case SG_CLASS_RULE_DENY:
+        count_verdict(generation, rule, SG_ACTION_DENY, len);
+        count(SG_CNT_POLICY_DENY, len);
+#if SG_AUDIT
+        count(SG_CNT_AUDIT_DENY, len);
+        return XDP_PASS;
+#else
+        return XDP_DROP;
+#endif
+    case SG_CLASS_ALLOWED_SOURCE:
+        count(SG_CNT_ALLOWED_SOURCE, len);
+        return XDP_PASS;
+    case SG_CLASS_DNS:
+        count(SG_CNT_DNS, len);
+        return XDP_PASS;
+    case SG_CLASS_CT_REPLY:
+        count(SG_CNT_CT_REPLY, len);
+        return XDP_PASS;
+    default:
+        count(SG_CNT_TCP_UNTRACKED, len);
+        return XDP_PASS;
     }
 }
+
+/* A packet to an unpoliced destination, first seen on this CPU: if its source is policed (a model
+ * pod opening a flow, seen where its egress is our ingress), remember that for its replies. */
+static __always_inline void track_outbound(void *inner, struct sg_flow_key *fk)
+{
+    struct sg_policy_key sk = {};
+    sk.daddr = fk->saddr;
+    sk.kind = SG_KEY_POLICED_DST;
+    struct sg_policy_val *src = bpf_map_lookup_elem(inner, &sk);
+    if (src) {
+        struct sg_ct_val ct = {};
+        ct.generation = src->generation;
+        ct.kind = SG_CT_OUTBOUND;
+        conntrack.update(fk, &ct);
+    }
+}
+
+/* XDP_PASS or XDP_DROP for one parsed IPv4 TCP/UDP packet. st: its flow entry on this CPU (NULL
+ * for a flow's first packet here); out: the outcome to cache in it. */
+static __always_inline int judge(struct sg_flow_key *fk, __u8 tcp_flags, __u64 len, struct sg_flow_stats *st,
+                                 struct sg_outcome *out)
+{
+    int zero = 0;
+    void *inner = policy_outer.lookup(&zero);
+    if (!inner) {
+        count(SG_CNT_NO_POLICY, len);
+        return XDP_PASS;
+    }
+    if (fk->proto == IPPROTO_UDP && (fk->dport == bpf_htons(SG_PORT_VXLAN_LINUX) ||
+                                     fk->dport == bpf_htons(SG_PORT_VXLAN) || fk->dport == bpf_htons(SG_PORT_GENEVE))) {
+        count(SG_CNT_OVERLAY, len);
+        return XDP_PASS;
+    }
+    struct sg_policy_key dk = {};
+    dk.daddr = fk->daddr;
+    dk.kind = SG_KEY_POLICED_DST;
+    struct sg_policy_val *dst = bpf_map_lookup_elem(inner, &dk);
+    if (!dst) {
+        count(SG_CNT_UNPOLICED, len);
+        if (!st)
+            track_outbound(inner, fk);
+        return XDP_PASS;
+    }
+    __u32 generation = dst->generation;
+    if (st && st->ct_generation == generation)  /* cached for this generation: no more lookups */
+        return apply_class(st->ct_class, generation, st->ct_rule, len);
+
+    out->generation = generation;
+    int syn_only = fk->proto == IPPROTO_TCP &&
+                   (tcp_flags & (SG_TCP_FLAG_SYN | SG_TCP_FLAG_ACK)) == SG_TCP_FLAG_SYN;
+    if (fk->dport == bpf_htons(SG_PORT_DNS) || (fk->sport == bpf_htons(SG_PORT_DNS) && !syn_only)) {
+        out->cls = SG_CLASS_DNS;
+        return apply_class(out->cls, generation, 0, len);
+    }
+    struct sg_policy_key sk = {};
+    sk.saddr = fk->saddr;
+    sk.kind = SG_KEY_ALLOWED_SRC;
+    if (bpf_map_lookup_elem(inner, &sk)) {
+        out->cls = SG_CLASS_ALLOWED_SOURCE;
+        return apply_class(out->cls, generation, 0, len);
+    }
+    struct sg_flow_key rk = {};
+    rk.saddr = fk->daddr;
+    rk.daddr = fk->saddr;
+    rk.sport = fk->dport;
+    rk.dport = fk->sport;
+    rk.proto = fk->proto;
+    if (conntrack.lookup(&rk)) {  /* the reverse flow was allowed or opened by this destination */
+        out->cls = SG_CLASS_CT_REPLY;
+        return apply_class(out->cls, generation, 0, len);
+    }
+    if (fk->proto == IPPROTO_TCP && !syn_only && !conntrack.lookup(fk)) {
+        /* Not a connection attempt and never allowed here: a reply to a connection the destination
+         * opened unseen, or one established before this program. Judged flows (a CT entry) are
+         * re-judged below, so narrowing a policy cuts them. */
+        out->cls = SG_CLASS_TCP_UNTRACKED;
+        return apply_class(out->cls, generation, 0, len);
+    }
+
+    struct sg_policy_key pk = {};
+    pk.saddr = fk->saddr;
+    pk.daddr = fk->daddr;
+    pk.dport = fk->dport;
+    pk.proto = fk->proto;
+    struct sg_policy_val *entry = bpf_map_lookup_elem(inner, &pk);
+    __u32 action = entry ? entry->action : dst->action;
+    out->rule = entry ? entry->rule_id : 0;
+    if (action == SG_ACTION_DENY) {
+        out->cls = SG_CLASS_RULE_DENY;
+    } else {
+        out->cls = SG_CLASS_RULE_ALLOW;
+        struct sg_ct_val ct = {};
+        ct.generation = generation;
+        ct.rule_id = out->rule;
+        ct.kind = SG_CT_ALLOWED;
+        conntrack.update(fk, &ct);
+    }
+    return apply_class(out->cls, generation, out->rule, len);
+}
+#endif
 
 /* SYN opens a sample on the client->server key; the SYN-ACK coming back closes it. */
-static __always_inline void record_handshake(struct sg_flow_key *fk, __u8 flags, __u64 now)
+static __always_inline void record_handshake(struct sg_flow_key *fk, __u8 flags)
 {
-    if ((flags & (SG_TCP_FLAG_SYN | SG_TCP_FLAG_ACK)) == SG_TCP_FLAG_SYN) {
+    __u8 sa = flags & (SG_TCP_FLAG_SYN | SG_TCP_FLAG_ACK);
+    if (sa == SG_TCP_FLAG_SYN) {
+        __u64 now = bpf_ktime_get_ns();
         struct sg_handshake *h = handshakes.lookup(fk);
         if (h) {
             h->syn_ns = now;
@@ -144,7 +241,8 @@ static __always_inline void record_handshake(struct sg_flow_key *fk, __u8 flags,
             init.syn_ns = now;
             handshakes.update(fk, &init);
         }
-    } else if ((flags & (SG_TCP_FLAG_SYN | SG_TCP_FLAG_ACK)) == (SG_TCP_FLAG_SYN | SG_TCP_FLAG_ACK)) {
+    } else if (sa == (SG_TCP_FLAG_SYN | SG_TCP_FLAG_ACK)) {
+        __u64 now = bpf_ktime_get_ns();
         struct sg_flow_key rk = {};
         rk.saddr = fk->daddr;
         rk.daddr = fk->saddr;
@@ -174,20 +272,15 @@ int xdp_flow(struct xdp_md *ctx)
         return XDP_PASS;
     }
     __u16 h_proto = eth->h_proto;
-    if (h_proto == bpf_htons(ETH_P_IPV6)) {
-        count(SG_CNT_IPV6, len);
-        return XDP_PASS;
-    }
-    if (h_proto == bpf_htons(ETH_P_ARP)) {
-        count(SG_CNT_ARP, len);
-        return XDP_PASS;
-    }
-    if (h_proto == bpf_htons(ETH_P_8021Q) || h_proto == bpf_htons(ETH_P_8021AD)) {
-        count(SG_CNT_VLAN, len);
-        return XDP_PASS;
-    }
     if (h_proto != bpf_htons(ETH_P_IP)) {
-        count(SG_CNT_OTHER_L2, len);
+        if (h_proto == bpf_htons(ETH_P_IPV6))
+            count(SG_CNT_IPV6, len);
+        else if (h_proto == bpf_htons(ETH_P_ARP))
+            count(SG_CNT_ARP, len);
+        else if (h_proto == bpf_htons(ETH_P_8021Q) || h_proto == bpf_htons(ETH_P_8021AD))
+            count(SG_CNT_VLAN, len);
+        else
+            count(SG_CNT_OTHER_L2, len);
         return XDP_PASS;
     }
 
@@ -245,10 +338,38 @@ int xdp_flow(struct xdp_md *ctx)
         return XDP_PASS;
     }
 
-    __u64 now = bpf_ktime_get_ns();
-    int verdict = judge(&fk, len);
-    record_flow(&fk, len, verdict, now);
-    if (verdict == XDP_PASS && fk.proto == IPPROTO_TCP)
-        record_handshake(&fk, tcp_flags, now);
+    struct sg_flow_stats *st = flows.lookup(&fk);
+    int verdict = XDP_PASS;
+    struct sg_outcome out = {};
+#if SG_ENFORCE
+    verdict = judge(&fk, tcp_flags, len, st, &out);
+#endif
+    __u64 now = bpf_ktime_get_coarse_ns();
+    if (st) {
+        st->packets += 1;
+        st->bytes += len;
+        if (verdict == XDP_DROP)
+            st->dropped += 1;
+        st->last_seen_ns = now;
+        if (out.cls) {
+            st->ct_generation = out.generation;
+            st->ct_rule = out.rule;
+            st->ct_class = out.cls;
+        }
+    } else {
+        struct sg_flow_stats init = {};
+        init.packets = 1;
+        init.bytes = len;
+        init.dropped = verdict == XDP_DROP ? 1 : 0;
+        init.first_seen_ns = now;
+        init.last_seen_ns = now;
+        init.ct_generation = out.generation;
+        init.ct_rule = out.rule;
+        init.ct_class = out.cls;
+        if (flows.update(&fk, &init))
+            count(SG_CNT_FLOW_TABLE_FULL, len);
+    }
+    if (verdict == XDP_PASS && fk.proto == IPPROTO_TCP && (tcp_flags & SG_TCP_FLAG_SYN))
+        record_handshake(&fk, tcp_flags);
     return verdict;
 }

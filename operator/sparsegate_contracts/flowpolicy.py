@@ -4,13 +4,18 @@ ConfigMap ``sparsegate-flow-policy`` (operator namespace), key ``policy.json``::
 
     {"version": "sha256:...", "defaultAction": "deny"|"allow",
      "entries": [{"srcIP": "a.b.c.d", "dstIP": "a.b.c.d", "dstPort": 8080,
-                  "protocol": "tcp"|"udp", "action": "allow"|"deny", "rule": "ns/name#id"}]}
+                  "protocol": "tcp"|"udp", "action": "allow"|"deny", "rule": "ns/name#id"}],
+     "policedDestinations": ["a.b.c.d", ...],   # optional
+     "allowedSources": ["a.b.c.d", ...]}        # optional
 
 ``version`` = ``canonical.sha256_of`` of the document without its ``version`` field, whoever
 computes it: the operator when it builds a document (``build_document``) and the agent for a
-document that comes without one (``parse_document``). Semantics (enforced by the agent): exact
-match on (srcIP, dstIP, dstPort, protocol), otherwise ``defaultAction``; deny wins when entries
-for one tuple disagree.
+document that comes without one (``parse_document``). Semantics (enforced by the agent): only
+packets to a *policed destination* are judged, everything else passes; a packet to one is judged by
+exact match on (srcIP, dstIP, dstPort, protocol), otherwise ``defaultAction``; deny wins when
+entries for one tuple disagree. ``policedDestinations``: the model pod IPs under a RoutingPolicy
+(absent: the ``dstIP`` of every entry). ``allowedSources``: source IPs always allowed to policed
+destinations (the operator's own pod, for its admin and metrics traffic).
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ DENY = "deny"
 ACTIONS = (ALLOW, DENY)
 PROTOCOLS = ("tcp", "udp")
 DEFAULT_PROTOCOL = "tcp"
-DOCUMENT_FIELDS = ("version", "defaultAction", "entries")
+POLICED_DESTINATIONS = "policedDestinations"
+ALLOWED_SOURCES = "allowedSources"
+DOCUMENT_FIELDS = ("version", "defaultAction", "entries", POLICED_DESTINATIONS, ALLOWED_SOURCES)
 ENTRY_FIELDS = ("srcIP", "dstIP", "dstPort", "protocol", "action", "rule")
 
 
@@ -57,6 +64,8 @@ class FlowPolicy:
     version: str
     default_action: str
     entries: tuple[PolicyEntry, ...]
+    policed_destinations: tuple[str, ...] = ()  # resolved: the document's list, or the entries' dstIPs
+    allowed_sources: tuple[str, ...] = ()
 
     def rule_names(self) -> dict[int, str]:
         """1-based entry index (the agent's rule_id) -> the entry's rule name; 0 = the default."""
@@ -82,7 +91,17 @@ def without_policies(document: Mapping[str, Any], *, live: Iterable[str]) -> dic
             if e.get("action") != ALLOW or "/" not in (p := policy_of_rule(e.get("rule", ""))) or p in live]
     if len(kept) == len(entries):
         return None
-    return build_document(entries=kept, default_action=document.get("defaultAction", DENY))
+    # The destinations stay policed (dropping their entries must not unpolice them).
+    return build_document(entries=kept, default_action=document.get("defaultAction", DENY),
+                          policed_destinations=policed_of(document), allowed_sources=document.get(ALLOWED_SOURCES))
+
+
+def policed_of(document: Mapping[str, Any]) -> list[str]:
+    """The policed destinations of a document: its ``policedDestinations``, else its entries' ``dstIP``s."""
+    listed = document.get(POLICED_DESTINATIONS)
+    if listed is not None:
+        return list(listed)
+    return sorted({str(e.get("dstIP")) for e in document.get("entries") or () if isinstance(e, Mapping)})
 
 
 def version_of(body: Mapping[str, Any]) -> str:
@@ -95,9 +114,18 @@ def entry(*, src_ip: str, dst_ip: str, dst_port: int, protocol: str, action: str
                        rule=rule).to_json()
 
 
-def build_document(*, entries: Iterable[Mapping[str, Any]], default_action: str = DENY) -> dict[str, Any]:
-    """A complete document (entries in the given order) with its content-addressed version."""
-    body = {"defaultAction": default_action, "entries": list(entries)}
+def build_document(*, entries: Iterable[Mapping[str, Any]], default_action: str = DENY,
+                   policed_destinations: Iterable[str] | None = None,
+                   allowed_sources: Iterable[str] | None = None) -> dict[str, Any]:
+    """A complete document (entries in the given order) with its content-addressed version.
+
+    ``policed_destinations`` / ``allowed_sources``: written (sorted) only when given, so documents
+    built without them are byte-identical to before."""
+    body: dict[str, Any] = {"defaultAction": default_action, "entries": list(entries)}
+    if policed_destinations is not None:
+        body[POLICED_DESTINATIONS] = sorted(set(policed_destinations))
+    if allowed_sources is not None:
+        body[ALLOWED_SOURCES] = sorted(set(allowed_sources))
     return {"version": version_of(body), **body}
 
 
@@ -111,6 +139,21 @@ def _ipv4(value: Any, *, field: str, index: int) -> str:
         return str(ipaddress.IPv4Address(value))
     except (ValueError, TypeError) as exc:
         raise FlowPolicyError(f"entries[{index}].{field}: not an IPv4 address: {value!r}") from exc
+
+
+def _ipv4_list(document: Mapping[str, Any], field: str) -> tuple[str, ...] | None:
+    raw = document.get(field)
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise FlowPolicyError(f"{field} must be a list of IPv4 addresses")
+    out = []
+    for i, value in enumerate(raw):
+        try:
+            out.append(str(ipaddress.IPv4Address(value)))
+        except (ValueError, TypeError) as exc:
+            raise FlowPolicyError(f"{field}[{i}]: not an IPv4 address: {value!r}") from exc
+    return tuple(sorted(set(out)))
 
 
 def _action(value: Any, *, where: str) -> str:
@@ -165,4 +208,12 @@ def parse_document(document: Mapping[str, Any] | str | bytes, *, max_entries: in
         version = version_of(document)
     if not isinstance(version, str):
         raise FlowPolicyError("version must be a string")
-    return FlowPolicy(version=version, default_action=default_action, entries=tuple(entries))
+    policed = _ipv4_list(document, POLICED_DESTINATIONS)
+    if policed is None:
+        policed = tuple(sorted({e.dst_ip for e in entries}))
+    allowed = _ipv4_list(document, ALLOWED_SOURCES) or ()
+    if max_entries is not None and len(entries) + len(policed) + len(allowed) > max_entries:
+        raise FlowPolicyError(f"{len(entries)} entries + {len(policed)} policedDestinations + {len(allowed)} "
+                              f"allowedSources exceed the map capacity {max_entries}")
+    return FlowPolicy(version=version, default_action=default_action, entries=tuple(entries),
+                      policed_destinations=policed, allowed_sources=allowed)

@@ -226,9 +226,15 @@ def flow_question(
 
 
 def flow_document(
-    *, decisions: Mapping[QueryKey, Mapping[str, Any]], pods: Sequence[PodInfo]
+    *, decisions: Mapping[QueryKey, Mapping[str, Any]], pods: Sequence[PodInfo],
+    policed_models: Collection[tuple[str, str]] | None = None, allowed_sources: Collection[str] | None = None,
 ) -> dict[str, Any]:
-    """Expand OPA's answers (the `decision` object of the Rego) to IP-level entries."""
+    """Expand OPA's answers (the `decision` object of the Rego) to IP-level entries.
+
+    `policed_models`: the (namespace, SparseModel) pairs some RoutingPolicy targets (`FlowQuestion.models`);
+    their pods' IPs are published as `policedDestinations`, the only destinations the agent judges.
+    None: the field is left out (the agent then polices the destinations the entries name).
+    `allowed_sources`: IPs always allowed to policed destinations (the operator's own pod)."""
     by_identity: dict[tuple[str, str, tuple[tuple[str, str], ...]], list[PodInfo]] = {}
     for pod in pods:
         by_identity.setdefault(pod.identity, []).append(pod)
@@ -246,7 +252,21 @@ def flow_document(
         flowpolicy.entry(src_ip=s, dst_ip=d, dst_port=p, protocol=proto, action=a, rule=r)
         for s, d, p, proto, a, r in sorted(entries)
     ]
-    return flowpolicy.build_document(entries=rows, default_action=flowpolicy.DENY)
+    policed = None
+    if policed_models is not None:
+        policed = {pod.ip for key in policed_models for pod in models.get(tuple(key), ())}
+        policed.update(row["dstIP"] for row in rows)
+    return flowpolicy.build_document(entries=rows, default_action=flowpolicy.DENY, policed_destinations=policed,
+                                     allowed_sources=allowed_sources)
+
+
+def _rebuilt(document: Mapping[str, Any], rows: list[Any]) -> dict[str, Any]:
+    """`document` with only `rows` left: what it polices and always allows stays (narrowing only)."""
+    if len(rows) == len(document.get("entries") or ()):
+        return dict(document)  # nothing removed: the same document
+    return flowpolicy.build_document(entries=rows, default_action=flowpolicy.DENY,
+                                     policed_destinations=flowpolicy.policed_of(document),
+                                     allowed_sources=document.get(flowpolicy.ALLOWED_SOURCES))
 
 
 def decision_counts(document: Mapping[str, Any]) -> dict[str, int]:
@@ -281,7 +301,7 @@ def narrow_document(
         for e in document.get("entries") or ()
         if flowpolicy.policy_of_rule(e.get("rule", "")) in live_policies and same(e["srcIP"]) and same(e["dstIP"])
     ]
-    return flowpolicy.build_document(entries=rows, default_action=flowpolicy.DENY)
+    return _rebuilt(document, rows)
 
 
 def narrow_undecided(
@@ -326,7 +346,7 @@ def narrow_undecided(
         if e.get("action") != flowpolicy.ALLOW
         or not (flowpolicy.policy_of_rule(e.get("rule", "")) in undecided or denied_now(e["dstIP"]))
     ]
-    return flowpolicy.build_document(entries=rows, default_action=flowpolicy.DENY)
+    return _rebuilt(document, rows)
 
 
 def policies_named(document: Mapping[str, Any]) -> set[str]:

@@ -77,6 +77,13 @@ class Settings:
     # Bearer token OPA requires (the chart's sidecar runs --authentication=token); None: send none.
     # Kept out of repr so that logging the settings never prints it.
     opa_token: str | None = dataclasses.field(default=None, repr=False)
+    # Published as the allow-list's `allowedSources`: the agents always let this pod's admin and
+    # metrics traffic reach policed model pods. From POD_IP (the chart sets it); None: none.
+    own_ip: str | None = None
+
+    @property
+    def allowed_sources(self) -> list[str]:
+        return [self.own_ip] if self.own_ip else []
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -87,6 +94,7 @@ class Settings:
             trust_domain=os.environ.get("SPARSEGATE_TRUST_DOMAIN", DEFAULT_TRUST_DOMAIN),
             resync_seconds=float(os.environ.get("SPARSEGATE_POLICY_RESYNC_SECONDS", "10")),
             rego_path=Path(p) if (p := os.environ.get(rego.OVERRIDE_ENV)) else None,
+            own_ip=os.environ.get("POD_IP") or None,
         )
 
 
@@ -127,7 +135,9 @@ class PolicySync:
                     # The whole allow-list in one evaluation (`flow_decisions`), not one per question.
                     question = flow_question(targets=data["targets"], pods=pods, trust_domain=self.settings.trust_domain)
                     answers = await self.opa.flow_decisions(question.input)
-                    document = flow_document(decisions=question.decisions(answers), pods=pods)
+                    document = flow_document(decisions=question.decisions(answers), pods=pods,
+                                             policed_models=question.models,
+                                             allowed_sources=self.settings.allowed_sources)
                     await self._publish(document, basis)
                     self.owners = ip_owners(pods)
                     self.counts = decision_counts(document)
@@ -338,8 +348,9 @@ async def check_allow_list_at_startup(logger: kopf.Logger, **_: Any) -> None:
     try:
         document, basis = await sync.store.read_published()
         if document is None:
-            await sync.store.publish(flow_document(decisions={}, pods=[]))
-            logger.info("published an empty (default deny) flow allow-list")
+            await sync.store.publish(flow_document(decisions={}, pods=[], policed_models=(),
+                                                   allowed_sources=sync.settings.allowed_sources))
+            logger.info("published an empty flow allow-list (no destination policed yet)")
             return
         named = policies_named(document)
         live = {key for key in named if "/" not in key or await _still_exists(sync, key)}

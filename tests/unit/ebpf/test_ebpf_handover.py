@@ -143,7 +143,8 @@ def test_read_daemonset_unreachable_is_an_error_within_its_timeout() -> None:
 # --- the bounded wait for the first policy ---------------------------------------------------------
 
 def _args(timeout: float, telemetry_only: bool = False) -> argparse.Namespace:
-    return argparse.Namespace(initial_policy_timeout=timeout, telemetry_only=telemetry_only)
+    return argparse.Namespace(initial_policy_timeout=timeout, telemetry_only=telemetry_only,
+                              enforcement="off" if telemetry_only else "enforce")
 
 
 def test_first_policy_ends_the_wait() -> None:
@@ -191,7 +192,7 @@ def test_on_applied_runs_only_after_a_valid_policy_is_swapped_in() -> None:
         def __init__(self) -> None:
             self.applied: list[str] = []
 
-        def apply(self, policy):
+        def apply(self, policy, extra_sources=None):
             self.applied.append(policy.version)
             return SwapResult(len(self.applied), "policy_a", 1, 0.0, 0.0)
 
@@ -220,3 +221,21 @@ def test_daemonset_watch_read_reports_what_it_followed() -> None:
     gone._seen(None)
     d = decide_from_daemonset(*gone.read("sg", "sg-agent", grace_s=0))
     assert d.action == ExitAction.DETACH and "gone" in d.reason
+
+
+def test_audit_mode_does_not_wait_either() -> None:
+    """An audit program drops nothing, so there is nothing to widen by attaching it at once."""
+    first, stop, start = threading.Event(), threading.Event(), StartState()
+    args = argparse.Namespace(initial_policy_timeout=30.0, telemetry_only=False, enforcement="audit")
+    assert agent._wait_first_policy(args, first_policy=first, start=start, stop=stop) is True
+
+
+def test_enforcement_flag_and_allow_sources_are_validated() -> None:
+    base = ["--interfaces", "eth9", "--policy-file", "/nonexistent"]
+    assert agent.parse_args(base).enforcement == "enforce"
+    assert agent.parse_args([*base, "--telemetry-only"]).enforcement == "off"
+    args = agent.parse_args([*base, "--enforcement", "audit", "--allow-sources", "10.0.0.1, 10.0.0.2"])
+    assert (args.enforcement, args.telemetry_only, args.allow_sources) == ("audit", False, ["10.0.0.1", "10.0.0.2"])
+    for bad in (["--allow-sources", "10.0.0.300"], ["--telemetry-only", "--enforcement", "enforce"]):
+        with pytest.raises(SystemExit):
+            agent.parse_args([*base, *bad])

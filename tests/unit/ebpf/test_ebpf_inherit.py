@@ -75,13 +75,13 @@ def test_carried_over_records_go_live_only_into_an_empty_swapper(enforce_prog: L
     records = inherit.live_policy(prog_id(enforce_prog))
     swapper = PolicySwapper(bpf=successor.bpf)
     result = swapper.apply_records_if_empty(records)
-    assert result is not None and result.generation == 1 and result.entries == 3
+    assert result is not None and result.generation == 1 and result.entries == 4  # meta, 2 entries, 1 policed dst
     assert swapper.rule_names[1] == {} and swapper.policy is None
     assert as_bytes(inherit.live_policy(prog_id(successor))) == as_bytes(records)
     # The successor judges with them, attributed to the predecessor's generation.
     frame = P.udp_frame(src="10.1.0.1", dst="10.1.0.2", sport=40000, dport=8081)
     assert run_xdp(prog_fd=successor.prog_fd, data=frame).verdict == "drop"
-    frame = P.tcp_frame(src="10.1.0.1", dst="10.1.0.2", sport=40000, dport=8080)
+    frame = P.tcp_frame(src="10.1.0.1", dst="10.1.0.2", sport=40000, dport=8080, flags=P.TCP_SYN)
     assert run_xdp(prog_fd=successor.prog_fd, data=frame).verdict == "pass"
     assert verdicts(successor) == {(1, 2, ACTION_DENY): 1, (1, 1, ACTION_ALLOW): 1}
     assert swapper.apply_records_if_empty(records) is None  # something is live: never overwritten

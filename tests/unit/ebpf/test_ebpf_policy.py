@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from sparsegate_ebpf.maps import ACTION_ALLOW, ACTION_DENY, be16_to_port, be32_to_ip
+from sparsegate_ebpf.maps import ACTION_ALLOW, ACTION_DENY, KEY_POLICED_DST, be16_to_port, be32_to_ip
 from sparsegate_ebpf.policy import PolicyError, compile_policy, parse_policy
 
 
@@ -58,7 +58,7 @@ def test_missing_version_is_content_addressed() -> None:
 
 def test_compiled_records_use_network_byte_order_and_meta_first() -> None:
     policy = parse_policy({"defaultAction": "allow", "entries": [entry(dstPort=8080)]})
-    (meta_k, meta_v), (k, v) = compile_policy(policy, generation=7)
+    (meta_k, meta_v), (k, v), (dst_k, dst_v) = compile_policy(policy, generation=7)
     assert (meta_k.saddr, meta_k.daddr, meta_k.dport, meta_k.proto) == (0, 0, 0, 0)
     assert (meta_v.action, meta_v.rule_id, meta_v.generation) == (ACTION_ALLOW, 0, 7)
     assert be32_to_ip(k.saddr) == "10.0.0.1" and be32_to_ip(k.daddr) == "10.0.0.2"
@@ -66,6 +66,10 @@ def test_compiled_records_use_network_byte_order_and_meta_first() -> None:
     assert be16_to_port(k.dport) == 8080 and bytes(k)[8:10] == (8080).to_bytes(2, "big")
     assert k.proto == socket.IPPROTO_TCP
     assert (v.action, v.rule_id, v.generation) == (ACTION_ALLOW, 1, 7)
+    # The entry's destination is policed (no policedDestinations given); its record carries the default.
+    assert (dst_k.saddr, be32_to_ip(dst_k.daddr), dst_k.dport, dst_k.proto, dst_k.kind) == (0, "10.0.0.2", 0, 0,
+                                                                                             KEY_POLICED_DST)
+    assert (dst_v.action, dst_v.rule_id, dst_v.generation) == (ACTION_ALLOW, 0, 7)
 
 
 def test_deny_wins_over_allow_for_the_same_tuple_in_any_order() -> None:
@@ -73,7 +77,7 @@ def test_deny_wins_over_allow_for_the_same_tuple_in_any_order() -> None:
         entries = [entry(action=a, rule=f"r-{a}") for a in order]
         policy = parse_policy({"entries": entries})
         records = compile_policy(policy, generation=1)
-        assert len(records) == 2
+        assert len(records) == 3  # meta, the one tuple, its policed destination
         val = records[1][1]
         assert val.action == ACTION_DENY
         assert policy.rule_names()[val.rule_id] == "r-deny"
@@ -84,3 +88,32 @@ def test_generation_must_fit_u32_and_be_positive() -> None:
     for bad in (0, 2**32):
         with pytest.raises(PolicyError):
             compile_policy(policy, generation=bad)
+
+
+def test_policed_destinations_and_allowed_sources_compile_to_their_own_records() -> None:
+    policy = parse_policy({"entries": [entry()], "policedDestinations": ["10.0.0.2", "10.0.0.3"],
+                           "allowedSources": ["10.0.0.9"]})
+    assert policy.policed_destinations == ("10.0.0.2", "10.0.0.3") and policy.allowed_sources == ("10.0.0.9",)
+    records = compile_policy(policy, generation=3, extra_sources=("10.0.0.8", "10.0.0.9"))
+    by_kind: dict[int, list[str]] = {}
+    for k, v in records:
+        if k.kind:
+            assert v.generation == 3
+            by_kind.setdefault(k.kind, []).append(be32_to_ip(k.daddr or k.saddr))
+    assert by_kind == {KEY_POLICED_DST: ["10.0.0.2", "10.0.0.3"], 2: ["10.0.0.8", "10.0.0.9"]}
+
+
+def test_an_empty_policed_list_polices_nothing_even_with_entries() -> None:
+    policy = parse_policy({"entries": [entry()], "policedDestinations": []})
+    assert policy.policed_destinations == ()
+    assert [k.kind for k, _ in compile_policy(policy, generation=1)] == [0, 0]
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    ({"policedDestinations": "10.0.0.1"}, "policedDestinations must be a list"),
+    ({"policedDestinations": ["10.0.0.300"]}, r"policedDestinations\[0\]: not an IPv4"),
+    ({"allowedSources": ["fd00::1"]}, r"allowedSources\[0\]: not an IPv4"),
+])
+def test_bad_policed_or_allowed_lists_are_rejected_naming_the_field(doc: dict, message: str) -> None:
+    with pytest.raises(PolicyError, match=message):
+        parse_policy(doc)
