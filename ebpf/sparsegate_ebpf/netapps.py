@@ -3,7 +3,9 @@
 udp-send: send exactly N datagrams (paced, so the veth ring never overflows) and print N.
 udp-count: count datagrams per port until idle, print JSON {port: count}.
 http-get: K sequential HTTP GETs on fresh connections; print the number that succeeded.
-tcp-try: try one TCP connect; print "ok" or "timeout".
+tcp-try: try one TCP connect (optionally from --src); print "ok" or "timeout".
+udp-echo: answer every datagram on --port (bound to --bind) until idle; print how many.
+udp-ask: send N datagrams (optionally from --src) and count the answers; print the count.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 def udp_send(a: argparse.Namespace) -> None:
     family = socket.AF_INET6 if ":" in a.dst else socket.AF_INET
     s = socket.socket(family, socket.SOCK_DGRAM)
+    if a.src:
+        s.bind((a.src, 0))
     payload = b"s" * a.size
     sent = 0
     deadline = time.monotonic() + a.duration if a.duration else None
@@ -71,12 +75,44 @@ def http_get(a: argparse.Namespace) -> None:
 
 def tcp_try(a: argparse.Namespace) -> None:
     try:
-        socket.create_connection((a.dst, a.port), timeout=a.timeout).close()
+        socket.create_connection((a.dst, a.port), timeout=a.timeout,
+                                 source_address=(a.src, 0) if a.src else None).close()
         print("ok")
     except (TimeoutError, socket.timeout):
         print("timeout")
     except OSError as exc:
         print(f"error {exc}")
+
+
+def udp_echo(a: argparse.Namespace) -> None:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((a.bind, a.port))
+    s.settimeout(a.idle)
+    print("ready", flush=True)
+    answered = 0
+    try:
+        while True:
+            data, peer = s.recvfrom(65536)
+            s.sendto(data, peer)
+            answered += 1
+    except (TimeoutError, socket.timeout):
+        pass
+    print(answered, flush=True)
+
+
+def udp_ask(a: argparse.Namespace) -> None:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((a.src or "0.0.0.0", 0))
+    s.settimeout(a.timeout)
+    answers = 0
+    for i in range(a.count):
+        s.sendto(b"q%d" % i, (a.dst, a.port))
+        try:
+            s.recvfrom(65536)
+            answers += 1
+        except (TimeoutError, socket.timeout):
+            pass
+    print(answers)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--burst", type=int, default=32)
     p.add_argument("--pause", type=float, default=0.001)
+    p.add_argument("--src", default="")
     p.set_defaults(fn=udp_send)
     p = sub.add_parser("udp-count")
     p.add_argument("--ports", type=int, nargs="+", required=True)
@@ -105,7 +142,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dst", required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--timeout", type=float, default=2.0)
+    p.add_argument("--src", default="")
     p.set_defaults(fn=tcp_try)
+    p = sub.add_parser("udp-echo")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--bind", default="0.0.0.0")
+    p.add_argument("--idle", type=float, default=3.0)
+    p.set_defaults(fn=udp_echo)
+    p = sub.add_parser("udp-ask")
+    p.add_argument("--dst", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--count", type=int, default=1)
+    p.add_argument("--src", default="")
+    p.add_argument("--timeout", type=float, default=0.5)
+    p.set_defaults(fn=udp_ask)
     a = ap.parse_args(argv)
     a.fn(a)
 
