@@ -191,10 +191,12 @@ def main() -> None:
     print(f"{'routing':<18} {'experts':>8} {'vs top-2':>9} {'perplexity':>16} {'vs top-2':>9} "
           f"{'paired d':>9} {'seeds<=top2':>11}")
     for r in rows:
-        delta = "" if r["pairedDeltaVsTop2"] is None else f"{r['pairedDeltaVsTop2']:+.3f}"
+        paired = r["routing"] != "top-2" and r["pairedDeltaVsTop2"] is not None
+        delta = f"{r['pairedDeltaVsTop2']:+.3f}" if paired else "-"
+        below = f"{r['seedsAtOrBelowTop2']}/{r['seeds']}" if paired else "-"
         print(f"{r['routing']:<18} {r['experts']:8.3f} {r['expertsVsTop2']:9.3f} "
               f"{r['perplexity']:9.3f} +-{r['perplexityStd']:.3f} {r['perplexityVsTop2']:9.3f} "
-              f"{delta:>9} {r['seedsAtOrBelowTop2']:>5}/{r['seeds']}")
+              f"{delta:>9} {below:>11}")
     winners = [r for r in rows if r["kind"] == "top-p" and r["expertsVsTop2"] <= 0.9
                and r["perplexity"] <= top2["perplexity"]]
     if winners:
