@@ -6,10 +6,11 @@ installed with ``agent.enabled=true`` on that one interface and one node (every 
 same host: several agents would fight over one interface), then the agent pod runs the agent image
 (root with BPF/NET_ADMIN/PERFMON only, no seccomp profile: unconfined, as on a kubelet without
 SeccompDefault) and is Ready, the kernel shows its XDP program on the veth, its metrics (node IP :
-``agent.metricsPort``) say so, it enforces the flow policy the operator published (the deny-all it
-writes at start, then whatever the ConfigMap says), real packets sent over the veth are counted and
-dropped or passed as the policy says, and uninstalling the DaemonSet detaches the program (the pod
-runner stops the container with its grace period; the agent detaches on SIGTERM).
+``agent.metricsPort``) say so, it follows the flow policy the operator published (at start: nothing
+policed, so everything passes), then whatever the ConfigMap says (``agent.enforcement=enforce``: a
+policed destination's denied packets are dropped, its allowed ones pass), real packets sent over the
+veth are counted and dropped or passed as the policy says, and uninstalling the DaemonSet detaches
+the program (the pod runner stops the container with its grace period; the agent detaches on SIGTERM).
 
 Safety: XDP goes only on the veth end created here. Before the chart is installed its rendered
 DaemonSet is checked to name exactly that interface (the chart default is eth0). The packets go to
@@ -201,13 +202,15 @@ def rendered_daemonset(stack: Stack, values: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def agent(stack: Stack, veth: HostVeth) -> Agent:
     port = free_port(host=NODE_IP)
-    values = ["--set", "agent.enabled=true", "--set", f"agent.interfaces={{{veth.host_if}}}",
+    values = ["--set", "agent.enabled=true", "--set", "agent.enforcement=enforce",
+              "--set", f"agent.interfaces={{{veth.host_if}}}",
               "--set", f"agent.nodeSelector.kubernetes\\.io/hostname={NODE}", "--set", f"agent.metricsPort={port}"]
     # Safety first: what would run attaches to this test's veth end only, on one node only.
     ds = rendered_daemonset(stack, values)
     spec = ds["spec"]["template"]["spec"]
     (container,) = spec["containers"]
     assert [a for a in container["command"] if a.startswith("--interfaces")] == [f"--interfaces={veth.host_if}"]
+    assert "--enforcement=enforce" in container["command"]
     assert spec["nodeSelector"] == {"kubernetes.io/hostname": NODE}
     labels = json.loads(stack.kubectl("get", "node", NODE, "-o", "json").stdout)["metadata"]["labels"]
     assert labels["kubernetes.io/hostname"] == NODE
@@ -263,8 +266,9 @@ def test_agent_pod_runs_the_agent_image_with_bpf_capabilities_only(stack: Stack,
 def test_agent_enforces_the_published_policy_on_veth_packets(stack: Stack, agent: Agent, veth: HostVeth) -> None:
     cm = stack.get("configmap", flowpolicy.CONFIGMAP_NAME, RELEASE_NS)
     published = json.loads(cm["data"][flowpolicy.DOCUMENT_KEY])
-    # What the operator writes at start with no RoutingPolicy: deny everything.
+    # What the operator writes at start with no RoutingPolicy: no destination is policed.
     assert published["defaultAction"] == "deny" and published["entries"] == [], published
+    assert published["policedDestinations"] == [], published
     t0 = time.monotonic()
     wait_for(lambda: enforced_version(try_scrape(agent.metrics_url)) == published["version"],
              what=f"the agent enforcing {published['version']}", timeout_s=60, interval_s=0.5)
@@ -273,13 +277,11 @@ def test_agent_enforces_the_published_policy_on_veth_packets(stack: Stack, agent
     port = 7000 + secrets.randbelow(1000)
     before = scrape(agent.metrics_url)
     assert flow(before, veth, port) == (0, 0)
-    assert veth.send_udp(port, SENT_DENIED) == SENT_DENIED
+    assert veth.send_udp(port, SENT_ALLOWED) == SENT_ALLOWED
     m = scrape(agent.metrics_url)
-    assert flow(m, veth, port) == (SENT_DENIED, SENT_DENIED)
-    assert sample(m, "sparsegate_xdp_port_packets_total", port=str(port), proto="udp") == SENT_DENIED
-    denied = sample(m, "sparsegate_xdp_policy_verdicts_total", rule="default:deny", action="deny")
-    assert denied - sample(before, "sparsegate_xdp_policy_verdicts_total", rule="default:deny",
-                           action="deny") == SENT_DENIED
+    assert flow(m, veth, port) == (SENT_ALLOWED, 0)  # not policed: passed, only counted
+    assert sample(m, "sparsegate_xdp_packets_total", type="unpoliced") - sample(
+        before, "sparsegate_xdp_packets_total", type="unpoliced") == SENT_ALLOWED
 
     # The agent follows the ConfigMap, whoever writes it: an allow-list naming this flow, then the
     # operator's document again (its publisher only writes when its own document changes).
@@ -291,7 +293,7 @@ def test_agent_enforces_the_published_policy_on_veth_packets(stack: Stack, agent
         flowpolicy.entry(src_ip=veth.src_ip, dst_ip=veth.dst_ip, dst_port=port, protocol="udp", action="allow",
                          rule=rule),
         flowpolicy.entry(src_ip=veth.src_ip, dst_ip=veth.dst_ip, dst_port=port + 1, protocol="udp", action="allow",
-                         rule=f"{RELEASE_NS}/no-such-policy#0")])
+                         rule=f"{RELEASE_NS}/no-such-policy#0")], policed_destinations=[veth.dst_ip])
     allow = flowpolicy.without_policies(published_by_hand, live=())
     assert allow is not None and [e["rule"] for e in allow["entries"]] == [rule]
     annotation = "sparsegate.dev/flow-policy-version"
@@ -309,9 +311,13 @@ def test_agent_enforces_the_published_policy_on_veth_packets(stack: Stack, agent
                  what="the agent enforcing the updated ConfigMap", timeout_s=60, interval_s=0.2)
         log(f"ConfigMap change live in the agent {time.monotonic() - t0:.1f}s after the patch")
         assert veth.send_udp(port, SENT_ALLOWED) == SENT_ALLOWED
+        assert veth.send_udp(port + 1, SENT_DENIED) == SENT_DENIED  # its allow entry was dropped: denied
         m = scrape(agent.metrics_url)
-        assert flow(m, veth, port) == (SENT_DENIED + SENT_ALLOWED, SENT_DENIED)
+        assert flow(m, veth, port) == (2 * SENT_ALLOWED, 0)
+        assert flow(m, veth, port + 1) == (SENT_DENIED, SENT_DENIED)
         assert sample(m, "sparsegate_xdp_policy_verdicts_total", rule=rule, action="allow") == SENT_ALLOWED
+        assert sample(m, "sparsegate_xdp_policy_verdicts_total", rule="default:deny", action="deny") == SENT_DENIED
+        assert sample(m, "sparsegate_xdp_port_packets_total", port=str(port + 1), proto="udp") == SENT_DENIED
     finally:
         publish(published)
     wait_for(lambda: enforced_version(try_scrape(agent.metrics_url)) == published["version"],

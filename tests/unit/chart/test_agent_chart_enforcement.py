@@ -1,0 +1,68 @@
+"""The agent DaemonSet's enforcement values: telemetry only by default, no toleration of tainted
+(control-plane) nodes by default, and arguments the agent's own parser accepts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sparsegate_ebpf import agent
+
+ROOT = Path(__file__).resolve().parents[3]
+CHART = ROOT / "charts" / "sparsegate"
+BIN = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache" / "sparsegate" / "bin"))
+
+
+def helm_template(*values: str) -> subprocess.CompletedProcess[str]:
+    exe = BIN / "helm"
+    assert exe.exists(), f"helm not found at {exe}: run dev/setup/binaries.sh helm"
+    return subprocess.run([str(exe), "template", "rel", str(CHART), "--namespace", "sg-system",
+                           "--set", "agent.enabled=true", *values], capture_output=True, text=True, timeout=60)
+
+
+def daemonset(*values: str) -> dict:
+    proc = helm_template(*values)
+    assert proc.returncode == 0, proc.stderr
+    (ds,) = [d for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] == "DaemonSet"]
+    return ds
+
+
+def agent_args(ds: dict) -> list[str]:
+    (container,) = ds["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: "10.0.0.7" for e in container["env"]}  # what the kubelet expands $(NAME) to
+    args = container["command"][3:]
+    for name, value in env.items():
+        args = [a.replace(f"$({name})", value) for a in args]
+    return args
+
+
+def test_defaults_are_telemetry_only_and_tolerate_no_taints() -> None:
+    ds = daemonset()
+    parsed = agent.parse_args(agent_args(ds))
+    assert parsed.enforcement == "off" and parsed.telemetry_only
+    assert parsed.allow_sources == ["10.0.0.7"] and parsed.node_addresses == "auto"  # the node IP
+    spec = ds["spec"]["template"]["spec"]
+    assert not spec.get("tolerations")  # control-plane taints are not tolerated
+    (container,) = spec["containers"]
+    assert {"name": "NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}} in container["env"]
+
+
+@pytest.mark.parametrize("mode", ["audit", "enforce"])
+def test_enforcement_is_an_explicit_value(mode: str) -> None:
+    parsed = agent.parse_args(agent_args(daemonset("--set", f"agent.enforcement={mode}",
+                                                   "--set", "agent.allowSources={10.9.0.1,10.9.0.2}")))
+    assert parsed.enforcement == mode
+    assert parsed.allow_sources == ["10.0.0.7", "10.9.0.1", "10.9.0.2"]
+
+
+@pytest.mark.parametrize(("values", "field"), [
+    (("--set", "agent.enforcement=on"), "/agent/enforcement"),
+    (("--set", "agent.allowSources={not-an-ip}"), "/agent/allowSources/0"),
+])
+def test_bad_values_are_refused_naming_the_field(values: tuple[str, ...], field: str) -> None:
+    proc = helm_template(*values)
+    assert proc.returncode != 0 and field in proc.stderr, proc.stderr
