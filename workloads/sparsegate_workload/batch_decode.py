@@ -67,15 +67,10 @@ class TokenEvent:
 class _Seq:
     """One sequence's decoding state and usage accumulators (model thread only)."""
 
-    def __init__(self, req: DecodeRequest, *, n_layers: int, num_experts: int) -> None:
+    def __init__(self, req: DecodeRequest) -> None:
         self.req = req
         self.generator = torch.Generator().manual_seed(req.seed)
         self.generated: list[int] = []
-        self.counts = [[0] * num_experts for _ in range(n_layers)]
-        self.pairs = 0           # (token, MoE layer) pairs routed
-        self.kept = 0            # kept assignments over them
-        self.dropped = 0
-        self.entropies: list[float] = []  # one per block call, as the solo path averages them
         self.gate_version: str | None = None
 
     @property
@@ -84,14 +79,23 @@ class _Seq:
         return len(self.req.prompt_ids) + len(self.generated) - 1
 
 
+# Usage accumulators, per sequence and MoE block: [experts..., selected, entropy sum over calls,
+# tokens routed, calls]. "selected" counts assignments before the capacity cap (kept = the sum
+# of the expert counts), and each block call adds the mean entropy of the sequence's tokens in
+# it, as the solo path averages per call.
+_SELECTED, _ENTROPY, _TOKENS, _CALLS = range(-4, 0)
+
+
 class _Group:
-    """The sequences decoding under one gate version, with their left-padded KV cache: one
-    ``DynamicCache`` kept across steps (rebuilt only when a sequence joins or leaves)."""
+    """The sequences decoding under one gate version, with their left-padded KV cache (one
+    ``DynamicCache`` kept across steps, rebuilt only when a sequence joins or leaves) and their
+    usage accumulators ``acc`` [N, blocks, experts + 4] (one add per step)."""
 
     def __init__(self, gate: ActiveGate, seqs: list[_Seq], keys: list[torch.Tensor],
-                 values: list[torch.Tensor], mask: torch.Tensor) -> None:
+                 values: list[torch.Tensor], mask: torch.Tensor, acc: torch.Tensor) -> None:
         self.gate = gate
         self.seqs = seqs
+        self.acc = acc
         self.mask = mask          # [N, L] long: 1 where a cached position is real
         self.padded = False       # some row has padding (else no mask is passed: cheaper)
         self.set_cache(keys, values)
@@ -172,8 +176,7 @@ class BatchDecoder:
         """One forward over the prompts of ``reqs`` packed end to end in one row (no padding
         reaches the MoE routing): positions restart at 0 for each prompt and a block-diagonal
         causal mask keeps each prompt to itself. Then each joins its gate version's group."""
-        seqs = [_Seq(r, n_layers=self.hf.n_layers, num_experts=self.hf.num_experts)
-                for r in reqs]
+        seqs = [_Seq(r) for r in reqs]
         lengths = [len(r.prompt_ids) for r in reqs]
         ids = torch.tensor([[t for r in reqs for t in r.prompt_ids]], dtype=torch.long,
                            device=self.device)
@@ -190,25 +193,25 @@ class BatchDecoder:
                       "attention_mask": (same & causal)[None, None]}  # [1, 1, T, T], True: attend
         with torch.inference_mode(), pin_gate(self.lm.gate, keep_routing=len(reqs) > 1) as call:
             out = self.lm.model(input_ids=ids, use_cache=True, **kwargs)
-        if len(reqs) > 1:
-            self._account_rows(seqs, call, owner=owner)
-        else:
-            self._account_calls(seqs[0], call)
+        table = (self._usage_rows(call, owner=owner, n=len(reqs)) if len(reqs) > 1
+                 else self._usage_alone(call))
         ends = list(itertools.accumulate(lengths))
         last = out.logits[0, [e - 1 for e in ends]]
         tokens = self._sample(seqs, last)
         layers = out.cache.layers
         events = []
-        for seq, token, end, length in zip(seqs, tokens, ends, lengths):
+        for i, (seq, token, end, length) in enumerate(zip(seqs, tokens, ends, lengths)):
             seq.gate_version = call.gate.version
-            done = self._append(seq, token)
-            events.append(TokenEvent(seq.req.key, token, done))
-            if done is not None:
+            finish = self._append(seq, token)
+            if finish is not None:
+                events.append(TokenEvent(seq.req.key, token,
+                                         self._generation(seq, finish, table[i])))
                 continue
+            events.append(TokenEvent(seq.req.key, token))
             cols = slice(end - length, end)
             self._join(call.gate, seq, [layer.keys[:, :, cols] for layer in layers],
                        [layer.values[:, :, cols] for layer in layers],
-                       torch.ones(1, length, dtype=torch.long, device=self.device))
+                       torch.ones(1, length, dtype=torch.long, device=self.device), table[i])
         return events
 
     def remove(self, key: Hashable) -> bool:
@@ -242,18 +245,18 @@ class BatchDecoder:
             out = self.lm.model(input_ids=last, attention_mask=mask if group.padded else None,
                                 position_ids=positions, cache=group.cache, use_cache=True)
         group.mask = mask  # the cache grew by one column in place
-        if n > 1:
-            self._account_rows(seqs, call, owner=torch.arange(n, device=self.device))
-        else:
-            self._account_calls(seqs[0], call)
+        group.acc += (self._usage_rows(call, owner=torch.arange(n, device=self.device), n=n)
+                      if n > 1 else self._usage_alone(call))
         tokens = self._sample(seqs, out.logits[:, -1])
         events, keep = [], []
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
-            done = self._append(seq, token)
-            events.append(TokenEvent(seq.req.key, token, done))
-            if done is None:
+            finish = self._append(seq, token)
+            if finish is None:
+                events.append(TokenEvent(seq.req.key, token))
                 keep.append(i)
             else:
+                events.append(TokenEvent(seq.req.key, token,
+                                         self._generation(seq, finish, group.acc[i])))
                 del self._where[seq.req.key]
         if len(keep) < n:
             self._keep_rows(group, keep)
@@ -271,79 +274,70 @@ class BatchDecoder:
                 tokens[i] = int(torch.multinomial(probs, 1, generator=seq.generator))
         return tokens
 
-    def _append(self, seq: _Seq, token: int) -> Generation | None:
+    def _append(self, seq: _Seq, token: int) -> str | None:
+        """Record ``token``; the finish reason when it ends the sequence."""
         seq.generated.append(token)
         if token in self.hf.eos_ids:
-            return self._generation(seq, "stop")
+            return "stop"
         if len(seq.generated) >= seq.req.max_tokens:
-            return self._generation(seq, "length")
+            return "length"
         return None
 
-    def _generation(self, seq: _Seq, finish: str) -> Generation:
+    def _generation(self, seq: _Seq, finish: str, acc: torch.Tensor) -> Generation:
+        """The finished sequence's result; ``acc`` is its usage [blocks, experts + 4]."""
+        rows: list[list[float]] = acc.tolist()
+        n_experts = self.hf.num_experts
+        counts = [[int(c) for c in row[:n_experts]] for row in rows]
+        kept = sum(map(sum, counts))
+        tokens = sum(row[_TOKENS] for row in rows)
+        calls = sum(row[_CALLS] for row in rows)
         return Generation(
             prompt_tokens=len(seq.req.prompt_ids), token_ids=list(seq.generated),
-            finish_reason=finish, gate_version=seq.gate_version, expert_counts=seq.counts,
-            mean_experts_per_token=seq.kept / seq.pairs if seq.pairs else 0.0,
-            dropped_assignments=seq.dropped,
-            gate_entropy=sum(seq.entropies) / len(seq.entropies) if seq.entropies else 0.0)
+            finish_reason=finish, gate_version=seq.gate_version, expert_counts=counts,
+            mean_experts_per_token=kept / tokens if tokens else 0.0,
+            dropped_assignments=int(sum(row[_SELECTED] for row in rows)) - kept,
+            gate_entropy=sum(row[_ENTROPY] for row in rows) / calls if calls else 0.0)
 
-    def _account_calls(self, seq: _Seq, call: GateCall) -> None:
-        """Add block calls that routed ``seq``'s tokens alone (its prefill, or a step of one)."""
-        n_blocks = self.hf.n_layers
-        for i, st in enumerate(call.layers):
-            row = seq.counts[i % n_blocks]
-            for e, c in enumerate(st.counts):
-                row[e] += c
-            seq.pairs += st.num_tokens
-            seq.kept += sum(st.counts)
-            seq.dropped += st.dropped
-            seq.entropies.append(st.entropy)
+    def _usage_alone(self, call: GateCall) -> torch.Tensor:
+        """[1, blocks, experts + 4] usage of a forward that routed one sequence's tokens alone
+        (its prefill, or a step of one): the block stats are its own."""
+        rows = [[*st.counts, sum(st.counts) + st.dropped, st.entropy, st.num_tokens, 1]
+                for st in call.layers]
+        return torch.tensor([rows], dtype=torch.float64, device=self.device)
 
-    def _account_rows(self, seqs: Sequence[_Seq], call: GateCall, *,
-                      owner: torch.Tensor) -> None:
-        """Split block calls that routed several sequences' tokens (token t belongs to
-        ``seqs[owner[t]]``) per sequence, as if each had been routed alone: expert counts, kept
-        and dropped assignments, and one entropy per call (the mean over its tokens). One host
-        transfer for all layers."""
-        assert call.routings is not None
-        n, n_experts = len(seqs), self.hf.num_experts
-        experts = torch.arange(n_experts, device=self.device)
+    def _usage_rows(self, call: GateCall, *, owner: torch.Tensor, n: int) -> torch.Tensor:
+        """[n, blocks, experts + 4] usage of a forward whose token t belongs to sequence
+        ``owner[t]``, split as if each had been routed alone (counts, kept and dropped
+        assignments, one entropy per call: the mean over its tokens). No host sync."""
+        routings = call.routings
+        assert routings is not None
+        n_experts, n_blocks, dev = self.hf.num_experts, len(routings), self.device
+        # All blocks at once: assignment a is (block, expert) slot b*E + e of sequence owner[t].
+        slot_of = torch.arange(n_blocks * n_experts, device=dev).repeat_interleave(
+            torch.tensor([c for r in routings for c in r.counts], device=dev))
+        seq_of = owner[torch.cat([r.token_idx for r in routings])]
+        counts = torch.bincount(seq_of * (n_blocks * n_experts) + slot_of,
+                                minlength=n * n_blocks * n_experts).view(n, n_blocks, n_experts)
+        probs = torch.stack([r.probs for r in routings])                    # [blocks, T, E]
+        entropy = -(probs * probs.clamp_min(1e-12).log()).sum(dim=-1)       # [blocks, T]
+        selected = torch.stack([r.selected for r in routings]).double()    # [blocks, T]
+        per_seq = torch.zeros(2, n_blocks, n, dtype=torch.float64, device=dev).index_add_(
+            2, owner, torch.stack([selected, entropy.double()]))
         tokens = torch.bincount(owner, minlength=n).double()
-        per_layer = []
-        for r in call.routings:
-            expert_of = experts.repeat_interleave(torch.tensor(r.counts, device=self.device))
-            counts = torch.bincount(owner[r.token_idx] * n_experts + expert_of,
-                                    minlength=n * n_experts).view(n, n_experts)
-            probs = r.probs
-            entropy = -(probs * probs.clamp_min(1e-12).log()).sum(dim=-1)
-            selected = torch.zeros(n, dtype=torch.float64, device=self.device).index_add_(
-                0, owner, r.selected.double())
-            mean_entropy = torch.zeros(n, dtype=torch.float64, device=self.device).index_add_(
-                0, owner, entropy.double()) / tokens
-            per_layer.append(torch.cat([counts.double(), selected.unsqueeze(1),
-                                        mean_entropy.unsqueeze(1), tokens.unsqueeze(1)], dim=1))
-        table: list[Any] = torch.stack(per_layer).tolist()  # [layers, n, E + 3]
-        n_blocks = self.hf.n_layers
-        for layer, rows in enumerate(table):
-            for seq, row in zip(seqs, rows):
-                counts = [int(c) for c in row[:n_experts]]
-                kept = sum(counts)
-                target = seq.counts[layer % n_blocks]
-                for e, c in enumerate(counts):
-                    target[e] += c
-                seq.pairs += int(row[n_experts + 2])
-                seq.kept += kept
-                seq.dropped += int(row[n_experts]) - kept
-                seq.entropies.append(row[n_experts + 1])
+        return torch.cat([counts.double(), per_seq[0].T.unsqueeze(2),
+                          (per_seq[1] / tokens).T.unsqueeze(2),
+                          tokens.view(n, 1, 1).expand(n, n_blocks, 1),
+                          torch.ones(n, n_blocks, 1, dtype=torch.float64, device=dev)], dim=2)
 
     def _join(self, gate: ActiveGate, seq: _Seq, keys: list[torch.Tensor],
-              values: list[torch.Tensor], mask: torch.Tensor) -> None:
+              values: list[torch.Tensor], mask: torch.Tensor, acc: torch.Tensor) -> None:
         version = gate.version
         group = self._groups.get(version)
         if group is None:
             self._groups[version] = _Group(gate=gate, seqs=[seq], keys=keys, values=values,
-                                           mask=mask)
+                                           mask=mask, acc=acc.unsqueeze(0).clone())
         else:
+            group.acc = torch.cat([group.acc, acc.unsqueeze(0)])
             have, new = group.mask.shape[1], mask.shape[1]
             width = max(have, new)
             group.mask = torch.cat([_left_pad_mask(group.mask, width),
@@ -365,6 +359,7 @@ class BatchDecoder:
         # Columns no remaining row uses (the left padding of sequences that left) go too.
         first = int(mask.any(dim=0).nonzero()[0])
         group.mask = mask[:, first:]
+        group.acc = group.acc.index_select(0, index)
         group.set_cache([k.index_select(0, index)[:, :, first:] for k in group.keys],
                         [v.index_select(0, index)[:, :, first:] for v in group.values])
         group.seqs = [group.seqs[i] for i in keep]
