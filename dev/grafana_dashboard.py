@@ -1,0 +1,378 @@
+"""Generate the chart's Grafana dashboard (``charts/sparsegate/dashboards/sparsegate.json``).
+
+``python dev/grafana_dashboard.py`` rewrites the JSON; ``--check`` exits 1 when it is stale (a
+unit test runs it). Panels are written here once, as Python, so the PromQL joins that turn
+per-pod metrics into canary-vs-stable series are defined in one place.
+
+Every query uses only series the code exports today:
+
+* operator (``operator/sparsegate/metrics.py``, ``handlers/gateconfig.py``): reconciles, errors
+  and durations by kind; rollout ticks, gate pushes, finished rollouts, step durations; and the
+  ``sparsegate_rollout_*`` gauges derived from each GateConfig's status;
+* model servers (``workloads/sparsegate_workload/metrics.py``): ``sparsegate_requests_total``,
+  ``sparsegate_request_duration_seconds``, ``sparsegate_tokens_total``,
+  ``sparsegate_expert_assignments_total``, ``sparsegate_expert_tokens_total`` and
+  ``sparsegate_gate_config_info`` (the gate version each pod runs);
+* node agent (``ebpf/sparsegate_ebpf/metrics.py``): XDP packet counters, per-flow counters,
+  policy verdicts, attachment and policy state.
+
+Canary vs stable: a model server reports its gate version (``sparsegate_gate_config_info``), and
+the operator reports which version is the GateConfig's stable and which its canary
+(``sparsegate_rollout_version_info``). Joining the two on ``(namespace, version)`` labels every
+pod's request, latency and expert series with ``role``. The joins expect the ``namespace`` and
+``pod`` target labels that the chart's PodMonitor/ServiceMonitor (and any kubernetes_sd set-up)
+attach, and the operator scraped with ``honor_labels`` (its rollout gauges carry the
+GateConfig's ``namespace``). There is no model-quality metric today, so the dashboard has no
+quality panel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "charts" / "sparsegate" / "dashboards" / "sparsegate.json"
+SCHEMA_VERSION = 41  # Grafana 12; newer Grafana migrates it on load
+DS = {"type": "prometheus", "uid": "${datasource}"}
+RATE = "$__rate_interval"
+
+GC = 'namespace="$namespace", gateconfig="$gateconfig"'
+MODEL = 'namespace="$namespace", model=~"$model"'
+# The two joins. Each right side is reduced with `max by` first so a target scraped twice (two
+# monitors, two Prometheus jobs) cannot make the match many-to-many.
+VERSION_OF_POD = ('* on (namespace, pod) group_left (version) '
+                  'max by (namespace, pod, version) (sparsegate_gate_config_info{namespace="$namespace"})')
+ROLE_OF_VERSION = ('* on (namespace, version) group_left (role) '
+                   f'max by (namespace, version, role) (sparsegate_rollout_version_info{{{GC}}})')
+
+
+def by_role(metric_selector: str, *, extra_by: str = "") -> str:
+    """``rate(metric[…])`` per pod, summed per gate version, then labelled with the GateConfig's
+    ``role`` (stable / canary) of that version and summed by role (and ``extra_by``)."""
+    by = f"role, {extra_by}" if extra_by else "role"
+    inner_by = f"namespace, version, {extra_by}" if extra_by else "namespace, version"
+    return (f"sum by ({by}) (\n"
+            f"  sum by ({inner_by}) (\n"
+            f"    rate({metric_selector}[{RATE}])\n"
+            f"    {VERSION_OF_POD}\n"
+            f"  )\n"
+            f"  {ROLE_OF_VERSION}\n"
+            f")")
+
+
+REQUESTS = by_role(f"sparsegate_requests_total{{{MODEL}}}")
+ERRORS = by_role(f'sparsegate_requests_total{{{MODEL}, code=~"5.."}}')
+LATENCY_BUCKETS = by_role(f"sparsegate_request_duration_seconds_bucket{{{MODEL}}}", extra_by="le")
+ASSIGNMENTS = by_role(f"sparsegate_expert_assignments_total{{{MODEL}}}")
+# Tokens × layers per pod: layers = distinct `layer` labels of the pod's per-expert counter.
+TOKEN_LAYERS = (
+    "sum by (role) (\n"
+    "  sum by (namespace, version) (\n"
+    f"    sum by (namespace, pod) (rate(sparsegate_tokens_total{{{MODEL}}}[{RATE}]))\n"
+    "    * on (namespace, pod) count by (namespace, pod) (\n"
+    f"      count by (namespace, pod, layer) (sparsegate_expert_tokens_total{{{MODEL}}})\n"
+    "    )\n"
+    f"    {VERSION_OF_POD}\n"
+    "  )\n"
+    f"  {ROLE_OF_VERSION}\n"
+    ")")
+
+
+def target(expr: str, legend: str, ref: str = "A", **extra: Any) -> dict[str, Any]:
+    return {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref, **extra}
+
+
+def panel(title: str, kind: str, targets: list[dict[str, Any]], *, unit: str = "short", description: str,
+          w: int = 12, h: int = 8, **extra: Any) -> dict[str, Any]:
+    p: dict[str, Any] = {"type": kind, "title": title, "description": description, "datasource": DS,
+                         "gridPos": {"w": w, "h": h},
+                         "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                         "targets": targets}
+    if kind == "timeseries":
+        p["options"] = {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                        "tooltip": {"mode": "multi", "sort": "desc"}}
+    p.update(extra)
+    return p
+
+
+def row(title: str) -> dict[str, Any]:
+    return {"type": "row", "title": title, "collapsed": False, "panels": [], "gridPos": {"w": 24, "h": 1}}
+
+
+def rollout_panels() -> list[dict[str, Any]]:
+    phase = panel(
+        "Rollout phase", "state-timeline",
+        [target(f"max by (phase) (sparsegate_rollout_phase{{{GC}}})", "{{phase}}")],
+        description="status.rollout.phase of the GateConfig over time (1 = the phase it was in).",
+        w=24, h=7,
+        options={"showValue": "never", "mergeValues": True, "rowHeight": 0.8,
+                 "legend": {"showLegend": False}},
+    )
+    phase["fieldConfig"]["defaults"].update({
+        "color": {"mode": "thresholds"},
+        "thresholds": {"mode": "absolute", "steps": [{"color": "transparent", "value": None},
+                                                     {"color": "blue", "value": 1}]},
+        "mappings": [{"type": "value", "options": {"0": {"text": "-"}, "1": {"text": "current"}}}],
+    })
+    share = panel(
+        "Canary weight and share", "timeseries",
+        [target(f"sparsegate_rollout_canary_percent{{{GC}}}", "step target %", "A"),
+         target(f'100 * sparsegate_rollout_pods{{{GC}, role="canary"}}\n'
+                f"  / ignoring (role) sum without (role) (sparsegate_rollout_pods{{{GC}}})",
+                "pods reporting the canary %", "B"),
+         target(f"100 * {REQUESTS}\n  / ignoring (role) group_left () sum ({REQUESTS})",
+                "requests served by {{role}} %", "C")],
+        unit="percent", w=12,
+        description="The current step's target (status.rollout.canaryPercent), the share of pods that "
+                    "reported the canary version at the operator's last check, and the share of "
+                    "requests served by each version's pods.",
+    )
+    steps = panel(
+        "Step and instances", "timeseries",
+        [target(f"sparsegate_rollout_step{{{GC}}}", "step", "A"),
+         target(f"sparsegate_rollout_steps{{{GC}}}", "steps", "B"),
+         target(f"sparsegate_rollout_canary_instances{{{GC}}}", "canary instances", "C"),
+         target(f"sparsegate_rollout_instances{{{GC}}}", "instances", "D")],
+        w=12, description="Current step (0: no canary in flight), the number of steps, and instances "
+                          "assigned the canary out of all instances (status.rollout.canaryInstances).",
+    )
+    pods = panel(
+        "Pods by reported version", "timeseries",
+        [target(f"sum by (role) (sparsegate_rollout_pods{{{GC}}})", "{{role}}")],
+        w=12, description="Pods whose reported gate version is the stable one, the canary, or neither "
+                          "(status.rollout.podVersions at the operator's last check).",
+        fieldConfig={"defaults": {"unit": "short", "custom": {"stacking": {"mode": "normal"}, "fillOpacity": 30}},
+                     "overrides": []},
+    )
+    versions = panel(
+        "Gate versions", "table",
+        [target(f"max by (role, version) (sparsegate_rollout_version_info{{{GC}}})", "", format="table",
+                instant=True)],
+        w=12, description="The stable gate version and, while a rollout is in flight, the canary version.",
+        transformations=[{"id": "organize", "options": {"excludeByName": {"Time": True, "Value": True}}}],
+    )
+    return [phase, share, steps, pods, versions]
+
+
+def canary_panels() -> list[dict[str, Any]]:
+    errors = panel(
+        "Error rate by role", "timeseries",
+        [target(f"(\n{ERRORS}\nor\n0 * {REQUESTS}\n)\n/\n{REQUESTS}", "{{role}}")],
+        unit="percentunit",
+        description="Share of inference requests answered with 5xx, canary vs stable pods "
+                    "(sparsegate_requests_total by code; 0 where a role had no errors).",
+    )
+    p99 = panel(
+        "p99 latency by role", "timeseries",
+        [target(f"histogram_quantile(0.99,\n{LATENCY_BUCKETS}\n)", "{{role}}")],
+        unit="s", description="p99 of sparsegate_request_duration_seconds, canary vs stable pods.",
+    )
+    experts = panel(
+        "Active experts per token by role", "timeseries",
+        [target(f"{ASSIGNMENTS}\n/\n{TOKEN_LAYERS}", "{{role}}")],
+        description="Kept (token, expert) assignments per token per layer, canary vs stable: "
+                    "sparsegate_expert_assignments_total / (sparsegate_tokens_total x layers), the "
+                    "measure the rollout analysis compares for drift.",
+    )
+    qps = panel(
+        "Requests by role", "timeseries",
+        [target(REQUESTS, "{{role}}")], unit="reqps",
+        description="Inference requests per second served by canary and stable pods.",
+    )
+    return [errors, p99, experts, qps]
+
+
+def agent_panels() -> list[dict[str, Any]]:
+    verdict = panel(
+        "XDP policy: allowed vs dropped packets", "timeseries",
+        [target(f'sum by (type) (rate(sparsegate_xdp_packets_total{{type=~"policy_allow|policy_deny|no_policy"}}[{RATE}]))',
+                "{{type}}")],
+        unit="pps", description="Packets the node agents' XDP program passed by an allow entry "
+                                "(policy_allow), dropped (policy_deny), or saw with no policy loaded.",
+    )
+    rules = panel(
+        "XDP verdicts by rule", "timeseries",
+        [target(f"sum by (rule, action) (rate(sparsegate_xdp_policy_verdicts_total[{RATE}]))", "{{action}} {{rule}}")],
+        unit="pps", description="Packets judged per flow-policy rule (RoutingPolicy entry or the default) and action.",
+    )
+    dropped = panel(
+        "Top dropped flows", "timeseries",
+        [target("topk(10, sum by (src, dst, dport, proto) (\n"
+                f"  rate(sparsegate_xdp_flow_dropped_packets_total[{RATE}])\n))",
+                "{{src}} → {{dst}}:{{dport}}/{{proto}}")],
+        unit="pps", description="The 10 IPv4 flows with the most policy drops per second.",
+    )
+    allowed = panel(
+        "Top allowed flows", "timeseries",
+        [target("topk(10, sum by (src, dst, dport, proto) (\n"
+                f"  rate(sparsegate_xdp_flow_packets_total[{RATE}])\n"
+                f"  - rate(sparsegate_xdp_flow_dropped_packets_total[{RATE}])\n))",
+                "{{src}} → {{dst}}:{{dport}}/{{proto}}")],
+        unit="pps", description="The 10 IPv4 flows with the most packets passed per second.",
+    )
+    state = panel(
+        "Agents: XDP attached, flows tracked, policy", "timeseries",
+        [target("sum(sparsegate_xdp_attached)", "interfaces with XDP attached", "A"),
+         target("sum(sparsegate_agent_bpf_available)", "agents with the program loaded", "B"),
+         target("sum(sparsegate_xdp_flows_tracked)", "flows tracked", "C"),
+         target("max(sparsegate_xdp_policy_generation)", "policy generation (max)", "D"),
+         target(f"sum(increase(sparsegate_agent_policy_errors_total[{RATE}]))", "rejected policy documents", "E")],
+        w=24, description="Attachment and policy state of the node agents.",
+    )
+    return [verdict, rules, dropped, allowed, state]
+
+
+def operator_panels() -> list[dict[str, Any]]:
+    return [
+        panel("Reconciles by kind and outcome", "timeseries",
+              [target(f"sum by (kind, outcome) (rate(sparsegate_operator_reconciles_total[{RATE}]))",
+                      "{{kind}} {{outcome}}")],
+              unit="ops", w=8, description="Reconciles per second by resource kind and outcome."),
+        panel("Reconcile errors", "timeseries",
+              [target(f"sum by (kind) (rate(sparsegate_operator_reconcile_errors_total[{RATE}]))", "{{kind}}")],
+              unit="ops", w=8, description="Reconciles that raised, per second, by kind."),
+        panel("Reconcile p99", "timeseries",
+              [target("histogram_quantile(0.99, sum by (kind, le) (\n"
+                      f"  rate(sparsegate_operator_reconcile_duration_seconds_bucket[{RATE}])\n))", "{{kind}}")],
+              unit="s", w=8, description="p99 reconcile wall time by kind."),
+        panel("Rollout tick p99", "timeseries",
+              [target("histogram_quantile(0.99, sum by (le) (\n"
+                      f"  rate(sparsegate_rollout_tick_duration_seconds_bucket[{RATE}])\n))", "p99")],
+              unit="s", w=8, description="p99 wall time of one GateConfig rollout tick."),
+        panel("Gate pushes by result", "timeseries",
+              [target(f"sum by (result) (rate(sparsegate_rollout_gate_pushes_total[{RATE}]))", "{{result}}")],
+              unit="ops", w=8, description="PUT /admin/gate calls to model pods per second, by result."),
+        panel("Finished rollouts by outcome", "stat",
+              [target("sum by (outcome) (increase(sparsegate_rollouts_total[$__range]))", "{{outcome}}")],
+              w=8, description="Rollouts that ended in the time range, by outcome (succeeded, failed, "
+                               "reverted, superseded, ...).",
+              options={"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                       "textMode": "value_and_name", "colorMode": "none", "graphMode": "none"}),
+        panel("Median step duration by step percent", "bargauge",
+              [target("histogram_quantile(0.5, sum by (percent, le) (\n"
+                      "  increase(sparsegate_rollout_step_duration_seconds_bucket[$__range])\n))", "{{percent}} %")],
+              unit="s", w=24, h=6,
+              description="Median time from a step's start to its promotion over the time range, by the step's percent.",
+              options={"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                       "orientation": "horizontal", "displayMode": "basic"}),
+    ]
+
+
+def variables() -> list[dict[str, Any]]:
+    def query_var(name: str, label: str, query: str, *, multi: bool = False) -> dict[str, Any]:
+        v: dict[str, Any] = {"type": "query", "name": name, "label": label, "datasource": DS,
+                             "query": {"query": query, "refId": f"{name}-var", "qryType": 1},
+                             "definition": query, "refresh": 2, "sort": 1, "multi": multi, "includeAll": multi,
+                             "current": {}, "options": [], "hide": 0, "regex": ""}
+        if multi:
+            v["allValue"] = ".*"
+        return v
+
+    return [
+        {"type": "datasource", "name": "datasource", "label": "Data source", "query": "prometheus",
+         "current": {}, "options": [], "hide": 0, "refresh": 1, "regex": ""},
+        query_var("namespace", "Namespace", "label_values(sparsegate_rollout_phase, namespace)"),
+        query_var("gateconfig", "GateConfig", 'label_values(sparsegate_rollout_phase{namespace="$namespace"}, gateconfig)'),
+        query_var("model", "SparseModel", 'label_values(sparsegate_gate_config_info{namespace="$namespace"}, model)',
+                  multi=True),
+    ]
+
+
+def layout(sections: list[tuple[str, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    """Rows and panels left to right, wrapping at Grafana's 24 columns; ids in order."""
+    out: list[dict[str, Any]] = []
+    y = 0
+    for title, panels in sections:
+        r = row(title)
+        r["gridPos"].update({"x": 0, "y": y})
+        out.append(r)
+        y += 1
+        x = line_h = 0
+        for p in panels:
+            w, h = p["gridPos"]["w"], p["gridPos"]["h"]
+            if x + w > 24:
+                x, y, line_h = 0, y + line_h, 0
+            p["gridPos"].update({"x": x, "y": y})
+            x += w
+            line_h = max(line_h, h)
+            out.append(p)
+        y += line_h
+    for i, p in enumerate(out, start=1):
+        p["id"] = i
+    return out
+
+
+def dashboard() -> dict[str, Any]:
+    return {
+        "title": "sparsegate: rollouts, canary vs stable, XDP, operator",
+        "uid": "sparsegate-overview",
+        "description": "Gate rollouts per GateConfig, canary vs stable model-server metrics, node-agent "
+                       "XDP flow policy and operator reconciles. Generated by dev/grafana_dashboard.py.",
+        "tags": ["sparsegate"],
+        "editable": True,
+        "graphTooltip": 1,
+        "schemaVersion": SCHEMA_VERSION,
+        "version": 1,
+        "refresh": "30s",
+        "time": {"from": "now-1h", "to": "now"},
+        "timepicker": {},
+        "timezone": "browser",
+        "annotations": {"list": []},
+        "links": [],
+        "templating": {"list": variables()},
+        "panels": layout([
+            ("Rollout of $gateconfig", rollout_panels()),
+            ("Canary vs stable (model servers)", canary_panels()),
+            ("Node agent: XDP flow policy", agent_panels()),
+            ("Operator", operator_panels()),
+        ]),
+    }
+
+
+# ------------------------------------------------------------------ reading the dashboard (tests)
+
+
+def panel_queries(dash: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(panel title, refId, expr) of every query target in ``dash``, rows included."""
+    out = []
+    for p in dash["panels"]:
+        for inner in [p, *p.get("panels", [])]:
+            for t in inner.get("targets", []):
+                out.append((inner["title"], t["refId"], t["expr"]))
+    return out
+
+
+def substitute(expr: str, values: dict[str, str]) -> str:
+    """Grafana's variable interpolation for ``$name`` and ``${name}`` (longest names first, so
+    ``$__rate_interval`` is not read as ``$__rate``)."""
+    for name in sorted(values, key=len, reverse=True):
+        expr = expr.replace("${" + name + "}", values[name]).replace("$" + name, values[name])
+    return expr
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2, ensure_ascii=False) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the committed JSON is stale")
+    args = ap.parse_args(argv)
+    text = render()
+    if args.check:
+        if not OUT.exists() or OUT.read_text() != text:
+            print(f"{OUT.relative_to(ROOT)} is stale: run python dev/grafana_dashboard.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(text)
+    print(f"wrote {OUT.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

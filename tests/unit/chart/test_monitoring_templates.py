@@ -1,0 +1,295 @@
+"""The chart's monitoring templates (Grafana dashboard ConfigMap, ServiceMonitors, PodMonitors)
+through the real helm binary, and every dashboard query parsed by a real Prometheus server.
+
+Fails (never skips) when helm or prometheus is missing: build them with
+``dev/setup/binaries.sh helm prometheus``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grafana_dashboard  # dev/ (pytest pythonpath)
+import pytest
+import yaml
+from localcluster.ports import free_port
+
+from sparsegate.domain import render as model_render
+from sparsegate_contracts import names
+
+ROOT = Path(__file__).resolve().parents[3]
+CHART = ROOT / "charts" / "sparsegate"
+BIN = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache" / "sparsegate" / "bin"))
+
+MONITOR_KINDS = ("ServiceMonitor", "PodMonitor")
+# Values a Grafana user would pick; $__rate_interval/$__range as Grafana computes them for 1 h.
+VARIABLES = {"datasource": "prom", "namespace": "team-a", "gateconfig": "gate", "model": ".*",
+             "__rate_interval": "1m", "__range": "1h"}
+
+
+def helm(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    exe = BIN / "helm"
+    assert exe.exists(), f"helm not found at {exe}: run dev/setup/binaries.sh helm"
+    proc = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=60)
+    if ok:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def render(*sets: str) -> list[dict]:
+    args = ["template", "rel", str(CHART), "--namespace", "sg-system"]
+    for s in sets:
+        args += ["--set", s]
+    return [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
+
+
+def of_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def pod_template(docs: list[dict], kind: str) -> dict:
+    (obj,) = [d for d in docs if d["kind"] == kind]
+    return obj["spec"]["template"]
+
+
+def port_names(template: dict) -> set[str]:
+    return {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+
+
+# --- off by default ------------------------------------------------------------------------------
+
+def test_nothing_is_rendered_by_default_or_with_the_switches_off():
+    for sets in ((), ("monitoring.serviceMonitor.operator=true", "monitoring.podMonitor.agent=true",
+                      "agent.enabled=true")):
+        docs = render(*sets)
+        assert not [d for d in docs if d["kind"] in MONITOR_KINDS]
+        assert not [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboards")]
+
+
+# --- dashboard ConfigMap ------------------------------------------------------------------------
+
+def dashboards_configmap(*sets: str) -> dict:
+    (cm,) = [d for d in render("monitoring.dashboards.enabled=true", *sets)
+             if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboards")]
+    return cm
+
+
+def test_dashboard_configmap_carries_the_sidecar_label_and_the_generated_json():
+    cm = dashboards_configmap()
+    assert cm["metadata"]["namespace"] == "sg-system"
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert set(cm["data"]) == {"sparsegate.json"}
+    assert json.loads(cm["data"]["sparsegate.json"]) == json.loads(grafana_dashboard.OUT.read_text())
+    custom = dashboards_configmap("monitoring.dashboards.label=my_dash", "monitoring.dashboards.labelValue=yes",
+                                  "monitoring.dashboards.namespace=grafana",
+                                  "monitoring.dashboards.annotations.grafana_folder=sparsegate")
+    assert custom["metadata"]["namespace"] == "grafana"
+    assert custom["metadata"]["labels"]["my_dash"] == "yes" and "grafana_dashboard" not in custom["metadata"]["labels"]
+    assert custom["metadata"]["annotations"] == {"grafana_folder": "sparsegate"}
+
+
+def test_committed_dashboard_is_what_the_generator_writes():
+    assert grafana_dashboard.main(["--check"]) == 0, "run: python dev/grafana_dashboard.py"
+
+
+def test_dashboard_shape_variables_and_datasource():
+    dash = json.loads(grafana_dashboard.OUT.read_text())
+    assert dash["schemaVersion"] >= 39 and dash["uid"] and dash["title"]
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert {"namespace", "gateconfig", "model"} <= set(variables)
+    for name in ("namespace", "gateconfig", "model"):
+        assert variables[name]["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in dash["panels"]:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0
+        if p["type"] != "row":
+            assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+            assert p["targets"] and all(t["datasource"]["uid"] == "${datasource}" for t in p["targets"])
+    titles = {p["title"] for p in dash["panels"]}
+    assert {"Rollout phase", "Canary weight and share", "Error rate by role", "p99 latency by role",
+            "Active experts per token by role", "XDP policy: allowed vs dropped packets", "Top allowed flows",
+            "Reconciles by kind and outcome"} <= titles
+
+
+# --- every query is valid PromQL, as a real Prometheus parses it ----------------------------------
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    exe = BIN / "prometheus"
+    assert exe.exists(), f"prometheus not found at {exe}: run dev/setup/binaries.sh prometheus"
+    work = tmp_path_factory.mktemp("promql")
+    (work / "prometheus.yml").write_text("global: {}\n")
+    port = free_port()
+    proc = subprocess.Popen([str(exe), f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, f"prometheus exited {proc.returncode}"
+            try:
+                with urllib.request.urlopen(f"{url}/-/ready", timeout=1):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "prometheus not ready within 30 s"
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def query_status(url: str, expr: str) -> tuple[str, str]:
+    q = urllib.parse.urlencode({"query": expr})
+    try:
+        with urllib.request.urlopen(f"{url}/api/v1/query?{q}", timeout=10) as resp:
+            body = json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        body = json.loads(e.read())
+    return body["status"], body.get("error", "")
+
+
+def test_every_panel_query_is_valid_promql(prometheus: str):
+    dash = json.loads(grafana_dashboard.OUT.read_text())
+    queries = grafana_dashboard.panel_queries(dash)
+    assert len(queries) >= 20
+    bad = []
+    for title, ref, expr in queries:
+        concrete = grafana_dashboard.substitute(expr, VARIABLES)
+        assert "$" not in concrete, f"{title}/{ref}: unknown variable in {concrete}"
+        status, error = query_status(prometheus, concrete)
+        if status != "success":
+            bad.append(f"{title}/{ref}: {error}")
+    assert bad == []
+
+
+def test_variable_queries_select_valid_series(prometheus: str):
+    dash = json.loads(grafana_dashboard.OUT.read_text())
+    for v in dash["templating"]["list"]:
+        if v["type"] != "query":
+            continue
+        # label_values(<selector>, <label>) is Grafana's; its selector must be valid PromQL.
+        inner = v["query"]["query"].removeprefix("label_values(").rsplit(",", 1)[0]
+        status, error = query_status(prometheus, grafana_dashboard.substitute(inner, VARIABLES))
+        assert status == "success", f"variable {v['name']}: {error}"
+
+
+def test_a_broken_query_is_refused(prometheus: str):
+    """The check above can fail: Prometheus answers bad_data for a parse error."""
+    assert query_status(prometheus, "sum by (role) (rate(x[1m])")[0] == "error"
+
+
+# --- ServiceMonitors ----------------------------------------------------------------------------
+
+def test_service_monitors_select_the_operator_service_and_the_model_services():
+    docs = render("monitoring.serviceMonitor.enabled=true", "monitoring.labels.release=kps",
+                  "monitoring.interval=15s")
+    sms = of_kind(docs, "ServiceMonitor")
+    assert set(sms) == {"rel-sparsegate-operator", "rel-sparsegate-models"}
+    for sm in sms.values():
+        assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["metadata"]["namespace"] == "sg-system"
+        assert sm["metadata"]["labels"]["release"] == "kps"
+        assert all(e["interval"] == "15s" and e["path"] == "/metrics" for e in sm["spec"]["endpoints"])
+
+    op = sms["rel-sparsegate-operator"]
+    (svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-operator-metrics")]
+    assert op["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert op["spec"]["namespaceSelector"] == {"matchNames": ["sg-system"]}
+    (ep,) = op["spec"]["endpoints"]
+    assert ep["port"] in {p["name"] for p in svc["spec"]["ports"]} and ep["honorLabels"] is True
+
+    models = sms["rel-sparsegate-models"]
+    model = {"apiVersion": names.API_VERSION, "kind": "SparseModel",
+             "metadata": {"name": "m", "namespace": "team-a", "uid": "u"}, "spec": {}}
+    service = model_render.render_service(model)  # what the operator creates per SparseModel
+    assert models["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (ep,) = models["spec"]["endpoints"]
+    assert ep["port"] == service["spec"]["ports"][0]["name"] == model_render.PORT_NAME
+    assert {"sourceLabels": ["__meta_kubernetes_pod_label_sparsegate_dev_model"], "targetLabel": "model"} in ep["relabelings"]
+    # Namespaced operator: the namespaces it serves; cluster-wide: all.
+    assert models["spec"]["namespaceSelector"] == {"matchNames": ["sg-system"]}
+    wide = of_kind(render("monitoring.serviceMonitor.enabled=true", "operator.clusterWide=true"), "ServiceMonitor")
+    assert wide["rel-sparsegate-models"]["spec"]["namespaceSelector"] == {"any": True}
+    listed = of_kind(render("monitoring.serviceMonitor.enabled=true", "operator.watchNamespaces={a,b}"),
+                     "ServiceMonitor")
+    assert listed["rel-sparsegate-models"]["spec"]["namespaceSelector"] == {"matchNames": ["a", "b"]}
+    # No metrics Service, no operator ServiceMonitor.
+    off = of_kind(render("monitoring.serviceMonitor.enabled=true", "operator.metrics.enabled=false"), "ServiceMonitor")
+    assert set(off) == {"rel-sparsegate-models"}
+
+
+# --- PodMonitors --------------------------------------------------------------------------------
+
+def test_pod_monitors_select_the_operator_model_and_agent_pods_by_their_labels_and_ports():
+    docs = render("monitoring.podMonitor.enabled=true", "monitoring.podMonitor.operator=true",
+                  "monitoring.podMonitor.models=true", "agent.enabled=true", "monitoring.scrapeTimeout=5s")
+    pms = of_kind(docs, "PodMonitor")
+    assert set(pms) == {"rel-sparsegate-operator", "rel-sparsegate-models", "rel-sparsegate-agent"}
+    for pm in pms.values():
+        assert pm["apiVersion"] == "monitoring.coreos.com/v1"
+        assert all(e["scrapeTimeout"] == "5s" and e["interval"] == "30s" for e in pm["spec"]["podMetricsEndpoints"])
+
+    for name, kind in (("rel-sparsegate-operator", "Deployment"), ("rel-sparsegate-agent", "DaemonSet")):
+        template = pod_template(docs, kind)
+        pm = pms[name]
+        assert pm["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items(), name
+        (ep,) = pm["spec"]["podMetricsEndpoints"]
+        assert ep["port"] in port_names(template), name
+        assert pm["spec"]["namespaceSelector"] == {"matchNames": ["sg-system"]}
+    assert pms["rel-sparsegate-operator"]["spec"]["podMetricsEndpoints"][0]["honorLabels"] is True
+
+    models = pms["rel-sparsegate-models"]
+    model = {"apiVersion": names.API_VERSION, "kind": "SparseModel",
+             "metadata": {"name": "m", "namespace": "team-a", "uid": "u"}, "spec": {}}
+    labels = model_render.common_labels("m")  # what the operator puts on model-server pods
+    assert models["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert labels[names.MODEL_LABEL] == "m"  # relabelled to `model` below
+    (ep,) = models["spec"]["podMetricsEndpoints"]
+    assert ep["port"] == model_render.PORT_NAME and model_render.serving_port(model) == model_render.DEFAULT_PORT
+    assert {"sourceLabels": ["__meta_kubernetes_pod_label_sparsegate_dev_model"], "targetLabel": "model"} in ep["relabelings"]
+
+
+def test_pod_monitor_defaults_cover_the_agent_only_and_only_when_it_runs():
+    assert set(of_kind(render("monitoring.podMonitor.enabled=true"), "PodMonitor")) == set()
+    assert set(of_kind(render("monitoring.podMonitor.enabled=true", "agent.enabled=true"), "PodMonitor")) == {
+        "rel-sparsegate-agent"}
+    both = render("monitoring.podMonitor.enabled=true", "monitoring.serviceMonitor.enabled=true", "agent.enabled=true")
+    assert set(of_kind(both, "PodMonitor")) == {"rel-sparsegate-agent"}
+    assert set(of_kind(both, "ServiceMonitor")) == {"rel-sparsegate-operator", "rel-sparsegate-models"}
+
+
+def test_a_target_on_in_both_monitor_kinds_is_refused_naming_the_fields():
+    proc = helm("template", "rel", str(CHART), "--set", "monitoring.serviceMonitor.enabled=true",
+                "--set", "monitoring.podMonitor.enabled=true", "--set", "monitoring.podMonitor.models=true", ok=False)
+    assert proc.returncode != 0
+    assert "monitoring.serviceMonitor.models and monitoring.podMonitor.models" in proc.stderr
+
+
+@pytest.mark.parametrize("bad,field", [
+    ("monitoring.interval=soon", "interval"),
+    ("monitoring.podMonitor.everything=true", "everything"),
+    ("monitoring.dashboards.label=", "label"),
+])
+def test_schema_rejects_bad_monitoring_values(bad: str, field: str):
+    proc = helm("template", "rel", str(CHART), "--set", bad, ok=False)
+    assert proc.returncode != 0 and field in proc.stderr, proc.stderr
+
+
+def test_the_monitoring_scenario_renders_every_kind():
+    """ci/monitoring-values.yaml (linted with every scenario by test_helm_chart.py)."""
+    out = helm("template", "rel", str(CHART), "-f", str(CHART / "ci" / "monitoring-values.yaml")).stdout
+    kinds = [(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(out) if d]
+    assert {("ServiceMonitor", "rel-sparsegate-operator"), ("ServiceMonitor", "rel-sparsegate-models"),
+            ("PodMonitor", "rel-sparsegate-agent"), ("ConfigMap", "rel-sparsegate-dashboards")} <= set(kinds)
