@@ -2,7 +2,8 @@
 
 A new policy is written completely into the inactive inner map, then made live with one
 update of `policy_outer[0]` - a single pointer store the program reads once per packet, so no
-packet ever sees a half-written policy and allowed flows are never dropped by a swap.
+packet ever sees a half-written policy and allowed flows are never dropped by a swap. Then
+`policy_live[0]` gets the new generation: flows whose cached outcome is older are judged again.
 
 Reusing the old inner map right away is safe: for map-in-map types the kernel's update
 syscall waits for an RCU grace period (kernel/bpf/syscall.c `maybe_wait_bpf_programs`), so
@@ -34,6 +35,7 @@ class SwapResult:
 class PolicySwapper:
     def __init__(self, *, bpf: Any) -> None:
         self._outer = bpf[b"policy_outer"]
+        self._live = bpf[b"policy_live"]
         self._pool = [bpf[name.encode()] for name in POOL]
         self._active: int | None = None
         self._lock = threading.Lock()
@@ -78,6 +80,9 @@ class PolicySwapper:
         t1 = time.perf_counter()
         self._outer[ct.c_int(0)] = ct.c_int(inner.get_fd())
         t2 = time.perf_counter()
+        # After the flip (which waited for running programs): flows' cached outcomes of older
+        # generations are judged again at their next packet (xdp_flow.bpf.c, policy_live).
+        self._live[ct.c_int(0)] = ct.c_uint32(generation)
         self._active = target
         self.generation = generation
         self.policy = policy

@@ -47,6 +47,7 @@ struct sg_ct_val {
 #define SG_CLASS_DNS 4
 #define SG_CLASS_CT_REPLY 5
 #define SG_CLASS_TCP_UNTRACKED 6
+#define SG_CLASS_UNPOLICED 7
 
 /* TCP SYN -> SYN-ACK handshake time, keyed by the client->server flow. Only measurable
  * when both directions cross an attached interface (XDP sees ingress only). */

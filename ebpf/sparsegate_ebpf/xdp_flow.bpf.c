@@ -60,6 +60,9 @@ BPF_TABLE("lru_hash", struct sg_flow_key, struct sg_handshake, handshakes, 16384
 BPF_HASH(policy_a, struct sg_policy_key, struct sg_policy_val, SG_POLICY_MAX_ENTRIES);
 BPF_HASH(policy_b, struct sg_policy_key, struct sg_policy_val, SG_POLICY_MAX_ENTRIES);
 BPF_ARRAY_OF_MAPS(policy_outer, "policy_a", 1);
+/* The live generation, written by userspace right after each outer-slot flip: a flow's cached
+ * outcome is reused while it matches, with no policy lookup at all. */
+BPF_ARRAY(policy_live, __u32, 1);
 BPF_PERCPU_HASH(verdicts, struct sg_verdict_key, struct sg_counter, 65536);
 BPF_TABLE("lru_hash", struct sg_flow_key, struct sg_ct_val, conntrack, SG_FLOW_ENTRIES);
 
@@ -121,6 +124,9 @@ static __always_inline int apply_class(__u8 cls, __u32 generation, __u16 rule, _
     case SG_CLASS_CT_REPLY:
         count(SG_CNT_CT_REPLY, len);
         return XDP_PASS;
+    case SG_CLASS_UNPOLICED:
+        count(SG_CNT_UNPOLICED, len);
+        return XDP_PASS;
     default:
         count(SG_CNT_TCP_UNTRACKED, len);
         return XDP_PASS;
@@ -159,20 +165,27 @@ static __always_inline int judge(struct sg_flow_key *fk, __u8 tcp_flags, __u64 l
         count(SG_CNT_OVERLAY, len);
         return XDP_PASS;
     }
+    /* Cached for the live generation: no policy lookup. The flip happens before the generation is
+     * written (and waits for running programs), so a program that reads the new generation also
+     * sees the new map; one that still reads the old one, just after a flip, may reuse an outcome
+     * of the old generation for that instant. */
+    __u32 *live = policy_live.lookup(&zero);
+    __u32 live_gen = live ? *live : 0;
+    if (st && live_gen && st->ct_generation == live_gen)
+        return apply_class(st->ct_class, live_gen, st->ct_rule, len);
+
     struct sg_policy_key dk = {};
     dk.daddr = fk->daddr;
     dk.kind = SG_KEY_POLICED_DST;
     struct sg_policy_val *dst = bpf_map_lookup_elem(inner, &dk);
     if (!dst) {
-        count(SG_CNT_UNPOLICED, len);
+        out->generation = live_gen;
+        out->cls = SG_CLASS_UNPOLICED;
         if (!st)
             track_outbound(inner, fk);
-        return XDP_PASS;
+        return apply_class(out->cls, live_gen, 0, len);
     }
-    __u32 generation = dst->generation;
-    if (st && st->ct_generation == generation)  /* cached for this generation: no more lookups */
-        return apply_class(st->ct_class, generation, st->ct_rule, len);
-
+    __u32 generation = dst->generation;  /* the generation of the map that judges this packet */
     out->generation = generation;
     int syn_only = fk->proto == IPPROTO_TCP &&
                    (tcp_flags & (SG_TCP_FLAG_SYN | SG_TCP_FLAG_ACK)) == SG_TCP_FLAG_SYN;
