@@ -3,10 +3,11 @@ side of continuous batching (`batch_engine` schedules it from the event loop).
 
 Every call here runs on the server's one model thread. Sequences join with a prefill of their
 prompts packed end to end in one row (positions restarting per prompt, a block-diagonal causal
-mask; up to `MAX_PREFILL_TOKENS` per forward, so no padding token ever reaches the MoE routing;
-a checkpoint with a sliding attention window prefills each prompt alone, since the packing mask
-would ignore the window), which gives each its first token and its KV cache. It then decodes in a *group*: the sequences that
-run under the same gate version, decoded together one token per model step. A group holds each
+mask, up to `MAX_PREFILL_TOKENS` per forward), so no padding token ever reaches the MoE routing;
+a config with a ``sliding_window`` prefills each prompt alone, since the packing mask would
+ignore the window. The prefill gives each its first token and its KV cache. It then decodes in
+a *group*: the sequences that run under the same gate version, decoded together one token per
+model step. A group holds each
 layer's keys/values as one left-padded tensor [N, heads, L, head_dim] plus a 0/1 mask [N, L];
 a step feeds each sequence's last token at its own position (``position_ids``) with the mask
 extended by one column, exactly what ``transformers``' own ``generate()`` does with a
@@ -65,7 +66,7 @@ class TokenEvent:
 
 
 class _Seq:
-    """One sequence's decoding state and usage accumulators (model thread only)."""
+    """One sequence's decoding state (model thread only); its usage lives in its group."""
 
     def __init__(self, req: DecodeRequest) -> None:
         self.req = req
@@ -137,7 +138,7 @@ class BatchDecoder:
         return {v: len(g.seqs) for v, g in self._groups.items()}
 
     def run(self, admit: Sequence[DecodeRequest], leave: Sequence[Hashable]) -> list[TokenEvent]:
-        """One engine job: drop ``leave``, prefill ``admit`` (each alone, under the gate in force
+        """One engine job: drop ``leave``, prefill ``admit`` (packed, under the gate in force
         now), then one decode step per gate group. Returns the tokens made, in order."""
         for key in leave:
             self.remove(key)
