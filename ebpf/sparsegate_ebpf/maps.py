@@ -92,7 +92,7 @@ class FlowStats(ct.Structure):
         ("ct_generation", ct.c_uint32),
         ("ct_rule", ct.c_uint16),
         ("ct_class", ct.c_uint8),
-        ("pad", ct.c_uint8),
+        ("ct_slot", ct.c_uint8),
     ]
 
 
@@ -133,7 +133,7 @@ class PolicyVal(ct.Structure):
         ("action", ct.c_uint32),
         ("rule_id", ct.c_uint32),
         ("generation", ct.c_uint32),
-        ("pad", ct.c_uint32),
+        ("slot", ct.c_uint32),
     ]
 
 

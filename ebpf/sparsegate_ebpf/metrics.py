@@ -226,10 +226,9 @@ class XdpCollector:
                                        labels=["rule", "action"])
         totals: dict[tuple[str, str], int] = {}
         names = dict(s.swapper.rule_names)
-        for k, v in bpf[b"verdicts"].items():
-            packets, _ = fold_counter(v)
-            rule = names.get(k.generation, {}).get(k.rule_id, f"gen{k.generation}/rule{k.rule_id}")
-            key = (rule, ACTION_NAMES.get(k.action, str(k.action)))
+        for (generation, rule_id, action), (packets, _) in s.swapper.verdict_totals().items():
+            rule = names.get(generation, {}).get(rule_id, f"gen{generation}/rule{rule_id}")
+            key = (rule, ACTION_NAMES.get(action, str(action)))
             totals[key] = totals.get(key, 0) + packets
         for (rule, action), packets in sorted(totals.items()):
             verdicts.add_metric([rule, action], packets)

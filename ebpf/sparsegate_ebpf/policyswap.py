@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from . import verdicts
 from .maps import PolicyKey, PolicyVal
 from .policy import FlowPolicy, compile_policy
-
-POOL = ("policy_a", "policy_b")
+from .verdicts import POOL, SlotInfo
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,9 @@ class PolicySwapper:
         self._pool = [bpf[name.encode()] for name in POOL]
         self._active: int | None = None
         self._lock = threading.Lock()
+        self._bpf = bpf
+        # What each pool map holds (its verdict counters' generation and rule actions).
+        self.slots: dict[int, SlotInfo] = verdicts.slots_in_maps(bpf)
         self.generation = 0
         self.policy: FlowPolicy | None = None
         self.rule_names: dict[int, dict[int, str]] = {}  # generation -> rule_id -> rule
@@ -73,6 +76,15 @@ class PolicySwapper:
         """Fill the inactive inner map, then flip the outer slot (caller holds self._lock)."""
         target = 1 if self._active == 0 else 0
         inner = self._pool[target]
+        previous = self.slots.pop(target, None)
+        if previous is not None:
+            if self._active is not None:
+                # Barrier: a map-in-map update waits for running programs, so none still counts
+                # for the generation that used this slot (read from policy_live before its change).
+                self._outer[ct.c_int(0)] = ct.c_int(self._pool[self._active].get_fd())
+            verdicts.retire_slot(self._bpf, target, previous)
+        records = [(k, PolicyVal(action=v.action, rule_id=v.rule_id, generation=v.generation, slot=target))
+                   for k, v in records]
         t0 = time.perf_counter()
         inner.clear()  # not live: nothing reads it (see module docstring)
         for key, val in records:
@@ -84,6 +96,7 @@ class PolicySwapper:
         # generations are judged again at their next packet (xdp_flow.bpf.c, policy_live).
         self._live[ct.c_int(0)] = ct.c_uint32(generation)
         self._active = target
+        self.slots[target] = verdicts.slot_info(records)
         self.generation = generation
         self.policy = policy
         self.rule_names[generation] = rule_names
@@ -91,3 +104,8 @@ class PolicySwapper:
         for old in [g for g in self.rule_names if g < generation - 256]:
             del self.rule_names[old]
         return SwapResult(generation, POOL[target], len(records), t1 - t0, t2 - t1)
+
+    def verdict_totals(self) -> verdicts.Totals:
+        """(generation, rule_id, action) -> (packets, bytes) of every generation (consistent with swaps)."""
+        with self._lock:
+            return verdicts.totals(self._bpf, dict(self.slots))

@@ -82,7 +82,7 @@ def _check_layouts(bpf: Any) -> None:
         "handshakes": ("sg_flow_key", "sg_handshake"),
         "conntrack": ("sg_flow_key", "sg_ct_val"),
         "policy_a": ("sg_policy_key", "sg_policy_val"),
-        "verdicts": ("sg_verdict_key", None),
+        "verdicts": ("sg_verdict_key", "sg_counter"),
     }
     for table, (key_struct, leaf_struct) in expected.items():
         t = bpf[table.encode()]

@@ -26,7 +26,7 @@ struct sg_flow_stats {
     __u32 ct_generation;  /* 0: nothing cached */
     __u16 ct_rule;        /* rule id of a rule verdict (SG_CLASS_RULE_*) */
     __u8 ct_class;        /* SG_CLASS_* */
-    __u8 pad;
+    __u8 ct_slot;         /* pool map of that generation: its verdict counters */
 };
 
 /* Connection tracking shared by all CPUs, keyed by the flow in its initiator's direction. */
@@ -84,10 +84,13 @@ struct sg_policy_val {
     __u32 action;       /* SG_ACTION_* ; in the meta record: the default action */
     __u32 rule_id;      /* 1-based index of the document entry; meta record: 0 */
     __u32 generation;   /* same in every record of one inner map */
-    __u32 pad;
+    __u32 slot;         /* pool map holding it (0: policy_a, 1: policy_b); its verdict counters
+                           are verdict_counts[slot * SG_POLICY_MAX_ENTRIES + rule_id] */
 };
 
-/* Verdict counters keyed by who judged: lets tests prove each packet saw one policy wholly. */
+/* Verdict counters keyed by who judged: lets tests prove each packet saw one policy wholly. The
+ * program counts into the per-CPU array verdict_counts; before a pool map is reused, userspace
+ * folds its counters into the `verdicts` hash under this key and zeroes them (policyswap.py). */
 struct sg_verdict_key {
     __u32 generation;
     __u32 rule_id;      /* 0 = default action */

@@ -8,6 +8,8 @@ from typing import Any
 from .maps import Counter, be16_to_port
 from .metrics import FlowTotals, fold_counter, fold_flow
 from .programs import BpfUnavailable, LoadedProgram, load
+from .verdicts import slots_in_maps, zero_range
+from .verdicts import totals as verdict_totals
 
 
 def require_program(*, enforce: bool, audit: bool = False) -> LoadedProgram:
@@ -21,6 +23,8 @@ def reset_maps(prog: LoadedProgram) -> None:
     """Empty every telemetry map (policy maps are left to the swapper)."""
     for name in ("flows", "handshakes", "verdicts", "counters", "conntrack"):
         prog.bpf[name.encode()].clear()
+    table = prog.bpf[b"verdict_counts"]
+    zero_range(table, 0, len(table))
 
 
 def counters(prog: LoadedProgram) -> dict[Counter, int]:
@@ -34,8 +38,9 @@ def flows(prog: LoadedProgram) -> dict[tuple[int, int, int, int, int], FlowTotal
 
 
 def verdicts(prog: LoadedProgram) -> dict[tuple[int, int, int], int]:
-    """(generation, rule_id, action) -> packets."""
-    return {(k.generation, k.rule_id, k.action): fold_counter(v)[0] for k, v in prog.bpf[b"verdicts"].items()}
+    """(generation, rule_id, action) -> packets, over every generation (folded and live)."""
+    got = verdict_totals(prog.bpf, slots_in_maps(prog.bpf))
+    return {key: packets for key, (packets, _) in got.items() if packets}
 
 
 def ports(prog: LoadedProgram) -> dict[tuple[int, int], tuple[int, int]]:

@@ -63,7 +63,10 @@ BPF_ARRAY_OF_MAPS(policy_outer, "policy_a", 1);
 /* The live generation, written by userspace right after each outer-slot flip: a flow's cached
  * outcome is reused while it matches, with no policy lookup at all. */
 BPF_ARRAY(policy_live, __u32, 1);
-BPF_PERCPU_HASH(verdicts, struct sg_verdict_key, struct sg_counter, 65536);
+/* Per-packet verdict counters, one range per pool map (sparsegate_flow.h, sg_policy_val.slot). */
+BPF_PERCPU_ARRAY(verdict_counts, struct sg_counter, 2 * SG_POLICY_MAX_ENTRIES);
+/* Folded counters of generations whose pool map was reused: written by userspace only. */
+BPF_HASH(verdicts, struct sg_verdict_key, struct sg_counter, 65536);
 BPF_TABLE("lru_hash", struct sg_flow_key, struct sg_ct_val, conntrack, SG_FLOW_ENTRIES);
 
 static __always_inline void count(int idx, __u64 len)
@@ -80,34 +83,29 @@ struct sg_outcome {
     __u32 generation;
     __u16 rule;
     __u8 cls;
+    __u8 slot;
 };
 
 #if SG_ENFORCE
-static __always_inline void count_verdict(__u32 generation, __u32 rule_id, __u32 action, __u64 len)
+static __always_inline void count_verdict(__u8 slot, __u32 rule_id, __u64 len)
 {
-    struct sg_verdict_key vk = {};
-    vk.generation = generation;
-    vk.rule_id = rule_id;
-    vk.action = action;
-    struct sg_counter *vc = verdicts.lookup(&vk);
+    int idx = (slot & 1) * SG_POLICY_MAX_ENTRIES + (rule_id & (SG_POLICY_MAX_ENTRIES - 1));
+    struct sg_counter *vc = verdict_counts.lookup(&idx);
     if (vc) {
         vc->packets += 1;
         vc->bytes += len;
-    } else {
-        struct sg_counter init = {1, len};
-        verdicts.update(&vk, &init);
     }
 }
 
-static __always_inline int apply_class(__u8 cls, __u32 generation, __u16 rule, __u64 len)
+static __always_inline int apply_class(__u8 cls, __u8 slot, __u16 rule, __u64 len)
 {
     switch (cls) {
     case SG_CLASS_RULE_ALLOW:
-        count_verdict(generation, rule, SG_ACTION_ALLOW, len);
+        count_verdict(slot, rule, len);
         count(SG_CNT_POLICY_ALLOW, len);
         return XDP_PASS;
     case SG_CLASS_RULE_DENY:
-        count_verdict(generation, rule, SG_ACTION_DENY, len);
+        count_verdict(slot, rule, len);
         count(SG_CNT_POLICY_DENY, len);
 #if SG_AUDIT
         count(SG_CNT_AUDIT_DENY, len);
@@ -172,7 +170,7 @@ static __always_inline int judge(struct sg_flow_key *fk, __u8 tcp_flags, __u64 l
     __u32 *live = policy_live.lookup(&zero);
     __u32 live_gen = live ? *live : 0;
     if (st && live_gen && st->ct_generation == live_gen)
-        return apply_class(st->ct_class, live_gen, st->ct_rule, len);
+        return apply_class(st->ct_class, st->ct_slot, st->ct_rule, len);
 
     struct sg_policy_key dk = {};
     dk.daddr = fk->daddr;
@@ -183,22 +181,23 @@ static __always_inline int judge(struct sg_flow_key *fk, __u8 tcp_flags, __u64 l
         out->cls = SG_CLASS_UNPOLICED;
         if (!st)
             track_outbound(inner, fk);
-        return apply_class(out->cls, live_gen, 0, len);
+        return apply_class(out->cls, 0, 0, len);
     }
     __u32 generation = dst->generation;  /* the generation of the map that judges this packet */
     out->generation = generation;
+    out->slot = dst->slot;
     int syn_only = fk->proto == IPPROTO_TCP &&
                    (tcp_flags & (SG_TCP_FLAG_SYN | SG_TCP_FLAG_ACK)) == SG_TCP_FLAG_SYN;
     if (fk->dport == bpf_htons(SG_PORT_DNS) || (fk->sport == bpf_htons(SG_PORT_DNS) && !syn_only)) {
         out->cls = SG_CLASS_DNS;
-        return apply_class(out->cls, generation, 0, len);
+        return apply_class(out->cls, out->slot, 0, len);
     }
     struct sg_policy_key sk = {};
     sk.saddr = fk->saddr;
     sk.kind = SG_KEY_ALLOWED_SRC;
     if (bpf_map_lookup_elem(inner, &sk)) {
         out->cls = SG_CLASS_ALLOWED_SOURCE;
-        return apply_class(out->cls, generation, 0, len);
+        return apply_class(out->cls, out->slot, 0, len);
     }
     struct sg_flow_key rk = {};
     rk.saddr = fk->daddr;
@@ -208,14 +207,14 @@ static __always_inline int judge(struct sg_flow_key *fk, __u8 tcp_flags, __u64 l
     rk.proto = fk->proto;
     if (conntrack.lookup(&rk)) {  /* the reverse flow was allowed or opened by this destination */
         out->cls = SG_CLASS_CT_REPLY;
-        return apply_class(out->cls, generation, 0, len);
+        return apply_class(out->cls, out->slot, 0, len);
     }
     if (fk->proto == IPPROTO_TCP && !syn_only && !conntrack.lookup(fk)) {
         /* Not a connection attempt and never allowed here: a reply to a connection the destination
          * opened unseen, or one established before this program. Judged flows (a CT entry) are
          * re-judged below, so narrowing a policy cuts them. */
         out->cls = SG_CLASS_TCP_UNTRACKED;
-        return apply_class(out->cls, generation, 0, len);
+        return apply_class(out->cls, out->slot, 0, len);
     }
 
     struct sg_policy_key pk = {};
@@ -236,7 +235,7 @@ static __always_inline int judge(struct sg_flow_key *fk, __u8 tcp_flags, __u64 l
         ct.kind = SG_CT_ALLOWED;
         conntrack.update(fk, &ct);
     }
-    return apply_class(out->cls, generation, out->rule, len);
+    return apply_class(out->cls, out->slot, out->rule, len);
 }
 #endif
 
@@ -368,6 +367,7 @@ int xdp_flow(struct xdp_md *ctx)
             st->ct_generation = out.generation;
             st->ct_rule = out.rule;
             st->ct_class = out.cls;
+            st->ct_slot = out.slot;
         }
     } else {
         struct sg_flow_stats init = {};
@@ -379,6 +379,7 @@ int xdp_flow(struct xdp_md *ctx)
         init.ct_generation = out.generation;
         init.ct_rule = out.rule;
         init.ct_class = out.cls;
+        init.ct_slot = out.slot;
         if (flows.update(&fk, &init))
             count(SG_CNT_FLOW_TABLE_FULL, len);
     }
