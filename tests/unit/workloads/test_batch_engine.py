@@ -257,3 +257,21 @@ def test_the_entry_point_refuses_cuda_it_cannot_use(checkpoint, capsys):
         main(argv)
     assert exit_.value.code == 2
     assert expected in capsys.readouterr().err
+
+
+async def test_a_failing_model_step_fails_its_requests_with_500_and_the_engine_recovers(serve):
+    client = await serve()
+    state = client.server.app[STATE]
+    engine = state.engine
+    released = []
+    # A token id outside the vocabulary makes the embedding lookup itself raise, on the model
+    # thread, in the job that also carries the good request.
+    good = engine.submit([1, 5, 6], max_tokens=50, on_leave=lambda: released.append("good"))
+    bad = engine.submit([1, 10**6], max_tokens=5, on_leave=lambda: released.append("bad"))
+    for handle in (good, bad):
+        with pytest.raises(Exception) as failed:
+            await handle.done
+        assert failed.value.status == 500 and "generation failed" in failed.value.message
+    assert sorted(released) == ["bad", "good"] and engine.running == 0
+    resp = await client.post("/v1/completions", json=_body(0, max_tokens=3))
+    assert resp.status == 200  # the decoder was reset; the next request decodes normally
