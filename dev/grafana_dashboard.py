@@ -199,20 +199,24 @@ def agent_panels() -> list[dict[str, Any]]:
         [target(f"sum by (rule, action) (rate(sparsegate_xdp_policy_verdicts_total[{RATE}]))", "{{action}} {{rule}}")],
         unit="pps", description="Packets judged per flow-policy rule (RoutingPolicy entry or the default) and action.",
     )
+    # Cumulative per-flow counters, not rates: a flow entry lives in an LRU table and short flows
+    # (a new source port per connection) never get the second sample a rate needs.
+    flows = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+             "orientation": "horizontal", "displayMode": "basic", "showUnfilled": True}
     dropped = panel(
-        "Top dropped flows", "timeseries",
-        [target("topk(10, sum by (src, dst, dport, proto) (\n"
-                f"  rate(sparsegate_xdp_flow_dropped_packets_total[{RATE}])\n))",
-                "{{src}} → {{dst}}:{{dport}}/{{proto}}")],
-        unit="pps", description="The 10 IPv4 flows with the most policy drops per second.",
+        "Top dropped flows", "bargauge",
+        [target("topk(10, sum by (src, dst, dport, proto) (sparsegate_xdp_flow_dropped_packets_total) > 0)",
+                "{{src}} → {{dst}}:{{dport}}/{{proto}}", instant=True)],
+        description="The 10 IPv4 flows in the agents' flow tables with the most packets dropped by "
+                    "policy, since each flow entered the table.", options=flows,
     )
     allowed = panel(
-        "Top allowed flows", "timeseries",
+        "Top allowed flows", "bargauge",
         [target("topk(10, sum by (src, dst, dport, proto) (\n"
-                f"  rate(sparsegate_xdp_flow_packets_total[{RATE}])\n"
-                f"  - rate(sparsegate_xdp_flow_dropped_packets_total[{RATE}])\n))",
-                "{{src}} → {{dst}}:{{dport}}/{{proto}}")],
-        unit="pps", description="The 10 IPv4 flows with the most packets passed per second.",
+                "  sparsegate_xdp_flow_packets_total - sparsegate_xdp_flow_dropped_packets_total\n) > 0)",
+                "{{src}} → {{dst}}:{{dport}}/{{proto}}", instant=True)],
+        description="The 10 IPv4 flows in the agents' flow tables with the most packets passed, since "
+                    "each flow entered the table.", options=flows,
     )
     state = panel(
         "Agents: XDP attached, flows tracked, policy", "timeseries",
