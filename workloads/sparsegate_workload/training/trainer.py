@@ -20,6 +20,7 @@ seed on one machine and thread count (seeded init, seeded batches, no dropout).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -27,7 +28,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -406,7 +407,7 @@ def save_checkpoint(result: TrainResult, out: str | Path, *,
 
     out_dir = Path(out)
     lm, cfg = result.lm, result.config
-    config = lm.model.config
+    config = copy.deepcopy(lm.model.config)  # the in-memory model keeps its own
     setting = cfg.gate
     # The family's own top-k (what the loader installs without a gate document): top-k runs
     # keep their k; a top-p run gets its trained upper bound.
@@ -417,8 +418,9 @@ def save_checkpoint(result: TrainResult, out: str | Path, *,
         fresh = AutoModelForCausalLM.from_config(config)
     fresh.load_state_dict({k: v.detach().contiguous() for k, v in
                            lm.model.state_dict().items()}, strict=True)
-    staging = Path(tempfile.mkdtemp(prefix=".sparsegate-train-", dir=out_dir.parent
-                                    if out_dir.parent.exists() else None))
+    # Staged beside the output (same filesystem), then moved in: no half-written checkpoint.
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".sparsegate-train-", dir=out_dir.parent))
     try:
         fresh.save_pretrained(staging)
         result.tokenizer.save_pretrained(staging)
@@ -448,6 +450,3 @@ def save_checkpoint(result: TrainResult, out: str | Path, *,
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
-
-def class_names() -> Sequence[str]:
-    return [c.name.lower() for c in TokenClass]
