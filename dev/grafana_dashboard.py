@@ -269,7 +269,8 @@ def operator_panels() -> list[dict[str, Any]]:
 def variables() -> list[dict[str, Any]]:
     def query_var(name: str, label: str, query: str, *, multi: bool = False) -> dict[str, Any]:
         v: dict[str, Any] = {"type": "query", "name": name, "label": label, "datasource": DS,
-                             "query": {"query": query, "refId": f"{name}-var", "qryType": 1},
+                             # A plain label_values() string: every Grafana version reads it.
+                             "query": query,
                              "definition": query, "refresh": 2, "sort": 1, "multi": multi, "includeAll": multi,
                              "current": {}, "options": [], "hide": 0, "regex": ""}
         if multi:

@@ -181,7 +181,7 @@ def test_variable_queries_select_valid_series(prometheus: str):
         if v["type"] != "query":
             continue
         # label_values(<selector>, <label>) is Grafana's; its selector must be valid PromQL.
-        inner = v["query"]["query"].removeprefix("label_values(").rsplit(",", 1)[0]
+        inner = v["query"].removeprefix("label_values(").rsplit(",", 1)[0]
         status, error = query_status(prometheus, grafana_dashboard.substitute(inner, VARIABLES))
         assert status == "success", f"variable {v['name']}: {error}"
 
