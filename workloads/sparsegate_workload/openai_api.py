@@ -161,6 +161,11 @@ def parse_request(body: Any, *, chat: bool, hf: HFServedModel) -> Plan:
         raise OpenAIError(404, f"the model {model!r} does not exist here (serving {hf.name!r})",
                           param="model")
     prompt_ids = _prompt_text(body, chat=chat, hf=hf)
+    if any(not 0 <= t < hf.vocab_size for t in prompt_ids):
+        # A tokenizer larger than the model's embedding: refused here, since a bad id inside
+        # a batched step would fail every request decoding with it.
+        raise OpenAIError(400, f"the prompt tokenizes to ids outside the model's vocabulary "
+                               f"[0, {hf.vocab_size})", param="messages" if chat else "prompt")
     room = hf.context_length - len(prompt_ids)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
         else "max_tokens"

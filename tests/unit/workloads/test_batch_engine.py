@@ -275,3 +275,22 @@ async def test_a_failing_model_step_fails_its_requests_with_500_and_the_engine_r
     assert sorted(released) == ["bad", "good"] and engine.running == 0
     resp = await client.post("/v1/completions", json=_body(0, max_tokens=3))
     assert resp.status == 200  # the decoder was reset; the next request decodes normally
+
+
+async def test_a_prompt_outside_the_model_vocabulary_is_a_400(checkpoint, tmp_path):
+    # A checkpoint whose model has fewer embeddings (256) than its tokenizer has ids (384).
+    small = build_tiny_checkpoint(tmp_path / "small-vocab", family="mixtral", vocab_size=256)
+    from transformers import AutoTokenizer
+    AutoTokenizer.from_pretrained(checkpoint).save_pretrained(small)
+    client = await _serve(create_app(gate_doc=ONE, model_path=str(small)))
+    try:
+        tok = client.server.app[STATE].hf.tokenizer
+        text = next(t for t in ("kubernetes rolls", "capacity factor", "hello world")
+                    if max(tok(t)["input_ids"]) >= 256)
+        resp = await client.post("/v1/completions", json={"prompt": text, "max_tokens": 2})
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+        assert error["param"] == "prompt" and "outside the model's vocabulary [0, 256)" in \
+            error["message"]
+    finally:
+        await client.close()
