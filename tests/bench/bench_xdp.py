@@ -8,12 +8,15 @@ Side by side, trials interleaved round-robin so machine noise hits every configu
    each frame into the client end), so no userspace sender caps the rate. The server end runs
    - none: no XDP program (GRO on, so veth takes the same NAPI path it takes with XDP),
    - telemetry: the program built with SG_ENFORCE=0,
-   - telemetry+policy: SG_ENFORCE=1 with a policy of --policy-entries entries that allows the flow.
+   - telemetry+policy: SG_ENFORCE=1 with a policy of --policy-entries entries that allows the flow
+     (its destination is policed: the entries name it), so every frame is judged; after the first,
+     from the outcome cached in the flow's entry.
    Frames carry a foreign destination MAC, so after XDP the stack drops them at ip_rcv: what is
    measured is the receive path up to and including XDP. pps = frames received at the server end
    (its rx counter) / wall time of the generator; ratio = median pps / median pps of `none`.
 2. test_run ns/packet (kernel-measured mean over --repeat runs), with a bare XDP_PASS program as
-   the floor of this machine.
+   the floor of this machine; telemetry+policy also for a destination the policy does not police,
+   and in audit mode (SG_AUDIT=1).
 3. Policy swap latency: PolicySwapper.apply at 100 and --policy-entries entries: fill time of the
    inactive inner map, and the single outer-slot update (which includes the kernel's RCU wait).
 Writes tests/bench/results/bench_xdp.json.
@@ -126,16 +129,21 @@ def bench_test_run(*, repeat: int, trials: int, policy_entries: int) -> dict:
     bare_fn = bare.load_func(b"bare", BPF.XDP)
     tele = programs.load(enforce=False)
     enf = programs.load(enforce=True)
-    PolicySwapper(bpf=enf.bpf).apply(parse_policy(policy_doc(lab=None, entries=policy_entries)))
+    aud = programs.load(enforce=True, audit=True)
+    for p in (enf, aud):
+        PolicySwapper(bpf=p.bpf).apply(parse_policy(policy_doc(lab=None, entries=policy_entries)))
     frame = packets.udp_frame(src="10.9.0.1", dst="10.9.0.2", sport=40000, dport=9000, payload=b"b" * 18)
-    fds = {"bare XDP_PASS": bare_fn.fd, "telemetry": tele.prog_fd, "telemetry+policy": enf.prog_fd}
-    ns: dict[str, list[int]] = {k: [] for k in fds}
+    unpoliced = packets.udp_frame(src="10.9.0.1", dst="10.9.0.3", sport=40000, dport=9000, payload=b"b" * 18)
+    runs = {"bare XDP_PASS": (bare_fn.fd, frame), "telemetry": (tele.prog_fd, frame),
+            "telemetry+policy": (enf.prog_fd, frame), "+policy, unpoliced dst": (enf.prog_fd, unpoliced),
+            "audit (policy, no drop)": (aud.prog_fd, frame)}
+    ns: dict[str, list[int]] = {k: [] for k in runs}
     for _ in range(trials):
-        for name, fd in fds.items():
-            r = testrun.run_xdp(prog_fd=fd, data=frame, repeat=repeat)
+        for name, (fd, data) in runs.items():
+            r = testrun.run_xdp(prog_fd=fd, data=data, repeat=repeat)
             assert r.verdict == "pass", (name, r.verdict)
             ns[name].append(r.duration_ns)
-    for p in (tele, enf):
+    for p in (tele, enf, aud):
         p.close()
     bare.cleanup()
     return {k: {"ns_median": statistics.median(v), "ns_trials": v} for k, v in ns.items()}
@@ -188,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in veth.items():
         print(f"{name:<20}{r['pps_median'] / 1e6:>8.3f}{r['ratio_to_none']:>8.3f}")
     print(f"\nBPF_PROG_TEST_RUN, {args.repeat:,} repeats, policy of {args.policy_entries:,} entries")
-    print(f"{'program':<20}{'ns/pkt':>8}")
+    print(f"{'program':<24}{'ns/pkt':>8}")
     for name, r in tr.items():
-        print(f"{name:<20}{r['ns_median']:>8.0f}")
+        print(f"{name:<24}{r['ns_median']:>8.0f}")
     print("\npolicy swap (A/B inner maps, one outer-slot update)")
     print(f"{'entries':>8}{'swaps':>7}{'swap med ms':>13}{'swap p99 ms':>13}{'fill med ms':>13}")
     for size, r in swap.items():
