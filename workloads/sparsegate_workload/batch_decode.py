@@ -39,7 +39,7 @@ from typing import Any, Hashable, Sequence
 import torch
 
 from .hf.gated_block import ActiveGate, GateCall, pin_gate
-from .hf_serving import Generation, HFServedModel
+from .hf_serving import Generation, HFServedModel, sampling_probs
 
 # Most prompt tokens one packed prefill forward holds (its attention mask is T x T booleans).
 MAX_PREFILL_TOKENS = 2048
@@ -271,7 +271,7 @@ class BatchDecoder:
         for i, seq in enumerate(seqs):
             t = seq.req.temperature
             if t > 0:
-                probs = torch.softmax(logits[i].cpu() / t, dim=-1)
+                probs = sampling_probs(logits[i], t)
                 tokens[i] = int(torch.multinomial(probs, 1, generator=seq.generator))
         return tokens
 

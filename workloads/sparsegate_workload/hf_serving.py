@@ -100,7 +100,7 @@ class HFServedModel:
             for step in range(max_tokens):
                 logits = out.logits[0, -1].float()
                 if temperature > 0:
-                    probs = torch.softmax(logits.cpu() / temperature, dim=-1)
+                    probs = sampling_probs(logits, temperature)
                     token = int(torch.multinomial(probs, 1, generator=generator))
                 else:
                     token = int(logits.argmax())
@@ -116,6 +116,14 @@ class HFServedModel:
         return _generation(call.layers, n_blocks=self.n_layers, num_experts=self.num_experts,
                            prompt_tokens=len(prompt), token_ids=generated, finish=finish,
                            gate_version=call.gate.version)
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Softmax of ``logits / temperature`` on the CPU (where the seeded generators draw), in
+    float64 and shifted by the max first: a vanishing temperature then gives the greedy
+    token's one-hot instead of NaN (which would make the draw raise)."""
+    logits = logits.double().cpu()
+    return torch.softmax((logits - logits.max()) / temperature, dim=-1)
 
 
 def _generation(layers: list[MoEStats], *, n_blocks: int, num_experts: int, prompt_tokens: int,

@@ -294,3 +294,13 @@ async def test_a_prompt_outside_the_model_vocabulary_is_a_400(checkpoint, tmp_pa
             error["message"]
     finally:
         await client.close()
+
+
+async def test_a_vanishing_temperature_samples_the_greedy_token_without_failing_the_batch(serve):
+    client = await serve()
+    resps = await asyncio.gather(
+        client.post("/v1/completions", json=_body(0, temperature=1e-300, seed=3)),
+        client.post("/v1/completions", json=_body(0)))
+    assert [r.status for r in resps] == [200, 200]
+    tiny, greedy = [(await r.json())["choices"][0]["text"] for r in resps]
+    assert tiny == greedy
