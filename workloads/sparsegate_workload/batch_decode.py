@@ -87,6 +87,17 @@ class _Seq:
 _SELECTED, _ENTROPY, _TOKENS, _CALLS = range(-4, 0)
 
 
+@dataclasses.dataclass
+class _Joiner:
+    """A prefilled sequence on its way into a group: its own cache and usage."""
+
+    seq: _Seq
+    keys: list[torch.Tensor]     # per layer [1, heads, prompt length, head_dim]
+    values: list[torch.Tensor]
+    mask: torch.Tensor           # [1, prompt length] ones
+    acc: torch.Tensor            # [blocks, experts + 4]
+
+
 class _Group:
     """The sequences decoding under one gate version, with their left-padded KV cache (one
     ``DynamicCache`` kept across steps, rebuilt only when a sequence joins or leaves) and their
@@ -201,6 +212,7 @@ class BatchDecoder:
         tokens = self._sample(seqs, last)
         layers = out.cache.layers
         events = []
+        joiners = []
         for i, (seq, token, end, length) in enumerate(zip(seqs, tokens, ends, lengths)):
             seq.gate_version = call.gate.version
             finish = self._append(seq, token)
@@ -210,9 +222,11 @@ class BatchDecoder:
                 continue
             events.append(TokenEvent(seq.req.key, token))
             cols = slice(end - length, end)
-            self._join(call.gate, seq, [layer.keys[:, :, cols] for layer in layers],
-                       [layer.values[:, :, cols] for layer in layers],
-                       torch.ones(1, length, dtype=torch.long, device=self.device), table[i])
+            joiners.append(_Joiner(
+                seq, keys=[layer.keys[:, :, cols] for layer in layers],
+                values=[layer.values[:, :, cols] for layer in layers],
+                mask=torch.ones(1, length, dtype=torch.long, device=self.device), acc=table[i]))
+        self._join(call.gate, joiners)
         return events
 
     def remove(self, key: Hashable) -> bool:
@@ -330,25 +344,34 @@ class BatchDecoder:
                           tokens.view(n, 1, 1).expand(n, n_blocks, 1),
                           torch.ones(n, n_blocks, 1, dtype=torch.float64, device=dev)], dim=2)
 
-    def _join(self, gate: ActiveGate, seq: _Seq, keys: list[torch.Tensor],
-              values: list[torch.Tensor], mask: torch.Tensor, acc: torch.Tensor) -> None:
+    def _join(self, gate: ActiveGate, joiners: Sequence[_Joiner]) -> None:
+        """Add prefilled sequences to ``gate``'s group: every cache left-padded to the widest,
+        concatenated once per layer."""
+        if not joiners:
+            return
         version = gate.version
         group = self._groups.get(version)
+        parts = ([] if group is None else
+                 [(group.keys, group.values, group.mask)]) + [
+            (j.keys, j.values, j.mask) for j in joiners]
+        width = max(mask.shape[1] for _, _, mask in parts)
+        n_layers = len(parts[0][0])
+        keys = [torch.cat([_left_pad(k[i], width) for k, _, _ in parts]) for i in range(n_layers)]
+        values = [torch.cat([_left_pad(v[i], width) for _, v, _ in parts])
+                  for i in range(n_layers)]
+        mask = torch.cat([_left_pad_mask(m, width) for _, _, m in parts])
+        acc = torch.stack([j.acc for j in joiners])
+        seqs = [j.seq for j in joiners]
         if group is None:
-            self._groups[version] = _Group(gate=gate, seqs=[seq], keys=keys, values=values,
-                                           mask=mask, acc=acc.unsqueeze(0).clone())
+            group = self._groups[version] = _Group(gate=gate, seqs=seqs, keys=keys,
+                                                   values=values, mask=mask, acc=acc)
         else:
-            group.acc = torch.cat([group.acc, acc.unsqueeze(0)])
-            have, new = group.mask.shape[1], mask.shape[1]
-            width = max(have, new)
-            group.mask = torch.cat([_left_pad_mask(group.mask, width),
-                                    _left_pad_mask(mask, width)])
-            group.set_cache([torch.cat([_left_pad(a, width), _left_pad(b, width)])
-                             for a, b in zip(group.keys, keys)],
-                            [torch.cat([_left_pad(a, width), _left_pad(b, width)])
-                             for a, b in zip(group.values, values)])
-            group.seqs.append(seq)
-        self._where[seq.req.key] = self._groups[version]
+            group.acc = torch.cat([group.acc, acc])
+            group.mask = mask
+            group.set_cache(keys, values)
+            group.seqs.extend(seqs)
+        for seq in seqs:
+            self._where[seq.req.key] = group
 
     def _keep_rows(self, group: _Group, keep: list[int]) -> None:
         version = group.gate.version
