@@ -343,4 +343,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Daemon threads (policy source, DaemonSet watch) may still be logging to stderr: interpreter
+    # finalization then aborts the process (SIGABRT, "could not acquire lock for <stderr>"). The
+    # program was detached or deliberately kept by now and the maps closed; flush and leave.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

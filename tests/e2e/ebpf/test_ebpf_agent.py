@@ -82,7 +82,7 @@ def test_agent_attaches_exports_follows_policy_file_and_detaches_on_sigterm(lab:
                           stdout=log_f, stderr=subprocess.STDOUT)
     try:
         m = wait_for(lambda: (x := scrape(lab)) and sample(x, "sparsegate_xdp_policy_info", version="v1") and x,
-                     "agent ready with policy v1")
+                     "agent ready with policy v1", timeout=120.0)  # BCC compiles first: slow on a loaded machine
         assert sample(m, "sparsegate_agent_bpf_available") == 1
         assert sample(m, "sparsegate_xdp_attached", interface=lab.server_if, mode="native") == 1
 
