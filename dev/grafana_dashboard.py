@@ -187,12 +187,19 @@ def canary_panels() -> list[dict[str, Any]]:
 
 
 def agent_panels() -> list[dict[str, Any]]:
+    # Packet types of ebpf/sparsegate_ebpf/maps.py Counter that say how the flow policy treated a
+    # packet (ebpf/README.md: scoped, stateful policy).
+    verdict_types = ("policy_allow|policy_deny|audit_deny|allowed_source|dns|ct_reply|tcp_untracked|"
+                     "unpoliced|no_policy")
     verdict = panel(
         "XDP policy: allowed vs dropped packets", "timeseries",
-        [target(f'sum by (type) (rate(sparsegate_xdp_packets_total{{type=~"policy_allow|policy_deny|no_policy"}}[{RATE}]))',
+        [target(f'sum by (type) (rate(sparsegate_xdp_packets_total{{type=~"{verdict_types}"}}[{RATE}]))',
                 "{{type}}")],
-        unit="pps", description="Packets the node agents' XDP program passed by an allow entry "
-                                "(policy_allow), dropped (policy_deny), or saw with no policy loaded.",
+        unit="pps", description="How the node agents' XDP program treated packets: passed by an allow entry "
+                                "(policy_allow), dropped (policy_deny), denied but passed in audit mode "
+                                "(audit_deny), passed before the allow-list (allowed_source, dns, ct_reply "
+                                "for replies of tracked flows, tcp_untracked), to destinations no policy "
+                                "names (unpoliced), or with no policy loaded (no_policy).",
     )
     rules = panel(
         "XDP verdicts by rule", "timeseries",
@@ -224,8 +231,10 @@ def agent_panels() -> list[dict[str, Any]]:
          target("sum(sparsegate_agent_bpf_available)", "agents with the program loaded", "B"),
          target("sum(sparsegate_xdp_flows_tracked)", "flows tracked", "C"),
          target("max(sparsegate_xdp_policy_generation)", "policy generation (max)", "D"),
-         target(f"sum(increase(sparsegate_agent_policy_errors_total[{RATE}]))", "rejected policy documents", "E")],
-        w=24, description="Attachment and policy state of the node agents.",
+         target(f"sum(increase(sparsegate_agent_policy_errors_total[{RATE}]))", "rejected policy documents", "E"),
+         target("sum by (mode) (sparsegate_xdp_enforcement)", "agents in {{mode}} mode", "F")],
+        w=24, description="Attachment, flow table, policy and enforcement mode (off, audit, enforce) "
+                          "of the node agents.",
     )
     return [verdict, rules, dropped, allowed, state]
 
