@@ -66,8 +66,8 @@ def load(*, enforce: bool = True, audit: bool = False, flow_entries: int = 65536
     if os.geteuid() != 0:
         raise BpfUnavailable("loading XDP programs needs root (CAP_BPF + CAP_NET_ADMIN)")
     try:
-        bpf = bcc.BPF(src_file=str(PROGRAM_PATH).encode(), cflags=cflags(enforce=enforce, audit=audit, flow_entries=flow_entries),
-                      debug=debug)
+        bpf = bcc.BPF(src_file=str(PROGRAM_PATH).encode(),
+                      cflags=cflags(enforce=enforce, audit=audit, flow_entries=flow_entries), debug=debug)
         fn = bpf.load_func(FUNCTION.encode(), bcc.BPF.XDP)
     except Exception as exc:  # bcc raises bare Exception on compile/verify failure
         raise BpfUnavailable(f"BCC could not compile/load {PROGRAM_PATH.name}: {exc}") from exc

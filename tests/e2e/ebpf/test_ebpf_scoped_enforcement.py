@@ -209,7 +209,8 @@ def test_overlay_udp_passes_uninspected(net: Net, enforce_prog: LoadedProgram) -
 
 
 def scrape(lab: VethLab, port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    code = f"import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:{port}/metrics',timeout=5).read().decode())"
+    code = ("import urllib.request;"
+            f"print(urllib.request.urlopen('http://127.0.0.1:{port}/metrics',timeout=5).read().decode())")
     text = lab.run(lab.server_ns, [PY, "-c", code]).stdout
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}

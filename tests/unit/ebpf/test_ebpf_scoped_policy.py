@@ -21,7 +21,6 @@ from sparsegate_ebpf.testrun import run_xdp
 pytestmark = pytest.mark.bpf
 
 CLIENT, MODEL, OTHER, NODE, OPERATOR = "10.3.0.1", "10.3.0.2", "10.3.0.3", "10.3.0.254", "10.3.0.100"
-UDP = socket.IPPROTO_UDP
 
 
 def run(prog: LoadedProgram, frame: bytes, repeat: int = 1) -> str:
@@ -106,9 +105,9 @@ def test_replies_to_a_flow_the_model_pod_opened_pass_when_its_outbound_packet_wa
 
 def test_an_allowed_flow_is_tracked_and_its_reverse_direction_is_a_reply(enforce_prog: LoadedProgram) -> None:
     # Both ends policed (model pod to model pod): the reply direction is judged as a reply.
-    PolicySwapper(bpf=enforce_prog.bpf).apply(parse_policy({"defaultAction": "deny", "policedDestinations": [CLIENT, MODEL],
-                                                            "entries": [{"srcIP": CLIENT, "dstIP": MODEL, "dstPort": 8080,
-                                                                         "protocol": "tcp", "action": "allow"}]}))
+    entry = {"srcIP": CLIENT, "dstIP": MODEL, "dstPort": 8080, "protocol": "tcp", "action": "allow"}
+    PolicySwapper(bpf=enforce_prog.bpf).apply(parse_policy({"defaultAction": "deny", "entries": [entry],
+                                                            "policedDestinations": [CLIENT, MODEL]}))
     assert run(enforce_prog, syn(CLIENT, MODEL, 40000, 8080)) == "pass"
     assert [v.kind for v in enforce_prog.bpf[b"conntrack"].values()] == [CT_ALLOWED]
     synack = P.tcp_frame(src=MODEL, dst=CLIENT, sport=8080, dport=40000, flags=P.TCP_SYN | P.TCP_ACK)
