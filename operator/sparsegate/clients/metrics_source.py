@@ -35,6 +35,11 @@ TOKENS = "sparsegate_tokens_total"
 ASSIGNMENTS = "sparsegate_expert_assignments_total"
 EXPERT_TOKENS = "sparsegate_expert_tokens_total"
 ACTIVE_GAUGE = "sparsegate_active_experts_per_token"
+# Quality (the model server's quality.py): live counters summed over gate versions, and the
+# probe set's gauge (exported for the version in effect only).
+QUALITY_NLL = "sparsegate_quality_nll_total"
+QUALITY_TOKENS = "sparsegate_quality_tokens_total"
+PROBE_NLL = "sparsegate_probe_nll_per_token"
 
 
 def _is_error(code: str) -> bool:
@@ -47,6 +52,8 @@ def parse_pod_counters(text: str, *, at: float) -> PodCounters:
     buckets: dict[float, float] = {}
     layers: set[str] = set()
     gauge: float | None = None
+    quality_nll = quality_tokens = 0.0
+    probe_nll: float | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, sample.value
@@ -65,6 +72,12 @@ def parse_pod_counters(text: str, *, at: float) -> PodCounters:
                 layers.add(labels.get("layer", ""))
             elif name == ACTIVE_GAUGE:
                 gauge = value
+            elif name == QUALITY_NLL:
+                quality_nll += value
+            elif name == QUALITY_TOKENS:
+                quality_tokens += value
+            elif name == PROBE_NLL and math.isfinite(value):
+                probe_nll = value
     return PodCounters(
         at=at,
         requests=requests,
@@ -73,6 +86,9 @@ def parse_pod_counters(text: str, *, at: float) -> PodCounters:
         experts_sum=assignments,
         experts_count=tokens * max(1, len(layers)),
         experts_gauge=gauge,
+        quality_nll=quality_nll,
+        quality_tokens=quality_tokens,
+        probe_nll=probe_nll,
     )
 
 
@@ -130,6 +146,9 @@ class PrometheusAPI:
             "assignments": f"sum(increase({ASSIGNMENTS}{{{sel}}}[{w}]))",
             "tokens": f"sum(increase({TOKENS}{{{sel}}}[{w}]))",
             "layers": f'count(count by (layer) ({EXPERT_TOKENS}{{{sel}}}))',
+            "quality_nll": f"sum(increase({QUALITY_NLL}{{{sel}}}[{w}]))",
+            "quality_tokens": f"sum(increase({QUALITY_TOKENS}{{{sel}}}[{w}]))",
+            "probe_nll": f"avg({PROBE_NLL}{{{sel}}})",
         }
 
     async def _scalar(self, session: aiohttp.ClientSession, query: str) -> float | None:
@@ -161,4 +180,7 @@ class PrometheusAPI:
             duration_buckets={},
             mean_active_experts=mean,
             p99_seconds=values["p99"],
+            quality_nll=values["quality_nll"] or 0.0,
+            quality_tokens=values["quality_tokens"] or 0.0,
+            probe_nll=values["probe_nll"],
         )

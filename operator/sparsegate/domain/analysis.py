@@ -16,6 +16,12 @@ Checks on the canary group (each reported with its numbers):
   stable, ≤ ``maxDrift`` (only when both groups have enough requests; the last
   step has no stable group).
 
+* ``qualityDrop``: how much worse the canary predicts text than stable, as the relative
+  increase of perplexity, exp(canary mean NLL − stable mean NLL) − 1, ≤ ``maxQualityDrop``.
+  From the probe set both score at gate load (same tokens on both sides) when both groups
+  report it, else from live traffic's scored prompt tokens when each group scored at least
+  ``MIN_QUALITY_TOKENS`` in the window; otherwise not evaluated (and not at the last step).
+
 Traffic gates the verdict: with fewer than ``minRequests`` canary requests, or
 canary qps far below its expected share of the calibrated qps threshold, the
 result is INCONCLUSIVE and the step keeps observing. Any failing check with
@@ -42,7 +48,12 @@ __all__ = [
     "aggregate",
     "histogram_quantile",
     "analyse",
+    "MIN_QUALITY_TOKENS",
 ]
+
+# Fewest live-traffic tokens per group for the live quality comparison: below it the mean NLL
+# of a window is too noisy to compare (a token's NLL varies by ~1-2 nats on a small LM).
+MIN_QUALITY_TOKENS = 2000.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,11 @@ class PodCounters:
     experts_count: float = 0.0
     # Or an instantaneous gauge value, when exported as a gauge.
     experts_gauge: float | None = None
+    # Quality: live traffic's summed NLL (nats) over scored tokens (counters), and the probe
+    # set's mean NLL per token under the gate in effect (gauge; None when not exported).
+    quality_nll: float = 0.0
+    quality_tokens: float = 0.0
+    probe_nll: float | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,13 @@ class GroupMetrics:
     mean_active_experts: float | None
     # Prometheus computes p99 server-side; direct scrapes leave it None (derived from buckets).
     p99_seconds: float | None = None
+    quality_nll: float = 0.0       # live traffic: summed NLL of scored tokens in the window
+    quality_tokens: float = 0.0
+    probe_nll: float | None = None  # probe set: mean NLL per token (mean over the group's pods)
+
+    @property
+    def live_mean_nll(self) -> float | None:
+        return self.quality_nll / self.quality_tokens if self.quality_tokens > 0 else None
 
     @property
     def qps(self) -> float:
@@ -111,6 +134,9 @@ def window_delta(*, start: PodCounters | None, end: PodCounters) -> PodCounters:
         experts_sum=_counter_delta(end.experts_sum, base.experts_sum),
         experts_count=_counter_delta(end.experts_count, base.experts_count),
         experts_gauge=end.experts_gauge,
+        quality_nll=_counter_delta(end.quality_nll, base.quality_nll),
+        quality_tokens=_counter_delta(end.quality_tokens, base.quality_tokens),
+        probe_nll=end.probe_nll,
     )
 
 
@@ -134,6 +160,9 @@ def aggregate(*, deltas: Iterable[PodCounters], seconds: float) -> GroupMetrics:
         errors=sum(d.errors for d in deltas),
         duration_buckets=buckets,
         mean_active_experts=mean_experts,
+        quality_nll=sum(d.quality_nll for d in deltas),
+        quality_tokens=sum(d.quality_tokens for d in deltas),
+        probe_nll=sum(probes) / len(probes) if (probes := [d.probe_nll for d in deltas if d.probe_nll is not None]) else None,
     )
 
 
@@ -177,12 +206,14 @@ class Check:
     value: float | None
     threshold: float
     passed: bool | None  # None: not evaluated (no data)
+    detail: str = ""  # the numbers behind the value, e.g. both groups' perplexities
 
     def describe(self) -> str:
         if self.passed is None:  # e.g. drift at 100 %: no stable instances left to compare with
             return f"{self.name} not evaluated (no data)"
         value = "n/a" if self.value is None else f"{self.value:.4g}"
-        return f"{self.name} {value} {'≤' if self.passed else '>'} {self.threshold:.4g}"
+        detail = f" ({self.detail})" if self.detail else ""
+        return f"{self.name} {value} {'≤' if self.passed else '>'} {self.threshold:.4g}{detail}"
 
 
 @dataclass(frozen=True)
@@ -224,6 +255,7 @@ def analyse(
     sla_p99_ms: float,
     max_drift: float,
     min_requests: float,
+    max_quality_drop: float | None = None,
 ) -> AnalysisResult:
     """Judge the canary group over one window (pure; see module docstring)."""
     checks: list[Check] = []
@@ -251,6 +283,9 @@ def analyse(
         drift = abs(canary.mean_active_experts - stable.mean_active_experts) / stable.mean_active_experts
     checks.append(Check(name="drift", value=drift, threshold=max_drift, passed=None if drift is None else drift <= max_drift))
 
+    if max_quality_drop is not None:
+        checks.append(quality_check(canary=canary, stable=stable, max_quality_drop=max_quality_drop))
+
     expected_qps = thresholds.qps_threshold * canary_share
     enough = canary.requests >= min_requests and canary.qps >= INCONCLUSIVE_FRACTION * expected_qps
     numbers = "; ".join(c.describe() for c in checks)
@@ -275,3 +310,23 @@ def analyse(
         canary_qps=canary.qps,
         message=message,
     )
+
+
+def quality_check(*, canary: GroupMetrics, stable: GroupMetrics | None, max_quality_drop: float) -> Check:
+    """``qualityDrop``: relative perplexity increase of the canary over stable (module docstring)."""
+    name = "qualityDrop"
+    if stable is None:
+        return Check(name=name, value=None, threshold=max_quality_drop, passed=None)
+    if canary.probe_nll is not None and stable.probe_nll is not None:
+        source, c_nll, s_nll = "probe set", canary.probe_nll, stable.probe_nll
+    elif (canary.live_mean_nll is not None and stable.live_mean_nll is not None
+          and min(canary.quality_tokens, stable.quality_tokens) >= MIN_QUALITY_TOKENS):
+        source, c_nll, s_nll = "live traffic", canary.live_mean_nll, stable.live_mean_nll
+    else:
+        return Check(name=name, value=None, threshold=max_quality_drop, passed=None)
+    # exp of a huge difference would overflow: cap the exponent (the check fails either way).
+    drop = math.exp(min(c_nll - s_nll, 50.0)) - 1.0
+    detail = (f"{source}: canary perplexity {math.exp(min(c_nll, 50.0)):.4g} vs stable "
+              f"{math.exp(min(s_nll, 50.0)):.4g}")
+    return Check(name=name, value=drop, threshold=max_quality_drop, passed=drop <= max_quality_drop,
+                 detail=detail)

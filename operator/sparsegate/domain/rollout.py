@@ -81,6 +81,10 @@ DEFAULT_STEPS = (5, 20, 100)
 DEFAULT_ANALYSIS_INTERVAL_S = 30.0
 DEFAULT_SLA_P99_MS = 800.0
 DEFAULT_MAX_DRIFT = 0.1
+# Canary perplexity may exceed stable's by at most 2 % (analysis.quality_check). On the demo
+# model that sparsegate-train writes, benign threshold moves change the probe perplexity by
+# < 0.2 % and top-1 routing or a tight capacity cap raise it by > 10 % (README).
+DEFAULT_MAX_QUALITY_DROP = 0.02
 DEFAULT_MIN_REQUESTS = 20
 DEFAULT_PROGRESS_DEADLINE_S = 120.0
 HISTORY_LIMIT = 10  # promoted stable versions kept in status.history (undo targets)
@@ -162,6 +166,7 @@ class RolloutSpec:
     analysis_interval_s: float = DEFAULT_ANALYSIS_INTERVAL_S
     sla_p99_ms: float = DEFAULT_SLA_P99_MS
     max_drift: float = DEFAULT_MAX_DRIFT
+    max_quality_drop: float = DEFAULT_MAX_QUALITY_DROP
     auto_rollback: bool = True
     paused: bool = False
     min_requests: int = DEFAULT_MIN_REQUESTS
@@ -203,6 +208,7 @@ def parse_spec(spec: Mapping[str, Any], *, target: GateVersion | None = None) ->
             ),
             sla_p99_ms=float(ro.get("slaP99LatencyMs", DEFAULT_SLA_P99_MS)),
             max_drift=float(ro.get("maxDrift", DEFAULT_MAX_DRIFT)),
+            max_quality_drop=float(ro.get("maxQualityDrop", DEFAULT_MAX_QUALITY_DROP)),
             auto_rollback=bool(ro.get("autoRollback", True)),
             paused=bool(ro.get("paused", False)),
             min_requests=int(ro.get("minRequests", DEFAULT_MIN_REQUESTS)),
@@ -1037,4 +1043,5 @@ def _analyse(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: flo
         sla_p99_ms=spec.sla_p99_ms,
         max_drift=spec.max_drift,
         min_requests=spec.min_requests,
+        max_quality_drop=spec.max_quality_drop,
     )
