@@ -178,7 +178,7 @@ EXTRAS: dict[str, dict[str, Any]] = {
                                                                  "mountPath": "/models"}}}},
     "GateConfig": {"spec": {
         "params": {"faultInjection": {"errorRate": 0.0, "addedLatencyMs": 0}},
-        "rollout": {"minRequests": 20, "progressDeadline": "120s",
+        "rollout": {"minRequests": 20, "progressDeadline": "120s", "maxQualityDrop": 0.02,
                     "analysis": {"checks": [
                         {"name": "builtin", "provider": {"builtin": {}}},
                         {"name": "error-ratio", "provider": {"prometheus": {
