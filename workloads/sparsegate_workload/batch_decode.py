@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
 from .hf.gated_block import ActiveGate, GateCall, pin_gate
 from .hf_serving import Generation, HFServedModel, sampling_probs
+from .quality import Score, score_packed
 
 # Most prompt tokens one packed prefill forward holds (its attention mask is T x T booleans).
 MAX_PREFILL_TOKENS = 2048
@@ -139,6 +140,9 @@ class BatchDecoder:
         self._where: dict[Hashable, _Group] = {}
         # Packing prompts needs a mask of our own, which would ignore a sliding window.
         self._packable = getattr(self.lm.model.config, "sliding_window", None) is None
+        # Called with (gate version, prompt NLL) after each prefill: live quality (quality.py),
+        # scored from the prefill's own logits.
+        self.on_prompts_scored: Callable[[str | None, Score], None] | None = None
 
     @property
     def running(self) -> int:
@@ -208,6 +212,8 @@ class BatchDecoder:
         table = (self._usage_rows(call, owner=owner, n=len(reqs)) if len(reqs) > 1
                  else self._usage_alone(call))
         ends = list(itertools.accumulate(lengths))
+        if self.on_prompts_scored is not None:
+            self.on_prompts_scored(call.gate.version, score_packed(out.logits[0], ids[0], lengths))
         last = out.logits[0, [e - 1 for e in ends]]
         tokens = self._sample(seqs, last)
         layers = out.cache.layers

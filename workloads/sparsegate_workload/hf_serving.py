@@ -19,6 +19,7 @@ from sparsegate_contracts.gate import GateDocument
 from .inference import InferenceResult
 from .moe import MoEStats
 from .precision import Precision
+from .quality import score_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,7 @@ class HFServedModel:
             dropped_assignments=out.dropped,
             gate_entropy=sum(st.entropy for st in out.layers) / n,
             tool_calls=[[] for _ in tokens], tool_gate_fire_rate=0.0,
-            num_tokens=batch.numel())
+            num_tokens=batch.numel(), prompt_score=score_rows(out.logits, batch))
         return result, out.gate.version
 
     def generate(self, prompt: Sequence[int], *, max_tokens: int, temperature: float = 0.0,

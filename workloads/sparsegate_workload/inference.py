@@ -13,6 +13,7 @@ from sparsegate_contracts.gate import GateParams
 from .gating import tool_fires
 from .model import TinyMoELM
 from .precision import Precision
+from .quality import Score, score_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,7 @@ class InferenceResult:
     tool_calls: list[list[int]]             # per sequence: positions whose tool gate fired
     tool_gate_fire_rate: float
     num_tokens: int
+    prompt_score: Score = Score(0.0, 0)     # next-token NLL of the batch's own tokens (quality.py)
 
 
 def run_batch(model: TinyMoELM, tokens: Sequence[Sequence[int]], *, gate: GateParams,
@@ -49,4 +51,5 @@ def run_batch(model: TinyMoELM, tokens: Sequence[Sequence[int]], *, gate: GatePa
             tool_calls=[row.nonzero().squeeze(1).tolist() for row in fired],
             tool_gate_fire_rate=float(fired.float().mean()),
             num_tokens=batch.numel(),
+            prompt_score=score_rows(out.logits, batch),
         )

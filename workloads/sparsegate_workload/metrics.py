@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .inference import InferenceResult
+from .quality import QualityMetrics
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Wider than LATENCY_BUCKETS: a whole generation (e2e) can take a minute on CPU.
@@ -71,6 +72,7 @@ class ServerMetrics:
                                ["version", "checksum"], registry=r)
         self.gate_applies = Counter("sparsegate_gate_config_applies_total",
                                     "Gate config PUTs by result", ["result"], registry=r)
+        self.quality = QualityMetrics(r)  # per gate version: live prompt NLL and probe set
         for layer in range(n_layers):
             for expert in range(num_experts):
                 self.expert_tokens.labels(layer=str(layer), expert=str(expert))

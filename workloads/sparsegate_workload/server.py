@@ -54,7 +54,7 @@ from sparsegate_contracts.gate import (DEFAULT_DOCUMENT, GateDocument, GateParam
 from sparsegate_contracts.names import DEFAULT_ADMIN_PORT
 from sparsegate_contracts.version import version_line
 
-from . import hf_serving, openai_api
+from . import hf_serving, openai_api, quality
 from .admin import AdminAuth, AdminDenied, AdminFiles, check_bearer
 from .batch_decode import BatchDecoder
 from .batch_engine import DEFAULT_MAX_NUM_SEQS, BatchEngine
@@ -191,6 +191,7 @@ async def infer(request: web.Request) -> web.Response:
                                              precisions=gate.precisions,
                                              return_logits=return_logits), keep=keep)
         state.metrics.observe_batch(result)
+        state.metrics.quality.observe(gate.doc.version, result.prompt_score)
         code = 200
         return web.json_response(_result_json(result, gate))
     except ApiError as e:
@@ -298,6 +299,7 @@ async def put_gate(request: web.Request) -> web.Response:
         raise ApiError(422, f"{e} (this model has {num_experts} experts)") from None
     state.metrics.set_gate(version=doc.version, checksum=doc.checksum)
     state.metrics.gate_applies.labels(result="applied").inc()
+    await _score_probe(state)  # before answering: the operator reads it once the PUT returns
     log.info("gate %s -> %s", previous, doc.version)
     return web.json_response({**_gate_json(new), "applied": True, "previousVersion": previous})
 
@@ -342,13 +344,45 @@ async def _load_model(app: web.Application) -> None:
     if state.model_path is not None:
         assert state.gate is not None
         metrics_.set_gate(version=state.gate.doc.version, checksum=state.gate.doc.checksum)
-        state.engine = BatchEngine(BatchDecoder(hf), executor=state.executor,
+        decoder = BatchDecoder(hf)
+        decoder.on_prompts_scored = metrics_.quality.observe
+        state.engine = BatchEngine(decoder, executor=state.executor,
                                    max_num_seqs=state.max_num_seqs, metrics=metrics_)
+        try:
+            metrics_.quality.probe = quality.checkpoint_probe(
+                state.model_path, hf.tokenizer, vocab_size=hf.vocab_size,
+                context_length=hf.context_length)
+        except ValueError as e:  # e.g. a probe file shorter than one window: serve without it
+            log.warning("no probe set: %s", e)
         state.metrics, state.hf = metrics_, hf
+        await _score_probe(state)
         return
     metrics_.set_gate(version=doc.version, checksum=doc.checksum)
+    metrics_.quality.probe = quality.random_probe(vocab_size=model.cfg.vocab_size,
+                                                  seq_len=min(quality.PROBE_SEQ_LEN,
+                                                              model.cfg.max_seq_len))
     state.metrics, state.model = metrics_, model
     state.gate = _applied(doc, model)
+    await _score_probe(state)
+
+
+async def _score_probe(state: ServerState) -> None:
+    """Score the probe set under the gate now in effect, on the model thread (after any swap
+    queued there), and publish it (quality.py). A failure is logged, never fatal: quality is
+    then simply not reported for this version."""
+    m, gate = state.metrics, state.gate
+    if m is None or gate is None or m.quality.probe is None:
+        return
+    probe = m.quality.probe
+    try:
+        score = await asyncio.get_running_loop().run_in_executor(
+            state.executor, lambda: quality.publish_probe(
+                m.quality, probe, version=gate.doc.version, hf=state.hf, model=state.model,
+                gate=gate.params, precisions=gate.precisions))
+        log.info("gate %s: probe perplexity %.4f over %d tokens (%s)", gate.doc.version,
+                 score.perplexity, score.tokens, probe.source)
+    except Exception:  # noqa: BLE001 - quality must never take serving down
+        log.exception("gate %s: probe set not scored", gate.doc.version)
 
 
 def _load_checkpoint(state: ServerState) -> hf_serving.HFServedModel:

@@ -1,0 +1,138 @@
+"""Quality as a live metric (sparsegate_workload.quality): next-token NLL of served tokens, the
+probe set and where its text comes from, and the server's /metrics per gate version — on the
+built-in model (/v1/infer) and a tiny checkpoint (/v1/infer and the OpenAI API's prefill)."""
+
+from __future__ import annotations
+
+import math
+
+import aiohttp
+import pytest
+import torch
+import torch.nn.functional as F
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from sparsegate_workload import quality
+from sparsegate_workload.admin import StaticToken
+from sparsegate_workload.gateparams import DEFAULT_PARAMS, make_document
+from sparsegate_workload.hf import build_tiny_checkpoint
+from sparsegate_workload.server import STATE, create_admin_app, create_app, wait_ready
+
+TOKEN = "quality-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+A = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 1, "maxExpertsPerToken": 1, "capacityFactor": 8})
+B = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 2, "maxExpertsPerToken": 2, "capacityFactor": 8})
+
+
+def test_score_rows_is_next_token_cross_entropy() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=g)
+    ids = torch.randint(0, 11, (2, 5), generator=g)
+    s = quality.score_rows(logits, ids)
+    want = sum(-F.log_softmax(logits[b, t - 1], -1)[ids[b, t]] for b in range(2) for t in range(1, 5))
+    assert s.tokens == 8 and s.nll == pytest.approx(float(want), rel=1e-5)
+    assert s.mean_logprob == pytest.approx(-s.nll / 8) and s.perplexity == pytest.approx(math.exp(s.nll / 8))
+    assert quality.score_rows(logits[:, :1], ids[:, :1]) == quality.Score(0.0, 0)
+
+
+def test_score_packed_never_scores_across_sequences() -> None:
+    g = torch.Generator().manual_seed(1)
+    lengths = [3, 1, 4]
+    logits = torch.randn(8, 7, generator=g)
+    ids = torch.randint(0, 7, (8,), generator=g)
+    packed = quality.score_packed(logits, ids, lengths)
+    alone, start = [], 0
+    for n in lengths:
+        alone.append(quality.score_rows(logits[start:start + n][None], ids[start:start + n][None]))
+        start += n
+    assert packed.tokens == sum(s.tokens for s in alone) == 2 + 0 + 3
+    assert packed.nll == pytest.approx(sum(s.nll for s in alone), rel=1e-6)
+    assert quality.score_packed(logits[:1], ids[:1], [1]).tokens == 0
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("qck") / "tiny", family="mixtral", experts=4, top_k=2)
+
+
+def test_probe_sources(checkpoint, tmp_path) -> None:
+    from sparsegate_workload.hf import load_moe_checkpoint
+
+    lm = load_moe_checkpoint(checkpoint)
+    made = quality.checkpoint_probe(checkpoint, lm.tokenizer, vocab_size=384, context_length=512)
+    assert made.source.startswith("synthetic corpus lines") and made.windows.shape[1] == quality.PROBE_SEQ_LEN
+    again = quality.checkpoint_probe(checkpoint, lm.tokenizer, vocab_size=384, context_length=512)
+    assert torch.equal(made.windows, again.windows)  # deterministic
+    shipped = tmp_path / "ck"
+    shipped.mkdir()
+    (shipped / quality.PROBE_FILE).write_text("count 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15\n" * 20)
+    from_file = quality.checkpoint_probe(shipped, lm.tokenizer, vocab_size=384, context_length=512)
+    assert from_file.source == str(shipped / quality.PROBE_FILE) and not torch.equal(from_file.windows[:1], made.windows[:1])
+    assert quality.checkpoint_probe(checkpoint, None, vocab_size=50, context_length=16).source.startswith("random token ids")
+    with pytest.raises(ValueError, match="fewer than one window"):
+        (shipped / quality.PROBE_FILE).write_text("a\n")
+        quality.checkpoint_probe(shipped, lm.tokenizer, vocab_size=384, context_length=512)
+
+
+def samples(text: str, name: str) -> dict[str, float]:
+    return {s.labels.get("gate_version", ""): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == name}
+
+
+async def _metrics(client) -> str:
+    return await (await client.get("/metrics")).text()
+
+
+async def _admin(app):
+    c = TestClient(TestServer(create_admin_app(app, auth=StaticToken(TOKEN)), host="127.0.0.1"))
+    await c.start_server()
+    return c
+
+
+async def test_builtin_server_scores_infer_tokens_and_probe_per_version() -> None:
+    app = create_app(gate_doc=A)
+    async with TestClient(TestServer(app, host="127.0.0.1"), connector=aiohttp.TCPConnector(limit=0)) as client:
+        await wait_ready(app)
+        text = await _metrics(client)
+        probe_a = samples(text, "sparsegate_probe_nll_per_token")
+        assert list(probe_a) == [A.version] and math.isfinite(probe_a[A.version])
+        assert samples(text, "sparsegate_probe_perplexity")[A.version] == pytest.approx(math.exp(probe_a[A.version]))
+        tokens = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+        assert (await client.post("/v1/infer", json={"tokens": tokens})).status == 200
+        # The same batch run directly gives the NLL the server counted.
+        state = app[STATE]
+        out = state.model(torch.tensor(tokens), gate=state.gate.params, precisions=state.gate.precisions)
+        want = quality.score_rows(out.logits, torch.tensor(tokens))
+        text = await _metrics(client)
+        assert samples(text, "sparsegate_quality_tokens_total") == {A.version: 8.0}
+        assert samples(text, "sparsegate_quality_nll_total")[A.version] == pytest.approx(want.nll, rel=1e-5)
+        admin = await _admin(app)
+        try:
+            assert (await admin.put("/admin/gate", json=B.to_json(), headers=AUTH)).status == 200
+        finally:
+            await admin.close()
+        text = await _metrics(client)
+        probe_b = samples(text, "sparsegate_probe_nll_per_token")
+        assert list(probe_b) == [B.version] and probe_b[B.version] != probe_a[A.version]
+        assert (await client.post("/v1/infer", json={"tokens": tokens})).status == 200
+        assert samples(await _metrics(client), "sparsegate_quality_tokens_total") == {A.version: 8.0, B.version: 8.0}
+
+
+async def test_checkpoint_server_scores_prompts_of_the_openai_api_and_infer(checkpoint) -> None:
+    app = create_app(gate_doc=A, model_path=str(checkpoint))
+    async with TestClient(TestServer(app, host="127.0.0.1"), connector=aiohttp.TCPConnector(limit=0)) as client:
+        await wait_ready(app)
+        hf = app[STATE].hf
+        assert A.version in samples(await _metrics(client), "sparsegate_probe_perplexity")
+        prompt = "the gate keeps the experts busy"
+        ids = hf.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        resp = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0})
+        assert resp.status == 200
+        text = await _metrics(client)
+        # Prompt tokens only (each scored by the position before it): generated ones are not.
+        assert samples(text, "sparsegate_quality_tokens_total") == {A.version: float(len(ids) - 1)}
+        want = quality.score_rows(hf.lm.forward(torch.tensor([ids])).logits, torch.tensor([ids]))
+        assert samples(text, "sparsegate_quality_nll_total")[A.version] == pytest.approx(want.nll, rel=1e-4)
+        assert (await client.post("/v1/infer", json={"tokens": [[5, 6, 7, 8]]})).status == 200
+        assert samples(await _metrics(client), "sparsegate_quality_tokens_total") == {A.version: float(len(ids) - 1 + 3)}

@@ -1,0 +1,200 @@
+"""Quality as a live metric: how well the served model predicts text, per gate version.
+
+Two measurements, both as negative log-likelihood (NLL, nats per token; mean log-probability is
+its negative, perplexity its exponential):
+
+* **Live traffic**: the prompt tokens of every request, scored by the forward that serves it
+  (``/v1/infer`` batches and the OpenAI API's prefill compute logits for every prompt position
+  anyway; no second forward). Token t is scored by the logits at t-1, within its own sequence.
+  Generated tokens are not scored: under greedy decoding their log-probability is the model's
+  confidence in its own choice, not a measure of how well it predicts text.
+  Exported as counters, so ``rate(nll) / rate(tokens)`` is the mean NLL over any window.
+* **Probe set**: a small fixed text scored whenever a gate version is installed, under that
+  gate exactly as served (its capacity cap included). Canary and stable score the same tokens,
+  so their difference is the gate's doing, not the traffic's. The text comes from
+  ``sparsegate_probe.txt`` beside the checkpoint's weights when present (one text per line,
+  placed there by whoever ships the checkpoint); otherwise, for a checkpoint with a tokenizer,
+  64 lines of the synthetic training corpus made in code from a fixed seed (`training.corpus`;
+  held out for a model that ``sparsegate-train`` trained with another seed); for the
+  built-in model (no tokenizer), token ids drawn from a fixed seed.
+
+Metrics (labelled ``gate_version``; ``none`` for a gate without a version):
+``sparsegate_quality_nll_total``, ``sparsegate_quality_tokens_total`` (counters, live traffic),
+``sparsegate_probe_nll_per_token``, ``sparsegate_probe_perplexity`` and
+``sparsegate_probe_tokens`` (gauges, only for the version in effect).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+PROBE_FILE = "sparsegate_probe.txt"  # one probe text per line, beside a checkpoint's weights
+PROBE_SEED = 7_777                   # the code-made probe set (corpus lines or token ids)
+PROBE_LINES = 64                     # corpus lines in the code-made probe set
+PROBE_SEQ_LEN = 64                   # tokens per probe window
+PROBE_MAX_TOKENS = 4096              # at most this many probe tokens are scored
+NO_VERSION = "none"                  # label of a gate without a version
+
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+    """Summed NLL (nats) over ``tokens`` scored tokens."""
+
+    nll: float
+    tokens: int
+
+    @property
+    def mean_nll(self) -> float:
+        return self.nll / self.tokens if self.tokens else math.nan
+
+    @property
+    def mean_logprob(self) -> float:
+        return -self.mean_nll
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.mean_nll) if self.tokens else math.nan
+
+
+def score_rows(logits: torch.Tensor, ids: torch.Tensor) -> Score:
+    """Next-token NLL of every row of ``ids`` [B, S] under ``logits`` [B, S, V] (same forward):
+    token t of a row is scored by the logits at t-1; the first token of each row is not."""
+    if ids.shape[1] < 2:
+        return Score(0.0, 0)
+    nll = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                          ids[:, 1:].reshape(-1), reduction="sum")
+    return Score(float(nll), int(ids.shape[0] * (ids.shape[1] - 1)))
+
+
+def score_packed(logits: torch.Tensor, ids: torch.Tensor, lengths: Sequence[int]) -> Score:
+    """Next-token NLL of sequences packed end to end in one row: ``logits`` [T, V], ``ids``
+    [T], ``lengths`` summing to T. No token is scored by another sequence's last position."""
+    keep = torch.ones(ids.shape[0] - 1, dtype=torch.bool, device=ids.device)
+    end = 0
+    for n in lengths[:-1]:
+        end += n
+        keep[end - 1] = False  # position end-1 (last of a sequence) would predict the next one's first
+    if keep.numel() == 0 or not bool(keep.any()):
+        return Score(0.0, 0)
+    nll = F.cross_entropy(logits[:-1][keep].float(), ids[1:][keep], reduction="sum")
+    return Score(float(nll), int(keep.sum()))
+
+
+# ------------------------------------------------------------------------ probe set
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeSet:
+    windows: torch.Tensor  # [n, seq_len] token ids, scored in one forward
+    source: str            # where the text came from (logged and tested)
+
+
+def _windows(ids: Sequence[int], seq_len: int) -> torch.Tensor:
+    ids = list(ids)[:PROBE_MAX_TOKENS]
+    n = len(ids) // seq_len
+    if n == 0:
+        raise ValueError(f"probe set has {len(ids)} tokens, fewer than one window of {seq_len}")
+    return torch.tensor(ids[:n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def checkpoint_probe(model_dir: str | Path, tokenizer: Any | None, *, vocab_size: int,
+                     context_length: int) -> ProbeSet:
+    """The probe set of a checkpoint (see module docstring for where its text comes from)."""
+    seq_len = min(PROBE_SEQ_LEN, context_length)
+    path = Path(model_dir) / PROBE_FILE
+    if tokenizer is None:
+        return random_probe(vocab_size=vocab_size, seq_len=seq_len)
+    if path.is_file():
+        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        source = str(path)
+    else:
+        from .training.corpus import generate_lines
+
+        lines = [text for text, _ in generate_lines(PROBE_LINES, seed=PROBE_SEED)]
+        source = f"synthetic corpus lines (seed {PROBE_SEED})"
+    ids = [t for line in lines for t in tokenizer(line + "\n", add_special_tokens=False)["input_ids"]]
+    return ProbeSet(windows=_windows(ids, seq_len), source=source)
+
+
+def random_probe(*, vocab_size: int, seq_len: int = PROBE_SEQ_LEN, windows: int = 4) -> ProbeSet:
+    """Token ids from a fixed seed: a model without a tokenizer (the built-in one) has no text
+    to read, so its probe measures only how the gate changes its predictions."""
+    r = random.Random(PROBE_SEED)
+    ids = [r.randrange(vocab_size) for _ in range(seq_len * windows)]
+    return ProbeSet(windows=_windows(ids, seq_len), source=f"random token ids (seed {PROBE_SEED})")
+
+
+def score_checkpoint_probe(lm: Any, probe: ProbeSet) -> Score:
+    """Score ``probe`` through a `SparseGatedCausalLM` under the gate installed now."""
+    device = next(lm.model.parameters()).device
+    ids = probe.windows.to(device)
+    return score_rows(lm.forward(ids).logits, ids)
+
+
+def score_builtin_probe(model: Any, probe: ProbeSet, *, gate: Any, precisions: Any) -> Score:
+    """Score ``probe`` through the built-in TinyMoELM under ``gate``."""
+    with torch.inference_mode():
+        out = model(probe.windows, gate=gate, precisions=precisions)
+    return score_rows(out.logits, probe.windows)
+
+
+# ------------------------------------------------------------------------ metrics
+
+
+class QualityMetrics:
+    """The quality series of one model server, on its registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.nll = Counter("sparsegate_quality_nll",
+                           "Live traffic: summed negative log-likelihood (nats) of scored prompt "
+                           "tokens; rate / rate of sparsegate_quality_tokens_total = mean NLL",
+                           ["gate_version"], registry=r)
+        self.tokens = Counter("sparsegate_quality_tokens",
+                              "Live traffic: prompt tokens scored for quality",
+                              ["gate_version"], registry=r)
+        self.probe_nll = Gauge("sparsegate_probe_nll_per_token",
+                               "Probe set: mean NLL per token (nats) under the gate in effect",
+                               ["gate_version"], registry=r)
+        self.probe_ppl = Gauge("sparsegate_probe_perplexity",
+                               "Probe set: perplexity under the gate in effect",
+                               ["gate_version"], registry=r)
+        self.probe_tokens = Gauge("sparsegate_probe_tokens", "Probe set: tokens scored",
+                                  ["gate_version"], registry=r)
+        self.probe: ProbeSet | None = None  # set by the server once the model is loaded
+
+    def observe(self, version: str | None, score: Score) -> None:
+        if score.tokens:
+            label = version or NO_VERSION
+            self.nll.labels(gate_version=label).inc(score.nll)
+            self.tokens.labels(gate_version=label).inc(score.tokens)
+
+    def set_probe(self, version: str | None, score: Score) -> None:
+        """Publish the probe score of the version now in effect (only it: a pod serves one)."""
+        for g in (self.probe_nll, self.probe_ppl, self.probe_tokens):
+            g.clear()
+        label = version or NO_VERSION
+        self.probe_nll.labels(gate_version=label).set(score.mean_nll)
+        self.probe_ppl.labels(gate_version=label).set(score.perplexity)
+        self.probe_tokens.labels(gate_version=label).set(score.tokens)
+
+
+def publish_probe(quality: QualityMetrics, probe: ProbeSet, *, version: str | None,
+                  hf: Any | None = None, model: Any | None = None, gate: Any = None,
+                  precisions: Any = None) -> Score:
+    """Score ``probe`` under the gate in effect (a checkpoint's installed gate, or ``gate`` for
+    the built-in model) and publish it for ``version``. Runs on the model thread."""
+    if hf is not None:
+        score = score_checkpoint_probe(hf.lm, probe)
+    else:
+        score = score_builtin_probe(model, probe, gate=gate, precisions=precisions)
+    quality.set_probe(version, score)
+    return score
