@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import verdicts
-from .maps import PolicyKey, PolicyVal
+from .maps import KEY_ENTRY, KEY_POLICED_DST, PolicyKey, PolicyVal
 from .policy import FlowPolicy, compile_policy
 from .verdicts import POOL, SlotInfo
 
@@ -63,9 +63,16 @@ class PolicySwapper:
         is live already (a document that arrived meanwhile is newer: None). They keep their
         generation (the meta record's), so verdicts stay attributed to one generation; rule names
         are unknown (the document is not in the maps): verdicts read gen<N>/rule<M>."""
-        generation = next((v.generation for k, v in records if bytes(k) == bytes(PolicyKey())), None)
-        if generation is None:
+        meta = next((v for k, v in records if bytes(k) == bytes(PolicyKey())), None)
+        if meta is None:
             raise ValueError("no meta record: not a policy map")
+        generation = meta.generation
+        if not any(k.kind == KEY_POLICED_DST for k, _ in records):
+            # A predecessor from before scoped enforcement judged every destination: keep judging
+            # at least the destinations its entries name (a document without policedDestinations).
+            daddrs = sorted({k.daddr for k, _ in records if k.kind == KEY_ENTRY and k.proto})
+            records = [*records, *((PolicyKey(daddr=d, kind=KEY_POLICED_DST),
+                                    PolicyVal(action=meta.action, rule_id=0, generation=generation)) for d in daddrs)]
         with self._lock:
             if self._active is not None:
                 return None

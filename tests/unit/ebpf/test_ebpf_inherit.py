@@ -95,3 +95,14 @@ def test_records_without_meta_are_refused(successor: LoadedProgram) -> None:
     records = compile_policy(parse_policy(DOC), generation=1)[1:]
     with pytest.raises(ValueError):
         PolicySwapper(bpf=successor.bpf).apply_records_if_empty(records)
+
+
+def test_records_of_a_program_from_before_scoped_enforcement_keep_their_destinations_policed(
+        successor: LoadedProgram) -> None:
+    """Its map has entries and a meta record only (it judged every destination): the destinations
+    its entries name stay policed, as for a document without policedDestinations."""
+    old = [(k, v) for k, v in compile_policy(parse_policy(DOC), generation=4) if k.kind == 0]
+    result = PolicySwapper(bpf=successor.bpf).apply_records_if_empty(old)
+    assert result is not None and result.entries == len(old) + 1
+    frame = P.udp_frame(src="10.1.0.1", dst="10.1.0.2", sport=40000, dport=8081)
+    assert run_xdp(prog_fd=successor.prog_fd, data=frame).verdict == "drop"
