@@ -11,8 +11,10 @@ Every query uses only series the code exports today:
   ``sparsegate_rollout_*`` gauges derived from each GateConfig's status;
 * model servers (``workloads/sparsegate_workload/metrics.py``): ``sparsegate_requests_total``,
   ``sparsegate_request_duration_seconds``, ``sparsegate_tokens_total``,
-  ``sparsegate_expert_assignments_total``, ``sparsegate_expert_tokens_total`` and
-  ``sparsegate_gate_config_info`` (the gate version each pod runs);
+  ``sparsegate_expert_assignments_total``, ``sparsegate_expert_tokens_total``,
+  ``sparsegate_gate_config_info`` (the gate version each pod runs) and, from
+  ``workloads/sparsegate_workload/quality.py``, ``sparsegate_quality_{nll,tokens}_total`` and
+  ``sparsegate_probe_perplexity``;
 * node agent (``ebpf/sparsegate_ebpf/metrics.py``): XDP packet counters, per-flow counters,
   policy verdicts, attachment and policy state.
 
@@ -22,8 +24,9 @@ the operator reports which version is the GateConfig's stable and which its cana
 pod's request, latency and expert series with ``role``. The joins expect the ``namespace`` and
 ``pod`` target labels that the chart's PodMonitor/ServiceMonitor (and any kubernetes_sd set-up)
 attach, and the operator scraped with ``honor_labels`` (its rollout gauges carry the
-GateConfig's ``namespace``). There is no model-quality metric today, so the dashboard has no
-quality panel.
+GateConfig's ``namespace``). Quality series (``sparsegate_quality_*_total``,
+``sparsegate_probe_perplexity``) carry the serving gate version as ``gate_version`` and join the
+role on it directly.
 """
 
 from __future__ import annotations
@@ -81,6 +84,21 @@ TOKEN_LAYERS = (
     f"  {ROLE_OF_VERSION}\n"
     ")")
 
+
+# Quality series carry the gate version that served them as `gate_version` (per request, not per
+# pod): relabelled `version`, they join the role directly.
+def by_role_of_gate_version(expr: str, *, agg: str = "sum") -> str:
+    return (f"{agg} by (role) (\n"
+            f"  {agg} by (namespace, version) (\n"
+            f'    label_replace({expr}, "version", "$1", "gate_version", "(.+)")\n'
+            f"  )\n"
+            f"  {ROLE_OF_VERSION}\n"
+            f")")
+
+
+QUALITY_NLL = by_role_of_gate_version(f"rate(sparsegate_quality_nll_total{{{MODEL}}}[{RATE}])")
+QUALITY_TOKENS = by_role_of_gate_version(f"rate(sparsegate_quality_tokens_total{{{MODEL}}}[{RATE}])")
+PROBE_PERPLEXITY = by_role_of_gate_version(f"sparsegate_probe_perplexity{{{MODEL}}}", agg="avg")
 
 def target(expr: str, legend: str, ref: str = "A", **extra: Any) -> dict[str, Any]:
     return {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref, **extra}
@@ -178,12 +196,27 @@ def canary_panels() -> list[dict[str, Any]]:
                     "sparsegate_expert_assignments_total / (sparsegate_tokens_total x layers), the "
                     "measure the rollout analysis compares for drift.",
     )
+    quality = panel(
+        "Quality: prompt NLL per token by role", "timeseries",
+        [target(f"{QUALITY_NLL}\n/\n{QUALITY_TOKENS}", "live prompts, {{role}}", "A")],
+        description="How well each version's model predicts the prompts it serves: mean negative "
+                    "log-likelihood per scored prompt token, in nats (sparsegate_quality_nll_total / "
+                    "sparsegate_quality_tokens_total by the gate version that served them); lower is better.",
+    )
+    probe = panel(
+        "Quality: probe-set perplexity by role", "timeseries",
+        [target(PROBE_PERPLEXITY, "{{role}}")],
+        description="Perplexity of the fixed probe set each pod scores when a gate version is installed "
+                    "(sparsegate_probe_perplexity), averaged over the pods of each role; the same tokens "
+                    "for canary and stable, so a difference is the gate's doing. The rollout's "
+                    "qualityDrop check compares these.",
+    )
     qps = panel(
         "Requests by role", "timeseries",
         [target(REQUESTS, "{{role}}")], unit="reqps",
         description="Inference requests per second served by canary and stable pods.",
     )
-    return [errors, p99, experts, qps]
+    return [errors, p99, experts, qps, quality, probe]
 
 
 def agent_panels() -> list[dict[str, Any]]:
