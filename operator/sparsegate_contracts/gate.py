@@ -34,6 +34,10 @@ DEFAULT_PARAMS: dict[str, Any] = {
     "precisionPolicy": "auto",
 }
 
+# Optional params with no default: absent means "off" and is not written into documents, so a
+# document without them hashes (and versions) exactly as before they existed.
+OPTIONAL_PARAMS = ("targetExpertsPerToken",)
+
 # Generous upper bounds: a typo (addedLatencyMs: 600000) must not wedge every request.
 MAX_ADDED_LATENCY_MS = 10_000
 MAX_EXPERTS_LIMIT = 64
@@ -61,6 +65,9 @@ class GateParams:
     max_experts_per_token: int = 4
     precision_policy: str = "auto"
     fault_injection: FaultInjection = FaultInjection()
+    # Mean selected experts per token a PI controller holds by moving the threshold
+    # (threshold_control.py in the model server); None: confidence_threshold stays fixed.
+    target_experts_per_token: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +134,7 @@ def validate_params(raw: Any, *, num_experts: int | None = None) -> GateParams:
     """Check types and ranges; missing keys take DEFAULT_PARAMS. Raises GateParamsError."""
     if not isinstance(raw, Mapping):
         raise GateParamsError("params must be a JSON object")
-    unknown = sorted(set(raw) - set(DEFAULT_PARAMS) - {"faultInjection"})
+    unknown = sorted(set(raw) - set(DEFAULT_PARAMS) - set(OPTIONAL_PARAMS) - {"faultInjection"})
     if unknown:
         raise GateParamsError(f"unknown gate params: {', '.join(unknown)}")
     merged = {**DEFAULT_PARAMS, **{k: v for k, v in raw.items() if k != "faultInjection"}}
@@ -137,6 +144,9 @@ def validate_params(raw: Any, *, num_experts: int | None = None) -> GateParams:
     if lo_k > hi_k:
         raise GateParamsError(
             f"minExpertsPerToken ({lo_k}) must not exceed maxExpertsPerToken ({hi_k})")
+    target = None
+    if "targetExpertsPerToken" in merged:
+        target = _number(merged, "targetExpertsPerToken", lo=lo_k, hi=hi_k)
     policy = merged["precisionPolicy"]
     if policy not in PRECISION_POLICIES:
         raise GateParamsError(
@@ -162,6 +172,7 @@ def validate_params(raw: Any, *, num_experts: int | None = None) -> GateParams:
         max_experts_per_token=hi_k,
         precision_policy=policy,
         fault_injection=fault,
+        target_experts_per_token=target,
     )
 
 

@@ -177,7 +177,7 @@ EXTRAS: dict[str, dict[str, Any]] = {
                                        "persistentVolumeClaim": {"claimName": "moe-weights",
                                                                  "mountPath": "/models"}}}},
     "GateConfig": {"spec": {
-        "params": {"faultInjection": {"errorRate": 0.0, "addedLatencyMs": 0}},
+        "params": {"faultInjection": {"errorRate": 0.0, "addedLatencyMs": 0}, "targetExpertsPerToken": 2},
         "rollout": {"minRequests": 20, "progressDeadline": "120s", "maxQualityDrop": 0.02,
                     "analysis": {"checks": [
                         {"name": "builtin", "provider": {"builtin": {}}},
@@ -469,6 +469,17 @@ CEL_CASES: dict[tuple[str, str, str], list[CelCase]] = {
         ("cross_field", "spec.params.minExpertsPerToken", "min 64 > defaulted max 4",
          _drop_then_set("spec.params.maxExpertsPerToken", "spec.params.minExpertsPerToken", 64)),
     ],
+    ("GateConfig", "spec.params",
+     "!has(self.targetExpertsPerToken) || "
+     "(self.targetExpertsPerToken >= double(has(self.minExpertsPerToken) ? self.minExpertsPerToken : 1) && "
+     "self.targetExpertsPerToken <= double(has(self.maxExpertsPerToken) ? self.maxExpertsPerToken : 4))"): [
+        ("cross_field", "spec.params.targetExpertsPerToken", "target 3.5 > max 3",
+         _sets(("spec.params.maxExpertsPerToken", 3), ("spec.params.targetExpertsPerToken", 3.5))),
+        ("cross_field", "spec.params.targetExpertsPerToken", "target 1.5 < min 2",
+         _sets(("spec.params.minExpertsPerToken", 2), ("spec.params.targetExpertsPerToken", 1.5))),
+        ("cross_field", "spec.params.targetExpertsPerToken", "target 5 > defaulted max 4",
+         _drop_then_set("spec.params.maxExpertsPerToken", "spec.params.targetExpertsPerToken", 5)),
+    ],
     ("GateConfig", "spec.calibration.qpsThreshold.window", DURATION_RULE):
         _duration_cases("spec.calibration.qpsThreshold.window"),
     ("GateConfig", "spec.calibration.errorRateCap.window", DURATION_RULE):
@@ -692,7 +703,7 @@ def valid_edges(schemas: Mapping[str, Mapping[str, Any]], examples: Mapping[str,
                             "confidenceThreshold": 0.999999,
                             "capacityFactor": bound("GateConfig", "spec.params.capacityFactor", "maximum"),
                             "minExpertsPerToken": max_experts, "maxExpertsPerToken": max_experts,
-                            "precisionPolicy": "int8",
+                            "targetExpertsPerToken": max_experts, "precisionPolicy": "int8",
                             "faultInjection": {"errorRate": 1, "addedLatencyMs": bound(
                                 "GateConfig", "spec.params.faultInjection.addedLatencyMs", "maximum")}},
                  "calibration": {"qpsThreshold": {"initial": 1e308, "decay": 0.999999, "window": MAX_GO_DURATION},
@@ -705,6 +716,7 @@ def valid_edges(schemas: Mapping[str, Mapping[str, Any]], examples: Mapping[str,
              named("GateConfig", "gc-lowest", {
                  "params": {"toolGateThreshold": 1e-9, "entropyBeta": 0, "confidenceThreshold": 1e-9,
                             "capacityFactor": 1e-9, "minExpertsPerToken": 1, "maxExpertsPerToken": 1,
+                            "targetExpertsPerToken": 1,
                             "faultInjection": {"errorRate": 0, "addedLatencyMs": 0}},
                  "calibration": {"qpsThreshold": {"initial": 1e-9, "decay": 1e-9, "window": "0.001ms"},
                                  "errorRateCap": {"initial": 0, "decay": 1e-9, "window": "1ms"}},
