@@ -72,6 +72,10 @@ class ServerMetrics:
                                ["version", "checksum"], registry=r)
         self.gate_applies = Counter("sparsegate_gate_config_applies_total",
                                     "Gate config PUTs by result", ["result"], registry=r)
+        self.controlled_threshold = Gauge(
+            "sparsegate_gate_controlled_threshold",
+            "Top-p threshold set by the PI controller of a gate version with "
+            "targetExpertsPerToken, for the next batch", ["gate_version"], registry=r)
         self.quality = QualityMetrics(r)  # per gate version: live prompt NLL and probe set
         for layer in range(n_layers):
             for expert in range(num_experts):

@@ -20,6 +20,11 @@ event loop can never be seen half-applied: each request runs wholly under one ve
 checkpoint holds its gate inside the model (``set_gate`` may re-store weights), so its swap runs
 on the model thread between batches and each batch reports the gate read there.
 
+A gate with ``targetExpertsPerToken`` gets its own PI controller (`threshold_control`) when it is
+applied to the built-in model: each /v1/infer batch routes with the controller's threshold and
+feeds back its mean selected experts per token; the live threshold is the gauge
+``sparsegate_gate_controlled_threshold{gate_version}``. A checkpoint ignores the field (logged).
+
 `faultInjection` in the gate params is a CHAOS-TESTING KNOB, not a model setting: with
 errorRate p each inference request fails with 503 with probability p (seeded RNG) and
 addedLatencyMs sleeps (asyncio) before answering. It exists so tests and demos can roll out a
@@ -64,7 +69,7 @@ from .metrics import ServerMetrics
 from .model import ModelConfig, TinyMoELM, build_model, default_heads, effective_gate
 from .server_state import (BUILTIN_MODEL_NAME, DEFAULT_MAX_INFLIGHT, DEFAULT_REQUEST_TIMEOUT_S,
                            MAX_BODY_BYTES, STATE, ApiError, AppliedGate, ServerState, admission,
-                           inject_fault, read_json, run_on_model)
+                           inject_fault, read_json, run_on_model, threshold_controller)
 
 log = logging.getLogger("sparsegate.workload")
 
@@ -74,7 +79,31 @@ MAX_TOTAL_TOKENS = 4096
 
 def _applied(doc: GateDocument, model: TinyMoELM) -> AppliedGate:
     return AppliedGate(doc=doc, precisions=model.resolve_precisions(doc.params.precision_policy),
-                       applied_at=time.time(), params=effective_gate(doc.params, model.cfg))
+                       applied_at=time.time(), params=effective_gate(doc.params, model.cfg),
+                       controller=threshold_controller(doc.params))
+
+
+def _builtin_batch(state: ServerState, gate: AppliedGate, tokens: list[list[int]],
+                   return_logits: bool) -> InferenceResult:
+    """On the model thread (so batches update a controller one at a time): route with the
+    controlled threshold when the gate has one, then feed it this batch's mean selected experts
+    per token (before the capacity cap) to set the threshold of the next batch."""
+    assert state.model is not None and state.metrics is not None
+    result = run_batch(state.model, tokens, gate=gate.routed_params(),
+                       precisions=gate.precisions, return_logits=return_logits)
+    if gate.controller is not None:
+        threshold = gate.controller.update(result.selected_experts_per_token)
+        state.metrics.controlled_threshold.labels(gate_version=gate.doc.version).set(threshold)
+    return result
+
+
+def _publish_controller(state: ServerState, gate: AppliedGate) -> None:
+    if gate.controller is not None and state.metrics is not None:
+        state.metrics.controlled_threshold.labels(gate_version=gate.doc.version).set(
+            gate.controller.threshold)
+    elif gate.doc.params.target_experts_per_token is not None:
+        log.warning("gate %s: targetExpertsPerToken is applied only by the built-in model; "
+                    "this checkpoint routes with the fixed confidenceThreshold", gate.doc.version)
 
 
 LOADER = web.AppKey("loader", asyncio.Task)
@@ -187,9 +216,7 @@ async def infer(request: web.Request) -> web.Response:
                     state, lambda: _hf_batch(state, tokens, return_logits), keep=keep)
             else:
                 result = await run_on_model(
-                    state, lambda: run_batch(state.model, tokens, gate=gate.params,
-                                             precisions=gate.precisions,
-                                             return_logits=return_logits), keep=keep)
+                    state, lambda: _builtin_batch(state, gate, tokens, return_logits), keep=keep)
         state.metrics.observe_batch(result)
         state.metrics.quality.observe(gate.doc.version, result.prompt_score)
         code = 200
@@ -299,6 +326,7 @@ async def put_gate(request: web.Request) -> web.Response:
         raise ApiError(422, f"{e} (this model has {num_experts} experts)") from None
     state.metrics.set_gate(version=doc.version, checksum=doc.checksum)
     state.metrics.gate_applies.labels(result="applied").inc()
+    _publish_controller(state, new)
     await _score_probe(state)  # before answering: the operator reads it once the PUT returns
     log.info("gate %s -> %s", previous, doc.version)
     return web.json_response({**_gate_json(new), "applied": True, "previousVersion": previous})
@@ -344,6 +372,7 @@ async def _load_model(app: web.Application) -> None:
     if state.model_path is not None:
         assert state.gate is not None
         metrics_.set_gate(version=state.gate.doc.version, checksum=state.gate.doc.checksum)
+        _publish_controller(state, state.gate)
         decoder = BatchDecoder(hf)
         decoder.on_prompts_scored = metrics_.quality.observe
         state.engine = BatchEngine(decoder, executor=state.executor,
@@ -363,6 +392,7 @@ async def _load_model(app: web.Application) -> None:
                                                               model.cfg.max_seq_len))
     state.metrics, state.model = metrics_, model
     state.gate = _applied(doc, model)
+    _publish_controller(state, state.gate)
     await _score_probe(state)
 
 

@@ -23,6 +23,7 @@ from .hf_serving import HFServedModel
 from .metrics import ServerMetrics
 from .model import ModelConfig, TinyMoELM
 from .precision import Precision
+from .threshold_control import ThresholdControl, ThresholdController
 
 if TYPE_CHECKING:  # batch_engine imports this module (ApiError)
     from .batch_engine import BatchEngine
@@ -44,6 +45,23 @@ class AppliedGate:
     precisions: tuple[Precision, ...]
     applied_at: float
     params: GateParams      # doc.params with experts per token clamped into the model's bounds
+    # targetExpertsPerToken set: the PI loop that moves this version's threshold between batches.
+    # Its live threshold is state beside the immutable document, used only on the model thread.
+    controller: ThresholdController | None = None
+
+    def routed_params(self) -> GateParams:
+        """The params the next batch routes with: the controlled threshold when there is one."""
+        return self.controller.params(self.params) if self.controller is not None else self.params
+
+
+def threshold_controller(params: GateParams) -> ThresholdController | None:
+    """A fresh controller for a gate with ``targetExpertsPerToken`` (None without it), starting
+    at its confidenceThreshold clamped into the controller's threshold bounds."""
+    if params.target_experts_per_token is None:
+        return None
+    control = ThresholdControl(target_experts=params.target_experts_per_token)
+    start = min(max(params.confidence_threshold, control.min_threshold), control.max_threshold)
+    return ThresholdController(control, initial_threshold=start)
 
 
 @dataclasses.dataclass

@@ -1,0 +1,100 @@
+"""The gate's optional targetExpertsPerToken: validated like the other params, absent from (and
+so not changing the hash of) documents without it, and on a real in-process model server a PI
+controller per gate version that moves the threshold until the mean selected experts per token
+of the traffic approaches the target, exported as sparsegate_gate_controlled_threshold."""
+
+import random
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from sparsegate_workload.gateparams import DEFAULT_PARAMS, GateParamsError, make_document
+from sparsegate_workload.model import ModelConfig
+from sparsegate_workload.server import create_app, wait_ready
+
+GAUGE = "sparsegate_gate_controlled_threshold"
+TARGET = 2.5
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"targetExpertsPerToken": 5}, "targetExpertsPerToken must be in [1, 4], got 5"),
+    ({"targetExpertsPerToken": 0.5}, "targetExpertsPerToken must be in [1, 4], got 0.5"),
+    ({"minExpertsPerToken": 2, "targetExpertsPerToken": 1.5},
+     "targetExpertsPerToken must be in [2, 4], got 1.5"),
+    ({"targetExpertsPerToken": "2"}, "targetExpertsPerToken must be a finite number"),
+    ({"targetExpertsPerToken": True}, "targetExpertsPerToken must be a finite number"),
+])
+def test_target_outside_the_expert_bounds_is_rejected_naming_the_field(params, message):
+    with pytest.raises(GateParamsError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        make_document({**DEFAULT_PARAMS, **params})
+
+
+def test_absent_target_is_no_control_and_leaves_documents_as_they_were():
+    plain = make_document(DEFAULT_PARAMS)
+    assert plain.params.target_experts_per_token is None
+    assert "targetExpertsPerToken" not in plain.raw_params
+    controlled = make_document({**DEFAULT_PARAMS, "targetExpertsPerToken": TARGET})
+    assert controlled.params.target_experts_per_token == TARGET
+    assert controlled.version != plain.version  # the target is part of the content address
+
+
+def _traffic(n: int, *, seed: int) -> list[list[list[int]]]:
+    """A mix of batch sizes and prompt lengths over random tokens (the same list for each run)."""
+    rng = random.Random(seed)
+    vocab = ModelConfig().vocab_size
+    out = []
+    for _ in range(n):
+        length, rows = rng.choice([4, 16, 32]), rng.choice([1, 2, 4])
+        out.append([[rng.randrange(vocab) for _ in range(length)] for _ in range(rows)])
+    return out
+
+
+async def _serve(doc, traffic) -> tuple[list[float], dict[str, float]]:
+    """Send the traffic one batch at a time; the selected experts per token of each, and the
+    gauge's samples by gate_version afterwards."""
+    app = create_app(gate_doc=doc)
+    async with TestClient(TestServer(app, host="127.0.0.1"),
+                          connector=aiohttp.TCPConnector(limit=0)) as client:
+        await wait_ready(app)
+        measured = []
+        for tokens in traffic:
+            resp = await client.post("/v1/infer", json={"tokens": tokens})
+            assert resp.status == 200, await resp.text()
+            body = await resp.json()
+            assert body["gateVersion"] == doc.version
+            measured.append(body["selectedExpertsPerToken"])
+        text = await (await client.get("/metrics")).text()
+    gauge = {s.labels["gate_version"]: s.value
+             for family in text_string_to_metric_families(text) if family.name == GAUGE
+             for s in family.samples}
+    return measured, gauge
+
+
+async def test_controlled_gate_approaches_the_target_and_exports_the_threshold():
+    traffic = _traffic(40, seed=7)
+    fixed = make_document(DEFAULT_PARAMS)  # confidenceThreshold 0.6, experts per token in [1, 4]
+    controlled = make_document({**DEFAULT_PARAMS, "targetExpertsPerToken": TARGET})
+
+    fixed_measured, fixed_gauge = await _serve(fixed, traffic)
+    measured, gauge = await _serve(controlled, traffic)
+
+    # Without the field nothing is controlled: no gauge series, and the fixed threshold routes the
+    # same traffic the same way, far below the target.
+    assert fixed_gauge == {}
+    fixed_mean = sum(fixed_measured) / len(fixed_measured)
+    assert fixed_mean < TARGET - 0.7, fixed_mean
+    # The first controlled batch routes with the same start threshold (0.6) as the fixed gate.
+    assert measured[0] == pytest.approx(fixed_measured[0])
+    # After warming up, the mean experts per token sits near the target (batch-to-batch spread
+    # of this traffic at a fixed threshold is about +-0.5 experts).
+    tail = measured[-15:]
+    tail_mean = sum(tail) / len(tail)
+    print(f"\nfixed 0.6: mean {fixed_mean:.3f} experts/token; controlled (target {TARGET}): "
+          f"first {measured[0]:.3f}, mean of last 15 {tail_mean:.3f}; "
+          f"threshold 0.6 -> {gauge.get(controlled.version)}")
+    assert abs(tail_mean - TARGET) < 0.25, tail_mean
+    # The gauge is labelled by the version and has moved up from confidenceThreshold.
+    assert set(gauge) == {controlled.version}
+    assert 0.7 < gauge[controlled.version] < 0.99
