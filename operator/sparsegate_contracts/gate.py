@@ -36,11 +36,14 @@ DEFAULT_PARAMS: dict[str, Any] = {
 
 # Optional params with no default: absent means "off" and is not written into documents, so a
 # document without them hashes (and versions) exactly as before they existed.
-OPTIONAL_PARAMS = ("targetExpertsPerToken",)
+OPTIONAL_PARAMS = ("targetExpertsPerToken", "hardwareCostLambda")
 
 # Generous upper bounds: a typo (addedLatencyMs: 600000) must not wedge every request.
 MAX_ADDED_LATENCY_MS = 10_000
 MAX_EXPERTS_LIMIT = 64
+# Costs are normalised to [0, 1] (expert_cost.py), so a lambda past a few tens already routes by
+# cost alone; the cap only catches typos.
+MAX_HARDWARE_COST_LAMBDA = 100.0
 
 
 class GateParamsError(ValueError):
@@ -68,6 +71,9 @@ class GateParams:
     # Mean selected experts per token a PI controller holds by moving the threshold
     # (threshold_control.py in the model server); None: confidence_threshold stays fixed.
     target_experts_per_token: float | None = None
+    # Weight of the per-expert hardware cost subtracted from the router logits before the
+    # top-p selection (expert_cost.py in the model server); 0: no bias.
+    hardware_cost_lambda: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +153,9 @@ def validate_params(raw: Any, *, num_experts: int | None = None) -> GateParams:
     target = None
     if "targetExpertsPerToken" in merged:
         target = _number(merged, "targetExpertsPerToken", lo=lo_k, hi=hi_k)
+    cost_lambda = 0.0
+    if "hardwareCostLambda" in merged:
+        cost_lambda = _number(merged, "hardwareCostLambda", lo=0.0, hi=MAX_HARDWARE_COST_LAMBDA)
     policy = merged["precisionPolicy"]
     if policy not in PRECISION_POLICIES:
         raise GateParamsError(
@@ -173,6 +182,7 @@ def validate_params(raw: Any, *, num_experts: int | None = None) -> GateParams:
         precision_policy=policy,
         fault_injection=fault,
         target_experts_per_token=target,
+        hardware_cost_lambda=cost_lambda,
     )
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .expert_cost import biased_selection_probs
 from .precision import Precision, StoredWeight, fake_quantize, is_lower
 
 
@@ -52,6 +53,19 @@ def top_p_mask(probs: torch.Tensor, *, threshold: float, min_k: int, max_k: int
     k = (mass_before < threshold).sum(dim=-1).clamp(min=min_k, max=max_k)
     positions = torch.arange(probs.shape[-1], device=probs.device)
     return sorted_p, sorted_e, positions < k.unsqueeze(-1)
+
+
+def cost_biased_top_p(probs: torch.Tensor, logits: torch.Tensor, *, cost: torch.Tensor | None,
+                      cost_lambda: float, threshold: float, min_k: int, max_k: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`top_p_mask` over softmax(logits - cost_lambda * cost) (hardware-aware routing), with the
+    kept experts' combine weights taken from the unbiased `probs`. lambda 0 or no cost: exactly
+    `top_p_mask(probs)`."""
+    selection = biased_selection_probs(logits, cost, cost_lambda)
+    if selection is None:
+        return top_p_mask(probs, threshold=threshold, min_k=min_k, max_k=max_k)
+    _, sorted_e, mask = top_p_mask(selection, threshold=threshold, min_k=min_k, max_k=max_k)
+    return probs.gather(-1, sorted_e), sorted_e, mask
 
 
 def assign(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch.Tensor,
@@ -170,11 +184,13 @@ class DynamicGate(Router):
 
     def forward(self, x: torch.Tensor, *, confidence_threshold: float, min_experts: int,
                 max_experts: int, capacity_factor: float | None,
-                precision: Precision = "fp32") -> Routing:
-        probs = torch.softmax(self.logits(x, precision), dim=-1)
-        sorted_p, sorted_e, mask = top_p_mask(
-            probs, threshold=confidence_threshold, min_k=min_experts,
-            max_k=min(max_experts, self.num_experts))
+                precision: Precision = "fp32", cost: torch.Tensor | None = None,
+                cost_lambda: float = 0.0) -> Routing:
+        logits = self.logits(x, precision)
+        probs = torch.softmax(logits, dim=-1)
+        sorted_p, sorted_e, mask = cost_biased_top_p(
+            probs, logits, cost=cost, cost_lambda=cost_lambda, threshold=confidence_threshold,
+            min_k=min_experts, max_k=min(max_experts, self.num_experts))
         return assign(probs, sorted_p, sorted_e, mask, capacity_factor=capacity_factor,
                       normalize=True)
 

@@ -177,7 +177,8 @@ EXTRAS: dict[str, dict[str, Any]] = {
                                        "persistentVolumeClaim": {"claimName": "moe-weights",
                                                                  "mountPath": "/models"}}}},
     "GateConfig": {"spec": {
-        "params": {"faultInjection": {"errorRate": 0.0, "addedLatencyMs": 0}, "targetExpertsPerToken": 2},
+        "params": {"faultInjection": {"errorRate": 0.0, "addedLatencyMs": 0}, "targetExpertsPerToken": 2,
+                   "hardwareCostLambda": 0.5},
         "rollout": {"minRequests": 20, "progressDeadline": "120s", "maxQualityDrop": 0.02,
                     "analysis": {"checks": [
                         {"name": "builtin", "provider": {"builtin": {}}},

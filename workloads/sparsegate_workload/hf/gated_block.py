@@ -9,6 +9,11 @@ min = max = k and no cap the block picks the upstream block's experts with its w
 the fp32 logits match upstream's to float rounding (in bf16 the router here still computes its
 logits in fp32 where upstream rounds them to bf16, so near-tied tokens can choose otherwise).
 
+Hardware-aware routing: with the gate's ``hardwareCostLambda`` above 0, the selection runs on
+softmax(logits - lambda * cost), cost the block's `expert_cost.ExpertCost` (EWMA of each expert's
+measured time per row in the inference dispatch, normalised to [0, 1]); the combine weights stay
+the unbiased probabilities. At 0 (the default) routing is bit-identical to no bias.
+
 Dispatch (FACTS.md "MoE dispatch on CPU"): gather the kept rows once in expert order, one
 ``mm`` pair per non-empty expert on its contiguous slice, weights applied in place, combine by
 gathers. At patch time each expert weight is re-laid out once as [in, out] contiguous storage
@@ -36,6 +41,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+import time
 from typing import Iterator
 
 import torch
@@ -45,7 +51,8 @@ from torch import nn
 from sparsegate_contracts.gate import GateDocument, GateParams
 
 from ..experts import combine, expert_mm
-from ..gating import Router, Routing, assign, top_p_mask
+from ..expert_cost import ExpertCost, biased_selection_probs
+from ..gating import Router, Routing, assign, cost_biased_top_p
 from ..moe import MoEStats
 from ..precision import LayerBytes, Precision, StoredWeight, is_lower, layer_bytes
 
@@ -144,6 +151,9 @@ class SparseGatedMoEBlock(nn.Module):
         self.moe_index = moe_index
         self.renormalize = renormalize
         self._slot = slot
+        # Measured per-expert cost (timed in `dispatch`), used when the gate's
+        # hardwareCostLambda is above 0.
+        self.cost = ExpertCost(self.num_experts)
 
     @property
     def expert_storage(self) -> tuple[StoredWeight, StoredWeight]:
@@ -196,21 +206,30 @@ class SparseGatedMoEBlock(nn.Module):
     def route(self, flat: torch.Tensor, gate: ActiveGate) -> Routing:
         params = gate.params
         # The router as stored (the loader stores what the gate resolves to); logits in fp32.
-        probs = torch.softmax(self.gate.logits(flat), dim=-1)
+        logits = self.gate.logits(flat)
+        probs = torch.softmax(logits, dim=-1)
         lo = min(params.min_experts_per_token, self.num_experts)
         hi = min(params.max_experts_per_token, self.num_experts)
+        cost_lambda = params.hardware_cost_lambda
+        cost = self.cost.vector() if cost_lambda > 0 else None
         if lo == hi:
             # Fixed k: top-k picks the same experts in the same (descending) order as the
             # threshold search clamped to k, on a [T, k] instead of a sorted [T, E] selection.
-            sorted_p, sorted_e = probs.topk(hi, dim=-1)
+            selection = biased_selection_probs(logits, cost, cost_lambda)
+            if selection is None:
+                sorted_p, sorted_e = probs.topk(hi, dim=-1)
+            else:  # pick on the cost-biased probs, weigh with the unbiased ones
+                sorted_e = selection.topk(hi, dim=-1).indices
+                sorted_p = probs.gather(-1, sorted_e)
             if not torch.is_grad_enabled() and flat.shape[0] <= FIXED_K_FAST_TOKENS:
                 return _assign_fixed_k(probs, sorted_p, sorted_e,
                                        capacity_factor=gate.capacity_factor,
                                        normalize=self.renormalize)
             mask = torch.ones_like(sorted_p, dtype=torch.bool)
         else:
-            sorted_p, sorted_e, mask = top_p_mask(
-                probs, threshold=params.confidence_threshold, min_k=lo, max_k=hi)
+            sorted_p, sorted_e, mask = cost_biased_top_p(
+                probs, logits, cost=cost, cost_lambda=cost_lambda,
+                threshold=params.confidence_threshold, min_k=lo, max_k=hi)
         return assign(probs, sorted_p, sorted_e, mask, capacity_factor=gate.capacity_factor,
                       normalize=self.renormalize)
 
@@ -257,11 +276,14 @@ class SparseGatedMoEBlock(nn.Module):
         ys = flat.new_empty(n_assign + 1, d_model)
         ys[n_assign].zero_()
         start = 0
+        clock = time.perf_counter
         for e, n in enumerate(routing.counts):
             if n:
                 end = start + n
+                t0 = clock()
                 h = _swiglu(expert_mm(xs[start:end], gate_up, e), inplace=True)
                 expert_mm(h, down, e, out=ys[start:end])
+                self.cost.record(e, clock() - t0, n)
                 start = end
         ys[:n_assign].mul_(w)
         return combine(ys, routing.slots)

@@ -1,0 +1,110 @@
+"""Hardware-aware routing (gate param hardwareCostLambda): validated like the other params and
+absent from documents without it; the per-expert cost EWMA; lambda 0 routes bit-identically to
+no cost; lambda > 0 moves assignments away from a costly expert, in the built-in DynamicGate and
+in a patched Hugging Face block whose cost comes from its own timed dispatch."""
+
+import pytest
+import torch
+
+from sparsegate_workload.expert_cost import ExpertCost
+from sparsegate_workload.gateparams import DEFAULT_PARAMS, GateParamsError, make_document
+from sparsegate_workload.gating import DynamicGate
+from sparsegate_workload.hf import SparseGatedMoEBlock, build_tiny_checkpoint, load_moe_checkpoint
+
+
+@pytest.mark.parametrize("value, message", [
+    (-0.5, r"hardwareCostLambda must be in \[0.0, 100.0\], got -0.5"),
+    (101, r"hardwareCostLambda must be in \[0.0, 100.0\], got 101"),
+    ("1", "hardwareCostLambda must be a finite number"),
+    (True, "hardwareCostLambda must be a finite number"),
+])
+def test_bad_lambda_is_rejected_naming_the_field(value, message):
+    with pytest.raises(GateParamsError, match=message):
+        make_document({**DEFAULT_PARAMS, "hardwareCostLambda": value})
+
+
+def test_absent_lambda_is_zero_and_leaves_documents_as_they_were():
+    plain = make_document(DEFAULT_PARAMS)
+    assert plain.params.hardware_cost_lambda == 0.0
+    assert "hardwareCostLambda" not in plain.raw_params
+    biased = make_document({**DEFAULT_PARAMS, "hardwareCostLambda": 2})
+    assert biased.params.hardware_cost_lambda == 2.0
+    assert biased.version != plain.version
+
+
+def test_cost_is_an_ewma_per_row_times_placement_normalised_by_the_largest():
+    cost = ExpertCost(3, alpha=0.5)
+    assert cost.vector().tolist() == [1.0, 1.0, 1.0]  # nothing timed: all equal
+    cost.record(0, 1.0, rows=10)   # 0.1 s/row
+    cost.record(0, 3.0, rows=10)   # 0.3 -> EWMA 0.1 + 0.5 * 0.2 = 0.2
+    cost.record(1, 0.4, rows=4)    # 0.1
+    cost.record(2, 5.0, rows=0)    # no rows: ignored, expert 2 takes the timed mean 0.15
+    assert cost.raw() == pytest.approx([0.2, 0.1, 0.15])
+    assert cost.vector().tolist() == pytest.approx([1.0, 0.5, 0.75])
+    cost.set_placement([1.0, 4.0, 1.0])
+    assert cost.vector().tolist() == pytest.approx([0.5, 1.0, 0.375])
+    with pytest.raises(ValueError, match="placement needs 3 factors > 0"):
+        cost.set_placement([1.0, 0.0, 1.0])
+
+
+def _gate() -> tuple[DynamicGate, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    gate = DynamicGate(16, 8)
+    gate.reset_parameters(g)
+    gate.weight.requires_grad_(False)
+    return gate, torch.randn(256, 16, generator=g)
+
+
+def test_dynamic_gate_lambda_zero_is_bit_identical_to_no_cost():
+    gate, x = _gate()
+    cost = torch.linspace(0, 1, 8)
+    kw = dict(confidence_threshold=0.6, min_experts=1, max_experts=4, capacity_factor=None)
+    plain = gate(x, **kw)
+    zero = gate(x, **kw, cost=cost, cost_lambda=0.0)
+    assert torch.equal(plain.token_idx, zero.token_idx)
+    assert torch.equal(plain.weights, zero.weights)
+    assert plain.counts == zero.counts
+
+
+def test_dynamic_gate_lambda_moves_assignments_off_the_costly_expert():
+    gate, x = _gate()
+    kw = dict(confidence_threshold=0.6, min_experts=1, max_experts=4, capacity_factor=None)
+    plain = gate(x, **kw)
+    busiest = max(range(8), key=lambda e: plain.counts[e])
+    cost = torch.zeros(8)
+    cost[busiest] = 1.0
+    shares = [gate(x, **kw, cost=cost, cost_lambda=lam).counts[busiest] for lam in (0, 1, 3, 10)]
+    assert shares[0] > shares[1] > shares[2] > shares[3]
+    assert shares[3] < shares[0] / 4
+    # Weights stay the unbiased gate probabilities of the kept experts, renormalised per token.
+    r = gate(x, **kw, cost=cost, cost_lambda=3.0)
+    per_token = torch.zeros(x.shape[0]).index_add_(0, r.token_idx, r.weights)
+    assert torch.allclose(per_token, torch.ones(x.shape[0]))
+
+
+def test_hf_block_times_its_experts_and_routes_around_a_costly_one(tmp_path):
+    path = build_tiny_checkpoint(tmp_path / "ckpt", family="mixtral", seed=1)
+    base = dict(DEFAULT_PARAMS)
+    lm = load_moe_checkpoint(path, gate=make_document(base))
+    blocks = [m for m in lm.model.modules() if isinstance(m, SparseGatedMoEBlock)]
+    ids = torch.randint(0, lm.model.config.vocab_size, (4, 32),
+                        generator=torch.Generator().manual_seed(0))
+
+    def run() -> torch.Tensor:
+        with torch.no_grad():
+            return lm.model(ids).logits
+
+    plain = run()
+    block = blocks[0]
+    assert all(s is not None for s in block.cost.seconds_per_row)  # dispatch timed every expert
+    lm.set_gate(make_document({**base, "hardwareCostLambda": 0}))
+    assert torch.equal(run(), plain)  # lambda 0: same bits
+    flat = torch.randn(128, block.gate.storage.data.shape[1],
+                       generator=torch.Generator().manual_seed(1))
+    zero_gate = block._slot.active
+    counts0 = block.route(flat, zero_gate).counts
+    busiest = max(range(block.num_experts), key=lambda e: counts0[e])
+    block.cost.set_placement([50.0 if e == busiest else 1.0 for e in range(block.num_experts)])
+    lm.set_gate(make_document({**base, "hardwareCostLambda": 5}))
+    counts5 = block.route(flat, block._slot.active).counts
+    assert counts5[busiest] < counts0[busiest] / 2, (counts0, counts5)
