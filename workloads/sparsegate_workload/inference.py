@@ -29,6 +29,7 @@ class InferenceResult:
     tool_gate_fire_rate: float
     num_tokens: int
     prompt_score: Score = Score(0.0, 0)     # next-token NLL of the batch's own tokens (quality.py)
+    last_tool_prob: list[float] = dataclasses.field(default_factory=list)  # [B] at the last position
 
 
 def run_batch(model: TinyMoELM, tokens: Sequence[Sequence[int]], *, gate: GateParams,
@@ -52,4 +53,5 @@ def run_batch(model: TinyMoELM, tokens: Sequence[Sequence[int]], *, gate: GatePa
             tool_gate_fire_rate=float(fired.float().mean()),
             num_tokens=batch.numel(),
             prompt_score=score_rows(out.logits, batch),
+            last_tool_prob=out.tool_prob[:, -1].tolist(),
         )

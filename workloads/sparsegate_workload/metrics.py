@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .inference import InferenceResult
 from .quality import QualityMetrics
+from .tools import ToolMetrics
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Wider than LATENCY_BUCKETS: a whole generation (e2e) can take a minute on CPU.
@@ -77,6 +78,7 @@ class ServerMetrics:
             "Top-p threshold set by the PI controller of a gate version with "
             "targetExpertsPerToken, for the next batch", ["gate_version"], registry=r)
         self.quality = QualityMetrics(r)  # per gate version: live prompt NLL and probe set
+        self.tools = ToolMetrics(r)  # calls the tool gate made, by tool and outcome (tools.py)
         for layer in range(n_layers):
             for expert in range(num_experts):
                 self.expert_tokens.labels(layer=str(layer), expert=str(expert))

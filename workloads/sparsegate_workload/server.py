@@ -25,6 +25,11 @@ applied to the built-in model: each /v1/infer batch routes with the controller's
 feeds back its mean selected experts per token; the live threshold is the gauge
 ``sparsegate_gate_controlled_threshold{gate_version}``. A checkpoint ignores the field (logged).
 
+Tools (`tools`): on the built-in model, a sequence whose tool gate fires above
+``toolGateThreshold`` at its last position may call the built-in calculator or an HTTP tool of
+``--tools-json``, on the event loop after its batch; a result is forced as its next tokens
+(``toolResults``, ``nextTokens``), a failure leaves plain decoding. A checkpoint has no tool gate.
+
 `faultInjection` in the gate params is a CHAOS-TESTING KNOB, not a model setting: with
 errorRate p each inference request fails with 503 with probability p (seeded RNG) and
 addedLatencyMs sleeps (asyncio) before answering. It exists so tests and demos can roll out a
@@ -50,6 +55,7 @@ import signal
 import ssl
 import sys
 import time
+import uuid
 from typing import Any, Awaitable, Callable
 
 import torch
@@ -59,7 +65,7 @@ from sparsegate_contracts.gate import (DEFAULT_DOCUMENT, GateDocument, GateParam
 from sparsegate_contracts.names import DEFAULT_ADMIN_PORT
 from sparsegate_contracts.version import version_line
 
-from . import hf_serving, openai_api, quality
+from . import hf_serving, openai_api, quality, tools
 from .admin import AdminAuth, AdminDenied, AdminFiles, check_bearer
 from .batch_decode import BatchDecoder
 from .batch_engine import DEFAULT_MAX_NUM_SEQS, BatchEngine
@@ -177,11 +183,15 @@ def parse_infer_request(body: Any, *, vocab_size: int, max_seq_len: int
     return tokens, return_logits
 
 
-def _result_json(result: InferenceResult, gate: AppliedGate) -> dict[str, Any]:
+def _result_json(result: InferenceResult, gate: AppliedGate,
+                 calls: list[tools.ToolCall | None]) -> dict[str, Any]:
+    # Re-rank: a tool's result is forced ahead of the model's choice (tools.py).
+    next_tokens = [c.tokens[0] if c is not None and c.tokens else t
+                   for t, c in zip(result.next_tokens, calls, strict=True)]
     out = {
         "gateVersion": gate.doc.version,
         "checksum": gate.doc.checksum,
-        "nextTokens": result.next_tokens,
+        "nextTokens": next_tokens,
         "expertCounts": result.expert_counts,
         "activeExpertsPerToken": result.active_experts_per_token,
         "selectedExpertsPerToken": result.selected_experts_per_token,
@@ -189,6 +199,7 @@ def _result_json(result: InferenceResult, gate: AppliedGate) -> dict[str, Any]:
         "gateEntropy": result.gate_entropy,
         "toolCalls": result.tool_calls,
         "toolGateFireRate": result.tool_gate_fire_rate,
+        "toolResults": [c.to_json() if c is not None else None for c in calls],
         "precisions": list(gate.precisions),
         "numTokens": result.num_tokens,
     }
@@ -217,10 +228,11 @@ async def infer(request: web.Request) -> web.Response:
             else:
                 result = await run_on_model(
                     state, lambda: _builtin_batch(state, gate, tokens, return_logits), keep=keep)
+        calls = await _call_tools(state, request, gate, tokens, result)
         state.metrics.observe_batch(result)
         state.metrics.quality.observe(gate.doc.version, result.prompt_score)
         code = 200
-        return web.json_response(_result_json(result, gate))
+        return web.json_response(_result_json(result, gate, calls))
     except ApiError as e:
         code = e.status
         raise
@@ -228,6 +240,21 @@ async def infer(request: web.Request) -> web.Response:
         if state.metrics is not None:
             state.metrics.requests.labels(code=str(code)).inc()
             state.metrics.duration.observe(time.perf_counter() - started)
+
+
+async def _call_tools(state: ServerState, request: web.Request, gate: AppliedGate,
+                     tokens: list[list[int]], result: InferenceResult
+                     ) -> list[tools.ToolCall | None]:
+    """On the event loop, after the batch left the model thread: the calls of the sequences whose
+    tool gate fired at their last position. Only the built-in model has a tool gate."""
+    if not result.last_tool_prob:
+        return [None] * len(tokens)
+    request_id = request.headers.get("X-Request-Id", "")[:64] or uuid.uuid4().hex
+    assert state.metrics is not None
+    return await tools.call_fired(state.tools, tokens, last_prob=result.last_tool_prob,
+                                  threshold=gate.params.tool_gate_threshold,
+                                  request_id=request_id, vocab_size=state.limits()[0],
+                                  metrics=state.metrics.tools)
 
 
 def _hf_batch(state: ServerState, tokens: list[list[int]], return_logits: bool
@@ -453,21 +480,24 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
                admin: AdminListener | None = None, model_path: str | None = None,
                served_name: str | None = None, model_dtype: str = "float32",
                device: str = "auto", max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-               exit_on_load_error: bool = False) -> web.Application:
+               exit_on_load_error: bool = False,
+               tool_registry: tools.ToolRegistry | None = None) -> web.Application:
     """The inference app (no /admin routes). ``admin``: also serve :func:`create_admin_app` on
     its own TLS listener for as long as this app runs (None: no admin channel at all).
     ``model_path``: serve that Hugging Face checkpoint directory instead of the built-in model
     (``model_config`` is then unused) in ``model_dtype`` on ``device`` (auto|cpu|cuda);
     ``served_name`` is its OpenAI model id; its generations decode in batches of up to
     ``max_num_seqs`` sequences (`batch_engine`).
-    ``exit_on_load_error``: a failed load also sends this process SIGTERM (the entry point)."""
+    ``exit_on_load_error``: a failed load also sends this process SIGTERM (the entry point).
+    ``tool_registry``: the HTTP tools the built-in model's tool gate may call (`tools`)."""
     app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
     app[STATE] = ServerState(model_config=model_config,
                              rng=random.Random(fault_seed), pending_doc=gate_doc,
                              max_inflight=max_inflight, request_timeout_s=request_timeout_s,
                              model_path=model_path, served_name=served_name,
                              model_dtype=model_dtype, device=device,
-                             max_num_seqs=max_num_seqs)
+                             max_num_seqs=max_num_seqs,
+                             tools=tool_registry or tools.ToolRegistry())
     app[EXIT_ON_LOAD_ERROR] = exit_on_load_error
     openai_api.add_routes(app)
     app.router.add_post("/v1/infer", infer)
@@ -588,6 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inference requests admitted at once (running + queued); beyond it: 429")
     p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                    help="seconds a request waits for its result before answering 503")
+    p.add_argument("--tools-json", default="[]",
+                   help="HTTP tools the built-in model's tool gate may call, besides the built-in "
+                        "calculator: a JSON list of {name, url, timeoutMs} (SparseModel spec.tools)")
     add_model_flags(p)
     return p
 
@@ -621,6 +654,10 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, json.JSONDecodeError, GateParamsError) as e:
         p.error(f"--gate-config {args.gate_config}: {e}" + (
             f" (this model has {cfg.num_experts} experts)" if num_experts else ""))
+    try:
+        registry = tools.ToolRegistry(http=tools.parse_tools(json.loads(args.tools_json)))
+    except (json.JSONDecodeError, tools.ToolSpecError) as e:
+        p.error(f"--tools-json: {e}")
     admin_files = (args.admin_token_file, args.admin_tls_cert, args.admin_tls_key)
     listener: AdminListener | None = None
     if any(admin_files):
@@ -639,7 +676,7 @@ def main(argv: list[str] | None = None) -> None:
                      admin=listener, model_path=args.model_path,
                      served_name=args.served_model_name, model_dtype=args.model_dtype,
                      device=args.device, max_num_seqs=args.max_num_seqs,
-                     exit_on_load_error=True)
+                     exit_on_load_error=True, tool_registry=registry)
     log.info("serving on %s:%d gate %s model %s; admin %s", args.host, args.port, doc.version,
              json.dumps(app[STATE].shape(), sort_keys=True),
              f"TLS on {args.host}:{args.admin_port}" if listener else "disabled (no --admin-token-file)")

@@ -24,6 +24,7 @@ from .metrics import ServerMetrics
 from .model import ModelConfig, TinyMoELM
 from .precision import Precision
 from .threshold_control import ThresholdControl, ThresholdController
+from .tools import ToolRegistry
 
 if TYPE_CHECKING:  # batch_engine imports this module (ApiError)
     from .batch_engine import BatchEngine
@@ -86,6 +87,7 @@ class ServerState:
     max_inflight: int = DEFAULT_MAX_INFLIGHT
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     inflight: int = 0
+    tools: ToolRegistry = dataclasses.field(default_factory=ToolRegistry)  # what the tool gate calls
 
     @property
     def loaded(self) -> bool:
