@@ -7,6 +7,7 @@ more), so server-side apply of the same input is a no-op. Side effects live in c
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Mapping
 
 from sparsegate_contracts import names
@@ -184,6 +185,16 @@ def model_args(model: Mapping[str, Any]) -> list[str]:
     return ["--model-path", path, "--served-model-name", model["metadata"]["name"], *device]
 
 
+def tool_args(model: Mapping[str, Any]) -> list[str]:
+    """``spec.tools`` as the server's ``--tools-json`` (none when absent or empty). The server
+    parses and checks it again at start; only the built-in model's tool gate calls them."""
+    tools = model["spec"].get("tools") or []
+    if not tools:
+        return []
+    return ["--tools-json", json.dumps([{k: t[k] for k in ("name", "url", "timeoutMs") if k in t}
+                                        for t in tools], separators=(",", ":"))]
+
+
 def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
                       default_image: DefaultImage = DefaultImage()) -> dict[str, Any]:
     """The model server Deployment.
@@ -205,7 +216,7 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
                  "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_TOKEN_KEY}",
                  "--admin-tls-cert", f"{ADMIN_DIR}/{ADMIN_TLS_CERT_KEY}",
                  "--admin-tls-key", f"{ADMIN_DIR}/{ADMIN_TLS_KEY_KEY}",
-                 *model_args(model)],
+                 *model_args(model), *tool_args(model)],
         # The admin port is declared (the operator reads it from the pod) but in no Service.
         "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
                   {"name": ADMIN_PORT_NAME, "containerPort": DEFAULT_ADMIN_PORT, "protocol": "TCP"}],

@@ -175,7 +175,9 @@ EXTRAS: dict[str, dict[str, Any]] = {
     "SparseModel": {"spec": {"image": "registry.local/sparsegate-model-server:dev",
                              "model": {"source": "/models/moe/checkpoint",
                                        "persistentVolumeClaim": {"claimName": "moe-weights",
-                                                                 "mountPath": "/models"}}}},
+                                                                 "mountPath": "/models"}},
+                             "tools": [{"name": "search", "url": "http://search.tools:8080/call",
+                                        "timeoutMs": 500}]}},
     "GateConfig": {"spec": {
         "params": {"faultInjection": {"errorRate": 0.0, "addedLatencyMs": 0}, "targetExpertsPerToken": 2,
                    "hardwareCostLambda": 0.5},
@@ -455,6 +457,10 @@ CEL_CASES: dict[tuple[str, str, str], list[CelCase]] = {
          _sets(("spec.model.minExpertsPerToken", 4), ("spec.model.maxExpertsPerToken", 2))),
         ("cross_field", "spec.model.minExpertsPerToken", "min 5 > defaulted max 4",
          _drop_then_set("spec.model.maxExpertsPerToken", "spec.model.minExpertsPerToken", 5)),
+    ],
+    ("SparseModel", "spec.tools", "self.all(t, t.name != 'calculator')"): [
+        ("cross_field", "spec.tools", "a tool named calculator (the built-in's name)",
+         _set("spec.tools[0].name", "calculator")),
     ],
     ("SparseModel", "spec.model", "!has(self.maxExpertsPerToken) || self.maxExpertsPerToken <= self.experts"): [
         ("cross_field", "spec.model.maxExpertsPerToken", "max 9 > experts 8",
