@@ -10,7 +10,8 @@ newline up to that position, and:
 
 * ``<name>: <arguments>`` with ``name`` a declared HTTP tool calls it with ``<arguments>``;
 * otherwise a segment ending in ``=`` calls ``calculator`` with the arithmetic characters
-  (digits, ``. + - * / % ( )`` and spaces) just before the ``=``;
+  (digits, ``. + - * / % ( )`` and spaces) just before the ``=``, if there are any (the
+  calculator may still refuse them: outcome ``refused``);
 * anything else calls nothing.
 
 A result becomes tokens (its UTF-8 bytes, at most ``MAX_RESULT_TOKENS``) that re-rank the
@@ -220,7 +221,8 @@ class ToolRegistry:
         if segment.endswith("="):
             expr = re.search(r"[0-9.+\-*/%() ]*$", segment[:-1])
             assert expr is not None  # the pattern matches the empty string
-            return CALCULATOR, expr.group(0).strip()
+            if expr.group(0).strip():
+                return CALCULATOR, expr.group(0).strip()
         return None
 
 

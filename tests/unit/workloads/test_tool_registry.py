@@ -60,6 +60,8 @@ def test_registry_selects_by_segment():
     assert reg.select("echo: hello") == ("echo", "hello")
     assert reg.select("other: hello") is None   # undeclared names call nothing
     assert reg.select("no trigger") is None
+    assert reg.select("abc=") is None   # nothing arithmetic before '=': no call
+    assert reg.select("x 1+=") == ("calculator", "1+")   # called, then refused by the parser
     assert tools.segment_text([ord("a"), 300, ord("b")]) == "b"  # ids >= 256 end a segment
     assert tools.result_tokens("14", vocab_size=512) == [49, 52]
     with pytest.raises(ValueError, match="outside the vocabulary"):
