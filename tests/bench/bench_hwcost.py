@@ -1,0 +1,124 @@
+"""Hardware-aware routing (gate param hardwareCostLambda): p99 batch latency, held-out quality
+and the slow expert's share of assignments, with lambda 0 and a few lambda > 0, side by side.
+
+    python tests/bench/bench_hwcost.py [--delay-us-per-row 200] [--batches 60]
+                                       [--lambdas 0,1,2,3,4]
+
+Model: the trained demo checkpoint (dev/trained_model.py: a tiny Mixtral, top-p 0.6 over 1-4 of
+8 experts, trained once per machine and cached), served through the sparsegate HF block with
+the default gate params (confidenceThreshold 0.6, 1-4 experts, capacityFactor 1.25).
+
+The slow expert is SIMULATED: there is one CPU and no slower device here, so the bench wraps
+the block's per-expert matmul and sleeps ``--delay-us-per-row`` times the rows routed to the
+chosen expert before each of its matmuls (two per dispatch: gate+up and down), in every MoE
+layer, standing in for an expert placed on a device with lower throughput. The chosen expert is the one with the most assignments at lambda 0 (the case
+where placement hurts most). The block's own timer measures the delay like any other cost, so
+the per-expert cost the gate sees is learnt online (EWMA), not set by the bench.
+
+Warm-up forwards (the cost EWMA settles), then --batches rounds; each round serves the same
+batch of 4 sequences x 32 tokens (from the checkpoint's probe text) once per lambda, in
+rotation, so machine noise hits every lambda alike. Per lambda: batch latency p50/p99, the slow
+expert's share of kept assignments, mean experts per token, and held-out perplexity of the probe
+windows under that gate (scored without the delay; the routing is the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "dev"))
+
+from sparsegate_workload import quality  # noqa: E402
+from sparsegate_workload.gateparams import DEFAULT_PARAMS, make_document  # noqa: E402
+from sparsegate_workload.hf import gated_block, load_moe_checkpoint  # noqa: E402
+from trained_model import trained_checkpoint  # noqa: E402
+
+
+def p(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--delay-us-per-row", type=float, default=200.0)
+    ap.add_argument("--batches", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--lambdas", default="0,1,2,3,4")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+    path = trained_checkpoint()
+    lm = load_moe_checkpoint(path)
+    probe = quality.checkpoint_probe(path, lm.tokenizer, vocab_size=lm.model.config.vocab_size,
+                                     context_length=lm.model.config.max_position_embeddings)
+    ids = probe.windows[:, :32]
+    batches = [ids[(4 * i) % ids.shape[0]:][:4] for i in range(args.batches)]
+    batches = [b if b.shape[0] == 4 else ids[:4] for b in batches]
+    num_experts = lm.num_experts
+
+    lm.set_gate(make_document(DEFAULT_PARAMS))
+    counts0 = [0] * num_experts
+    for b in batches[:10]:
+        for layer in lm.forward(b).layers:
+            counts0 = [c + n for c, n in zip(counts0, layer.counts)]
+    slow = max(range(num_experts), key=lambda e: counts0[e])
+
+    real_mm = gated_block.expert_mm
+    delay = args.delay_us_per_row / 1e6
+
+    def slow_mm(x, weight, e, *, out=None):  # the simulated slower device
+        if e == slow:
+            time.sleep(delay * x.shape[0])
+        return real_mm(x, weight, e, out=out)
+
+    gated_block.expert_mm = slow_mm
+    print(f"checkpoint {path.name}: {num_experts} experts x {len(lm.blocks)} MoE layers; "
+          f"slow expert {slow} (busiest at lambda 0: {counts0[slow] / sum(counts0):.1%} of "
+          f"assignments), simulated +{args.delay_us_per_row:g} us per row per matmul of it in "
+          f"every layer; "
+          f"{args.batches} batches of {tuple(batches[0].shape)} tokens per lambda, 1 thread")
+    print(f"{'lambda':>7} {'p50 ms':>8} {'p99 ms':>8} {'slow share':>11} {'experts/tok':>12} "
+          f"{'perplexity':>11} {'ppl vs 0':>9}")
+    lambdas = [float(x) for x in args.lambdas.split(",")]
+    docs = [make_document({**DEFAULT_PARAMS, **({"hardwareCostLambda": lam} if lam else {})})
+            for lam in lambdas]
+    times = {lam: [] for lam in lambdas}
+    counts = {lam: [0] * num_experts for lam in lambdas}
+    active = {lam: [] for lam in lambdas}
+    for b in batches[:args.warmup]:
+        lm.forward(b)
+    for b in batches:
+        for lam, doc in zip(lambdas, docs):
+            lm.set_gate(doc)
+            t0 = time.perf_counter()
+            out = lm.forward(b)
+            times[lam].append((time.perf_counter() - t0) * 1000)
+            for layer in out.layers:
+                counts[lam] = [c + n for c, n in zip(counts[lam], layer.counts)]
+            active[lam].append(out.mean_active_experts)
+    gated_block.expert_mm = real_mm  # score quality without the delay (same routing)
+    base_ppl = None
+    for lam, doc in zip(lambdas, docs):
+        lm.set_gate(doc)
+        ppl = quality.score_checkpoint_probe(lm, probe).perplexity
+        base_ppl = ppl if base_ppl is None else base_ppl
+        c = counts[lam]
+        print(f"{lam:7.2f} {statistics.median(times[lam]):8.1f} {p(times[lam], 0.99):8.1f} "
+              f"{c[slow] / sum(c):11.1%} {statistics.mean(active[lam]):12.2f} "
+              f"{ppl:11.4f} {ppl / base_ppl - 1:+9.2%}")
+    gated_block.expert_mm = real_mm
+    costs = [round(c, 3) for c in lm.blocks[0].cost.vector().tolist()]
+    print(f"layer-0 learnt cost vector (normalised): {costs}")
+
+
+if __name__ == "__main__":
+    main()
