@@ -73,6 +73,11 @@ class ServerMetrics:
                                ["version", "checksum"], registry=r)
         self.gate_applies = Counter("sparsegate_gate_config_applies_total",
                                     "Gate config PUTs by result", ["result"], registry=r)
+        self.expert_cost = Gauge(
+            "sparsegate_expert_cost",
+            "Normalised hardware cost per expert (EWMA of measured time per row x placement, "
+            "divided by the layer's largest) that hardwareCostLambda weighs; checkpoints only",
+            ["layer", "expert"], registry=r)
         self.controlled_threshold = Gauge(
             "sparsegate_gate_controlled_threshold",
             "Top-p threshold set by the PI controller of a gate version with "
@@ -82,6 +87,12 @@ class ServerMetrics:
         for layer in range(n_layers):
             for expert in range(num_experts):
                 self.expert_tokens.labels(layer=str(layer), expert=str(expert))
+
+    def set_expert_costs(self, costs: list[list[float]]) -> None:
+        """Per-layer normalised expert costs (`expert_cost.ExpertCost.vector`), set at scrape."""
+        for layer, row in enumerate(costs):
+            for expert, cost in enumerate(row):
+                self.expert_cost.labels(layer=str(layer), expert=str(expert)).set(cost)
 
     def set_gate(self, *, version: str, checksum: str) -> None:
         self.gate_info.clear()

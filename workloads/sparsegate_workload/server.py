@@ -301,6 +301,8 @@ async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.metrics is None:
         raise ApiError(503, "model is still loading")
+    if state.hf is not None:  # costs move with every dispatch: read them when scraped
+        state.metrics.set_expert_costs([b.cost.vector().tolist() for b in state.hf.lm.blocks])
     return web.Response(body=generate_latest(state.metrics.registry),
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -108,3 +108,33 @@ def test_hf_block_times_its_experts_and_routes_around_a_costly_one(tmp_path):
     lm.set_gate(make_document({**base, "hardwareCostLambda": 5}))
     counts5 = block.route(flat, block._slot.active).counts
     assert counts5[busiest] < counts0[busiest] / 2, (counts0, counts5)
+
+
+async def test_served_checkpoint_exports_the_learnt_cost_per_layer_and_expert(tmp_path):
+    import aiohttp
+    from aiohttp.test_utils import TestClient, TestServer
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sparsegate_workload.server import create_app, wait_ready
+
+    path = build_tiny_checkpoint(tmp_path / "tiny-mixtral", family="mixtral")
+    app = create_app(model_path=str(path),
+                     gate_doc=make_document({**DEFAULT_PARAMS, "hardwareCostLambda": 1}))
+    client = TestClient(TestServer(app, host="127.0.0.1"), connector=aiohttp.TCPConnector(limit=0))
+    await client.start_server()
+    try:
+        await wait_ready(app)
+        resp = await client.post("/v1/completions", json={"prompt": "the gate keeps",
+                                                          "max_tokens": 4, "temperature": 0})
+        assert resp.status == 200, await resp.text()
+        text = await (await client.get("/metrics")).text()
+    finally:
+        await client.close()
+    samples = [s for f in text_string_to_metric_families(text) if f.name == "sparsegate_expert_cost"
+               for s in f.samples]
+    by_layer: dict[str, list[float]] = {}
+    for s in samples:
+        by_layer.setdefault(s.labels["layer"], []).append(s.value)
+    assert by_layer and all(len(v) == 8 for v in by_layer.values())
+    # Normalised by each layer's costliest expert, measured from the requests just served.
+    assert all(max(v) == 1.0 and min(v) > 0 for v in by_layer.values())
