@@ -192,11 +192,12 @@ async def test_infer_keeps_its_shape_on_a_checkpoint(client):
     assert set(body) == {"gateVersion", "checksum", "nextTokens", "expertCounts",
                          "activeExpertsPerToken", "selectedExpertsPerToken",
                          "droppedAssignments", "gateEntropy", "toolCalls", "toolGateFireRate",
-                         "precisions", "numTokens", "logits"}
+                         "toolResults", "precisions", "numTokens", "logits"}
     assert body["nextTokens"] == [hf.generate(prompt, max_tokens=1).token_ids[0]]
     assert body["gateVersion"] == ONE_EXPERT.version and body["activeExpertsPerToken"] == 1.0
     assert [sum(c) for c in body["expertCounts"]] == [len(prompt)] * 2
     assert body["toolCalls"] == [[]] and body["toolGateFireRate"] == 0.0
+    assert body["toolResults"] == [None]  # no tool-gate head: no tool is called
     assert len(body["logits"][0]) == 384
     resp = await client.post("/v1/infer", json={"tokens": [[384]]})
     assert resp.status == 422 and "outside the vocabulary [0, 384)" in (await resp.json())["error"]
