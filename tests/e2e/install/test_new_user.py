@@ -105,6 +105,10 @@ def test_operator_runs_in_cluster_from_its_image(stack: Stack) -> None:
 def test_model_served_and_rollout_survives_operator_kill(stack: Stack) -> None:
     gate = example("gateconfig.yaml")
     gate["spec"]["rollout"]["analysisInterval"] = "5s"
+    # This test judges that a good version survives the operator being killed, not latency:
+    # the 800 ms SLA of the example is exercised by tests/e2e/rollout (rollback on latency), and
+    # here, with four model containers under load on 2 shared cores, p99 reached 900 ms once.
+    gate["spec"]["rollout"]["slaP99LatencyMs"] = 5000
     model = example("sparsemodel.yaml", replicas=REPLICAS)
     model["spec"].pop("image", None)  # the chart's modelServer.image is the default
     t0 = time.monotonic()
