@@ -8,9 +8,14 @@
    with the chart's ServiceAccount, next to its OPA sidecar; a running stack is reused;
 2. applies ``examples/`` (incl. a RoutingPolicy, decided by the chart's OPA), scales the GPU model
    so each rollout step is visible, waits until its model-server containers are Ready;
-4. starts a bounded loopback load generator against the model pods, changes the GateConfig's
+3. starts a bounded loopback load generator against the model pods, changes the GateConfig's
    parameters and prints the rollout (``kubectl get gateconfig -o wide``) as it goes
-   5% → 20% → 100% until it ends.
+   5% → 20% → 100% until it ends; then a fault-injected version that is rolled back;
+4. a trained model: the demo checkpoint (``dev/trained_model.py``, trained once per machine) baked
+   into an image FROM the model-server image (``imagebuild.trained``), served by a second
+   SparseModel with its own GateConfig (objects made here, not in ``examples/``); under load, a
+   benign ``confidenceThreshold`` change is promoted and a harmful one (``confidenceThreshold``
+   0.05 with ``maxExpertsPerToken`` 1) is rolled back by the ``qualityDrop`` check.
 
 ``python dev/demo.py down`` stops everything the demo started (pid files under the state dir; the
 pod runner removes the containers). Processes outlive this script on purpose, so the cluster can
@@ -39,6 +44,7 @@ MODEL, GATE, NS = "moe-small", "default-gate", "default"
 DEMO_REPLICAS = 6  # 5 % → 1 pod, 20 % → 2 pods, 100 % → 6
 # A 2 s rollout tick (the chart's operator.extraEnv) so the demo ends in minutes.
 DEMO_OPERATOR_ENV = {"SPARSEGATE_ROLLOUT_TICK_S": "2"}
+TRAINED_MODEL, TRAINED_GATE, TRAINED_REPLICAS = "moe-trained", "trained-gate", 4  # 25 % → 1 canary pod
 
 
 def log(msg: str) -> None:
@@ -55,6 +61,7 @@ class Demo:
         self.work = state_dir / "demo"
         self.work.mkdir(parents=True, exist_ok=True)
         self._printed: dict[tuple[str, ...], str] = {}
+        self.trained_image = ""  # set by control_plane()
 
     def pid_file(self, name: str) -> Path:
         return self.work / f"{name}.pid"
@@ -75,6 +82,10 @@ class Demo:
     def control_plane(self) -> None:
         images = self.stack.build_images()
         log("images: " + ", ".join(images.values()))
+        from imagebuild.trained import ensure_trained_image
+
+        self.trained_image = ensure_trained_image(images["model-server"])
+        log(f"trained-model image: {self.trained_image} (demo checkpoint FROM {images['model-server']})")
         running = self.cluster.running_components()
         if len(running) >= 6:
             log(f"control plane already running ({', '.join(running)})")
@@ -109,22 +120,22 @@ class Demo:
             print(out, flush=True)
         self._printed[args] = out
 
-    def model_ready(self) -> None:
+    def model_ready(self, model: str = MODEL, gate: str = GATE, replicas: int = DEMO_REPLICAS) -> None:
         def ready() -> bool:
-            sm = json.loads(self.kubectl("get", f"sparsemodel/{MODEL}", "-n", NS, "-o", "json").stdout)
+            sm = json.loads(self.kubectl("get", f"sparsemodel/{model}", "-n", NS, "-o", "json").stdout)
             conds = {c["type"]: c["status"] for c in sm.get("status", {}).get("conditions", [])}
             self.print_table("sparsemodels", only_changes=True)
-            return conds.get("Ready") == "True" and sm["status"].get("readyReplicas") == DEMO_REPLICAS
-        wait_for(ready, what=f"SparseModel {MODEL} Ready", timeout_s=300, interval_s=3)
+            return conds.get("Ready") == "True" and sm["status"].get("readyReplicas") == replicas
+        wait_for(ready, what=f"SparseModel {model} Ready", timeout_s=300, interval_s=3)
 
         def stable_everywhere() -> str | None:
-            stable = json.loads(self.kubectl("get", f"gateconfig/{GATE}", "-n", NS, "-o", "json").stdout
+            stable = json.loads(self.kubectl("get", f"gateconfig/{gate}", "-n", NS, "-o", "json").stdout
                                 ).get("status", {}).get("stable", {}).get("version")
-            versions = [self.served_version(target) for target in self.serving_pods()]
-            return stable if len(versions) == DEMO_REPLICAS and set(versions) == {stable} else None
+            versions = [self.served_version(target) for target in self.serving_pods(model)]
+            return stable if len(versions) == replicas and set(versions) == {stable} else None
         stable = wait_for(stable_everywhere, what="every model server to answer with the GateConfig's stable version",
                           timeout_s=300, interval_s=3)
-        log(f"{MODEL} Ready: {DEMO_REPLICAS} model servers answer /healthz with gate {stable}")
+        log(f"{model} Ready: {replicas} model servers answer /healthz with gate {stable}")
 
     @staticmethod
     def served_version(target: str) -> str | None:
@@ -134,46 +145,93 @@ class Demo:
         except OSError:
             return None
 
-    def serving_pods(self) -> list[str]:
-        pods = json.loads(self.kubectl("get", "pods", "-n", NS, "-l", f"sparsegate.dev/model={MODEL}",
+    def serving_pods(self, model: str = MODEL) -> list[str]:
+        pods = json.loads(self.kubectl("get", "pods", "-n", NS, "-l", f"sparsegate.dev/model={model}",
                                        "-o", "json").stdout)["items"]
         return [f"{p['status']['podIP']}:8080" for p in pods if p.get("status", {}).get("podIP")]
 
-    def rollout(self) -> dict:
-        gc = json.loads(self.kubectl("get", f"gateconfig/{GATE}", "-n", NS, "-o", "json").stdout)
+    def rollout(self, gate: str = GATE) -> dict:
+        gc = json.loads(self.kubectl("get", f"gateconfig/{gate}", "-n", NS, "-o", "json").stdout)
         return gc.get("status", {}).get("rollout", {})
 
-    def load(self) -> None:
-        argv = [sys.executable, str(REPO / "dev" / "loadgen.py"), "--qps", "30", "--duration", "900"]
-        for target in self.serving_pods():
+    def load(self, name: str = "loadgen", model: str = MODEL, qps: int = 30) -> None:
+        argv = [sys.executable, str(REPO / "dev" / "loadgen.py"), "--qps", str(qps), "--duration", "900"]
+        for target in self.serving_pods(model):
             argv += ["--target", target]
         # Restarted every run: the pods (and so the targets) may have changed since the last one.
-        processes.stop_from_pid_file(self.pid_file("loadgen"), grace_s=5)
-        self.start_detached("loadgen", argv)
+        processes.stop_from_pid_file(self.pid_file(name), grace_s=5)
+        self.start_detached(name, argv)
 
-    def change_gate(self, params: dict, why: str) -> dict:
+    def change_gate(self, params: dict, why: str, gate: str = GATE) -> dict:
         """Patches the GateConfig's params and prints the rollout until it ends; returns status.rollout."""
-        patched = json.loads(self.kubectl("patch", f"gateconfig/{GATE}", "-n", NS, "--type=merge", "-o", "json",
+        patched = json.loads(self.kubectl("patch", f"gateconfig/{gate}", "-n", NS, "--type=merge", "-o", "json",
                                           "-p", json.dumps({"spec": {"params": params}})).stdout)
         generation = patched["metadata"]["generation"]
-        log(f"GateConfig {GATE}: params {json.dumps(params)} ({why}); watching the rollout")
+        log(f"GateConfig {gate}: params {json.dumps(params)} ({why}); watching the rollout")
         last = ""
         end = {"Succeeded", "RolledBack", "Aborted", "Failed"}
 
         def finished() -> bool:
             nonlocal last
-            out = self.kubectl("get", f"gateconfig/{GATE}", "-n", NS, "-o", "wide", "--no-headers",
+            out = self.kubectl("get", f"gateconfig/{gate}", "-n", NS, "-o", "wide", "--no-headers",
                                check=False).stdout.strip()
             if out != last:
                 log(out)
                 last = out
-            gc = json.loads(self.kubectl("get", f"gateconfig/{GATE}", "-n", NS, "-o", "json").stdout)
+            gc = json.loads(self.kubectl("get", f"gateconfig/{gate}", "-n", NS, "-o", "json").stdout)
             status = gc.get("status", {})
             return status.get("observedGeneration", 0) >= generation and status.get("rollout", {}).get("phase") in end
         wait_for(finished, what="the rollout to finish", timeout_s=600, interval_s=2)
-        rollout = self.rollout()
+        rollout = self.rollout(gate)
         log(f"rollout ended: {rollout.get('phase')} — {rollout.get('message', '')}")
+        failed = [c for c in (rollout.get("analysis") or {}).get("checks") or [] if c.get("passed") is False]
+        if failed:
+            log("failed checks: " + ", ".join(f"{c['name']} {c['value']} > {c['threshold']}" for c in failed))
         return rollout
+
+    def trained_objects(self) -> list[dict]:
+        """A GateConfig + SparseModel serving the trained checkpoint (the image built in control_plane)."""
+        from imagebuild.trained import CHECKPOINT_DIR
+
+        gate = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "GateConfig", "metadata": {"name": TRAINED_GATE},
+                "spec": {"params": {"toolGateThreshold": 0.85, "entropyBeta": 0.1, "confidenceThreshold": 0.6,
+                                    "capacityFactor": 1.25, "minExpertsPerToken": 1, "maxExpertsPerToken": 4,
+                                    "precisionPolicy": "auto"},
+                         # This gate's rollouts are judged on quality (maxQualityDrop: the CRD default,
+                         # 0.02). As in tests/e2e/rollout/test_quality_rollout.py, a loose SLA (CPU model
+                         # servers on a shared machine: p99 ~1 s seen) and a loose drift bound (the benign
+                         # change, threshold 0.6 → 0.8, is meant to activate more experts: drift 0.74
+                         # measured there) keep the latency and drift checks from deciding.
+                         "rollout": {"steps": [25, 50, 100], "analysisInterval": "4s",
+                                     "slaP99LatencyMs": 10000, "maxDrift": 2.0, "autoRollback": True}}}
+        model = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "SparseModel", "metadata": {"name": TRAINED_MODEL},
+                 "spec": {"replicas": TRAINED_REPLICAS, "image": self.trained_image,
+                          "gateConfigRef": {"name": TRAINED_GATE},
+                          "model": {"dModel": 64, "experts": 8, "maxExpertsPerToken": 4, "source": CHECKPOINT_DIR}}}
+        return [gate, model]
+
+    def trained_rollouts(self) -> None:
+        """Real gate changes on the trained model: a benign one promoted, a harmful one rolled back on quality."""
+        # The first model's load is done with; the trained model's servers get the CPU.
+        if processes.stop_from_pid_file(self.pid_file("loadgen"), grace_s=5):
+            log(f"stopped loadgen ({MODEL})")
+        # --force-conflicts: a re-run resets what the previous run patched back to these objects.
+        self.kubectl("apply", "--server-side", "--force-conflicts", "-n", NS, "-f", "-",
+                     input=json.dumps({"apiVersion": "v1", "kind": "List", "items": self.trained_objects()}))
+        log(f"applied GateConfig {TRAINED_GATE} + SparseModel {TRAINED_MODEL} ({TRAINED_REPLICAS} replicas, "
+            f"image {self.trained_image})")
+        self.model_ready(TRAINED_MODEL, TRAINED_GATE, TRAINED_REPLICAS)
+        self.load("loadgen-trained", TRAINED_MODEL, qps=40)
+        good = self.change_gate({"confidenceThreshold": 0.8}, "benign: top-p threshold 0.6 → 0.8 on the trained "
+                                "model", gate=TRAINED_GATE)
+        bad = self.change_gate({"confidenceThreshold": 0.05, "maxExpertsPerToken": 1},
+                               "harmful: top-1 routing on the trained model, no fault injection", gate=TRAINED_GATE)
+        # The demo claims both outcomes: say so loudly if this run did not show them.
+        failed = [c["name"] for c in (bad.get("analysis") or {}).get("checks") or [] if c.get("passed") is False]
+        if good.get("phase") != "Succeeded" or bad.get("phase") != "RolledBack" or failed != ["qualityDrop"]:
+            raise AssertionError(f"trained model: expected the benign change Succeeded and the harmful one "
+                                 f"RolledBack on qualityDrop alone; got {good.get('phase')} and {bad.get('phase')} "
+                                 f"(failed checks {failed})")
 
     def show(self) -> None:
         print(flush=True)
@@ -204,13 +262,15 @@ class Demo:
         # at the first step and rolls back, the stable version untouched.
         self.change_gate({"capacityFactor": 1.5, "faultInjection": {"errorRate": 0.3}},
                          "bad: fault injection, 30 % errors")
+        self.trained_rollouts()
         self.show()
         log(f"done. KUBECONFIG={self.cluster.kubeconfig}; try `kubectl get sparsegate -A`; "
             "stop everything with ./dev/demo.sh down")
 
     def down(self) -> None:
-        if processes.stop_from_pid_file(self.pid_file("loadgen"), grace_s=10):
-            log("stopped loadgen")
+        for name in ("loadgen", "loadgen-trained"):
+            if processes.stop_from_pid_file(self.pid_file(name), grace_s=10):
+                log(f"stopped {name}")
         stopped = self.cluster.stop()
         log("stopped: " + (", ".join(stopped) if stopped else "no cluster component was running"))
 
