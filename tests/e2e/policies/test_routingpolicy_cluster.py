@@ -260,9 +260,15 @@ def test_deletion_completes_and_narrows_while_opa_or_the_operator_is_down(
     # When no operator runs and the other policy and the GateConfig are deleted
     deployment = operator_deployment(stack)
     name, replicas = deployment["metadata"]["name"], deployment["spec"]["replicas"]
+    operator_containers = [stack.container_name(p, "operator") for p in stack.operator_pods()]
     kubectl("scale", "deployment", name, "-n", RELEASE_NS, "--replicas=0")
     try:
         wait_for(lambda: not stack.operator_pods(), what="no operator pod", timeout_s=120)
+        # The pod object goes before its container has stopped: wait until no operator process runs,
+        # or a still-terminating one may narrow the allow-list itself (seen once in CI).
+        wait_for(lambda: not any(podman.podman("container", "exists", c, check=False).returncode == 0
+                                 for c in operator_containers),
+                 what="operator containers gone", timeout_s=120)
         seconds = [timed_delete(stack, "routingpolicy", "via-operator-outage", models),
                    timed_delete(stack, "gateconfig", "gate", models)]
         print(f"[faults] RoutingPolicy / GateConfig deleted with no operator: {seconds[0]:.2f}s / {seconds[1]:.2f}s")
