@@ -82,21 +82,7 @@ def fleet(stack: Stack) -> Iterator[Fleet]:
     stack.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
                                                                   "items": [gateconfig, model]}))
     try:
-        def all_serving() -> bool:
-            # Ready (the pod runner's readiness probe, /readyz: the model is built) and answering
-            # /healthz with a gate version; /healthz alone answers while the model still loads.
-            pods = f.pods()
-            ready = len(pods) == REPLICAS and all(
-                any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])
-                for p in pods)
-            versions = f.pod_versions() if ready else {}
-            return ready and len(versions) == REPLICAS and all(versions.values())
-
-        try:
-            wait_for(all_serving, what=f"{REPLICAS} model servers Ready and answering /healthz", timeout_s=300,
-                     interval_s=1.0)
-        except AssertionError as exc:
-            pytest.fail(f"{exc}\n{stack.diagnose()}")
+        f.wait_serving(REPLICAS, f"{REPLICAS} model servers Ready and answering /healthz")
         sys.stderr.write(f"[e2e] {REPLICAS} model-server containers serving {time.monotonic() - t0:.1f}s after "
                          f"apply\n")
         f.check_pods_are_ours()

@@ -177,6 +177,23 @@ class Fleet:
                 out[p["metadata"]["name"]] = None
         return out
 
+    def wait_serving(self, replicas: int, what: str, timeout_s: float = 300) -> None:
+        """Waits until `replicas` pods are Ready (the pod runner's readiness probe, /readyz: the model
+        is built) and answer /healthz with a gate version (/healthz alone answers while the model
+        still loads); fails the test with the stack's diagnosis otherwise."""
+        def all_serving() -> bool:
+            pods = self.pods()
+            ready = len(pods) == replicas and all(
+                any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])
+                for p in pods)
+            versions = self.pod_versions() if ready else {}
+            return ready and len(versions) == replicas and all(versions.values())
+
+        try:
+            wait_for(all_serving, what=what, timeout_s=timeout_s, interval_s=1.0)
+        except AssertionError as exc:
+            pytest.fail(f"{exc}\n{self.stack.diagnose()}")
+
     def check_pods_are_ours(self) -> None:
         """Each pod IP must be served by this cluster's server: a GET /admin/gate over TLS that
         trusts only this model's certificate (from Secret <model>-admin) and sends its token.

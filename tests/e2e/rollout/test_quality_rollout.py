@@ -76,18 +76,7 @@ def quality_fleet(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Ite
                                                                   "items": [gateconfig, model]}))
     t0 = time.monotonic()
     try:
-        def all_serving() -> bool:
-            pods = f.pods()
-            ready = len(pods) == REPLICAS and all(
-                any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])
-                for p in pods)
-            versions = f.pod_versions() if ready else {}
-            return ready and len(versions) == REPLICAS and all(versions.values())
-
-        try:
-            wait_for(all_serving, what=f"{REPLICAS} trained-model servers Ready", timeout_s=300, interval_s=1.0)
-        except AssertionError as exc:
-            pytest.fail(f"{exc}\n{stack.diagnose()}")
+        f.wait_serving(REPLICAS, f"{REPLICAS} trained-model servers Ready")
         sys.stderr.write(f"[e2e] {REPLICAS} trained-model servers serving {time.monotonic() - t0:.1f}s after apply\n")
         f.check_pods_are_ours()
         f.watch("the GateConfig to be initialised", lambda ro: ro.get("phase") == "Succeeded", timeout=60)
