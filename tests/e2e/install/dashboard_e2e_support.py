@@ -7,25 +7,20 @@ conftests by name).
   ``namespace``/``pod``/``container``/``endpoint``/``job`` target labels; then the endpoint's own
   relabelings; ``honorLabels``, interval, path). No Prometheus Operator runs here; only the
   fields the chart's PodMonitors use are translated, anything else fails loudly.
-* :class:`HostVeth`: a veth pair with one end in the host network namespace, where a node agent
-  process attaches XDP, and the other in a namespace of the test's own that sends UDP through it.
 * :class:`Prometheus`: the real ``prometheus`` binary with a config the test writes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import secrets
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -81,59 +76,6 @@ def podmonitor_scrape_configs(pm: Mapping[str, Any], *, kubeconfig: Path) -> lis
             job["scrape_timeout"] = ep["scrapeTimeout"]
         jobs.append(job)
     return jobs
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=20)
-
-
-@dataclass(frozen=True)
-class HostVeth:
-    """``host_if`` in the host network namespace (XDP goes here), ``peer_if`` in namespace ``ns``.
-
-    Packets go from the peer to ``dst_ip``, an address of the peer's subnet that nobody has,
-    through a neighbour entry with a made-up MAC: the host end has no IPv4 address, IPv6 and
-    forwarding are off on it, and the kernel drops frames addressed to another MAC after XDP has
-    seen them, so nothing reaches the host's stack or leaves the veth.
-    """
-
-    ns: str
-    host_if: str
-    peer_if: str
-    src_ip: str
-    dst_ip: str
-    dst_mac: str = "02:53:47:00:00:03"
-
-    @classmethod
-    @contextlib.contextmanager
-    def create(cls) -> Iterator[HostVeth]:
-        tag = secrets.token_hex(3)
-        subnet = int(tag[:2], 16)
-        veth = cls(ns=f"sgd-{tag}", host_if=f"sgdh{tag}", peer_if=f"sgdp{tag}",
-                   src_ip=f"10.202.{subnet}.1", dst_ip=f"10.202.{subnet}.2")
-        try:
-            _ip("netns", "add", veth.ns)
-            _ip("link", "add", veth.host_if, "type", "veth", "peer", "name", veth.peer_if, "netns", veth.ns)
-            Path(f"/proc/sys/net/ipv6/conf/{veth.host_if}/disable_ipv6").write_text("1")
-            Path(f"/proc/sys/net/ipv4/conf/{veth.host_if}/forwarding").write_text("0")
-            _ip("link", "set", veth.host_if, "up")
-            _ip("-n", veth.ns, "addr", "add", f"{veth.src_ip}/24", "dev", veth.peer_if)
-            _ip("-n", veth.ns, "link", "set", veth.peer_if, "up")
-            _ip("-n", veth.ns, "link", "set", "lo", "up")
-            _ip("-n", veth.ns, "neigh", "replace", veth.dst_ip, "lladdr", veth.dst_mac, "dev", veth.peer_if,
-                "nud", "permanent")
-            yield veth
-        finally:
-            # Deleting the namespace deletes the pair (and any XDP program on either end) with it.
-            subprocess.run(["ip", "netns", "del", veth.ns], capture_output=True, timeout=20, check=False)
-            subprocess.run(["ip", "link", "del", veth.host_if], capture_output=True, timeout=20, check=False)
-
-    def send_udp(self, port: int, count: int) -> int:
-        """``count`` datagrams from the peer namespace over the veth; returns how many were sent."""
-        out = subprocess.run(["ip", "netns", "exec", self.ns, PY, "-m", "sparsegate_ebpf.netapps", "udp-send",
-                              "--dst", self.dst_ip, "--port", str(port), "--count", str(count)],
-                             capture_output=True, text=True, timeout=60, check=True).stdout
-        return int(out)
 
 
 def stop(proc: subprocess.Popen[Any], *, timeout_s: float = 20) -> int | None:

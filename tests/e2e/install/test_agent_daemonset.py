@@ -22,7 +22,6 @@ stack or leaves the veth.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import secrets
@@ -31,17 +30,16 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import yaml
 from devstack import CHART, RELEASE, RELEASE_NS, Stack, image_values
+from host_veth import HostVeth
 from localcluster import nodes, podman
 from localcluster.health import wait_for
 from localcluster.ports import free_port, pick_unused_pod_cidr
 from prometheus_client.parser import text_string_to_metric_families
 from sparsegate_contracts import flowpolicy
-from sparsegate_ebpf.xdp import attached_program
 
 pytestmark = [pytest.mark.e2e, pytest.mark.bpf, pytest.mark.slow]
 
@@ -50,58 +48,6 @@ AGENT_LABELS = "app.kubernetes.io/component=agent"
 NODE, NODE_IP = nodes.node_name(0), nodes.node_ip(0)
 XDP_MODES = {1: "native", 2: "generic"}  # `ip -j -d link` xdp.mode (XDP_ATTACHED_DRV / _SKB)
 SENT_DENIED, SENT_ALLOWED = 200, 50
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=20)
-
-
-@dataclasses.dataclass(frozen=True)
-class HostVeth:
-    """A veth pair: ``host_if`` in the host network namespace, ``peer_if`` in namespace ``ns``."""
-
-    ns: str
-    host_if: str
-    peer_if: str
-    src_ip: str  # the peer's address
-    dst_ip: str  # an address of the peer's subnet that nobody has: reached through a fake MAC
-    dst_mac: str
-
-    @classmethod
-    @contextlib.contextmanager
-    def create(cls) -> Iterator[HostVeth]:
-        tag = secrets.token_hex(3)
-        subnet = int(tag[:2], 16)
-        veth = cls(ns=f"sga-{tag}", host_if=f"sgah{tag}", peer_if=f"sgap{tag}", src_ip=f"10.201.{subnet}.1",
-                   dst_ip=f"10.201.{subnet}.2", dst_mac="02:53:47:00:00:02")
-        try:
-            _ip("netns", "add", veth.ns)
-            _ip("link", "add", veth.host_if, "type", "veth", "peer", "name", veth.peer_if, "netns", veth.ns)
-            # The host end is a sink: no IPv4 address, no IPv6, never forwards what arrives on it.
-            Path(f"/proc/sys/net/ipv6/conf/{veth.host_if}/disable_ipv6").write_text("1")
-            Path(f"/proc/sys/net/ipv4/conf/{veth.host_if}/forwarding").write_text("0")
-            _ip("link", "set", veth.host_if, "up")
-            _ip("-n", veth.ns, "addr", "add", f"{veth.src_ip}/24", "dev", veth.peer_if)
-            _ip("-n", veth.ns, "link", "set", veth.peer_if, "up")
-            _ip("-n", veth.ns, "link", "set", "lo", "up")
-            _ip("-n", veth.ns, "neigh", "replace", veth.dst_ip, "lladdr", veth.dst_mac, "dev", veth.peer_if,
-                "nud", "permanent")
-            yield veth
-        finally:
-            # Deleting the namespace deletes the pair (and any XDP program on either end) with it.
-            subprocess.run(["ip", "netns", "del", veth.ns], capture_output=True, timeout=20, check=False)
-            subprocess.run(["ip", "link", "del", veth.host_if], capture_output=True, timeout=20, check=False)
-
-    def send_udp(self, port: int, count: int) -> int:
-        """``count`` datagrams from the peer namespace over the veth; returns how many were sent."""
-        out = subprocess.run(["ip", "netns", "exec", self.ns, PY, "-m", "sparsegate_ebpf.netapps", "udp-send",
-                              "--dst", self.dst_ip, "--port", str(port), "--count", str(count)],
-                             capture_output=True, text=True, timeout=60, check=True).stdout
-        return int(out)
-
-    def xdp(self) -> dict | None:
-        """What the kernel has attached to the host end, as iproute2 reports it."""
-        return attached_program(self.host_if)
 
 
 # -- metrics ------------------------------------------------------------------------------------
@@ -156,7 +102,7 @@ def log(msg: str) -> None:
 
 @pytest.fixture(scope="module")
 def veth() -> Iterator[HostVeth]:
-    with HostVeth.create() as v:
+    with HostVeth.create(prefix="sga", net=201, dst_mac="02:53:47:00:00:02") as v:
         yield v
 
 

@@ -38,7 +38,8 @@ from loadgen import BackgroundLoad
 from localcluster.health import wait_for
 from localcluster.ports import free_port
 
-from dashboard_e2e_support import PY, HostVeth, Prometheus, podmonitor_scrape_configs, stop
+from dashboard_e2e_support import PY, Prometheus, podmonitor_scrape_configs, stop
+from host_veth import HostVeth
 from sparsegate_contracts import gate as gatedoc
 
 pytestmark = [pytest.mark.e2e, pytest.mark.bpf, pytest.mark.slow]
@@ -81,7 +82,7 @@ def pod_monitors(stack: Stack) -> dict[str, dict]:
 def agent(tmp_path: Path) -> Iterator[tuple[HostVeth, str]]:
     """The node agent process, XDP on the host end of a fresh veth, enforcing a policy file that
     allows one UDP port from the peer and denies the rest; yields (veth, metrics address)."""
-    with HostVeth.create() as veth:
+    with HostVeth.create(prefix="sgd", net=202, dst_mac="02:53:47:00:00:03") as veth:
         policy = tmp_path / "flow-policy.json"
         policy.write_text(json.dumps({"version": "dash-v1", "defaultAction": "deny", "entries": [
             {"srcIP": veth.src_ip, "dstIP": veth.dst_ip, "dstPort": ALLOWED_PORT, "protocol": "udp",
