@@ -30,8 +30,8 @@ from localcluster import nodes
 from localcluster.health import wait_for
 from localcluster.ports import pick_unused_pod_cidr
 
-from rollout_e2e_support import (ANALYSIS_INTERVAL, BASE_PARAMS, GATE, MODEL, NAMESPACE, QPS, REPLICAS, Fleet,
-                                 Operator)
+from rollout_e2e_support import (ANALYSIS_INTERVAL, BASE_PARAMS, GATE, MODEL, NAMESPACE, QPS, REPLICAS, SLA_P99_MS,
+                                 Fleet, Operator)
 
 # Operator env the tests need (see CONTRACTS: rollout controller): a 1 s tick instead of 5 s, and
 # a 3 s resting check instead of 30 s, so each rollout takes seconds.
@@ -70,7 +70,7 @@ def fleet(stack: Stack) -> Iterator[Fleet]:
     gateconfig = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "GateConfig", "metadata": {"name": GATE},
                   "spec": {"params": BASE_PARAMS,
                            "rollout": {"steps": [5, 20, 100], "analysisInterval": ANALYSIS_INTERVAL,
-                                       "slaP99LatencyMs": 800, "maxDrift": 0.2, "autoRollback": True}}}
+                                       "slaP99LatencyMs": SLA_P99_MS, "maxDrift": 0.2, "autoRollback": True}}}
     # No spec.image: the chart's modelServer.image (the locally built model-server image).
     model = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "SparseModel", "metadata": {"name": MODEL},
              "spec": {"replicas": REPLICAS, "gateConfigRef": {"name": GATE},

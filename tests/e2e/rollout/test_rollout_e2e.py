@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from rollout_e2e_support import REPLICAS, Fleet
+from rollout_e2e_support import ADDED_LATENCY_MS, REPLICAS, Fleet
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,7 @@ def test_good_change_goes_5_20_100_and_succeeds(fleet: Fleet) -> None:
 
 @pytest.mark.parametrize(
     ("fault", "check"),
-    [({"errorRate": 0.6}, "errorRate"), ({"addedLatencyMs": 1500}, "p99LatencyMs")],
+    [({"errorRate": 0.6}, "errorRate"), ({"addedLatencyMs": ADDED_LATENCY_MS}, "p99LatencyMs")],
     ids=["errors", "latency"],
 )
 def test_bad_change_is_rolled_back_at_the_first_step(fleet: Fleet, fault: dict, check: str) -> None:
