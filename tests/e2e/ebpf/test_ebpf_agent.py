@@ -81,8 +81,12 @@ def test_agent_attaches_exports_follows_policy_file_and_detaches_on_sigterm(lab:
                                           "--on-exit", "detach"],
                           stdout=log_f, stderr=subprocess.STDOUT)
     try:
-        m = wait_for(lambda: (x := scrape(lab)) and sample(x, "sparsegate_xdp_policy_info", version="v1") and x,
-                     "agent ready with policy v1", timeout=120.0)  # BCC compiles first: slow on a loaded machine
+        # The policy goes into the maps before the program is attached (never live without it), so
+        # "ready" is both: the policy metric alone shows up first and raced the attach on a slow machine.
+        m = wait_for(lambda: (x := scrape(lab)) and sample(x, "sparsegate_xdp_policy_info", version="v1")
+                     and sample(x, "sparsegate_xdp_attached", interface=lab.server_if, mode="native") and x,
+                     "agent ready: policy v1 and attached natively",
+                     timeout=120.0)  # BCC compiles first: slow on a loaded machine
         assert sample(m, "sparsegate_agent_bpf_available") == 1
         assert sample(m, "sparsegate_xdp_attached", interface=lab.server_if, mode="native") == 1
 
