@@ -5,6 +5,7 @@ component can import it: the operator image, the torch model server and the BCC 
 
 - ``canonical``: canonical JSON and ``sha256:<hex>`` of a JSON value (gate, OPA data, flow policy).
 - ``gate``: the gate document (params, validation, checksum, ``g-<12 hex>`` version).
+- ``canary``: the request-level canary (two-version PUT body, deterministic request selection).
 - ``flowpolicy``: the flow allow-list document the operator publishes and the agent enforces.
 - ``probes``: per-node XDP attachment configuration (from TelemetryProbes) and the agents' reports.
 - ``names``: API group/version/plurals, label and annotation names.

@@ -44,11 +44,14 @@ class ServerMetrics:
                                          "OpenAI API generated tokens",
                                          ["model_name"], registry=r).labels(**label)
         # Inference requests only: probes and scrapes would dilute the rollout's error rate.
-        self.requests = Counter("sparsegate_requests_total", "Inference requests by HTTP status",
-                                ["code"], registry=r)
+        # gate_version: the version that served the request (with a request-level canary a pod
+        # serves two, measured side by side); "" when none was chosen (e.g. still loading).
+        self.requests = Counter("sparsegate_requests_total",
+                                "Inference requests by HTTP status and serving gate version",
+                                ["code", "gate_version"], registry=r)
         self.duration = Histogram("sparsegate_request_duration_seconds",
-                                  "Inference request latency", buckets=LATENCY_BUCKETS,
-                                  registry=r)
+                                  "Inference request latency by serving gate version",
+                                  ["gate_version"], buckets=LATENCY_BUCKETS, registry=r)
         self.tokens = Counter("sparsegate_tokens_total", "Tokens processed (rate = tokens/s)",
                               registry=r)
         self.expert_tokens = Counter("sparsegate_expert_tokens_total",
@@ -87,6 +90,12 @@ class ServerMetrics:
         for layer in range(n_layers):
             for expert in range(num_experts):
                 self.expert_tokens.labels(layer=str(layer), expert=str(expert))
+
+    def observe_request(self, *, code: int, gate_version: str | None, seconds: float) -> None:
+        """One inference request (``/v1/infer`` or OpenAI), labelled by the version that served it."""
+        version = gate_version or ""
+        self.requests.labels(code=str(code), gate_version=version).inc()
+        self.duration.labels(gate_version=version).observe(seconds)
 
     def set_expert_costs(self, costs: list[list[float]]) -> None:
         """Per-layer normalised expert costs (`expert_cost.ExpertCost.vector`), set at scrape."""

@@ -252,10 +252,12 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
     started = time.perf_counter()
     code = 500
+    served: str | None = None  # the gate version that served it (a checkpoint holds one: no canary)
     try:
         hf = _text_model(state)
         gate = state.gate
         assert gate is not None and state.engine is not None
+        served = gate.doc.version
         async with admission(state) as keep:
             plan = parse_request(await read_json(request), chat=chat, hf=hf)
             await inject_fault(state, gate)
@@ -275,6 +277,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
             raise
         call.first_token = handle.first_token_at
         call.observe(gen)
+        served = gen.gate_version or served  # the version its prefill really ran under
         code = 200
         return web.json_response(call.full(gen))
     except ApiError as e:
@@ -283,8 +286,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     finally:
         # The sparsegate series count these requests too: the rollout analysis reads them.
         if state.metrics is not None:
-            state.metrics.requests.labels(code=str(code)).inc()
-            state.metrics.duration.observe(time.perf_counter() - started)
+            state.metrics.observe_request(code=code, gate_version=served, seconds=time.perf_counter() - started)
 
 
 async def _stream(request: web.Request, call: _Call, plan: Plan,
@@ -332,6 +334,7 @@ async def _send_events(request: web.Request, call: _Call, plan: Plan,
             await send(call.chunk(text=text[len(sent):], finish=None))
         call.first_token = handle.first_token_at
         call.observe(gen)
+        served = gen.gate_version or served  # the version its prefill really ran under
         await send(call.chunk(text=None if call.chat else "", finish=gen.finish_reason))
         if plan.include_usage:
             await send({**call.chunk(text=None, finish=None), "choices": [],

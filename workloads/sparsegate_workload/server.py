@@ -20,6 +20,14 @@ event loop can never be seen half-applied: each request runs wholly under one ve
 checkpoint holds its gate inside the model (``set_gate`` may re-store weights), so its swap runs
 on the model thread between batches and each batch reports the gate read there.
 
+Request-level canary (``sparsegate_contracts.canary``): a PUT may carry a stable and a canary
+document with a weight; the built-in model then holds both, and each ``/v1/infer`` request picks
+one by the hash of its sticky header's value (else its ``x-request-id``, else a random id). The
+response's ``gateVersion`` names the version that served it, and ``sparsegate_requests_total`` /
+``sparsegate_request_duration_seconds`` are labelled ``gate_version``, so stable and canary are
+measured side by side from the same pods. A checkpoint holds one version (its gate lives in its
+weights' storage): it answers a two-version PUT with 422.
+
 A gate with ``targetExpertsPerToken`` gets its own PI controller (`threshold_control`) when it is
 applied to the built-in model: each /v1/infer batch routes with the controller's threshold and
 feeds back its mean selected experts per token; the live threshold is the gauge
@@ -60,6 +68,7 @@ from typing import Any, Awaitable, Callable
 
 import torch
 from aiohttp import web
+from sparsegate_contracts.canary import GateSet, parse_gate_set
 from sparsegate_contracts.gate import (DEFAULT_DOCUMENT, GateDocument, GateParamsError,
                                        parse_document)
 from sparsegate_contracts.names import DEFAULT_ADMIN_PORT
@@ -74,8 +83,9 @@ from .inference import InferenceResult, run_batch
 from .metrics import ServerMetrics
 from .model import ModelConfig, TinyMoELM, build_model, default_heads, effective_gate
 from .server_state import (BUILTIN_MODEL_NAME, DEFAULT_MAX_INFLIGHT, DEFAULT_REQUEST_TIMEOUT_S,
-                           MAX_BODY_BYTES, STATE, ApiError, AppliedGate, ServerState, admission,
-                           inject_fault, read_json, run_on_model, threshold_controller)
+                           MAX_BODY_BYTES, STATE, ApiError, AppliedGate, CanaryGate, ServerState,
+                           admission, choose_gate, inject_fault, read_json, run_on_model,
+                           threshold_controller)
 
 log = logging.getLogger("sparsegate.workload")
 
@@ -212,8 +222,11 @@ async def infer(request: web.Request) -> web.Response:
     state = request.app[STATE]
     started = time.perf_counter()
     code = 500
+    gate: AppliedGate | None = None
     try:
-        gate = state.gate  # read once: this request runs wholly under this version
+        # Read once: this request runs wholly under this version (the canary for the keys its
+        # weight selects, see server_state.choose_gate).
+        gate = choose_gate(state, request)
         if gate is None or not state.loaded:
             raise ApiError(503, "model is still loading")
         async with admission(state) as keep:
@@ -238,8 +251,8 @@ async def infer(request: web.Request) -> web.Response:
         raise
     finally:
         if state.metrics is not None:
-            state.metrics.requests.labels(code=str(code)).inc()
-            state.metrics.duration.observe(time.perf_counter() - started)
+            state.metrics.observe_request(code=code, gate_version=gate.doc.version if gate else None,
+                                          seconds=time.perf_counter() - started)
 
 
 async def _call_tools(state: ServerState, request: web.Request, gate: AppliedGate,
@@ -273,10 +286,11 @@ async def healthz(request: web.Request) -> web.Response:
         # Liveness fails with the reason, so the kubelet restarts the server and the error is seen.
         return web.json_response({"status": "error", "error": state.load_error}, status=500)
     doc = state.gate.doc if state.gate else state.pending_doc
-    return web.json_response({"status": "ok", "gateVersion": doc.version,
-                              "checksum": doc.checksum,
-                              "uptimeSeconds": round(time.monotonic() - state.started, 3),
-                              "model": state.shape()})
+    out = {"status": "ok", "gateVersion": doc.version, "checksum": doc.checksum,
+           "uptimeSeconds": round(time.monotonic() - state.started, 3), "model": state.shape()}
+    if state.canary is not None:
+        out["canary"] = _canary_json(state.canary)
+    return web.json_response(out)
 
 
 async def model_info(request: web.Request) -> web.Response:
@@ -314,6 +328,20 @@ def _gate_json(gate: AppliedGate) -> dict[str, Any]:
                                          "max": gate.params.max_experts_per_token}}
 
 
+def _canary_json(canary: CanaryGate) -> dict[str, Any]:
+    return {"version": canary.gate.doc.version, "checksum": canary.gate.doc.checksum,
+            "weight": canary.weight, "stickyHeader": canary.sticky_header}
+
+
+def _served_json(state: ServerState) -> dict[str, Any]:
+    """``GET``/``PUT /admin/gate``'s answer: the stable gate, and the canary when one is held."""
+    assert state.gate is not None
+    out = _gate_json(state.gate)
+    if state.canary is not None:
+        out["canary"] = {**_canary_json(state.canary), "params": dict(state.canary.gate.doc.raw_params)}
+    return out
+
+
 def _check_admin(request: web.Request) -> None:
     try:
         check_bearer(request.headers.get("Authorization", ""), request.app[AUTH].token())
@@ -326,10 +354,13 @@ async def get_gate(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.gate is None:
         raise ApiError(503, "model is still loading")
-    return web.json_response(_gate_json(state.gate))
+    return web.json_response(_served_json(state))
 
 
 async def put_gate(request: web.Request) -> web.Response:
+    """Apply a gate document, or a stable + canary set (contracts ``canary``). Versions already
+    held are kept as they are (a canary's threshold controller keeps its state when only the
+    weight moves); the new pair is assigned together, between requests."""
     _check_admin(request)
     state = request.app[STATE]
     if state.gate is None or not state.loaded or state.metrics is None:
@@ -337,28 +368,63 @@ async def put_gate(request: web.Request) -> web.Response:
     body = await read_json(request)
     num_experts = state.hf.num_experts if state.hf is not None else state.model_config.num_experts
     try:
-        doc = parse_document(body, num_experts=num_experts)
-        if doc.version == state.gate.doc.version:
-            return web.json_response({**_gate_json(state.gate), "applied": False})
+        wanted = parse_gate_set(body, num_experts=num_experts)
+        if wanted.canary is not None and state.hf is not None:
+            raise GateParamsError("canary: a request-level canary is served by the built-in model "
+                                  "only; a checkpoint holds one gate version at a time")
+        if wanted.key == _held_key(state) and (
+                state.canary is None or state.canary.sticky_header == wanted.sticky_header):
+            return web.json_response({**_served_json(state), "applied": False})
         previous = state.gate.doc.version
-        if state.hf is not None:
+        doc = wanted.stable
+        if doc.version == state.gate.doc.version:
+            new = state.gate
+        elif state.hf is not None:
             # A checkpoint swaps on the model thread, between batches: set_gate may re-store
             # weights, which must not overlap a forward. It also sets state.gate there.
             new = await asyncio.get_running_loop().run_in_executor(
                 state.executor, lambda: _swap_checkpoint_gate(state, doc))
+        elif state.canary is not None and state.canary.gate.doc.version == doc.version:
+            new = state.canary.gate  # promotion: the canary becomes stable, controller and all
         else:
             new = _applied(doc, state.model)
-            # The swap: one reference assignment on the event loop thread.
-            state.gate = new
+        canary = _canary_for(state, wanted)
+        # The swap: reference assignments on the event loop thread, no await between them.
+        state.gate, state.canary = new, canary
     except GateParamsError as e:
         state.metrics.gate_applies.labels(result="rejected").inc()
         raise ApiError(422, f"{e} (this model has {num_experts} experts)") from None
     state.metrics.set_gate(version=doc.version, checksum=doc.checksum)
     state.metrics.gate_applies.labels(result="applied").inc()
     _publish_controller(state, new)
-    await _score_probe(state)  # before answering: the operator reads it once the PUT returns
-    log.info("gate %s -> %s", previous, doc.version)
-    return web.json_response({**_gate_json(new), "applied": True, "previousVersion": previous})
+    if canary is not None:
+        _publish_controller(state, canary.gate)
+    if doc.version != previous:
+        await _score_probe(state)  # before answering: the operator reads it once the PUT returns
+    log.info("gate %s -> %s", previous, wanted.key)
+    return web.json_response({**_served_json(state), "applied": True, "previousVersion": previous})
+
+
+def _held_key(state: ServerState) -> str:
+    assert state.gate is not None
+    held = GateSet(stable=state.gate.doc, canary=state.canary.gate.doc if state.canary else None,
+                   weight=state.canary.weight if state.canary else 0.0)
+    return held.key
+
+
+def _canary_for(state: ServerState, wanted: GateSet) -> CanaryGate | None:
+    """The canary half of ``wanted``, reusing the applied canary when its version is unchanged."""
+    if wanted.canary is None:
+        return None
+    held = state.canary
+    if held is not None and held.gate.doc.version == wanted.canary.version:
+        gate = held.gate
+    elif state.gate is not None and state.gate.doc.version == wanted.canary.version:
+        gate = state.gate
+    else:
+        assert state.model is not None
+        gate = _applied(wanted.canary, state.model)
+    return CanaryGate(gate=gate, weight=wanted.weight, sticky_header=wanted.sticky_header)
 
 
 def _swap_checkpoint_gate(state: ServerState, doc: GateDocument) -> AppliedGate:

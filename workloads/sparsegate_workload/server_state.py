@@ -14,9 +14,11 @@ import dataclasses
 import json
 import random
 import time
+import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 
 from aiohttp import web
+from sparsegate_contracts.canary import REQUEST_ID_HEADER, routes_to_canary
 from sparsegate_contracts.gate import DEFAULT_DOCUMENT, GateDocument, GateParams
 
 from .hf_serving import HFServedModel
@@ -55,6 +57,15 @@ class AppliedGate:
         return self.controller.params(self.params) if self.controller is not None else self.params
 
 
+@dataclasses.dataclass(frozen=True)
+class CanaryGate:
+    """The second version a server holds during a request-level canary (contracts ``canary``)."""
+
+    gate: AppliedGate
+    weight: float           # share of requests routed to it, [0, 1]
+    sticky_header: str      # request header whose value keys the choice (e.g. x-session-id)
+
+
 def threshold_controller(params: GateParams) -> ThresholdController | None:
     """A fresh controller for a gate with ``targetExpertsPerToken`` (None without it), starting
     at its confidenceThreshold clamped into the controller's threshold bounds."""
@@ -70,6 +81,10 @@ class ServerState:
     model_config: ModelConfig
     rng: random.Random
     gate: AppliedGate | None = None       # swapped by reference, never mutated
+    # The request-level canary held beside ``gate`` (None: every request runs ``gate``). Both are
+    # assigned together on the event loop with no await between, so a request never reads half
+    # of a change.
+    canary: CanaryGate | None = None
     pending_doc: GateDocument = DEFAULT_DOCUMENT
     model: TinyMoELM | None = None        # the built-in model (None with a checkpoint)
     model_path: str | None = None         # a Hugging Face checkpoint directory instead of it
@@ -109,6 +124,22 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
+
+
+def request_key(request: web.Request, sticky_header: str) -> str:
+    """What the canary choice hashes: the sticky header's value (one session, one version), else
+    the request id, else a fresh random id (random assignment at the weight, in expectation)."""
+    return (request.headers.get(sticky_header) or request.headers.get(REQUEST_ID_HEADER)
+            or uuid.uuid4().hex)
+
+
+def choose_gate(state: ServerState, request: web.Request) -> AppliedGate | None:
+    """The version this request runs under, read once: the canary for the keys
+    ``routes_to_canary`` sends there at its weight, the stable gate otherwise."""
+    gate, canary = state.gate, state.canary
+    if canary is not None and routes_to_canary(request_key(request, canary.sticky_header), canary.weight):
+        return canary.gate
+    return gate
 
 
 class ApiError(Exception):

@@ -231,7 +231,8 @@ async def test_fault_injection_is_a_seeded_chaos_knob(client, admin):
     assert time.perf_counter() - started >= 40 * 0.03
     assert set(statuses) == {200, 503} and 8 <= statuses.count(503) <= 32
     metrics = await (await client.get("/metrics")).text()
-    assert f'sparsegate_requests_total{{code="503"}} {statuses.count(503)}.0' in metrics
+    assert (f'sparsegate_requests_total{{code="503",gate_version="{faulty.version}"}} '
+            f'{statuses.count(503)}.0') in metrics
     # Same seed, same sequence of failures.
     app2 = create_app(gate_doc=faulty)
     async with TestClient(TestServer(app2, host="127.0.0.1")) as c2:
@@ -249,9 +250,10 @@ async def test_metrics_are_exposed(client, admin):
     text = await resp.text()
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
                for line in text.splitlines() if line and not line.startswith("#")}
-    assert samples['sparsegate_requests_total{code="200"}'] == 3
-    assert samples['sparsegate_requests_total{code="422"}'] == 1
-    assert samples["sparsegate_request_duration_seconds_count"] == 4
+    a = VERSION_A.version
+    assert samples[f'sparsegate_requests_total{{code="200",gate_version="{a}"}}'] == 3
+    assert samples[f'sparsegate_requests_total{{code="422",gate_version="{a}"}}'] == 1
+    assert samples[f'sparsegate_request_duration_seconds_count{{gate_version="{a}"}}'] == 4
     assert samples["sparsegate_tokens_total"] == 12
     per_expert = [v for k, v in samples.items()
                   if k.startswith('sparsegate_expert_tokens_total{expert=') and 'layer="0"' in k]

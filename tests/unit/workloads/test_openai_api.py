@@ -227,7 +227,7 @@ async def test_metrics_use_vllm_names_and_keep_sparsegate_ones(client):
                  f"vllm:e2e_request_latency_seconds_count{label} 2.0",
                  f"vllm:time_to_first_token_seconds_count{label} 2.0",
                  f"vllm:generation_tokens_total{label} 12.0",
-                 'sparsegate_requests_total{code="200"} 2.0',
+                 f'sparsegate_requests_total{{code="200",gate_version="{ONE_EXPERT.version}"}} 2.0',
                  f'sparsegate_gate_config_info{{checksum="{ONE_EXPERT.checksum}",'
                  f'version="{ONE_EXPERT.version}"}} 1.0'):
         assert line in text, line

@@ -1,0 +1,147 @@
+"""The model server holding a stable and a canary gate version and choosing per request
+(sparsegate_contracts.canary), in-process: sticky sessions, per-version metrics, hot swaps."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from sparsegate_contracts.canary import gate_set_document, routes_to_canary
+from sparsegate_workload.admin import StaticToken
+from sparsegate_workload.gateparams import DEFAULT_PARAMS, make_document
+from sparsegate_workload.hf import build_tiny_checkpoint
+from sparsegate_workload.server import STATE, create_admin_app, create_app, wait_ready
+
+TOKEN = "canary-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+# Visible in every response: STABLE routes each token to one expert, CANARY to three.
+STABLE = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 1, "maxExpertsPerToken": 1, "capacityFactor": 8})
+CANARY = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 3, "maxExpertsPerToken": 3, "capacityFactor": 8})
+EXPERTS = {STABLE.version: 1.0, CANARY.version: 3.0}
+
+
+@pytest.fixture
+async def server():
+    app = create_app(gate_doc=STABLE)
+    async with TestClient(TestServer(app, host="127.0.0.1"), connector=aiohttp.TCPConnector(limit=0)) as c:
+        await wait_ready(app)
+        async with TestClient(TestServer(create_admin_app(app, auth=StaticToken(TOKEN)), host="127.0.0.1")) as a:
+            yield c, a
+
+
+async def _put(admin, body):
+    resp = await admin.put("/admin/gate", json=body, headers=AUTH)
+    return resp.status, await resp.json()
+
+
+async def _infer(client, headers=None):
+    resp = await client.post("/v1/infer", json={"tokens": [[1, 2, 3, 4]]}, headers=headers or {})
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    # The response names the version that served it, and the routing shows it really did.
+    assert body["activeExpertsPerToken"] == EXPERTS[body["gateVersion"]]
+    return body["gateVersion"]
+
+
+def _samples(text):
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+async def test_sticky_sessions_and_request_ids_follow_the_contract(server):
+    client, admin = server
+    status, body = await _put(admin, gate_set_document(STABLE.to_json(), CANARY.to_json(), weight=0.3))
+    assert status == 200 and body["applied"] and body["version"] == STABLE.version
+    assert body["canary"]["version"] == CANARY.version and body["canary"]["weight"] == 0.3
+    health = await (await client.get("/healthz")).json()
+    assert health["gateVersion"] == STABLE.version
+    assert health["canary"] == {"version": CANARY.version, "checksum": CANARY.checksum, "weight": 0.3,
+                                "stickyHeader": "x-session-id"}
+    served = {}
+    for i in range(40):
+        session = f"conversation-{i}"
+        versions = {await _infer(client, {"X-Session-Id": session, "X-Request-Id": f"r{i}-{n}"}) for n in range(3)}
+        assert len(versions) == 1, session  # one conversation, one version, whatever its request ids
+        served[session] = versions.pop()
+        assert served[session] == (CANARY.version if routes_to_canary(session, 0.3) else STABLE.version)
+    # Without the sticky header the request id decides.
+    for i in range(20):
+        rid = f"request-{i}"
+        want = CANARY.version if routes_to_canary(rid, 0.3) else STABLE.version
+        assert await _infer(client, {"X-Request-Id": rid}) == want
+    # Monotone: a session on the canary at 30 % stays there at 60 %.
+    status, _ = await _put(admin, gate_set_document(STABLE.to_json(), CANARY.to_json(), weight=0.6))
+    assert status == 200
+    for session, version in served.items():
+        if version == CANARY.version:
+            assert await _infer(client, {"X-Session-Id": session}) == CANARY.version
+
+
+async def test_random_requests_split_at_the_weight_and_metrics_are_per_version(server):
+    client, admin = server
+    weight, n = 0.2, 600
+    await _put(admin, gate_set_document(STABLE.to_json(), CANARY.to_json(), weight=weight))
+    versions = [await _infer(client) for _ in range(n)]  # no header: a random id each
+    canary = versions.count(CANARY.version)
+    assert abs(canary - weight * n) <= 4 * math.sqrt(n * weight * (1 - weight)), canary
+    samples = _samples(await (await client.get("/metrics")).text())
+    assert samples[f'sparsegate_requests_total{{code="200",gate_version="{CANARY.version}"}}'] == canary
+    assert samples[f'sparsegate_requests_total{{code="200",gate_version="{STABLE.version}"}}'] == n - canary
+    assert samples[f'sparsegate_request_duration_seconds_count{{gate_version="{CANARY.version}"}}'] == canary
+
+
+async def test_a_faulty_canary_fails_only_its_own_requests(server):
+    client, admin = server
+    faulty = make_document({**DEFAULT_PARAMS, "faultInjection": {"errorRate": 1.0, "addedLatencyMs": 0}})
+    await _put(admin, gate_set_document(STABLE.to_json(), faulty.to_json(), weight=0.5, sticky_header="x-user"))
+    codes = {}
+    for i in range(40):
+        user = f"user-{i}"
+        resp = await client.post("/v1/infer", json={"tokens": [[1, 2]]}, headers={"x-user": user})
+        codes[user] = resp.status
+        assert resp.status == (503 if routes_to_canary(user, 0.5) else 200)
+    samples = _samples(await (await client.get("/metrics")).text())
+    assert samples[f'sparsegate_requests_total{{code="503",gate_version="{faulty.version}"}}'] \
+        == list(codes.values()).count(503) > 0
+    assert f'sparsegate_requests_total{{code="503",gate_version="{STABLE.version}"}}' not in samples
+
+
+async def test_promotion_rollback_and_swaps_under_load_drop_nothing(server):
+    client, admin = server
+    state = client.server.app[STATE]
+
+    async def load():
+        return [await _infer(client) for _ in range(60)]
+
+    async def changes():
+        for body in (gate_set_document(STABLE.to_json(), CANARY.to_json(), weight=0.05),
+                     gate_set_document(STABLE.to_json(), CANARY.to_json(), weight=0.5),
+                     CANARY.to_json(),                                                  # promote
+                     gate_set_document(CANARY.to_json(), STABLE.to_json(), weight=0.2),
+                     CANARY.to_json()):                                                 # roll back
+            status, answer = await _put(admin, body)
+            assert status == 200 and answer["applied"], answer
+            await asyncio.sleep(0.02)
+
+    results = await asyncio.gather(load(), load(), changes())
+    assert all(v in EXPERTS for v in results[0] + results[1])  # every request answered 200
+    assert state.gate.doc.version == CANARY.version and state.canary is None
+    health = await (await client.get("/healthz")).json()
+    assert health["gateVersion"] == CANARY.version and "canary" not in health
+    status, answer = await _put(admin, CANARY.to_json())
+    assert status == 200 and answer["applied"] is False
+
+
+async def test_a_checkpoint_refuses_a_two_version_set(tmp_path):
+    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", family="mixtral")
+    app = create_app(gate_doc=STABLE, model_path=str(checkpoint))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as c:
+        await wait_ready(app)
+        async with TestClient(TestServer(create_admin_app(app, auth=StaticToken(TOKEN)), host="127.0.0.1")) as a:
+            status, body = await _put(a, gate_set_document(STABLE.to_json(), CANARY.to_json(), weight=0.1))
+            assert status == 422 and "canary" in body["error"] and "checkpoint" in body["error"]
+            assert (await (await c.get("/healthz")).json())["gateVersion"] == STABLE.version
