@@ -4,7 +4,16 @@
         (--policy-file F | --policy-configmap NS/NAME) [--xdp-mode auto|native|generic] \
         [--enforcement off|audit|enforce] [--allow-sources IP,..] [--node-addresses auto|none] \
         [--initial-policy-timeout 30] [--on-exit detach|keep|daemonset --daemonset NS/NAME]
+        [--probe-configmap NS/NAME | --probe-file F] [--probe-report-configmap NS/NAME | --probe-report-file F] \
+        [--node-name NODE]
     python -m sparsegate_ebpf.agent --version
+
+Interfaces: --interfaces, unless a probe source is given and TelemetryProbes select this node
+(--node-name, env NODE_NAME): then exactly the interfaces and XDP modes of the operator's
+configuration for this node (sparsegate_contracts.probes), followed as it changes: interfaces no
+longer asked for are detached, new ones attached, a changed mode re-attached. With a probe source an
+interface that cannot be attached is reported (--probe-report-*) and retried every
+--probe-interval seconds instead of ending the agent; without one, a failed attach exits 1 as before.
 
 Enforcement: `off` counts only (telemetry); `audit` judges every packet to a policed destination
 and counts would-be drops (`sparsegate_xdp_policy_audit_drops_total`) without dropping; `enforce`
@@ -46,7 +55,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, start_http_server
 from sparsegate_contracts.version import version_line
 
-from . import handover, inherit, policysource, programs, xdp
+from sparsegate_contracts.probes import NodeConfig
+
+from . import handover, inherit, policysource, probesource, programs, xdp
+from .attachments import Attachments
 from .handover import ExitAction, OnExit, StartCollector, StartState
 from .metrics import AgentState, XdpCollector
 from .policy import PolicyError, parse_policy
@@ -61,7 +73,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m sparsegate_ebpf.agent", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=version_line("sparsegate_ebpf.agent"))
-    ap.add_argument("--interfaces", required=True, help="comma-separated interface names")
+    ap.add_argument("--interfaces", required=True,
+                    help="comma-separated interface names; with a probe source: those of nodes no TelemetryProbe "
+                         "selects (may then be empty: attach only where probes say)")
+    probe = ap.add_mutually_exclusive_group()
+    probe.add_argument("--probe-configmap", metavar="NS/NAME",
+                       help="follow this node's key of the operator's probe configuration ConfigMap")
+    probe.add_argument("--probe-file", type=Path, help="follow this node's key of a JSON file {node: document}")
+    report = ap.add_mutually_exclusive_group()
+    report.add_argument("--probe-report-configmap", metavar="NS/NAME",
+                        help="merge-patch this node's attach report into this ConfigMap (needs patch on it)")
+    report.add_argument("--probe-report-file", type=Path, help="write this node's attach report to this file")
+    ap.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""),
+                    help="this node's name, the key of its probe configuration and report (env NODE_NAME)")
+    ap.add_argument("--initial-probe-timeout", type=float, default=10.0, metavar="SECONDS",
+                    help="with a probe source: wait this long for its first answer before attaching to "
+                         "--interfaces (then follow it when it arrives)")
+    ap.add_argument("--probe-interval", type=float, default=5.0, metavar="SECONDS",
+                    help="with a probe source: retry failed attaches and re-send an unsent report this often")
     ap.add_argument("--metrics-port", type=int, default=9102)
     ap.add_argument("--metrics-addr", default="0.0.0.0")
     src = ap.add_mutually_exclusive_group(required=True)
@@ -96,6 +125,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "needs RBAC get on daemonsets")
     args = ap.parse_args(argv)
     args.interfaces = [i for i in args.interfaces.split(",") if i]
+    args.probes = bool(args.probe_configmap or args.probe_file)
+    if not args.interfaces and not args.probes:
+        ap.error("--interfaces: at least one interface (or a probe source: --probe-configmap/--probe-file)")
+    for flag in ("probe_configmap", "probe_report_configmap"):
+        value = getattr(args, flag)
+        if value and value.count("/") != 1:
+            ap.error(f"--{flag.replace('_', '-')} must be NAMESPACE/NAME")
+    if (args.probes or args.probe_report_configmap or args.probe_report_file) and not args.node_name:
+        ap.error("--probe-*: needs --node-name (or env NODE_NAME)")
+    if (args.probe_report_configmap or args.probe_report_file) and not args.probes:
+        ap.error("--probe-report-*: needs a probe source (--probe-configmap or --probe-file)")
     if args.telemetry_only and args.enforcement not in (None, "off"):
         ap.error("--telemetry-only contradicts --enforcement " + args.enforcement)
     args.enforcement = args.enforcement or ("off" if args.telemetry_only else "enforce")
@@ -118,6 +158,37 @@ def local_ipv4_addresses() -> list[str]:
     out = subprocess.run(["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True, timeout=10,
                          check=True).stdout
     return sorted({a["local"] for link in json.loads(out) for a in link.get("addr_info", ()) if a.get("local")})
+
+
+def desired_interfaces(config: NodeConfig | None, *, default: list[str],
+                       default_mode: xdp.XdpMode) -> dict[str, xdp.XdpMode]:
+    """Interface -> mode to attach: the probe configuration for this node, else the agent's own flags."""
+    if config is None:
+        return {i: default_mode for i in default}
+    return {i.name: xdp.XdpMode(i.xdp_mode) for i in config.interfaces}
+
+
+class ProbeFollower:
+    """The latest probe configuration for this node, handed from the source thread to the agent's loop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._config: NodeConfig | None = None
+        self.read = threading.Event()  # the source answered once (a config, or "none for this node")
+        self.changed = threading.Event()
+
+    def on_config(self, config: NodeConfig | None) -> None:
+        with self._lock:
+            self._config = config
+        log.info("probe configuration for this node: %s", "none (using --interfaces)" if config is None else
+                 f"{config.version} {config.modes()}")
+        self.read.set()
+        self.changed.set()
+
+    @property
+    def config(self) -> NodeConfig | None:
+        with self._lock:
+            return self._config
 
 
 def make_policy_handler(*, state: AgentState, on_applied: Callable[[], None] | None = None,
@@ -205,24 +276,28 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
     log.info("enforcement %s; always allowed to policed destinations: %s", args.enforcement, ", ".join(sources()))
     handler = make_policy_handler(state=state, on_applied=applied, sources=sources)
     _start_policy_source(args, on_document=handler, stop=stop)
+    follower = _start_probe_source(args, stop=stop) if args.probes else None
     if not _wait_first_policy(args, first_policy=first_policy, start=start, stop=stop):
         prog.close()  # stopped before attaching: whatever a predecessor left stays as it is
         return 0
+    if follower is not None and not follower.read.wait(args.initial_probe_timeout):
+        log.warning("no answer from the probe source within %.0fs: attaching to --interfaces %s until it answers",
+                    args.initial_probe_timeout, ",".join(args.interfaces) or "(none)")
+
+    mode = xdp.XdpMode(args.xdp_mode)
+
+    def desired() -> dict[str, xdp.XdpMode]:
+        return desired_interfaces(follower.config if follower else None, default=args.interfaces, default_mode=mode)
 
     if args.enforcement == "enforce" and not first_policy.is_set():
         # Set, then re-check: a document applied meanwhile clears it (applied() sets the event first).
-        start.inherited_policy = _inherit(args, state=state)
+        start.inherited_policy = _inherit(list(desired()), state=state)
         if first_policy.is_set():
             start.inherited_policy = False
 
-    mode = xdp.XdpMode(args.xdp_mode)
-    try:
-        for ifname in args.interfaces:
-            used = xdp.attach(bpf=prog.bpf, fn=prog.fn, ifname=ifname, mode=mode)
-            state.attached[ifname] = used.value
-            log.info("XDP attached to %s in %s mode", ifname, used.value)
-    except xdp.AttachError as exc:
-        log.error("%s", exc)
+    attachments = Attachments(state=state, bpf=prog.bpf, fn=prog.fn)
+    errors = attachments.apply(desired())
+    if errors and follower is None:
         _exit(args, state=state, reader=exit_reader)
         prog.close()
         return 1
@@ -231,7 +306,11 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
         if first_policy.is_set():
             start.attached_without_policy = False
     log.info("agent ready")
-    stop.wait()
+    if follower is None:
+        stop.wait()
+    else:
+        _follow_probes(args, follower=follower, attachments=attachments, desired=desired, prog_fd=prog.prog_fd,
+                       stop=stop)
     _exit(args, state=state, reader=exit_reader)
     prog.close()
     log.info("bye")
@@ -256,6 +335,59 @@ def _start_policy_source(args: argparse.Namespace, *, on_document: policysource.
                      name="policy-source", daemon=True).start()
 
 
+def _start_probe_source(args: argparse.Namespace, *, stop: threading.Event) -> ProbeFollower:
+    follower = ProbeFollower()
+    if args.probe_file:
+        target, kwargs = probesource.watch_file, {"path": args.probe_file, "interval": args.poll_interval}
+    else:
+        ns, name = args.probe_configmap.split("/")
+        target, kwargs = probesource.watch_configmap, {"namespace": ns, "name": name}
+    threading.Thread(target=target, name="probe-source", daemon=True,
+                     kwargs={**kwargs, "node": args.node_name, "on_config": follower.on_config, "stop": stop}).start()
+    return follower
+
+
+def _report_sink(args: argparse.Namespace) -> probesource.ReportSink | None:
+    if args.probe_report_configmap:
+        ns, name = args.probe_report_configmap.split("/")
+        return probesource.configmap_sink(namespace=ns, name=name)
+    if args.probe_report_file:
+        return probesource.file_sink(args.probe_report_file)
+    return None
+
+
+def _follow_probes(args: argparse.Namespace, *, follower: ProbeFollower, attachments: Attachments,
+                   desired: Callable[[], dict[str, xdp.XdpMode]], prog_fd: int, stop: threading.Event) -> None:
+    """Until stopped: re-attach on every configuration change (and retry failures every
+    --probe-interval), and send the report whenever it differs from the last one sent."""
+    try:
+        program_id: int | None = inherit.program_id(prog_fd)
+    except Exception as exc:  # reported as unknown rather than not reporting at all
+        log.warning("cannot read the program's id: %s", exc)
+        program_id = None
+    sink = _report_sink(args)
+    sent = None
+    while True:
+        want = desired()
+        config = follower.config
+        report = attachments.report(node=args.node_name, config_version=config.version if config else None,
+                                    program_id=program_id, desired=want)
+        if sink is not None and report != sent:
+            try:
+                sink(report)
+                sent = report
+                log.info("reported: %s", probesource.report_text(report))
+            except Exception as exc:  # retried at the next round
+                log.warning("cannot send the probe report: %s", exc)
+        deadline = time.monotonic() + args.probe_interval
+        while not stop.is_set() and not follower.changed.is_set() and time.monotonic() < deadline:
+            follower.changed.wait(0.2)  # short slices: SIGTERM sets only `stop`
+        if stop.is_set():
+            return
+        follower.changed.clear()
+        attachments.apply(desired())
+
+
 def _wait_first_policy(args: argparse.Namespace, *, first_policy: threading.Event, start: StartState,
                        stop: threading.Event) -> bool:
     """Wait (bounded) for the first policy; False when stopped meanwhile."""
@@ -278,10 +410,11 @@ def _wait_first_policy(args: argparse.Namespace, *, first_policy: threading.Even
     return True
 
 
-def _inherit(args: argparse.Namespace, *, state: AgentState) -> bool:
+def _inherit(interfaces: list[str], *, state: AgentState) -> bool:
     """No document in time: carry over the policy our predecessor's program still enforces (if one
-    is attached), so replacing it widens nothing. True when that policy is now in our maps."""
-    for ifname in args.interfaces:
+    is attached to one of `interfaces`), so replacing it widens nothing. True when that policy is now
+    in our maps."""
+    for ifname in interfaces:
         try:
             current = xdp.attached_program(ifname)
             if not current or current.get("prog", {}).get("name") != programs.FUNCTION:

@@ -99,3 +99,10 @@ def live_policy(prog_id: int) -> list[tuple[PolicyKey, PolicyVal]] | None:
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def program_id(prog_fd: int) -> int:
+    """The kernel's id of the program behind ``prog_fd`` (what `ip link` and bpftool show)."""
+    info = _ProgInfo()
+    _info(_lib(), prog_fd, info)
+    return int(info.id)

@@ -1,0 +1,125 @@
+"""Agent side of TelemetryProbes without BPF: flags, desired interfaces, the attach/detach plan
+(against our own xdp wrapper's signature), the report, and the probe source's parsing."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from sparsegate_contracts import probes
+from sparsegate_ebpf import agent, probesource, xdp
+from sparsegate_ebpf.attachments import Attachments
+from sparsegate_ebpf.metrics import AgentState
+
+LO = socket.if_nameindex()[0][1]  # an interface every network namespace has ("lo")
+
+
+def test_probe_flags_need_a_node_name_and_allow_empty_interfaces_only_with_a_source() -> None:
+    base = ["--policy-file", "p"]
+    a = agent.parse_args(["--interfaces", "", "--probe-configmap", "ns/cfg", "--node-name", "n1",
+                          "--probe-report-configmap", "ns/rep", *base])
+    assert (a.interfaces, a.probes, a.node_name) == ([], True, "n1")
+    for bad in (["--interfaces", "", *base],
+                ["--interfaces", "eth0", "--probe-configmap", "ns/cfg", "--node-name", "", *base],
+                ["--interfaces", "eth0", "--probe-configmap", "no-slash", "--node-name", "n", *base],
+                ["--interfaces", "eth0", "--probe-report-file", "r", "--node-name", "n", *base],
+                ["--interfaces", "eth0", "--probe-file", "f", "--probe-configmap", "ns/c", "--node-name", "n", *base]):
+        with pytest.raises(SystemExit):
+            agent.parse_args(bad)
+    assert agent.parse_args(["--interfaces", "eth0", *base]).probes is False
+
+
+def test_desired_interfaces_prefer_the_node_configuration() -> None:
+    config = probes.parse_node_config(json.dumps(probes.build_node_config(
+        [probes.InterfaceConfig("ib0", "native"), probes.InterfaceConfig("eth1", "auto")])))
+    assert agent.desired_interfaces(config, default=["eth0"], default_mode=xdp.XdpMode.GENERIC) == {
+        "ib0": xdp.XdpMode.NATIVE, "eth1": xdp.XdpMode.AUTO}
+    assert agent.desired_interfaces(None, default=["eth0"], default_mode=xdp.XdpMode.GENERIC) == {
+        "eth0": xdp.XdpMode.GENERIC}
+
+
+class FakeXdp:
+    """Records calls with xdp.attach / xdp.detach_own's keyword signature."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, str]] = []
+        self.fail: dict[str, str] = {}
+
+    def attach(self, *, bpf: object, fn: object, ifname: str, mode: xdp.XdpMode) -> xdp.XdpMode:
+        self.calls.append(("attach", ifname, mode.value))
+        if ifname in self.fail:
+            raise xdp.AttachError(self.fail[ifname])
+        return xdp.XdpMode.NATIVE if mode == xdp.XdpMode.AUTO else mode
+
+    def detach(self, *, prog_fd: int, ifname: str, mode: xdp.XdpMode) -> None:
+        self.calls.append(("detach", ifname, mode.value))
+
+
+def test_apply_detaches_the_unwanted_reattaches_on_mode_change_and_keeps_the_rest() -> None:
+    fake, state = FakeXdp(), AgentState(enforcement="off")
+    att = Attachments(state=state, bpf=None, fn=SimpleNamespace(fd=3), attach=fake.attach, detach=fake.detach)
+    N, G, A = xdp.XdpMode.NATIVE, xdp.XdpMode.GENERIC, xdp.XdpMode.AUTO
+    assert att.apply({LO: A}) == {}
+    assert state.attached == {LO: "native"} and fake.calls == [("attach", LO, "auto")]
+    fake.calls.clear()
+    assert att.apply({LO: N}) == {} and fake.calls == []  # native runs: nothing to do
+    assert att.apply({LO: A}) == {} and fake.calls == []  # auto keeps whatever runs
+    att.apply({LO: G})
+    assert fake.calls == [("detach", LO, "native"), ("attach", LO, "generic")] and state.attached == {LO: "generic"}
+    fake.calls.clear()
+    att.apply({})
+    assert fake.calls == [("detach", LO, "generic")] and state.attached == {}
+
+
+def test_attach_errors_are_kept_per_interface_reported_and_retried() -> None:
+    fake, state = FakeXdp(), AgentState(enforcement="off")
+    att = Attachments(state=state, bpf=None, fn=SimpleNamespace(fd=3), attach=fake.attach, detach=fake.detach)
+    fake.fail[LO] = "a foreign XDP program is attached"
+    desired = {LO: xdp.XdpMode.AUTO, "nosuch0": xdp.XdpMode.AUTO}
+    errors = att.apply(desired)
+    assert errors == {LO: "a foreign XDP program is attached",
+                      "nosuch0": "interface nosuch0 does not exist on this node"}
+    report = att.report(node="n1", config_version="sha256:v", program_id=42, desired=desired)
+    assert report == probes.NodeReport(node="n1", config_version="sha256:v", program_id=42, interfaces=(
+        probes.InterfaceReport(LO, None, "a foreign XDP program is attached"),
+        probes.InterfaceReport("nosuch0", None, "interface nosuch0 does not exist on this node")))
+    del fake.fail[LO]
+    assert att.apply(desired) == {"nosuch0": "interface nosuch0 does not exist on this node"}  # retried
+    assert state.attached == {LO: "native"}
+    assert probes.parse_report(probes.report_text(att.report(node="n1", config_version=None, program_id=None,
+                                                             desired=desired))).interface(LO).mode == "native"
+
+
+def test_probe_source_forwards_changes_none_when_absent_and_drops_invalid(tmp_path: Path) -> None:
+    seen: list[probes.NodeConfig | None] = []
+    stop = threading.Event()
+    path = tmp_path / "probes.json"
+    doc = probes.build_node_config([probes.InterfaceConfig("eth0", "native")])
+
+    def step(content: str | None) -> None:
+        if content is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_text(content)
+        stop.clear()
+        timer = threading.Timer(0.05, stop.set)
+        timer.start()
+        probesource.watch_file(path=path, node="n1", on_config=seen.append, stop=stop, interval=0.01)
+        timer.join()
+
+    # The change-detection itself, step by step (watch_file below wraps the same follower).
+    follow = probesource._Follow(seen.append)
+    follow(probesource.node_text({"n1": doc}, "n1"))
+    follow(probesource.node_text({"n1": json.dumps(doc)}, "n1"))  # same content as text: no repeat
+    follow('{"interfaces": [{"name": "eth0", "xdpMode": "turbo"}]}')  # invalid: dropped, counted
+    follow(probesource.node_text({"other": doc}, "n1"))
+    assert [c.modes() if c else None for c in seen] == [{"eth0": "native"}, None] and follow.errors == 1
+
+    seen.clear()
+    step(None)  # no file: no configuration for this node
+    step(json.dumps({"n1": doc}))
+    assert [c.modes() if c else None for c in seen] == [None, {"eth0": "native"}]
