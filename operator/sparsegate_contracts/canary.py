@@ -141,3 +141,12 @@ def reported_key(body: Mapping[str, Any], *, version_field: str) -> str | None:
             or not isinstance(canary.get("weight"), int | float):
         return None
     return set_key(version, canary["version"], float(canary["weight"]))
+
+
+def document_key(doc: Mapping[str, Any]) -> str:
+    """The :func:`set_key` of a PUT body built by :func:`gate_set_document` (what the server
+    must answer once it applied it)."""
+    canary = doc.get("canary")
+    if isinstance(canary, Mapping):
+        return set_key(doc["version"], canary["version"], float(doc.get("canaryWeight") or 0.0))
+    return doc["version"]

@@ -52,15 +52,16 @@ class ServerMetrics:
         self.duration = Histogram("sparsegate_request_duration_seconds",
                                   "Inference request latency by serving gate version",
                                   ["gate_version"], buckets=LATENCY_BUCKETS, registry=r)
-        self.tokens = Counter("sparsegate_tokens_total", "Tokens processed (rate = tokens/s)",
-                              registry=r)
+        self.tokens = Counter("sparsegate_tokens_total",
+                              "Tokens processed (rate = tokens/s), by the gate version that routed them",
+                              ["gate_version"], registry=r)
         self.expert_tokens = Counter("sparsegate_expert_tokens_total",
                                      "Tokens processed per expert", ["layer", "expert"],
                                      registry=r)
         self.assignments = Counter("sparsegate_expert_assignments_total",
-                                   "Kept (token, expert) assignments summed over layers; "
-                                   "rate / (rate of tokens * layers) = mean active experts",
-                                   registry=r)
+                                   "Kept (token, expert) assignments summed over layers, by gate "
+                                   "version; rate / (rate of tokens * layers) = mean active experts",
+                                   ["gate_version"], registry=r)
         self.dropped = Counter("sparsegate_dropped_assignments_total",
                                "Assignments dropped by the capacity cap", registry=r)
         self.active = Gauge("sparsegate_active_experts_per_token",
@@ -107,22 +108,26 @@ class ServerMetrics:
         self.gate_info.clear()
         self.gate_info.labels(version=version, checksum=checksum).set(1)
 
-    def observe_batch(self, result: InferenceResult) -> None:
+    def observe_batch(self, result: InferenceResult, *, gate_version: str | None) -> None:
         self.observe_routing(num_tokens=result.num_tokens, expert_counts=result.expert_counts,
                              active=result.active_experts_per_token,
-                             dropped=result.dropped_assignments, entropy=result.gate_entropy)
+                             dropped=result.dropped_assignments, entropy=result.gate_entropy,
+                             gate_version=gate_version)
         self.tool_rate.set(result.tool_gate_fire_rate)
         self.tool_fired.inc(sum(len(c) for c in result.tool_calls))
 
     def observe_routing(self, *, num_tokens: int, expert_counts: list[list[int]],
-                        active: float, dropped: int, entropy: float) -> None:
-        """Routing of one batch or one generation (tokens processed, per-layer expert counts)."""
-        self.tokens.inc(num_tokens)
+                        active: float, dropped: int, entropy: float,
+                        gate_version: str | None) -> None:
+        """Routing of one batch or one generation (tokens processed, per-layer expert counts);
+        tokens and assignments are labelled by the version that routed them (canary drift)."""
+        self.tokens.labels(gate_version=gate_version or "").inc(num_tokens)
         for layer, counts in enumerate(expert_counts):
             for expert, n in enumerate(counts):
                 if n:
                     self.expert_tokens.labels(layer=str(layer), expert=str(expert)).inc(n)
-        self.assignments.inc(sum(sum(c) for c in expert_counts))
+        self.assignments.labels(gate_version=gate_version or "").inc(
+            sum(sum(c) for c in expert_counts))
         self.dropped.inc(dropped)
         self.active.set(active)
         self.entropy.set(entropy)

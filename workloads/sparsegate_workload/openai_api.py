@@ -245,7 +245,8 @@ class _Call:
         m.generation_tokens.inc(len(gen.token_ids))
         m.observe_routing(num_tokens=gen.prompt_tokens + len(gen.token_ids),
                           expert_counts=gen.expert_counts, active=gen.mean_experts_per_token,
-                          dropped=gen.dropped_assignments, entropy=gen.gate_entropy)
+                          dropped=gen.dropped_assignments, entropy=gen.gate_entropy,
+                          gate_version=gen.gate_version)
 
 
 async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:

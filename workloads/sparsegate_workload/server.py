@@ -242,7 +242,7 @@ async def infer(request: web.Request) -> web.Response:
                 result = await run_on_model(
                     state, lambda: _builtin_batch(state, gate, tokens, return_logits), keep=keep)
         calls = await _call_tools(state, request, gate, tokens, result)
-        state.metrics.observe_batch(result)
+        state.metrics.observe_batch(result, gate_version=gate.doc.version)
         state.metrics.quality.observe(gate.doc.version, result.prompt_score)
         code = 200
         return web.json_response(_result_json(result, gate, calls))

@@ -11,6 +11,9 @@ check that is due; the state machine (``domain.rollout``) judges the answers.
   (``window_from``): the state machine then wants a full window of this fresh data.
 * :class:`PrometheusGroups` (builtin, with ``SPARSEGATE_PROMETHEUS_URL``): the same groups
   from Prometheus' ``increase()`` since the analysis start (the data survives a restart).
+
+Under the request-level canary (``MeasureRequest.canary_version``/``stable_version`` set) both
+builtin providers split the same pods' series by their ``gate_version`` label instead of by pod.
 * :class:`PrometheusQuery` (``prometheus`` checks): one instant query answering one number.
 * :class:`WebRequest` (``web`` checks): an HTTP GET/POST answering JSON; ``jsonPath`` picks
   the number.
@@ -54,6 +57,10 @@ class MeasureRequest:
     analysing: bool = False  # the step's pods are in place and its window runs
     window_key: tuple[Any, ...] | None = None  # (canary version, step, analysis start)
     analysis_started_at: float | None = None
+    # Request-level canary: both groups are the same pods, split by the serving version's
+    # gate_version label (None: split by pod, the instances strategy).
+    canary_version: str | None = None
+    stable_version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -95,21 +102,33 @@ class DirectScrape:
 
     def __init__(self, admin: PodAdmin) -> None:
         self.admin = admin
-        self.prev: dict[str, PodCounters] = {}  # last scrape, for this tick's calibration samples
+        # Last scrape ("all" versions, the "stable" group's), for this tick's calibration samples.
+        self.prev: dict[str, dict[str, PodCounters]] = {}
         self.window_key: tuple[Any, ...] | None = None
-        self.window_start: dict[str, PodCounters] = {}
+        # Window start snapshots of the canary and the stable group (the same pods' whole
+        # counters under the instances strategy, each version's under requests).
+        self.window_start: tuple[dict[str, PodCounters], dict[str, PodCounters]] = ({}, {})
         self.window_from: float | None = None
 
     def reset(self) -> None:
-        self.prev, self.window_key, self.window_start, self.window_from = {}, None, {}, None
+        self.prev, self.window_key, self.window_start, self.window_from = {}, None, ({}, {}), None
 
     async def measure(self, check: CheckSpec, request: MeasureRequest) -> BuiltinWindow:
         texts = await self.admin.scrape(list(request.targets.values()))
-        snap = {name: parse_pod_counters(text, at=request.now) for name, text in texts.items()}
-        # Calibration samples: fleet qps and the stable pods' error rate since the last tick.
-        tick = group_from_snapshots(start=self.prev, end=snap, pods=snap.keys())
-        stable_tick = group_from_snapshots(start=self.prev, end=snap, pods=request.stable)
-        self.prev = snap
+
+        def snapshot(version: str | None) -> dict[str, PodCounters]:
+            return {name: parse_pod_counters(text, at=request.now, gate_version=version)
+                    for name, text in texts.items()}
+
+        snap = snapshot(None)
+        split = request.canary_version is not None and request.stable_version is not None
+        canary_snap = snapshot(request.canary_version) if split else snap
+        stable_snap = snapshot(request.stable_version) if split else snap
+        # Calibration samples: fleet qps and the stable group's error rate since the last tick.
+        prev_all, prev_stable = self.prev.get("all", {}), self.prev.get("stable", {})
+        tick = group_from_snapshots(start=prev_all, end=snap, pods=snap.keys())
+        stable_tick = group_from_snapshots(start=prev_stable, end=stable_snap, pods=request.stable)
+        self.prev = {"all": snap, "stable": stable_snap}
         out: dict[str, Any] = {
             "fleet_qps": tick.qps if tick is not None and tick.seconds > 0 else None,
             "stable_error_rate": stable_tick.error_rate if stable_tick is not None else None,
@@ -117,10 +136,13 @@ class DirectScrape:
         if request.analysing:
             if self.window_key != request.window_key:
                 # First look at this window (or the first since this process started): it starts now.
-                self.window_key, self.window_start, self.window_from = request.window_key, snap, request.now
+                self.window_key, self.window_from = request.window_key, request.now
+                self.window_start = (canary_snap, stable_snap)
             else:
-                out["canary_metrics"] = group_from_snapshots(start=self.window_start, end=snap, pods=request.canary)
-                out["stable_metrics"] = group_from_snapshots(start=self.window_start, end=snap, pods=request.stable)
+                out["canary_metrics"] = group_from_snapshots(start=self.window_start[0], end=canary_snap,
+                                                             pods=request.canary)
+                out["stable_metrics"] = group_from_snapshots(start=self.window_start[1], end=stable_snap,
+                                                             pods=request.stable)
             out["window_from"] = self.window_from
         return BuiltinWindow(**out)
 
@@ -138,8 +160,10 @@ class PrometheusGroups:
         if not request.analysing or request.analysis_started_at is None:
             return BuiltinWindow()
         window = max(1.0, request.now - request.analysis_started_at)
-        c = await self.api.group(namespace=request.namespace, pods=list(request.canary), window_s=window)
-        s = await self.api.group(namespace=request.namespace, pods=list(request.stable), window_s=window)
+        c = await self.api.group(namespace=request.namespace, pods=list(request.canary), window_s=window,
+                                 gate_version=request.canary_version)
+        s = await self.api.group(namespace=request.namespace, pods=list(request.stable), window_s=window,
+                                 gate_version=request.stable_version)
         groups = [g for g in (c, s) if g is not None]
         return BuiltinWindow(canary_metrics=c, stable_metrics=s,
                              fleet_qps=sum(g.qps for g in groups) if groups else None,

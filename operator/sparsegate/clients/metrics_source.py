@@ -10,6 +10,10 @@
 
 Both answer :class:`GroupMetrics` for a group of pods over a window.
 
+Request-level canary (``spec.rollout.strategy: requests``): every pod serves both versions, so
+the two groups are the same pods' series split by the ``gate_version`` label the model server
+puts on its request, latency, token, assignment and quality series (``gate_version=`` below).
+
 Mean active experts per token comes from counters, not the last-batch gauge:
 ``sparsegate_expert_assignments_total / (sparsegate_tokens_total · layers)`` where layers is
 the number of distinct ``layer`` labels of ``sparsegate_expert_tokens_total``.
@@ -46,8 +50,11 @@ def _is_error(code: str) -> bool:
     return code.isdigit() and int(code) >= 500
 
 
-def parse_pod_counters(text: str, *, at: float) -> PodCounters:
-    """One pod's ``/metrics`` exposition → cumulative counters (unknown metrics ignored)."""
+def parse_pod_counters(text: str, *, at: float, gate_version: str | None = None) -> PodCounters:
+    """One pod's ``/metrics`` exposition → cumulative counters (unknown metrics ignored).
+
+    ``gate_version``: count only the samples of the requests that version served (labelled
+    ``gate_version``); the last-batch gauge, which no version owns, is then left out."""
     requests = errors = tokens = assignments = 0.0
     buckets: dict[float, float] = {}
     layers: set[str] = set()
@@ -57,6 +64,9 @@ def parse_pod_counters(text: str, *, at: float) -> PodCounters:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, sample.value
+            if gate_version is not None and name != EXPERT_TOKENS \
+                    and labels.get("gate_version") != gate_version:
+                continue
             if name == REQUESTS:
                 requests += value
                 if _is_error(labels.get("code", "")):
@@ -136,8 +146,16 @@ class PrometheusAPI:
         alternatives = "|".join(p.replace(".", "\\\\.") for p in sorted(pods))
         return f'{self._ns_label}="{namespace}",{self._pod_label}=~"{alternatives}"'
 
-    def queries(self, *, namespace: str, pods: Sequence[str], window_s: float) -> dict[str, str]:
-        sel = self.selector(namespace=namespace, pods=pods)
+    def queries(self, *, namespace: str, pods: Sequence[str], window_s: float,
+                gate_version: str | None = None) -> dict[str, str]:
+        """``gate_version``: only that version's requests (request-level canary); the layer
+        count still comes from the pods' per-expert series, which no version owns."""
+        pod_sel = self.selector(namespace=namespace, pods=pods)
+        sel = pod_sel
+        if gate_version is not None:
+            if not _SAFE.match(gate_version):
+                raise ValueError(f"unexpected characters in {gate_version!r}")
+            sel = f'{pod_sel},gate_version="{gate_version}"'
         w = f"{max(1, math.ceil(window_s))}s"
         return {
             "requests": f"sum(increase({REQUESTS}{{{sel}}}[{w}]))",
@@ -145,7 +163,7 @@ class PrometheusAPI:
             "p99": f"histogram_quantile(0.99, sum by (le) (increase({DURATION}_bucket{{{sel}}}[{w}])))",
             "assignments": f"sum(increase({ASSIGNMENTS}{{{sel}}}[{w}]))",
             "tokens": f"sum(increase({TOKENS}{{{sel}}}[{w}]))",
-            "layers": f'count(count by (layer) ({EXPERT_TOKENS}{{{sel}}}))',
+            "layers": f'count(count by (layer) ({EXPERT_TOKENS}{{{pod_sel}}}))',
             "quality_nll": f"sum(increase({QUALITY_NLL}{{{sel}}}[{w}]))",
             "quality_tokens": f"sum(increase({QUALITY_TOKENS}{{{sel}}}[{w}]))",
             "probe_nll": f"avg({PROBE_NLL}{{{sel}}})",
@@ -162,10 +180,11 @@ class PrometheusAPI:
         value = float(result[0]["value"][1])
         return None if math.isnan(value) else value
 
-    async def group(self, *, namespace: str, pods: Sequence[str], window_s: float) -> GroupMetrics | None:
+    async def group(self, *, namespace: str, pods: Sequence[str], window_s: float,
+                    gate_version: str | None = None) -> GroupMetrics | None:
         if not pods:
             return None
-        qs = self.queries(namespace=namespace, pods=pods, window_s=window_s)
+        qs = self.queries(namespace=namespace, pods=pods, window_s=window_s, gate_version=gate_version)
         async with aiohttp.ClientSession(timeout=self._timeout) as session:
             values = {k: await self._scalar(session, q) for k, q in qs.items()}
         if values["requests"] is None:

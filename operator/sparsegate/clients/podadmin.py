@@ -2,7 +2,10 @@
 
 ``GET /healthz`` is the heartbeat and reports ``gateVersion`` and ``checksum``; a pod counts
 as running a version only when both agree (the version is the content address of the params,
-so the checksum must begin with the version's hex digits) — the double check of issue 6.
+so the checksum must begin with the version's hex digits) — the double check of issue 6. A pod
+holding a request-level canary also reports ``canary {version, checksum, weight}`` (checked the
+same way); what it serves is then the set key ``g-stable+g-canary@weight``
+(``sparsegate_contracts.canary``), which is what ``PodHealth.served`` holds and pushes verify.
 ``PUT /admin/gate`` hot-swaps the gate without a restart; the server answers 422 for a document it
 rejects. It goes to the pod's admin port over TLS, with a context that trusts only the model's
 certificate and checks the model's server name (:class:`AdminCredentials`, built from Secret
@@ -27,6 +30,7 @@ from typing import Any
 
 import aiohttp
 
+from sparsegate_contracts.canary import document_key, reported_key
 from sparsegate_contracts.gate import version_matches_checksum
 
 __all__ = ["AdminCredentials", "PodTarget", "PodHealth", "PushResult", "PodAdmin", "BodyTooLarge", "read_capped"]
@@ -97,10 +101,16 @@ class PodHealth:
     checksum: str | None = None
     uptime_s: float | None = None
     error: str | None = None
+    served: str | None = None  # the set key: ``version`` alone, or with the canary it holds and its weight
 
     @property
     def reachable(self) -> bool:
         return self.version is not None
+
+    @property
+    def serving(self) -> str | None:
+        """What the pod serves as one comparable key (``served``; ``version`` when not given)."""
+        return self.served if self.served is not None else self.version
 
 
 @dataclass(frozen=True)
@@ -144,9 +154,14 @@ class PodAdmin:
             if not isinstance(body, dict):
                 return PodHealth(name=t.name, version=None, error=f"/healthz answered {type(body).__name__}, not an object")
             version, checksum = body.get("gateVersion"), body.get("checksum")
-            if body.get("status") != "ok" or not version_matches_checksum(version, checksum):
-                return PodHealth(name=t.name, version=None, error=f"/healthz inconsistent: {body}")
-            return PodHealth(name=t.name, version=version, checksum=checksum, uptime_s=body.get("uptimeSeconds"))
+            canary = body.get("canary")
+            served = reported_key(body, version_field="gateVersion")
+            if body.get("status") != "ok" or not version_matches_checksum(version, checksum) or served is None \
+                    or (canary is not None and not version_matches_checksum(canary.get("version"),
+                                                                           canary.get("checksum"))):
+                return PodHealth(name=t.name, version=None, error=f"/healthz inconsistent: {str(body)[:512]}")
+            return PodHealth(name=t.name, version=version, checksum=checksum, uptime_s=body.get("uptimeSeconds"),
+                             served=served)
 
         results = await self._each(targets, one)
         return {h.name: h for h in results}
@@ -174,9 +189,10 @@ class PodAdmin:
                                         f"({creds.source}): {e.certificate_error}")
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
                 return PushResult(name=t.name, ok=False, error=f"PUT /admin/gate: {type(e).__name__} {e}".strip())
-            version = body.get("version") if isinstance(body, dict) else None
-            return PushResult(name=t.name, ok=version == doc["version"], version=version,
-                              error=None if version == doc["version"] else f"pod answered version {version}")
+            served = reported_key(body, version_field="version") if isinstance(body, dict) else None
+            wanted = document_key(doc)
+            return PushResult(name=t.name, ok=served == wanted, version=served,
+                              error=None if served == wanted else f"pod answered version {served}")
 
         async def one(session: aiohttp.ClientSession, t: PodTarget) -> PushResult:
             doc = docs[t.name]

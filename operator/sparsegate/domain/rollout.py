@@ -29,6 +29,11 @@ Flow for a new spec version (``steps`` default 5 → 20 → 100 % of instances):
     RolledBack/Aborted ─retry annotation (spec still on the rejected version)─▶ Progressing at step 1
     Failed (analysis, autoRollback off) ─retry annotation─▶ Progressing (same step, analysed again)
 
+``spec.rollout.strategy: requests`` (:mod:`sparsegate.domain.request_canary`) keeps this flow and
+changes what a step's pods hold: every pod is a step pod and holds the stable and the canary
+version with the step's weight (a :class:`~sparsegate.domain.request_canary.GateSetTarget`, whose
+set key is the "version" such a pod reports), so a step's percent is a share of requests.
+
 What judges a step is ``spec.rollout.analysis.checks`` (:mod:`sparsegate.domain.analysis_run`;
 the builtin check alone when none are declared). Declared checks' answers arrive as
 ``Observations.measurements`` when ``analysis_run.due_checks`` says they are due; each step's
@@ -57,6 +62,8 @@ from sparsegate_contracts import gate as gatedoc
 from sparsegate_contracts.names import ABORT_ANNOTATION, GROUP, PROMOTE_ANNOTATION, RETRY_ANNOTATION
 
 from sparsegate.domain import analysis_run as runs
+from sparsegate.domain import request_canary
+from sparsegate.domain.request_canary import GateSetTarget, Strategy
 from sparsegate.domain.analysis import AnalysisResult, GroupMetrics, Verdict, analyse
 from sparsegate.domain.analysis_run import (
     BUILTIN_CHECK,
@@ -174,6 +181,10 @@ class RolloutSpec:
     calibration: Calibration = field(default_factory=lambda: parse_calibration(None))
     # spec.rollout.analysis.checks (domain.analysis_run); the implicit builtin check when none are declared.
     checks: tuple[CheckSpec, ...] = (BUILTIN_CHECK,)
+    # What a step's percent applies to: pods (instances) or requests on every pod (requests,
+    # domain.request_canary); sticky_header keys a session's requests under the latter.
+    strategy: Strategy = request_canary.DEFAULT_STRATEGY
+    sticky_header: str = request_canary.contract.DEFAULT_STICKY_HEADER
 
     @property
     def builtin(self) -> CheckSpec | None:
@@ -217,6 +228,8 @@ def parse_spec(spec: Mapping[str, Any], *, target: GateVersion | None = None) ->
             ),
             calibration=parse_calibration(spec.get("calibration")),
             checks=runs.parse_checks(ro.get("analysis")),
+            strategy=request_canary.parse_strategy(ro.get("strategy")),
+            sticky_header=request_canary.parse_sticky_header(ro.get("stickyHeader")),
         )
     except SpecError:
         raise
@@ -308,6 +321,9 @@ class RolloutStatus:
     # analysisInterval of data from window_from on, not on time since analysis_started_at.
     window_from: float | None = None
     window_samples: int = 0
+    # spec.rollout.strategy when the rollout in flight started (None: instances, e.g. status
+    # written before strategies existed); under requests status shows canaryWeight = percent / 100.
+    strategy: Strategy | None = None
 
     @classmethod
     def from_status(cls, raw: Mapping[str, Any] | None) -> RolloutStatus:
@@ -342,6 +358,7 @@ class RolloutStatus:
             analysis_paused=bool(ro.get("analysisPaused", False)),
             window_from=_epoch((ro.get("analysisWindow") or {}).get("from")),
             window_samples=int((ro.get("analysisWindow") or {}).get("samples") or 0),
+            strategy=Strategy(ro["strategy"]) if ro.get("strategy") in Strategy._value2member_map_ else None,
         )
 
     def to_status(self, *, steps: Sequence[int]) -> dict[str, Any]:
@@ -361,6 +378,9 @@ class RolloutStatus:
             "step": self.step + 1 if self.step is not None else None,
             "steps": len(steps),
             "canaryPercent": self.step_percent,
+            "canaryWeight": request_canary.weight_of(self.step_percent)
+            if self.canary and self.strategy == Strategy.REQUESTS and self.step_percent is not None else None,
+            "strategy": self.strategy.value if self.canary and self.strategy else None,
             "canaryVersion": self.canary.version if self.canary else None,
             "canary": self.canary.document() if self.canary else None,
             "canaryInstances": f"{len(self.canary_pods)}/{self.instances}" if self.canary else None,
@@ -441,7 +461,7 @@ def annotation_requests(annotations: Mapping[str, str] | None) -> dict[str, bool
 @dataclass(frozen=True)
 class PushGate:
     pod: str
-    gate: GateVersion
+    gate: GateVersion | GateSetTarget  # a set: stable + canary at a weight (strategy requests)
 
 
 @dataclass(frozen=True)
@@ -513,14 +533,44 @@ def select_canary_pods(
     return tuple(sorted(p.name for p in sorted(pods, key=rank)[:n]))
 
 
-def desired_versions(*, status: RolloutStatus, pods: Sequence[PodObservation]) -> dict[str, GateVersion]:
+def canary_gate(status: RolloutStatus, *, sticky_header: str = request_canary.contract.DEFAULT_STICKY_HEADER
+                ) -> GateVersion | GateSetTarget | None:
+    """What the step's canary pods hold: the canary version (strategy instances), or stable +
+    canary at the step's weight (strategy requests, where every pod is a step pod)."""
+    if status.canary is None:
+        return None
+    if status.strategy == Strategy.REQUESTS and status.stable is not None:
+        return request_canary.step_target(stable=status.stable, canary=status.canary, percent=status.step_percent,
+                                          sticky_header=sticky_header)
+    return status.canary
+
+
+def desired_versions(*, status: RolloutStatus, pods: Sequence[PodObservation],
+                     sticky_header: str = request_canary.contract.DEFAULT_STICKY_HEADER
+                     ) -> dict[str, GateVersion | GateSetTarget]:
     """Which gate each pod should run now; pods absent from the result are left alone."""
     if status.stable is None or status.phase in (Phase.PAUSED, Phase.FAILED, Phase.PENDING):
         return {}
-    if status.phase in (Phase.PROGRESSING, Phase.ANALYSING) and status.canary is not None:
+    canary = canary_gate(status, sticky_header=sticky_header)
+    if status.phase in (Phase.PROGRESSING, Phase.ANALYSING) and canary is not None:
         chosen = set(status.canary_pods)
-        return {p.name: status.canary if p.name in chosen else status.stable for p in pods}
+        return {p.name: canary if p.name in chosen else status.stable for p in pods}
     return {p.name: status.stable for p in pods}
+
+
+def _choose(strategy: Strategy | None, *, pods: Sequence[PodObservation], percent: int, previous: Sequence[str],
+            canary_version: str | None) -> tuple[str, ...]:
+    """The step's canary pods: a sticky subset (instances) or every pod (requests)."""
+    if strategy == Strategy.REQUESTS:
+        return request_canary.step_pods([p.name for p in pods])
+    return select_canary_pods(pods=pods, percent=percent, previous=previous, canary_version=canary_version)
+
+
+def _step_text(strategy: Strategy | None, *, percent: int, chosen: Sequence[str],
+               pods: Sequence[PodObservation]) -> str:
+    if strategy == Strategy.REQUESTS:
+        return request_canary.step_text(percent=percent, pods=len(pods))
+    return f"{percent}% = {len(chosen)} of {len(pods)} instances"
 
 
 def kstatus_conditions(*, status: RolloutStatus, target_version: str | None) -> list[dict[str, Any]]:
@@ -583,12 +633,12 @@ def conditions(
 
 def _start(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float, reason: str) -> RolloutStatus:
     percent = spec.steps[0]
-    chosen = select_canary_pods(
-        pods=obs.pods, percent=percent, previous=s.canary_pods, canary_version=spec.target.version
-    )
+    chosen = _choose(spec.strategy, pods=obs.pods, percent=percent, previous=s.canary_pods,
+                     canary_version=spec.target.version)
     return dataclasses.replace(
         s,
         phase=Phase.PAUSED if spec.paused else Phase.PROGRESSING,
+        strategy=spec.strategy,
         canary=spec.target,
         step=0,
         step_percent=percent,
@@ -602,7 +652,7 @@ def _start(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float
         window_samples=0,
         reason=reason,
         message=f"rolling out {spec.target.version} over {s.stable.version if s.stable else '-'}: "
-        f"step 1/{len(spec.steps)} ({percent}% = {len(chosen)} of {len(obs.pods)} instances)",
+        f"step 1/{len(spec.steps)} ({_step_text(spec.strategy, percent=percent, chosen=chosen, pods=obs.pods)})",
         last_analysis=None,
     )
 
@@ -627,6 +677,7 @@ def _promote_fully(s: RolloutStatus, *, spec: RolloutSpec, reason: str, message:
         phase=Phase.SUCCEEDED,
         stable=s.canary,
         canary=None,
+        strategy=None,
         step=None,
         step_percent=None,
         canary_pods=(),
@@ -644,9 +695,8 @@ def _promote_fully(s: RolloutStatus, *, spec: RolloutSpec, reason: str, message:
 
 def _advance_step(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, step: int, now: float) -> RolloutStatus:
     percent = spec.steps[step]
-    chosen = select_canary_pods(
-        pods=obs.pods, percent=percent, previous=s.canary_pods, canary_version=s.canary.version if s.canary else None
-    )
+    chosen = _choose(s.strategy, pods=obs.pods, percent=percent, previous=s.canary_pods,
+                     canary_version=s.canary.version if s.canary else None)
     return dataclasses.replace(
         s,
         phase=Phase.PROGRESSING,
@@ -658,7 +708,8 @@ def _advance_step(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, ste
         analysis_paused=False,
         window_from=None,
         window_samples=0,
-        message=f"step {step + 1}/{len(spec.steps)}: {percent}% = {len(chosen)} of {len(obs.pods)} instances",
+        message=f"step {step + 1}/{len(spec.steps)}: "
+        f"{_step_text(s.strategy, percent=percent, chosen=chosen, pods=obs.pods)}",
     )
 
 
@@ -810,9 +861,8 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
             acts += [EmitEvent("Normal", "Promoted", msg), RecordOutcome("succeeded")]
         else:
             percent = spec.steps[s.step]
-            chosen = select_canary_pods(
-                pods=obs.pods, percent=percent, previous=s.canary_pods, canary_version=s.canary.version
-            )
+            chosen = _choose(s.strategy, pods=obs.pods, percent=percent, previous=s.canary_pods,
+                             canary_version=s.canary.version)
             s = dataclasses.replace(s, canary_pods=chosen)
             waiting = _not_at_desired(s, obs.pods)
             if not waiting:
@@ -828,8 +878,8 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
                         s, phase=Phase.ANALYSING, analysis_started_at=now, reason="Analysing",
                         window_from=None, window_samples=0,
                         analysis_runs=(*s.analysis_runs, run)[-runs.RUN_HISTORY:],
-                        message=f"step {s.step + 1}/{len(spec.steps)}: {len(chosen)} of {len(obs.pods)} instances run "
-                        f"{s.canary.version}; analysing for {spec.analysis_interval_s:g}s",
+                        message=f"step {s.step + 1}/{len(spec.steps)}: {_running_text(s, chosen, obs.pods)}; "
+                        f"analysing for {spec.analysis_interval_s:g}s",
                     )
             elif s.step_started_at is not None and now - s.step_started_at > spec.progress_deadline_s:
                 msg = (f"step {s.step + 1}: {len(waiting)} instance(s) did not report the expected version within "
@@ -844,9 +894,8 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
     elif s.phase == Phase.ANALYSING:
         assert s.canary is not None and s.step is not None
         percent = spec.steps[s.step]
-        chosen = select_canary_pods(
-            pods=obs.pods, percent=percent, previous=s.canary_pods, canary_version=s.canary.version
-        )
+        chosen = _choose(s.strategy, pods=obs.pods, percent=percent, previous=s.canary_pods,
+                         canary_version=s.canary.version)
         if chosen != s.canary_pods or _not_at_desired(s, obs.pods):
             # An instance left, restarted or drifted: re-verify the step before judging it.
             s = dataclasses.replace(s, phase=Phase.PROGRESSING, canary_pods=chosen, step_started_at=now,
@@ -867,12 +916,12 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
             acts.append(EmitEvent("Normal" if after == Phase.SUCCEEDED else "Warning",
                                   "RolledBack", f"every instance back on {s.stable.version}"))
             s = dataclasses.replace(
-                s, phase=after, canary=None, step=None, step_percent=None, canary_pods=(),
+                s, phase=after, canary=None, strategy=None, step=None, step_percent=None, canary_pods=(),
                 step_started_at=None, analysis_started_at=None, after_rollback=None, message=msg,
             )
 
     # Level-based pushes: every reachable pod not on its desired version.
-    desired = desired_versions(status=s, pods=obs.pods)
+    desired = desired_versions(status=s, pods=obs.pods, sticky_header=spec.sticky_header)
     for name, gate in sorted(desired.items()):
         p = by_name[name]
         if p.reachable and p.version != gate.version:
@@ -897,16 +946,26 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
 def _not_at_desired(s: RolloutStatus, pods: Sequence[PodObservation]) -> list[str]:
     """Pods of the step that do not yet run their desired version (unreachable canary pods count)."""
     assert s.canary is not None and s.stable is not None
+    canary = canary_gate(s)
+    assert canary is not None
     chosen = set(s.canary_pods)
     waiting = []
     for p in pods:
         if p.name in chosen:
-            if p.version != s.canary.version:
+            if p.version != canary.version:
                 waiting.append(p.name)
         elif p.reachable and p.version != s.stable.version:
             # A stable pod still on an older canary (superseded, or step shrank on restart).
             waiting.append(p.name)
     return waiting
+
+
+def _running_text(s: RolloutStatus, chosen: Sequence[str], pods: Sequence[PodObservation]) -> str:
+    assert s.canary is not None
+    if s.strategy == Strategy.REQUESTS:
+        return (f"all {len(pods)} instances hold {s.canary.version} for "
+                f"{request_canary.weight_of(s.step_percent):g} of requests")
+    return f"{len(chosen)} of {len(pods)} instances run {s.canary.version}"
 
 
 def _current_run(s: RolloutStatus, *, spec: RolloutSpec, now: float) -> AnalysisRun:
@@ -1034,7 +1093,10 @@ def _analyse(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: flo
     thr = thresholds(
         calibration=spec.calibration, qps_samples=s.qps_samples, error_samples=s.error_samples, now=now
     )
-    share = len(s.canary_pods) / max(1, len(obs.pods))
+    # The canary's expected share of the traffic: of the pods (instances), or of every pod's
+    # requests (requests).
+    share = request_canary.weight_of(s.step_percent) if s.strategy == Strategy.REQUESTS \
+        else len(s.canary_pods) / max(1, len(obs.pods))
     return analyse(
         canary=obs.canary_metrics,
         stable=obs.stable_metrics,

@@ -24,6 +24,10 @@ Tunables (environment, for tests and the chart):
 use Prometheus' HTTP API for the builtin analysis instead of scraping pods directly, and the
 address of declared ``prometheus`` checks that name none.
 
+With ``spec.rollout.strategy: requests`` the same loop pushes every pod the stable + canary set
+at the step's weight (``domain.request_canary``) and the builtin analysis compares the canary
+version's requests with the stable version's, both served by the same pods.
+
 Analysis goes through ``clients.analysis_providers``: the builtin check's provider every tick
 while a canary is in flight, each declared check's provider when ``domain.analysis_run.due_checks``
 says its next measurement is due.
@@ -76,6 +80,7 @@ from sparsegate.domain.rollout import (
     RolloutSpec,
     RolloutStatus,
     SpecError,
+    Strategy,
     annotation_requests,
     invalid_spec,
     next_action,
@@ -215,17 +220,24 @@ class RolloutLoop:
         out = []
         for name in fleet.all_pods:
             h = health.get(name)
-            out.append(PodObservation(name=name, reachable=bool(h and h.reachable), version=h.version if h else None))
+            out.append(PodObservation(name=name, reachable=bool(h and h.reachable), version=h.serving if h else None))
         return tuple(out)
 
     def _request(self, *, namespace: str, fleet: _Fleet, status: RolloutStatus, now: float) -> MeasureRequest:
-        canary = [p for p in status.canary_pods if p in fleet.targets]
-        stable = [p for p in fleet.targets if p not in set(status.canary_pods)]
+        by_version = status.strategy == Strategy.REQUESTS and status.canary is not None and status.stable is not None
+        if by_version:
+            # Request-level canary: both groups are every pod, split by the serving gate version.
+            canary = stable = sorted(fleet.targets)
+        else:
+            canary = [p for p in status.canary_pods if p in fleet.targets]
+            stable = [p for p in fleet.targets if p not in set(status.canary_pods)]
         return MeasureRequest(
             namespace=namespace, now=now, targets=fleet.targets, canary=canary, stable=stable,
             analysing=status.phase == Phase.ANALYSING,
             window_key=(status.canary.version if status.canary else None, status.step, status.analysis_started_at),
-            analysis_started_at=status.analysis_started_at)
+            analysis_started_at=status.analysis_started_at,
+            canary_version=status.canary.version if by_version and status.canary else None,
+            stable_version=status.stable.version if by_version and status.stable else None)
 
     async def _metrics(self, *, spec: RolloutSpec, request: MeasureRequest, status: RolloutStatus,
                        cache: _Cache) -> dict[str, Any]:

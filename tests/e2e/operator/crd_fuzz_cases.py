@@ -182,6 +182,7 @@ EXTRAS: dict[str, dict[str, Any]] = {
         "params": {"faultInjection": {"errorRate": 0.0, "addedLatencyMs": 0}, "targetExpertsPerToken": 2,
                    "hardwareCostLambda": 0.5},
         "rollout": {"minRequests": 20, "progressDeadline": "120s", "maxQualityDrop": 0.02,
+                    "strategy": "requests", "stickyHeader": "x-session-id",
                     "analysis": {"checks": [
                         {"name": "builtin", "provider": {"builtin": {}}},
                         {"name": "error-ratio", "provider": {"prometheus": {

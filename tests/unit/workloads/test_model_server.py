@@ -254,7 +254,7 @@ async def test_metrics_are_exposed(client, admin):
     assert samples[f'sparsegate_requests_total{{code="200",gate_version="{a}"}}'] == 3
     assert samples[f'sparsegate_requests_total{{code="422",gate_version="{a}"}}'] == 1
     assert samples[f'sparsegate_request_duration_seconds_count{{gate_version="{a}"}}'] == 4
-    assert samples["sparsegate_tokens_total"] == 12
+    assert samples[f'sparsegate_tokens_total{{gate_version="{a}"}}'] == 12
     per_expert = [v for k, v in samples.items()
                   if k.startswith('sparsegate_expert_tokens_total{expert=') and 'layer="0"' in k]
     assert len(per_expert) == 8 and sum(per_expert) == 12  # version A: one expert per token

@@ -92,6 +92,11 @@ async def test_random_requests_split_at_the_weight_and_metrics_are_per_version(s
     assert samples[f'sparsegate_requests_total{{code="200",gate_version="{CANARY.version}"}}'] == canary
     assert samples[f'sparsegate_requests_total{{code="200",gate_version="{STABLE.version}"}}'] == n - canary
     assert samples[f'sparsegate_request_duration_seconds_count{{gate_version="{CANARY.version}"}}'] == canary
+    # Routing counters per version: the canary's experts per token apart from the stable one's.
+    for version, experts in EXPERTS.items():
+        tokens = samples[f'sparsegate_tokens_total{{gate_version="{version}"}}']
+        assignments = samples[f'sparsegate_expert_assignments_total{{gate_version="{version}"}}']
+        assert assignments / (tokens * 2) == experts  # 2 MoE layers
 
 
 async def test_a_faulty_canary_fails_only_its_own_requests(server):

@@ -1,0 +1,117 @@
+"""The operator's clients under the request-level canary, against a real model server process:
+PodAdmin pushes a stable + canary set over the TLS admin channel and reads its set key back from
+/healthz; the direct scrape splits the same pod's requests by gate_version into the canary and
+stable groups the builtin analysis compares. The PromQL of the Prometheus provider is checked as
+text (and against a real Prometheus by tests/e2e/rollout/test_prometheus_provider.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+from sparsegate_contracts import names
+from sparsegate_contracts.canary import routes_to_canary, set_key
+from sparsegate_workload import gateparams
+
+from sparsegate.clients.admin_credentials import client_context
+from sparsegate.clients.analysis_providers import DirectScrape, MeasureRequest
+from sparsegate.clients.metrics_source import PrometheusAPI
+from sparsegate.clients.podadmin import AdminCredentials, PodAdmin, PodTarget
+from sparsegate.domain import admin_tls
+from sparsegate.domain.analysis_run import BUILTIN_CHECK
+from sparsegate.domain.request_canary import step_target
+from sparsegate.domain.rollout import GateVersion
+from localcluster.ports import free_port
+
+TOKEN = "canary-clients-token"
+SERVER_NAME = names.admin_server_name(model="m", namespace="ns")
+STABLE = GateVersion.from_params(dict(gateparams.DEFAULT_PARAMS))
+FAULTY = GateVersion.from_params({**gateparams.DEFAULT_PARAMS, "faultInjection": {"errorRate": 1.0}})
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodTarget]:
+    cert, key = admin_tls.issue(server_name=SERVER_NAME, now=datetime.datetime.now(datetime.timezone.utc))
+    d = tmp_path_factory.mktemp("canary-admin")
+    (d / "token").write_text(TOKEN)
+    (d / "tls.crt").write_text(cert)
+    (d / "tls.key").write_text(key)
+    (d / "gate.json").write_text(gateparams.make_document(dict(STABLE.params)).file_text())
+    port, admin_port = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sparsegate_workload.server", "--host", "127.0.0.1",
+                             "--port", str(port), "--admin-port", str(admin_port), "--gate-config", str(d / "gate.json"),
+                             "--admin-token-file", str(d / "token"), "--admin-tls-cert", str(d / "tls.crt"),
+                             "--admin-tls-key", str(d / "tls.key")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"model server exited: {proc.stderr.read().decode()[-2000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "model server was not ready within 60 s"
+            time.sleep(0.2)
+        creds = AdminCredentials(token=TOKEN, server_name=SERVER_NAME, ssl=client_context(cert), source="test")
+        yield PodTarget(name="pod-a", ip="127.0.0.1", port=port, admin_port=admin_port, admin=creds)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+async def test_push_set_then_scrape_splits_requests_by_version(server: PodTarget) -> None:
+    admin = PodAdmin(timeout_s=5)
+    target = step_target(stable=STABLE, canary=FAULTY, percent=20, sticky_header="x-session-id")
+    result = (await admin.push([(server, target.document())]))["pod-a"]
+    assert result.ok and result.version == set_key(STABLE.version, FAULTY.version, 0.2), result
+    health = (await admin.health([server]))["pod-a"]
+    assert health.version == STABLE.version and health.serving == target.version
+
+    scrape = DirectScrape(admin)
+    request = MeasureRequest(namespace="ns", now=time.time(), targets={"pod-a": server}, canary=["pod-a"],
+                             stable=["pod-a"], analysing=True, window_key=(FAULTY.version, 0, 1.0),
+                             canary_version=FAULTY.version, stable_version=STABLE.version)
+    first = await scrape.measure(BUILTIN_CHECK, request)
+    assert first.canary_metrics is None and first.window_from == request.now  # the window starts
+    sessions = [f"s-{uuid.uuid4().hex}" for _ in range(150)]
+    async with aiohttp.ClientSession() as session:
+        async def one(sid: str) -> int:
+            async with session.post(f"{server.base}/v1/infer", json={"tokens": [[1, 2, 3]]},
+                                    headers={"x-session-id": sid}) as resp:
+                return resp.status
+        codes = await asyncio.gather(*(one(s) for s in sessions))
+    on_canary = sum(routes_to_canary(s, 0.2) for s in sessions)
+    assert codes.count(503) == on_canary > 0  # exactly the canary's requests failed
+    window = await scrape.measure(BUILTIN_CHECK, MeasureRequest(**{**request.__dict__, "now": request.now + 5}))
+    assert window.canary_metrics is not None and window.stable_metrics is not None
+    assert window.canary_metrics.requests == on_canary and window.canary_metrics.error_rate == 1.0
+    assert window.stable_metrics.requests == len(sessions) - on_canary and window.stable_metrics.errors == 0
+    # Routing counters per version: the stable requests routed tokens, the failed canary ones none.
+    assert window.stable_metrics.mean_active_experts is not None
+    assert window.canary_metrics.mean_active_experts is None
+
+    # Promotion pushes the canary alone; the pod then serves one version again.
+    result = (await admin.push([(server, STABLE.document())]))["pod-a"]
+    assert result.ok and (await admin.health([server]))["pod-a"].serving == STABLE.version
+
+
+def test_prometheus_queries_select_the_serving_version() -> None:
+    q = PrometheusAPI("http://prom:9090").queries(namespace="ns1", pods=["m-a", "m-b"], window_s=30,
+                                                  gate_version="g-0123456789ab")
+    assert q["requests"] == ('sum(increase(sparsegate_requests_total{namespace="ns1",pod=~"m-a|m-b",'
+                             'gate_version="g-0123456789ab"}[30s]))')
+    assert 'gate_version="g-0123456789ab"' in q["p99"] and 'gate_version="g-0123456789ab"' in q["tokens"]
+    assert "gate_version" not in q["layers"]  # the per-expert series carry no version
+    with pytest.raises(ValueError, match="unexpected characters"):
+        PrometheusAPI("http://prom:9090").queries(namespace="ns1", pods=["m-a"], window_s=30, gate_version='x"}')
