@@ -4,3 +4,4 @@ from sparsegate.handlers import gatebinding, sparsemodel  # noqa: F401
 from sparsegate.handlers import routingpolicy  # noqa: F401
 from sparsegate.handlers import gateconfig  # noqa: F401
 from sparsegate.handlers import rollout_metrics  # noqa: F401
+from sparsegate.handlers import telemetryprobe  # noqa: F401

@@ -64,7 +64,8 @@ def test_the_cases_cover_what_argo_users_ask_for() -> None:
         ("GateConfig", "testdata/succeeded.yaml"): "Healthy",
         ("SparseModel", "testdata/gateconfig-not-found.yaml"): "Degraded",
         ("RoutingPolicy", "testdata/opa-rejected.yaml"): "Degraded",
-        ("TelemetryProbe", "testdata/no-status.yaml"): "Healthy",
+        ("TelemetryProbe", "testdata/no-status.yaml"): "Progressing",
+        ("TelemetryProbe", "testdata/stalled.yaml"): "Degraded",
     }
     got = {(k, c["inputPath"]): c["healthStatus"]["status"] for k, c in cases()}
     assert {key: got.get(key) for key in expected} == expected

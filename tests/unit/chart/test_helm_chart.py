@@ -92,7 +92,12 @@ def test_namespaced_mode_binds_per_namespace():
     bindings = [d for d in docs if d["kind"] == "RoleBinding" and d["metadata"]["name"] == "rel-sparsegate-operator"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ml", "staging"]
     assert {b["roleRef"]["kind"] for b in bindings} == {"Role"}
-    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    # Nothing cluster-wide but reading nodes (cluster-scoped: TelemetryProbe nodeSelectors are matched
+    # against their labels).
+    cluster = [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    assert {d["metadata"]["name"] for d in cluster} == {"rel-sparsegate-operator-nodes"}
+    (role,) = [d for d in cluster if d["kind"] == "ClusterRole"]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
     (dep,) = [d for d in docs if d["kind"] == "Deployment"]
     assert dep["spec"]["strategy"]["type"] == "Recreate"  # no Lease: never two at once
 

@@ -22,6 +22,8 @@ from sparsegate_workload import gateparams
 RELEASE_NS = "sg-system"  # what test_helm_chart.render installs into
 OPERATOR_SA = "rel-sparsegate-operator"
 CLUSTER_WIDE = ("--set", "operator.clusterWide=true")
+# The one cluster-scoped grant in every scope: read nodes (TelemetryProbe nodeSelectors match their labels).
+NODES_ROLE = "rel-sparsegate-operator-nodes"
 
 
 def helm_error(*args: str) -> str:
@@ -35,6 +37,13 @@ def helm_error(*args: str) -> str:
 
 def of_kind(docs: list[dict], *kinds: str) -> list[dict]:
     return [d for d in docs if d["kind"] in kinds]
+
+
+def without_nodes_role(docs: list[dict]) -> list[dict]:
+    nodes = [d for d in docs if d["metadata"]["name"] == NODES_ROLE]
+    assert [d["kind"] for d in nodes] == ["ClusterRole", "ClusterRoleBinding"]
+    assert nodes[0]["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
+    return [d for d in docs if d["metadata"]["name"] != NODES_ROLE]
 
 
 def operator_args(docs: list[dict]):
@@ -52,8 +61,8 @@ def workload_rules(docs: list[dict]) -> list[dict]:
 # --- scope ------------------------------------------------------------------------------------
 
 def test_default_serves_only_the_release_namespace_with_a_role():
-    docs = render()
-    assert not of_kind(docs, "ClusterRole", "ClusterRoleBinding")  # nothing cluster-scoped grants
+    docs = without_nodes_role(render())
+    assert not of_kind(docs, "ClusterRole", "ClusterRoleBinding")  # nothing else cluster-scoped grants
     roles = {(d["metadata"]["namespace"], d["metadata"]["name"]) for d in of_kind(docs, "Role")}
     assert roles == {(RELEASE_NS, "rel-sparsegate-operator"), (RELEASE_NS, "rel-sparsegate-operator-release")}
     for binding in of_kind(docs, "RoleBinding"):
@@ -84,7 +93,7 @@ def test_serving_the_release_namespace_too_renders_no_duplicate_objects():
 
 
 def test_cluster_wide_is_an_explicit_value_with_the_same_rules():
-    docs = render(None, *CLUSTER_WIDE)
+    docs = without_nodes_role(render(None, *CLUSTER_WIDE))
     (role,) = of_kind(docs, "ClusterRole")
     (binding,) = of_kind(docs, "ClusterRoleBinding")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]

@@ -1,15 +1,16 @@
 -- Argo CD health check for sparsegate.dev/TelemetryProbe (register as
 -- resource.customizations.health.sparsegate.dev_TelemetryProbe in argocd-cm).
--- No sparsegate component writes TelemetryProbe status today (the node agent takes its
--- settings from its own flags), so a probe without status is Healthy: the same answer Argo CD
--- gives a custom resource that has no health check, and not Progressing forever. Should a
--- status with conditions appear, it is read the kstatus way:
---   Stalled=True -> Degraded, Reconciling=True -> Progressing, Ready=False -> Progressing,
---   Ready=True -> Healthy.
+-- The operator writes the status from the node agents' reports (kstatus conditions):
+--   no status yet (the operator has not seen the probe)                    -> Progressing
+--   generation not observed yet                                            -> Progressing
+--   Stalled=True (xdpMode conflict with an older probe, or an agent's
+--     attach error; the message names node, interface and error)          -> Degraded
+--   Reconciling=True / Ready=False (agents not reported yet)               -> Progressing
+--   Ready=True (attached on every selected node, or none selected)        -> Healthy
 local hs = {}
 if obj.status == nil or obj.status.conditions == nil then
-  hs.status = "Healthy"
-  hs.message = "No controller reports TelemetryProbe status"
+  hs.status = "Progressing"
+  hs.message = "Waiting for the sparsegate operator to report the probe"
   return hs
 end
 if obj.metadata.generation ~= nil and obj.status.observedGeneration ~= nil

@@ -1,0 +1,80 @@
+"""The probe configuration and report ConfigMaps (contract: ``sparsegate_contracts.probes``).
+
+The operator writes ``sparsegate-probe-config`` whole (PUT, only when its data changed) and
+creates ``sparsegate-probe-reports`` empty if it is missing, so each agent can merge-patch its own
+key into it with RBAC on that one name (no create). Reports that do not parse are skipped and
+logged: one bad agent must not hide the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from sparsegate_contracts import names
+from sparsegate_contracts.probes import (
+    CONFIG_CONFIGMAP_NAME,
+    REPORT_CONFIGMAP_NAME,
+    NodeReport,
+    ProbeDocumentError,
+    document_text,
+    parse_report,
+)
+
+from sparsegate.clients.kube import Kube
+
+log = logging.getLogger(__name__)
+COMPONENT = "probe-config"
+
+
+def _configmap(*, namespace: str, name: str, data: Mapping[str, str]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": name, "namespace": namespace,
+                         "labels": {names.PART_OF_LABEL: names.PART_OF, names.COMPONENT_LABEL: COMPONENT,
+                                    names.MANAGED_BY_LABEL: names.MANAGED_BY}},
+            "data": dict(data)}
+
+
+class ProbeConfigMaps:
+    def __init__(self, *, kube: Kube, namespace: str) -> None:
+        self.kube = kube
+        self.namespace = namespace
+
+    def _publish(self, configs: Mapping[str, Mapping[str, Any]]) -> bool:
+        data = {node: document_text(doc) for node, doc in configs.items()}
+        self.kube.create_if_absent(_configmap(namespace=self.namespace, name=REPORT_CONFIGMAP_NAME, data={}))
+        current = self.kube.get("ConfigMap", namespace=self.namespace, name=CONFIG_CONFIGMAP_NAME)
+        if current is None:
+            self.kube.create(_configmap(namespace=self.namespace, name=CONFIG_CONFIGMAP_NAME, data=data))
+            return True
+        if (current.get("data") or {}) == data:
+            return False
+        body = _configmap(namespace=self.namespace, name=CONFIG_CONFIGMAP_NAME, data=data)
+        body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+        self.kube.replace(body)  # 409 if someone wrote meanwhile: the next sync retries
+        return True
+
+    def _reports(self) -> dict[str, NodeReport]:
+        cm = self.kube.get("ConfigMap", namespace=self.namespace, name=REPORT_CONFIGMAP_NAME)
+        out: dict[str, NodeReport] = {}
+        for node, text in ((cm or {}).get("data") or {}).items():
+            try:
+                report = parse_report(text)
+            except ProbeDocumentError as exc:
+                log.warning("skipping the probe report of node %s: %s", node, exc)
+                continue
+            if report.node != node:
+                log.warning("skipping the probe report under key %s: it names node %s", node, report.node)
+                continue
+            out[node] = report
+        return out
+
+    async def publish(self, configs: Mapping[str, Mapping[str, Any]]) -> bool:
+        """Make the configuration ConfigMap hold exactly ``configs``; True when it was written."""
+        return await asyncio.to_thread(self._publish, configs)
+
+    async def reports(self) -> dict[str, NodeReport]:
+        """Every node's valid report (node name -> report)."""
+        return await asyncio.to_thread(self._reports)

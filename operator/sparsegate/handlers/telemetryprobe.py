@@ -1,0 +1,153 @@
+"""TelemetryProbe → per-node agent configuration, and probe status from the agents' reports.
+
+Every probe and every node feed one configuration ConfigMap (``clients.probe_config``), so each
+handler recomputes the whole plan (``domain.telemetry_probe.plan``, pure) from Kopf's in-memory
+indexes and publishes it when it changed; node events (added, relabelled, removed) and probe
+events both trigger it, and a node event also arrives for every node when the operator starts,
+so a probe deleted while the operator was down leaves the configuration then. A loop per probe
+(``handlers.periodic``, no finalizer: deleting a probe never waits for the operator) reads the
+agents' reports every ``SPARSEGATE_PROBE_RESYNC_SECONDS`` and writes that probe's status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import kopf
+
+from sparsegate_contracts import names
+
+from sparsegate.clients.kube import Kube
+from sparsegate.clients.probe_config import ProbeConfigMaps
+from sparsegate.domain.telemetry_probe import (
+    NodeInfo,
+    Plan,
+    ProbeSource,
+    node_info,
+    observe,
+    plan,
+    probe_source,
+    status_changed,
+    status_patch,
+)
+from sparsegate.handlers.periodic import ObjectLoops
+
+GROUP, VERSION, PLURAL = names.GROUP, names.VERSION, names.TELEMETRYPROBES
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    namespace: str  # where the configuration and report ConfigMaps live (the operator's namespace)
+    resync_seconds: float
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        return cls(namespace=os.environ.get("SPARSEGATE_NAMESPACE", "sparsegate-system"),
+                   resync_seconds=float(os.environ.get("SPARSEGATE_PROBE_RESYNC_SECONDS", "5")))
+
+
+class ProbeSync:
+    def __init__(self, *, store: ProbeConfigMaps, kube: Kube) -> None:
+        self.store = store
+        self.kube = kube
+        self.lock = asyncio.Lock()
+        self.published: dict[str, Any] | None = None  # configs last written or found unchanged
+
+    async def sync(self, *, probes: list[ProbeSource], nodes: list[NodeInfo]) -> Plan:
+        async with self.lock:
+            current = plan(probes=probes, nodes=nodes)
+            if current.configs != self.published:
+                if await self.store.publish(current.configs):
+                    log.info("published the probe configuration for %d node(s)", len(current.configs))
+                self.published = current.configs
+            return current
+
+    async def write_status(self, *, probe: ProbeSource, current: Plan) -> None:
+        reports = await self.store.reports()
+        observation = observe(probe=probe, plan=current, reports=reports)
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+        def mutate(obj: dict[str, Any]) -> dict[str, Any] | None:
+            previous = dict(obj.get("status") or {})
+            new = status_patch(probe=probe, observation=observation, previous=previous, now=now)
+            return new if status_changed(previous=previous, patch=new) else None
+
+        await asyncio.to_thread(self.kube.update_status, "TelemetryProbe", namespace=probe.namespace,
+                                name=probe.name, mutate=mutate)
+
+
+_sync: ProbeSync | None = None
+_settings = Settings.from_env()
+
+
+def _state() -> ProbeSync:
+    global _sync
+    if _sync is None:
+        kube = Kube.from_environment()
+        _sync = ProbeSync(store=ProbeConfigMaps(kube=kube, namespace=_settings.namespace), kube=kube)
+    return _sync
+
+
+def _values(index: kopf.Index) -> Iterable[Any]:
+    for store in index.values():
+        yield from store
+
+
+def _inputs(kwargs: dict[str, Any]) -> tuple[list[ProbeSource], list[NodeInfo]]:
+    probes = sorted(_values(kwargs["sparsegate_telemetry_probes"]), key=lambda p: p.key)
+    nodes = sorted(_values(kwargs["sparsegate_probe_nodes"]), key=lambda n: n.name)
+    return probes, nodes
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def sparsegate_telemetry_probes(namespace: str, name: str, meta: kopf.Meta, body: kopf.Body, **_: Any) -> dict:
+    if meta.get("deletionTimestamp"):
+        return {}
+    return {(namespace, name): probe_source(dict(body))}
+
+
+@kopf.index("", "v1", "nodes")
+def sparsegate_probe_nodes(name: str, body: kopf.Body, **_: Any) -> dict:
+    return {name: node_info(dict(body))}
+
+
+@kopf.on.event("", "v1", "nodes")
+async def probe_node_event(**kwargs: Any) -> None:
+    """A node came, went or changed labels: re-plan (writes only when the configuration changed)."""
+    probes, nodes = _inputs(kwargs)
+    await _state().sync(probes=probes, nodes=nodes)
+
+
+_loops = ObjectLoops(kind="TelemetryProbe", interval_s=_settings.resync_seconds, initial_delay_s=0.5)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def telemetry_probe_event(type: str | None, namespace: str, name: str, body: kopf.Body,
+                                logger: kopf.Logger, **kwargs: Any) -> None:
+    """Re-plan on every change of a probe; its loop then keeps its status current from the reports."""
+    picked = {k: kwargs[k] for k in ("sparsegate_telemetry_probes", "sparsegate_probe_nodes")}
+
+    async def refresh(_: Any) -> None:
+        probes, nodes = _inputs(picked)
+        current = await _state().sync(probes=probes, nodes=nodes)
+        mine = next((p for p in probes if p.namespace == namespace and p.name == name), None)
+        if mine is not None:
+            await _state().write_status(probe=mine, current=current)
+
+    if _loops.seen(key=(namespace, name), event_type=type, body=body, tick=refresh, logger=logger):
+        await refresh(body)
+        return
+    probes, nodes = _inputs(picked)
+    await _state().sync(probes=probes, nodes=nodes)  # deleted: its interfaces leave the configuration
+
+
+@kopf.on.cleanup()
+async def stop_probe_loops(**_: Any) -> None:
+    await _loops.stop()
