@@ -13,7 +13,8 @@ its negative, perplexity its exponential):
   gate exactly as served (its capacity cap included). Canary and stable score the same tokens,
   so their difference is the gate's doing, not the traffic's. The text comes from
   ``sparsegate_probe.txt`` beside the checkpoint's weights when present (one text per line,
-  placed there by whoever ships the checkpoint); otherwise, for a checkpoint with a tokenizer,
+  placed there by whoever ships the checkpoint; ``sparsegate-train`` writes its held-out lines
+  there); otherwise, for a checkpoint with a tokenizer,
   64 lines of the synthetic training corpus made in code from a fixed seed (`training.corpus`;
   held out for a model that ``sparsegate-train`` trained with another seed); for the
   built-in model (no tokenizer), token ids drawn from a fixed seed.

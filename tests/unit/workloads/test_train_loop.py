@@ -13,9 +13,10 @@ import torch
 from sparsegate_contracts.gate import GateParams
 from sparsegate_workload.hf import load_moe_checkpoint
 from sparsegate_workload.training.corpus import TokenClass, generate_lines
+from sparsegate_workload.quality import PROBE_FILE, PROBE_LINES, checkpoint_probe
 from sparsegate_workload.training.trainer import (TRAINING_FILE, GateSetting, ModelShape,
                                                   TrainConfig, TrainingConfigError, evaluate,
-                                                  save_checkpoint, train)
+                                                  probe_lines, save_checkpoint, train)
 
 TINY = ModelShape(hidden_size=32, layers=2, heads=2, experts=4, expert_ffn=32,
                   max_positions=64)
@@ -67,6 +68,27 @@ def test_saved_checkpoint_loads_and_scores_the_same(tmp_path: Path) -> None:
     again = evaluate(served, result.heldout, seq_len=32)
     assert again.loss == pytest.approx(held.loss, abs=1e-5)
     assert again.experts == pytest.approx(held.experts, abs=1e-6)
+
+
+def test_saved_checkpoint_carries_held_out_probe_lines_the_server_reads(tmp_path: Path) -> None:
+    cfg = _config(steps=2)
+    result = train(cfg)
+    out = save_checkpoint(result, tmp_path / "ckpt")
+    lines = (out / PROBE_FILE).read_text(encoding="utf-8").splitlines()
+    assert lines == probe_lines(cfg) and len(lines) == PROBE_LINES
+    trained_on = {t for t, _ in generate_lines(cfg.corpus_lines, seed=cfg.seed, hard_fraction=cfg.hard_fraction)}
+    assert lines[0] == generate_lines(1, seed=10_000 + cfg.seed, hard_fraction=cfg.hard_fraction)[0][0]
+    assert len(set(lines) - trained_on) > 0  # the held-out seed, not the training lines
+    probe = checkpoint_probe(out, result.tokenizer, vocab_size=len(result.tokenizer), context_length=64)
+    assert probe.source == str(out / PROBE_FILE) and len(probe.windows) > 0
+
+
+def test_a_text_file_model_is_probed_on_the_files_held_out_tail(tmp_path: Path) -> None:
+    text = tmp_path / "corpus.txt"
+    # Equal-length lines: the 90 % cut falls on a line boundary (line 1800 of 2000).
+    text.write_text("".join(f"line {i:04d} of the user's own text\n" for i in range(2000)), encoding="utf-8")
+    lines = probe_lines(_config(steps=1, text_file=str(text)))
+    assert lines == [f"line {i:04d} of the user's own text" for i in range(1800, 1800 + PROBE_LINES)]
 
 
 def test_routers_only_fine_tune_moves_only_the_routers(tmp_path: Path) -> None:

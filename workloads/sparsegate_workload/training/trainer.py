@@ -39,6 +39,7 @@ from ..hf.families import SUPPORTED_FAMILIES
 from ..hf.gated_block import ActiveGate, pin_gate
 from ..hf.loader import SparseGatedCausalLM, load_moe_checkpoint
 from ..hf.tiny import build_tiny_checkpoint
+from ..quality import PROBE_FILE, PROBE_LINES
 from .corpus import TokenClass, TokenStream, build_tokenizer, generate_lines, tokenize_lines, \
     tokenize_text
 
@@ -252,6 +253,19 @@ def prepare_data(cfg: TrainConfig, tokenizer: Any | None
     return tokenizer, tokenize_lines(tokenizer, train), tokenize_lines(tokenizer, held)
 
 
+def probe_lines(cfg: TrainConfig, *, count: int = PROBE_LINES) -> list[str]:
+    """The first ``count`` held-out lines (never trained on): the probe set a served checkpoint's
+    quality is scored on at each gate load (``quality.PROBE_FILE``). For a text file, its held-out
+    tail (the last 10 %, as `prepare_data` cuts it); else the synthetic held-out seed's lines."""
+    if cfg.text_file is not None:
+        text = Path(cfg.text_file).read_text(encoding="utf-8")
+        tail = text[int(len(text) * 0.9):]
+        return [ln for ln in tail.splitlines() if ln.strip()][:count]
+    held = generate_lines(min(count, cfg.heldout_lines), seed=10_000 + cfg.seed,
+                          hard_fraction=cfg.hard_fraction)
+    return [t for t, _ in held]
+
+
 def _new_model(cfg: TrainConfig, tokenizer: Any, workdir: Path) -> SparseGatedCausalLM:
     s = cfg.shape
     build_tiny_checkpoint(workdir, family=s.family, seed=cfg.seed, hidden_size=s.hidden_size,
@@ -402,7 +416,8 @@ def save_checkpoint(result: TrainResult, out: str | Path, *,
                     evaluation: Evaluation | None = None) -> Path:
     """Write the trained model as a Hugging Face checkpoint (config.json + model.safetensors +
     tokenizer files) that `hf.load_moe_checkpoint` and the server's ``--model-path`` read, plus
-    `TRAINING_FILE` recording the objective, the gate it was trained with and its scores."""
+    `TRAINING_FILE` recording the objective, the gate it was trained with and its scores, and
+    `quality.PROBE_FILE` with held-out lines (`probe_lines`)."""
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out)
@@ -440,6 +455,10 @@ def save_checkpoint(result: TrainResult, out: str | Path, *,
             "heldout": evaluation.to_json() if evaluation is not None else None,
         }
         (staging / TRAINING_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        # The server scores this file at each gate load (quality.py): held-out text, not the
+        # code-made fallback, so a model trained on a user's text is probed on that text.
+        (staging / PROBE_FILE).write_text("".join(line + "\n" for line in probe_lines(cfg)),
+                                          encoding="utf-8")
         out_dir.mkdir(parents=True, exist_ok=True)
         for item in staging.iterdir():
             target = out_dir / item.name
