@@ -64,8 +64,13 @@ def rollout_gauges(status: Mapping[str, Any] | None) -> RolloutGauges:
         versions[Role.CANARY] = canary
     by_version = {v: role for role, v in versions.items()}
     pods = {Role.STABLE: 0, Role.CANARY: 0, Role.OTHER: 0}
+    # Under strategy requests a pod reports its set key, stable + canary at a weight
+    # (sparsegate_contracts.canary.set_key): it holds the canary, so it counts as a canary pod.
+    held = f"{stable}+{canary}@" if in_flight else None
     for version in (ro.get("podVersions") or {}).values():
-        pods[by_version.get(version, Role.OTHER)] += 1
+        role = Role.CANARY if held and isinstance(version, str) and version.startswith(held) else \
+            by_version.get(version, Role.OTHER)
+        pods[role] += 1
     canary_instances, instances = _fraction(ro.get("canaryInstances"))
     phase = ro.get("phase")
     return RolloutGauges(
