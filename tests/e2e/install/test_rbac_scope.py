@@ -97,11 +97,13 @@ def test_outside_the_served_namespace_the_operator_can_do_nothing(stack: Stack, 
     # The same questions in the served namespace say yes: the user name above is the operator's.
     assert can_i(stack, operator_user, "get", "secrets", RELEASE_NS) == "yes"
     assert can_i(stack, operator_user, "create", "deployments", RELEASE_NS) == "yes"
-    # Nothing cluster-scoped names it.
+    # Nothing cluster-scoped names it but reading nodes (TelemetryProbe nodeSelectors match node labels).
     sa = operator_user.rsplit(":", 1)[1]
     bindings = json.loads(stack.kubectl("get", "clusterrolebindings", "-o", "json").stdout)["items"]
-    assert not [b["metadata"]["name"] for b in bindings
-                if any(s.get("kind") == "ServiceAccount" and s.get("name") == sa for s in b.get("subjects") or [])]
+    (binding,) = [b for b in bindings
+                  if any(s.get("kind") == "ServiceAccount" and s.get("name") == sa for s in b.get("subjects") or [])]
+    role = json.loads(stack.kubectl("get", "clusterrole", binding["roleRef"]["name"], "-o", "json").stdout)
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
 
 
 def test_policy_refuses_unlabelled_configmaps_and_allows_labelled_ones(stack: Stack, operator_user: str) -> None:
