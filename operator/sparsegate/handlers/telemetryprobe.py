@@ -40,6 +40,7 @@ from sparsegate.handlers.periodic import ObjectLoops
 
 GROUP, VERSION, PLURAL = names.GROUP, names.VERSION, names.TELEMETRYPROBES
 log = logging.getLogger(__name__)
+PUBLISH_ATTEMPTS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +65,18 @@ class ProbeSync:
         async with self.lock:
             current = plan(probes=probes, nodes=nodes)
             if current.configs != self.published:
-                if await self.store.publish(current.configs):
-                    log.info("published the probe configuration for %d node(s)", len(current.configs))
+                # A few quick retries: after the last probe goes no loop is left to try again (until
+                # the next node event), and a 409 from a concurrent write clears on a re-read.
+                for attempt in range(PUBLISH_ATTEMPTS):
+                    try:
+                        if await self.store.publish(current.configs):
+                            log.info("published the probe configuration for %d node(s)", len(current.configs))
+                        break
+                    except Exception:
+                        if attempt == PUBLISH_ATTEMPTS - 1:
+                            raise
+                        log.warning("publishing the probe configuration failed; retrying", exc_info=True)
+                        await asyncio.sleep(1.0 + attempt)
                 self.published = current.configs
             return current
 

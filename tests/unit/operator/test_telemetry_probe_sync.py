@@ -1,0 +1,97 @@
+"""ProbeSync (the handler's state) against fakes of our own wrappers: publish only on change, retry
+a failed publish, and the status write computed from the reports."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from sparsegate_contracts import probes as contract
+
+from sparsegate.domain.telemetry_probe import node_info, probe_source
+from sparsegate.handlers import telemetryprobe
+
+PROBE = probe_source({"metadata": {"namespace": "ns", "name": "p", "generation": 2,
+                                   "creationTimestamp": "2026-12-03T10:00:00Z"},
+                      "spec": {"interfaces": ["eth0"], "xdpMode": "auto"}})
+NODE = node_info({"metadata": {"name": "n1", "labels": {}}})
+
+
+class FakeStore:
+    def __init__(self, *, fail: int = 0) -> None:
+        self.fail = fail
+        self.published: list[dict[str, Any]] = []
+        self.report: dict[str, contract.NodeReport] = {}
+
+    async def publish(self, configs: dict[str, Any]) -> bool:
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("409 Conflict")
+        self.published.append(dict(configs))
+        return True
+
+    async def reports(self) -> dict[str, contract.NodeReport]:
+        return dict(self.report)
+
+
+class FakeKube:
+    """Kube.update_status's contract: mutate(current) -> patch or None."""
+
+    def __init__(self) -> None:
+        self.obj: dict[str, Any] = {"metadata": {"name": "p"}, "status": {}}
+        self.writes = 0
+
+    def update_status(self, kind: str, *, namespace: str, name: str, mutate: Any) -> dict[str, Any]:
+        assert (kind, namespace, name) == ("TelemetryProbe", "ns", "p")
+        patch = mutate(self.obj)
+        if patch is not None:
+            self.obj["status"] = {**self.obj["status"], **patch}
+            self.writes += 1
+        return self.obj
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_publishes_only_when_the_plan_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = FakeStore()
+    sync = telemetryprobe.ProbeSync(store=store, kube=FakeKube())  # type: ignore[arg-type]
+    run(sync.sync(probes=[PROBE], nodes=[NODE]))
+    run(sync.sync(probes=[PROBE], nodes=[NODE]))
+    assert [set(c) for c in store.published] == [{"n1"}]
+    run(sync.sync(probes=[], nodes=[NODE]))  # the probe went: the node's key goes
+    assert store.published[-1] == {}
+
+
+def test_a_failed_publish_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def no_sleep(_: float) -> None:
+        return None
+
+    monkeypatch.setattr(telemetryprobe.asyncio, "sleep", no_sleep)
+    store = FakeStore(fail=2)
+    sync = telemetryprobe.ProbeSync(store=store, kube=FakeKube())  # type: ignore[arg-type]
+    run(sync.sync(probes=[PROBE], nodes=[NODE]))
+    assert len(store.published) == 1 and sync.published == store.published[0]
+    store.fail = telemetryprobe.PUBLISH_ATTEMPTS
+    with pytest.raises(RuntimeError):
+        run(sync.sync(probes=[], nodes=[NODE]))
+    assert sync.published == store.published[0]  # not recorded: the next sync tries again
+
+
+def test_status_is_written_from_reports_and_not_rewritten_when_unchanged() -> None:
+    store, kube = FakeStore(), FakeKube()
+    sync = telemetryprobe.ProbeSync(store=store, kube=kube)  # type: ignore[arg-type]
+    current = run(sync.sync(probes=[PROBE], nodes=[NODE]))
+    run(sync.write_status(probe=PROBE, current=current))
+    assert kube.obj["status"]["attachedNodes"] == 0 and kube.obj["status"]["observedGeneration"] == 2
+    version = current.configs["n1"]["version"]
+    store.report["n1"] = contract.NodeReport(node="n1", config_version=version, program_id=11,
+                                             interfaces=(contract.InterfaceReport("eth0", "native"),))
+    run(sync.write_status(probe=PROBE, current=current))
+    run(sync.write_status(probe=PROBE, current=current))
+    assert kube.writes == 2
+    assert kube.obj["status"]["attachments"] == [{"node": "n1", "interface": "eth0", "mode": "native",
+                                                  "programId": 11}]
+    ready = next(c for c in kube.obj["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "True"
