@@ -55,6 +55,8 @@ class DecodeRequest:
     max_tokens: int
     temperature: float = 0.0
     seed: int = 0
+    # The gate to prefill (and so decode) under: a request-level canary's; None: the installed one.
+    gate: ActiveGate | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,8 +181,9 @@ class BatchDecoder:
         events: list[TokenEvent] = []
         pack: list[DecodeRequest] = []
         for req in reqs:
+            # One forward runs under one gate: a request for another version starts a new pack.
             if pack and (sum(len(r.prompt_ids) for r in pack) + len(req.prompt_ids)
-                         > MAX_PREFILL_TOKENS or not self._packable):
+                         > MAX_PREFILL_TOKENS or not self._packable or req.gate is not pack[0].gate):
                 events += self._prefill(pack)
                 pack = []
             pack.append(req)
@@ -207,7 +210,8 @@ class BatchDecoder:
             causal = positions.unsqueeze(1) >= positions.unsqueeze(0)
             kwargs = {"position_ids": positions.unsqueeze(0),
                       "attention_mask": (same & causal)[None, None]}  # [1, 1, T, T], True: attend
-        with torch.inference_mode(), pin_gate(self.lm.gate, keep_routing=len(reqs) > 1) as call:
+        gate = reqs[0].gate or self.lm.gate  # add_many packs only requests of one gate
+        with torch.inference_mode(), pin_gate(gate, keep_routing=len(reqs) > 1) as call:
             out = self.lm.model(input_ids=ids, use_cache=True, **kwargs)
         table = (self._usage_rows(call, owner=owner, n=len(reqs)) if len(reqs) > 1
                  else self._usage_alone(call))

@@ -28,6 +28,7 @@ import time
 from typing import Callable
 
 from .batch_decode import BatchDecoder, DecodeRequest, TokenEvent
+from .hf.gated_block import ActiveGate
 from .hf_serving import Generation
 from .metrics import ServerMetrics
 from .server_state import ApiError
@@ -99,13 +100,15 @@ class BatchEngine:
 
     def submit(self, prompt_ids: list[int], *, max_tokens: int, temperature: float = 0.0,
                seed: int = 0, timeout_s: float | None = None,
-               on_leave: Callable[[], None] | None = None) -> GenerationHandle:
+               on_leave: Callable[[], None] | None = None,
+               gate: ActiveGate | None = None) -> GenerationHandle:
         """Queue one generation. ``timeout_s``: fail with 503 after that long, and leave.
+        ``gate``: prefill and decode under it (a request-level canary), else the installed gate.
         ``on_leave``: called once when it no longer occupies the queue or a batch."""
         if self.closed is not None:
             raise ApiError(503, self.closed)
         request = DecodeRequest(key=next(_ids), prompt_ids=list(prompt_ids),
-                                max_tokens=max_tokens, temperature=temperature, seed=seed)
+                                max_tokens=max_tokens, temperature=temperature, seed=seed, gate=gate)
         handle = GenerationHandle(request, on_leave=on_leave)
         if timeout_s is not None:
             handle._timer = asyncio.get_running_loop().call_later(

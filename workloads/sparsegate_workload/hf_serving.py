@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -20,6 +20,9 @@ from .inference import InferenceResult
 from .moe import MoEStats
 from .precision import Precision
 from .quality import score_rows
+
+if TYPE_CHECKING:  # the hf package loads transformers: only when a checkpoint is loaded
+    from .hf.gated_block import ActiveGate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +68,18 @@ class HFServedModel:
         """Install ``doc`` (raises GateParamsError); returns the router precision per block."""
         return self.lm.set_gate(doc).precisions
 
-    def run_batch(self, tokens: Sequence[Sequence[int]], *, return_logits: bool = False
-                  ) -> tuple[InferenceResult, str | None]:
-        """The ``/v1/infer`` result for a checkpoint, and the gate version that computed it.
+    def prepare_gate(self, doc: GateDocument) -> ActiveGate:
+        """``doc`` ready to pin beside the installed gate (a request-level canary); raises
+        GateParamsError when it would need another weight storage (`SparseGatedCausalLM.prepare_gate`)."""
+        return self.lm.prepare_gate(doc)
+
+    def run_batch(self, tokens: Sequence[Sequence[int]], *, return_logits: bool = False,
+                  gate: ActiveGate | None = None) -> tuple[InferenceResult, str | None]:
+        """The ``/v1/infer`` result for a checkpoint (under ``gate``, else the installed gate),
+        and the gate version that computed it.
         A checkpoint has no tool gate: ``toolCalls`` are empty and the fire rate 0."""
         batch = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        out = self.lm.forward(batch)
+        out = self.lm.forward(batch, gate=gate)
         last = out.logits[:, -1, :].float()
         n = max(len(out.layers), 1)
         result = InferenceResult(

@@ -32,7 +32,8 @@ from aiohttp import web
 
 from .hf_serving import Generation, HFServedModel
 from .batch_engine import GenerationHandle
-from .server_state import STATE, ApiError, ServerState, admission, free_slot, inject_fault, read_json
+from .server_state import (STATE, ApiError, ServerState, admission, choose_gate, free_slot, inject_fault,
+                           read_json)
 
 log = logging.getLogger("sparsegate.workload.openai")
 
@@ -253,10 +254,10 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
     started = time.perf_counter()
     code = 500
-    served: str | None = None  # the gate version that served it (a checkpoint holds one: no canary)
+    served: str | None = None  # the gate version that served it (stable or canary)
     try:
         hf = _text_model(state)
-        gate = state.gate
+        gate = choose_gate(state, request)  # the canary for the keys its weight selects
         assert gate is not None and state.engine is not None
         served = gate.doc.version
         async with admission(state) as keep:
@@ -266,7 +267,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
             handle = state.engine.submit(
                 plan.prompt_ids, max_tokens=plan.max_tokens, temperature=plan.temperature,
                 seed=plan.seed, timeout_s=state.request_timeout_s,
-                on_leave=lambda: free_slot(state))
+                on_leave=lambda: free_slot(state), gate=gate.hf_gate)
             keep()  # the engine frees the slot when the request leaves its queue or batch
         if plan.stream:
             code = 200  # the status is sent before the tokens; a later failure is an event

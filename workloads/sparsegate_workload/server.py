@@ -25,8 +25,10 @@ document with a weight; the built-in model then holds both, and each ``/v1/infer
 one by the hash of its sticky header's value (else its ``x-request-id``, else a random id). The
 response's ``gateVersion`` names the version that served it, and ``sparsegate_requests_total`` /
 ``sparsegate_request_duration_seconds`` are labelled ``gate_version``, so stable and canary are
-measured side by side from the same pods. A checkpoint holds one version (its gate lives in its
-weights' storage): it answers a two-version PUT with 422.
+measured side by side from the same pods. A checkpoint pins the canary per request too (on
+``/v1/infer`` and the OpenAI routes; a generation decodes wholly under the version it was
+prefilled with), provided the canary keeps the stored weight precisions: it holds one weight
+storage, so a canary whose precisionPolicy resolves otherwise is answered 422.
 
 A gate with ``targetExpertsPerToken`` gets its own PI controller (`threshold_control`) when it is
 applied to the built-in model: each /v1/infer batch routes with the controller's threshold and
@@ -236,8 +238,9 @@ async def infer(request: web.Request) -> web.Response:
                                                         max_seq_len=max_seq_len)
             await inject_fault(state, gate)
             if state.hf is not None:
+                chosen = gate
                 result, gate = await run_on_model(
-                    state, lambda: _hf_batch(state, tokens, return_logits), keep=keep)
+                    state, lambda: _hf_batch(state, tokens, return_logits, chosen), keep=keep)
             else:
                 result = await run_on_model(
                     state, lambda: _builtin_batch(state, gate, tokens, return_logits), keep=keep)
@@ -270,10 +273,15 @@ async def _call_tools(state: ServerState, request: web.Request, gate: AppliedGat
                                   metrics=state.metrics.tools)
 
 
-def _hf_batch(state: ServerState, tokens: list[list[int]], return_logits: bool
+def _hf_batch(state: ServerState, tokens: list[list[int]], return_logits: bool, chosen: AppliedGate
               ) -> tuple[InferenceResult, AppliedGate]:
-    # On the model thread, where gate swaps of a checkpoint also run: the gate read here is the
-    # one the checkpoint routes this batch with (the admission-time read may be older).
+    # On the model thread, where gate swaps of a checkpoint also run: the installed gate read
+    # here is the one the checkpoint routes this batch with (the admission-time read may be
+    # older). A canary chosen for the request is pinned for this batch instead.
+    if chosen.hf_gate is not None:
+        assert state.hf is not None
+        result, _ = state.hf.run_batch(tokens, return_logits=return_logits, gate=chosen.hf_gate)
+        return result, chosen
     gate = state.gate
     assert state.hf is not None and gate is not None
     result, _ = state.hf.run_batch(tokens, return_logits=return_logits)
@@ -369,9 +377,6 @@ async def put_gate(request: web.Request) -> web.Response:
     num_experts = state.hf.num_experts if state.hf is not None else state.model_config.num_experts
     try:
         wanted = parse_gate_set(body, num_experts=num_experts)
-        if wanted.canary is not None and state.hf is not None:
-            raise GateParamsError("canary: a request-level canary is served by the built-in model "
-                                  "only; a checkpoint holds one gate version at a time")
         if wanted.key == _held_key(state) and (
                 state.canary is None or state.canary.sticky_header == wanted.sticky_header):
             return web.json_response({**_served_json(state), "applied": False})
@@ -388,7 +393,7 @@ async def put_gate(request: web.Request) -> web.Response:
             new = state.canary.gate  # promotion: the canary becomes stable, controller and all
         else:
             new = _applied(doc, state.model)
-        canary = _canary_for(state, wanted)
+        canary = await _canary_for(state, wanted)
         # The swap: reference assignments on the event loop thread, no await between them.
         state.gate, state.canary = new, canary
     except GateParamsError as e:
@@ -412,18 +417,25 @@ def _held_key(state: ServerState) -> str:
     return held.key
 
 
-def _canary_for(state: ServerState, wanted: GateSet) -> CanaryGate | None:
-    """The canary half of ``wanted``, reusing the applied canary when its version is unchanged."""
+async def _canary_for(state: ServerState, wanted: GateSet) -> CanaryGate | None:
+    """The canary half of ``wanted``, reusing the applied canary when its version is unchanged.
+    A checkpoint's canary is prepared on the model thread and pinned per request beside the
+    installed gate (same weight storage: `hf.loader.SparseGatedCausalLM.prepare_gate`)."""
     if wanted.canary is None:
         return None
-    held = state.canary
-    if held is not None and held.gate.doc.version == wanted.canary.version:
+    held, doc = state.canary, wanted.canary
+    if held is not None and held.gate.doc.version == doc.version:
         gate = held.gate
-    elif state.gate is not None and state.gate.doc.version == wanted.canary.version:
+    elif state.hf is not None:
+        hf = state.hf
+        active = await asyncio.get_running_loop().run_in_executor(state.executor, lambda: hf.prepare_gate(doc))
+        gate = AppliedGate(doc=doc, precisions=active.precisions, applied_at=time.time(), params=doc.params,
+                           hf_gate=active)
+    elif state.gate is not None and state.gate.doc.version == doc.version:
         gate = state.gate
     else:
         assert state.model is not None
-        gate = _applied(wanted.canary, state.model)
+        gate = _applied(doc, state.model)
     return CanaryGate(gate=gate, weight=wanted.weight, sticky_header=wanted.sticky_header)
 
 

@@ -51,6 +51,9 @@ class AppliedGate:
     # targetExpertsPerToken set: the PI loop that moves this version's threshold between batches.
     # Its live threshold is state beside the immutable document, used only on the model thread.
     controller: ThresholdController | None = None
+    # A checkpoint's request-level canary: its gate pinned per request beside the installed one
+    # (hf.gated_block.ActiveGate; None for the installed gate and for the built-in model).
+    hf_gate: Any = None
 
     def routed_params(self) -> GateParams:
         """The params the next batch routes with: the controlled threshold when there is one."""

@@ -141,12 +141,52 @@ async def test_promotion_rollback_and_swaps_under_load_drop_nothing(server):
     assert status == 200 and answer["applied"] is False
 
 
-async def test_a_checkpoint_refuses_a_two_version_set(tmp_path):
+ONE = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 1, "maxExpertsPerToken": 1, "capacityFactor": 8})
+TWO = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 2, "maxExpertsPerToken": 2, "capacityFactor": 8})
+
+
+async def test_a_checkpoint_pins_the_canary_per_request_on_every_route(tmp_path):
     checkpoint = build_tiny_checkpoint(tmp_path / "tiny", family="mixtral")
-    app = create_app(gate_doc=STABLE, model_path=str(checkpoint))
-    async with TestClient(TestServer(app, host="127.0.0.1")) as c:
+    app = create_app(gate_doc=ONE, model_path=str(checkpoint))
+    async with TestClient(TestServer(app, host="127.0.0.1"), connector=aiohttp.TCPConnector(limit=0)) as c:
         await wait_ready(app)
         async with TestClient(TestServer(create_admin_app(app, auth=StaticToken(TOKEN)), host="127.0.0.1")) as a:
-            status, body = await _put(a, gate_set_document(STABLE.to_json(), CANARY.to_json(), weight=0.1))
-            assert status == 422 and "canary" in body["error"] and "checkpoint" in body["error"]
-            assert (await (await c.get("/healthz")).json())["gateVersion"] == STABLE.version
+            status, body = await _put(a, gate_set_document(ONE.to_json(), TWO.to_json(), weight=0.5))
+            assert status == 200 and body["canary"]["version"] == TWO.version, body
+            experts = {ONE.version: 1.0, TWO.version: 2.0}
+            sessions = [f"chat-{i}" for i in range(12)]
+
+            async def complete(sid: str, stream: bool = False) -> str:
+                resp = await c.post("/v1/completions", headers={"x-session-id": sid},
+                                    json={"prompt": "the gate keeps", "max_tokens": 3, "temperature": 0})
+                assert resp.status == 200, await resp.text()
+                usage = (await resp.json())["usage"]["sparsegate"]
+                # Prefill and every decode step ran under the version it reports.
+                assert usage["mean_experts_per_token"] == experts[usage["gate_version"]]
+                return usage["gate_version"]
+
+            # Concurrent: prefills of both versions are packed apart, decoded in their own groups.
+            served = await asyncio.gather(*(complete(s) for s in sessions))
+            for sid, version in zip(sessions, served):
+                assert version == (TWO.version if routes_to_canary(sid, 0.5) else ONE.version), sid
+            assert set(served) == {ONE.version, TWO.version}
+            for sid in sessions[:4]:  # /v1/infer follows the same choice
+                resp = await c.post("/v1/infer", json={"tokens": [[1, 2, 3]]}, headers={"x-session-id": sid})
+                body = await resp.json()
+                assert body["gateVersion"] == (TWO.version if routes_to_canary(sid, 0.5) else ONE.version)
+                assert body["activeExpertsPerToken"] == experts[body["gateVersion"]]
+            samples = _samples(await (await c.get("/metrics")).text())
+            for version in (ONE.version, TWO.version):
+                want = served.count(version) + sum(
+                    1 for sid in sessions[:4] if (TWO.version if routes_to_canary(sid, 0.5) else ONE.version) == version)
+                assert samples[f'sparsegate_requests_total{{code="200",gate_version="{version}"}}'] == want
+            # One weight storage: a canary that would need another is refused, naming the field.
+            bf16 = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 2, "maxExpertsPerToken": 2,
+                                  "precisionPolicy": "bf16"})
+            status, body = await _put(a, gate_set_document(ONE.to_json(), bf16.to_json(), weight=0.1))
+            assert status == 422 and "precisionPolicy" in body["error"], body
+            assert (await (await c.get("/healthz")).json())["canary"]["version"] == TWO.version
+            # Promotion: the canary installed alone.
+            status, body = await _put(a, TWO.to_json())
+            assert status == 200 and "canary" not in body and body["version"] == TWO.version
+            assert await complete("chat-0") == TWO.version

@@ -107,6 +107,28 @@ class SparseGatedCausalLM:
         """Install a gate for the next forwards; one reference swap, so a forward in flight
         keeps the gate it pinned. ``dropless`` ignores capacityFactor (no capacity cap).
         Raises GateParamsError if it asks for more experts per token than the model has."""
+        active = self._active_gate(gate, dropless=dropless)
+        # Storage first, then the swap: a forward pinned to the old gate computes with
+        # whatever each block stores when it reaches it (each block reads its storage once).
+        self.store_precisions(active.precisions, active.expert_precisions)
+        self._slot.active = active
+        return active
+
+    def prepare_gate(self, doc: GateDocument) -> ActiveGate:
+        """A gate to pin beside the installed one (a request-level canary), not installed: the
+        weights stay stored as the installed gate resolved them, so ``doc``'s precision policy
+        must resolve to that same storage (GateParamsError naming precisionPolicy otherwise)."""
+        active = self._active_gate(doc, dropless=False)
+        current = self._slot.active
+        if (active.precisions, active.expert_precisions) != (current.precisions, current.expert_precisions):
+            raise GateParamsError(
+                f"precisionPolicy {doc.params.precision_policy!r} resolves to router/expert precisions "
+                f"{list(active.precisions)}/{list(active.expert_precisions)}, but this checkpoint stores "
+                f"{list(current.precisions)}/{list(current.expert_precisions)} for the installed gate: "
+                f"a checkpoint holds one weight storage, so a canary beside it must keep it")
+        return active
+
+    def _active_gate(self, gate: GateParams | GateDocument, *, dropless: bool) -> ActiveGate:
         document = gate if isinstance(gate, GateDocument) else None
         params = gate.params if isinstance(gate, GateDocument) else gate
         for name, value in (("minExpertsPerToken", params.min_experts_per_token),
@@ -119,15 +141,10 @@ class SparseGatedCausalLM:
                 f"minExpertsPerToken ({params.min_experts_per_token}) must not exceed "
                 f"maxExpertsPerToken ({params.max_experts_per_token})")
         policy = params.precision_policy
-        active = ActiveGate(params=params, precisions=self.resolve_precisions(policy),
-                            capacity_factor=None if dropless else params.capacity_factor,
-                            document=document,
-                            expert_precisions=self.resolve_expert_precisions(policy))
-        # Storage first, then the swap: a forward pinned to the old gate computes with
-        # whatever each block stores when it reaches it (each block reads its storage once).
-        self.store_precisions(active.precisions, active.expert_precisions)
-        self._slot.active = active
-        return active
+        return ActiveGate(params=params, precisions=self.resolve_precisions(policy),
+                          capacity_factor=None if dropless else params.capacity_factor,
+                          document=document,
+                          expert_precisions=self.resolve_expert_precisions(policy))
 
     def resolve_precisions(self, policy: str) -> tuple[Precision, ...]:
         """Router weight precision per MoE block. "auto" applies the rule to the measured
@@ -171,10 +188,10 @@ class SparseGatedCausalLM:
         """Pin the current gate for everything inside (e.g. a generate()); collects stats."""
         return pin_gate(self._slot.active)
 
-    def forward(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None
-                ) -> GatedForward:
-        """One forward under one gate version, without autograd."""
-        with torch.inference_mode(), self.pinned_gate() as call:
+    def forward(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+                gate: ActiveGate | None = None) -> GatedForward:
+        """One forward under one gate version (``gate``, else the installed one), without autograd."""
+        with torch.inference_mode(), (pin_gate(gate) if gate is not None else self.pinned_gate()) as call:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                              use_cache=False)
         return GatedForward(logits=out.logits, layers=call.layers, gate=call.gate)
