@@ -13,10 +13,13 @@ scaled per column, which equals using q * scale as the weight).
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .expert_cost import ExpertCost
 from .gating import Routing
 from .precision import Precision, StoredWeight, is_lower
 
@@ -127,8 +130,11 @@ class SwiGLUExperts(nn.Module):
         # loop never indexes a stacked weight under autograd. grouped stays selectable.
         return False
 
-    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """x: [T, d] -> [T, d]; tokens no expert kept contribute zero (residual carries them)."""
+    def forward(self, x: torch.Tensor, routing: Routing, *, cost: ExpertCost | None = None
+                ) -> torch.Tensor:
+        """x: [T, d] -> [T, d]; tokens no expert kept contribute zero (residual carries them).
+        ``cost``: records each expert's measured time per row (inference loop backend only: the
+        grouped kernel runs every expert in one call, so it has no per-expert time)."""
         xs = x.index_select(0, routing.token_idx)
         w = routing.weights.unsqueeze(-1).to(x.dtype)
         n_assign, d_model = xs.shape
@@ -145,11 +151,15 @@ class SwiGLUExperts(nn.Module):
                 ys[:n_assign] = self._grouped(xs, routing.counts, gate_up, down)
             else:
                 start = 0
+                clock = time.perf_counter
                 for e, n in enumerate(routing.counts):
                     if n:
                         end = start + n
+                        t0 = clock()
                         h = _swiglu(expert_mm(xs[start:end], gate_up, e))
                         expert_mm(h, down, e, out=ys[start:end])
+                        if cost is not None:
+                            cost.record(e, clock() - t0, n)
                         start = end
             ys[:n_assign].mul_(w)
         return combine(ys, routing.slots)

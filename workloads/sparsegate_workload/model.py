@@ -135,7 +135,8 @@ class Block(nn.Module):
                             min_experts=gate.min_experts_per_token,
                             max_experts=gate.max_experts_per_token,
                             capacity_factor=gate.capacity_factor,
-                            entropy_beta=gate.entropy_beta, precision=precision)
+                            entropy_beta=gate.entropy_beta, precision=precision,
+                            hardware_cost_lambda=gate.hardware_cost_lambda)
         return x + y, stats
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from .expert_cost import ExpertCost
 from .experts import DenseSwiGLU, SwiGLUExperts
 from .gating import DynamicGate, Routing, TopKGate
 from .precision import LayerBytes, Precision, layer_bytes
@@ -75,6 +76,9 @@ class DynamicMoE(_StoredMoE):
         super().__init__()
         self.gate = DynamicGate(d_model, num_experts)
         self.experts = SwiGLUExperts(d_model, d_ff, num_experts, backend=backend)
+        # Measured per-expert cost (timed in the experts' inference loop), used when the gate's
+        # hardwareCostLambda is above 0 (hardware-aware routing, expert_cost.py).
+        self.cost = ExpertCost(num_experts)
 
     def reset_parameters(self, generator: torch.Generator) -> None:
         self.gate.reset_parameters(generator)
@@ -83,12 +87,16 @@ class DynamicMoE(_StoredMoE):
     def forward(self, x: torch.Tensor, *, confidence_threshold: float = 0.6,
                 min_experts: int = 1, max_experts: int = 4,
                 capacity_factor: float | None = None, entropy_beta: float = 0.1,
-                precision: Precision = "fp32") -> tuple[torch.Tensor, MoEStats]:
+                precision: Precision = "fp32", hardware_cost_lambda: float = 0.0
+                ) -> tuple[torch.Tensor, MoEStats]:
         flat = x.reshape(-1, x.shape[-1])
+        # lambda 0 (the default): no cost vector, routing bit-identical to plain top-p.
         routing = self.gate(flat, confidence_threshold=confidence_threshold,
                             min_experts=min_experts, max_experts=max_experts,
-                            capacity_factor=capacity_factor, precision=precision)
-        y = self.experts(flat, routing)
+                            capacity_factor=capacity_factor, precision=precision,
+                            cost=self.cost.vector() if hardware_cost_lambda > 0 else None,
+                            cost_lambda=hardware_cost_lambda)
+        y = self.experts(flat, routing, cost=self.cost)
         return y.reshape(x.shape), _stats(routing, entropy_beta=entropy_beta)
 
 

@@ -138,3 +138,43 @@ async def test_served_checkpoint_exports_the_learnt_cost_per_layer_and_expert(tm
     assert by_layer and all(len(v) == 8 for v in by_layer.values())
     # Normalised by each layer's costliest expert, measured from the requests just served.
     assert all(max(v) == 1.0 and min(v) > 0 for v in by_layer.values())
+
+
+def _served_builtin(*, cost_lambda: float):
+    from sparsegate_workload.model import ModelConfig, build_model
+
+    params = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 1, "maxExpertsPerToken": 2,
+                            "confidenceThreshold": 0.6, "capacityFactor": 8,
+                            "hardwareCostLambda": cost_lambda}).params
+    model = build_model(ModelConfig(), gate=params)
+    return model, params
+
+
+def test_builtin_model_times_its_experts_and_routes_around_a_costly_one():
+    """The built-in model (what `/v1/infer` serves) end to end: its experts' inference loop
+    records each expert's time, lambda 0 routes as before, and a large lambda with one expert
+    made costly (placement factor, as a slow device would report) moves tokens off it."""
+    tokens = torch.randint(0, 512, (8, 32), generator=torch.Generator().manual_seed(3))
+
+    def counts(model, params) -> list[int]:
+        with torch.inference_mode():
+            out = model(tokens, gate=params, precisions=model.resolve_precisions("fp32"),
+                        expert_precisions=["fp32"] * len(model.blocks))
+        return out.layers[0].counts
+
+    plain_model, plain = _served_builtin(cost_lambda=0.0)
+    base = counts(plain_model, plain)
+    timed = plain_model.blocks[0].moe.cost.seconds_per_row
+    assert all(t is not None and t > 0 for t, n in zip(timed, base) if n), timed
+    busiest = max(range(len(base)), key=base.__getitem__)
+
+    biased_model, biased = _served_builtin(cost_lambda=50.0)
+    for blk in biased_model.blocks:
+        blk.moe.cost.set_placement([100.0 if e == busiest else 1.0 for e in range(8)])
+    counts(biased_model, biased)  # a first call times every expert (untimed ones take the mean)
+    moved = counts(biased_model, biased)
+    assert moved[busiest] < base[busiest] // 4, (base, moved)
+    # lambda 0 with the same costly expert: identical routing to the unbiased model.
+    for blk in plain_model.blocks:
+        blk.moe.cost.set_placement([100.0 if e == busiest else 1.0 for e in range(8)])
+    assert counts(plain_model, plain) == base
