@@ -20,8 +20,10 @@ Every query uses only series the code exports today:
 
 Canary vs stable: a model server reports its gate version (``sparsegate_gate_config_info``), and
 the operator reports which version is the GateConfig's stable and which its canary
-(``sparsegate_rollout_version_info``). Joining the two on ``(namespace, version)`` labels every
-pod's request, latency and expert series with ``role``. The joins expect the ``namespace`` and
+(``sparsegate_rollout_version_info``). Request, latency, token and assignment series carry the
+gate version that served each request as ``gate_version`` (with a request-level canary one pod
+serves both versions), relabelled ``version`` and joined on ``(namespace, version)`` to get
+``role``; the per-expert series, which no version owns, give each pod's layer count. The joins expect the ``namespace`` and
 ``pod`` target labels that the chart's PodMonitor/ServiceMonitor (and any kubernetes_sd set-up)
 attach, and the operator scraped with ``honor_labels`` (its rollout gauges carry the
 GateConfig's ``namespace``). Quality series (``sparsegate_quality_*_total``,
@@ -45,41 +47,41 @@ RATE = "$__rate_interval"
 
 GC = 'namespace="$namespace", gateconfig="$gateconfig"'
 MODEL = 'namespace="$namespace", model=~"$model"'
-# The two joins. Each right side is reduced with `max by` first so a target scraped twice (two
-# monitors, two Prometheus jobs) cannot make the match many-to-many.
-VERSION_OF_POD = ('* on (namespace, pod) group_left (version) '
-                  'max by (namespace, pod, version) (sparsegate_gate_config_info{namespace="$namespace"})')
+# The join from a series' gate version to its role. The right side is reduced with `max by` first
+# so a target scraped twice (two monitors, two Prometheus jobs) cannot make the match many-to-many.
 ROLE_OF_VERSION = ('* on (namespace, version) group_left (role) '
                    f'max by (namespace, version, role) (sparsegate_rollout_version_info{{{GC}}})')
 
 
-def by_role(metric_selector: str, *, extra_by: str = "") -> str:
-    """``rate(metric[…])`` per pod, summed per gate version, then labelled with the GateConfig's
-    ``role`` (stable / canary) of that version and summed by role (and ``extra_by``)."""
+def by_role_of_serving_version(metric_selector: str, *, extra_by: str = "") -> str:
+    """``rate(metric[…])`` of series labelled with the serving ``gate_version`` (relabelled
+    ``version``), summed per version, labelled with its ``role`` and summed by role."""
     by = f"role, {extra_by}" if extra_by else "role"
     inner_by = f"namespace, version, {extra_by}" if extra_by else "namespace, version"
     return (f"sum by ({by}) (\n"
             f"  sum by ({inner_by}) (\n"
-            f"    rate({metric_selector}[{RATE}])\n"
-            f"    {VERSION_OF_POD}\n"
+            f'    label_replace(rate({metric_selector}[{RATE}]), "version", "$1", "gate_version", "(.+)")\n'
             f"  )\n"
             f"  {ROLE_OF_VERSION}\n"
             f")")
 
 
-REQUESTS = by_role(f"sparsegate_requests_total{{{MODEL}}}")
-ERRORS = by_role(f'sparsegate_requests_total{{{MODEL}, code=~"5.."}}')
-LATENCY_BUCKETS = by_role(f"sparsegate_request_duration_seconds_bucket{{{MODEL}}}", extra_by="le")
-ASSIGNMENTS = by_role(f"sparsegate_expert_assignments_total{{{MODEL}}}")
-# Tokens × layers per pod: layers = distinct `layer` labels of the pod's per-expert counter.
+REQUESTS = by_role_of_serving_version(f"sparsegate_requests_total{{{MODEL}}}")
+ERRORS = by_role_of_serving_version(f'sparsegate_requests_total{{{MODEL}, code=~"5.."}}')
+LATENCY_BUCKETS = by_role_of_serving_version(f"sparsegate_request_duration_seconds_bucket{{{MODEL}}}",
+                                             extra_by="le")
+ASSIGNMENTS = by_role_of_serving_version(f"sparsegate_expert_assignments_total{{{MODEL}}}")
+# Tokens (per serving version) × layers of the pod that routed them: layers = distinct `layer`
+# labels of the pod's per-expert counter.
 TOKEN_LAYERS = (
     "sum by (role) (\n"
     "  sum by (namespace, version) (\n"
-    f"    sum by (namespace, pod) (rate(sparsegate_tokens_total{{{MODEL}}}[{RATE}]))\n"
-    "    * on (namespace, pod) count by (namespace, pod) (\n"
-    f"      count by (namespace, pod, layer) (sparsegate_expert_tokens_total{{{MODEL}}})\n"
-    "    )\n"
-    f"    {VERSION_OF_POD}\n"
+    "    label_replace(\n"
+    f"      sum by (namespace, pod, gate_version) (rate(sparsegate_tokens_total{{{MODEL}}}[{RATE}]))\n"
+    "      * on (namespace, pod) group_left count by (namespace, pod) (\n"
+    f"        count by (namespace, pod, layer) (sparsegate_expert_tokens_total{{{MODEL}}})\n"
+    "      ),\n"
+    '      "version", "$1", "gate_version", "(.+)")\n'
     "  )\n"
     f"  {ROLE_OF_VERSION}\n"
     ")")
@@ -181,13 +183,13 @@ def canary_panels() -> list[dict[str, Any]]:
         "Error rate by role", "timeseries",
         [target(f"(\n{ERRORS}\nor\n0 * {REQUESTS}\n)\n/\n{REQUESTS}", "{{role}}")],
         unit="percentunit",
-        description="Share of inference requests answered with 5xx, canary vs stable pods "
+        description="Share of inference requests answered with 5xx, canary vs stable version "
                     "(sparsegate_requests_total by code; 0 where a role had no errors).",
     )
     p99 = panel(
         "p99 latency by role", "timeseries",
         [target(f"histogram_quantile(0.99,\n{LATENCY_BUCKETS}\n)", "{{role}}")],
-        unit="s", description="p99 of sparsegate_request_duration_seconds, canary vs stable pods.",
+        unit="s", description="p99 of sparsegate_request_duration_seconds, canary vs stable version.",
     )
     experts = panel(
         "Active experts per token by role", "timeseries",
@@ -214,7 +216,7 @@ def canary_panels() -> list[dict[str, Any]]:
     qps = panel(
         "Requests by role", "timeseries",
         [target(REQUESTS, "{{role}}")], unit="reqps",
-        description="Inference requests per second served by canary and stable pods.",
+        description="Inference requests per second served by the canary and the stable version.",
     )
     return [errors, p99, experts, qps, quality, probe]
 
