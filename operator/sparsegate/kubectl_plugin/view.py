@@ -82,6 +82,16 @@ def checks_summary(run: Mapping[str, Any] | None) -> str:
     return " ".join(parts)
 
 
+def _canary_share(ro: Mapping[str, Any]) -> str:
+    """The step's canary share: of instances, or (strategy requests) of every instance's requests."""
+    if not ro.get("canaryVersion") or not ro.get("canaryInstances"):
+        return ""
+    if ro.get("strategy") == "requests":
+        return (f"  {ro.get('canaryPercent')}% of requests (weight {ro.get('canaryWeight')}) on all "
+                f"{ro['canaryInstances'].split('/')[-1]} instances")
+    return f"  {ro.get('canaryPercent')}% target, {ro['canaryInstances']} instances"
+
+
 def row(obj: Mapping[str, Any], *, with_namespace: bool = False) -> list[str]:
     """One line of ``kubectl sparsegate get``."""
     meta = obj.get("metadata") or {}
@@ -143,9 +153,7 @@ def status_view(obj: Mapping[str, Any], *, now: datetime | None = None) -> str:
         f"Phase:      {ro.get('phase') or 'Pending'}" + (f" ({ro['reason']})" if ro.get("reason") else ""),
         f"Message:    {ro.get('message') or '-'}",
         f"Stable:     {stable}",
-        f"Canary:     {ro.get('canaryVersion') or '-'}"
-        + (f"  {ro.get('canaryPercent')}% target, {ro['canaryInstances']} instances"
-           if ro.get("canaryVersion") and ro.get("canaryInstances") else ""),
+        f"Canary:     {ro.get('canaryVersion') or '-'}" + _canary_share(ro),
     ]
     if ro.get("rejectedVersion"):
         lines.append(f"Rejected:   {ro['rejectedVersion']} (not rolled out again while the spec names it; "
