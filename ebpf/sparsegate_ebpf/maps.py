@@ -13,12 +13,14 @@ import socket
 import sys
 from pathlib import Path
 
+from sparsegate_contracts import flowpolicy
+
 HEADER_PATH = Path(__file__).with_name("sparsegate_flow.h")
 PROGRAM_PATH = Path(__file__).with_name("xdp_flow.bpf.c")
 
 ACTION_ALLOW = 1
 ACTION_DENY = 2
-POLICY_MAX_ENTRIES = 16384
+POLICY_MAX_ENTRIES = flowpolicy.MAP_MAX_ENTRIES  # the header's SG_POLICY_MAX_ENTRIES (tests check)
 
 KEY_ENTRY = 0         # sg_policy_key.kind: an allow-list entry (or, all zero, the meta record)
 KEY_POLICED_DST = 1   # only daddr set: a destination the policy judges

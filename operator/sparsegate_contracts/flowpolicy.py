@@ -40,6 +40,16 @@ ALLOWED_SOURCES = "allowedSources"
 DOCUMENT_FIELDS = ("version", "defaultAction", "entries", POLICED_DESTINATIONS, ALLOWED_SOURCES)
 ENTRY_FIELDS = ("srcIP", "dstIP", "dstPort", "protocol", "action", "rule")
 
+# Capacity (checked by the operator before it publishes, and again by the agent before it loads).
+MAP_MAX_ENTRIES = 16384
+"""``max_entries`` of each inner policy map (``SG_POLICY_MAX_ENTRIES`` in the agent's header)."""
+AGENT_RESERVED_RECORDS = 64
+"""Map records the operator leaves to each agent: the meta record and the node's own addresses."""
+CONFIGMAP_MAX_BYTES = 1024 * 1024
+"""The API server refuses a ConfigMap whose data exceeds 1 MiB."""
+DOCUMENT_MAX_BYTES = CONFIGMAP_MAX_BYTES - 64 * 1024
+"""The largest ``policy.json`` the operator publishes: the 1 MiB limit minus headroom."""
+
 
 class FlowPolicyError(ValueError):
     """The document is not a valid flow policy (the agent keeps the policy it has)."""
@@ -102,6 +112,20 @@ def policed_of(document: Mapping[str, Any]) -> list[str]:
     if listed is not None:
         return list(listed)
     return sorted({str(e.get("dstIP")) for e in document.get("entries") or () if isinstance(e, Mapping)})
+
+
+def map_records(document: Mapping[str, Any]) -> int:
+    """Inner-map records the document needs on an agent, besides the meta record and the node's own
+    addresses: one per distinct entry tuple, policed destination and allowed source (as
+    ``sparsegate_ebpf.policy.compile_policy`` writes them)."""
+    tuples = {(e.get("srcIP"), e.get("dstIP"), e.get("dstPort"), e.get("protocol", DEFAULT_PROTOCOL))
+              for e in document.get("entries") or () if isinstance(e, Mapping)}
+    return len(tuples) + len(policed_of(document)) + len(set(document.get(ALLOWED_SOURCES) or ()))
+
+
+def document_bytes(document: Mapping[str, Any]) -> int:
+    """Bytes of the ``policy.json`` value the operator writes (``document_text``, UTF-8)."""
+    return len(document_text(document).encode())
 
 
 def version_of(body: Mapping[str, Any]) -> str:

@@ -6,8 +6,10 @@ Conditions (a list keyed by `type`):
   narrower), never wider, until OPA answers again.
 - Reconciling (kstatus): not Ready yet and not Stalled: OPA does not hold this generation yet or
   cannot be reached (the sync retries on its own).
-- Stalled (kstatus): OPA refused the policy or its data; retrying the same input cannot help, the
-  spec has to change.
+- Stalled (kstatus): OPA refused the policy or its data, or the allow-list compiled from all
+  policies and pods does not fit the agents' policy map or its ConfigMap (``PolicyTooLarge``, with
+  needed vs capacity: the last published allow-list stays enforced); retrying the same input
+  cannot help, the policies or the pods have to change.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class Reason(str, enum.Enum):
     """Ready=False / Degraded=True: no answer from OPA; last good decisions kept."""
     OPA_REJECTED = "OPARejected"
     """Ready=False / Degraded=True: OPA refused the policy or data (see message)."""
+    POLICY_TOO_LARGE = "PolicyTooLarge"
+    """Ready=False / Degraded=True / Stalled=True: the allow-list does not fit (needed vs capacity
+    in the message); not published, the last published one stays."""
     AS_EXPECTED = "AsExpected"
     """Degraded=False: the last sync reached OPA."""
 
@@ -54,6 +59,7 @@ class SyncOutcome:
     revision: str | None
     error: str | None = None  # set when OPA could not be used
     rejected: bool = False  # the error is OPA refusing our input, not OPA being down
+    too_large: str | None = None  # the allow-list did not fit (domain.policy_capacity message)
 
 
 def _condition(type_: ConditionType, status: bool, reason: Reason, message: str) -> dict[str, Any]:
@@ -73,6 +79,12 @@ def status_patch(
             _condition(ConditionType.DEGRADED, True, reason, f"{outcome.error}; last good allow-list kept"),
         ]
         loaded_in_opa = False if outcome.rejected else bool(previous.get("loadedInOPA", False))
+    elif outcome.too_large:
+        conditions = [
+            _condition(ConditionType.READY, False, Reason.POLICY_TOO_LARGE, outcome.too_large),
+            _condition(ConditionType.DEGRADED, True, Reason.POLICY_TOO_LARGE, outcome.too_large),
+        ]
+        loaded_in_opa = loaded
     else:
         conditions = [
             _condition(
@@ -82,12 +94,13 @@ def status_patch(
             _condition(ConditionType.DEGRADED, False, Reason.AS_EXPECTED, "OPA reachable"),
         ]
         loaded_in_opa = loaded
-    stalled = bool(outcome.error) and outcome.rejected
+    too_large = bool(outcome.too_large) and not outcome.error
+    stalled = (bool(outcome.error) and outcome.rejected) or too_large
     reconciling = not (loaded and not outcome.error) and not stalled
     ready = conditions[0]
     conditions += [
         _condition(ConditionType.RECONCILING, reconciling, Reason(ready["reason"]), ready["message"]),
-        _condition(ConditionType.STALLED, True, Reason.OPA_REJECTED, outcome.error or "")
+        _condition(ConditionType.STALLED, True, Reason(ready["reason"]), ready["message"])
         if stalled else _condition(ConditionType.STALLED, False, Reason.AS_EXPECTED, "no input refused by OPA"),
     ]
     merged = merge_conditions(previous.get("conditions") or (), conditions, now=now,

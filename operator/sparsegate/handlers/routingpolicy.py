@@ -9,7 +9,9 @@ RoutingPolicies and pods, then writes only its own object's status:
 2. ask OPA, in one evaluation, about every (identity class, model, port) worth asking
    (`flow_decisions`; questions and answers in `domain.policy_compile`);
 3. publish the IP-level allow-list ConfigMap when its version changed, with the decision basis
-   (which policy specs it was decided from) as an annotation;
+   (which policy specs it was decided from) as an annotation; unless it does not fit the agents'
+   policy map or the ConfigMap (`domain.policy_capacity`): then the published one is kept and every
+   policy reports Ready=False/Stalled=True reason PolicyTooLarge with needed vs capacity;
 4. read back which policy generations OPA holds (`status.loadedInOPA`).
 
 A loop per RoutingPolicy (``handlers.periodic``, driven by watch events: no finalizer, so deleting
@@ -41,6 +43,7 @@ from sparsegate_contracts.canonical import sha256_of
 
 from sparsegate.clients.flow_policy import FlowPolicyConfigMap
 from sparsegate.clients.kube import Kube
+from sparsegate import policy_metrics
 from sparsegate.clients.opa import DEFAULT_URL, OpaRejected, OpaUnavailable, RoutingOpa
 from sparsegate.domain.policy import (
     DEFAULT_TRUST_DOMAIN,
@@ -49,6 +52,7 @@ from sparsegate.domain.policy import (
     decision_basis,
     undecided_policies,
 )
+from sparsegate.domain.policy_capacity import Capacity, check
 from sparsegate.domain.policy_compile import (
     PodInfo,
     decision_counts,
@@ -80,6 +84,8 @@ class Settings:
     # Published as the allow-list's `allowedSources`: the agents always let this pod's admin and
     # metrics traffic reach policed model pods. From POD_IP (the chart sets it); None: none.
     own_ip: str | None = None
+    # Limits a compiled allow-list must fit before it is published (lowered for tests by env).
+    capacity: Capacity = Capacity()
 
     @property
     def allowed_sources(self) -> list[str]:
@@ -95,6 +101,7 @@ class Settings:
             resync_seconds=float(os.environ.get("SPARSEGATE_POLICY_RESYNC_SECONDS", "10")),
             rego_path=Path(p) if (p := os.environ.get(rego.OVERRIDE_ENV)) else None,
             own_ip=os.environ.get("POD_IP") or None,
+            capacity=Capacity.from_env(os.environ),
         )
 
 
@@ -119,6 +126,7 @@ class PolicySync:
         self.counts: dict[str, int] = {}
         self.loaded: dict[str, dict[str, Any]] = {}
         self.revision: str | None = None
+        self.too_large: str | None = None  # why the latest compiled allow-list was not published
 
     async def sync(self, *, policies: list[PolicySource], pods: list[PodInfo]) -> None:
         """Bring OPA and the allow-list up to date; raises OpaUnavailable/OpaRejected after failing closed."""
@@ -138,9 +146,20 @@ class PolicySync:
                     document = flow_document(decisions=question.decisions(answers), pods=pods,
                                              policed_models=question.models,
                                              allowed_sources=self.settings.allowed_sources)
-                    await self._publish(document, basis)
-                    self.owners = ip_owners(pods)
-                    self.counts = decision_counts(document)
+                    needed, too_large = check(document, self.settings.capacity)
+                    policy_metrics.observe(needed=needed, capacity=self.settings.capacity,
+                                           too_large=too_large is not None)
+                    if too_large is None:
+                        await self._publish(document, basis)
+                        self.owners = ip_owners(pods)
+                        self.counts = decision_counts(document)
+                        self.too_large = None
+                    else:
+                        # Publishing would be refused (API server) or not loaded (agents) while the
+                        # old allow-list stays enforced: keep it, say so on every policy.
+                        if self.too_large != too_large.message:
+                            log.warning(too_large.message)
+                        self.too_large = too_large.message
                     self.fingerprint = fingerprint
                 self.loaded = await self.opa.loaded_policies()
                 self.revision = data["revision"]
@@ -195,6 +214,7 @@ class PolicySync:
             revision=self.revision,
             error=str(error) if error else None,
             rejected=isinstance(error, OpaRejected),
+            too_large=self.too_large,
         )
 
 

@@ -1,0 +1,108 @@
+"""Flow allow-list capacity (sparsegate.domain.policy_capacity) and its RoutingPolicy condition."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparsegate.domain.policy_capacity import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_RECORDS,
+    MAX_BYTES_ENV,
+    MAX_RECORDS_ENV,
+    Capacity,
+    check,
+)
+from sparsegate.domain.policy_status import SyncOutcome, status_patch
+from sparsegate_contracts import flowpolicy
+from sparsegate_ebpf.policy import compile_policy, parse_policy
+
+
+def _document(n_sources: int, n_dests: int = 2) -> dict:
+    entries = [flowpolicy.entry(src_ip=f"10.1.{i // 250}.{i % 250 + 1}", dst_ip=f"10.2.0.{d + 1}", dst_port=8080,
+                                protocol="tcp", action="allow", rule="models/allow#0")
+               for i in range(n_sources) for d in range(n_dests)]
+    return flowpolicy.build_document(entries=entries, policed_destinations=[f"10.2.0.{d + 1}" for d in range(n_dests)],
+                                     allowed_sources=["10.9.0.1"])
+
+
+def test_records_counted_as_the_agent_writes_them() -> None:
+    doc = _document(30, 3)
+    needed, too_large = check(doc, Capacity())
+    assert too_large is None
+    # The agent writes exactly these records, plus its meta record (no node addresses here).
+    assert needed.records + 1 == len(compile_policy(parse_policy(doc), generation=1))
+    assert needed.bytes == len(flowpolicy.document_text(doc).encode())
+
+
+def test_duplicate_tuples_count_once() -> None:
+    doc = _document(1, 1)
+    twice = flowpolicy.build_document(entries=doc["entries"] * 2, policed_destinations=["10.2.0.1"])
+    assert flowpolicy.map_records(twice) == 2  # one entry tuple + one policed destination
+
+
+def test_too_many_records_reported_with_numbers() -> None:
+    doc = _document(10, 2)  # 20 entries + 2 destinations + 1 allowed source
+    needed, too_large = check(doc, Capacity(max_records=22))
+    assert needed.records == 23 and too_large is not None
+    assert "needs 23 policy map records, capacity 22" in too_large.message
+    assert "bytes" not in too_large.message.split(";")[0]
+    assert check(doc, Capacity(max_records=23))[1] is None
+
+
+def test_too_many_bytes_reported_with_numbers() -> None:
+    doc = _document(10, 2)
+    size = len(flowpolicy.document_text(doc).encode())
+    _, too_large = check(doc, Capacity(max_bytes=size - 1))
+    assert too_large is not None and f"needs {size} bytes, ConfigMap capacity {size - 1}" in too_large.message
+    assert check(doc, Capacity(max_bytes=size))[1] is None
+
+
+def test_defaults_are_the_real_limits_less_headroom() -> None:
+    assert DEFAULT_MAX_RECORDS == flowpolicy.MAP_MAX_ENTRIES - flowpolicy.AGENT_RESERVED_RECORDS
+    assert DEFAULT_MAX_BYTES < flowpolicy.CONFIGMAP_MAX_BYTES == 1024 * 1024
+    assert Capacity.from_env({}) == Capacity()
+    assert Capacity.from_env({MAX_RECORDS_ENV: "40", MAX_BYTES_ENV: ""}) == Capacity(max_records=40)
+
+
+@pytest.mark.parametrize(("env", "text"), [
+    ({MAX_RECORDS_ENV: "lots"}, f"{MAX_RECORDS_ENV}: must be an integer"),
+    ({MAX_RECORDS_ENV: "0"}, f"{MAX_RECORDS_ENV}: must be in 1..{DEFAULT_MAX_RECORDS}"),
+    ({MAX_BYTES_ENV: str(2 * 1024 * 1024)}, f"{MAX_BYTES_ENV}: must be in 1..{DEFAULT_MAX_BYTES}"),
+])
+def test_bad_limits_name_the_variable(env: dict, text: str) -> None:
+    with pytest.raises(ValueError, match=text):
+        Capacity.from_env(env)
+
+
+def test_the_map_capacity_is_one_contract_constant() -> None:
+    from sparsegate_ebpf import maps
+    assert maps.POLICY_MAX_ENTRIES == flowpolicy.MAP_MAX_ENTRIES
+
+
+def _conditions(status: dict) -> dict:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_too_large_is_stalled_not_ready_and_keeps_counts() -> None:
+    ok = status_patch(outcome=SyncOutcome(generation=2, loaded_generation=2, decision_count=7, revision="r"),
+                      previous=None, now="T1")
+    msg = "flow allow-list too large: needs 23 policy map records, capacity 22; not published"
+    st = status_patch(outcome=SyncOutcome(generation=2, loaded_generation=2, decision_count=7, revision="r",
+                                          too_large=msg), previous=ok, now="T2")
+    c = _conditions(st)
+    assert c["Ready"]["status"] == "False" and c["Ready"]["reason"] == "PolicyTooLarge"
+    assert "needs 23" in c["Ready"]["message"] and c["Ready"]["lastTransitionTime"] == "T2"
+    assert c["Stalled"]["status"] == "True" and c["Stalled"]["reason"] == "PolicyTooLarge"
+    assert c["Degraded"]["status"] == "True" and c["Reconciling"]["status"] == "False"
+    assert st["loadedInOPA"] is True  # OPA holds it; only publishing was held back
+    back = status_patch(outcome=SyncOutcome(generation=2, loaded_generation=2, decision_count=3, revision="r"),
+                        previous={**ok, **st}, now="T3")
+    c = _conditions(back)
+    assert c["Ready"]["status"] == "True" and c["Stalled"]["status"] == "False"
+
+
+def test_opa_errors_take_precedence_over_too_large() -> None:
+    st = status_patch(outcome=SyncOutcome(generation=1, loaded_generation=None, decision_count=None, revision=None,
+                                          error="connection refused", too_large="too large"), previous=None, now="T")
+    c = _conditions(st)
+    assert c["Ready"]["reason"] == "OPAUnreachable" and c["Stalled"]["status"] == "False"
