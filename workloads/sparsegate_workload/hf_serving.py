@@ -68,10 +68,11 @@ class HFServedModel:
         """Install ``doc`` (raises GateParamsError); returns the router precision per block."""
         return self.lm.set_gate(doc).precisions
 
-    def prepare_gate(self, doc: GateDocument) -> ActiveGate:
-        """``doc`` ready to pin beside the installed gate (a request-level canary); raises
-        GateParamsError when it would need another weight storage (`SparseGatedCausalLM.prepare_gate`)."""
-        return self.lm.prepare_gate(doc)
+    def prepare_gate(self, doc: GateDocument, *, beside: GateDocument | None = None) -> ActiveGate:
+        """``doc`` ready to pin beside the installed gate, or ``beside`` once installed (a
+        request-level canary); raises GateParamsError when it would need another weight storage
+        (`SparseGatedCausalLM.prepare_gate`)."""
+        return self.lm.prepare_gate(doc, beside=beside)
 
     def run_batch(self, tokens: Sequence[Sequence[int]], *, return_logits: bool = False,
                   gate: ActiveGate | None = None) -> tuple[InferenceResult, str | None]:

@@ -382,7 +382,11 @@ async def put_gate(request: web.Request) -> web.Response:
             return web.json_response({**_served_json(state), "applied": False})
         previous = state.gate.doc.version
         doc = wanted.stable
-        if doc.version == state.gate.doc.version:
+        stable_changes = doc.version != previous
+        # The canary first: a checkpoint's is checked against the stable it will sit beside
+        # before anything changes, so a refused set leaves the server as it was.
+        canary = await _canary_for(state, wanted, stable_changes=stable_changes)
+        if not stable_changes:
             new = state.gate
         elif state.hf is not None:
             # A checkpoint swaps on the model thread, between batches: set_gate may re-store
@@ -393,7 +397,6 @@ async def put_gate(request: web.Request) -> web.Response:
             new = state.canary.gate  # promotion: the canary becomes stable, controller and all
         else:
             new = _applied(doc, state.model)
-        canary = await _canary_for(state, wanted)
         # The swap: reference assignments on the event loop thread, no await between them.
         state.gate, state.canary = new, canary
     except GateParamsError as e:
@@ -417,18 +420,19 @@ def _held_key(state: ServerState) -> str:
     return held.key
 
 
-async def _canary_for(state: ServerState, wanted: GateSet) -> CanaryGate | None:
+async def _canary_for(state: ServerState, wanted: GateSet, *, stable_changes: bool) -> CanaryGate | None:
     """The canary half of ``wanted``, reusing the applied canary when its version is unchanged.
     A checkpoint's canary is prepared on the model thread and pinned per request beside the
-    installed gate (same weight storage: `hf.loader.SparseGatedCausalLM.prepare_gate`)."""
+    stable gate (same weight storage as ``wanted.stable``: `hf.loader.SparseGatedCausalLM.prepare_gate`)."""
     if wanted.canary is None:
         return None
     held, doc = state.canary, wanted.canary
-    if held is not None and held.gate.doc.version == doc.version:
+    if held is not None and held.gate.doc.version == doc.version and not (state.hf is not None and stable_changes):
         gate = held.gate
     elif state.hf is not None:
-        hf = state.hf
-        active = await asyncio.get_running_loop().run_in_executor(state.executor, lambda: hf.prepare_gate(doc))
+        hf, beside = state.hf, wanted.stable if stable_changes else None
+        active = await asyncio.get_running_loop().run_in_executor(
+            state.executor, lambda: hf.prepare_gate(doc, beside=beside))
         gate = AppliedGate(doc=doc, precisions=active.precisions, applied_at=time.time(), params=doc.params,
                            hf_gate=active)
     elif state.gate is not None and state.gate.doc.version == doc.version:

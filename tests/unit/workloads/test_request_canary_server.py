@@ -186,6 +186,11 @@ async def test_a_checkpoint_pins_the_canary_per_request_on_every_route(tmp_path)
             status, body = await _put(a, gate_set_document(ONE.to_json(), bf16.to_json(), weight=0.1))
             assert status == 422 and "precisionPolicy" in body["error"], body
             assert (await (await c.get("/healthz")).json())["canary"]["version"] == TWO.version
+            # A new stable with another storage is checked too, before anything changes.
+            status, body = await _put(a, gate_set_document(bf16.to_json(), TWO.to_json(), weight=0.1))
+            assert status == 422 and "precisionPolicy" in body["error"], body
+            health = await (await c.get("/healthz")).json()
+            assert health["gateVersion"] == ONE.version and health["canary"]["version"] == TWO.version
             # Promotion: the canary installed alone.
             status, body = await _put(a, TWO.to_json())
             assert status == 200 and "canary" not in body and body["version"] == TWO.version

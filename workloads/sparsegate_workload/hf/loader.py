@@ -114,12 +114,13 @@ class SparseGatedCausalLM:
         self._slot.active = active
         return active
 
-    def prepare_gate(self, doc: GateDocument) -> ActiveGate:
-        """A gate to pin beside the installed one (a request-level canary), not installed: the
-        weights stay stored as the installed gate resolved them, so ``doc``'s precision policy
-        must resolve to that same storage (GateParamsError naming precisionPolicy otherwise)."""
+    def prepare_gate(self, doc: GateDocument, *, beside: GateDocument | None = None) -> ActiveGate:
+        """A gate to pin beside the installed one, or beside ``beside`` once that is installed (a
+        request-level canary), not installed itself: the weights stay stored as the stable gate
+        resolves them, so ``doc``'s precision policy must resolve to that same storage
+        (GateParamsError naming precisionPolicy otherwise)."""
         active = self._active_gate(doc, dropless=False)
-        current = self._slot.active
+        current = self._active_gate(beside, dropless=False) if beside is not None else self._slot.active
         if (active.precisions, active.expert_precisions) != (current.precisions, current.expert_precisions):
             raise GateParamsError(
                 f"precisionPolicy {doc.params.precision_policy!r} resolves to router/expert precisions "
