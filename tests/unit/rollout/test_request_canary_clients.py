@@ -115,3 +115,22 @@ def test_prometheus_queries_select_the_serving_version() -> None:
     assert "gate_version" not in q["layers"]  # the per-expert series carry no version
     with pytest.raises(ValueError, match="unexpected characters"):
         PrometheusAPI("http://prom:9090").queries(namespace="ns1", pods=["m-a"], window_s=30, gate_version='x"}')
+
+
+def test_the_tick_asks_the_providers_for_a_split_by_version_under_requests() -> None:
+    from sparsegate.domain.request_canary import Strategy
+    from sparsegate.domain.rollout import Phase, RolloutStatus
+    from sparsegate.handlers.gateconfig import RolloutLoop, _Fleet
+
+    targets = {p: PodTarget(name=p, ip="127.0.0.1", port=1) for p in ("m-a", "m-b", "m-c")}
+    fleet = _Fleet(targets=targets, all_pods=tuple(targets))
+    loop = RolloutLoop(kube=None)  # type: ignore[arg-type]  # _request reads no API
+    status = RolloutStatus(phase=Phase.ANALYSING, stable=STABLE, canary=FAULTY, step=0, step_percent=5,
+                           canary_pods=tuple(targets), strategy=Strategy.REQUESTS, analysis_started_at=5.0)
+    req = loop._request(namespace="ns", fleet=fleet, status=status, now=10.0)
+    assert list(req.canary) == list(req.stable) == ["m-a", "m-b", "m-c"]
+    assert (req.canary_version, req.stable_version) == (FAULTY.version, STABLE.version)
+    # Instances: split by pod, no version filter.
+    pods = loop._request(namespace="ns", fleet=fleet, status=RolloutStatus(
+        phase=Phase.ANALYSING, stable=STABLE, canary=FAULTY, step=0, step_percent=5, canary_pods=("m-b",)), now=10.0)
+    assert (list(pods.canary), sorted(pods.stable), pods.canary_version) == (["m-b"], ["m-a", "m-c"], None)
