@@ -338,3 +338,62 @@ async def test_direct_scrape_window_restarts_with_a_new_process(servers: dict[st
     t1 = time.time()
     fresh = await restarted.measure(BUILTIN_CHECK, request(t1))
     assert fresh.window_from == t1 > t0 and fresh.canary_metrics is None
+
+
+# ---------------------------------------------------------------- request-level canary (split by gate_version)
+
+
+async def test_request_level_canary_groups_split_by_gate_version(
+        servers: dict[str, PodTarget], prometheus: str) -> None:
+    """One server holding its stable version and a canary that fails every request, at weight 0.5
+    (strategy requests): PrometheusAPI's groups for each ``gate_version`` of the same pod agree with
+    the direct scrape's split — the canary's requests all errors, the stable's none."""
+    from sparsegate_contracts.canary import gate_set_document
+
+    admin = PodAdmin(timeout_s=5)
+    name, target = "m-a", servers["m-a"]
+    health = (await admin.health([target]))[name]
+    stable = {"version": health.version, "checksum": health.checksum,
+              "params": dict(gateparams.DEFAULT_PARAMS)}
+    assert stable["version"] == gateparams.DEFAULT_DOCUMENT.version, health  # m-a serves the default gate
+    canary = gateparams.make_document({"faultInjection": {"errorRate": 1.0}})
+    assert (await admin.push([(target, gate_set_document(stable, canary.to_json(), weight=0.5))]))[name].ok
+    only_a = lambda: [f"{target.ip}:{target.port}"]  # noqa: E731
+
+    async def snapshot(version: str) -> PodCounters:
+        text = (await admin.scrape([target]))[name]
+        return parse_pod_counters(text, at=time.time(), gate_version=version)
+
+    try:
+        deadline = time.monotonic() + 15  # warm-up: both versions' series exist before the window
+        while (await snapshot(canary.version)).errors == 0 or (await snapshot(stable["version"])).requests == 0:
+            assert time.monotonic() < deadline, "no requests of both versions during warm-up"
+            await LoadGen(targets=only_a, qps=30).run(duration_s=0.5)
+        await _caught_up(prometheus, admin, servers)
+        await asyncio.sleep(1.5 * SCRAPE_INTERVAL_S)
+        start = {v: await snapshot(v) for v in (canary.version, stable["version"])}
+        t0 = time.time()
+        await asyncio.sleep(SCRAPE_INTERVAL_S)
+        await LoadGen(targets=only_a, qps=40, seed=11).run(duration_s=5.0)
+        await _caught_up(prometheus, admin, servers)
+        await asyncio.sleep(1.5 * SCRAPE_INTERVAL_S)
+        end = {v: await snapshot(v) for v in (canary.version, stable["version"])}
+        window_s = time.time() - t0 + 0.5
+        prom = PrometheusAPI(prometheus)
+        window = max(1, math.ceil(window_s))
+        bound = window / (window - 2 * 1.1 * SCRAPE_INTERVAL_S - 0.5)
+        groups = {}
+        for v in (canary.version, stable["version"]):
+            p = await prom.group(namespace=NAMESPACE, pods=[name], window_s=window_s, gate_version=v)
+            d = group_from_snapshots(start={name: start[v]}, end={name: end[v]}, pods=[name])
+            assert p is not None and d is not None and d.requests > 20, (v, p, d)
+            _check_count(what=f"{v} requests", prom=p.requests, direct=d.requests, bound=bound)
+            groups[v] = (p, d)
+            sys.stderr.write(f"[prom] {v}: prometheus req={p.requests:.2f} err={p.errors:.2f} | "
+                             f"direct req={d.requests:.0f} err={d.errors:.0f}\n")
+        (pc, dc), (ps, ds) = groups[canary.version], groups[stable["version"]]
+        assert dc.error_rate == 1.0 and pc.error_rate is not None and abs(pc.error_rate - 1.0) < 1e-9
+        assert ds.errors == 0 and ps.errors == 0
+        assert ps.mean_active_experts is not None and 1.0 <= ps.mean_active_experts <= 4.0
+    finally:
+        assert (await admin.push([(target, stable)]))[name].ok
