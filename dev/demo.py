@@ -39,6 +39,8 @@ from localcluster import processes
 from localcluster.cluster import default_state_dir
 from localcluster.health import wait_for
 
+from sparsegate_contracts import flowpolicy
+
 REPO = Path(__file__).resolve().parent.parent
 MODEL, GATE, NS = "moe-small", "default-gate", "default"
 DEMO_REPLICAS = 6  # 5 % → 1 pod, 20 % → 2 pods, 100 % → 6
@@ -245,7 +247,9 @@ class Demo:
         if flow.returncode == 0:
             document = json.loads(json.loads(flow.stdout)["data"]["policy.json"])
             log(f"flow allow-list for the XDP agent (ConfigMap {RELEASE_NS}/sparsegate-flow-policy): "
-                f"default {document['defaultAction']}, {len(document['entries'])} allowed flows")
+                f"default {document['defaultAction']}, {len(document.get('rules') or [])} identity rules over "
+                f"{len(document.get('identities') or [])} identities, "
+                f"{sum(e['action'] == 'allow' for e in flowpolicy.ip_entries(document))} allowed (source, pod, port)")
 
     def up(self) -> None:
         self.control_plane()

@@ -22,9 +22,13 @@ ACTION_ALLOW = 1
 ACTION_DENY = 2
 POLICY_MAX_ENTRIES = flowpolicy.MAP_MAX_ENTRIES  # the header's SG_POLICY_MAX_ENTRIES (tests check)
 
-KEY_ENTRY = 0         # sg_policy_key.kind: an allow-list entry (or, all zero, the meta record)
-KEY_POLICED_DST = 1   # only daddr set: a destination the policy judges
-KEY_ALLOWED_SRC = 2   # only saddr set: a source always allowed to policed destinations
+KEY_ENTRY = 0         # sg_policy_key.kind: all zero, the meta record (before identities: an IP-level entry)
+KEY_POLICED_DST = 1   # only daddr set: a destination the policy judges (value: its identity)
+KEY_ALLOWED_SRC = 2   # before identities: a source always allowed (now a KEY_SOURCE with IDENTITY_ALLOWED)
+KEY_SOURCE = 3        # only saddr set: the source address's identity
+KEY_RULE = 4          # (source identity, destination identity, dst port, protocol)
+
+IDENTITY_ALLOWED = flowpolicy.IDENTITY_ALLOWED  # SG_IDENTITY_ALLOWED
 
 CT_ALLOWED = 1
 CT_OUTBOUND = 2
@@ -135,7 +139,8 @@ class PolicyVal(ct.Structure):
         ("action", ct.c_uint32),
         ("rule_id", ct.c_uint32),
         ("generation", ct.c_uint32),
-        ("slot", ct.c_uint32),
+        ("slot", ct.c_uint16),
+        ("identity", ct.c_uint16),
     ]
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sparsegate_contracts import names
-from sparsegate_contracts.flowpolicy import DOCUMENT_KEY, document_text, without_policies
+from sparsegate_contracts.flowpolicy import DOCUMENT_KEY, document_text, rows_of, without_policies
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class LivePolicyFilter:
             except (ValueError, TypeError, AttributeError):
                 narrowed = None  # the agent's parser reports what is wrong with it
             if narrowed is not None:
-                self.dropped_entries = len(document.get("entries") or ()) - len(narrowed["entries"])
+                self.dropped_entries = len(rows_of(document)) - len(rows_of(narrowed))
                 text = document_text(narrowed)
                 log.info("dropping %d allow entries of deleted RoutingPolicies", self.dropped_entries)
         self._emit(text)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import verdicts
-from .maps import KEY_ENTRY, KEY_POLICED_DST, PolicyKey, PolicyVal
-from .policy import FlowPolicy, compile_policy
+from .maps import PolicyKey, PolicyVal
+from .policy import FlowPolicy, compile_policy, upgrade_records
 from .verdicts import POOL, SlotInfo
 
 
@@ -67,12 +67,9 @@ class PolicySwapper:
         if meta is None:
             raise ValueError("no meta record: not a policy map")
         generation = meta.generation
-        if not any(k.kind == KEY_POLICED_DST for k, _ in records):
-            # A predecessor from before scoped enforcement judged every destination: keep judging
-            # at least the destinations its entries name (a document without policedDestinations).
-            daddrs = sorted({k.daddr for k, _ in records if k.kind == KEY_ENTRY and k.proto})
-            records = [*records, *((PolicyKey(daddr=d, kind=KEY_POLICED_DST),
-                                    PolicyVal(action=meta.action, rule_id=0, generation=generation)) for d in daddrs)]
+        # A predecessor from before identities (IP-level entries, allowed-source records; or from
+        # before scoped enforcement: no policed destinations) is read as this program reads policy.
+        records = upgrade_records(records)
         with self._lock:
             if self._active is not None:
                 return None
@@ -90,8 +87,8 @@ class PolicySwapper:
                 # for the generation that used this slot (read from policy_live before its change).
                 self._outer[ct.c_int(0)] = ct.c_int(self._pool[self._active].get_fd())
             verdicts.retire_slot(self._bpf, target, previous)
-        records = [(k, PolicyVal(action=v.action, rule_id=v.rule_id, generation=v.generation, slot=target))
-                   for k, v in records]
+        records = [(k, PolicyVal(action=v.action, rule_id=v.rule_id, generation=v.generation, slot=target,
+                                 identity=v.identity)) for k, v in records]
         t0 = time.perf_counter()
         inner.clear()  # not live: nothing reads it (see module docstring)
         for key, val in records:

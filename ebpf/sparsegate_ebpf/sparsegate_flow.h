@@ -63,11 +63,17 @@ struct sg_counter {
     __u64 bytes;
 };
 
-/* Policy records, network order. kind SG_KEY_ENTRY: exact match on (src, dst, dst port, protocol);
- * the all-zero key (proto 0, never a valid entry) holds the generation's meta record.
+/* Policy records, network order, one inner map per generation (identity-based, as Cilium's ipcache
+ * + policy map, but in one map so that both swap together):
  * kind SG_KEY_POLICED_DST (only daddr set): a destination the policy judges; its value carries the
- * default action and the generation. kind SG_KEY_ALLOWED_SRC (only saddr set): a source always
- * allowed to policed destinations (node addresses, the operator). */
+ *   default action, the generation and the destination's identity (0: none).
+ * kind SG_KEY_SOURCE (only saddr set): a source address's identity; SG_IDENTITY_ALLOWED: always
+ *   allowed to policed destinations (node addresses, the operator).
+ * kind SG_KEY_RULE: exact match on (source identity in saddr, destination identity in daddr, both
+ *   host order, dst port, protocol).
+ * The all-zero key (kind 0, proto 0) holds the generation's meta record. Kinds SG_KEY_ENTRY (an
+ * IP-level rule) and SG_KEY_ALLOWED_SRC are what programs before identities used: the program no
+ * longer reads them; records inherited from such a program are converted (policy.py). */
 struct sg_policy_key {
     __u32 saddr;
     __u32 daddr;
@@ -79,13 +85,18 @@ struct sg_policy_key {
 #define SG_KEY_ENTRY 0
 #define SG_KEY_POLICED_DST 1
 #define SG_KEY_ALLOWED_SRC 2
+#define SG_KEY_SOURCE 3
+#define SG_KEY_RULE 4
+
+#define SG_IDENTITY_ALLOWED 1
 
 struct sg_policy_val {
     __u32 action;       /* SG_ACTION_* ; in the meta record: the default action */
-    __u32 rule_id;      /* 1-based index of the document entry; meta record: 0 */
+    __u32 rule_id;      /* 1-based index of the document's rule; meta record: 0 */
     __u32 generation;   /* same in every record of one inner map */
-    __u32 slot;         /* pool map holding it (0: policy_a, 1: policy_b); its verdict counters
+    __u16 slot;         /* pool map holding it (0: policy_a, 1: policy_b); its verdict counters
                            are verdict_counts[slot * SG_POLICY_MAX_ENTRIES + rule_id] */
+    __u16 identity;     /* SG_KEY_POLICED_DST / SG_KEY_SOURCE: the address's identity */
 };
 
 /* Verdict counters keyed by who judged: lets tests prove each packet saw one policy wholly. The

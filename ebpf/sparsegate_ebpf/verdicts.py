@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .maps import KEY_ENTRY, POLICY_MAX_ENTRIES, PolicyKey, VerdictKey
+from .maps import KEY_ENTRY, KEY_RULE, POLICY_MAX_ENTRIES, PolicyKey, VerdictKey
 
 POOL = ("policy_a", "policy_b")
 Totals = dict[tuple[int, int, int], tuple[int, int]]  # (generation, rule_id, action) -> (packets, bytes)
@@ -34,7 +34,7 @@ def slot_info(records: Iterable[tuple[PolicyKey, Any]]) -> SlotInfo | None:
     for k, v in records:
         if bytes(k) == bytes(PolicyKey()):
             generation, actions[0] = v.generation, v.action
-        elif k.kind == KEY_ENTRY:
+        elif k.kind in (KEY_ENTRY, KEY_RULE):
             actions[v.rule_id] = v.action
     return None if generation is None else SlotInfo(generation, actions)
 

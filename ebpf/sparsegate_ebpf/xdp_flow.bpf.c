@@ -19,6 +19,12 @@
  * ebpf/README.md for what XDP sees in which direction). Overlay UDP (VXLAN, Geneve) passes
  * before anything else: its inner packets are not policed here.
  *
+ * Policy is identity-based (as in Cilium): a policed destination's record and the source address's
+ * record carry their identities (the ipcache), and the rule is looked up by (source identity,
+ * destination identity, port, protocol), so the rules grow with identities, not with pod IPs
+ * squared. Lookups per judged packet are as many as with IP-level rules: the source record that
+ * gives the identity also tells an always-allowed source (SG_IDENTITY_ALLOWED).
+ *
  * Policy: an A/B pool of inner hash maps (policy_a, policy_b) behind one outer array slot.
  * Userspace fills the inactive inner map completely, then flips the outer slot with a single
  * update (policyswap.py). The program fetches the inner map pointer once per packet, so every
@@ -192,10 +198,12 @@ static __always_inline int judge(struct sg_flow_key *fk, __u8 tcp_flags, __u64 l
         out->cls = SG_CLASS_DNS;
         return apply_class(out->cls, out->slot, 0, len);
     }
+    /* The source's identity (ipcache): one lookup tells an always-allowed source too. */
     struct sg_policy_key sk = {};
     sk.saddr = fk->saddr;
-    sk.kind = SG_KEY_ALLOWED_SRC;
-    if (bpf_map_lookup_elem(inner, &sk)) {
+    sk.kind = SG_KEY_SOURCE;
+    struct sg_policy_val *src = bpf_map_lookup_elem(inner, &sk);
+    if (src && src->identity == SG_IDENTITY_ALLOWED) {
         out->cls = SG_CLASS_ALLOWED_SOURCE;
         return apply_class(out->cls, out->slot, 0, len);
     }
@@ -217,12 +225,18 @@ static __always_inline int judge(struct sg_flow_key *fk, __u8 tcp_flags, __u64 l
         return apply_class(out->cls, out->slot, 0, len);
     }
 
-    struct sg_policy_key pk = {};
-    pk.saddr = fk->saddr;
-    pk.daddr = fk->daddr;
-    pk.dport = fk->dport;
-    pk.proto = fk->proto;
-    struct sg_policy_val *entry = bpf_map_lookup_elem(inner, &pk);
+    /* The rule for (source identity, destination identity, port, protocol); an address without
+     * identity (0) matches no rule: the default action. */
+    struct sg_policy_val *entry = NULL;
+    if (src && dst->identity) {
+        struct sg_policy_key pk = {};
+        pk.saddr = src->identity;
+        pk.daddr = dst->identity;
+        pk.dport = fk->dport;
+        pk.proto = fk->proto;
+        pk.kind = SG_KEY_RULE;
+        entry = bpf_map_lookup_elem(inner, &pk);
+    }
     __u32 action = entry ? entry->action : dst->action;
     out->rule = entry ? entry->rule_id : 0;
     if (action == SG_ACTION_DENY) {

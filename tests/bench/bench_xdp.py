@@ -8,15 +8,16 @@ Side by side, trials interleaved round-robin so machine noise hits every configu
    each frame into the client end), so no userspace sender caps the rate. The server end runs
    - none: no XDP program (GRO on, so veth takes the same NAPI path it takes with XDP),
    - telemetry: the program built with SG_ENFORCE=0,
-   - telemetry+policy: SG_ENFORCE=1 with a policy of --policy-entries entries that allows the flow
-     (its destination is policed: the entries name it), so every frame is judged; after the first,
-     from the outcome cached in the flow's entry.
+   - telemetry+policy: SG_ENFORCE=1 with a policy of --policy-entries identity rules, one of which
+     allows the flow (its destination is policed: the rules name it), so every frame is judged;
+     after the first, from the outcome cached in the flow's entry.
    Frames carry a foreign destination MAC, so after XDP the stack drops them at ip_rcv: what is
    measured is the receive path up to and including XDP. pps = frames received at the server end
    (its rx counter) / wall time of the generator; ratio = median pps / median pps of `none`.
 2. test_run ns/packet (kernel-measured mean over --repeat runs), with a bare XDP_PASS program as
    the floor of this machine; telemetry+policy also for a destination the policy does not police,
-   and in audit mode (SG_AUDIT=1).
+   in audit mode (SG_AUDIT=1), and with no cached outcome (every packet judged afresh, as a flow's
+   first packet is).
 3. Policy swap latency: PolicySwapper.apply at 100 and --policy-entries entries: fill time of the
    inactive inner map, and the single outer-slot update (which includes the kernel's RCU wait).
 Writes tests/bench/results/bench_xdp.json.
@@ -36,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+from sparsegate_contracts import flowpolicy
 from sparsegate_ebpf import packets, programs, testrun, xdp
 from sparsegate_ebpf.maps import Counter
 from sparsegate_ebpf.policy import parse_policy
@@ -58,13 +60,20 @@ def set_gro(ifname: str, *, on: bool) -> None:
 
 
 def policy_doc(*, lab: VethLab | None, entries: int) -> dict:
-    """`entries` allow rules; the first one matches the bench flow (when a lab is given)."""
+    """`entries` identity rules; the first one matches the bench flow (when a lab is given). The
+    others come from 100 source identities of 10 addresses each, over as many ports as needed: the
+    map holds rules + 1,000 source addresses + the flow's two (16,384 records in all at most)."""
     src, dst = (lab.client_ip, lab.server_ip) if lab else ("10.9.0.1", "10.9.0.2")
-    rows = [{"srcIP": src, "dstIP": dst, "dstPort": 9000, "protocol": "udp", "action": "allow", "rule": "bench#flow"}]
+    first = flowpolicy.FIRST_IDENTITY
+    identities = [{"identity": first, "ips": [src]}, {"identity": first + 1, "ips": [dst]}]
+    identities += [{"identity": first + 2 + c, "ips": [f"10.{100 + c // 25}.{c % 25 * 10 + k}.1" for k in range(10)]}
+                   for c in range(100)]
+    rows = [{"srcIdentity": first, "dstIdentity": first + 1, "dstPort": 9000, "protocol": "udp", "action": "allow",
+             "rule": "bench#flow"}]
     for i in range(entries - 1):
-        rows.append({"srcIP": f"10.{100 + i // 65536 % 100}.{i // 256 % 256}.{i % 256}", "dstIP": dst,
-                     "dstPort": 1024 + i % 60000, "protocol": "tcp", "action": "allow", "rule": f"bench#{i}"})
-    return {"version": f"bench-{entries}", "defaultAction": "deny", "entries": rows}
+        rows.append({"srcIdentity": first + 2 + i % 100, "dstIdentity": first + 1, "dstPort": 1024 + i // 100,
+                     "protocol": "tcp", "action": "allow", "rule": f"bench#{i}"})
+    return {"version": f"bench-{entries}", "defaultAction": "deny", "identities": identities, "rules": rows}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -130,12 +139,17 @@ def bench_test_run(*, repeat: int, trials: int, policy_entries: int) -> dict:
     tele = programs.load(enforce=False)
     enf = programs.load(enforce=True)
     aud = programs.load(enforce=True, audit=True)
-    for p in (enf, aud):
+    judged = programs.load(enforce=True)
+    for p in (enf, aud, judged):
         PolicySwapper(bpf=p.bpf).apply(parse_policy(policy_doc(lab=None, entries=policy_entries)))
+    # No live generation: no outcome is ever reused, every packet takes the whole judgement
+    # (destination, source identity, conntrack, rule lookups): what a flow's first packet costs.
+    judged.bpf[b"policy_live"][ct.c_int(0)] = ct.c_uint32(0)
     frame = packets.udp_frame(src="10.9.0.1", dst="10.9.0.2", sport=40000, dport=9000, payload=b"b" * 18)
     unpoliced = packets.udp_frame(src="10.9.0.1", dst="10.9.0.3", sport=40000, dport=9000, payload=b"b" * 18)
     runs = {"bare XDP_PASS": (bare_fn.fd, frame), "telemetry": (tele.prog_fd, frame),
             "telemetry+policy": (enf.prog_fd, frame), "+policy, unpoliced dst": (enf.prog_fd, unpoliced),
+            "+policy, judged every packet": (judged.prog_fd, frame),
             "audit (policy, no drop)": (aud.prog_fd, frame)}
     ns: dict[str, list[int]] = {k: [] for k in runs}
     for _ in range(trials):
@@ -143,7 +157,7 @@ def bench_test_run(*, repeat: int, trials: int, policy_entries: int) -> dict:
             r = testrun.run_xdp(prog_fd=fd, data=data, repeat=repeat)
             assert r.verdict == "pass", (name, r.verdict)
             ns[name].append(r.duration_ns)
-    for p in (tele, enf, aud):
+    for p in (tele, enf, aud, judged):
         p.close()
     bare.cleanup()
     return {k: {"ns_median": statistics.median(v), "ns_trials": v} for k, v in ns.items()}
@@ -156,7 +170,7 @@ def bench_swap(*, sizes: list[int], swaps: dict[int, int]) -> dict:
     for size in sizes:
         pa = parse_policy(policy_doc(lab=None, entries=size))
         doc_b = policy_doc(lab=None, entries=size)
-        doc_b["entries"][0]["rule"] = "bench#flow-b"
+        doc_b["rules"][0]["rule"] = "bench#flow-b"
         pb = parse_policy(doc_b)
         swap_s, fill_s = [], []
         for i in range(swaps[size]):
@@ -195,10 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'config':<20}{'Mpps':>8}{'ratio':>8}")
     for name, r in veth.items():
         print(f"{name:<20}{r['pps_median'] / 1e6:>8.3f}{r['ratio_to_none']:>8.3f}")
-    print(f"\nBPF_PROG_TEST_RUN, {args.repeat:,} repeats, policy of {args.policy_entries:,} entries")
-    print(f"{'program':<24}{'ns/pkt':>8}")
+    print(f"\nBPF_PROG_TEST_RUN, {args.repeat:,} repeats, policy of {args.policy_entries:,} identity rules")
+    print(f"{'program':<30}{'ns/pkt':>8}")
     for name, r in tr.items():
-        print(f"{name:<24}{r['ns_median']:>8.0f}")
+        print(f"{name:<30}{r['ns_median']:>8.0f}")
     print("\npolicy swap (A/B inner maps, one outer-slot update)")
     print(f"{'entries':>8}{'swaps':>7}{'swap med ms':>13}{'swap p99 ms':>13}{'fill med ms':>13}")
     for size, r in swap.items():

@@ -7,9 +7,11 @@ identity classes × models × candidate ports, and the answers expand to IPs aft
 (`flow_document`). Only classes filed in a bucket of the target's index can match any rule, so
 only they are asked.
 
-Document format (`sparsegate_contracts.flowpolicy`, the agent's parser too): default deny; an
-`allow` entry per (source pod IP, model pod IP, port) OPA allowed; a `deny` entry where a Deny rule
-decided (explains drops; default deny would drop them anyway).
+Document format (`sparsegate_contracts.flowpolicy`, the agent's parser too), identity form: default
+deny; one numeric identity per identity class that a rule involves (its pods' IPs listed under it),
+an `allow` rule per (source class, class of the model's pods, port) OPA allowed and a `deny` rule
+where a Deny rule decided (explains drops; default deny would drop them anyway). So the document
+and the agents' maps grow with classes x rules, not with source pods x model pods.
 """
 
 from __future__ import annotations
@@ -229,52 +231,72 @@ def flow_document(
     *, decisions: Mapping[QueryKey, Mapping[str, Any]], pods: Sequence[PodInfo],
     policed_models: Collection[tuple[str, str]] | None = None, allowed_sources: Collection[str] | None = None,
 ) -> dict[str, Any]:
-    """Expand OPA's answers (the `decision` object of the Rego) to IP-level entries.
+    """Turn OPA's answers (the `decision` object of the Rego) into identity rules.
 
+    Each identity class (namespace, service account, labels) that a rule involves gets an identity
+    (`flowpolicy.FIRST_IDENTITY` upwards, in class order) listing its pods' IPs; a decision for
+    (source class, model, port) becomes one rule per class among the model's pods.
     `policed_models`: the (namespace, SparseModel) pairs some RoutingPolicy targets (`FlowQuestion.models`);
     their pods' IPs are published as `policedDestinations`, the only destinations the agent judges.
-    None: the field is left out (the agent then polices the destinations the entries name).
+    None: the field is left out (the agent then polices the destinations the rules name).
     `allowed_sources`: IPs always allowed to policed destinations (the operator's own pod)."""
     by_identity: dict[tuple[str, str, tuple[tuple[str, str], ...]], list[PodInfo]] = {}
     for pod in pods:
         by_identity.setdefault(pod.identity, []).append(pod)
     models = _models(pods)
-    entries = set()
+    found = set()
     for query, decision in decisions.items():
         rule = decision.get("rule") or ""
         if not rule:
             continue  # nothing matched: default deny covers it
+        src = (query.namespace, query.service_account, query.labels)
+        if src not in by_identity:
+            continue  # no pod of that class now: nothing to allow or deny
         action = flowpolicy.ALLOW if decision.get("allow") else flowpolicy.DENY
-        for src in by_identity.get((query.namespace, query.service_account, query.labels), ()):
-            for dst in models.get((query.target_namespace, query.model), ()):
-                entries.add((src.ip, dst.ip, query.port, query.protocol, action, rule))
-    rows = [
-        flowpolicy.entry(src_ip=s, dst_ip=d, dst_port=p, protocol=proto, action=a, rule=r)
-        for s, d, p, proto, a, r in sorted(entries)
-    ]
+        for dst in {pod.identity for pod in models.get((query.target_namespace, query.model), ())}:
+            found.add((src, dst, query.port, query.protocol, action, rule))
+    classes = sorted({c for row in found for c in row[:2]})
+    if len(classes) > flowpolicy.MAX_IDENTITY - flowpolicy.FIRST_IDENTITY + 1:
+        raise ValueError(f"{len(classes)} identity classes exceed the {flowpolicy.MAX_IDENTITY} identities")
+    number = {c: flowpolicy.FIRST_IDENTITY + i for i, c in enumerate(classes)}
+    rows = [flowpolicy.IdentityRule(src_identity=number[s], dst_identity=number[d], dst_port=p, protocol=proto,
+                                    action=a, rule=r).to_json()
+            for s, d, p, proto, a, r in sorted(found, key=lambda row: (number[row[0]], number[row[1]], *row[2:]))]
+    identities = [{"identity": number[c], "ips": [pod.ip for pod in by_identity[c]]} for c in classes]
     policed = None
     if policed_models is not None:
         policed = {pod.ip for key in policed_models for pod in models.get(tuple(key), ())}
-        policed.update(row["dstIP"] for row in rows)
-    return flowpolicy.build_document(entries=rows, default_action=flowpolicy.DENY, policed_destinations=policed,
-                                     allowed_sources=allowed_sources)
+        policed.update(ip for c in {d for _, d, *_ in found} for ip in (pod.ip for pod in by_identity[c]))
+    return flowpolicy.build_document(rules=rows, identities=identities, default_action=flowpolicy.DENY,
+                                     policed_destinations=policed, allowed_sources=allowed_sources)
 
 
-def _rebuilt(document: Mapping[str, Any], rows: list[Any]) -> dict[str, Any]:
-    """`document` with only `rows` left: what it polices and always allows stays (narrowing only)."""
-    if len(rows) == len(document.get("entries") or ()):
+def _rebuilt(document: Mapping[str, Any], rows: list[Any], *, ips_kept: Any = None) -> dict[str, Any]:
+    """`document` with only `rows` (and, identity form, only the IPs `ips_kept(ip)` accepts) left: what
+    it polices and always allows stays (narrowing only)."""
+    identities = flowpolicy.identity_ips(document)
+    kept = {i: [ip for ip in ips if ips_kept is None or ips_kept(ip)] for i, ips in identities.items()}
+    if len(rows) == len(flowpolicy.rows_of(document)) and kept == identities:
         return dict(document)  # nothing removed: the same document
-    return flowpolicy.build_document(entries=rows, default_action=flowpolicy.DENY,
-                                     policed_destinations=flowpolicy.policed_of(document),
-                                     allowed_sources=document.get(flowpolicy.ALLOWED_SOURCES))
+    return flowpolicy.with_rows(document, rows, identities=[{"identity": i, "ips": ips} for i, ips in kept.items()])
+
+
+def _dst_ips(document: Mapping[str, Any], row: Mapping[str, Any]) -> list[str]:
+    """The destination IPs a rule or entry covers."""
+    if "dstIP" in row:
+        return [row["dstIP"]]
+    return flowpolicy.identity_ips(document).get(int(row.get("dstIdentity", 0)), [])
 
 
 def decision_counts(document: Mapping[str, Any]) -> dict[str, int]:
-    """Entries each RoutingPolicy ("<ns>/<name>") decided in a flow document."""
+    """IP-level entries (source IP, model pod IP, port) each RoutingPolicy ("<ns>/<name>") decided in a
+    flow document: an identity rule counts once per pair of its identities' IPs."""
     counts: dict[str, int] = {}
-    for entry in document.get("entries") or ():
-        policy = str(entry.get("rule", "")).split("#", 1)[0]
-        counts[policy] = counts.get(policy, 0) + 1
+    ips = flowpolicy.identity_ips(document)
+    for row in flowpolicy.rows_of(document):
+        policy = str(row.get("rule", "")).split("#", 1)[0]
+        n = 1 if "srcIP" in row else len(ips.get(row.get("srcIdentity"), ())) * len(ips.get(row.get("dstIdentity"), ()))
+        counts[policy] = counts.get(policy, 0) + n
     return counts
 
 
@@ -296,12 +318,14 @@ def narrow_document(
     def same(ip: str) -> bool:
         return owners_then is None or (ip in owners_now and owners_then.get(ip) == owners_now[ip])
 
+    # Identity form: an IP that left or changed hands leaves its identity (it then matches no rule).
     rows = [
         e
-        for e in document.get("entries") or ()
-        if flowpolicy.policy_of_rule(e.get("rule", "")) in live_policies and same(e["srcIP"]) and same(e["dstIP"])
+        for e in flowpolicy.rows_of(document)
+        if flowpolicy.policy_of_rule(e.get("rule", "")) in live_policies
+        and ("srcIP" not in e or (same(e["srcIP"]) and same(e["dstIP"])))
     ]
-    return _rebuilt(document, rows)
+    return _rebuilt(document, rows, ips_kept=same)
 
 
 def narrow_undecided(
@@ -342,16 +366,17 @@ def narrow_undecided(
         return model is not None and ((namespace, model) in denied_targets or (namespace, ANY) in denied_targets)
 
     rows = [
-        e for e in document.get("entries") or ()
+        e for e in flowpolicy.rows_of(document)
         if e.get("action") != flowpolicy.ALLOW
-        or not (flowpolicy.policy_of_rule(e.get("rule", "")) in undecided or denied_now(e["dstIP"]))
+        or not (flowpolicy.policy_of_rule(e.get("rule", "")) in undecided
+                or any(denied_now(ip) for ip in _dst_ips(document, e)))
     ]
     return _rebuilt(document, rows)
 
 
 def policies_named(document: Mapping[str, Any]) -> set[str]:
     """Every policy (``"ns/name"``) that has entries in a flow document."""
-    return {flowpolicy.policy_of_rule(e.get("rule", "")) for e in document.get("entries") or ()}
+    return {flowpolicy.policy_of_rule(e.get("rule", "")) for e in flowpolicy.rows_of(document)}
 
 
 def ip_owners(pods: Iterable[PodInfo]) -> dict[str, str]:
@@ -360,18 +385,33 @@ def ip_owners(pods: Iterable[PodInfo]) -> dict[str, str]:
 
 @dataclass
 class FlowTable:
-    """In-process lookup of a flow document: what the data plane does per packet."""
+    """In-process lookup of a flow document: what the data plane does per packet (either form)."""
 
     default_allow: bool
-    table: dict[tuple[str, str, int, str], bool] = field(default_factory=dict)
+    table: dict[tuple[Any, Any, int, str], bool] = field(default_factory=dict)
+    identity: dict[str, int] | None = None  # identity form: IP -> identity; None: entries form
 
     @classmethod
     def from_document(cls, document: Mapping[str, Any]) -> FlowTable:
-        table = {
-            (e["srcIP"], e["dstIP"], int(e["dstPort"]), e["protocol"]): e["action"] == flowpolicy.ALLOW
-            for e in document.get("entries") or ()
-        }
-        return cls(default_allow=document.get("defaultAction") == flowpolicy.ALLOW, table=table)
+        policy = flowpolicy.parse_document(document)
+        default_allow = policy.default_action == flowpolicy.ALLOW
+        if not policy.identities and not policy.rules and policy.entries:
+            return cls(default_allow=default_allow, table=_deny_wins(
+                ((e.src_ip, e.dst_ip, e.dst_port, e.protocol), e.action) for e in policy.entries))
+        return cls(default_allow=default_allow,
+                   table=_deny_wins(((r.src_identity, r.dst_identity, r.dst_port, r.protocol), r.action)
+                                    for r in policy.rules),
+                   identity={ip: ident for ident, ips in policy.identities for ip in ips})
 
     def allows(self, *, src_ip: str, dst_ip: str, port: int, protocol: str = "tcp") -> bool:
-        return self.table.get((src_ip, dst_ip, port, protocol), self.default_allow)
+        if self.identity is None:
+            return self.table.get((src_ip, dst_ip, port, protocol), self.default_allow)
+        key = (self.identity.get(src_ip), self.identity.get(dst_ip), port, protocol)
+        return self.table.get(key, self.default_allow)
+
+
+def _deny_wins(rows: Iterable[tuple[tuple[Any, Any, int, str], str]]) -> dict[tuple[Any, Any, int, str], bool]:
+    table: dict[tuple[Any, Any, int, str], bool] = {}
+    for key, action in rows:
+        table[key] = table.get(key, True) and action == flowpolicy.ALLOW
+    return table

@@ -195,10 +195,12 @@ class PolicySync:
             live_policies={p.key for p in policies},
         )
         narrowed = narrow_undecided(document=narrowed, sources=policies, undecided=undecided, pods=pods)
-        before = len(self.published.get("entries") or ())
-        dropped = before - len(narrowed["entries"])
-        if dropped > 0 or self.basis != basis:
-            document = narrowed if dropped > 0 else self.published
+        # IP-level entries (identity rules counted per pair of IPs): only ever fewer.
+        before = sum(decision_counts(self.published).values())
+        dropped = before - sum(decision_counts(narrowed).values())
+        narrower = narrowed.get("version") != self.published.get("version")
+        if narrower or self.basis != basis:
+            document = narrowed if narrower else self.published
             await self.store.publish(document, basis=basis)
             if dropped:
                 log.warning(f"OPA not usable: removed {dropped} of {before} allow-list entries (fail closed; "
@@ -375,7 +377,7 @@ async def check_allow_list_at_startup(logger: kopf.Logger, **_: Any) -> None:
         named = policies_named(document)
         live = {key for key in named if "/" not in key or await _still_exists(sync, key)}
         narrowed = narrow_document(document=document, owners_then=None, owners_now={}, live_policies=live)
-        if len(narrowed["entries"]) < len(document.get("entries") or ()):
+        if narrowed.get("version") != document.get("version"):
             # Dropping a deleted policy's entries leaves the rest as decided: the basis stays.
             await sync.store.publish(narrowed, basis=basis)
             logger.info(f"dropped the allow entries of deleted RoutingPolicies {sorted(named - live)}")

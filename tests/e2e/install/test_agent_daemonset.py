@@ -213,7 +213,7 @@ def test_agent_enforces_the_published_policy_on_veth_packets(stack: Stack, agent
     cm = stack.get("configmap", flowpolicy.CONFIGMAP_NAME, RELEASE_NS)
     published = json.loads(cm["data"][flowpolicy.DOCUMENT_KEY])
     # What the operator writes at start with no RoutingPolicy: no destination is policed.
-    assert published["defaultAction"] == "deny" and published["entries"] == [], published
+    assert published["defaultAction"] == "deny" and flowpolicy.ip_entries(published) == [], published
     assert published["policedDestinations"] == [], published
     t0 = time.monotonic()
     wait_for(lambda: enforced_version(try_scrape(agent.metrics_url)) == published["version"],

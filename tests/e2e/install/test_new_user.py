@@ -27,6 +27,8 @@ from localcluster import nodes, podman
 from localcluster.health import wait_for
 from localcluster.ports import pick_unused_pod_cidr
 
+from sparsegate_contracts import flowpolicy
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[3]
@@ -173,7 +175,7 @@ def test_routing_policy_decided_by_the_charts_opa(stack: Stack) -> None:
     assert policy["status"].get("loadedInOPA") is True
     flow = stack.get("configmap", "sparsegate-flow-policy", RELEASE_NS)
     document = json.loads(flow["data"]["policy.json"])
-    assert document["entries"], "OPA allowed no flow for the example policy"
+    assert flowpolicy.ip_entries(document), "OPA allowed no flow for the example policy"
     # The sidecar refuses callers without the chart's token.
     op_pod = stack.wait_operator_ready()
     req = urllib.request.Request(f"http://{op_pod['status']['podIP']}:8181/v1/policies")

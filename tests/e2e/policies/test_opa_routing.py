@@ -24,6 +24,7 @@ from sparsegate.domain.policy_compile import (
     flow_question,
 )
 from sparsegate.handlers.routingpolicy import PolicySync, Settings
+from sparsegate_contracts.flowpolicy import ip_entries
 from sparsegate_ebpf.policy import parse_policy
 
 pytestmark = pytest.mark.opa
@@ -214,9 +215,9 @@ async def test_one_evaluation_decides_exactly_what_the_per_question_path_decides
     finally:
         opa.close()
     assert one == per_question
-    actions = {e["action"] for e in one["entries"]}
+    actions = {e["action"] for e in ip_entries(one)}
     assert actions == {"allow", "deny"}, actions  # the scenario exercises both outcomes
-    assert len(one["entries"]) > 50
+    assert len(ip_entries(one)) > 50
 
 
 async def test_fail_closed_then_resync_after_restart(opa_server) -> None:
@@ -226,7 +227,7 @@ async def test_fail_closed_then_resync_after_restart(opa_server) -> None:
         await sync.sync(policies=policies, pods=PODS)
         good = store.document
         agent_view = parse_policy(good)  # the eBPF agent's own parser accepts what we publish
-        assert agent_view.version == good["version"] and len(agent_view.entries) == len(good["entries"])
+        assert agent_view.version == good["version"] and len(agent_view.rules) == len(good["rules"])
         table = FlowTable.from_document(good)
         assert table.allows(src_ip="127.20.1.1", dst_ip="127.20.0.10", port=8080)  # fe-0 → mixtral
         assert table.allows(src_ip="127.20.3.1", dst_ip="127.20.0.12", port=8080)  # trusted ops → llama
@@ -251,8 +252,8 @@ async def test_fail_closed_then_resync_after_restart(opa_server) -> None:
         with pytest.raises(OpaUnavailable):
             await sync.sync(policies=[DENY_BATCH, ALLOW_ALL_NS], pods=[p for p in PODS if p.name != "fe-1"])
         narrowed = store.document
-        assert {tuple(sorted(e.items())) for e in narrowed["entries"]} < {tuple(sorted(e.items())) for e in good["entries"]}
-        assert all(e["srcIP"] != "127.20.1.2" and not e["rule"].startswith("models/allow-web") for e in narrowed["entries"])
+        assert {tuple(sorted(e.items())) for e in ip_entries(narrowed)} < {tuple(sorted(e.items())) for e in ip_entries(good)}
+        assert all(e["srcIP"] != "127.20.1.2" and not e["rule"].startswith("models/allow-web") for e in ip_entries(narrowed))
 
         opa_server.start()  # same port, empty store: a restart
         probe = RoutingOpa(url=opa_server.url)
@@ -268,7 +269,7 @@ async def test_fail_closed_then_resync_after_restart(opa_server) -> None:
 
 
 def _allows(document: dict[str, Any]) -> set[tuple[str, str, int, str]]:
-    return {(e["srcIP"], e["dstIP"], e["dstPort"], e["protocol"]) for e in document["entries"] if e["action"] == "allow"}
+    return {(e["srcIP"], e["dstIP"], e["dstPort"], e["protocol"]) for e in ip_entries(document) if e["action"] == "allow"}
 
 
 DENY_MIXTRAL = PolicySource(namespace="models", name="deny-mixtral", generation=1, spec={
@@ -321,7 +322,7 @@ async def test_changes_while_opa_is_down_fail_closed_and_opa_restores_them(opa_s
         with pytest.raises(OpaUnavailable):
             await sync2.sync(policies=narrowed, pods=PODS)
         during2 = _allows(store2.document)
-        assert not any(e["rule"].startswith("models/allow-web#") for e in store2.document["entries"])
+        assert not any(e["rule"].startswith("models/allow-web#") for e in ip_entries(store2.document))
         assert during2 <= truth["narrowed"], during2 - truth["narrowed"]
         sync2.opa.close()
 

@@ -4,7 +4,7 @@ Given the session's real control plane (kwok gives pods IPs), a real OPA server 
 itself (``sparsegate.cli run`` on the host) with a deliberately small map capacity
 (``SPARSEGATE_FLOW_POLICY_MAX_RECORDS=6``, documented in ``domain.policy_capacity``): a policy that
 fits is published; when more callers make the allow-list outgrow the capacity, the operator keeps
-the published allow-list and every RoutingPolicy says Ready=False / Stalled=True reason
+the last allow-list that fit and every RoutingPolicy says Ready=False / Stalled=True reason
 PolicyTooLarge with needed vs capacity; when callers go again, the new allow-list is published.
 """
 
@@ -21,6 +21,9 @@ from pathlib import Path
 import pytest
 from localcluster import LocalCluster
 from localcluster.health import wait_for
+
+from sparsegate_contracts import flowpolicy
+from sparsegate_contracts.flowpolicy import ip_entries
 
 pytestmark = pytest.mark.opa
 REPO = Path(__file__).resolve().parents[3]
@@ -79,8 +82,8 @@ def test_allow_list_over_capacity_sets_policy_too_large(cluster: LocalCluster, n
         return wait_for(lambda: get("pod", name).get("status", {}).get("podIP"), what=f"{name} IP")  # type: ignore[return-value]
 
     try:
-        # Given two pods of SparseModel mixtral and one caller, allowed on 8080: 2 entries + 2
-        # policed destinations = 4 records, within the capacity of 6
+        # Given two pods of SparseModel mixtral and one caller, allowed on 8080: 1 identity rule + 2
+        # policed destinations + 1 source address = 4 records, within the capacity of 6
         kubectl("create", "serviceaccount", "frontend", "-n", ns)
         for name in ("mixtral-0", "mixtral-1"):
             kubectl("apply", "-n", ns, "-f", "-",
@@ -93,10 +96,10 @@ def test_allow_list_over_capacity_sets_policy_too_large(cluster: LocalCluster, n
                      "targets": [{"sparseModel": "mixtral"}], "ports": [{"port": 8080}]}}))
         wait_for(lambda: conditions().get("Ready", {}).get("status") == "True", what="Ready", timeout_s=90,
                  interval_s=0.5)
-        published = wait_for(lambda: (d := allow_list()) and len(d["entries"]) == 2 and d, what="2 entries")
-        assert {e["srcIP"] for e in published["entries"]} == {ips["fe-0"]}  # type: ignore[index]
+        published = wait_for(lambda: (d := allow_list()) and len(ip_entries(d)) == 2 and d, what="2 IP pairs")
+        assert {e["srcIP"] for e in ip_entries(published)} == {ips["fe-0"]}  # type: ignore[arg-type]
 
-        # When three more callers join: 8 entries + 2 destinations = 10 records > 6
+        # When three more callers join (same class: still 1 rule): + 3 source addresses = 7 records > 6
         for i in (1, 2, 3):
             kubectl("apply", "-n", ns, "-f", "-", input=_pod(f"fe-{i}", sa="frontend"))
         for i in (1, 2, 3):
@@ -107,16 +110,22 @@ def test_allow_list_over_capacity_sets_policy_too_large(cluster: LocalCluster, n
         c = conditions()
         assert c["Ready"]["status"] == "False" and c["Stalled"]["status"] == "True"
         assert c["Stalled"]["reason"] == "PolicyTooLarge" and c["Degraded"]["status"] == "True"
-        assert f"needs 10 policy map records, capacity {CAPACITY}" in c["Ready"]["message"]
-        # and the published allow-list is the last one that fit, not a truncated one
-        assert allow_list() == published
+        assert f"needs 7 policy map records, capacity {CAPACITY}" in c["Ready"]["message"]
+        # and the published allow-list is the last one that fit (the callers get their IPs one by
+        # one: with 2 or 3 callers it still fits), never a truncated or oversized one
+        now = allow_list()
+        assert now is not None and flowpolicy.map_records(now) <= CAPACITY, now
+        callers = {e["srcIP"] for e in ip_entries(now)}
+        assert ips["fe-0"] in callers and len(callers) < 4, now
 
         # When the extra callers go: the allow-list fits again, is published and the policy is Ready
         kubectl("delete", "pod", "fe-1", "fe-2", "fe-3", "-n", ns, "--grace-period=0", "--force")
         wait_for(lambda: conditions().get("Ready", {}).get("status") == "True", what="Ready again", timeout_s=60,
                  interval_s=0.5)
         assert conditions()["Stalled"]["status"] == "False"
-        assert allow_list()["entries"] == published["entries"]  # type: ignore[index]
+        final = allow_list()
+        assert final is not None and ip_entries(final) == ip_entries(published)  # type: ignore[arg-type]
+        assert final["policedDestinations"] == published["policedDestinations"]  # type: ignore[index]
     except BaseException:
         sys.stderr.write(operator_process.read_text(errors="replace")[-6000:])
         raise

@@ -24,6 +24,7 @@ from localcluster import podman
 from localcluster.health import wait_for
 
 from sparsegate.clients.opa import RoutingOpa
+from sparsegate_contracts.flowpolicy import ip_entries
 from sparsegate_ebpf.policy import parse_policy
 
 FLOW_POLICY = "sparsegate-flow-policy"
@@ -109,7 +110,7 @@ def test_routing_policy_end_to_end(stack: Stack, stack_namespace: str, web_names
     # Given no RoutingPolicy anywhere: the operator's published allow-list denies everything
     assert json.loads(kubectl("get", "routingpolicies", "-A", "-o", "json").stdout)["items"] == []
     empty = wait_for(allow_list, what="initial allow-list")
-    assert empty["defaultAction"] == "deny" and empty["entries"] == []
+    assert empty["defaultAction"] == "deny" and ip_entries(empty) == []
 
     # And callers in `web` and two pods of SparseModel `mixtral` in `models`, all with pod IPs
     kubectl("create", "serviceaccount", "frontend", "-n", web)
@@ -137,7 +138,7 @@ def test_routing_policy_end_to_end(stack: Stack, stack_namespace: str, web_names
     assert decision["allow"] and decision["rule"] == f"{models}/allow-frontend#s0t0"
     doc = wait_for(allow_list, what="allow-list ConfigMap")
     assert doc["defaultAction"] == "deny" and parse_policy(doc).version == doc["version"]  # the agent accepts it
-    assert {(e["srcIP"], e["dstIP"], e["dstPort"], e["action"]) for e in doc["entries"]} == {
+    assert {(e["srcIP"], e["dstIP"], e["dstPort"], e["action"]) for e in ip_entries(doc)} == {
         (ip["fe-0"], ip["mixtral-0"], 8080, "allow"), (ip["fe-0"], ip["mixtral-1"], 8080, "allow")}
     printed = kubectl("get", "routingpolicies", "-n", models).stdout
     assert "allow-frontend" in printed and "Allow" in printed and "true" in printed  # printer columns
@@ -176,20 +177,20 @@ def test_routing_policy_end_to_end(stack: Stack, stack_namespace: str, web_names
     restarted = next(c for c in leading_operator(stack)["status"]["containerStatuses"] if c["name"] == "opa")
     assert restarted["lastState"]["terminated"]["exitCode"] == 137
     assert set(opa("loaded_policies")) == {f"{models}/allow-frontend", f"{models}/allow-web"}
-    widened = wait_for(lambda: (d := allow_list()) and len(d["entries"]) == 4 and d, what="4 entries")
-    assert {(e["srcIP"], e["dstIP"]) for e in widened["entries"]} == {
+    widened = wait_for(lambda: (d := allow_list()) and len(ip_entries(d)) == 4 and d, what="4 entries")
+    assert {(e["srcIP"], e["dstIP"]) for e in ip_entries(widened)} == {
         (src, dst) for src in (ip["fe-0"], ip["other-0"]) for dst in (ip["mixtral-0"], ip["mixtral-1"])}
 
     # When the wide policy is deleted (at once: no finalizer), OPA drops it and its entries go
     kubectl("delete", "routingpolicy", "allow-web", "-n", models, "--timeout=60s", timeout=90)
     wait_for(lambda: set(opa("loaded_policies")) == {f"{models}/allow-frontend"}, what="OPA dropped allow-web")
-    final = wait_for(lambda: (d := allow_list()) and len(d["entries"]) == 2 and d, what="2 entries")
-    assert {e["srcIP"] for e in final["entries"]} == {ip["fe-0"]}
+    final = wait_for(lambda: (d := allow_list()) and len(ip_entries(d)) == 2 and d, what="2 entries")
+    assert {e["srcIP"] for e in ip_entries(final)} == {ip["fe-0"]}
 
     # When the last policy goes, nothing is allowed any more (and no finalizer is left behind)
     kubectl("delete", "routingpolicy", "allow-frontend", "-n", models, "--timeout=60s", timeout=90)
     wait_for(lambda: opa("loaded_policies") == {}, what="OPA holds no policy")
-    wait_for(lambda: (d := allow_list()) is not None and d["entries"] == [], what="empty allow-list")
+    wait_for(lambda: (d := allow_list()) is not None and ip_entries(d) == [], what="empty allow-list")
 
 
 def operator_deployment(stack: Stack) -> dict:
@@ -219,7 +220,7 @@ def test_deletion_completes_and_narrows_while_opa_or_the_operator_is_down(
     def entries() -> set[tuple[str, str]]:
         run = kubectl("get", "configmap", FLOW_POLICY, "-n", RELEASE_NS, "-o", "json")
         doc = json.loads(json.loads(run.stdout)["data"]["policy.json"])
-        return {(e["srcIP"], e["rule"].split("#")[0]) for e in doc["entries"] if e["rule"].startswith(f"{models}/")}
+        return {(e["srcIP"], e["rule"].split("#")[0]) for e in ip_entries(doc) if e["rule"].startswith(f"{models}/")}
 
     # Given callers with two identities, a model pod, one policy per identity and a GateConfig
     for sa in ("frontend", "batch"):
@@ -301,7 +302,7 @@ def test_changes_and_operator_restart_while_opa_is_frozen_never_widen(
         run = kubectl("get", "configmap", FLOW_POLICY, "-n", RELEASE_NS, "-o", "json")
         doc = json.loads(json.loads(run.stdout)["data"]["policy.json"])
         return {(name_of[e["srcIP"]], name_of[e["dstIP"]], e["rule"].split("#")[0].split("/")[1])
-                for e in doc["entries"] if e["action"] == "allow" and e["rule"].startswith(f"{models}/")}
+                for e in ip_entries(doc) if e["action"] == "allow" and e["rule"].startswith(f"{models}/")}
 
     def apply(name: str, spec: dict) -> None:
         kubectl("apply", "-n", models, "-f", "-", input=routing_policy(name, spec))

@@ -23,8 +23,9 @@ PINNED_DEFAULT = ("g-3138a05aa441", "sha256:3138a05aa441ac94779607a2b23b6ebf467a
 PINNED_CUSTOM = ("g-9c2123f38ba0", "sha256:9c2123f38ba06ffc804bd52c4e99943e6ef0aaf0226537fe0bac4a23ece3dc67")
 CUSTOM_PARAMS = {"toolGateThreshold": 0.7, "faultInjection": {"errorRate": 0.25}, "precisionPolicy": "int8"}
 PINNED_OPA_REVISION = "sha256:856aea44211f10db87460d1b26730816f0e6a470fec0441a647c03cecd6876f0"
-PINNED_FLOW = "sha256:07af081edcd6011e9a04e248d7dbe44655cc330a1b277e9c645b814a3c950ff8"
-PINNED_FLOW_EMPTY = "sha256:aa71743f2b221275541cfb93f062b5f0f06d692d9fd70bf59964def3964e1177"
+# The identity form (identities + rules) since the operator stopped publishing IP-level entries.
+PINNED_FLOW = "sha256:80470476bc896c38554dec9d2c20ea8d6c5a59671d77da2befb504e8e9b9bd7d"
+PINNED_FLOW_EMPTY = "sha256:61481ef7da9a34b7a0d01512bf0626c57a494983e4b6f49e9a105e3d6dfe7128"
 PINNED_AGENT_NO_VERSION = "sha256:26c1b21163b30b75c62c3419afa108b42f74fe9cf0af03d6a56d7fa16342e758"
 ENTRY = {"srcIP": "10.0.0.1", "dstIP": "10.0.0.2", "dstPort": 8080, "protocol": "tcp", "action": "allow",
          "rule": "ns/p#0"}
@@ -102,7 +103,7 @@ def test_flow_policy_producer_and_agent_agree() -> None:
     # and the version is the content address of the rest of the document, computed by either side.
     parsed = parse_policy(flowpolicy.document_text(doc))
     assert parsed.version == doc["version"]
-    assert [e.to_json() for e in parsed.entries] == doc["entries"]
+    assert [r.to_json() for r in parsed.rules] == doc["rules"] and len(parsed.identities) == 2
     body = {k: v for k, v in doc.items() if k != "version"}
     assert parse_policy(body).version == doc["version"] == flowpolicy.version_of(body)
     assert parse_policy({"entries": [ENTRY]}).version == PINNED_AGENT_NO_VERSION

@@ -11,7 +11,17 @@ from sparsegate_ebpf import inherit
 from sparsegate_ebpf import packets as P
 from sparsegate_ebpf.policy import compile_policy, parse_policy
 from sparsegate_ebpf.policyswap import PolicySwapper
-from sparsegate_ebpf.maps import ACTION_ALLOW, ACTION_DENY, PolicyVal
+from sparsegate_ebpf.maps import (
+    ACTION_ALLOW,
+    ACTION_DENY,
+    KEY_ALLOWED_SRC,
+    KEY_POLICED_DST,
+    PROTO_NUMBERS,
+    PolicyKey,
+    PolicyVal,
+    ip_to_be32,
+    port_to_be16,
+)
 from sparsegate_ebpf.programs import BpfUnavailable, LoadedProgram
 from sparsegate_ebpf.testing import clear_policy, require_program, reset_maps, verdicts
 from sparsegate_ebpf.testrun import run_xdp
@@ -21,6 +31,23 @@ pytestmark = pytest.mark.bpf
 DOC = {"version": "v7", "defaultAction": "deny", "entries": [
     {"srcIP": "10.1.0.1", "dstIP": "10.1.0.2", "dstPort": 8080, "protocol": "tcp", "action": "allow", "rule": "a#0"},
     {"srcIP": "10.1.0.1", "dstIP": "10.1.0.2", "dstPort": 8081, "protocol": "udp", "action": "deny", "rule": "a#1"}]}
+
+
+def ip_level_records(doc: dict, *, generation: int, policed: tuple[str, ...] = (),
+                     allowed: tuple[str, ...] = ()) -> list[tuple[PolicyKey, PolicyVal]]:
+    """The records a program from before identities held for ``doc``: a meta record, one per
+    entry keyed by IPs (kind 0), and, from scoped programs, policed destinations and allowed sources."""
+    actions = {"allow": ACTION_ALLOW, "deny": ACTION_DENY}
+    out = [(PolicyKey(), PolicyVal(action=actions[doc["defaultAction"]], rule_id=0, generation=generation))]
+    for i, e in enumerate(doc["entries"], start=1):
+        out.append((PolicyKey(saddr=ip_to_be32(e["srcIP"]), daddr=ip_to_be32(e["dstIP"]),
+                              dport=port_to_be16(e["dstPort"]), proto=PROTO_NUMBERS[e["protocol"]]),
+                    PolicyVal(action=actions[e["action"]], rule_id=i, generation=generation)))
+    out += [(PolicyKey(daddr=ip_to_be32(ip), kind=KEY_POLICED_DST),
+             PolicyVal(action=out[0][1].action, generation=generation)) for ip in policed]
+    out += [(PolicyKey(saddr=ip_to_be32(ip), kind=KEY_ALLOWED_SRC),
+             PolicyVal(action=ACTION_ALLOW, generation=generation)) for ip in allowed]
+    return out
 
 
 def prog_id(prog: LoadedProgram) -> int:
@@ -57,7 +84,8 @@ def test_reads_back_exactly_the_live_records(enforce_prog: LoadedProgram) -> Non
     swapper.apply(parse_policy(DOC))  # generation 2, in the B map: the live one is read, not the pool's first
     got = inherit.live_policy(prog_id(enforce_prog))
     assert got is not None
-    expected = [(k, PolicyVal(action=v.action, rule_id=v.rule_id, generation=v.generation, slot=1))  # the B map
+    expected = [(k, PolicyVal(action=v.action, rule_id=v.rule_id, generation=v.generation, slot=1,  # the B map
+                              identity=v.identity))
                 for k, v in compile_policy(parse_policy(DOC), generation=2)]
     assert as_bytes(got) == as_bytes(expected)
 
@@ -77,7 +105,8 @@ def test_carried_over_records_go_live_only_into_an_empty_swapper(enforce_prog: L
     records = inherit.live_policy(prog_id(enforce_prog))
     swapper = PolicySwapper(bpf=successor.bpf)
     result = swapper.apply_records_if_empty(records)
-    assert result is not None and result.generation == 1 and result.entries == 4  # meta, 2 entries, 1 policed dst
+    # meta, 2 rules, 1 policed destination, 1 source address
+    assert result is not None and result.generation == 1 and result.entries == 5
     assert swapper.rule_names[1] == {} and swapper.policy is None
     assert as_bytes(inherit.live_policy(prog_id(successor))) == as_bytes(records)
     # The successor judges with them, attributed to the predecessor's generation.
@@ -101,8 +130,25 @@ def test_records_of_a_program_from_before_scoped_enforcement_keep_their_destinat
         successor: LoadedProgram) -> None:
     """Its map has entries and a meta record only (it judged every destination): the destinations
     its entries name stay policed, as for a document without policedDestinations."""
-    old = [(k, v) for k, v in compile_policy(parse_policy(DOC), generation=4) if k.kind == 0]
+    old = ip_level_records(DOC, generation=4)
     result = PolicySwapper(bpf=successor.bpf).apply_records_if_empty(old)
-    assert result is not None and result.entries == len(old) + 1
+    # read as identity records: meta, the 2 rules, 1 policed destination, 1 source address
+    assert result is not None and result.entries == len(old) + 2
     frame = P.udp_frame(src="10.1.0.1", dst="10.1.0.2", sport=40000, dport=8081)
     assert run_xdp(prog_fd=successor.prog_fd, data=frame).verdict == "drop"
+
+
+def test_records_of_a_program_from_before_identities_keep_what_they_allowed(successor: LoadedProgram) -> None:
+    """IP-level entries, a policed destination no entry names and an always-allowed source: read as
+    identity records, the successor passes and drops exactly what they did."""
+    old = ip_level_records(DOC, generation=9, policed=("10.1.0.2", "10.1.0.5"), allowed=("10.1.0.9",))
+    result = PolicySwapper(bpf=successor.bpf).apply_records_if_empty(old)
+    assert result is not None and result.generation == 9
+    syn = P.TCP_SYN
+    cases = [(P.tcp_frame(src="10.1.0.1", dst="10.1.0.2", sport=40001, dport=8080, flags=syn), "pass"),  # allowed
+             (P.udp_frame(src="10.1.0.1", dst="10.1.0.2", sport=40002, dport=8081), "drop"),  # denied
+             (P.tcp_frame(src="10.1.0.3", dst="10.1.0.2", sport=40003, dport=8080, flags=syn), "drop"),  # default
+             (P.tcp_frame(src="10.1.0.1", dst="10.1.0.5", sport=40004, dport=8080, flags=syn), "drop"),  # policed
+             (P.tcp_frame(src="10.1.0.9", dst="10.1.0.5", sport=40005, dport=8080, flags=syn), "pass"),  # allowed src
+             (P.tcp_frame(src="10.1.0.3", dst="10.1.0.7", sport=40006, dport=8080, flags=syn), "pass")]  # unpoliced
+    assert [run_xdp(prog_fd=successor.prog_fd, data=f).verdict for f, _ in cases] == [v for _, v in cases]

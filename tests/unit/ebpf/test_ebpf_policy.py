@@ -6,7 +6,17 @@ import socket
 
 import pytest
 
-from sparsegate_ebpf.maps import ACTION_ALLOW, ACTION_DENY, KEY_POLICED_DST, be16_to_port, be32_to_ip
+from sparsegate_contracts.flowpolicy import FIRST_IDENTITY
+from sparsegate_ebpf.maps import (
+    ACTION_ALLOW,
+    ACTION_DENY,
+    IDENTITY_ALLOWED,
+    KEY_POLICED_DST,
+    KEY_RULE,
+    KEY_SOURCE,
+    be16_to_port,
+    be32_to_ip,
+)
 from sparsegate_ebpf.policy import PolicyError, compile_policy, parse_policy
 
 
@@ -58,18 +68,25 @@ def test_missing_version_is_content_addressed() -> None:
 
 def test_compiled_records_use_network_byte_order_and_meta_first() -> None:
     policy = parse_policy({"defaultAction": "allow", "entries": [entry(dstPort=8080)]})
-    (meta_k, meta_v), (k, v), (dst_k, dst_v) = compile_policy(policy, generation=7)
+    (meta_k, meta_v), (k, v), (dst_k, dst_v), (src_k, src_v) = compile_policy(policy, generation=7)
     assert (meta_k.saddr, meta_k.daddr, meta_k.dport, meta_k.proto) == (0, 0, 0, 0)
     assert (meta_v.action, meta_v.rule_id, meta_v.generation) == (ACTION_ALLOW, 0, 7)
-    assert be32_to_ip(k.saddr) == "10.0.0.1" and be32_to_ip(k.daddr) == "10.0.0.2"
-    assert bytes(k)[:4] == socket.inet_aton("10.0.0.1")  # as the kernel reads the IP header
+    # An entries-form document gets one identity per address, in address order.
+    src_id, dst_id = FIRST_IDENTITY, FIRST_IDENTITY + 1
+    assert (k.kind, k.saddr, k.daddr) == (KEY_RULE, src_id, dst_id)
     assert be16_to_port(k.dport) == 8080 and bytes(k)[8:10] == (8080).to_bytes(2, "big")
     assert k.proto == socket.IPPROTO_TCP
     assert (v.action, v.rule_id, v.generation) == (ACTION_ALLOW, 1, 7)
-    # The entry's destination is policed (no policedDestinations given); its record carries the default.
+    # The entry's destination is policed (no policedDestinations given); its record carries the
+    # default action and the destination's identity.
     assert (dst_k.saddr, be32_to_ip(dst_k.daddr), dst_k.dport, dst_k.proto, dst_k.kind) == (0, "10.0.0.2", 0, 0,
                                                                                              KEY_POLICED_DST)
-    assert (dst_v.action, dst_v.rule_id, dst_v.generation) == (ACTION_ALLOW, 0, 7)
+    assert bytes(dst_k)[4:8] == socket.inet_aton("10.0.0.2")  # as the kernel reads the IP header
+    assert (dst_v.action, dst_v.rule_id, dst_v.generation, dst_v.identity) == (ACTION_ALLOW, 0, 7, dst_id)
+    # The source address's identity (the ipcache record).
+    assert (be32_to_ip(src_k.saddr), src_k.daddr, src_k.kind) == ("10.0.0.1", 0, KEY_SOURCE)
+    assert bytes(src_k)[:4] == socket.inet_aton("10.0.0.1")
+    assert (src_v.identity, src_v.generation) == (src_id, 7)
 
 
 def test_deny_wins_over_allow_for_the_same_tuple_in_any_order() -> None:
@@ -77,7 +94,7 @@ def test_deny_wins_over_allow_for_the_same_tuple_in_any_order() -> None:
         entries = [entry(action=a, rule=f"r-{a}") for a in order]
         policy = parse_policy({"entries": entries})
         records = compile_policy(policy, generation=1)
-        assert len(records) == 3  # meta, the one tuple, its policed destination
+        assert len(records) == 4  # meta, the one tuple, its policed destination, its source
         val = records[1][1]
         assert val.action == ACTION_DENY
         assert policy.rule_names()[val.rule_id] == "r-deny"
@@ -95,18 +112,21 @@ def test_policed_destinations_and_allowed_sources_compile_to_their_own_records()
                            "allowedSources": ["10.0.0.9"]})
     assert policy.policed_destinations == ("10.0.0.2", "10.0.0.3") and policy.allowed_sources == ("10.0.0.9",)
     records = compile_policy(policy, generation=3, extra_sources=("10.0.0.8", "10.0.0.9"))
-    by_kind: dict[int, list[str]] = {}
+    by_kind: dict[int, dict[str, int]] = {}
     for k, v in records:
-        if k.kind:
+        if k.kind in (KEY_POLICED_DST, KEY_SOURCE):
             assert v.generation == 3
-            by_kind.setdefault(k.kind, []).append(be32_to_ip(k.daddr or k.saddr))
-    assert by_kind == {KEY_POLICED_DST: ["10.0.0.2", "10.0.0.3"], 2: ["10.0.0.8", "10.0.0.9"]}
+            by_kind.setdefault(k.kind, {})[be32_to_ip(k.daddr or k.saddr)] = v.identity
+    # 10.0.0.3 is policed but no rule names it: no identity, so only the default applies to it.
+    assert by_kind == {KEY_POLICED_DST: {"10.0.0.2": FIRST_IDENTITY + 1, "10.0.0.3": 0},
+                       KEY_SOURCE: {"10.0.0.1": FIRST_IDENTITY, "10.0.0.8": IDENTITY_ALLOWED,
+                                    "10.0.0.9": IDENTITY_ALLOWED}}
 
 
 def test_an_empty_policed_list_polices_nothing_even_with_entries() -> None:
     policy = parse_policy({"entries": [entry()], "policedDestinations": []})
     assert policy.policed_destinations == ()
-    assert [k.kind for k, _ in compile_policy(policy, generation=1)] == [0, 0]
+    assert [k.kind for k, _ in compile_policy(policy, generation=1)] == [0, KEY_RULE, KEY_SOURCE]
 
 
 @pytest.mark.parametrize(("doc", "message"), [

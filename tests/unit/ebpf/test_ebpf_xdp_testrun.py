@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from sparsegate_ebpf import packets as P
-from sparsegate_ebpf.maps import ACTION_ALLOW, ACTION_DENY, Counter, ip_to_be32, port_to_be16
+from sparsegate_ebpf.maps import ACTION_ALLOW, ACTION_DENY, KEY_POLICED_DST, Counter, ip_to_be32, port_to_be16
 from sparsegate_ebpf.policy import compile_policy, parse_policy
 from sparsegate_ebpf.policyswap import PolicySwapper
 from sparsegate_ebpf.programs import LoadedProgram
@@ -242,7 +242,8 @@ def test_in_place_rewrite_would_expose_a_half_applied_policy(enforce_prog: Loade
     live = enforce_prog.bpf[res.slot.encode()]
     seen = []
     live.clear()
-    records = sorted(compile_policy(pb, generation=res.generation + 1), key=lambda kv: -kv[0].kind)
+    # Policed destinations first: until its rule and source records follow, the flow is denied.
+    records = sorted(compile_policy(pb, generation=res.generation + 1), key=lambda kv: kv[0].kind != KEY_POLICED_DST)
     for sport, (key, val) in enumerate(records, start=40000):
         live[key] = val
         seen.append(run(enforce_prog, syn(A, B, sport, 8080)))  # a new flow each time: judged afresh

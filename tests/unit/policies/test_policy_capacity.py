@@ -37,16 +37,16 @@ def test_records_counted_as_the_agent_writes_them() -> None:
 def test_duplicate_tuples_count_once() -> None:
     doc = _document(1, 1)
     twice = flowpolicy.build_document(entries=doc["entries"] * 2, policed_destinations=["10.2.0.1"])
-    assert flowpolicy.map_records(twice) == 2  # one entry tuple + one policed destination
+    assert flowpolicy.map_records(twice) == 3  # one entry tuple + one policed destination + its source
 
 
 def test_too_many_records_reported_with_numbers() -> None:
-    doc = _document(10, 2)  # 20 entries + 2 destinations + 1 allowed source
-    needed, too_large = check(doc, Capacity(max_records=22))
-    assert needed.records == 23 and too_large is not None
-    assert "needs 23 policy map records, capacity 22" in too_large.message
+    doc = _document(10, 2)  # 20 entries + 2 destinations + 10 sources + 1 allowed source
+    needed, too_large = check(doc, Capacity(max_records=32))
+    assert needed.records == 33 and too_large is not None
+    assert "needs 33 policy map records, capacity 32" in too_large.message
     assert "bytes" not in too_large.message.split(";")[0]
-    assert check(doc, Capacity(max_records=23))[1] is None
+    assert check(doc, Capacity(max_records=33))[1] is None
 
 
 def test_too_many_bytes_reported_with_numbers() -> None:

@@ -83,7 +83,7 @@ def test_no_rules_no_queries() -> None:
     assert candidate_queries(targets={}, pods=[M1, FE], trust_domain=TD) == []
 
 
-def test_flow_document_expands_classes_to_ips() -> None:
+def test_flow_document_gives_classes_identities_and_rules() -> None:
     allow = QueryKey("web", "frontend", (("app", "fe"),), "models", "mixtral", 8080, "tcp")
     denied = QueryKey("batch", "job", (), "models", "mixtral", 8080, "tcp")
     unmatched = QueryKey("web", "other", (), "models", "mixtral", 8080, "tcp")
@@ -94,12 +94,19 @@ def test_flow_document_expands_classes_to_ips() -> None:
     }
     doc = flow_document(decisions=decisions, pods=[M1, M2, FE, FE2, OTHER, BATCH])
     assert doc["defaultAction"] == "deny" and doc["version"].startswith("sha256:")
-    allowed = {(e["srcIP"], e["dstIP"]) for e in doc["entries"] if e["action"] == "allow"}
+    # One identity per class a rule involves (fe-0/fe-1 share one, m-0/m-1 another), one rule per
+    # (source class, model pods' class, port): not source pods x model pods.
+    members = {tuple(i["ips"]) for i in doc["identities"]}
+    assert members == {(BATCH.ip,), (FE.ip, FE2.ip), (M1.ip, M2.ip)}
+    assert all(i["identity"] >= flowpolicy.FIRST_IDENTITY for i in doc["identities"])
+    assert len(doc["rules"]) == 2 and "entries" not in doc
+    entries = flowpolicy.ip_entries(doc)
+    allowed = {(e["srcIP"], e["dstIP"]) for e in entries if e["action"] == "allow"}
     assert allowed == set(itertools.product([FE.ip, FE2.ip], [M1.ip, M2.ip]))
-    denied_rows = [e for e in doc["entries"] if e["action"] == "deny"]
+    denied_rows = [e for e in entries if e["action"] == "deny"]
     assert {e["srcIP"] for e in denied_rows} == {BATCH.ip} and denied_rows[0]["rule"] == "models/deny#s0t0"
-    assert all(e["srcIP"] != OTHER.ip for e in doc["entries"])  # default deny, no entry
-    assert decision_counts(doc) == {"models/p0": 4, "models/deny": 2}
+    assert all(e["srcIP"] != OTHER.ip for e in entries)  # default deny, no identity, no rule
+    assert decision_counts(doc) == {"models/p0": 4, "models/deny": 2}  # IP-level pairs
     assert flow_document(decisions=dict(reversed(decisions.items())), pods=[BATCH, FE2, FE, OTHER, M2, M1]) == doc
 
     table = FlowTable.from_document(doc)
@@ -107,6 +114,25 @@ def test_flow_document_expands_classes_to_ips() -> None:
     assert not table.allows(src_ip=FE.ip, dst_ip=M2.ip, port=8081)
     assert not table.allows(src_ip=BATCH.ip, dst_ip=M1.ip, port=8080)
     assert not table.allows(src_ip=OTHER.ip, dst_ip=M1.ip, port=8080)
+
+
+def test_model_pods_of_two_classes_get_a_rule_each() -> None:
+    canary = pod("m-2", "models", "127.20.0.12", model="mixtral", ports=(8080,), track="canary")
+    allow = QueryKey("web", "frontend", (("app", "fe"),), "models", "mixtral", 8080, "tcp")
+    doc = flow_document(decisions={allow: {"allow": True, "rule": "models/p0#s0t0"}}, pods=[M1, M2, canary, FE])
+    assert len(doc["rules"]) == 2 and len(doc["identities"]) == 3
+    assert {e["dstIP"] for e in flowpolicy.ip_entries(doc)} == {M1.ip, M2.ip, canary.ip}
+
+
+def test_identity_form_is_far_smaller_than_ip_pairs() -> None:
+    models = [pod(f"m-{i}", "models", f"127.30.0.{i + 1}", model="mixtral", ports=(8080,)) for i in range(50)]
+    callers = [pod(f"fe-{i}", "web", f"127.31.{i // 200}.{i % 200 + 1}", sa="frontend", app="fe") for i in range(400)]
+    allow = QueryKey("web", "frontend", (("app", "fe"),), "models", "mixtral", 8080, "tcp")
+    doc = flow_document(decisions={allow: {"allow": True, "rule": "models/p0#s0t0"}}, pods=models + callers,
+                        policed_models=[("models", "mixtral")])
+    assert len(doc["rules"]) == 1 and decision_counts(doc) == {"models/p0": 400 * 50}
+    # records: 1 rule + 50 policed destinations + 400 source addresses (not 20,000 entries)
+    assert flowpolicy.map_records(doc) == 1 + 50 + 400
 
 
 def test_narrowing_never_widens() -> None:
@@ -121,13 +147,15 @@ def test_narrowing_never_widens() -> None:
     newcomer = pod("evil-0", "web", FE2.ip, sa="frontend", app="fe")
     now = ip_owners([M1, FE, OTHER, newcomer])
     narrowed = narrow_document(document=doc, owners_then=then, owners_now=now, live_policies={"models/a"})
-    old_rows = {tuple(sorted(e.items())) for e in doc["entries"]}
-    new_rows = {tuple(sorted(e.items())) for e in narrowed["entries"]}
+    old_rows = {tuple(sorted(e.items())) for e in flowpolicy.ip_entries(doc)}
+    new_rows = {tuple(sorted(e.items())) for e in flowpolicy.ip_entries(narrowed)}
     assert new_rows < old_rows
-    assert {(e["srcIP"], e["dstIP"]) for e in narrowed["entries"]} == {(FE.ip, M1.ip)}
+    assert {(e["srcIP"], e["dstIP"]) for e in flowpolicy.ip_entries(narrowed)} == {(FE.ip, M1.ip)}
+    table = FlowTable.from_document(narrowed)
+    assert not table.allows(src_ip=FE2.ip, dst_ip=M1.ip, port=8080)  # the reused IP left its identity
     # Without owner knowledge (operator restarted while OPA is down) only deleted policies go.
     kept = narrow_document(document=doc, owners_then=None, owners_now=now, live_policies={"models/a", "models/b"})
-    assert kept["entries"] == doc["entries"]
+    assert kept == doc
 
 
 def test_policies_named_and_narrowing_to_live_policies_without_pod_owners() -> None:

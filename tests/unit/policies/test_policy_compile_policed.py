@@ -25,7 +25,7 @@ ALLOW = {QueryKey(namespace="web", service_account="frontend", labels=(), target
 
 def test_every_pod_of_a_targeted_model_is_policed_even_without_entries() -> None:
     doc = flow_document(decisions={}, pods=PODS, policed_models=[("models", "mixtral")], allowed_sources=["10.9.9.9"])
-    assert doc["entries"] == []
+    assert doc["rules"] == [] and doc["identities"] == []
     assert doc["policedDestinations"] == [M1.ip, M2.ip] and doc["allowedSources"] == ["10.9.9.9"]
     parsed = flowpolicy.parse_document(doc)
     assert parsed.policed_destinations == (M1.ip, M2.ip) and parsed.allowed_sources == ("10.9.9.9",)
@@ -34,16 +34,20 @@ def test_every_pod_of_a_targeted_model_is_policed_even_without_entries() -> None
 def test_without_policed_models_the_document_is_as_before() -> None:
     doc = flow_document(decisions=ALLOW, pods=PODS)
     assert "policedDestinations" not in doc and "allowedSources" not in doc
-    assert flowpolicy.parse_document(doc).policed_destinations == (M1.ip, M2.ip)  # the entries' destinations
+    assert flowpolicy.parse_document(doc).policed_destinations == (M1.ip, M2.ip)  # the rules' destinations
 
 
 def test_narrowing_never_unpolices_a_destination() -> None:
     doc = flow_document(decisions=ALLOW, pods=PODS, policed_models=[("models", "mixtral")], allowed_sources=[])
     narrowed = narrow_document(document=doc, owners_then=None, owners_now={}, live_policies=set())
-    assert narrowed["entries"] == [] and narrowed["policedDestinations"] == [M1.ip, M2.ip]
-    # A document that never listed them keeps the ones its entries named.
+    assert narrowed["rules"] == [] and narrowed["policedDestinations"] == [M1.ip, M2.ip]
+    # A document that never listed them keeps the ones its rules named.
     legacy = flow_document(decisions=ALLOW, pods=PODS)
     narrowed = narrow_document(document=legacy, owners_then=None, owners_now={}, live_policies=set())
     assert narrowed["policedDestinations"] == [M1.ip, M2.ip]
     dropped = flowpolicy.without_policies(legacy, live=())
+    assert dropped is not None and dropped["rules"] == [] and dropped["policedDestinations"] == [M1.ip, M2.ip]
+    # Documents of older operators (entries form) narrow the same way.
+    old = flowpolicy.build_document(entries=flowpolicy.ip_entries(legacy))
+    dropped = flowpolicy.without_policies(old, live=())
     assert dropped is not None and dropped["entries"] == [] and dropped["policedDestinations"] == [M1.ip, M2.ip]

@@ -1,0 +1,115 @@
+"""Flow allow-list size: IP-level entries (before identities) vs identity rules, side by side.
+
+    python tests/bench/bench_flow_policy_size.py [--pods 1000 10000]
+
+For each pod count N, a synthetic cluster: 10% model pods (10 SparseModels, N/100 pods each) and
+90% callers in identity classes of 50 pods (same namespace, service account, labels), each class
+allowed one model on 8080 (OPA's answers stand in as decisions: this measures the document, not
+OPA). Both forms come from the same decisions: the operator's `flow_document` (identity form) and
+its expansion to IP-level entries (`flowpolicy.ip_entries`, what the operator published before).
+Per form: rows (entries or rules), agent map records (identity form: `flowpolicy.map_records`;
+entries form: what the agent wrote before identities, one per entry), `policy.json`
+bytes, whether it fits the map (16,384 less the agent's reserve) and the ConfigMap (1 MiB less
+headroom), the operator's build time, and the agent's parse + compile time where it fits.
+Writes tests/bench/results/bench_flow_policy_size.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from sparsegate.domain.policy import Port
+from sparsegate.domain.policy_capacity import DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS
+from sparsegate.domain.policy_compile import PodInfo, QueryKey, flow_document
+from sparsegate_contracts import flowpolicy
+from sparsegate_ebpf.policy import compile_policy, parse_policy
+
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_flow_policy_size.json"
+MODELS = 10
+CLASS_SIZE = 50
+
+
+def ip(i: int) -> str:
+    return f"10.{100 + i // 65536}.{i // 256 % 256}.{i % 256}"
+
+
+def cluster(n: int) -> tuple[list[PodInfo], dict[QueryKey, dict[str, Any]]]:
+    per_model = max(1, n // 100)
+    pods = [PodInfo(namespace="models", name=f"m{m}-{i}", ip=ip(m * per_model + i), service_account="default",
+                    labels=(("sparsegate.dev/model", f"model-{m}"),), ports=(Port(8080),))
+            for m in range(MODELS) for i in range(per_model)]
+    callers = n - len(pods)
+    decisions = {}
+    for c in range(callers):
+        cls = c // CLASS_SIZE
+        labels = (("app", f"caller-{cls}"),)
+        pods.append(PodInfo(namespace="web", name=f"c-{c}", ip=ip(MODELS * per_model + c), service_account="client",
+                            labels=labels))
+        key = QueryKey(namespace="web", service_account="client", labels=labels, target_namespace="models",
+                       model=f"model-{cls % MODELS}", port=8080, protocol="tcp")
+        decisions[key] = {"allow": True, "rule": f"models/allow-{cls % MODELS}#s0t0"}
+    return pods, decisions
+
+
+def old_agent_records(document: dict[str, Any]) -> int:
+    """Records the agent wrote for an entries-form document before identities: one per entry tuple,
+    policed destination and allowed source (no per-source identity records)."""
+    tuples = {(e["srcIP"], e["dstIP"], e["dstPort"], e["protocol"]) for e in document["entries"]}
+    return len(tuples) + len(flowpolicy.policed_of(document)) + len(document.get(flowpolicy.ALLOWED_SOURCES) or ())
+
+
+def measure(document: dict[str, Any], build_s: float) -> dict[str, Any]:
+    records = old_agent_records(document) if "entries" in document else flowpolicy.map_records(document)
+    size = flowpolicy.document_bytes(document)
+    out: dict[str, Any] = {
+        "rows": len(flowpolicy.rows_of(document)), "identities": len(document.get(flowpolicy.IDENTITIES) or ()),
+        "map_records": records, "bytes": size, "fits_map": records <= DEFAULT_MAX_RECORDS,
+        "fits_configmap": size <= DEFAULT_MAX_BYTES, "operator_build_s": build_s,
+    }
+    if out["fits_map"] and out["fits_configmap"]:
+        t0 = time.perf_counter()
+        compile_policy(parse_policy(flowpolicy.document_text(document)), generation=1)
+        out["agent_parse_compile_s"] = time.perf_counter() - t0
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pods", type=int, nargs="+", default=[1000, 10000])
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    results = {}
+    for n in args.pods:
+        pods, decisions = cluster(n)
+        models = [("models", f"model-{m}") for m in range(MODELS)]
+        t0 = time.perf_counter()
+        identity = flow_document(decisions=decisions, pods=pods, policed_models=models, allowed_sources=[])
+        t1 = time.perf_counter()
+        entries = flowpolicy.build_document(entries=flowpolicy.ip_entries(identity),
+                                            policed_destinations=identity[flowpolicy.POLICED_DESTINATIONS],
+                                            allowed_sources=[])
+        t2 = time.perf_counter()
+        results[str(n)] = {"entries form (before)": measure(entries, t2 - t1 + t1 - t0),
+                           "identity form (now)": measure(identity, t1 - t0)}
+    print(f"limits: {DEFAULT_MAX_RECORDS} map records, {DEFAULT_MAX_BYTES} bytes")
+    print(f"{'pods':>6} {'form':<22} {'rows':>9} {'records':>9} {'bytes':>11} {'fits':>9} {'build s':>8} {'agent s':>8}")
+    for n, forms in results.items():
+        for form, r in forms.items():
+            fits = "yes" if r["fits_map"] and r["fits_configmap"] else ("no:map" if not r["fits_map"] else "no:cm")
+            agent = f"{r['agent_parse_compile_s']:.3f}" if "agent_parse_compile_s" in r else "-"
+            print(f"{n:>6} {form:<22} {r['rows']:>9} {r['map_records']:>9} {r['bytes']:>11} {fits:>9} "
+                  f"{r['operator_build_s']:>8.3f} {agent:>8}")
+        old, new = forms["entries form (before)"], forms["identity form (now)"]
+        print(f"{'':>6} ratio before/now: records {old['map_records'] / new['map_records']:.1f}x, "
+              f"bytes {old['bytes'] / new['bytes']:.1f}x")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"pods": results}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
