@@ -80,7 +80,7 @@ class ServerMetrics:
         self.expert_cost = Gauge(
             "sparsegate_expert_cost",
             "Normalised hardware cost per expert (EWMA of measured time per row x placement, "
-            "divided by the layer's largest) that hardwareCostLambda weighs; checkpoints only",
+            "divided by the layer's largest) that hardwareCostLambda weighs",
             ["layer", "expert"], registry=r)
         self.controlled_threshold = Gauge(
             "sparsegate_gate_controlled_threshold",

@@ -323,8 +323,11 @@ async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.metrics is None:
         raise ApiError(503, "model is still loading")
-    if state.hf is not None:  # costs move with every dispatch: read them when scraped
+    # Costs move with every dispatch: read them when scraped.
+    if state.hf is not None:
         state.metrics.set_expert_costs([b.cost.vector().tolist() for b in state.hf.lm.blocks])
+    elif state.model is not None:
+        state.metrics.set_expert_costs([b.moe.cost.vector().tolist() for b in state.model.blocks])
     return web.Response(body=generate_latest(state.metrics.registry),
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 

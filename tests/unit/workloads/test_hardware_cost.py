@@ -110,22 +110,29 @@ def test_hf_block_times_its_experts_and_routes_around_a_costly_one(tmp_path):
     assert counts5[busiest] < counts0[busiest] / 2, (counts0, counts5)
 
 
-async def test_served_checkpoint_exports_the_learnt_cost_per_layer_and_expert(tmp_path):
+@pytest.mark.parametrize("kind", ["checkpoint", "builtin"])
+async def test_served_model_exports_the_learnt_cost_per_layer_and_expert(tmp_path, kind):
     import aiohttp
     from aiohttp.test_utils import TestClient, TestServer
     from prometheus_client.parser import text_string_to_metric_families
 
     from sparsegate_workload.server import create_app, wait_ready
 
-    path = build_tiny_checkpoint(tmp_path / "tiny-mixtral", family="mixtral")
-    app = create_app(model_path=str(path),
-                     gate_doc=make_document({**DEFAULT_PARAMS, "hardwareCostLambda": 1}))
+    gate = make_document({**DEFAULT_PARAMS, "hardwareCostLambda": 1})
+    if kind == "checkpoint":
+        app = create_app(model_path=str(build_tiny_checkpoint(tmp_path / "tiny-mixtral", family="mixtral")),
+                         gate_doc=gate)
+    else:
+        app = create_app(gate_doc=gate)
     client = TestClient(TestServer(app, host="127.0.0.1"), connector=aiohttp.TCPConnector(limit=0))
     await client.start_server()
     try:
         await wait_ready(app)
-        resp = await client.post("/v1/completions", json={"prompt": "the gate keeps",
-                                                          "max_tokens": 4, "temperature": 0})
+        if kind == "checkpoint":
+            resp = await client.post("/v1/completions", json={"prompt": "the gate keeps",
+                                                              "max_tokens": 4, "temperature": 0})
+        else:
+            resp = await client.post("/v1/infer", json={"tokens": [[1, 2, 3, 4, 5, 6, 7, 8]] * 4})
         assert resp.status == 200, await resp.text()
         text = await (await client.get("/metrics")).text()
     finally:
