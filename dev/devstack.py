@@ -143,7 +143,10 @@ class Stack:
         out = [self.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout]
         for p in self.operator_pods():
             for c in p.get("status", {}).get("containerStatuses") or []:
-                out.append(f"--- {p['metadata']['name']}/{c['name']}: {json.dumps(c.get('state'))}")
+                # lastState says how a restarted container ended (exit code 1 after a lost Lease,
+                # a liveness restart, ...): what a "restarted unexpectedly" failure needs.
+                out.append(f"--- {p['metadata']['name']}/{c['name']}: {json.dumps(c.get('state'))} "
+                           f"restarts {c.get('restartCount', 0)}, last {json.dumps(c.get('lastState') or {})}")
                 out.append(self.logs(p, c["name"]))
         runner_log = self.cluster.layout.log("podrunner")
         if runner_log.exists():
