@@ -29,6 +29,8 @@ import pytest
 from localcluster.binaries import find_binary
 from localcluster.ports import free_port
 
+from sparsegate_contracts import flowpolicy
+
 pytestmark = [pytest.mark.slow, pytest.mark.opa]
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -243,6 +245,6 @@ def test_routing_policy_sync_against_real_opa(installed: Installed, opa_url: str
     assert seen["allowed"]["allow"] is True and seen["allowed"]["rule"] == "models/allow-web#s0t0"
     assert seen["denied"]["allow"] is False
     document = seen["document"]
-    assert document["entries"] == [{"srcIP": "127.20.1.1", "dstIP": "127.20.0.10", "dstPort": 8080,
-                                    "protocol": "tcp", "action": "allow", "rule": "models/allow-web#s0t0"}]
+    assert flowpolicy.ip_entries(document) == [{"srcIP": "127.20.1.1", "dstIP": "127.20.0.10", "dstPort": 8080,
+                                                "protocol": "tcp", "action": "allow", "rule": "models/allow-web#s0t0"}]
     assert seen["agent_version"] == document["version"]
