@@ -42,7 +42,14 @@ from pathlib import Path
 
 from sparsegate.clients.opa import RoutingOpa
 from sparsegate.domain.policy import PolicySource, Port, build_opa_data
-from sparsegate.domain.policy_compile import FlowTable, PodInfo, candidate_queries, flow_document, flow_question
+from sparsegate.domain.policy_compile import (
+    FlowTable,
+    PodInfo,
+    candidate_queries,
+    decision_counts,
+    flow_document,
+    flow_question,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 REGO = (REPO / "policies" / "routing" / "src.rego").read_text()
@@ -248,9 +255,9 @@ def main() -> None:
                       8080) for p in probes]
             compiled = compiled_latencies(table, flows, 100_000)
             rows.append({"n": n, "rest": client, "eval": server, "naive": n_client, "naive_eval": n_server,
-                         "compiled": compiled, "entries": len(document["entries"]), "queries": len(queries),
+                         "compiled": compiled, "entries": sum(decision_counts(document).values()), "queries": len(queries),
                          "compile_s": compile_s, "build_s": build_s, "allowed": sum(allowed)})
-            print(f"  N={n}: done ({len(queries)} OPA questions → {len(document['entries'])} entries; build "
+            print(f"  N={n}: done ({len(queries)} OPA questions → {rows[-1]['entries']} IP-level entries; build "
                   f"{compile_s:.2f}s → {build_s:.2f}s)", file=sys.stderr)
     finally:
         opa.stop()
