@@ -106,3 +106,9 @@ def test_opa_errors_take_precedence_over_too_large() -> None:
                                           error="connection refused", too_large="too large"), previous=None, now="T")
     c = _conditions(st)
     assert c["Ready"]["reason"] == "OPAUnreachable" and c["Stalled"]["status"] == "False"
+
+
+def test_more_classes_than_identities_are_refused_by_the_capacity_check() -> None:
+    from sparsegate_contracts.flowpolicy import FIRST_IDENTITY, MAX_IDENTITY
+    # The identity range is wider than the map: a document needing more identities needs more records.
+    assert MAX_IDENTITY - FIRST_IDENTITY + 1 > DEFAULT_MAX_RECORDS
