@@ -9,6 +9,7 @@ component can import it: the operator image, the torch model server and the BCC 
 - ``flowpolicy``: the flow allow-list document the operator publishes and the agent enforces.
 - ``probes``: per-node XDP attachment configuration (from TelemetryProbes) and the agents' reports.
 - ``names``: API group/version/plurals, label and annotation names.
+- ``request_access``: SparseModel expert groups and the per-model request access document.
 - ``rego``: the routing policy (Rego) shipped as package data, and its OPA identifiers.
 - ``version``: the installed distribution's version (``--version`` of every entry point).
 

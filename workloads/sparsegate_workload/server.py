@@ -66,10 +66,12 @@ import ssl
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any, Awaitable, Callable
 
 import torch
 from aiohttp import web
+from sparsegate_contracts import request_access
 from sparsegate_contracts.canary import GateSet, parse_gate_set
 from sparsegate_contracts.gate import (DEFAULT_DOCUMENT, GateDocument, GateParamsError,
                                        parse_document)
@@ -568,7 +570,8 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
                served_name: str | None = None, model_dtype: str = "float32",
                device: str = "auto", max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                exit_on_load_error: bool = False,
-               tool_registry: tools.ToolRegistry | None = None) -> web.Application:
+               tool_registry: tools.ToolRegistry | None = None,
+               expert_groups: Mapping[str, tuple[int, ...]] | None = None) -> web.Application:
     """The inference app (no /admin routes). ``admin``: also serve :func:`create_admin_app` on
     its own TLS listener for as long as this app runs (None: no admin channel at all).
     ``model_path``: serve that Hugging Face checkpoint directory instead of the built-in model
@@ -576,7 +579,8 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
     ``served_name`` is its OpenAI model id; its generations decode in batches of up to
     ``max_num_seqs`` sequences (`batch_engine`).
     ``exit_on_load_error``: a failed load also sends this process SIGTERM (the entry point).
-    ``tool_registry``: the HTTP tools the built-in model's tool gate may call (`tools`)."""
+    ``tool_registry``: the HTTP tools the built-in model's tool gate may call (`tools`).
+    ``expert_groups``: SparseModel spec.expertGroups, parsed (``sparsegate_contracts.request_access``)."""
     app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
     app[STATE] = ServerState(model_config=model_config,
                              rng=random.Random(fault_seed), pending_doc=gate_doc,
@@ -584,7 +588,8 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
                              model_path=model_path, served_name=served_name,
                              model_dtype=model_dtype, device=device,
                              max_num_seqs=max_num_seqs,
-                             tools=tool_registry or tools.ToolRegistry())
+                             tools=tool_registry or tools.ToolRegistry(),
+                             expert_groups=dict(expert_groups or {}))
     app[EXIT_ON_LOAD_ERROR] = exit_on_load_error
     openai_api.add_routes(app)
     app.router.add_post("/v1/infer", infer)
@@ -708,6 +713,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tools-json", default="[]",
                    help="HTTP tools the built-in model's tool gate may call, besides the built-in "
                         "calculator: a JSON list of {name, url, timeoutMs} (SparseModel spec.tools)")
+    p.add_argument("--expert-groups-json", default="[]",
+                   help="named expert groups: a JSON list of {name, experts: [index, ...]} "
+                        "(SparseModel spec.expertGroups)")
     add_model_flags(p)
     return p
 
@@ -745,6 +753,11 @@ def main(argv: list[str] | None = None) -> None:
         registry = tools.ToolRegistry(http=tools.parse_tools(json.loads(args.tools_json)))
     except (json.JSONDecodeError, tools.ToolSpecError) as e:
         p.error(f"--tools-json: {e}")
+    try:
+        groups = request_access.parse_expert_groups(json.loads(args.expert_groups_json),
+                                                    num_experts=num_experts)
+    except (json.JSONDecodeError, request_access.AccessDocumentError) as e:
+        p.error(f"--expert-groups-json: {e}")
     admin_files = (args.admin_token_file, args.admin_tls_cert, args.admin_tls_key)
     listener: AdminListener | None = None
     if any(admin_files):
@@ -763,7 +776,8 @@ def main(argv: list[str] | None = None) -> None:
                      admin=listener, model_path=args.model_path,
                      served_name=args.served_model_name, model_dtype=args.model_dtype,
                      device=args.device, max_num_seqs=args.max_num_seqs,
-                     exit_on_load_error=True, tool_registry=registry)
+                     exit_on_load_error=True, tool_registry=registry,
+                     expert_groups=groups)
     log.info("serving on %s:%d gate %s model %s; admin %s", args.host, args.port, doc.version,
              json.dumps(app[STATE].shape(), sort_keys=True),
              f"TLS on {args.host}:{args.admin_port}" if listener else "disabled (no --admin-token-file)")

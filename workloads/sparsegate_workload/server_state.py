@@ -106,6 +106,8 @@ class ServerState:
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     inflight: int = 0
     tools: ToolRegistry = dataclasses.field(default_factory=ToolRegistry)  # what the tool gate calls
+    # SparseModel spec.expertGroups: {name: expert indices} (sparsegate_contracts.request_access)
+    expert_groups: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def loaded(self) -> bool:

@@ -195,6 +195,16 @@ def tool_args(model: Mapping[str, Any]) -> list[str]:
                                         for t in tools], separators=(",", ":"))]
 
 
+def expert_group_args(model: Mapping[str, Any]) -> list[str]:
+    """``spec.expertGroups`` as the server's ``--expert-groups-json`` (none when absent or empty).
+    The server parses and checks it again at start (``sparsegate_contracts.request_access``)."""
+    groups = model["spec"].get("expertGroups") or []
+    if not groups:
+        return []
+    return ["--expert-groups-json", json.dumps([{"name": g["name"], "experts": list(g["experts"])}
+                                                for g in groups], separators=(",", ":"))]
+
+
 def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
                       default_image: DefaultImage = DefaultImage()) -> dict[str, Any]:
     """The model server Deployment.
@@ -216,7 +226,7 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
                  "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_TOKEN_KEY}",
                  "--admin-tls-cert", f"{ADMIN_DIR}/{ADMIN_TLS_CERT_KEY}",
                  "--admin-tls-key", f"{ADMIN_DIR}/{ADMIN_TLS_KEY_KEY}",
-                 *model_args(model), *tool_args(model)],
+                 *model_args(model), *tool_args(model), *expert_group_args(model)],
         # The admin port is declared (the operator reads it from the pod) but in no Service.
         "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
                   {"name": ADMIN_PORT_NAME, "containerPort": DEFAULT_ADMIN_PORT, "protocol": "TCP"}],

@@ -177,7 +177,9 @@ EXTRAS: dict[str, dict[str, Any]] = {
                                        "persistentVolumeClaim": {"claimName": "moe-weights",
                                                                  "mountPath": "/models"}},
                              "tools": [{"name": "search", "url": "http://search.tools:8080/call",
-                                        "timeoutMs": 500}]}},
+                                        "timeoutMs": 500}],
+                             "expertGroups": [{"name": "math", "experts": [0, 1]},
+                                              {"name": "code", "experts": [2, 3]}]}},
     "GateConfig": {"spec": {
         "params": {"faultInjection": {"errorRate": 0.0, "addedLatencyMs": 0}, "targetExpertsPerToken": 2,
                    "hardwareCostLambda": 0.5},
@@ -462,6 +464,20 @@ CEL_CASES: dict[tuple[str, str, str], list[CelCase]] = {
     ("SparseModel", "spec.tools", "self.all(t, t.name != 'calculator')"): [
         ("cross_field", "spec.tools", "a tool named calculator (the built-in's name)",
          _set("spec.tools[0].name", "calculator")),
+    ],
+    ("SparseModel", "spec.expertGroups", "self.all(g, self.exists_one(h, h.name == g.name))"): [
+        ("cross_field", "spec.expertGroups", "group name repeated", _set("spec.expertGroups[1].name", "math")),
+    ],
+    ("SparseModel", "spec.expertGroups[].experts", "self.all(e, self.exists_one(f, f == e))"): [
+        ("cross_field", "spec.expertGroups[0].experts", "expert repeated in a group",
+         _set("spec.expertGroups[0].experts", [1, 1])),
+    ],
+    ("SparseModel", "spec",
+     "!has(self.expertGroups) || self.expertGroups.all(g, g.experts.all(e, e < self.model.experts))"): [
+        ("cross_field", "spec.expertGroups", "expert 8 of a model with 8 experts",
+         _set("spec.expertGroups[1].experts", [2, 8])),
+        ("cross_field", "spec.expertGroups", "expert 63 of a model with 8 experts",
+         _set("spec.expertGroups[0].experts", [63])),
     ],
     ("SparseModel", "spec.model", "!has(self.maxExpertsPerToken) || self.maxExpertsPerToken <= self.experts"): [
         ("cross_field", "spec.model.maxExpertsPerToken", "max 9 > experts 8",
