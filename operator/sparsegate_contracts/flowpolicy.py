@@ -199,8 +199,9 @@ def policed_of(document: Mapping[str, Any]) -> list[str]:
 
 def map_records(document: Mapping[str, Any]) -> int:
     """Inner-map records the document needs on an agent, besides the meta record and the node's own
-    addresses: one per distinct entry tuple, policed destination and allowed source (as
-    ``sparsegate_ebpf.policy.compile_policy`` writes them)."""
+    addresses: one per distinct rule (or entry) tuple, per policed destination, and per source address
+    (the IPs of a rule's source identity, the entries' source IPs, the allowed sources), as
+    ``sparsegate_ebpf.policy.compile_policy`` writes them."""
     allowed = set(document.get(ALLOWED_SOURCES) or ())
     if IDENTITIES in document or RULES in document:
         rules = [r for r in document.get(RULES) or () if isinstance(r, Mapping)]
