@@ -185,12 +185,19 @@ class DynamicGate(Router):
     def forward(self, x: torch.Tensor, *, confidence_threshold: float, min_experts: int,
                 max_experts: int, capacity_factor: float | None,
                 precision: Precision = "fp32", cost: torch.Tensor | None = None,
-                cost_lambda: float = 0.0) -> Routing:
+                cost_lambda: float = 0.0, allowed: torch.Tensor | None = None) -> Routing:
+        """``allowed``: a [E] bool mask of the experts this request may activate (its expert
+        group, per-request access); the others get no gate mass and are never selected, even
+        when ``min_experts`` asks for more than are allowed."""
         logits = self.logits(x, precision)
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         sorted_p, sorted_e, mask = cost_biased_top_p(
             probs, logits, cost=cost, cost_lambda=cost_lambda, threshold=confidence_threshold,
             min_k=min_experts, max_k=min(max_experts, self.num_experts))
+        if allowed is not None:
+            mask = mask & allowed[sorted_e]
         return assign(probs, sorted_p, sorted_e, mask, capacity_factor=capacity_factor,
                       normalize=True)
 

@@ -33,11 +33,12 @@ class InferenceResult:
 
 
 def run_batch(model: TinyMoELM, tokens: Sequence[Sequence[int]], *, gate: GateParams,
-              precisions: Sequence[Precision], return_logits: bool = False
-              ) -> InferenceResult:
+              precisions: Sequence[Precision], return_logits: bool = False,
+              allowed_experts: Sequence[int] | None = None) -> InferenceResult:
+    """``allowed_experts``: the request's expert group (per-request access); None: every expert."""
     batch = torch.tensor(tokens, dtype=torch.long)
     with torch.inference_mode():
-        out = model(batch, gate=gate, precisions=precisions)
+        out = model(batch, gate=gate, precisions=precisions, allowed_experts=allowed_experts)
         last = out.logits[:, -1, :]
         fired = tool_fires(out.tool_prob, threshold=gate.tool_gate_threshold)
         n_layers = len(out.layers)

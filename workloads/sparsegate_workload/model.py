@@ -124,8 +124,8 @@ class Block(nn.Module):
         self.norm2 = nn.RMSNorm(cfg.d_model)
         self.moe = DynamicMoE(cfg.d_model, cfg.d_ff, cfg.num_experts, backend=expert_backend(cfg))
 
-    def forward(self, x: torch.Tensor, *, gate: GateParams, precision: Precision
-                ) -> tuple[torch.Tensor, MoEStats]:
+    def forward(self, x: torch.Tensor, *, gate: GateParams, precision: Precision,
+                allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats]:
         b, s, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.n_heads, d // self.n_heads) \
             .permute(2, 0, 3, 1, 4)
@@ -136,7 +136,7 @@ class Block(nn.Module):
                             max_experts=gate.max_experts_per_token,
                             capacity_factor=gate.capacity_factor,
                             entropy_beta=gate.entropy_beta, precision=precision,
-                            hardware_cost_lambda=gate.hardware_cost_lambda)
+                            hardware_cost_lambda=gate.hardware_cost_lambda, allowed=allowed)
         return x + y, stats
 
 
@@ -171,18 +171,24 @@ class TinyMoELM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, *, gate: GateParams,
                 precisions: Sequence[Precision],
-                expert_precisions: Sequence[Precision] | None = None) -> ModelOutput:
+                expert_precisions: Sequence[Precision] | None = None,
+                allowed_experts: Sequence[int] | None = None) -> ModelOutput:
         """`precisions`: router weight precision per layer. Frozen, the layers are first
         stored as asked (`expert_precisions` None: what `gate.precision_policy` resolves to);
-        training, routers fake-quantise to `precisions` and experts stay fp32."""
+        training, routers fake-quantise to `precisions` and experts stay fp32.
+        `allowed_experts`: the only experts every layer's gate may select (None: all)."""
         if self.frozen:
             self.store_precisions(precisions, expert_precisions if expert_precisions is not None
                                   else self.resolve_expert_precisions(gate.precision_policy))
         b, s = tokens.shape
         x = self.embed(tokens) + self.pos(torch.arange(s, device=tokens.device))
         stats: list[MoEStats] = []
+        allowed = None
+        if allowed_experts is not None:
+            allowed = torch.zeros(self.cfg.num_experts, dtype=torch.bool, device=tokens.device)
+            allowed[list(allowed_experts)] = True
         for blk, precision in zip(self.blocks, precisions, strict=True):
-            x, st = blk(x, gate=gate, precision=precision)
+            x, st = blk(x, gate=gate, precision=precision, allowed=allowed)
             stats.append(st)
         h = self.norm(x)
         logits = h @ self.embed.weight.T  # tied embeddings

@@ -87,15 +87,15 @@ class DynamicMoE(_StoredMoE):
     def forward(self, x: torch.Tensor, *, confidence_threshold: float = 0.6,
                 min_experts: int = 1, max_experts: int = 4,
                 capacity_factor: float | None = None, entropy_beta: float = 0.1,
-                precision: Precision = "fp32", hardware_cost_lambda: float = 0.0
-                ) -> tuple[torch.Tensor, MoEStats]:
+                precision: Precision = "fp32", hardware_cost_lambda: float = 0.0,
+                allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats]:
         flat = x.reshape(-1, x.shape[-1])
         # lambda 0 (the default): no cost vector, routing bit-identical to plain top-p.
         routing = self.gate(flat, confidence_threshold=confidence_threshold,
                             min_experts=min_experts, max_experts=max_experts,
                             capacity_factor=capacity_factor, precision=precision,
                             cost=self.cost.vector() if hardware_cost_lambda > 0 else None,
-                            cost_lambda=hardware_cost_lambda)
+                            cost_lambda=hardware_cost_lambda, allowed=allowed)
         y = self.experts(flat, routing, cost=self.cost)
         return y.reshape(x.shape), _stats(routing, entropy_beta=entropy_beta)
 
