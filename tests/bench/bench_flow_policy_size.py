@@ -10,7 +10,8 @@ its expansion to IP-level entries (`flowpolicy.ip_entries`, what the operator pu
 Per form: rows (entries or rules), agent map records (identity form: `flowpolicy.map_records`;
 entries form: what the agent wrote before identities, one per entry), `policy.json`
 bytes, whether it fits the map (16,384 less the agent's reserve) and the ConfigMap (1 MiB less
-headroom), the operator's build time, and the agent's parse + compile time where it fits.
+headroom), the operator's build time (entries form: the identity build plus its expansion, which
+stands in for the old operator's build), and the agent's parse + compile time where it fits.
 Writes tests/bench/results/bench_flow_policy_size.json.
 """
 from __future__ import annotations
