@@ -78,10 +78,11 @@ from sparsegate_contracts.gate import (DEFAULT_DOCUMENT, GateDocument, GateParam
 from sparsegate_contracts.names import DEFAULT_ADMIN_PORT
 from sparsegate_contracts.version import version_line
 
-from . import hf_serving, openai_api, quality, tools
+from . import hf_serving, openai_api, quality, request_guard, tools
 from .admin import AdminAuth, AdminDenied, AdminFiles, check_bearer
 from .batch_decode import BatchDecoder
 from .batch_engine import DEFAULT_MAX_NUM_SEQS, BatchEngine
+from .caller_auth import CachedReviewer, KubeTokenReview
 from .devices import DEVICE_CHOICES, DeviceError, resolve_device
 from .inference import InferenceResult, run_batch
 from .metrics import ServerMetrics
@@ -104,13 +105,14 @@ def _applied(doc: GateDocument, model: TinyMoELM) -> AppliedGate:
 
 
 def _builtin_batch(state: ServerState, gate: AppliedGate, tokens: list[list[int]],
-                   return_logits: bool) -> InferenceResult:
+                   return_logits: bool, allowed_experts: tuple[int, ...] | None = None) -> InferenceResult:
     """On the model thread (so batches update a controller one at a time): route with the
     controlled threshold when the gate has one, then feed it this batch's mean selected experts
     per token (before the capacity cap) to set the threshold of the next batch."""
     assert state.model is not None and state.metrics is not None
     result = run_batch(state.model, tokens, gate=gate.routed_params(),
-                       precisions=gate.precisions, return_logits=return_logits)
+                       precisions=gate.precisions, return_logits=return_logits,
+                       allowed_experts=allowed_experts)
     if gate.controller is not None:
         threshold = gate.controller.update(result.selected_experts_per_token)
         state.metrics.controlled_threshold.labels(gate_version=gate.doc.version).set(threshold)
@@ -244,13 +246,15 @@ async def infer(request: web.Request) -> web.Response:
                 result, gate = await run_on_model(
                     state, lambda: _hf_batch(state, tokens, return_logits, chosen), keep=keep)
             else:
+                # The request's expert group (request_guard): the gate masks every other expert.
+                allowed = request_guard.allowed_experts(request)
                 result = await run_on_model(
-                    state, lambda: _builtin_batch(state, gate, tokens, return_logits), keep=keep)
+                    state, lambda: _builtin_batch(state, gate, tokens, return_logits, allowed), keep=keep)
         calls = await _call_tools(state, request, gate, tokens, result)
         state.metrics.observe_batch(result, gate_version=gate.doc.version)
         state.metrics.quality.observe(gate.doc.version, result.prompt_score)
         code = 200
-        return web.json_response(_result_json(result, gate, calls))
+        return web.json_response({**_result_json(result, gate, calls), **request_guard.scope_json(request)})
     except ApiError as e:
         code = e.status
         raise
@@ -418,6 +422,17 @@ async def put_gate(request: web.Request) -> web.Response:
     return web.json_response({**_served_json(state), "applied": True, "previousVersion": previous})
 
 
+async def get_access(request: web.Request) -> web.Response:
+    _check_admin(request)
+    return await request_guard.get_access(request)
+
+
+async def put_access(request: web.Request) -> web.Response:
+    """The model's per-request access rules (`request_guard`), from the operator."""
+    _check_admin(request)
+    return await request_guard.put_access(request)
+
+
 def _held_key(state: ServerState) -> str:
     assert state.gate is not None
     held = GateSet(stable=state.gate.doc, canary=state.canary.gate.doc if state.canary else None,
@@ -571,7 +586,8 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
                device: str = "auto", max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                exit_on_load_error: bool = False,
                tool_registry: tools.ToolRegistry | None = None,
-               expert_groups: Mapping[str, tuple[int, ...]] | None = None) -> web.Application:
+               expert_groups: Mapping[str, tuple[int, ...]] | None = None,
+               reviewer: CachedReviewer | None = None) -> web.Application:
     """The inference app (no /admin routes). ``admin``: also serve :func:`create_admin_app` on
     its own TLS listener for as long as this app runs (None: no admin channel at all).
     ``model_path``: serve that Hugging Face checkpoint directory instead of the built-in model
@@ -580,8 +596,9 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
     ``max_num_seqs`` sequences (`batch_engine`).
     ``exit_on_load_error``: a failed load also sends this process SIGTERM (the entry point).
     ``tool_registry``: the HTTP tools the built-in model's tool gate may call (`tools`).
-    ``expert_groups``: SparseModel spec.expertGroups, parsed (``sparsegate_contracts.request_access``)."""
-    app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
+    ``expert_groups``: SparseModel spec.expertGroups, parsed (``sparsegate_contracts.request_access``).
+    ``reviewer``: verify callers and apply the access rules the admin channel sets (`request_guard`)."""
+    app = web.Application(middlewares=[json_errors, request_guard.access_guard], client_max_size=MAX_BODY_BYTES)
     app[STATE] = ServerState(model_config=model_config,
                              rng=random.Random(fault_seed), pending_doc=gate_doc,
                              max_inflight=max_inflight, request_timeout_s=request_timeout_s,
@@ -589,7 +606,7 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
                              model_dtype=model_dtype, device=device,
                              max_num_seqs=max_num_seqs,
                              tools=tool_registry or tools.ToolRegistry(),
-                             expert_groups=dict(expert_groups or {}))
+                             expert_groups=dict(expert_groups or {}), reviewer=reviewer)
     app[EXIT_ON_LOAD_ERROR] = exit_on_load_error
     openai_api.add_routes(app)
     app.router.add_post("/v1/infer", infer)
@@ -614,6 +631,8 @@ def create_admin_app(app: web.Application, *, auth: AdminAuth) -> web.Applicatio
     admin[AUTH] = auth
     admin.router.add_get("/admin/gate", get_gate)
     admin.router.add_put("/admin/gate", put_gate)
+    admin.router.add_get("/admin/access", get_access)
+    admin.router.add_put("/admin/access", put_access)
     return admin
 
 
@@ -713,6 +732,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tools-json", default="[]",
                    help="HTTP tools the built-in model's tool gate may call, besides the built-in "
                         "calculator: a JSON list of {name, url, timeoutMs} (SparseModel spec.tools)")
+    p.add_argument("--request-auth", choices=("off", "in-cluster"), default="off",
+                   help="in-cluster: verify callers' ServiceAccount tokens (audience sparsegate) by "
+                        "TokenReview with this pod's ServiceAccount, and refuse POSTs until the "
+                        "access rules arrive on PUT /admin/access")
+    p.add_argument("--token-cache-ttl", type=float, default=30.0,
+                   help="seconds a TokenReview answer is reused for the same token")
     p.add_argument("--expert-groups-json", default="[]",
                    help="named expert groups: a JSON list of {name, experts: [index, ...]} "
                         "(SparseModel spec.expertGroups)")
@@ -758,6 +783,12 @@ def main(argv: list[str] | None = None) -> None:
                                                     num_experts=num_experts)
     except (json.JSONDecodeError, request_access.AccessDocumentError) as e:
         p.error(f"--expert-groups-json: {e}")
+    reviewer = None
+    if args.request_auth == "in-cluster":
+        try:
+            reviewer = CachedReviewer(KubeTokenReview.in_cluster(), ttl_s=args.token_cache_ttl)
+        except ValueError as e:
+            p.error(f"--request-auth in-cluster: {e}")
     admin_files = (args.admin_token_file, args.admin_tls_cert, args.admin_tls_key)
     listener: AdminListener | None = None
     if any(admin_files):
@@ -771,13 +802,16 @@ def main(argv: list[str] | None = None) -> None:
         except (OSError, ssl.SSLError, ValueError) as e:
             p.error(f"admin credentials: {e}")
         listener = AdminListener(host=args.host, port=args.admin_port, files=files)
+    if reviewer is not None and listener is None:
+        p.error("--request-auth in-cluster needs the admin channel (--admin-token-file ...): the access "
+                "rules arrive on PUT /admin/access")
     app = create_app(gate_doc=doc, model_config=cfg, fault_seed=args.fault_seed,
                      max_inflight=args.max_inflight, request_timeout_s=args.request_timeout,
                      admin=listener, model_path=args.model_path,
                      served_name=args.served_model_name, model_dtype=args.model_dtype,
                      device=args.device, max_num_seqs=args.max_num_seqs,
                      exit_on_load_error=True, tool_registry=registry,
-                     expert_groups=groups)
+                     expert_groups=groups, reviewer=reviewer)
     log.info("serving on %s:%d gate %s model %s; admin %s", args.host, args.port, doc.version,
              json.dumps(app[STATE].shape(), sort_keys=True),
              f"TLS on {args.host}:{args.admin_port}" if listener else "disabled (no --admin-token-file)")

@@ -28,6 +28,11 @@ from .precision import Precision
 from .threshold_control import ThresholdControl, ThresholdController
 from .tools import ToolRegistry
 
+if TYPE_CHECKING:
+    from sparsegate_contracts.request_access import AccessTable
+
+    from .caller_auth import CachedReviewer
+
 if TYPE_CHECKING:  # batch_engine imports this module (ApiError)
     from .batch_engine import BatchEngine
 
@@ -108,6 +113,11 @@ class ServerState:
     tools: ToolRegistry = dataclasses.field(default_factory=ToolRegistry)  # what the tool gate calls
     # SparseModel spec.expertGroups: {name: expert indices} (sparsegate_contracts.request_access)
     expert_groups: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    # Per-request access (request_guard): who may call, and what they may activate. ``reviewer``
+    # None: callers are not verified (as before). With one, ``access`` None refuses (503) until
+    # the operator's first PUT /admin/access.
+    reviewer: CachedReviewer | None = None
+    access: AccessTable | None = None
 
     @property
     def loaded(self) -> bool:

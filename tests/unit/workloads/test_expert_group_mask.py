@@ -41,3 +41,28 @@ def test_scoped_requests_use_only_their_group(model, group, min_experts):
     assert all(sum(layer) >= len(tokens) * 32 for layer in result.expert_counts)
     assert result.selected_experts_per_token <= len(group)
     assert all(isinstance(t, int) for t in result.next_tokens)
+
+
+async def test_the_server_narrows_a_request_to_its_named_group():
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from sparsegate_contracts.request_access import EXPERT_GROUP_HEADER
+    from sparsegate_workload.model import ModelConfig
+    from sparsegate_workload.server import create_app, wait_ready
+
+    app = create_app(model_config=ModelConfig(), expert_groups={"code": (2, 3)})
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        await wait_ready(app)
+        body = {"tokens": [[1, 2, 3, 4, 5, 6, 7, 8]]}
+        resp = await client.post("/v1/infer", json=body, headers={EXPERT_GROUP_HEADER: "code"})
+        out = await resp.json()
+        assert resp.status == 200, out
+        assert {e for layer in out["expertCounts"] for e, n in enumerate(layer) if n} <= {2, 3}
+        assert out["access"] == {"expertGroup": "code", "rule": "", "allowedExperts": [2, 3]}
+        plain = await (await client.post("/v1/infer", json=body)).json()
+        assert "access" not in plain and len({e for layer in plain["expertCounts"] for e, n in enumerate(layer) if n}) > 2
+        resp = await client.post("/v1/infer", json=body, headers={EXPERT_GROUP_HEADER: "math"})
+        assert resp.status == 400 and EXPERT_GROUP_HEADER in (await resp.json())["error"]
+        resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                                 headers={EXPERT_GROUP_HEADER: "code"})
+        assert resp.status == 400 and "only the built-in model's /v1/infer" in (await resp.json())["error"]
