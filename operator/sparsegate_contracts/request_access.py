@@ -139,6 +139,9 @@ class AccessTable:
     enforced: bool
     revision: str
     rules: tuple[AccessRule, ...]
+    # The rules filed by identity key, as the Rego's data is: a decision reads three buckets, not
+    # every rule of the model.
+    by_identity: Mapping[str, tuple[AccessRule, ...]] = dataclasses.field(default_factory=dict, compare=False)
 
     def decide(self, *, namespace: str, service_account: str, route: str,
                group: str | None) -> Decision:
@@ -147,7 +150,7 @@ class AccessTable:
             return Decision(True, "", "no RoutingPolicy targets this model")
         keys = caller_identity_keys(trust_domain=self.trust_domain, namespace=namespace,
                                     service_account=service_account)
-        hits = [r for r in self.rules
+        hits = [r for key in keys for r in self.by_identity.get(key, ())
                 if r.matches(keys=keys, service_account=service_account, route=route, group=group)]
         denies = _ranked([r for r in hits if not r.allow])
         if denies:
@@ -225,5 +228,9 @@ def parse_access_document(doc: Any) -> AccessTable:
             routes=_str_list(r.get("routes"), f"{where}.routes")))
     if rules and not doc["enforced"]:
         raise AccessDocumentError("rules given but enforced is false")
+    by_identity: dict[str, list[AccessRule]] = {}
+    for rule in rules:
+        by_identity.setdefault(rule.identity, []).append(rule)
     return AccessTable(model=doc["model"], trust_domain=doc["trustDomain"], enforced=doc["enforced"],
-                       revision=doc["revision"], rules=tuple(rules))
+                       revision=doc["revision"], rules=tuple(rules),
+                       by_identity={k: tuple(v) for k, v in by_identity.items()})
