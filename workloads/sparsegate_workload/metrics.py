@@ -49,6 +49,12 @@ class ServerMetrics:
         self.requests = Counter("sparsegate_requests_total",
                                 "Inference requests by HTTP status and serving gate version",
                                 ["code", "gate_version"], registry=r)
+        # Per-request access (request_guard): result is allowed | narrowed (a named group, callers
+        # not checked) | unauthenticated | forbidden | unavailable | no_rules | bad_group;
+        # expert_group: the group the request named ("" for none or an unknown one: bounded).
+        self.access = Counter("sparsegate_request_access_total",
+                              "Inference requests by per-request access result and named expert group",
+                              ["result", "expert_group"], registry=r)
         self.duration = Histogram("sparsegate_request_duration_seconds",
                                   "Inference request latency by serving gate version",
                                   ["gate_version"], buckets=LATENCY_BUCKETS, registry=r)

@@ -52,6 +52,11 @@ def _group(request: web.Request, state: ServerState) -> str | None:
     return group
 
 
+def _count(state: ServerState, result: str, group: str | None) -> None:
+    if state.metrics is not None:  # None while the model loads
+        state.metrics.access.labels(result=result, expert_group=group or "").inc()
+
+
 def _maskable(request: web.Request, state: ServerState) -> bool:
     return request.path in MASKABLE_ROUTES and state.hf is None
 
@@ -64,34 +69,47 @@ async def access_guard(request: web.Request,
         return await handler(request)
     table = state.access
     if state.reviewer is not None and table is None:
+        _count(state, "no_rules", None)
         return _deny(503, "no access rules received yet: requests are refused until the operator sends them")
-    group = _group(request, state)
+    try:
+        group = _group(request, state)
+    except ApiError:
+        _count(state, "bad_group", None)
+        raise
     if state.reviewer is None or table is None or not table.enforced:
         # Nobody to check: a named group still narrows the request to its experts.
         if group is not None:
             if not _maskable(request, state):
+                _count(state, "bad_group", group)
                 return _deny(400, f"header {EXPERT_GROUP_HEADER}: only the built-in model's /v1/infer can "
                                   f"restrict experts")
             request[SCOPE] = Scope(Decision(True, "", "callers not checked"), group, state.expert_groups[group])
+            _count(state, "narrowed", group)
         return await handler(request)
     auth = request.headers.get("Authorization", "")
     if not auth.startswith("Bearer ") or not auth[len("Bearer "):].strip():
+        _count(state, "unauthenticated", group)
         return _deny(401, "missing Bearer token: send a ServiceAccount token for audience sparsegate")
     try:
         caller = await state.reviewer.review(auth[len("Bearer "):].strip())
     except ReviewUnavailable as e:
+        _count(state, "unavailable", group)
         return _deny(503, f"cannot verify the caller now ({e}); refusing rather than serving unverified")
     if caller is None:
+        _count(state, "unauthenticated", group)
         return _deny(401, "invalid token: not a ServiceAccount token for audience sparsegate")
     scope = table.scope(namespace=caller.namespace, service_account=caller.service_account, route=request.path,
                         group=group, groups=state.expert_groups, num_experts=_num_experts(state))
     who = f"{caller.namespace}/{caller.service_account}"
     if not scope.decision.allow:
+        _count(state, "forbidden", group)
         return _deny(403, scope.decision.reason, rule=scope.decision.rule, caller=who, expertGroup=group)
     if scope.experts is not None and len(scope.experts) < _num_experts(state) and not _maskable(request, state):
+        _count(state, "forbidden", group)
         return _deny(403, f"this request may use only experts {list(scope.experts)}, and only the built-in "
                           f"model's /v1/infer can restrict experts", rule=scope.decision.rule, caller=who)
     request[SCOPE] = scope
+    _count(state, "allowed", group)
     return await handler(request)
 
 

@@ -131,6 +131,11 @@ async def test_two_callers_one_scoped_to_a_group_one_denied(cluster, namespace, 
                 assert (await _post(client, token_a, "a"))[0] == 200
             assert reviewer.reviews == before
 
+            scrape = await (await client.get("/metrics")).text()
+            assert 'sparsegate_request_access_total{expert_group="a",result="allowed"} 4.0' in scrape
+            assert 'sparsegate_request_access_total{expert_group="",result="forbidden"} 2.0' in scrape
+            assert 'sparsegate_request_access_total{expert_group="a",result="unauthenticated"} 2.0' in scrape
+
             # Fail closed: a reviewer that cannot reach any API server refuses with 503.
             app[STATE].reviewer = CachedReviewer(KubeTokenReview(
                 url=f"https://127.0.0.1:{free_port()}", token_file=str(own), ca_file=str(cluster.layout.cert("ca"))))

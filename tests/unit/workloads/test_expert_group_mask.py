@@ -66,3 +66,6 @@ async def test_the_server_narrows_a_request_to_its_named_group():
         resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
                                  headers={EXPERT_GROUP_HEADER: "code"})
         assert resp.status == 400 and "only the built-in model's /v1/infer" in (await resp.json())["error"]
+        scrape = await (await client.get("/metrics")).text()
+        assert 'sparsegate_request_access_total{expert_group="code",result="narrowed"} 1.0' in scrape
+        assert 'sparsegate_request_access_total{expert_group="",result="bad_group"} 1.0' in scrape
