@@ -36,6 +36,7 @@ from .maps import (
     KEY_RULE,
     KEY_SOURCE,
     POLICY_MAX_ENTRIES,
+    POLICY_MAX_RECORDS,
     PROTO_NUMBERS,
     PolicyKey,
     PolicyVal,
@@ -55,7 +56,7 @@ PolicyError = flowpolicy.FlowPolicyError
 
 def parse_policy(document: Mapping[str, Any] | str | bytes) -> FlowPolicy:
     """Validate a policy document (dict or JSON text); one map slot is the meta record."""
-    return flowpolicy.parse_document(document, max_entries=POLICY_MAX_ENTRIES - 1)
+    return flowpolicy.parse_document(document, max_entries=POLICY_MAX_RECORDS - 1, max_rules=POLICY_MAX_ENTRIES - 1)
 
 
 def meta_key() -> PolicyKey:
@@ -99,9 +100,11 @@ def compile_policy(policy: FlowPolicy, *, generation: int,
         if prior is None or (action == ACTION_DENY and prior.action != ACTION_DENY):
             records[tup] = PolicyVal(action=action, rule_id=rule_id, generation=generation)
     total = len(records) + len(policy.policed_destinations) + len(sources) + 1
-    if total > POLICY_MAX_ENTRIES:
+    if total > POLICY_MAX_RECORDS:
         raise PolicyError(f"{total} records (rules, policed destinations, sources, meta) exceed the "
-                          f"map capacity {POLICY_MAX_ENTRIES}")
+                          f"map capacity {POLICY_MAX_RECORDS}")
+    if len(rules) > POLICY_MAX_ENTRIES - 1:
+        raise PolicyError(f"{len(rules)} rules exceed the {POLICY_MAX_ENTRIES - 1} the program counts verdicts for")
     default = ACTIONS[policy.default_action]
     out = [(meta_key(), PolicyVal(action=default, rule_id=0, generation=generation))]
     for (src_id, dst_id, dport, proto), val in records.items():

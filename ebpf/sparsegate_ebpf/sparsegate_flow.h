@@ -112,7 +112,10 @@ struct sg_verdict_key {
 #define SG_ACTION_ALLOW 1
 #define SG_ACTION_DENY 2
 
+/* Rule ids per pool map (the verdict counter range; ids 1..16383, 0 = the default action), and
+ * records per inner policy map (rules, policed destinations, source addresses, meta). */
 #define SG_POLICY_MAX_ENTRIES 16384
+#define SG_POLICY_MAX_RECORDS 65536
 
 /* Index into the per-CPU packet-type counters. Keep in sync with maps.Counter. */
 enum sg_counter_index {

@@ -63,8 +63,8 @@ BPF_PERCPU_ARRAY(counters, struct sg_counter, SG_CNT_MAX);
 BPF_TABLE("lru_percpu_hash", struct sg_flow_key, struct sg_flow_stats, flows, SG_FLOW_ENTRIES);
 BPF_TABLE("lru_hash", struct sg_flow_key, struct sg_handshake, handshakes, 16384);
 
-BPF_HASH(policy_a, struct sg_policy_key, struct sg_policy_val, SG_POLICY_MAX_ENTRIES);
-BPF_HASH(policy_b, struct sg_policy_key, struct sg_policy_val, SG_POLICY_MAX_ENTRIES);
+BPF_HASH(policy_a, struct sg_policy_key, struct sg_policy_val, SG_POLICY_MAX_RECORDS);
+BPF_HASH(policy_b, struct sg_policy_key, struct sg_policy_val, SG_POLICY_MAX_RECORDS);
 BPF_ARRAY_OF_MAPS(policy_outer, "policy_a", 1);
 /* The live generation, written by userspace right after each outer-slot flip: a flow's cached
  * outcome is reused while it matches, with no policy lookup at all. */

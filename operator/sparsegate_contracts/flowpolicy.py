@@ -67,8 +67,11 @@ MAX_IDENTITY = 65535
 """Identities are 16-bit in the agent's map values; far more than the map's records allow."""
 
 # Capacity (checked by the operator before it publishes, and again by the agent before it loads).
-MAP_MAX_ENTRIES = 16384
-"""``max_entries`` of each inner policy map (``SG_POLICY_MAX_ENTRIES`` in the agent's header)."""
+MAP_MAX_ENTRIES = 65536
+"""``max_entries`` of each inner policy map: records (``SG_POLICY_MAX_RECORDS`` in the agent's header)."""
+MAX_RULES = 16383
+"""Rules (or entries) per document: their 1-based ids index the agent's per-rule verdict counters
+(``SG_POLICY_MAX_ENTRIES`` = MAX_RULES + 1 per pool map)."""
 AGENT_RESERVED_RECORDS = 64
 """Map records the operator leaves to each agent: the meta record and the node's own addresses."""
 CONFIGMAP_MAX_BYTES = 1024 * 1024
@@ -287,8 +290,10 @@ def _action(value: Any, *, where: str) -> str:
     return value
 
 
-def parse_document(document: Mapping[str, Any] | str | bytes, *, max_entries: int | None = None) -> FlowPolicy:
-    """Validate a document (dict or JSON text); ``max_entries``: the consumer's capacity, if any."""
+def parse_document(document: Mapping[str, Any] | str | bytes, *, max_entries: int | None = None,
+                   max_rules: int | None = None) -> FlowPolicy:
+    """Validate a document (dict or JSON text); ``max_entries``: the consumer's map capacity (records),
+    ``max_rules``: how many rules (or entries) it can tell apart, if any."""
     if isinstance(document, (str, bytes)):
         try:
             document = json.loads(document)
@@ -309,6 +314,9 @@ def parse_document(document: Mapping[str, Any] | str | bytes, *, max_entries: in
     raw_rows = document.get(RULES, []) if identity_form else raw_entries
     if not isinstance(raw_rows, list):
         raise FlowPolicyError("rules must be a list")
+    if max_rules is not None and len(raw_rows) > max_rules:
+        raise FlowPolicyError(f"{len(raw_rows)} {'rules' if identity_form else 'entries'} exceed the "
+                              f"{max_rules} rules the agent counts verdicts for")
     if max_entries is not None and len(raw_rows) > max_entries:
         raise FlowPolicyError(f"{len(raw_rows)} {'rules' if identity_form else 'entries'} exceed the map "
                               f"capacity {max_entries}")

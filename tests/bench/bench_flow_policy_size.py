@@ -1,6 +1,6 @@
 """Flow allow-list size: IP-level entries (before identities) vs identity rules, side by side.
 
-    python tests/bench/bench_flow_policy_size.py [--pods 1000 10000]
+    python tests/bench/bench_flow_policy_size.py [--pods 1000 10000] [--identity-only-pods 50000 100000]
 
 For each pod count N, a synthetic cluster: 10% model pods (10 SparseModels, N/100 pods each) and
 90% callers in identity classes of 50 pods (same namespace, service account, labels), each class
@@ -12,7 +12,8 @@ entries form: what the agent wrote before identities, one per entry), `policy.js
 bytes, whether it fits the map (16,384 less the agent's reserve) and the ConfigMap (1 MiB less
 headroom), the operator's build time (entries form: the identity build plus its expansion, which
 stands in for the old operator's build), and the agent's parse + compile time where it fits.
-Writes tests/bench/results/bench_flow_policy_size.json.
+`--identity-only-pods`: sizes measured in the identity form only (the entries form there has tens of
+millions of entries). Writes tests/bench/results/bench_flow_policy_size.json.
 """
 from __future__ import annotations
 
@@ -80,15 +81,19 @@ def measure(document: dict[str, Any], build_s: float) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pods", type=int, nargs="+", default=[1000, 10000])
+    ap.add_argument("--identity-only-pods", type=int, nargs="*", default=[50000, 100000])
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     results = {}
-    for n in args.pods:
+    for n in [*args.pods, *args.identity_only_pods]:
         pods, decisions = cluster(n)
         models = [("models", f"model-{m}") for m in range(MODELS)]
         t0 = time.perf_counter()
         identity = flow_document(decisions=decisions, pods=pods, policed_models=models, allowed_sources=[])
         t1 = time.perf_counter()
+        if n in args.identity_only_pods:
+            results[str(n)] = {"identity form (now)": measure(identity, t1 - t0)}
+            continue
         entries = flowpolicy.build_document(entries=flowpolicy.ip_entries(identity),
                                             policed_destinations=identity[flowpolicy.POLICED_DESTINATIONS],
                                             allowed_sources=[])
@@ -103,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             agent = f"{r['agent_parse_compile_s']:.3f}" if "agent_parse_compile_s" in r else "-"
             print(f"{n:>6} {form:<22} {r['rows']:>9} {r['map_records']:>9} {r['bytes']:>11} {fits:>9} "
                   f"{r['operator_build_s']:>8.3f} {agent:>8}")
+        if "entries form (before)" not in forms:
+            continue
         old, new = forms["entries form (before)"], forms["identity form (now)"]
         print(f"{'':>6} ratio before/now: records {old['map_records'] / new['map_records']:.1f}x, "
               f"bytes {old['bytes'] / new['bytes']:.1f}x")

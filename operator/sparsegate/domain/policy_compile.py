@@ -255,8 +255,8 @@ def flow_document(
         action = flowpolicy.ALLOW if decision.get("allow") else flowpolicy.DENY
         for dst in {pod.identity for pod in models.get((query.target_namespace, query.model), ())}:
             found.add((src, dst, query.port, query.protocol, action, rule))
-    # Every class has a pod IP, each a map record: more classes than identities never fit the map,
-    # so the capacity check (domain.policy_capacity) refuses such a document before anyone parses it.
+    # More classes than identity numbers: numbered past MAX_IDENTITY, which the capacity check
+    # (domain.policy_capacity) refuses before the document is published.
     classes = sorted({c for row in found for c in row[:2]})
     number = {c: flowpolicy.FIRST_IDENTITY + i for i, c in enumerate(classes)}
     rows = [flowpolicy.IdentityRule(src_identity=number[s], dst_identity=number[d], dst_port=p, protocol=proto,

@@ -102,3 +102,19 @@ def test_a_class_without_a_rule_to_a_destination_class_is_denied_by_default(enfo
                    data=P.tcp_frame(src=MODEL_IPS[0], dst=WEB_IPS[1], sport=41000, dport=8080, flags=syn)).verdict == "pass"
     assert run_xdp(prog_fd=enforce_prog.prog_fd,
                    data=P.tcp_frame(src=WEB_IPS[0], dst=WEB_IPS[1], sport=41001, dport=8080, flags=syn)).verdict == "drop"
+
+
+def test_addresses_beyond_the_rule_range_fit_the_map() -> None:
+    """The map holds 65,536 records: 20,000 callers of one class is one rule and 20,000 addresses."""
+    callers = [f"10.{20 + i // 65536}.{i // 256 % 256}.{i % 256}" for i in range(20_000)]
+    doc = flowpolicy.build_document(identities=[{"identity": WEB, "ips": callers}, {"identity": MODEL, "ips": MODEL_IPS}],
+                                    rules=[rule(WEB, MODEL)])
+    records = compile_policy(parse_policy(doc), generation=1)
+    assert len(records) == 1 + 1 + 2 + 20_000  # meta, rule, destinations, addresses
+
+
+def test_more_rules_than_verdict_counters_are_refused() -> None:
+    doc = flowpolicy.build_document(identities=[{"identity": WEB, "ips": WEB_IPS}, {"identity": MODEL, "ips": MODEL_IPS}],
+                                    rules=[rule(WEB, MODEL, port=1 + i % 60000, name=f"m/p#{i}") for i in range(16_384)])
+    with pytest.raises(PolicyError, match="16384 rules exceed the 16383 rules the agent counts verdicts for"):
+        parse_policy(doc)

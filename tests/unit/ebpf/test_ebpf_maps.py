@@ -47,6 +47,7 @@ def test_constants_match_header() -> None:
     assert f"#define SG_ACTION_ALLOW {maps.ACTION_ALLOW}" in text
     assert f"#define SG_ACTION_DENY {maps.ACTION_DENY}" in text
     assert f"#define SG_POLICY_MAX_ENTRIES {maps.POLICY_MAX_ENTRIES}" in text
+    assert f"#define SG_POLICY_MAX_RECORDS {maps.POLICY_MAX_RECORDS}" in text
 
 
 def test_address_and_port_round_trip() -> None:

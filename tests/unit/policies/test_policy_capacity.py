@@ -76,7 +76,8 @@ def test_bad_limits_name_the_variable(env: dict, text: str) -> None:
 
 def test_the_map_capacity_is_one_contract_constant() -> None:
     from sparsegate_ebpf import maps
-    assert maps.POLICY_MAX_ENTRIES == flowpolicy.MAP_MAX_ENTRIES
+    assert maps.POLICY_MAX_RECORDS == flowpolicy.MAP_MAX_ENTRIES
+    assert maps.POLICY_MAX_ENTRIES == flowpolicy.MAX_RULES + 1  # rule ids 1..MAX_RULES, 0 the default
 
 
 def _conditions(status: dict) -> dict:
@@ -108,7 +109,12 @@ def test_opa_errors_take_precedence_over_too_large() -> None:
     assert c["Ready"]["reason"] == "OPAUnreachable" and c["Stalled"]["status"] == "False"
 
 
-def test_more_classes_than_identities_are_refused_by_the_capacity_check() -> None:
-    from sparsegate_contracts.flowpolicy import FIRST_IDENTITY, MAX_IDENTITY
-    # The identity range is wider than the map: a document needing more identities needs more records.
-    assert MAX_IDENTITY - FIRST_IDENTITY + 1 > DEFAULT_MAX_RECORDS
+def test_more_rules_or_identities_than_the_agent_tells_apart_are_refused() -> None:
+    idents = [{"identity": 256 + i, "ips": [f"10.5.{i // 250}.{i % 250 + 1}"]} for i in range(4)]
+    rules = [{"srcIdentity": 256 + i % 4, "dstIdentity": 256, "dstPort": 1000 + i, "protocol": "tcp",
+              "action": "allow", "rule": "m/p#0"} for i in range(5)]
+    doc = flowpolicy.build_document(identities=idents, rules=rules)
+    _, too_large = check(doc, Capacity(max_rules=4, max_identities=3))
+    assert too_large is not None
+    assert "needs 5 rules, capacity 4" in too_large.message and "needs 4 identities, capacity 3" in too_large.message
+    assert check(doc, Capacity())[1] is None
