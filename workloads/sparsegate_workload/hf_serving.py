@@ -75,12 +75,13 @@ class HFServedModel:
         return self.lm.prepare_gate(doc, beside=beside)
 
     def run_batch(self, tokens: Sequence[Sequence[int]], *, return_logits: bool = False,
-                  gate: ActiveGate | None = None) -> tuple[InferenceResult, str | None]:
+                  gate: ActiveGate | None = None, allowed_experts: Sequence[int] | None = None
+                  ) -> tuple[InferenceResult, str | None]:
         """The ``/v1/infer`` result for a checkpoint (under ``gate``, else the installed gate),
-        and the gate version that computed it.
+        and the gate version that computed it. ``allowed_experts``: the request's expert group.
         A checkpoint has no tool gate: ``toolCalls`` are empty and the fire rate 0."""
         batch = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        out = self.lm.forward(batch, gate=gate)
+        out = self.lm.forward(batch, gate=gate, allowed_experts=allowed_experts)
         last = out.logits[:, -1, :].float()
         n = max(len(out.layers), 1)
         result = InferenceResult(

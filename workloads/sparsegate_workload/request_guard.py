@@ -13,9 +13,9 @@ Without caller verification (no ``--request-auth``), a request naming an expert 
   503; the rules refuse → 403 with the deciding rule and reason; allowed → the request runs with
   the experts the rules leave it (its named group's, or the whole model less denied groups).
 
-A request scoped to fewer than all experts is served only where the gate can mask experts: the
-built-in model's ``/v1/infer``. Elsewhere (a checkpoint, the OpenAI routes) it gets 403 rather than
-more experts than it may use.
+A request scoped to fewer than all experts is served only where the gate masks experts per request:
+``/v1/infer`` (built-in model and checkpoints). The OpenAI routes decode in shared batches under one
+routing, so a scoped request there gets 403 rather than more experts than it may use.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def _count(state: ServerState, result: str, group: str | None) -> None:
         state.metrics.access.labels(result=result, expert_group=group or "").inc()
 
 
-def _maskable(request: web.Request, state: ServerState) -> bool:
-    return request.path in MASKABLE_ROUTES and state.hf is None
+def _maskable(request: web.Request) -> bool:
+    return request.path in MASKABLE_ROUTES
 
 
 @web.middleware
@@ -79,10 +79,9 @@ async def access_guard(request: web.Request,
     if state.reviewer is None or table is None or not table.enforced:
         # Nobody to check: a named group still narrows the request to its experts.
         if group is not None:
-            if not _maskable(request, state):
+            if not _maskable(request):
                 _count(state, "bad_group", group)
-                return _deny(400, f"header {EXPERT_GROUP_HEADER}: only the built-in model's /v1/infer can "
-                                  f"restrict experts")
+                return _deny(400, f"header {EXPERT_GROUP_HEADER}: only /v1/infer can restrict experts")
             request[SCOPE] = Scope(Decision(True, "", "callers not checked"), group, state.expert_groups[group])
             _count(state, "narrowed", group)
         return await handler(request)
@@ -104,10 +103,10 @@ async def access_guard(request: web.Request,
     if not scope.decision.allow:
         _count(state, "forbidden", group)
         return _deny(403, scope.decision.reason, rule=scope.decision.rule, caller=who, expertGroup=group)
-    if scope.experts is not None and len(scope.experts) < _num_experts(state) and not _maskable(request, state):
+    if scope.experts is not None and len(scope.experts) < _num_experts(state) and not _maskable(request):
         _count(state, "forbidden", group)
-        return _deny(403, f"this request may use only experts {list(scope.experts)}, and only the built-in "
-                          f"model's /v1/infer can restrict experts", rule=scope.decision.rule, caller=who)
+        return _deny(403, f"this request may use only experts {list(scope.experts)}, and only /v1/infer "
+                          f"can restrict experts", rule=scope.decision.rule, caller=who)
     request[SCOPE] = scope
     _count(state, "allowed", group)
     return await handler(request)

@@ -241,13 +241,13 @@ async def infer(request: web.Request) -> web.Response:
             tokens, return_logits = parse_infer_request(body, vocab_size=vocab_size,
                                                         max_seq_len=max_seq_len)
             await inject_fault(state, gate)
+            # The request's expert group (request_guard): the gate masks every other expert.
+            allowed = request_guard.allowed_experts(request)
             if state.hf is not None:
                 chosen = gate
                 result, gate = await run_on_model(
-                    state, lambda: _hf_batch(state, tokens, return_logits, chosen), keep=keep)
+                    state, lambda: _hf_batch(state, tokens, return_logits, chosen, allowed), keep=keep)
             else:
-                # The request's expert group (request_guard): the gate masks every other expert.
-                allowed = request_guard.allowed_experts(request)
                 result = await run_on_model(
                     state, lambda: _builtin_batch(state, gate, tokens, return_logits, allowed), keep=keep)
         calls = await _call_tools(state, request, gate, tokens, result)
@@ -279,18 +279,19 @@ async def _call_tools(state: ServerState, request: web.Request, gate: AppliedGat
                                   metrics=state.metrics.tools)
 
 
-def _hf_batch(state: ServerState, tokens: list[list[int]], return_logits: bool, chosen: AppliedGate
-              ) -> tuple[InferenceResult, AppliedGate]:
+def _hf_batch(state: ServerState, tokens: list[list[int]], return_logits: bool, chosen: AppliedGate,
+              allowed_experts: tuple[int, ...] | None = None) -> tuple[InferenceResult, AppliedGate]:
     # On the model thread, where gate swaps of a checkpoint also run: the installed gate read
     # here is the one the checkpoint routes this batch with (the admission-time read may be
     # older). A canary chosen for the request is pinned for this batch instead.
     if chosen.hf_gate is not None:
         assert state.hf is not None
-        result, _ = state.hf.run_batch(tokens, return_logits=return_logits, gate=chosen.hf_gate)
+        result, _ = state.hf.run_batch(tokens, return_logits=return_logits, gate=chosen.hf_gate,
+                                       allowed_experts=allowed_experts)
         return result, chosen
     gate = state.gate
     assert state.hf is not None and gate is not None
-    result, _ = state.hf.run_batch(tokens, return_logits=return_logits)
+    result, _ = state.hf.run_batch(tokens, return_logits=return_logits, allowed_experts=allowed_experts)
     return result, gate
 
 
@@ -481,6 +482,10 @@ async def _load_model(app: web.Application) -> None:
     try:
         if state.model_path is not None:
             hf = await loop.run_in_executor(state.executor, lambda: _load_checkpoint(state))
+            # --expert-groups-json was parsed before the checkpoint's expert count was known.
+            request_access.parse_expert_groups(
+                [{"name": n, "experts": list(e)} for n, e in state.expert_groups.items()],
+                num_experts=hf.num_experts)
             metrics_ = ServerMetrics(n_layers=hf.n_layers, num_experts=hf.num_experts,
                                      model_name=hf.name)
         else:

@@ -3,6 +3,7 @@ built-in model (the gate masks the others before selection), whatever min/max ex
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from sparsegate_workload.gateparams import GateParams
 from sparsegate_workload.inference import run_batch
 from sparsegate_workload.model import build_model
+from sparsegate_workload.server_state import STATE
 
 FP32 = ("fp32", "fp32")
 
@@ -65,7 +67,66 @@ async def test_the_server_narrows_a_request_to_its_named_group():
         assert resp.status == 400 and EXPERT_GROUP_HEADER in (await resp.json())["error"]
         resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
                                  headers={EXPERT_GROUP_HEADER: "code"})
-        assert resp.status == 400 and "only the built-in model's /v1/infer" in (await resp.json())["error"]
+        assert resp.status == 400 and "only /v1/infer can restrict experts" in (await resp.json())["error"]
         scrape = await (await client.get("/metrics")).text()
         assert 'sparsegate_request_access_total{expert_group="code",result="narrowed"} 1.0' in scrape
         assert 'sparsegate_request_access_total{expert_group="",result="bad_group"} 1.0' in scrape
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from sparsegate_workload.hf import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("olmoe"), family="olmoe", seed=1, tokenizer=False)
+
+
+@pytest.mark.parametrize("params", [
+    {"confidence_threshold": 0.9, "min_experts_per_token": 1, "max_experts_per_token": 8},
+    {"min_experts_per_token": 4, "max_experts_per_token": 4},  # fixed k above the group's size
+])
+def test_a_checkpoint_scoped_request_uses_only_its_group(checkpoint, params):
+    from sparsegate_contracts.gate import GateParams as Params
+    from sparsegate_workload.hf import load_moe_checkpoint
+
+    lm = load_moe_checkpoint(checkpoint)
+    lm.set_gate(Params(**params), dropless=True)
+    ids = torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(3))
+    free = lm.forward(ids)
+    assert len({e for st in free.layers for e, n in enumerate(st.counts) if n}) > 3
+    scoped = lm.forward(ids, allowed_experts=[1, 5])
+    used = {e for st in scoped.layers for e, n in enumerate(st.counts) if n}
+    assert used and used <= {1, 5}
+    assert all(sum(st.counts) >= ids.numel() for st in scoped.layers)  # dropless: every token routed
+
+
+async def test_a_checkpoint_server_refuses_groups_past_its_experts(checkpoint):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from sparsegate_workload.server import create_app
+
+    app = create_app(model_path=str(checkpoint), expert_groups={"far": (63,)})
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        for _ in range(600):
+            if app[STATE].load_error is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert "expertGroups[0].experts: 63 is not an expert index below" in app[STATE].load_error
+        assert (await client.get("/healthz")).status != 200
+
+
+async def test_a_checkpoint_server_narrows_v1_infer_to_the_named_group(checkpoint):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from sparsegate_contracts.request_access import EXPERT_GROUP_HEADER
+    from sparsegate_workload.server import create_app, wait_ready
+
+    app = create_app(model_path=str(checkpoint), expert_groups={"pair": (1, 5)})
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        await wait_ready(app)
+        resp = await client.post("/v1/infer", json={"tokens": [[1, 2, 3, 4, 5, 6]]},
+                                 headers={EXPERT_GROUP_HEADER: "pair"})
+        out = await resp.json()
+        assert resp.status == 200, out
+        assert {e for layer in out["expertCounts"] for e, n in enumerate(layer) if n} <= {1, 5}
+        assert out["access"]["allowedExperts"] == [1, 5]

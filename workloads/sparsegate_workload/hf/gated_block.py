@@ -90,6 +90,9 @@ class GateCall:
     # Each block call's whole Routing too, when asked (`pin_gate(keep_routing=True)`): what a
     # batched decode step splits per sequence (which row used which experts).
     routings: list[Routing] | None = None
+    # [E] bool: the only experts blocks may select in this call (a request's expert group,
+    # per-request access); None: all.
+    allowed: torch.Tensor | None = None
 
     @property
     def mean_active_experts(self) -> float:
@@ -203,10 +206,13 @@ class SparseGatedMoEBlock(nn.Module):
     def weight_bytes(self) -> LayerBytes:
         return layer_bytes(self.moe_index, self.gate.storage, self.expert_storage)
 
-    def route(self, flat: torch.Tensor, gate: ActiveGate) -> Routing:
+    def route(self, flat: torch.Tensor, gate: ActiveGate, allowed: torch.Tensor | None = None) -> Routing:
+        """``allowed``: [E] bool; the other experts get no gate mass and are never selected."""
         params = gate.params
         # The router as stored (the loader stores what the gate resolves to); logits in fp32.
         logits = self.gate.logits(flat)
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         lo = min(params.min_experts_per_token, self.num_experts)
         hi = min(params.max_experts_per_token, self.num_experts)
@@ -221,7 +227,7 @@ class SparseGatedMoEBlock(nn.Module):
             else:  # pick on the cost-biased probs, weigh with the unbiased ones
                 sorted_e = selection.topk(hi, dim=-1).indices
                 sorted_p = probs.gather(-1, sorted_e)
-            if not torch.is_grad_enabled() and flat.shape[0] <= FIXED_K_FAST_TOKENS:
+            if allowed is None and not torch.is_grad_enabled() and flat.shape[0] <= FIXED_K_FAST_TOKENS:
                 return _assign_fixed_k(probs, sorted_p, sorted_e,
                                        capacity_factor=gate.capacity_factor,
                                        normalize=self.renormalize)
@@ -230,6 +236,9 @@ class SparseGatedMoEBlock(nn.Module):
             sorted_p, sorted_e, mask = cost_biased_top_p(
                 probs, logits, cost=cost, cost_lambda=cost_lambda,
                 threshold=params.confidence_threshold, min_k=lo, max_k=hi)
+        if allowed is not None:
+            # k (or min_k) may exceed the allowed experts: masked ones are never kept.
+            mask = mask & allowed[sorted_e]
         return assign(probs, sorted_p, sorted_e, mask, capacity_factor=gate.capacity_factor,
                       normalize=self.renormalize)
 
@@ -237,7 +246,7 @@ class SparseGatedMoEBlock(nn.Module):
         call = _CURRENT_CALL.get()
         gate = call.gate if call is not None else self._slot.active
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        routing = self.route(flat, gate)
+        routing = self.route(flat, gate, call.allowed if call is not None else None)
         out = self.dispatch(flat, routing)
         if self.has_shared_expert:
             shared = self.shared_expert(flat)

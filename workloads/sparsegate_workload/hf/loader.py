@@ -190,9 +190,13 @@ class SparseGatedCausalLM:
         return pin_gate(self._slot.active)
 
     def forward(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
-                gate: ActiveGate | None = None) -> GatedForward:
-        """One forward under one gate version (``gate``, else the installed one), without autograd."""
+                gate: ActiveGate | None = None, allowed_experts: Sequence[int] | None = None) -> GatedForward:
+        """One forward under one gate version (``gate``, else the installed one), without autograd.
+        ``allowed_experts``: the only experts every block may select (None: all)."""
         with torch.inference_mode(), (pin_gate(gate) if gate is not None else self.pinned_gate()) as call:
+            if allowed_experts is not None:
+                call.allowed = torch.zeros(self.num_experts, dtype=torch.bool, device=input_ids.device)
+                call.allowed[list(allowed_experts)] = True
             out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                              use_cache=False)
         return GatedForward(logits=out.logits, layers=call.layers, gate=call.gate)
