@@ -61,6 +61,12 @@ ADMIN_TLS_CERT_KEY = "tls.crt"
 ADMIN_TLS_KEY_KEY = "tls.key"
 ADMIN_SECRET_KEYS = (ADMIN_TOKEN_KEY, ADMIN_TLS_CERT_KEY, ADMIN_TLS_KEY_KEY)
 
+# SparseModel spec.access.requestAuth Enforce: pods run as this ServiceAccount, which the chart
+# creates in each served namespace and binds to a ClusterRole with only create tokenreviews.
+MODEL_SERVICE_ACCOUNT = "sparsegate-model-server"
+REQUEST_AUTH_OFF = "Off"
+REQUEST_AUTH_ENFORCE = "Enforce"
+
 
 def admin_server_name(*, model: str, namespace: str) -> str:
     """The DNS name the model's admin certificate carries (subjectAltName) and the operator checks

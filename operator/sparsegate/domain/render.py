@@ -205,6 +205,25 @@ def expert_group_args(model: Mapping[str, Any]) -> list[str]:
                                                 for g in groups], separators=(",", ":"))]
 
 
+def request_auth_enforced(model: Mapping[str, Any]) -> bool:
+    """``spec.access.requestAuth`` is Enforce (absent or Off: callers are not checked)."""
+    access = model["spec"].get("access") or {}
+    return access.get("requestAuth", names.REQUEST_AUTH_OFF) == names.REQUEST_AUTH_ENFORCE
+
+
+def request_auth_args(model: Mapping[str, Any]) -> list[str]:
+    """``--request-auth in-cluster`` (and ``--token-cache-ttl``) when the model enforces callers.
+    The server finds the API server from the pod's KUBERNETES_SERVICE_HOST/PORT and reviews
+    tokens with its own mounted ServiceAccount token (``names.MODEL_SERVICE_ACCOUNT``)."""
+    if not request_auth_enforced(model):
+        return []
+    args = ["--request-auth", "in-cluster"]
+    ttl = (model["spec"].get("access") or {}).get("tokenCacheSeconds")
+    if ttl is not None:
+        args += ["--token-cache-ttl", str(int(ttl))]
+    return args
+
+
 def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
                       default_image: DefaultImage = DefaultImage()) -> dict[str, Any]:
     """The model server Deployment.
@@ -226,7 +245,8 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
                  "--admin-token-file", f"{ADMIN_DIR}/{ADMIN_TOKEN_KEY}",
                  "--admin-tls-cert", f"{ADMIN_DIR}/{ADMIN_TLS_CERT_KEY}",
                  "--admin-tls-key", f"{ADMIN_DIR}/{ADMIN_TLS_KEY_KEY}",
-                 *model_args(model), *tool_args(model), *expert_group_args(model)],
+                 *model_args(model), *tool_args(model), *expert_group_args(model),
+                 *request_auth_args(model)],
         # The admin port is declared (the operator reads it from the pod) but in no Service.
         "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
                   {"name": ADMIN_PORT_NAME, "containerPort": DEFAULT_ADMIN_PORT, "protocol": "TCP"}],
@@ -250,6 +270,10 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
         "volumes": [{"name": "gate", "configMap": {"name": gate_configmap_name(name)}},
                     {"name": "admin", "secret": {"secretName": admin_secret_name(name)}}],
     }
+    if request_auth_enforced(model):
+        # TokenReview needs a ServiceAccount allowed to create them, and its token in the pod.
+        pod_spec["serviceAccountName"] = names.MODEL_SERVICE_ACCOUNT
+        pod_spec["automountServiceAccountToken"] = True
     claim = spec["model"].get("persistentVolumeClaim")
     if claim:
         # Read-only: the checkpoint is data the server only reads (and many pods share it).

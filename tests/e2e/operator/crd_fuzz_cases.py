@@ -179,7 +179,8 @@ EXTRAS: dict[str, dict[str, Any]] = {
                              "tools": [{"name": "search", "url": "http://search.tools:8080/call",
                                         "timeoutMs": 500}],
                              "expertGroups": [{"name": "math", "experts": [0, 1]},
-                                              {"name": "code", "experts": [2, 3]}]}},
+                                              {"name": "code", "experts": [2, 3]}],
+                             "access": {"requestAuth": "Enforce", "tokenCacheSeconds": 30}}},
     "GateConfig": {"spec": {
         "params": {"faultInjection": {"errorRate": 0.0, "addedLatencyMs": 0}, "targetExpertsPerToken": 2,
                    "hardwareCostLambda": 0.5},
@@ -478,6 +479,12 @@ CEL_CASES: dict[tuple[str, str, str], list[CelCase]] = {
          _set("spec.expertGroups[1].experts", [2, 8])),
         ("cross_field", "spec.expertGroups", "expert 63 of a model with 8 experts",
          _set("spec.expertGroups[0].experts", [63])),
+    ],
+    ("SparseModel", "spec.access", "!has(self.tokenCacheSeconds) || self.requestAuth == 'Enforce'"): [
+        ("cross_field", "spec.access", "a token cache TTL with requestAuth Off",
+         _set("spec.access.requestAuth", "Off")),
+        ("cross_field", "spec.access", "a token cache TTL with requestAuth defaulted to Off",
+         _drop_then_set("spec.access.requestAuth", "spec.access.tokenCacheSeconds", 60)),
     ],
     ("SparseModel", "spec.model", "!has(self.maxExpertsPerToken) || self.maxExpertsPerToken <= self.experts"): [
         ("cross_field", "spec.model.maxExpertsPerToken", "max 9 > experts 8",

@@ -93,11 +93,19 @@ def test_namespaced_mode_binds_per_namespace():
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ml", "staging"]
     assert {b["roleRef"]["kind"] for b in bindings} == {"Role"}
     # Nothing cluster-wide but reading nodes (cluster-scoped: TelemetryProbe nodeSelectors are matched
-    # against their labels).
+    # against their labels) and the model servers' create tokenreviews (cluster-scoped too).
     cluster = [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
-    assert {d["metadata"]["name"] for d in cluster} == {"rel-sparsegate-operator-nodes"}
-    (role,) = [d for d in cluster if d["kind"] == "ClusterRole"]
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
+    assert {d["metadata"]["name"] for d in cluster} == {"rel-sparsegate-operator-nodes",
+                                                        "rel-sparsegate-model-tokenreview"}
+    roles = {d["metadata"]["name"]: d["rules"] for d in cluster if d["kind"] == "ClusterRole"}
+    assert roles == {
+        "rel-sparsegate-operator-nodes": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}],
+        "rel-sparsegate-model-tokenreview": [{"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"],
+                                              "verbs": ["create"]}]}
+    (tokenreview,) = [d for d in cluster if d["kind"] == "ClusterRoleBinding"
+                      and d["metadata"]["name"] == "rel-sparsegate-model-tokenreview"]
+    assert [(s["namespace"], s["name"]) for s in tokenreview["subjects"]] == [
+        ("ml", "sparsegate-model-server"), ("staging", "sparsegate-model-server")]
     (dep,) = [d for d in docs if d["kind"] == "Deployment"]
     assert dep["spec"]["strategy"]["type"] == "Recreate"  # no Lease: never two at once
 

@@ -24,6 +24,8 @@ OPERATOR_SA = "rel-sparsegate-operator"
 CLUSTER_WIDE = ("--set", "operator.clusterWide=true")
 # The one cluster-scoped grant in every scope: read nodes (TelemetryProbe nodeSelectors match their labels).
 NODES_ROLE = "rel-sparsegate-operator-nodes"
+# Model servers that enforce callers: create tokenreviews, bound to sparsegate-model-server per served namespace.
+TOKENREVIEW_ROLE = "rel-sparsegate-model-tokenreview"
 
 
 def helm_error(*args: str) -> str:
@@ -43,7 +45,17 @@ def without_nodes_role(docs: list[dict]) -> list[dict]:
     nodes = [d for d in docs if d["metadata"]["name"] == NODES_ROLE]
     assert [d["kind"] for d in nodes] == ["ClusterRole", "ClusterRoleBinding"]
     assert nodes[0]["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
-    return [d for d in docs if d["metadata"]["name"] != NODES_ROLE]
+    return without_tokenreview_role([d for d in docs if d["metadata"]["name"] != NODES_ROLE])
+
+
+def without_tokenreview_role(docs: list[dict]) -> list[dict]:
+    """Drop the model servers' ClusterRole (only create tokenreviews) and its binding, checked here."""
+    grant = [d for d in docs if d["metadata"]["name"] == TOKENREVIEW_ROLE]
+    assert [d["kind"] for d in grant] == ["ClusterRole", "ClusterRoleBinding"]
+    assert grant[0]["rules"] == [{"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"],
+                                  "verbs": ["create"]}]
+    assert {s["name"] for s in grant[1]["subjects"]} == {names.MODEL_SERVICE_ACCOUNT}
+    return [d for d in docs if d["metadata"]["name"] != TOKENREVIEW_ROLE]
 
 
 def operator_args(docs: list[dict]):
@@ -201,6 +213,9 @@ def test_what_the_operator_renders_passes_the_deployment_rules():
                 continue
             pod = obj["spec"]["template"]["spec"]
             assert pod.get("serviceAccountName", "default") == "default" and "serviceAccount" not in pod
+            enforcing = model_render.render_deployment({**model, "spec": {**model["spec"], "access": {
+                "requestAuth": names.REQUEST_AUTH_ENFORCE}}}, doc)["spec"]["template"]["spec"]
+            assert enforcing["serviceAccountName"] == names.MODEL_SERVICE_ACCOUNT
             assert not [v for v in pod.get("volumes", []) if "hostPath" in v]
             assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
             assert not any((c.get("securityContext") or {}).get("privileged")
@@ -214,3 +229,29 @@ def test_policy_can_be_turned_off_or_only_audit():
     assert binding["spec"]["validationActions"] == ["Audit"]
     assert "Deny and Warn" in helm_error("--set", "operator.admissionPolicy.validationActions={Deny,Warn}")
     assert "validationActions" in helm_error("--set", "operator.admissionPolicy.validationActions={Block}")
+
+
+# --- model servers' TokenReview grant -------------------------------------------------------------
+
+def test_model_service_account_in_each_served_namespace_may_only_create_tokenreviews():
+    docs = render(None, "--set", "operator.watchNamespaces={ml,team-b}")
+    accounts = {(d["metadata"]["namespace"], d["metadata"]["name"]) for d in of_kind(docs, "ServiceAccount")
+                if d["metadata"]["name"] == names.MODEL_SERVICE_ACCOUNT}
+    assert accounts == {("ml", names.MODEL_SERVICE_ACCOUNT), ("team-b", names.MODEL_SERVICE_ACCOUNT)}
+    (binding,) = [d for d in of_kind(docs, "ClusterRoleBinding") if d["metadata"]["name"] == TOKENREVIEW_ROLE]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": TOKENREVIEW_ROLE}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": names.MODEL_SERVICE_ACCOUNT, "namespace": ns}
+                                   for ns in ("ml", "team-b")]
+    without_tokenreview_role(docs)  # its rules: create tokenreviews, nothing else
+
+
+def test_policy_admits_only_the_two_service_accounts_the_operator_renders():
+    policy, _ = policy_and_binding(render())
+    (rule,) = [v["expression"] for v in policy["spec"]["validations"] if "serviceAccountName" in v["expression"]]
+    assert f"'{names.MODEL_SERVICE_ACCOUNT}'" in rule and "['', 'default', 'sparsegate-model-server']" in rule
+
+
+def test_model_tokenreview_rbac_can_be_turned_off():
+    docs = render(None, "--set", "modelServer.requestAuth.rbac=false")
+    assert not [d for d in docs if d["metadata"]["name"] in (TOKENREVIEW_ROLE, names.MODEL_SERVICE_ACCOUNT)]
