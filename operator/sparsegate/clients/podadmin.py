@@ -33,7 +33,8 @@ import aiohttp
 from sparsegate_contracts.canary import document_key, reported_key
 from sparsegate_contracts.gate import version_matches_checksum
 
-__all__ = ["AdminCredentials", "PodTarget", "PodHealth", "PushResult", "PodAdmin", "BodyTooLarge", "read_capped"]
+__all__ = ["AdminCredentials", "PodTarget", "PodHealth", "PushResult", "AccessAnswer", "PodAdmin", "BodyTooLarge",
+           "read_capped"]
 
 JSON_BODY_LIMIT = 64 * 1024  # /healthz and /admin/gate answers are a few hundred bytes
 METRICS_BODY_LIMIT = 4 * 1024 * 1024  # a model server's /metrics is tens of KiB
@@ -120,6 +121,15 @@ class PushResult:
     version: str | None = None
     error: str | None = None
     certificate_refused: bool = False  # the pod's TLS certificate is not the model's
+
+
+@dataclass(frozen=True)
+class AccessAnswer:
+    """A pod's answer on ``/admin/access``: the revision of the access rules it holds (None: none)."""
+
+    name: str
+    revision: str | None = None
+    error: str | None = None
 
 
 class PodAdmin:
@@ -209,6 +219,61 @@ class PodAdmin:
 
         results = await self._each(targets, one)
         return {r.name: r for r in results}
+
+    async def _admin_json(self, session: aiohttp.ClientSession, t: PodTarget, method: str, path: str,
+                          doc: Mapping[str, Any] | None) -> tuple[int, Any]:
+        """One call on the pod's TLS admin port, pinned as :meth:`push` pins it (with the previous
+        credentials mid-rotation); (status, JSON body). Raises what aiohttp raises, ValueError for
+        a refusal to send the token."""
+        if t.admin is None:
+            raise ValueError(f"no admin token sent: {t.refusal or 'no credentials'}")
+        if t.admin_port is None:
+            raise ValueError("the pod declares no admin port (it predates the TLS admin channel)")
+
+        async def call(creds: AdminCredentials) -> tuple[int, Any]:
+            async with session.request(
+                method, f"{t.admin_base}{path}", json=dict(doc) if doc is not None else None, ssl=creds.ssl,
+                server_hostname=creds.server_name, headers={"Authorization": f"Bearer {creds.token}"}
+            ) as resp:
+                return resp.status, await _json(resp)
+
+        try:
+            return await call(t.admin)
+        except aiohttp.ClientConnectorCertificateError:
+            if t.previous_admin is None:
+                raise
+            return await call(t.previous_admin)
+
+    async def _access(self, pairs: list[tuple[PodTarget, Mapping[str, Any] | None]]) -> dict[str, AccessAnswer]:
+        docs = {t.name: doc for t, doc in pairs}
+
+        async def one(session: aiohttp.ClientSession, t: PodTarget) -> AccessAnswer:
+            doc = docs[t.name]
+            method = "GET" if doc is None else "PUT"
+            try:
+                status, body = await self._admin_json(session, t, method, "/admin/access", doc)
+            except aiohttp.ClientConnectorCertificateError as e:
+                return AccessAnswer(name=t.name, error=f"{method} /admin/access: the pod's certificate is not "
+                                                       f"the model's: {e.certificate_error}")
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
+                return AccessAnswer(name=t.name, error=f"{method} /admin/access: {type(e).__name__} {e}".strip())
+            if status != 200 or not isinstance(body, dict):
+                return AccessAnswer(name=t.name, error=f"{method} /admin/access {status}: {str(body)[:512]}")
+            revision = body.get("revision")
+            return AccessAnswer(name=t.name, revision=revision if isinstance(revision, str) else None)
+
+        results = await self._each([t for t, _ in pairs], one)
+        return {r.name: r for r in results}
+
+    async def access(self, targets: Iterable[PodTarget]) -> dict[str, AccessAnswer]:
+        """``GET /admin/access`` of every target: the access rules' revision each holds (never raises
+        for a pod's failure)."""
+        return await self._access([(t, None) for t in targets])
+
+    async def push_access(self, pushes: list[tuple[PodTarget, Mapping[str, Any]]]) -> dict[str, AccessAnswer]:
+        """``PUT /admin/access`` of each (pod, access document); the answer's revision is what the
+        pod holds now (a 422 keeps its old rules and reports the error)."""
+        return await self._access([(t, doc) for t, doc in pushes])
 
     async def scrape(self, targets: Iterable[PodTarget]) -> dict[str, str]:
         """``/metrics`` text of every target that answered (absent: unreachable)."""

@@ -5,3 +5,4 @@ from sparsegate.handlers import routingpolicy  # noqa: F401
 from sparsegate.handlers import gateconfig  # noqa: F401
 from sparsegate.handlers import rollout_metrics  # noqa: F401
 from sparsegate.handlers import telemetryprobe  # noqa: F401
+from sparsegate.handlers import accesssync  # noqa: F401

@@ -123,6 +123,9 @@ class _Cache:
     withheld: set[tuple[str, str]] = field(default_factory=set)  # (pod uid, reason) already reported
 
 
+FleetCache = _Cache  # what ``RolloutLoop.fleet`` keeps between calls (credentials, reported pods)
+
+
 @dataclass(frozen=True)
 class _Fleet:
     targets: dict[str, PodTarget]  # reachable candidates (have an IP) whose owner chain is the model's
@@ -214,6 +217,11 @@ class RolloutLoop:
                     name=meta["name"], ip=status["podIP"], port=render.serving_port(live_models[model_name]),
                     admin_port=admin_port(pod), admin=c.current, previous_admin=c.previous, refusal=c.error)
         return _Fleet(targets=targets, all_pods=tuple(sorted(live)), withheld=withheld)
+
+    async def fleet(self, *, namespace: str, models: Sequence[str], cache: _Cache) -> _Fleet:
+        """The models' pods that may be sent their admin token (the same owner checks as a rollout's);
+        ``handlers.accesssync`` pushes access rules to these."""
+        return await self._fleet(namespace=namespace, models=models, cache=cache)
 
     async def _observe_pods(self, fleet: _Fleet) -> tuple[PodObservation, ...]:
         health = await self.admin.health(list(fleet.targets.values()))

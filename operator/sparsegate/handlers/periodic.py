@@ -32,6 +32,7 @@ class _Entry:
     tick: Tick
     logger: logging.Logger | logging.LoggerAdapter
     task: asyncio.Task[None] | None = None
+    woken: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
 def _gone(event_type: str | None, body: Mapping[str, Any]) -> bool:
@@ -72,9 +73,24 @@ class ObjectLoops:
         entry.task = asyncio.create_task(self._run(key, entry), name=f"{self.kind} {key[0]}/{key[1]}")
         return True
 
+    def keys(self) -> list[Key]:
+        return list(self._entries)
+
+    def wake(self, keys: list[Key] | None = None) -> int:
+        """Run these objects' next round now rather than at the end of their interval (None: every
+        object's); returns how many loops were woken. A round in progress finishes first and the
+        next one follows at once."""
+        woken = 0
+        for key, entry in self._entries.items():
+            if keys is None or key in keys:
+                entry.woken.set()
+                woken += 1
+        return woken
+
     async def _run(self, key: Key, entry: _Entry) -> None:
         await asyncio.sleep(self.initial_delay_s)
         while self._entries.get(key) is entry:
+            entry.woken.clear()
             try:
                 await entry.tick(entry.body)
             except asyncio.CancelledError:
@@ -82,7 +98,10 @@ class ObjectLoops:
             except Exception:  # noqa: BLE001 (one bad round must not end the object's loop)
                 entry.logger.exception("periodic %s work for %s/%s failed; next round in %.1fs",
                                        self.kind, key[0], key[1], self.interval_s)
-            await asyncio.sleep(self.interval_s)
+            try:
+                await asyncio.wait_for(entry.woken.wait(), self.interval_s)
+            except asyncio.TimeoutError:
+                pass
 
     async def stop(self) -> None:
         """Cancel every loop and wait for them (operator shutdown)."""

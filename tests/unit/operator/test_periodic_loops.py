@@ -77,3 +77,25 @@ async def test_deleted_before_its_first_event_starts_nothing() -> None:
     assert not loops.seen(key=("ns", "g"), event_type=None, body=body(deleting=True), tick=tick)
     await asyncio.sleep(0.03)
     assert ("ns", "g") not in loops
+
+
+async def test_wake_runs_the_next_round_at_once_for_the_named_objects_only() -> None:
+    loops = ObjectLoops(kind="SparseModel", interval_s=60.0)
+    rounds: dict[str, int] = {"a": 0, "b": 0}
+
+    def tick_for(name: str) -> Any:
+        async def tick(_: Any) -> None:
+            rounds[name] += 1
+        return tick
+
+    loops.seen(key=("ns", "a"), event_type=None, body=body(), tick=tick_for("a"))
+    loops.seen(key=("ns", "b"), event_type=None, body=body(), tick=tick_for("b"))
+    await asyncio.sleep(0.05)
+    assert rounds == {"a": 1, "b": 1}  # first rounds; the next is 60 s away
+    assert loops.wake([("ns", "a")]) == 1
+    await asyncio.sleep(0.05)
+    assert rounds == {"a": 2, "b": 1}
+    assert loops.wake() == 2
+    await asyncio.sleep(0.05)
+    await loops.stop()
+    assert rounds == {"a": 3, "b": 2}
