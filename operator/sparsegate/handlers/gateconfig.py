@@ -232,9 +232,12 @@ class RolloutLoop:
         return tuple(out)
 
     def _request(self, *, namespace: str, fleet: _Fleet, status: RolloutStatus, now: float) -> MeasureRequest:
-        by_version = status.strategy == Strategy.REQUESTS and status.canary is not None and status.stable is not None
-        if by_version:
-            # Request-level canary: both groups are every pod, split by the serving gate version.
+        # Each group counts only the requests its own version served. Under `requests` both groups
+        # are every pod; under `instances` the canary pods' requests of the canary version and the
+        # others' of the stable one, so a pod still finishing requests of a version just rolled
+        # back (seconds of injected latency, in CI) does not fail the next rollout's first window.
+        by_version = status.canary is not None and status.stable is not None
+        if by_version and status.strategy == Strategy.REQUESTS:
             canary = stable = sorted(fleet.targets)
         else:
             canary = [p for p in status.canary_pods if p in fleet.targets]

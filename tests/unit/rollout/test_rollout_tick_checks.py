@@ -73,12 +73,18 @@ class FakePods(PodAdmin):
         return {t.name: PushResult(name=t.name, ok=True, version=d["version"]) for t, d in pushes}
 
     async def scrape(self, targets: Any) -> dict[str, str]:
+        # As the model server labels them: by the gate version that served the requests (here the
+        # pod's whole history is counted under its current version).
         n = self.rate * self.clock[0]
         bad = n * self.errors
-        text = (f'sparsegate_requests_total{{code="200"}} {n - bad}\nsparsegate_requests_total{{code="503"}} {bad}\n'
-                f'sparsegate_request_duration_seconds_bucket{{le="0.1"}} {n}\n'
-                f'sparsegate_request_duration_seconds_bucket{{le="+Inf"}} {n}\n')
-        return {t.name: text for t in targets}
+
+        def text(version: str) -> str:
+            v = f'gate_version="{version}"'
+            return (f'sparsegate_requests_total{{code="200",{v}}} {n - bad}\n'
+                    f'sparsegate_requests_total{{code="503",{v}}} {bad}\n'
+                    f'sparsegate_request_duration_seconds_bucket{{{v},le="0.1"}} {n}\n'
+                    f'sparsegate_request_duration_seconds_bucket{{{v},le="+Inf"}} {n}\n')
+        return {t.name: text(self.versions[t.name]) for t in targets}
 
 
 class Loop(RolloutLoop):
