@@ -70,8 +70,11 @@ def model_document(model: Mapping[str, Any], sources: Iterable[PolicySource], *,
 
 
 def pods_to_push(revision: str, *, reachable: Sequence[str], held: Mapping[str, PodAccess]) -> list[str]:
-    """Pods (with an address) that do not report ``revision``: none yet, another, or no answer."""
-    return sorted(p for p in reachable if (held.get(p) is None or held[p].revision != revision))
+    """Pods (with an address) that answered holding no rules or another revision. A pod whose
+    ``GET /admin/access`` failed (still starting, refused) is not pushed to: the PUT would fail
+    the same way; the condition names the error and the next round asks again."""
+    return sorted(p for p in reachable
+                  if (a := held.get(p)) is not None and a.error is None and a.revision != revision)
 
 
 def _listed(items: Sequence[str]) -> str:
