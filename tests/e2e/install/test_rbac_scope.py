@@ -176,3 +176,31 @@ def test_a_model_in_the_served_namespace_becomes_ready_under_the_policy(stack: S
     # And none of its writes was refused on the way (a refusal is logged, then retried).
     log = stack.logs(stack.wait_operator_ready(), "operator", lines=5000)
     assert "ValidatingAdmissionPolicy" not in log and "Forbidden" not in log, log[-3000:]
+
+
+def test_policy_lets_model_pods_run_as_the_tokenreview_account_and_no_other(stack: Stack, operator_user: str) -> None:
+    """SparseModels with spec.access.requestAuth Enforce run as sparsegate-model-server (the chart's
+    ServiceAccount with only create tokenreviews); any other named ServiceAccount is refused."""
+
+    def deployment(sa: str) -> dict:
+        labels = {**MANAGED, "app": "policy-probe"}
+        return {"apiVersion": "apps/v1", "kind": "Deployment",
+                "metadata": {"name": "policy-probe", "namespace": RELEASE_NS, "labels": labels},
+                "spec": {"replicas": 0, "selector": {"matchLabels": {"app": "policy-probe"}},
+                         "template": {"metadata": {"labels": labels}, "spec": {
+                             "serviceAccountName": sa, "containers": [{"name": "c", "image": "none"}]}}}}
+
+    def dry_run(sa: str) -> subprocess.CompletedProcess[str]:
+        return as_operator(stack, operator_user, "apply", "--server-side", "--force-conflicts", "--dry-run=server",
+                           "--field-manager=sparsegate", "-f", "-", input=json.dumps(deployment(sa)))
+
+    allowed = dry_run(names.MODEL_SERVICE_ACCOUNT)
+    assert allowed.returncode == 0, allowed.stderr
+    refused = dry_run("cluster-admin-ish")
+    assert refused.returncode != 0 and DENIED_BY in refused.stderr, refused.stderr
+    assert ("may only run pods as their namespace default ServiceAccount or sparsegate-model-server; "
+            f"deployments {RELEASE_NS}/policy-probe names cluster-admin-ish") in refused.stderr, refused.stderr
+    # The chart created it here, with the one verb.
+    user = f"system:serviceaccount:{RELEASE_NS}:{names.MODEL_SERVICE_ACCOUNT}"
+    assert can_i(stack, user, "create", "tokenreviews.authentication.k8s.io", RELEASE_NS) == "yes"
+    assert can_i(stack, user, "get", "secrets", RELEASE_NS) == "no"
