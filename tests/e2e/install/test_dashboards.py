@@ -224,7 +224,10 @@ def test_every_dashboard_query_returns_series(stack: Stack, stack_namespace: str
             assert veth.send_udp(ALLOWED_PORT, 50) == 50 and veth.send_udp(DENIED_PORT, 20) == 20
             for title, ref, expr in concrete:
                 results[(title, ref)] = prom.query(expr)
-            return all(results.values())
+            # The verdict panel's rate needs two scrapes of each series: the deny series can show up
+            # a scrape after the allow one (seen once in CI), so wait for both, as asserted below.
+            actions = {r["metric"].get("action") for r in results.get(("XDP verdicts by rule", "A"), [])}
+            return all(results.values()) and {"allow", "deny"} <= actions
 
         try:
             wait_for(every_query_has_series, what="every dashboard query to return series", timeout_s=90,
