@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from localcluster.ports import free_port
+from admin_model_server import admin_model_server
 
 from sparsegate.clients.admin_credentials import client_context
 from sparsegate.clients.podadmin import AdminCredentials, PodAdmin, PodTarget
@@ -50,32 +46,9 @@ def cert_pem() -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, cert_pem: tuple[str, str]) -> Iterator[PodTarget]:
     d = tmp_path_factory.mktemp("access-admin")
-    (d / "token").write_text(TOKEN)
-    (d / "tls.crt").write_text(cert_pem[0])
-    (d / "tls.key").write_text(cert_pem[1])
-    port, admin_port = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sparsegate_workload.server", "--host", "127.0.0.1",
-                             "--port", str(port), "--admin-port", str(admin_port),
-                             "--admin-token-file", str(d / "token"), "--admin-tls-cert", str(d / "tls.crt"),
-                             "--admin-tls-key", str(d / "tls.key")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"model server exited: {proc.stderr.read().decode()[-2000:]}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "model server was not ready within 60 s"
-            time.sleep(0.2)
+    with admin_model_server(d, token=TOKEN, cert=cert_pem[0], key=cert_pem[1]) as (port, admin_port):
         yield PodTarget(name="pod-a", ip="127.0.0.1", port=port, admin_port=admin_port,
                         admin=credentials(cert_pem[0]))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 async def test_push_then_read_back_the_revision(server: PodTarget, cert_pem: tuple[str, str]) -> None:

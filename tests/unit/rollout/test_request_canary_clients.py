@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import subprocess
-import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 
 import aiohttp
 import pytest
+from admin_model_server import admin_model_server
 from sparsegate_contracts import names
 from sparsegate_contracts.canary import routes_to_canary, set_key
 from sparsegate_workload import gateparams
@@ -29,7 +27,6 @@ from sparsegate.domain import admin_tls
 from sparsegate.domain.analysis_run import BUILTIN_CHECK
 from sparsegate.domain.request_canary import step_target
 from sparsegate.domain.rollout import GateVersion
-from localcluster.ports import free_port
 
 TOKEN = "canary-clients-token"
 SERVER_NAME = names.admin_server_name(model="m", namespace="ns")
@@ -41,33 +38,11 @@ FAULTY = GateVersion.from_params({**gateparams.DEFAULT_PARAMS, "faultInjection":
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodTarget]:
     cert, key = admin_tls.issue(server_name=SERVER_NAME, now=datetime.datetime.now(datetime.timezone.utc))
     d = tmp_path_factory.mktemp("canary-admin")
-    (d / "token").write_text(TOKEN)
-    (d / "tls.crt").write_text(cert)
-    (d / "tls.key").write_text(key)
     (d / "gate.json").write_text(gateparams.make_document(dict(STABLE.params)).file_text())
-    port, admin_port = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sparsegate_workload.server", "--host", "127.0.0.1",
-                             "--port", str(port), "--admin-port", str(admin_port), "--gate-config", str(d / "gate.json"),
-                             "--admin-token-file", str(d / "token"), "--admin-tls-cert", str(d / "tls.crt"),
-                             "--admin-tls-key", str(d / "tls.key")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"model server exited: {proc.stderr.read().decode()[-2000:]}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "model server was not ready within 60 s"
-            time.sleep(0.2)
+    with admin_model_server(d, token=TOKEN, cert=cert, key=key,
+                            extra_args=("--gate-config", str(d / "gate.json"))) as (port, admin_port):
         creds = AdminCredentials(token=TOKEN, server_name=SERVER_NAME, ssl=client_context(cert), source="test")
         yield PodTarget(name="pod-a", ip="127.0.0.1", port=port, admin_port=admin_port, admin=creds)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 async def test_push_set_then_scrape_splits_requests_by_version(server: PodTarget) -> None:
