@@ -67,9 +67,11 @@ def fleet(stack: Stack) -> Iterator[Fleet]:
     # Pods are rejected until the namespace's default ServiceAccount exists.
     wait_for(lambda: stack.kubectl("get", "serviceaccount", "default", "-n", ns, check=False).returncode == 0,
              what="default ServiceAccount", timeout_s=60, interval_s=0.5)
+    # Pod-level steps (strategy instances): these suites assert which pods hold which version;
+    # the default, requests, is covered by test_request_canary.py and test_quality_rollout.py.
     gateconfig = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "GateConfig", "metadata": {"name": GATE},
                   "spec": {"params": BASE_PARAMS,
-                           "rollout": {"steps": [5, 20, 100], "analysisInterval": ANALYSIS_INTERVAL,
+                           "rollout": {"strategy": "instances", "steps": [5, 20, 100], "analysisInterval": ANALYSIS_INTERVAL,
                                        "slaP99LatencyMs": SLA_P99_MS, "maxDrift": 0.2, "autoRollback": True}}}
     # No spec.image: the chart's modelServer.image (the locally built model-server image).
     model = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "SparseModel", "metadata": {"name": MODEL},

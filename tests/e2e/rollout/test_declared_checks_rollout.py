@@ -143,7 +143,7 @@ def setup(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
     # The checks need Prometheus' address, which needs the pods' IPs: the GateConfig starts with
     # the builtin check and gets the declared ones once Prometheus scrapes the pods.
     gateconfig = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "GateConfig", "metadata": {"name": GATE},
-                  "spec": {"params": BASE_PARAMS, "rollout": {"steps": [30, 100], "analysisInterval": "4s",
+                  "spec": {"params": BASE_PARAMS, "rollout": {"strategy": "instances", "steps": [30, 100], "analysisInterval": "4s",
                                                               "autoRollback": True}}}
     op = Operator(stack=stack)
     op.expected_restarts = op.restart_count()

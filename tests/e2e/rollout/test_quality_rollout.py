@@ -64,7 +64,7 @@ def quality_fleet(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Ite
                            # shared machine saw p99 ~1 s) and a loose drift bound (raising the threshold
                            # 0.6 -> 0.8 is meant to activate more experts: drift 0.74 measured) keep the
                            # other checks from deciding; maxQualityDrop is left at its default.
-                           "rollout": {"steps": [25, 50, 100], "analysisInterval": "4s",
+                           "rollout": {"strategy": "instances", "steps": [25, 50, 100], "analysisInterval": "4s",
                                        "slaP99LatencyMs": 10000, "maxDrift": 2.0, "autoRollback": True}}}
     model = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "SparseModel", "metadata": {"name": MODEL},
              "spec": {"replicas": REPLICAS, "image": image, "gateConfigRef": {"name": GATE},
