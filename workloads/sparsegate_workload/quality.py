@@ -10,8 +10,10 @@ its negative, perplexity its exponential):
   confidence in its own choice, not a measure of how well it predicts text.
   Exported as counters, so ``rate(nll) / rate(tokens)`` is the mean NLL over any window.
 * **Probe set**: a small fixed text scored whenever a gate version is installed, under that
-  gate exactly as served (its capacity cap included). Canary and stable score the same tokens,
-  so their difference is the gate's doing, not the traffic's. The text comes from
+  gate exactly as served (its capacity cap included; a checkpoint's request-level canary pinned
+  for the probe forward as for a request). Every version the server holds is scored: the stable
+  one, and the canary of a request-level canary beside it. Canary and stable score the same
+  tokens, so their difference is the gate's doing, not the traffic's. The text comes from
   ``sparsegate_probe.txt`` beside the checkpoint's weights when present (one text per line,
   placed there by whoever ships the checkpoint; ``sparsegate-train`` writes its held-out lines
   there); otherwise, for a checkpoint with a tokenizer,
@@ -22,7 +24,8 @@ its negative, perplexity its exponential):
 Metrics (labelled ``gate_version``; ``none`` for a gate without a version):
 ``sparsegate_quality_nll_total``, ``sparsegate_quality_tokens_total`` (counters, live traffic),
 ``sparsegate_probe_nll_per_token``, ``sparsegate_probe_perplexity`` and
-``sparsegate_probe_tokens`` (gauges, only for the version in effect).
+``sparsegate_probe_tokens`` (gauges, one per version held: a version the server no longer
+holds, after a promotion or a rollback, loses its gauges).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import dataclasses
 import math
 import random
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -133,11 +136,12 @@ def random_probe(*, vocab_size: int, seq_len: int = PROBE_SEQ_LEN, windows: int 
     return ProbeSet(windows=_windows(ids, seq_len), source=f"random token ids (seed {PROBE_SEED})")
 
 
-def score_checkpoint_probe(lm: Any, probe: ProbeSet) -> Score:
-    """Score ``probe`` through a `SparseGatedCausalLM` under the gate installed now."""
+def score_checkpoint_probe(lm: Any, probe: ProbeSet, *, gate: Any = None) -> Score:
+    """Score ``probe`` through a `SparseGatedCausalLM` under ``gate`` (an `ActiveGate` pinned
+    for the forward, as a request-level canary is for a request), else the gate installed now."""
     device = next(lm.model.parameters()).device
     ids = probe.windows.to(device)
-    return score_rows(lm.forward(ids).logits, ids)
+    return score_rows(lm.forward(ids, gate=gate).logits, ids)
 
 
 def score_builtin_probe(model: Any, probe: ProbeSet, *, gate: Any, precisions: Any) -> Score:
@@ -163,14 +167,15 @@ class QualityMetrics:
                               "Live traffic: prompt tokens scored for quality",
                               ["gate_version"], registry=r)
         self.probe_nll = Gauge("sparsegate_probe_nll_per_token",
-                               "Probe set: mean NLL per token (nats) under the gate in effect",
+                               "Probe set: mean NLL per token (nats) under each gate version held",
                                ["gate_version"], registry=r)
         self.probe_ppl = Gauge("sparsegate_probe_perplexity",
-                               "Probe set: perplexity under the gate in effect",
+                               "Probe set: perplexity under each gate version held",
                                ["gate_version"], registry=r)
         self.probe_tokens = Gauge("sparsegate_probe_tokens", "Probe set: tokens scored",
                                   ["gate_version"], registry=r)
         self.probe: ProbeSet | None = None  # set by the server once the model is loaded
+        self.probe_scores: dict[str, Score] = {}  # published now, by gate_version label
 
     def observe(self, version: str | None, score: Score) -> None:
         if score.tokens:
@@ -178,24 +183,20 @@ class QualityMetrics:
             self.nll.labels(gate_version=label).inc(score.nll)
             self.tokens.labels(gate_version=label).inc(score.tokens)
 
+    def publish_probes(self, scores: Mapping[str | None, Score]) -> None:
+        """Publish the probe scores of exactly the versions in ``scores`` (the versions held:
+        stable, and a request-level canary's); every other version's gauges are removed, so
+        ``/metrics`` never shows a version the server no longer serves."""
+        wanted = {(version or NO_VERSION): score for version, score in scores.items()}
+        for label in set(self.probe_scores) - set(wanted):
+            for g in (self.probe_nll, self.probe_ppl, self.probe_tokens):
+                g.remove(label)
+        for label, score in wanted.items():
+            self.probe_nll.labels(gate_version=label).set(score.mean_nll)
+            self.probe_ppl.labels(gate_version=label).set(score.perplexity)
+            self.probe_tokens.labels(gate_version=label).set(score.tokens)
+        self.probe_scores = wanted
+
     def set_probe(self, version: str | None, score: Score) -> None:
-        """Publish the probe score of the version now in effect (only it: a pod serves one)."""
-        for g in (self.probe_nll, self.probe_ppl, self.probe_tokens):
-            g.clear()
-        label = version or NO_VERSION
-        self.probe_nll.labels(gate_version=label).set(score.mean_nll)
-        self.probe_ppl.labels(gate_version=label).set(score.perplexity)
-        self.probe_tokens.labels(gate_version=label).set(score.tokens)
-
-
-def publish_probe(quality: QualityMetrics, probe: ProbeSet, *, version: str | None,
-                  hf: Any | None = None, model: Any | None = None, gate: Any = None,
-                  precisions: Any = None) -> Score:
-    """Score ``probe`` under the gate in effect (a checkpoint's installed gate, or ``gate`` for
-    the built-in model) and publish it for ``version``. Runs on the model thread."""
-    if hf is not None:
-        score = score_checkpoint_probe(hf.lm, probe)
-    else:
-        score = score_builtin_probe(model, probe, gate=gate, precisions=precisions)
-    quality.set_probe(version, score)
-    return score
+        """Publish the probe score of ``version`` as the only version held."""
+        self.publish_probes({version: score})

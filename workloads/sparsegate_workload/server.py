@@ -28,7 +28,9 @@ response's ``gateVersion`` names the version that served it, and ``sparsegate_re
 measured side by side from the same pods. A checkpoint pins the canary per request too (on
 ``/v1/infer`` and the OpenAI routes; a generation decodes wholly under the version it was
 prefilled with), provided the canary keeps the stored weight precisions: it holds one weight
-storage, so a canary whose precisionPolicy resolves otherwise is answered 422.
+storage, so a canary whose precisionPolicy resolves otherwise is answered 422. The probe set
+(`quality`) is scored under each version held before the PUT answers, its gauges labelled by
+version; a version no longer held loses them.
 
 A gate with ``targetExpertsPerToken`` gets its own PI controller (`threshold_control`) when it is
 applied to the built-in model: each /v1/infer batch routes with the controller's threshold and
@@ -417,8 +419,9 @@ async def put_gate(request: web.Request) -> web.Response:
     _publish_controller(state, new)
     if canary is not None:
         _publish_controller(state, canary.gate)
-    if doc.version != previous:
-        await _score_probe(state)  # before answering: the operator reads it once the PUT returns
+    # Before answering (the operator reads the probe gauges once the PUT returns): a new stable
+    # or canary is scored, versions no longer held lose their gauges.
+    await _score_probes(state)
     log.info("gate %s -> %s", previous, wanted.key)
     return web.json_response({**_served_json(state), "applied": True, "previousVersion": previous})
 
@@ -520,7 +523,7 @@ async def _load_model(app: web.Application) -> None:
         except ValueError as e:  # e.g. a probe file shorter than one window: serve without it
             log.warning("no probe set: %s", e)
         state.metrics, state.hf = metrics_, hf
-        await _score_probe(state)
+        await _score_probes(state)
         return
     metrics_.set_gate(version=doc.version, checksum=doc.checksum)
     metrics_.quality.probe = quality.random_probe(vocab_size=model.cfg.vocab_size,
@@ -529,26 +532,60 @@ async def _load_model(app: web.Application) -> None:
     state.metrics, state.model = metrics_, model
     state.gate = _applied(doc, model)
     _publish_controller(state, state.gate)
-    await _score_probe(state)
+    await _score_probes(state)
 
 
-async def _score_probe(state: ServerState) -> None:
-    """Score the probe set under the gate now in effect, on the model thread (after any swap
-    queued there), and publish it (quality.py). A failure is logged, never fatal: quality is
-    then simply not reported for this version."""
-    m, gate = state.metrics, state.gate
-    if m is None or gate is None or m.quality.probe is None:
+async def _score_probes(state: ServerState) -> None:
+    """Score the probe set under every version held that has no published score yet (the
+    stable gate, and a request-level canary's), on the model thread after any swap queued
+    there; then publish exactly the versions held (quality.py), so a version promoted away or
+    rolled back loses its gauges. A failure is logged, never fatal: quality is then simply not
+    reported for that version."""
+    m = state.metrics
+    if m is None or state.gate is None or m.quality.probe is None:
         return
     probe = m.quality.probe
-    try:
-        score = await asyncio.get_running_loop().run_in_executor(
-            state.executor, lambda: quality.publish_probe(
-                m.quality, probe, version=gate.doc.version, hf=state.hf, model=state.model,
-                gate=gate.params, precisions=gate.precisions))
-        log.info("gate %s: probe perplexity %.4f over %d tokens (%s)", gate.doc.version,
+    known = m.quality.probe_scores
+    todo = [g for g in _held_gates(state) if (g.doc.version or quality.NO_VERSION) not in known]
+    scored: dict[str, quality.Score] = {}
+    for gate in todo:
+        version = gate.doc.version
+        try:
+            score = await asyncio.get_running_loop().run_in_executor(
+                state.executor, lambda g=gate: _probe_score(state, g, probe))
+        except Exception:  # noqa: BLE001 - quality must never take serving down
+            log.exception("gate %s: probe set not scored", version)
+            continue
+        if score is None:
+            continue  # another PUT installed a newer stable meanwhile; it scores its own
+        scored[version or quality.NO_VERSION] = score
+        log.info("gate %s: probe perplexity %.4f over %d tokens (%s)", version,
                  score.perplexity, score.tokens, probe.source)
-    except Exception:  # noqa: BLE001 - quality must never take serving down
-        log.exception("gate %s: probe set not scored", gate.doc.version)
+    # Re-read: the versions held now (a PUT may have landed while the model thread scored).
+    scores = {**m.quality.probe_scores, **scored}
+    held = [g.doc.version or quality.NO_VERSION for g in _held_gates(state)]
+    m.quality.publish_probes({v: scores[v] for v in held if v in scores})
+
+
+def _held_gates(state: ServerState) -> list[AppliedGate]:
+    """The stable gate, then the request-level canary's when one is held."""
+    assert state.gate is not None
+    return [state.gate] + ([state.canary.gate] if state.canary is not None else [])
+
+
+def _probe_score(state: ServerState, gate: AppliedGate, probe: quality.ProbeSet) -> quality.Score | None:
+    """On the model thread: the probe scored under ``gate`` as its requests are served. A
+    checkpoint's canary is pinned for the forward (its hf_gate); its stable is the installed
+    gate, None when that is no longer ``gate``'s version."""
+    if state.hf is not None:
+        active = gate.hf_gate
+        if active is None:
+            active = state.hf.lm.gate
+            if active.version != gate.doc.version:
+                return None
+        return quality.score_checkpoint_probe(state.hf.lm, probe, gate=active)
+    assert state.model is not None
+    return quality.score_builtin_probe(state.model, probe, gate=gate.params, precisions=gate.precisions)
 
 
 def _load_checkpoint(state: ServerState) -> hf_serving.HFServedModel:

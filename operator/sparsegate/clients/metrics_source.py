@@ -40,7 +40,7 @@ ASSIGNMENTS = "sparsegate_expert_assignments_total"
 EXPERT_TOKENS = "sparsegate_expert_tokens_total"
 ACTIVE_GAUGE = "sparsegate_active_experts_per_token"
 # Quality (the model server's quality.py): live counters summed over gate versions, and the
-# probe set's gauge (exported for the version in effect only).
+# probe set's gauge (one per version the pod holds: its stable, and a request-level canary's).
 QUALITY_NLL = "sparsegate_quality_nll_total"
 QUALITY_TOKENS = "sparsegate_quality_tokens_total"
 PROBE_NLL = "sparsegate_probe_nll_per_token"

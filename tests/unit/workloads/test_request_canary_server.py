@@ -195,3 +195,68 @@ async def test_a_checkpoint_pins_the_canary_per_request_on_every_route(tmp_path)
             status, body = await _put(a, TWO.to_json())
             assert status == 200 and "canary" not in body and body["version"] == TWO.version
             assert await complete("chat-0") == TWO.version
+
+
+# Probe quality per version: the canary differs from the stable only by its top-p threshold.
+LOOSE = make_document({**DEFAULT_PARAMS, "confidenceThreshold": 0.3, "capacityFactor": 8})
+TIGHT = make_document({**DEFAULT_PARAMS, "confidenceThreshold": 0.95, "capacityFactor": 8})
+PROBE = "sparsegate_probe_nll_per_token"
+
+
+def _probes(text):
+    return {key.split('gate_version="')[1].split('"')[0]: value
+            for key, value in _samples(text).items() if key.startswith(PROBE + "{")}
+
+
+async def _alone_probe(doc, **kwargs):
+    """The probe score of ``doc`` installed alone in a fresh server (same seed, same weights)."""
+    app = create_app(gate_doc=doc, **kwargs)
+    async with TestClient(TestServer(app, host="127.0.0.1")) as c:
+        await wait_ready(app)
+        return _probes(await (await c.get("/metrics")).text())[doc.version]
+
+
+async def _probe_lifecycle(client, admin):
+    """Set, promote, roll back: each PUT's answer is followed by exactly the held versions'
+    probe gauges, each version's value fixed from its first scoring."""
+    alone = _probes(await (await client.get("/metrics")).text())
+    assert list(alone) == [LOOSE.version]
+    status, _ = await _put(admin, gate_set_document(LOOSE.to_json(), TIGHT.to_json(), weight=0.1))
+    assert status == 200
+    both = _probes(await (await client.get("/metrics")).text())
+    assert set(both) == {LOOSE.version, TIGHT.version}
+    assert both[LOOSE.version] == alone[LOOSE.version]
+    # A wider top-p keeps more experts per token: the model's predictions, and their NLL, move.
+    assert abs(both[TIGHT.version] - both[LOOSE.version]) > 1e-4, both
+    status, _ = await _put(admin, gate_set_document(LOOSE.to_json(), TIGHT.to_json(), weight=0.5))
+    assert status == 200 and _probes(await (await client.get("/metrics")).text()) == both
+    status, _ = await _put(admin, TIGHT.to_json())  # promote
+    assert status == 200
+    assert _probes(await (await client.get("/metrics")).text()) == {TIGHT.version: both[TIGHT.version]}
+    status, _ = await _put(admin, gate_set_document(TIGHT.to_json(), LOOSE.to_json(), weight=0.2))
+    assert status == 200 and _probes(await (await client.get("/metrics")).text()) == both
+    status, _ = await _put(admin, TIGHT.to_json())  # roll the canary back
+    assert status == 200
+    assert _probes(await (await client.get("/metrics")).text()) == {TIGHT.version: both[TIGHT.version]}
+    return both
+
+
+async def test_the_builtin_model_scores_the_probe_set_for_every_version_it_holds():
+    app = create_app(gate_doc=LOOSE)
+    async with TestClient(TestServer(app, host="127.0.0.1")) as c:
+        await wait_ready(app)
+        async with TestClient(TestServer(create_admin_app(app, auth=StaticToken(TOKEN)), host="127.0.0.1")) as a:
+            both = await _probe_lifecycle(c, a)
+    # The canary's score is the one it has installed alone.
+    assert both[TIGHT.version] == pytest.approx(await _alone_probe(TIGHT), rel=1e-6)
+
+
+async def test_a_checkpoint_scores_its_canary_pinned_for_the_probe_forward(tmp_path):
+    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", family="mixtral", experts=4, top_k=2)
+    app = create_app(gate_doc=LOOSE, model_path=str(checkpoint))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as c:
+        await wait_ready(app)
+        async with TestClient(TestServer(create_admin_app(app, auth=StaticToken(TOKEN)), host="127.0.0.1")) as a:
+            both = await _probe_lifecycle(c, a)
+    # Pinned beside LOOSE, the canary scores what it scores installed alone.
+    assert both[TIGHT.version] == pytest.approx(await _alone_probe(TIGHT, model_path=str(checkpoint)), rel=1e-5)
