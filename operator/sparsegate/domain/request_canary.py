@@ -30,7 +30,8 @@ class Strategy(str, enum.Enum):
     # A step's percent is a share of requests; every pod holds both versions.
 
 
-DEFAULT_STRATEGY = Strategy.INSTANCES
+# What a spec without spec.rollout.strategy gets: the share of requests is exact at any replica count.
+DEFAULT_STRATEGY = Strategy.REQUESTS
 
 
 class GateDoc(Protocol):

@@ -14,7 +14,7 @@ done is never repeated and the stable version is never lost (it only changes on
 promotion). The handler persists the returned status before performing the
 returned actions.
 
-Flow for a new spec version (``steps`` default 5 → 20 → 100 % of instances)::
+Flow for a new spec version (``steps`` default 5 → 20 → 100 % of requests, or of instances)::
 
     Succeeded ─new version─▶ Progressing ─step pods report it─▶ Analysing
         ▲                        ▲                                  │ window passed

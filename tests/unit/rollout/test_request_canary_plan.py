@@ -89,7 +89,8 @@ def started(n: int = 2, **rollout: object) -> Driver:
 
 def test_parse_spec_strategy_and_sticky_header() -> None:
     s = parse_spec({"params": V1})
-    assert s.strategy == Strategy.INSTANCES and s.sticky_header == "x-session-id"
+    assert s.strategy == Strategy.REQUESTS and s.sticky_header == "x-session-id"  # the default
+    assert parse_spec({"params": V1, "rollout": {"strategy": "instances"}}).strategy == Strategy.INSTANCES
     s = parse_spec(spec(V1, stickyHeader="x-user"))
     assert s.strategy == Strategy.REQUESTS and s.sticky_header == "x-user"
     with pytest.raises(SpecError, match="spec.rollout.strategy"):

@@ -42,7 +42,8 @@ V3 = {"toolGateThreshold": 0.75, "entropyBeta": 0.1}
 
 
 def spec(params: dict, **rollout: object) -> dict:
-    return {"params": params, "rollout": {"analysisInterval": "10s", "minRequests": 20, **rollout}}
+    return {"params": params, "rollout": {"analysisInterval": "10s", "minRequests": 20, "strategy": "instances",
+                                          **rollout}}
 
 
 def healthy(requests: float = 100, errors: float = 0, latency_s: float = 0.05, experts: float = 1.3) -> GroupMetrics:

@@ -58,7 +58,8 @@ class Gate:
     pods apply pushed gates."""
 
     def __init__(self, params: dict, *, pods: int = 20, **rollout: Any) -> None:
-        self.spec: dict[str, Any] = {"params": params, "rollout": {"analysisInterval": "10s", **rollout}}
+        self.spec: dict[str, Any] = {"params": params,
+                                     "rollout": {"analysisInterval": "10s", "strategy": "instances", **rollout}}
         self.generation = 1
         self.status: dict[str, Any] = {}
         self.pods = {f"m-{i:02d}": v(params) for i in range(pods)}

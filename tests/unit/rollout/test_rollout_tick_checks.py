@@ -122,7 +122,8 @@ async def judge() -> AsyncIterator[dict[str, Any]]:
 
 
 def spec(params: dict, *, checks: list[dict] | None = None) -> dict:
-    rollout: dict[str, Any] = {"steps": [25, 100], "analysisInterval": "10s", "minRequests": 5}
+    rollout: dict[str, Any] = {"steps": [25, 100], "analysisInterval": "10s", "minRequests": 5,
+                               "strategy": "instances"}
     if checks is not None:
         rollout["analysis"] = {"checks": checks}
     return {"params": params, "rollout": rollout, "calibration": {"qpsThreshold": {"initial": 1}}}
