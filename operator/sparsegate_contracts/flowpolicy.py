@@ -4,7 +4,7 @@ ConfigMap ``sparsegate-flow-policy`` (operator namespace), key ``policy.json``, 
 Identity form (what the operator publishes)::
 
     {"version": "sha256:...", "defaultAction": "deny"|"allow",
-     "identities": [{"identity": 256, "ips": ["a.b.c.d", ...]}, ...],
+     "identities": [{"identity": 256, "ips": ["a.b.c.d", "fd00::a", ...]}, ...],
      "rules": [{"srcIdentity": 256, "dstIdentity": 257, "dstPort": 8080,
                 "protocol": "tcp"|"udp", "action": "allow"|"deny", "rule": "ns/name#id"}],
      "policedDestinations": ["a.b.c.d", ...],   # optional
@@ -17,7 +17,10 @@ Entries form (older operators; still accepted)::
                   "protocol": "tcp"|"udp", "action": "allow"|"deny", "rule": "ns/name#id"}],
      "policedDestinations": [...], "allowedSources": [...]}
 
-A document has ``entries`` or ``identities``/``rules``, never both. An identity is a number
+Addresses (``ips``, ``srcIP``/``dstIP``, ``policedDestinations``, ``allowedSources``) are IPv4 or
+IPv6 (``ip_text``: written back in ``ipaddress``'s canonical text; IPv4-mapped IPv6 and zone ids
+are refused); a dual-stack pod is listed with both. A document has ``entries`` or
+``identities``/``rules``, never both. An identity is a number
 (``FIRST_IDENTITY``..``MAX_IDENTITY``; lower ones are reserved) standing for a set of pod IPs: the
 operator gives one to each (namespace, serviceAccount, labels) class its rules involve, the way
 Cilium allocates security identities, so the allow-list grows with identities x rules rather than
@@ -262,26 +265,30 @@ def document_text(document: Mapping[str, Any]) -> str:
     return json.dumps(document, indent=1, sort_keys=True)
 
 
-def _ipv4(value: Any, *, field: str, index: int) -> str:
+def ip_text(value: Any, *, where: str) -> str:
+    """``value`` as the canonical text of an IPv4 or IPv6 address (``ipaddress``: IPv6 compressed,
+    lower case), or FlowPolicyError naming ``where``. Refused besides malformed text: non-strings,
+    IPv6 zone ids (``fe80::1%eth0``: an address of one link, not of a pod) and IPv4-mapped IPv6
+    addresses (``::ffff:a.b.c.d``: the agent keys an IPv4 address that way, so the IPv4 form is the
+    one to write)."""
     try:
-        return str(ipaddress.IPv4Address(value))
-    except (ValueError, TypeError) as exc:
-        raise FlowPolicyError(f"entries[{index}].{field}: not an IPv4 address: {value!r}") from exc
+        if not isinstance(value, str) or "%" in value:
+            raise ValueError(value)
+        ip = ipaddress.ip_address(value)
+    except ValueError as exc:
+        raise FlowPolicyError(f"{where}: not an IPv4 or IPv6 address: {value!r}") from exc
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        raise FlowPolicyError(f"{where}: {value!r} is an IPv4-mapped IPv6 address; write {ip.ipv4_mapped}")
+    return str(ip)
 
 
-def _ipv4_list(document: Mapping[str, Any], field: str) -> tuple[str, ...] | None:
+def _ip_list(document: Mapping[str, Any], field: str) -> tuple[str, ...] | None:
     raw = document.get(field)
     if raw is None:
         return None
     if not isinstance(raw, list):
-        raise FlowPolicyError(f"{field} must be a list of IPv4 addresses")
-    out = []
-    for i, value in enumerate(raw):
-        try:
-            out.append(str(ipaddress.IPv4Address(value)))
-        except (ValueError, TypeError) as exc:
-            raise FlowPolicyError(f"{field}[{i}]: not an IPv4 address: {value!r}") from exc
-    return tuple(sorted(set(out)))
+        raise FlowPolicyError(f"{field} must be a list of IP addresses")
+    return tuple(sorted({ip_text(value, where=f"{field}[{i}]") for i, value in enumerate(raw)}))
 
 
 def _action(value: Any, *, where: str) -> str:
@@ -340,19 +347,19 @@ def parse_document(document: Mapping[str, Any] | str | bytes, *, max_entries: in
     else:
         for i, raw in enumerate(raw_rows):
             port, protocol, action, rule = _row(raw, where=f"entries[{i}]")
-            entries.append(PolicyEntry(src_ip=_ipv4(raw.get("srcIP"), field="srcIP", index=i),
-                                       dst_ip=_ipv4(raw.get("dstIP"), field="dstIP", index=i),
+            entries.append(PolicyEntry(src_ip=ip_text(raw.get("srcIP"), where=f"entries[{i}].srcIP"),
+                                       dst_ip=ip_text(raw.get("dstIP"), where=f"entries[{i}].dstIP"),
                                        dst_port=port, protocol=protocol, action=action, rule=rule))
     version = document.get("version")
     if version is None:
         version = version_of(document)
     if not isinstance(version, str):
         raise FlowPolicyError("version must be a string")
-    policed = _ipv4_list(document, POLICED_DESTINATIONS)
+    policed = _ip_list(document, POLICED_DESTINATIONS)
     if policed is None:
         members = dict(identities)
         policed = tuple(sorted({e.dst_ip for e in entries} | {ip for r in rules for ip in members[r.dst_identity]}))
-    allowed = _ipv4_list(document, ALLOWED_SOURCES) or ()
+    allowed = _ip_list(document, ALLOWED_SOURCES) or ()
     policy = FlowPolicy(version=version, default_action=default_action, entries=tuple(entries),
                         policed_destinations=policed, allowed_sources=allowed, identities=identities,
                         rules=tuple(rules))
@@ -397,13 +404,10 @@ def _identities(raw: Any) -> tuple[tuple[int, tuple[str, ...]], ...]:
             raise FlowPolicyError(f"identities[{i}].identity: {ident} appears twice")
         ips = item.get("ips")
         if not isinstance(ips, list):
-            raise FlowPolicyError(f"identities[{i}].ips must be a list of IPv4 addresses")
+            raise FlowPolicyError(f"identities[{i}].ips must be a list of IP addresses")
         members = []
         for j, value in enumerate(ips):
-            try:
-                ip = str(ipaddress.IPv4Address(value))
-            except (ValueError, TypeError) as exc:
-                raise FlowPolicyError(f"identities[{i}].ips[{j}]: not an IPv4 address: {value!r}") from exc
+            ip = ip_text(value, where=f"identities[{i}].ips[{j}]")
             if owner.setdefault(ip, ident) != ident:
                 raise FlowPolicyError(f"identities[{i}].ips[{j}]: {ip} already has identity {owner[ip]}")
             members.append(ip)

@@ -8,6 +8,10 @@ published: the agent would refuse it (map) or the API server would (bytes), and 
 published allow-list would stay enforced while nothing said so. The sync keeps the published one
 and reports ``PolicyTooLarge`` on the RoutingPolicies instead (``domain.policy_status``).
 
+Records are counted per address (``flowpolicy.map_records``), whatever its family: a dual-stack
+pod is published with its IPv4 and its IPv6 address, so it needs two source records and two
+policed-destination records, and the agent keys both families in the same inner map.
+
 Both limits can be lowered (never raised above the real ones) through the operator's environment,
 so that tests can reach them with a handful of pods: ``SPARSEGATE_FLOW_POLICY_MAX_RECORDS`` and
 ``SPARSEGATE_FLOW_POLICY_MAX_BYTES``.

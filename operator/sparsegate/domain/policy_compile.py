@@ -37,10 +37,16 @@ from sparsegate.domain.policy import (
 class PodInfo:
     namespace: str
     name: str
-    ip: str
+    ip: str  # status.podIP: the primary address
     service_account: str
     labels: tuple[tuple[str, str], ...]
     ports: tuple[Port, ...] = ()
+    ips: tuple[str, ...] = ()  # status.podIPs (dual-stack: one per family), primary first; () = (ip,)
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """Every address of the pod (IPv4 and IPv6): each is published in the allow-list."""
+        return self.ips or (self.ip,)
 
     @property
     def model(self) -> str | None:
@@ -51,11 +57,31 @@ class PodInfo:
         return (self.namespace, self.service_account, self.labels)
 
 
+def _canonical_ips(raw: Iterable[Any]) -> tuple[str, ...]:
+    """Valid addresses among ``raw``, in ``flowpolicy.ip_text``'s canonical text, first seen first;
+    anything else is left out (the API server validates pod IPs: this only guards the document)."""
+    out: dict[str, None] = {}
+    for value in raw:
+        try:
+            out[flowpolicy.ip_text(value, where="podIPs")] = None
+        except flowpolicy.FlowPolicyError:
+            continue
+    return tuple(out)
+
+
+def listed_addresses(text: str, *, where: str) -> tuple[str, ...]:
+    """Comma-separated addresses (the downward API's ``status.podIPs``) in canonical text;
+    ``flowpolicy.FlowPolicyError`` (a ValueError) naming ``where`` for a bad one."""
+    return tuple(flowpolicy.ip_text(ip.strip(), where=where) for ip in text.split(",") if ip.strip())
+
+
 def pod_info(pod: Mapping[str, Any]) -> PodInfo | None:
-    """A pod that can take part in a flow: it has an IP and is not finished."""
+    """A pod that can take part in a flow: it has an IP and is not finished. Its addresses:
+    ``status.podIPs`` (dual-stack: an IPv4 and an IPv6 one), else ``status.podIP``."""
     meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
-    ip = status.get("podIP")
-    if not ip or status.get("phase") in ("Succeeded", "Failed") or meta.get("deletionTimestamp"):
+    listed = [p.get("ip") for p in status.get("podIPs") or () if isinstance(p, Mapping)]
+    ips = _canonical_ips([status.get("podIP"), *listed])
+    if not ips or status.get("phase") in ("Succeeded", "Failed") or meta.get("deletionTimestamp"):
         return None
     ports = {
         Port(port=int(p["containerPort"]), protocol=str(p.get("protocol") or "TCP").lower())
@@ -66,10 +92,11 @@ def pod_info(pod: Mapping[str, Any]) -> PodInfo | None:
     return PodInfo(
         namespace=meta.get("namespace", "default"),
         name=meta["name"],
-        ip=ip,
+        ip=ips[0],
         service_account=spec.get("serviceAccountName") or "default",
         labels=tuple(sorted((meta.get("labels") or {}).items())),
         ports=tuple(sorted(ports, key=lambda p: (p.port, p.protocol))),
+        ips=ips if len(ips) > 1 else (),
     )
 
 
@@ -262,11 +289,12 @@ def flow_document(
     rows = [flowpolicy.IdentityRule(src_identity=number[s], dst_identity=number[d], dst_port=p, protocol=proto,
                                     action=a, rule=r).to_json()
             for s, d, p, proto, a, r in sorted(found, key=lambda row: (number[row[0]], number[row[1]], *row[2:]))]
-    identities = [{"identity": number[c], "ips": [pod.ip for pod in by_identity[c]]} for c in classes]
+    identities = [{"identity": number[c], "ips": [ip for pod in by_identity[c] for ip in pod.addresses]}
+                  for c in classes]
     policed = None
     if policed_models is not None:
-        policed = {pod.ip for key in policed_models for pod in models.get(tuple(key), ())}
-        policed.update(ip for c in {d for _, d, *_ in found} for ip in (pod.ip for pod in by_identity[c]))
+        policed = {ip for key in policed_models for pod in models.get(tuple(key), ()) for ip in pod.addresses}
+        policed.update(ip for c in {d for _, d, *_ in found} for pod in by_identity[c] for ip in pod.addresses)
     return flowpolicy.build_document(rules=rows, identities=identities, default_action=flowpolicy.DENY,
                                      policed_destinations=policed, allowed_sources=allowed_sources)
 
@@ -350,7 +378,7 @@ def narrow_undecided(
     publishes what OPA allows, which may be wider again.
     """
     undecided = set(undecided)
-    model_of_ip = {pod.ip: (pod.namespace, pod.model) for pod in pods}
+    model_of_ip = {ip: (pod.namespace, pod.model) for pod in pods for ip in pod.addresses}
     denied_targets: set[tuple[str, str]] = set()  # (namespace, model | ANY)
     for source in sources:
         if source.key in undecided and str(source.spec.get("action", "Allow")).lower() == Action.DENY.value:
@@ -380,7 +408,7 @@ def policies_named(document: Mapping[str, Any]) -> set[str]:
 
 
 def ip_owners(pods: Iterable[PodInfo]) -> dict[str, str]:
-    return {pod.ip: f"{pod.namespace}/{pod.name}" for pod in pods}
+    return {ip: f"{pod.namespace}/{pod.name}" for pod in pods for ip in pod.addresses}
 
 
 @dataclass

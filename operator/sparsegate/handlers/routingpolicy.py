@@ -59,6 +59,7 @@ from sparsegate.domain.policy_compile import (
     flow_document,
     flow_question,
     ip_owners,
+    listed_addresses,
     narrow_document,
     narrow_undecided,
     pod_info,
@@ -84,12 +85,15 @@ class Settings:
     # Published as the allow-list's `allowedSources`: the agents always let this pod's admin and
     # metrics traffic reach policed model pods. From POD_IP (the chart sets it); None: none.
     own_ip: str | None = None
+    # Its other addresses (dual-stack: the IPv6 one), from POD_IPS (the downward API's
+    # status.podIPs, comma-separated), published with own_ip.
+    own_ips: tuple[str, ...] = ()
     # Limits a compiled allow-list must fit before it is published (lowered for tests by env).
     capacity: Capacity = Capacity()
 
     @property
     def allowed_sources(self) -> list[str]:
-        return [self.own_ip] if self.own_ip else []
+        return sorted({ip for ip in (self.own_ip, *self.own_ips) if ip})
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -101,6 +105,7 @@ class Settings:
             resync_seconds=float(os.environ.get("SPARSEGATE_POLICY_RESYNC_SECONDS", "10")),
             rego_path=Path(p) if (p := os.environ.get(rego.OVERRIDE_ENV)) else None,
             own_ip=os.environ.get("POD_IP") or None,
+            own_ips=listed_addresses(os.environ.get("POD_IPS", ""), where="POD_IPS"),
             capacity=Capacity.from_env(os.environ),
         )
 

@@ -43,7 +43,7 @@ def document(rules: list[dict] | None = None) -> dict:
     ({"identities": [{"identity": 300, "ips": []}, {"identity": 300, "ips": []}]}, "identities[1].identity: 300 appears twice"),
     ({"identities": [{"identity": 300, "ips": ["10.0.0.1"]}, {"identity": 301, "ips": ["10.0.0.1"]}]},
      "identities[1].ips[0]: 10.0.0.1 already has identity 300"),
-    ({"identities": [{"identity": 300, "ips": ["fd00::1"]}]}, "identities[0].ips[0]: not an IPv4 address"),
+    ({"identities": [{"identity": 300, "ips": ["fd00::g"]}]}, "identities[0].ips[0]: not an IPv4 or IPv6 address"),
     ({"identities": [{"identity": 300, "ips": "10.0.0.1"}]}, "identities[0].ips must be a list"),
     ({"identities": [{"identity": 300, "ips": []}], "rules": [rule(300, 301)]},
      "rules[0].dstIdentity: 301 is not an identity of the document"),

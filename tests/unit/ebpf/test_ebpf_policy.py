@@ -43,7 +43,7 @@ def test_parses_contract_document_from_json_text() -> None:
         ([], "JSON object"),
         ({"defaultAction": "maybe"}, "defaultAction"),
         ({"entries": [entry(srcIP="10.0.0.300")]}, "entries[0].srcIP"),
-        ({"entries": [entry(dstIP="fe80::1")]}, "entries[0].dstIP"),
+        ({"entries": [entry(dstIP="fe80::1%eth0")]}, "entries[0].dstIP"),
         ({"entries": [entry(dstPort=0)]}, "dstPort"),
         ({"entries": [entry(dstPort="80")]}, "dstPort"),
         ({"entries": [entry(dstPort=True)]}, "dstPort"),
@@ -132,7 +132,7 @@ def test_an_empty_policed_list_polices_nothing_even_with_entries() -> None:
 @pytest.mark.parametrize(("doc", "message"), [
     ({"policedDestinations": "10.0.0.1"}, "policedDestinations must be a list"),
     ({"policedDestinations": ["10.0.0.300"]}, r"policedDestinations\[0\]: not an IPv4"),
-    ({"allowedSources": ["fd00::1"]}, r"allowedSources\[0\]: not an IPv4"),
+    ({"allowedSources": ["fd00::1::1"]}, r"allowedSources\[0\]: not an IPv4 or IPv6 address"),
 ])
 def test_bad_policed_or_allowed_lists_are_rejected_naming_the_field(doc: dict, message: str) -> None:
     with pytest.raises(PolicyError, match=message):
