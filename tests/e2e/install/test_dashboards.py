@@ -177,7 +177,9 @@ def test_every_dashboard_query_returns_series(stack: Stack, stack_namespace: str
     # about what the dashboard shows, not about analysis).
     gateconfig = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "GateConfig", "metadata": {"name": GATE},
                   "spec": {"params": PARAMS,
-                           "rollout": {"steps": [50, 100], "analysisInterval": "3s", "minRequests": 5,
+                           # Pod-level steps: the held step is asserted as one canary pod of two.
+                           "rollout": {"strategy": "instances", "steps": [50, 100], "analysisInterval": "3s",
+                                       "minRequests": 5,
                                        "slaP99LatencyMs": 10000, "maxDrift": 10, "maxQualityDrop": 10,
                                        "autoRollback": True}}}
     model = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "SparseModel", "metadata": {"name": MODEL},

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[3]
 NS = "default"
 MODEL, GATE = "moe-small", "default-gate"
-REPLICAS = 4  # 5 % → 1 pod, 20 % → 1 pod, 100 % → 4
+REPLICAS = 4  # every step holds stable + canary on all 4 (strategy requests, the default)
 TERMINAL = {"Succeeded", "RolledBack", "Aborted", "Failed"}
 
 
@@ -132,7 +132,8 @@ def test_model_served_and_rollout_survives_operator_kill(stack: Stack) -> None:
     try:
         stack.kubectl("patch", "gateconfig", GATE, "-n", NS, "--type=merge",
                       "-p", json.dumps({"spec": {"params": {"toolGateThreshold": 0.9}}}))
-        # Step 1 (5 % → 1 pod) under analysis: then the operator container dies.
+        # Step 1 (5 % of requests on every pod: the default strategy) under analysis: then the
+        # operator container dies.
         wait_for(lambda: (stack.get("gateconfig", GATE, NS).get("status", {}).get("rollout", {})
                           .get("phase") == "Analysing"), what="first step analysing", timeout_s=120, interval_s=0.5)
         op_pod = stack.wait_operator_ready()
@@ -148,7 +149,7 @@ def test_model_served_and_rollout_survives_operator_kill(stack: Stack) -> None:
 
         def finished() -> bool:
             ro = stack.get("gateconfig", GATE, NS).get("status", {}).get("rollout", {})
-            state = (ro.get("phase"), ro.get("step"), ro.get("canaryInstances"))
+            state = (ro.get("phase"), ro.get("step"), ro.get("canaryInstances"), ro.get("strategy"))
             if not seen or seen[-1] != state:
                 seen.append(state)
             return ro.get("phase") in TERMINAL
@@ -159,8 +160,10 @@ def test_model_served_and_rollout_survives_operator_kill(stack: Stack) -> None:
     status = stack.get("gateconfig", GATE, NS)["status"]
     assert status["rollout"]["phase"] == "Succeeded", json.dumps({"rollout": status["rollout"], "seen": seen})
     assert status["stable"]["version"] != stable
-    canaries = [int(n.split("/")[0]) for _, _, n in seen if n]  # "1/4"
-    assert canaries == sorted(canaries) and canaries[-1] == REPLICAS, seen  # 1 → 1 → 4: never backwards
+    # The example leaves spec.rollout.strategy to the CRD default: requests, every pod holds the set.
+    assert {st for *_, st in seen if st} == {"requests"}, seen
+    canaries = [int(n.split("/")[0]) for _, _, n, _ in seen if n]  # "4/4"
+    assert canaries and set(canaries) == {REPLICAS}, seen
     served = {(healthz(p["status"]["podIP"]) or {}).get("gateVersion") for p in model_pods(stack)}
     assert served == {status["stable"]["version"]}
     errors = {k: v for k, v in load.stats.items() if k not in ("200", "skipped")}
