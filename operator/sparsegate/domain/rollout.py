@@ -44,29 +44,24 @@ window, and the time the step spent analysing before the restart does not count.
 
 Every version that becomes ``status.stable`` is appended to ``status.history`` (the last
 :data:`HISTORY_LIMIT`, numbered revisions), so ``kubectl sparsegate undo`` can write an earlier
-version's params back into the spec. :func:`gateconfig_conditions` adds the kstatus conditions
-(``Ready``, ``Reconciling``, ``Stalled``) that Flux and kpt read.
+version's params back into the spec. The spec and status shapes (parsing, the status document,
+the history) are :mod:`sparsegate.domain.rollout_codec`'s; the conditions (kstatus' ``Ready``,
+``Reconciling``, ``Stalled`` that Flux and kpt read, plus ``Progressing`` and ``Degraded``) are
+:mod:`sparsegate.domain.rollout_conditions`'.
 """
-
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import Any
 
-from sparsegate_contracts import gate as gatedoc
-from sparsegate_contracts.names import ABORT_ANNOTATION, GROUP, PROMOTE_ANNOTATION, RETRY_ANNOTATION
+from sparsegate_contracts.names import ABORT_ANNOTATION, PROMOTE_ANNOTATION, RETRY_ANNOTATION
 
 from sparsegate.domain import analysis_run as runs
 from sparsegate.domain import request_canary
-from sparsegate.domain.request_canary import GateSetTarget, Strategy
 from sparsegate.domain.analysis import AnalysisResult, GroupMetrics, Verdict, analyse
 from sparsegate.domain.analysis_run import (
-    BUILTIN_CHECK,
     AnalysisRun,
     CheckSpec,
     Measured,
@@ -75,345 +70,47 @@ from sparsegate.domain.analysis_run import (
     Provider,
     RunPhase,
 )
-from sparsegate.domain.conditions import merge_conditions
-from sparsegate.domain.calibration import (
-    Calibration,
-    add_sample,
-    parse_calibration,
-    parse_duration,
-    thresholds,
+from sparsegate.domain.calibration import add_sample, thresholds
+from sparsegate.domain.request_canary import GateSetTarget, Strategy
+from sparsegate.domain.rollout_codec import (
+    ACTIVE_PHASES,
+    DEFAULT_ANALYSIS_INTERVAL_S,
+    DEFAULT_MAX_DRIFT,
+    DEFAULT_MAX_QUALITY_DROP,
+    DEFAULT_MIN_REQUESTS,
+    DEFAULT_PROGRESS_DEADLINE_S,
+    DEFAULT_SLA_P99_MS,
+    DEFAULT_STEPS,
+    HISTORY_LIMIT,
+    RESTING_PHASES,
+    GateVersion,
+    Phase,
+    Revision,
+    RolloutSpec,
+    RolloutStatus,
+    SpecError,
+    iso_time,
+    parse_spec,
+    record_stable,
 )
+from sparsegate.domain.rollout_conditions import CONDITION_ORDER, conditions, kstatus_conditions
 
-DEFAULT_STEPS = (5, 20, 100)
-DEFAULT_ANALYSIS_INTERVAL_S = 30.0
-DEFAULT_SLA_P99_MS = 800.0
-DEFAULT_MAX_DRIFT = 0.1
-# Canary perplexity may exceed stable's by at most 2 % (analysis.quality_check). On the demo
-# model that sparsegate-train writes, benign threshold moves change the probe perplexity by
-# < 0.2 % and top-1 routing or a tight capacity cap raise it by > 10 % (README).
-DEFAULT_MAX_QUALITY_DROP = 0.02
-DEFAULT_MIN_REQUESTS = 20
-DEFAULT_PROGRESS_DEADLINE_S = 120.0
-HISTORY_LIMIT = 10  # promoted stable versions kept in status.history (undo targets)
+# The spec/status codec and the conditions are defined in their own modules; importers of this
+# one (handlers, the kubectl plugin, tests) keep reading them from here.
+__all__ = [
+    "ABORT_ANNOTATION", "ACTIVE_PHASES", "CONDITION_ORDER", "DEFAULT_ANALYSIS_INTERVAL_S", "DEFAULT_MAX_DRIFT",
+    "DEFAULT_MAX_QUALITY_DROP", "DEFAULT_MIN_REQUESTS", "DEFAULT_PROGRESS_DEADLINE_S", "DEFAULT_SLA_P99_MS",
+    "DEFAULT_STEPS", "HISTORY_LIMIT", "PROMOTE_ANNOTATION", "PROMOTE_STEP_VALUE", "RESTING_PHASES",
+    "RETRY_ANNOTATION", "Action", "ClearAnnotation", "Decision", "EmitEvent", "GateSetTarget", "GateVersion",
+    "Observations", "Phase", "PodObservation", "PushGate", "RecordOutcome", "RecordStep", "Revision",
+    "RolloutSpec", "RolloutStatus", "SpecError", "Strategy", "annotation_requests", "canary_gate", "conditions",
+    "desired_versions", "instances_for", "invalid_spec", "kstatus_conditions", "next_action", "parse_spec",
+    "record_stable", "select_canary_pods",
+]
 
 # PROMOTE_ANNOTATION's value "step" promotes one step; any other value (the documented
 # `sparsegate.dev/promote=now`) promotes to all instances, as it always has.
 PROMOTE_STEP_VALUE = "step"
-
-
-class Phase(str, enum.Enum):
-    PENDING = "Pending"
-    # Spec seen, nothing recorded yet (before the first reconcile writes status.stable).
-    PROGRESSING = "Progressing"
-    # Pushing the current step's version to its pods; waiting until each reports it.
-    ANALYSING = "Analysing"
-    # Every pod of the step runs the canary version; live metrics are judged for the window.
-    PAUSED = "Paused"
-    # spec.rollout.paused: the current step is held as is, nothing pushed or promoted.
-    SUCCEEDED = "Succeeded"
-    # Resting: every pod runs status.stable (the new version was promoted, or the first one).
-    ROLLING_BACK = "RollingBack"
-    # Pushing the stable version back to canary pods (analysis failed, abort or spec reverted).
-    ROLLED_BACK = "RolledBack"
-    # Resting after an automatic rollback; the failed version is not retried until spec changes.
-    ABORTED = "Aborted"
-    # Resting after a user abort (annotation); like RolledBack but requested.
-    FAILED = "Failed"
-    # Cannot proceed: invalid spec, or analysis failed with autoRollback false (canary kept
-    # in place for a human; the abort annotation rolls it back, a new spec supersedes it).
-
-
-# Phases in which a canary version is in flight.
-ACTIVE_PHASES = frozenset({Phase.PROGRESSING, Phase.ANALYSING, Phase.PAUSED})
-RESTING_PHASES = frozenset({Phase.SUCCEEDED, Phase.ROLLED_BACK, Phase.ABORTED})
-
-
-class SpecError(ValueError):
-    """The GateConfig spec cannot be rolled out (reported as phase Failed)."""
-
-
-# ---------------------------------------------------------------- gate versions
-
-
-@dataclass(frozen=True)
-class GateVersion:
-    """A content-addressed gate document, as pushed to ``PUT /admin/gate``.
-
-    Hashing and validation are ``sparsegate_contracts.gate``'s, so the operator, the
-    rendered ConfigMap and the model server agree on every version id.
-    """
-
-    version: str
-    checksum: str
-    params: Mapping[str, Any]
-
-    @classmethod
-    def from_params(cls, params: Mapping[str, Any]) -> GateVersion:
-        """Raises ``gatedoc.GateParamsError`` (a ValueError) for invalid params."""
-        doc = gatedoc.make_document(params)
-        return cls(version=doc.version, checksum=doc.checksum, params=dict(doc.raw_params))
-
-    @classmethod
-    def from_status(cls, raw: Mapping[str, Any] | None) -> GateVersion | None:
-        if not raw or not raw.get("version"):
-            return None
-        return cls(version=raw["version"], checksum=raw.get("checksum", ""), params=dict(raw.get("params") or {}))
-
-    def document(self) -> dict[str, Any]:
-        return {"version": self.version, "checksum": self.checksum, "params": dict(self.params)}
-
-
-# ---------------------------------------------------------------- spec
-
-
-@dataclass(frozen=True)
-class RolloutSpec:
-    target: GateVersion
-    steps: tuple[int, ...] = DEFAULT_STEPS
-    analysis_interval_s: float = DEFAULT_ANALYSIS_INTERVAL_S
-    sla_p99_ms: float = DEFAULT_SLA_P99_MS
-    max_drift: float = DEFAULT_MAX_DRIFT
-    max_quality_drop: float = DEFAULT_MAX_QUALITY_DROP
-    auto_rollback: bool = True
-    paused: bool = False
-    min_requests: int = DEFAULT_MIN_REQUESTS
-    progress_deadline_s: float = DEFAULT_PROGRESS_DEADLINE_S
-    calibration: Calibration = field(default_factory=lambda: parse_calibration(None))
-    # spec.rollout.analysis.checks (domain.analysis_run); the implicit builtin check when none are declared.
-    checks: tuple[CheckSpec, ...] = (BUILTIN_CHECK,)
-    # What a step's percent applies to: pods (instances) or requests on every pod (requests,
-    # domain.request_canary); sticky_header keys a session's requests under the latter.
-    strategy: Strategy = request_canary.DEFAULT_STRATEGY
-    sticky_header: str = request_canary.contract.DEFAULT_STICKY_HEADER
-
-    @property
-    def builtin(self) -> CheckSpec | None:
-        return next((c for c in self.checks if c.provider == Provider.BUILTIN), None)
-
-
-def parse_spec(spec: Mapping[str, Any], *, target: GateVersion | None = None) -> RolloutSpec:
-    """GateConfig ``spec`` → :class:`RolloutSpec`; raises :class:`SpecError`.
-
-    ``target`` lets the caller supply the gate document rendered elsewhere
-    (defaults filled in); by default it is derived from ``spec.params`` as is.
-    """
-    try:
-        params = spec.get("params") or {}
-        if not isinstance(params, Mapping):
-            raise SpecError("spec.params must be an object")
-        ro = spec.get("rollout") or {}
-        steps = tuple(int(s) for s in ro.get("steps", DEFAULT_STEPS))
-        if not steps or steps[-1] != 100 or any(s <= 0 for s in steps):
-            raise SpecError(f"spec.rollout.steps must be positive percentages ending at 100, got {list(steps)}")
-        if any(b <= a for a, b in zip(steps, steps[1:])):
-            raise SpecError(f"spec.rollout.steps must be strictly increasing, got {list(steps)}")
-        try:
-            target = target or GateVersion.from_params(params)
-        except gatedoc.GateParamsError as e:
-            raise SpecError(f"spec.params: {e}") from e
-        return RolloutSpec(
-            target=target,
-            steps=steps,
-            analysis_interval_s=parse_duration(
-                ro.get("analysisInterval", DEFAULT_ANALYSIS_INTERVAL_S), field="analysisInterval"
-            ),
-            sla_p99_ms=float(ro.get("slaP99LatencyMs", DEFAULT_SLA_P99_MS)),
-            max_drift=float(ro.get("maxDrift", DEFAULT_MAX_DRIFT)),
-            max_quality_drop=float(ro.get("maxQualityDrop", DEFAULT_MAX_QUALITY_DROP)),
-            auto_rollback=bool(ro.get("autoRollback", True)),
-            paused=bool(ro.get("paused", False)),
-            min_requests=int(ro.get("minRequests", DEFAULT_MIN_REQUESTS)),
-            progress_deadline_s=parse_duration(
-                ro.get("progressDeadline", DEFAULT_PROGRESS_DEADLINE_S), field="progressDeadline"
-            ),
-            calibration=parse_calibration(spec.get("calibration")),
-            checks=runs.parse_checks(ro.get("analysis")),
-            strategy=request_canary.parse_strategy(ro.get("strategy")),
-            sticky_header=request_canary.parse_sticky_header(ro.get("stickyHeader")),
-        )
-    except SpecError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise SpecError(str(e)) from e
-
-
-# ---------------------------------------------------------------- status
-
-
-def _iso(t: float | None) -> str | None:
-    if t is None:
-        return None
-    return datetime.fromtimestamp(t, tz=UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def _epoch(s: str | None) -> float | None:
-    if not s:
-        return None
-    return datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
-
-
-@dataclass(frozen=True)
-class Revision:
-    """One version that became stable: enough to write its params back into the spec (undo)."""
-
-    revision: int  # 1, 2, ... in promotion order; a version promoted again gets a new number
-    gate: GateVersion
-    promoted_at: float | None
-    reason: str = ""  # why it became stable: Initialized, Promoted, NoInstances, ...
-
-    @classmethod
-    def from_status(cls, raw: Mapping[str, Any]) -> Revision | None:
-        gate = GateVersion.from_status(raw)
-        if gate is None or not isinstance(raw.get("revision"), int):
-            return None
-        return cls(revision=raw["revision"], gate=gate, promoted_at=_epoch(raw.get("promotedAt")),
-                   reason=raw.get("reason") or "")
-
-    def to_status(self) -> dict[str, Any]:
-        out = {"revision": self.revision, **self.gate.document(), "promotedAt": _iso(self.promoted_at),
-               "reason": self.reason}
-        return {k: v for k, v in out.items() if v is not None}
-
-
-def record_stable(history: Sequence[Revision], *, stable: GateVersion | None, now: float, reason: str,
-                  limit: int = HISTORY_LIMIT) -> tuple[Revision, ...]:
-    """``history`` with ``stable`` as its newest revision (unchanged when it already is).
-
-    A version promoted again (an undo) moves to the end under a new number, as Argo Rollouts
-    renumbers a ReplicaSet it rolls back to, so the list holds distinct versions, oldest first.
-    """
-    if stable is None or (history and history[-1].gate.version == stable.version):
-        return tuple(history)
-    number = max((r.revision for r in history), default=0) + 1
-    kept = [r for r in history if r.gate.version != stable.version]
-    kept.append(Revision(revision=number, gate=stable, promoted_at=now, reason=reason))
-    return tuple(kept[-limit:])
-
-
-@dataclass(frozen=True)
-class RolloutStatus:
-    """Everything the rollout controller persists in GateConfig ``status``."""
-
-    phase: Phase = Phase.PENDING
-    stable: GateVersion | None = None
-    canary: GateVersion | None = None
-    step: int | None = None  # index into spec steps while a canary is in flight
-    step_percent: int | None = None
-    canary_pods: tuple[str, ...] = ()
-    pod_versions: Mapping[str, str] = field(default_factory=dict)  # last observed, per pod
-    instances: int = 0  # pods seen at the last check, answering or not
-    step_started_at: float | None = None  # when the current step began pushing
-    analysis_started_at: float | None = None  # when every pod of the step reported the canary
-    after_rollback: Phase | None = None  # where RollingBack comes to rest
-    rejected_version: str | None = None  # rolled back / aborted; not retried while spec equals it
-    promote: bool = False  # promote annotation accepted: straight to 100 %, no analysis
-    reason: str = ""
-    message: str = ""
-    last_analysis: Mapping[str, Any] | None = None
-    qps_samples: tuple[tuple[float, float], ...] = ()
-    error_samples: tuple[tuple[float, float], ...] = ()
-    conditions: tuple[Mapping[str, Any], ...] = ()
-    history: tuple[Revision, ...] = ()  # promoted stable versions, oldest first; last == stable
-    analysis_runs: tuple[AnalysisRun, ...] = ()  # the last RUN_HISTORY steps' analyses, oldest first
-    analysis_paused: bool = False  # Paused because a check was inconclusive (not by spec.rollout.paused)
-    # The builtin check's data window: where the data the provider holds begins (a restarted operator's
-    # direct scrape begins a new one) and how many ticks brought data. A step passes only on a full
-    # analysisInterval of data from window_from on, not on time since analysis_started_at.
-    window_from: float | None = None
-    window_samples: int = 0
-    # spec.rollout.strategy when the rollout in flight started (None: instances, e.g. status
-    # written before strategies existed); under requests status shows canaryWeight = percent / 100.
-    strategy: Strategy | None = None
-
-    @classmethod
-    def from_status(cls, raw: Mapping[str, Any] | None) -> RolloutStatus:
-        """Read GateConfig ``status`` (``stable``, ``history``, ``conditions``, the ``rollout`` block)."""
-        raw = raw or {}
-        ro = raw.get("rollout") or {}
-        phase = ro.get("phase")
-        after = ro.get("afterRollback")
-        calibration = ro.get("calibration") or {}
-        return cls(
-            phase=Phase(phase) if phase in Phase._value2member_map_ else Phase.PENDING,
-            stable=GateVersion.from_status(raw.get("stable")),
-            canary=GateVersion.from_status(ro.get("canary")),
-            step=ro.get("stepIndex"),
-            step_percent=ro.get("canaryPercent"),
-            canary_pods=tuple(ro.get("canaryPods") or ()),
-            pod_versions=dict(ro.get("podVersions") or {}),
-            instances=int(ro.get("instances") or 0),
-            step_started_at=_epoch(ro.get("stepStartedAt")),
-            analysis_started_at=_epoch(ro.get("analysisStartedAt")),
-            after_rollback=Phase(after) if after in Phase._value2member_map_ else None,
-            rejected_version=ro.get("rejectedVersion"),
-            promote=bool(ro.get("promote", False)),
-            reason=ro.get("reason") or "",
-            message=ro.get("message") or "",
-            last_analysis=ro.get("analysis"),
-            qps_samples=tuple(tuple(x) for x in calibration.get("qps", ())),
-            error_samples=tuple(tuple(x) for x in calibration.get("errorRate", ())),
-            conditions=tuple(raw.get("conditions") or ()),
-            history=tuple(r for r in (Revision.from_status(x) for x in raw.get("history") or ()) if r),
-            analysis_runs=tuple(r for r in (AnalysisRun.from_status(x) for x in raw.get("analysisRuns") or ()) if r),
-            analysis_paused=bool(ro.get("analysisPaused", False)),
-            window_from=_epoch((ro.get("analysisWindow") or {}).get("from")),
-            window_samples=int((ro.get("analysisWindow") or {}).get("samples") or 0),
-            strategy=Strategy(ro["strategy"]) if ro.get("strategy") in Strategy._value2member_map_ else None,
-        )
-
-    def to_status(self, *, steps: Sequence[int]) -> dict[str, Any]:
-        """``stable``, ``history``, ``conditions`` and ``rollout`` for GateConfig status (None values left out).
-
-        Written as a whole (JSON patch ``add /status``): merge patches would merge the params
-        maps of successive versions and corrupt their checksums.
-        """
-        counts: dict[str, int] = {}
-        for version in self.pod_versions.values():
-            counts[version] = counts.get(version, 0) + 1
-        rollout = {
-            # Printer columns read phase, step, canaryPercent and canaryVersion.
-            "phase": self.phase.value,
-            "reason": self.reason,
-            "message": self.message,
-            "step": self.step + 1 if self.step is not None else None,
-            "steps": len(steps),
-            "canaryPercent": self.step_percent,
-            "canaryWeight": request_canary.weight_of(self.step_percent)
-            if self.canary and self.strategy == Strategy.REQUESTS and self.step_percent is not None else None,
-            "strategy": self.strategy.value if self.canary and self.strategy else None,
-            "canaryVersion": self.canary.version if self.canary else None,
-            "canary": self.canary.document() if self.canary else None,
-            "canaryInstances": f"{len(self.canary_pods)}/{self.instances}" if self.canary else None,
-            "instances": self.instances,
-            "podVersions": dict(self.pod_versions),
-            "versionCounts": counts,
-            "analysis": dict(self.last_analysis) if self.last_analysis else None,
-            "stepIndex": self.step,
-            "canaryPods": list(self.canary_pods),
-            "stepStartedAt": _iso(self.step_started_at),
-            "analysisStartedAt": _iso(self.analysis_started_at),
-            "afterRollback": self.after_rollback.value if self.after_rollback else None,
-            "rejectedVersion": self.rejected_version,
-            "promote": self.promote,
-            "analysisPaused": self.analysis_paused or None,
-            "analysisWindow": {"from": _iso(self.window_from), "samples": self.window_samples}
-            if self.window_from is not None else None,
-            "calibration": {
-                "qps": [list(x) for x in self.qps_samples],
-                "errorRate": [list(x) for x in self.error_samples],
-            },
-        }
-        out: dict[str, Any] = {
-            "rollout": {k: v for k, v in rollout.items() if v is not None},
-            "conditions": list(self.conditions),
-        }
-        if self.stable:
-            out["stable"] = self.stable.document()
-        if self.history:
-            out["history"] = [r.to_status() for r in self.history]
-        if self.analysis_runs:
-            out["analysisRuns"] = [r.to_status() for r in self.analysis_runs]
-        return out
 
 
 # ---------------------------------------------------------------- observations and actions
@@ -573,59 +270,6 @@ def _step_text(strategy: Strategy | None, *, percent: int, chosen: Sequence[str]
     return f"{percent}% = {len(chosen)} of {len(pods)} instances"
 
 
-def kstatus_conditions(*, status: RolloutStatus, target_version: str | None) -> list[dict[str, Any]]:
-    """``Ready``, ``Reconciling`` and ``Stalled`` as kstatus (Flux, kpt) reads them.
-
-    Reconciling is True while versions are being pushed or judged; Stalled is True when nothing
-    moves until a person acts: the spec is invalid, analysis failed with autoRollback off, or
-    the spec still names the version that was rolled back or aborted. A paused rollout is
-    neither (Ready False, so kstatus reads InProgress). ``target_version`` is the spec's version
-    (None when the spec cannot be parsed).
-    """
-    phase, reason, message = status.phase, status.reason or status.phase.value, status.message
-    if phase == Phase.PAUSED:
-        reason = Phase.PAUSED.value  # whatever paused it (RolloutStarted while paused, Paused)
-    rejected_wanted = (phase in (Phase.ROLLED_BACK, Phase.ABORTED)
-                       and (target_version is None or target_version == status.rejected_version))
-    stalled = phase == Phase.FAILED or rejected_wanted
-    reconciling = phase in (Phase.PENDING, Phase.PROGRESSING, Phase.ANALYSING, Phase.ROLLING_BACK)
-    ready = not stalled and not reconciling and phase != Phase.PAUSED
-    if rejected_wanted:
-        message = (f"{message}; spec still asks for rejected {status.rejected_version}: change spec.params, "
-                   f"or annotate {RETRY_ANNOTATION} to try it again")
-    stable = status.stable.version if status.stable else "-"
-
-    def cond(ctype: str, value: bool, why: str, text: str) -> dict[str, Any]:
-        return {"type": ctype, "status": "True" if value else "False", "reason": why, "message": text}
-
-    return [
-        cond("Ready", ready, reason if not ready else "StableVersionServed",
-             message if not ready else f"every instance runs the version the spec asks for ({stable})"),
-        cond("Reconciling", reconciling, reason if reconciling else phase.value,
-             message if reconciling else f"phase {phase.value}"),
-        cond("Stalled", stalled, reason if stalled else phase.value, message if stalled else f"phase {phase.value}"),
-    ]
-
-
-CONDITION_ORDER = ("Ready", "Reconciling", "Stalled", "Progressing", "Degraded")
-
-
-def conditions(
-    *, status: RolloutStatus, target_version: str | None, previous: Sequence[Mapping[str, Any]], now: float
-) -> tuple[dict[str, Any], ...]:
-    """All GateConfig conditions: kstatus' three plus ``Progressing`` and ``Degraded`` (the rollout's
-    own view: a rollback leaves Degraded True until the next rollout); lastTransitionTime kept while
-    a condition's status is unchanged."""
-    phase, reason, message = status.phase, status.reason, status.message
-    wanted = {
-        "Progressing": phase in (Phase.PROGRESSING, Phase.ANALYSING, Phase.ROLLING_BACK),
-        "Degraded": phase in (Phase.ROLLED_BACK, Phase.ABORTED, Phase.FAILED),
-    }
-    new = [*kstatus_conditions(status=status, target_version=target_version),
-           *({"type": ctype, "status": "True" if value else "False", "reason": reason or phase.value,
-              "message": message} for ctype, value in wanted.items())]
-    merged = merge_conditions(previous, new, now=_iso(now) or "", order=CONDITION_ORDER)
-    return tuple(c for c in merged if c["type"] in CONDITION_ORDER)
 
 
 # ---------------------------------------------------------------- transitions
@@ -989,8 +633,8 @@ def _track_window(s: RolloutStatus, *, obs: Observations) -> tuple[RolloutStatus
         return s, note
     if s.window_from is None or abs(obs.window_from - s.window_from) > 0.01:
         if s.window_from is not None:
-            note = (f"; analysis window restarted at {_iso(obs.window_from)} (its data since "
-                    f"{_iso(s.window_from)} is gone, e.g. an operator restart)")
+            note = (f"; analysis window restarted at {iso_time(obs.window_from)} (its data since "
+                    f"{iso_time(s.window_from)} is gone, e.g. an operator restart)")
         s = dataclasses.replace(s, window_from=obs.window_from, window_samples=0)
     if obs.canary_metrics is not None:
         s = dataclasses.replace(s, window_samples=s.window_samples + 1)
