@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sparsegate_contracts.names import ABORT_ANNOTATION, PROMOTE_ANNOTATION, RETRY_ANNOTATION
@@ -315,11 +315,19 @@ def _rollback(s: RolloutStatus, *, after: Phase, reason: str, message: str, reje
     )
 
 
+def _set_stable(s: RolloutStatus, gate: GateVersion, *, reason: str, message: str) -> RolloutStatus:
+    """The one place that sets ``status.stable``: the first version (:func:`_initialize`) and every
+    promotion (:func:`_promote_fully`) come to rest here, in Succeeded. ``status.history`` follows
+    ``stable`` in :func:`_bookkeeping`; the codec only reads and writes what is set here."""
+    return dataclasses.replace(s, phase=Phase.SUCCEEDED, stable=gate, reason=reason, message=message)
+
+
 def _promote_fully(s: RolloutStatus, *, spec: RolloutSpec, reason: str, message: str) -> RolloutStatus:
-    return dataclasses.replace(
+    """The canary becomes stable (Succeeded); the finished rollout's step fields are cleared."""
+    assert s.canary is not None
+    canary = s.canary
+    s = dataclasses.replace(
         s,
-        phase=Phase.SUCCEEDED,
-        stable=s.canary,
         canary=None,
         strategy=None,
         step=None,
@@ -332,9 +340,8 @@ def _promote_fully(s: RolloutStatus, *, spec: RolloutSpec, reason: str, message:
         analysis_paused=False,
         window_from=None,
         window_samples=0,
-        reason=reason,
-        message=message,
     )
+    return _set_stable(s, canary, reason=reason, message=message)
 
 
 def _advance_step(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, step: int, now: float) -> RolloutStatus:
@@ -382,28 +389,58 @@ def invalid_spec(*, status: RolloutStatus, error: str, now: float) -> Decision:
 
 
 def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, now: float) -> Decision:
-    """One reconcile step: (spec, status, observations, now) → (new status, actions)."""
-    acts: list[Action] = []
-    s = status
-    # One-shot annotations are consumed whatever the phase; their effect is recorded in status.
+    """One reconcile step: (spec, status, observations, now) → (new status, actions).
+
+    The same stages every tick, in this order: consume the one-shot annotations; adopt the first
+    stable version; follow the spec (steps edited, a spec valid again, retry, a new, reverted or
+    superseding version); abort and promote requests; pause and resume; calibration samples; the
+    work of the phase the status is now in (:data:`_PHASE_WORK`); level-based pushes; bookkeeping.
+    """
+    acts: list[Action] = [ClearAnnotation(name) for name in _consumed(obs)]
+    s = _initialize(status, target=spec.target, acts=acts)
+    s = _follow_spec(s, spec=spec, obs=obs, now=now, acts=acts)
+    s = _requests(s, spec=spec, obs=obs, now=now, acts=acts)
+    s = _pause_or_resume(s, spec=spec, now=now, acts=acts)
+    s = _sample_calibration(s, spec=spec, obs=obs, now=now)
+    work = _PHASE_WORK.get(s.phase)
+    if work is not None:
+        s = work(s, spec=spec, obs=obs, now=now, acts=acts)
+    acts += _pushes(s, spec=spec, obs=obs)
+    return Decision(status=_bookkeeping(s, previous=status, target=spec.target, obs=obs, now=now),
+                    actions=tuple(acts))
+
+
+def _in_flight(s: RolloutStatus) -> bool:
+    """A canary version is out (being pushed, analysed, held, or failed with autoRollback off)."""
+    return s.canary is not None and (s.phase in ACTIVE_PHASES or s.phase == Phase.FAILED)
+
+
+def _consumed(obs: Observations) -> list[str]:
+    """One-shot annotations are cleared whatever the phase; their effect is recorded in status."""
+    out = []
     if obs.abort:
-        acts.append(ClearAnnotation(ABORT_ANNOTATION))
+        out.append(ABORT_ANNOTATION)
     if obs.promote or obs.promote_step:
-        acts.append(ClearAnnotation(PROMOTE_ANNOTATION))
+        out.append(PROMOTE_ANNOTATION)
     if obs.retry:
-        acts.append(ClearAnnotation(RETRY_ANNOTATION))
-    target = spec.target
+        out.append(RETRY_ANNOTATION)
+    return out
 
-    # First reconcile: the spec's version becomes stable (what new pods start with), unless
-    # the SparseModel side already recorded one (it writes status.stable on first sight too).
-    if s.stable is None or s.phase == Phase.PENDING:
-        stable = s.stable or target
-        s = dataclasses.replace(
-            s, phase=Phase.SUCCEEDED, stable=stable, reason="Initialized", message=f"stable version {stable.version}"
-        )
-        acts.append(EmitEvent("Normal", "Initialized", s.message))
 
-    # Steps edited mid-rollout: stay within the new list.
+def _initialize(s: RolloutStatus, *, target: GateVersion, acts: list[Action]) -> RolloutStatus:
+    """First reconcile: the spec's version becomes stable (what new pods start with), unless the
+    SparseModel side already recorded one (it writes status.stable on first sight too)."""
+    if s.stable is not None and s.phase != Phase.PENDING:
+        return s
+    stable = s.stable or target
+    s = _set_stable(s, stable, reason="Initialized", message=f"stable version {stable.version}")
+    acts.append(EmitEvent("Normal", "Initialized", s.message))
+    return s
+
+
+def _follow_spec(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float,
+                 acts: list[Action]) -> RolloutStatus:
+    """Steps edited mid-rollout, a spec valid again, retry, then the spec's version itself."""
     if s.step is not None and s.step >= len(spec.steps):
         s = dataclasses.replace(s, step=len(spec.steps) - 1, step_percent=spec.steps[-1])
     # A once-invalid spec that is valid again resumes the step it interrupted.
@@ -412,56 +449,69 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
             s = dataclasses.replace(s, phase=Phase.PROGRESSING, step_started_at=now, reason="SpecValid")
         else:
             s = dataclasses.replace(s, phase=Phase.SUCCEEDED, reason="SpecValid")
+    s, retried = _retry(s, spec=spec, obs=obs, now=now, acts=acts)
+    return _follow_version(s, spec=spec, obs=obs, now=now, acts=acts, retried=retried)
 
-    # Retry: forget the rejection of the version the spec still names (the start below then rolls
-    # it out from step 1), or send a step whose analysis failed (autoRollback off) back to work.
-    retried = False
-    if obs.retry and s.phase in (Phase.ROLLED_BACK, Phase.ABORTED) and s.rejected_version == target.version:
-        s = dataclasses.replace(s, rejected_version=None)
-        retried = True
-    elif obs.retry and (s.phase == Phase.FAILED or (s.phase == Phase.PAUSED and s.analysis_paused)) \
+
+def _retry(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float,
+           acts: list[Action]) -> tuple[RolloutStatus, bool]:
+    """Forget the rejection of the version the spec still names (:func:`_follow_version` then rolls it
+    out from step 1; True is returned), or send a step whose analysis failed (autoRollback off) or
+    was inconclusive back to work, analysed again from the start."""
+    if not obs.retry:
+        return s, False
+    if s.phase in (Phase.ROLLED_BACK, Phase.ABORTED) and s.rejected_version == spec.target.version:
+        return dataclasses.replace(s, rejected_version=None), True
+    if (s.phase == Phase.FAILED or (s.phase == Phase.PAUSED and s.analysis_paused)) \
             and s.canary is not None and s.step is not None:
-        # A failed step (autoRollback off) or one paused as inconclusive: analysed again from the start.
         s = dataclasses.replace(s, phase=Phase.PROGRESSING, step_started_at=now, analysis_started_at=None,
                                 analysis_paused=False, window_from=None, window_samples=0,
                                 reason="Retried", message=f"retrying step {s.step + 1}/{len(spec.steps)}")
         acts.append(EmitEvent("Normal", "Retried", s.message))
+    return s, False
 
-    in_flight = s.canary is not None and (s.phase in ACTIVE_PHASES or s.phase == Phase.FAILED)
 
-    # Spec changes.
-    if in_flight or s.phase == Phase.ROLLING_BACK:
+def _follow_version(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float, acts: list[Action],
+                    retried: bool) -> RolloutStatus:
+    """The spec names stable again (revert), a third version (supersede), or a new one (start)."""
+    target = spec.target
+    if _in_flight(s) or s.phase == Phase.ROLLING_BACK:
         assert s.canary is not None and s.stable is not None
-        if target.version == s.stable.version and in_flight:
+        if target.version == s.stable.version and _in_flight(s):
             msg = f"spec reverted to stable {s.stable.version}: rolling back {s.canary.version}"
             acts += [EmitEvent("Normal", "Reverted", msg), RecordOutcome("reverted")]
-            s = _rollback(s, after=Phase.SUCCEEDED, reason="Reverted", message=msg, reject=False)
-            in_flight = False
-        elif target.version not in (s.canary.version, s.stable.version):
+            return _rollback(s, after=Phase.SUCCEEDED, reason="Reverted", message=msg, reject=False)
+        if target.version not in (s.canary.version, s.stable.version):
             old = s.canary.version
             s = _start(s, spec=spec, obs=obs, now=now, reason="Superseded")
-            acts += [
-                EmitEvent("Normal", "Superseded", f"{old} superseded by {target.version}; {s.message}"),
-                RecordOutcome("superseded"),
-            ]
-            in_flight = True
-    elif s.stable is not None and target.version not in (s.stable.version, s.rejected_version):
+            acts += [EmitEvent("Normal", "Superseded", f"{old} superseded by {target.version}; {s.message}"),
+                     RecordOutcome("superseded")]
+        return s
+    if s.stable is not None and target.version not in (s.stable.version, s.rejected_version):
         s = _start(s, spec=spec, obs=obs, now=now, reason="Retried" if retried else "RolloutStarted")
         acts.append(EmitEvent("Normal", s.reason, s.message))
-        in_flight = True
+    return s
 
-    # Abort / promote (one-shot annotations).
-    if obs.abort and in_flight:
+
+def _requests(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float,
+              acts: list[Action]) -> RolloutStatus:
+    """Abort and promote (one-shot annotations), for a rollout in flight."""
+    if not _in_flight(s):
+        return s
+    assert s.canary is not None and s.stable is not None
+    last = len(spec.steps) - 1
+    if obs.abort:
         msg = f"aborted by annotation: rolling back {s.canary.version} to {s.stable.version}"
         acts.append(EmitEvent("Warning", "Aborted", msg))
-        s = _rollback(s, after=Phase.ABORTED, reason="Aborted", message=msg, reject=True)
-        in_flight = False
-    elif obs.promote and in_flight:
-        last = len(spec.steps) - 1
+        return _rollback(s, after=Phase.ABORTED, reason="Aborted", message=msg, reject=True)
+    one_step = obs.promote_step and s.step is not None and s.step < last
+    if obs.promote or (obs.promote_step and not one_step):
+        # Promote annotation, or a step promote at the last step (promoting it is promoting fully).
         s = _advance_step(s, spec=spec, obs=obs, step=last, now=now)
         s = dataclasses.replace(s, promote=True, reason="PromoteRequested")
         acts.append(EmitEvent("Normal", "PromoteRequested", f"promoting {s.canary.version} to all instances"))
-    elif obs.promote_step and in_flight and s.step is not None and s.step < len(spec.steps) - 1:
+    elif one_step:
+        assert s.step is not None
         # One step on, this step's analysis skipped; the next step is analysed as usual. Paused
         # stays paused (spec.rollout.paused is the spec's to change): the held step moves on.
         # An inconclusive-analysis pause is what promote answers: it ends (Argo's promote resumes too).
@@ -469,108 +519,133 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
         s = _advance_step(s, spec=spec, obs=obs, step=s.step + 1, now=now)
         s = dataclasses.replace(s, phase=Phase.PAUSED if paused else s.phase, reason="StepPromoteRequested")
         acts.append(EmitEvent("Normal", "StepPromoteRequested", s.message))
-    elif obs.promote_step and in_flight:
-        # Already at the last step: promoting it is promoting fully.
-        last = len(spec.steps) - 1
-        s = _advance_step(s, spec=spec, obs=obs, step=last, now=now)
-        s = dataclasses.replace(s, promote=True, reason="PromoteRequested")
-        acts.append(EmitEvent("Normal", "PromoteRequested", f"promoting {s.canary.version} to all instances"))
+    return s
 
-    # Pause / resume (spec.rollout.paused, GitOps friendly). An accepted promote wins.
+
+def _pause_or_resume(s: RolloutStatus, *, spec: RolloutSpec, now: float, acts: list[Action]) -> RolloutStatus:
+    """spec.rollout.paused (GitOps friendly) holds the step; an accepted promote wins."""
     if s.phase in (Phase.PROGRESSING, Phase.ANALYSING) and spec.paused and not s.promote:
+        assert s.step is not None
         s = dataclasses.replace(s, phase=Phase.PAUSED, analysis_started_at=None, reason="Paused",
                                 message=f"paused at step {s.step + 1}/{len(spec.steps)}")
         acts.append(EmitEvent("Normal", "Paused", s.message))
     elif s.phase == Phase.PAUSED and not s.analysis_paused and (not spec.paused or s.promote):
+        assert s.step is not None
         s = dataclasses.replace(s, phase=Phase.PROGRESSING, step_started_at=now, reason="Resumed",
                                 message=f"resumed at step {s.step + 1}/{len(spec.steps)}")
         acts.append(EmitEvent("Normal", "Resumed", s.message))
+    return s
 
-    # Calibration samples (baseline traffic and stable error rate) while a canary is in flight.
-    if s.phase in (Phase.PROGRESSING, Phase.ANALYSING):
-        if obs.fleet_qps is not None:
-            s = dataclasses.replace(s, qps_samples=tuple(map(tuple, add_sample(
-                s.qps_samples, t=now, value=obs.fleet_qps, window_s=spec.calibration.qps.window_s))))
-        if obs.stable_error_rate is not None:
-            s = dataclasses.replace(s, error_samples=tuple(map(tuple, add_sample(
-                s.error_samples, t=now, value=obs.stable_error_rate, window_s=spec.calibration.error_rate.window_s))))
 
+def _sample_calibration(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float) -> RolloutStatus:
+    """Calibration samples (baseline traffic, stable error rate) while a canary is in flight."""
+    if s.phase not in (Phase.PROGRESSING, Phase.ANALYSING):
+        return s
+    if obs.fleet_qps is not None:
+        s = dataclasses.replace(s, qps_samples=tuple(map(tuple, add_sample(
+            s.qps_samples, t=now, value=obs.fleet_qps, window_s=spec.calibration.qps.window_s))))
+    if obs.stable_error_rate is not None:
+        s = dataclasses.replace(s, error_samples=tuple(map(tuple, add_sample(
+            s.error_samples, t=now, value=obs.stable_error_rate, window_s=spec.calibration.error_rate.window_s))))
+    return s
+
+
+# ---------------------------------------------------------------- the work of each phase
+
+
+def _progressing(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float,
+                 acts: list[Action]) -> RolloutStatus:
+    """Wait until every pod of the step reports its version (pushes follow from the status), within
+    progressDeadline; with no pods at all the version is promoted directly."""
+    assert s.canary is not None and s.stable is not None and s.step is not None
+    if not obs.pods:
+        msg = f"no instances use this GateConfig: {s.canary.version} promoted directly"
+        acts += [EmitEvent("Normal", "Promoted", msg), RecordOutcome("succeeded")]
+        return _promote_fully(s, spec=spec, reason="NoInstances", message=msg)
+    percent = spec.steps[s.step]
+    s = dataclasses.replace(s, canary_pods=_choose(s.strategy, pods=obs.pods, percent=percent,
+                                                   previous=s.canary_pods, canary_version=s.canary.version))
+    waiting = _not_at_desired(s, obs.pods)
+    if not waiting:
+        return _step_in_place(s, spec=spec, obs=obs, now=now, percent=percent, acts=acts)
+    if s.step_started_at is not None and now - s.step_started_at > spec.progress_deadline_s:
+        msg = (f"step {s.step + 1}: {len(waiting)} instance(s) did not report the expected version within "
+               f"{spec.progress_deadline_s:g}s: {', '.join(waiting[:5])}")
+        return _fail(s, spec=spec, reason="ProgressDeadlineExceeded", message=msg, acts=acts)
+    return dataclasses.replace(s, message=f"step {s.step + 1}/{len(spec.steps)} ({percent}%): waiting for "
+                               f"{len(waiting)} instance(s) to report their version")
+
+
+def _step_in_place(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float, percent: int,
+                   acts: list[Action]) -> RolloutStatus:
+    """Every pod of the step runs its version: promote (an accepted promote) or begin the analysis."""
+    assert s.canary is not None and s.step is not None
+    if s.promote:
+        msg = f"{s.canary.version} promoted by annotation to all {len(obs.pods)} instances"
+        acts += [RecordStep(percent, now - (s.step_started_at or now)), EmitEvent("Normal", "Promoted", msg),
+                 RecordOutcome("succeeded")]
+        return _promote_fully(s, spec=spec, reason="Promoted", message=msg)
+    run = runs.new_run(spec.checks, step=s.step + 1, percent=percent, canary_version=s.canary.version, now=now)
+    return dataclasses.replace(
+        s, phase=Phase.ANALYSING, analysis_started_at=now, reason="Analysing", window_from=None, window_samples=0,
+        analysis_runs=(*s.analysis_runs, run)[-runs.RUN_HISTORY:],
+        message=f"step {s.step + 1}/{len(spec.steps)}: {_running_text(s, s.canary_pods, obs.pods)}; "
+        f"analysing for {spec.analysis_interval_s:g}s")
+
+
+def _analysing(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float,
+               acts: list[Action]) -> RolloutStatus:
+    """Judge the step, unless its pods changed (then it is verified again before it is judged)."""
+    assert s.canary is not None and s.step is not None
+    percent = spec.steps[s.step]
+    chosen = _choose(s.strategy, pods=obs.pods, percent=percent, previous=s.canary_pods,
+                     canary_version=s.canary.version)
+    if chosen != s.canary_pods or _not_at_desired(s, obs.pods):
+        # An instance left, restarted or drifted: re-verify the step before judging it.
+        return dataclasses.replace(s, phase=Phase.PROGRESSING, canary_pods=chosen, step_started_at=now,
+                                   analysis_started_at=None, reason="Reverifying",
+                                   message="instances changed during analysis: re-verifying the step")
+    return _judge_step(s, spec=spec, obs=obs, now=now, percent=percent, acts=acts)
+
+
+def _rolling_back(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float,
+                  acts: list[Action]) -> RolloutStatus:
+    """Once every reachable pod runs stable again, come to rest where the rollback was headed."""
+    assert s.stable is not None
+    if any(p.reachable and p.version != s.stable.version for p in obs.pods):
+        return s
+    after = s.after_rollback or Phase.ROLLED_BACK
+    outcome = {Phase.ABORTED: "aborted", Phase.SUCCEEDED: None}.get(after, "rolled_back")
+    msg = s.message if after != Phase.SUCCEEDED else f"every instance runs stable {s.stable.version}"
+    if outcome:
+        acts.append(RecordOutcome(outcome))
+    acts.append(EmitEvent("Normal" if after == Phase.SUCCEEDED else "Warning",
+                          "RolledBack", f"every instance back on {s.stable.version}"))
+    return dataclasses.replace(s, phase=after, canary=None, strategy=None, step=None, step_percent=None,
+                               canary_pods=(), step_started_at=None, analysis_started_at=None, after_rollback=None,
+                               message=msg)
+
+
+# The phases with work of their own each tick; the others (Paused, Failed, resting) only follow the
+# spec and the requests above and keep their pods where they are.
+_PHASE_WORK: dict[Phase, Callable[..., RolloutStatus]] = {
+    Phase.PROGRESSING: _progressing,
+    Phase.ANALYSING: _analysing,
+    Phase.ROLLING_BACK: _rolling_back,
+}
+
+
+def _pushes(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations) -> list[Action]:
+    """Level-based pushes: every reachable pod not on its desired version."""
     by_name = {p.name: p for p in obs.pods}
-
-    if s.phase == Phase.PROGRESSING:
-        assert s.canary is not None and s.stable is not None and s.step is not None
-        if not obs.pods:
-            msg = f"no instances use this GateConfig: {s.canary.version} promoted directly"
-            s = _promote_fully(s, spec=spec, reason="NoInstances", message=msg)
-            acts += [EmitEvent("Normal", "Promoted", msg), RecordOutcome("succeeded")]
-        else:
-            percent = spec.steps[s.step]
-            chosen = _choose(s.strategy, pods=obs.pods, percent=percent, previous=s.canary_pods,
-                             canary_version=s.canary.version)
-            s = dataclasses.replace(s, canary_pods=chosen)
-            waiting = _not_at_desired(s, obs.pods)
-            if not waiting:
-                if s.promote:
-                    msg = f"{s.canary.version} promoted by annotation to all {len(obs.pods)} instances"
-                    acts += [RecordStep(percent, now - (s.step_started_at or now)), EmitEvent("Normal", "Promoted", msg),
-                             RecordOutcome("succeeded")]
-                    s = _promote_fully(s, spec=spec, reason="Promoted", message=msg)
-                else:
-                    run = runs.new_run(spec.checks, step=s.step + 1, percent=percent, canary_version=s.canary.version,
-                                       now=now)
-                    s = dataclasses.replace(
-                        s, phase=Phase.ANALYSING, analysis_started_at=now, reason="Analysing",
-                        window_from=None, window_samples=0,
-                        analysis_runs=(*s.analysis_runs, run)[-runs.RUN_HISTORY:],
-                        message=f"step {s.step + 1}/{len(spec.steps)}: {_running_text(s, chosen, obs.pods)}; "
-                        f"analysing for {spec.analysis_interval_s:g}s",
-                    )
-            elif s.step_started_at is not None and now - s.step_started_at > spec.progress_deadline_s:
-                msg = (f"step {s.step + 1}: {len(waiting)} instance(s) did not report the expected version within "
-                       f"{spec.progress_deadline_s:g}s: {', '.join(waiting[:5])}")
-                s = _fail(s, spec=spec, reason="ProgressDeadlineExceeded", message=msg, acts=acts)
-            else:
-                s = dataclasses.replace(
-                    s, message=f"step {s.step + 1}/{len(spec.steps)} ({percent}%): waiting for "
-                    f"{len(waiting)} instance(s) to report their version"
-                )
-
-    elif s.phase == Phase.ANALYSING:
-        assert s.canary is not None and s.step is not None
-        percent = spec.steps[s.step]
-        chosen = _choose(s.strategy, pods=obs.pods, percent=percent, previous=s.canary_pods,
-                         canary_version=s.canary.version)
-        if chosen != s.canary_pods or _not_at_desired(s, obs.pods):
-            # An instance left, restarted or drifted: re-verify the step before judging it.
-            s = dataclasses.replace(s, phase=Phase.PROGRESSING, canary_pods=chosen, step_started_at=now,
-                                    analysis_started_at=None, reason="Reverifying",
-                                    message="instances changed during analysis: re-verifying the step")
-        else:
-            s = _judge_step(s, spec=spec, obs=obs, now=now, percent=percent, acts=acts)
-
-    elif s.phase == Phase.ROLLING_BACK:
-        assert s.stable is not None
-        waiting = [p.name for p in obs.pods if p.reachable and p.version != s.stable.version]
-        if not waiting:
-            after = s.after_rollback or Phase.ROLLED_BACK
-            outcome = {Phase.ABORTED: "aborted", Phase.SUCCEEDED: None}.get(after, "rolled_back")
-            msg = s.message if after != Phase.SUCCEEDED else f"every instance runs stable {s.stable.version}"
-            if outcome:
-                acts.append(RecordOutcome(outcome))
-            acts.append(EmitEvent("Normal" if after == Phase.SUCCEEDED else "Warning",
-                                  "RolledBack", f"every instance back on {s.stable.version}"))
-            s = dataclasses.replace(
-                s, phase=after, canary=None, strategy=None, step=None, step_percent=None, canary_pods=(),
-                step_started_at=None, analysis_started_at=None, after_rollback=None, message=msg,
-            )
-
-    # Level-based pushes: every reachable pod not on its desired version.
     desired = desired_versions(status=s, pods=obs.pods, sticky_header=spec.sticky_header)
-    for name, gate in sorted(desired.items()):
-        p = by_name[name]
-        if p.reachable and p.version != gate.version:
-            acts.append(PushGate(pod=name, gate=gate))
+    return [PushGate(pod=name, gate=gate) for name, gate in sorted(desired.items())
+            if by_name[name].reachable and by_name[name].version != gate.version]
 
+
+def _bookkeeping(s: RolloutStatus, *, previous: RolloutStatus, target: GateVersion, obs: Observations,
+                 now: float) -> RolloutStatus:
+    """Close a run the step stopped being analysed under; record pods, history and conditions."""
     # A run still open when the step stopped being analysed (abort, pause, newer spec, promote,
     # re-verify) is closed as Terminated, with the reason.
     if s.analysis_runs and s.analysis_runs[-1].phase == RunPhase.RUNNING and s.phase != Phase.ANALYSING:
@@ -582,9 +657,8 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
         instances=len(obs.pods),
         history=record_stable(s.history, stable=s.stable, now=now, reason=s.reason),
     )
-    s = dataclasses.replace(
-        s, conditions=conditions(status=s, target_version=target.version, previous=status.conditions, now=now))
-    return Decision(status=s, actions=tuple(acts))
+    return dataclasses.replace(
+        s, conditions=conditions(status=s, target_version=target.version, previous=previous.conditions, now=now))
 
 
 def _not_at_desired(s: RolloutStatus, pods: Sequence[PodObservation]) -> list[str]:
