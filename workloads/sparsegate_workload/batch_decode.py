@@ -15,6 +15,13 @@ left-padded batch. A joining sequence's cache is left-padded to the group's leng
 group's to its); a leaving sequence's row is dropped and columns no row uses any more are
 trimmed, so sequences join and leave between any two steps.
 
+Threshold control: a gate with targetExpertsPerToken carries its PI controller
+(`ActiveGate.controller`); every prefill and step under it routes with the controller's
+threshold of the moment; after an engine job (`run`: its prefills and one step) in which that
+gate's tokens since the last feed reach `CONTROL_FEED_TOKENS`, the controller is fed their mean
+selected experts per token, so prefills and decode steps of all requests under one version
+drive one loop, each token weighing alike.
+
 Gate versions: a sequence is prefilled under the gate in force then (`SparseGatedCausalLM.gate`)
 and stays in that version's group until it ends, and every step runs under one group's pinned
 gate (`pin_gate`), so a step never mixes versions and a gate swap between steps never changes
@@ -44,6 +51,9 @@ from .quality import Score, score_packed
 
 # Most prompt tokens one packed prefill forward holds (its attention mask is T x T booleans).
 MAX_PREFILL_TOKENS = 2048
+# Routed tokens (per MoE block) under a controlled gate between two feeds of its threshold
+# controller (`BatchDecoder._feed_controllers`).
+CONTROL_FEED_TOKENS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +155,11 @@ class BatchDecoder:
         # Called with (gate version, prompt NLL) after each prefill: live quality (quality.py),
         # scored from the prefill's own logits.
         self.on_prompts_scored: Callable[[str | None, Score], None] | None = None
+        # Called with (gate version, next threshold) after a forward fed a gate's threshold
+        # controller (targetExpertsPerToken): the server's gauge.
+        self.on_threshold: Callable[[str | None, float], None] | None = None
+        # id(controller) -> [gate, selected assignments, routed tokens] since the last feed.
+        self._measured: dict[int, list[Any]] = {}
 
     @property
     def running(self) -> int:
@@ -156,17 +171,20 @@ class BatchDecoder:
 
     def run(self, admit: Sequence[DecodeRequest], leave: Sequence[Hashable]) -> list[TokenEvent]:
         """One engine job: drop ``leave``, prefill ``admit`` (packed, under the gate in force
-        now), then one decode step per gate group. Returns the tokens made, in order."""
+        now), then one decode step per gate group. Returns the tokens made, in order.
+        Controlled gates are fed once, after the whole job."""
         for key in leave:
             self.remove(key)
-        events = self.add_many(admit)
-        events += self.step()
+        events = self._add_many(admit)
+        events += self._step()
+        self._feed_controllers()
         return events
 
     def reset(self) -> None:
         """Forget every sequence (after a failed job: their caches may be half-updated)."""
         self._groups.clear()
         self._where.clear()
+        self._measured.clear()
 
     def add(self, req: DecodeRequest) -> TokenEvent:
         """Prefill ``req`` alone; its first token, and its generation if that ended it."""
@@ -175,6 +193,11 @@ class BatchDecoder:
     def add_many(self, reqs: Sequence[DecodeRequest]) -> list[TokenEvent]:
         """Prefill ``reqs`` under the gate in force, packed into as few forwards as
         `MAX_PREFILL_TOKENS` allows; each one's first token (and generation if that ended it)."""
+        events = self._add_many(reqs)
+        self._feed_controllers()
+        return events
+
+    def _add_many(self, reqs: Sequence[DecodeRequest]) -> list[TokenEvent]:
         keys = [r.key for r in reqs]
         if len(set(keys)) < len(keys) or any(k in self._where for k in keys):
             raise ValueError(f"a sequence of {keys!r} is already decoding")
@@ -213,6 +236,7 @@ class BatchDecoder:
         gate = reqs[0].gate or self.lm.gate  # add_many packs only requests of one gate
         with torch.inference_mode(), pin_gate(gate, keep_routing=len(reqs) > 1) as call:
             out = self.lm.model(input_ids=ids, use_cache=True, **kwargs)
+        self._measure(call)
         table = (self._usage_rows(call, owner=owner, n=len(reqs)) if len(reqs) > 1
                  else self._usage_alone(call))
         ends = list(itertools.accumulate(lengths))
@@ -250,6 +274,11 @@ class BatchDecoder:
 
     def step(self) -> list[TokenEvent]:
         """One token for every decoding sequence: one model forward per gate group."""
+        events = self._step()
+        self._feed_controllers()
+        return events
+
+    def _step(self) -> list[TokenEvent]:
         events: list[TokenEvent] = []
         for version in list(self._groups):
             events += self._step_group(self._groups[version])
@@ -269,6 +298,7 @@ class BatchDecoder:
         with torch.inference_mode(), pin_gate(group.gate, keep_routing=n > 1) as call:
             out = self.lm.model(input_ids=last, attention_mask=mask if group.padded else None,
                                 position_ids=positions, cache=group.cache, use_cache=True)
+        self._measure(call)
         group.mask = mask  # the cache grew by one column in place
         group.acc += (self._usage_rows(call, owner=torch.arange(n, device=self.device), n=n)
                       if n > 1 else self._usage_alone(call))
@@ -286,6 +316,31 @@ class BatchDecoder:
         if len(keep) < n:
             self._keep_rows(group, keep)
         return events
+
+    def _measure(self, call: GateCall) -> None:
+        """Count the selected assignments and routed tokens of a forward under a controlled
+        gate (targetExpertsPerToken), toward its controller's next update."""
+        controller = call.gate.controller
+        if controller is None:
+            return
+        entry = self._measured.setdefault(id(controller), [call.gate, 0.0, 0])
+        for st in call.layers:
+            entry[1] += st.mean_selected * st.num_tokens
+            entry[2] += st.num_tokens
+
+    def _feed_controllers(self) -> None:
+        """Feed each controlled gate that has routed at least `CONTROL_FEED_TOKENS` tokens since
+        its last feed their mean selected experts per token, so the next job routes with the
+        updated threshold. Token-weighted over a window rather than once per forward: a decode
+        step of one sequence routes one token, and per-forward feeding would weigh that token as
+        much as a whole prefill (the loop would then hold generated tokens at the target and let
+        prompt tokens drift), besides following single-token noise."""
+        for key, (gate, selected, tokens) in list(self._measured.items()):
+            if tokens >= CONTROL_FEED_TOKENS:
+                del self._measured[key]
+                threshold = gate.controller.update(selected / tokens)
+                if self.on_threshold is not None:
+                    self.on_threshold(gate.version, threshold)
 
     def _sample(self, seqs: Sequence[_Seq], logits: torch.Tensor) -> list[int]:
         """Next token per row: greedy at temperature 0, else softmax sampling with the

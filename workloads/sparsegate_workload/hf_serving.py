@@ -18,8 +18,8 @@ from sparsegate_contracts.gate import GateDocument
 
 from .inference import InferenceResult
 from .moe import MoEStats
-from .precision import Precision
 from .quality import score_rows
+from .threshold_control import ThresholdController
 
 if TYPE_CHECKING:  # the hf package loads transformers: only when a checkpoint is loaded
     from .hf.gated_block import ActiveGate
@@ -64,24 +64,30 @@ class HFServedModel:
                 "topK": self.lm.top_k, "tokenizer": self.tokenizer is not None,
                 "device": str(self.device)}
 
-    def set_gate(self, doc: GateDocument) -> tuple[Precision, ...]:
-        """Install ``doc`` (raises GateParamsError); returns the router precision per block."""
-        return self.lm.set_gate(doc).precisions
+    def set_gate(self, doc: GateDocument, *, controller: ThresholdController | None = None) -> ActiveGate:
+        """Install ``doc`` (raises GateParamsError), routed by ``controller``'s threshold when
+        given (targetExpertsPerToken); returns the gate as installed."""
+        return self.lm.set_gate(doc, controller=controller)
 
-    def prepare_gate(self, doc: GateDocument, *, beside: GateDocument | None = None) -> ActiveGate:
+    def prepare_gate(self, doc: GateDocument, *, beside: GateDocument | None = None,
+                     controller: ThresholdController | None = None) -> ActiveGate:
         """``doc`` ready to pin beside the installed gate, or ``beside`` once installed (a
         request-level canary); raises GateParamsError when it would need another weight storage
         (`SparseGatedCausalLM.prepare_gate`)."""
-        return self.lm.prepare_gate(doc, beside=beside)
+        return self.lm.prepare_gate(doc, beside=beside, controller=controller)
 
     def run_batch(self, tokens: Sequence[Sequence[int]], *, return_logits: bool = False,
                   gate: ActiveGate | None = None, allowed_experts: Sequence[int] | None = None
                   ) -> tuple[InferenceResult, str | None]:
         """The ``/v1/infer`` result for a checkpoint (under ``gate``, else the installed gate),
         and the gate version that computed it. ``allowed_experts``: the request's expert group.
+        A gate with a threshold controller routed with its threshold and is fed this batch's
+        mean selected experts per token (the threshold of the next batch).
         A checkpoint has no tool gate: ``toolCalls`` are empty and the fire rate 0."""
         batch = torch.tensor(tokens, dtype=torch.long, device=self.device)
         out = self.lm.forward(batch, gate=gate, allowed_experts=allowed_experts)
+        if out.gate.controller is not None:
+            out.gate.controller.update(out.mean_selected_experts)
         last = out.logits[:, -1, :].float()
         n = max(len(out.layers), 1)
         result = InferenceResult(
@@ -102,7 +108,8 @@ class HFServedModel:
         temperature 0 is greedy; above 0, softmax sampling with a generator seeded by ``seed``
         (same seed, same tokens; drawn on the CPU whatever the device). Stops early at the
         checkpoint's end-of-sequence token. One sequence alone: the server decodes through
-        `batch_decode` instead, which this is the reference for."""
+        `batch_decode` instead, which this is the reference for. A controlled gate routes
+        with its controller's threshold of the moment and is not fed (the server feeds it)."""
         generator = torch.Generator().manual_seed(seed)
         generated: list[int] = []
         finish = "length"

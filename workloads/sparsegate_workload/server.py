@@ -33,9 +33,11 @@ storage, so a canary whose precisionPolicy resolves otherwise is answered 422. T
 version; a version no longer held loses them.
 
 A gate with ``targetExpertsPerToken`` gets its own PI controller (`threshold_control`) when it is
-applied to the built-in model: each /v1/infer batch routes with the controller's threshold and
-feeds back its mean selected experts per token; the live threshold is the gauge
-``sparsegate_gate_controlled_threshold{gate_version}``. A checkpoint ignores the field (logged).
+applied (stable or canary; a promoted canary keeps its own): each batch routes with the
+controller's threshold and feeds back its mean selected experts per token — a /v1/infer batch
+of either model kind, and on a checkpoint every prefill and decode step of the OpenAI routes
+(`batch_decode`) too; the live threshold is the gauge
+``sparsegate_gate_controlled_threshold{gate_version}``.
 
 Tools (`tools`): on the built-in model, a sequence whose tool gate fires above
 ``toolGateThreshold`` at its last position may call the built-in calculator or an HTTP tool of
@@ -93,6 +95,7 @@ from .server_state import (BUILTIN_MODEL_NAME, DEFAULT_MAX_INFLIGHT, DEFAULT_REQ
                            MAX_BODY_BYTES, STATE, ApiError, AppliedGate, CanaryGate, ServerState,
                            admission, choose_gate, inject_fault, read_json, run_on_model,
                            threshold_controller)
+from .threshold_control import ThresholdController
 
 log = logging.getLogger("sparsegate.workload")
 
@@ -125,9 +128,6 @@ def _publish_controller(state: ServerState, gate: AppliedGate) -> None:
     if gate.controller is not None and state.metrics is not None:
         state.metrics.controlled_threshold.labels(gate_version=gate.doc.version).set(
             gate.controller.threshold)
-    elif gate.doc.params.target_experts_per_token is not None:
-        log.warning("gate %s: targetExpertsPerToken is applied only by the built-in model; "
-                    "this checkpoint routes with the fixed confidenceThreshold", gate.doc.version)
 
 
 LOADER = web.AppKey("loader", asyncio.Task)
@@ -286,14 +286,17 @@ def _hf_batch(state: ServerState, tokens: list[list[int]], return_logits: bool, 
     # On the model thread, where gate swaps of a checkpoint also run: the installed gate read
     # here is the one the checkpoint routes this batch with (the admission-time read may be
     # older). A canary chosen for the request is pinned for this batch instead.
+    # run_batch feeds a controlled gate's threshold controller; its gauge follows here.
     if chosen.hf_gate is not None:
         assert state.hf is not None
         result, _ = state.hf.run_batch(tokens, return_logits=return_logits, gate=chosen.hf_gate,
                                        allowed_experts=allowed_experts)
+        _publish_controller(state, chosen)
         return result, chosen
     gate = state.gate
     assert state.hf is not None and gate is not None
     result, _ = state.hf.run_batch(tokens, return_logits=return_logits, allowed_experts=allowed_experts)
+    _publish_controller(state, gate)
     return result, gate
 
 
@@ -402,9 +405,13 @@ async def put_gate(request: web.Request) -> web.Response:
             new = state.gate
         elif state.hf is not None:
             # A checkpoint swaps on the model thread, between batches: set_gate may re-store
-            # weights, which must not overlap a forward. It also sets state.gate there.
+            # weights, which must not overlap a forward. It also sets state.gate there. A
+            # promoted canary keeps its threshold controller.
+            controller = (state.canary.gate.controller if state.canary is not None
+                          and state.canary.gate.doc.version == doc.version
+                          else threshold_controller(doc.params))
             new = await asyncio.get_running_loop().run_in_executor(
-                state.executor, lambda: _swap_checkpoint_gate(state, doc))
+                state.executor, lambda: _swap_checkpoint_gate(state, doc, controller))
         elif state.canary is not None and state.canary.gate.doc.version == doc.version:
             new = state.canary.gate  # promotion: the canary becomes stable, controller and all
         else:
@@ -455,10 +462,13 @@ async def _canary_for(state: ServerState, wanted: GateSet, *, stable_changes: bo
         gate = held.gate
     elif state.hf is not None:
         hf, beside = state.hf, wanted.stable if stable_changes else None
+        # Re-prepared beside a new stable, a held canary keeps its controller's state.
+        controller = (held.gate.controller if held is not None and held.gate.doc.version == doc.version
+                      else threshold_controller(doc.params))
         active = await asyncio.get_running_loop().run_in_executor(
-            state.executor, lambda: hf.prepare_gate(doc, beside=beside))
+            state.executor, lambda: hf.prepare_gate(doc, beside=beside, controller=controller))
         gate = AppliedGate(doc=doc, precisions=active.precisions, applied_at=time.time(), params=doc.params,
-                           hf_gate=active)
+                           controller=active.controller, hf_gate=active)
     elif state.gate is not None and state.gate.doc.version == doc.version:
         gate = state.gate
     else:
@@ -467,13 +477,15 @@ async def _canary_for(state: ServerState, wanted: GateSet, *, stable_changes: bo
     return CanaryGate(gate=gate, weight=wanted.weight, sticky_header=wanted.sticky_header)
 
 
-def _swap_checkpoint_gate(state: ServerState, doc: GateDocument) -> AppliedGate:
-    """On the model thread: install ``doc`` in the checkpoint, then publish it (a checkpoint has
-    no per-token bounds of its own beyond its expert count, so params are the document's)."""
+def _swap_checkpoint_gate(state: ServerState, doc: GateDocument,
+                          controller: ThresholdController | None) -> AppliedGate:
+    """On the model thread: install ``doc`` in the checkpoint (routed by ``controller`` when it
+    has targetExpertsPerToken), then publish it (a checkpoint has no per-token bounds of its own
+    beyond its expert count, so params are the document's)."""
     assert state.hf is not None
-    precisions = state.hf.set_gate(doc)
-    state.gate = AppliedGate(doc=doc, precisions=precisions, applied_at=time.time(),
-                             params=doc.params)
+    active = state.hf.set_gate(doc, controller=controller)
+    state.gate = AppliedGate(doc=doc, precisions=active.precisions, applied_at=time.time(),
+                             params=doc.params, controller=active.controller)
     return state.gate
 
 
@@ -514,6 +526,8 @@ async def _load_model(app: web.Application) -> None:
         _publish_controller(state, state.gate)
         decoder = BatchDecoder(hf)
         decoder.on_prompts_scored = metrics_.quality.observe
+        decoder.on_threshold = lambda version, threshold: metrics_.controlled_threshold.labels(
+            gate_version=version or quality.NO_VERSION).set(threshold)
         state.engine = BatchEngine(decoder, executor=state.executor,
                                    max_num_seqs=state.max_num_seqs, metrics=metrics_)
         try:
@@ -596,8 +610,11 @@ def _load_checkpoint(state: ServerState) -> hf_serving.HFServedModel:
     except GateParamsError as e:  # say which gate, as a CheckpointError says which file
         raise GateParamsError(f"gate {state.pending_doc.version} (--gate-config) does not fit "
                               f"checkpoint {state.model_path}: {e}") from e
-    state.gate = AppliedGate(doc=state.pending_doc, precisions=hf.lm.gate.precisions,
-                             applied_at=time.time(), params=state.pending_doc.params)
+    controller = threshold_controller(state.pending_doc.params)
+    active = hf.set_gate(state.pending_doc, controller=controller) if controller is not None else hf.lm.gate
+    state.gate = AppliedGate(doc=state.pending_doc, precisions=active.precisions,
+                             applied_at=time.time(), params=state.pending_doc.params,
+                             controller=active.controller)
     return hf
 
 

@@ -3,6 +3,7 @@ so not changing the hash of) documents without it, and on a real in-process mode
 controller per gate version that moves the threshold until the mean selected experts per token
 of the traffic approaches the target, exported as sparsegate_gate_controlled_threshold."""
 
+import asyncio
 import random
 
 import aiohttp
@@ -40,10 +41,9 @@ def test_absent_target_is_no_control_and_leaves_documents_as_they_were():
     assert controlled.version != plain.version  # the target is part of the content address
 
 
-def _traffic(n: int, *, seed: int) -> list[list[list[int]]]:
+def _traffic(n: int, *, seed: int, vocab: int = ModelConfig().vocab_size) -> list[list[list[int]]]:
     """A mix of batch sizes and prompt lengths over random tokens (the same list for each run)."""
     rng = random.Random(seed)
-    vocab = ModelConfig().vocab_size
     out = []
     for _ in range(n):
         length, rows = rng.choice([4, 16, 32]), rng.choice([1, 2, 4])
@@ -98,3 +98,94 @@ async def test_controlled_gate_approaches_the_target_and_exports_the_threshold()
     # The gauge is labelled by the version and has moved up from confidenceThreshold.
     assert set(gauge) == {controlled.version}
     assert 0.7 < gauge[controlled.version] < 0.99
+
+
+# A checkpoint: the same loop on /v1/infer, and on the OpenAI routes' batched prefill and decode.
+CHECKPOINT_TARGET = 2.5
+WORDS = ("the gate keeps experts busy while the router scores each token and kubernetes rolls "
+         "new versions out to a few instances first").split()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from sparsegate_workload.hf import build_tiny_checkpoint
+
+    # 8 experts, top-2 in the checkpoint; served here with a top-p gate of 1 to 4 experts.
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("ctl") / "tiny", family="mixtral")
+
+
+def _prompts(n: int, *, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for _ in range(n)]
+
+
+async def _serve_checkpoint(doc, checkpoint, *, infer=(), prompts=()) -> tuple[list[float], list[tuple[float, int]], dict[str, float]]:
+    """/v1/infer batches one at a time (selected experts per token of each), then completions in
+    waves of 4 concurrent requests, decoded together ((mean experts per token, tokens) of each),
+    and the gauge by gate_version."""
+    app = create_app(gate_doc=doc, model_path=str(checkpoint))
+    async with TestClient(TestServer(app, host="127.0.0.1"),
+                          connector=aiohttp.TCPConnector(limit=0)) as client:
+        await wait_ready(app)
+        measured = []
+        for tokens in infer:
+            resp = await client.post("/v1/infer", json={"tokens": tokens})
+            assert resp.status == 200, await resp.text()
+            measured.append((await resp.json())["selectedExpertsPerToken"])
+
+        async def complete(prompt: str) -> tuple[float, int]:
+            resp = await client.post("/v1/completions",
+                                     json={"prompt": prompt, "max_tokens": 8, "temperature": 0})
+            assert resp.status == 200, await resp.text()
+            usage = (await resp.json())["usage"]
+            assert usage["sparsegate"]["gate_version"] == doc.version
+            return usage["sparsegate"]["mean_experts_per_token"], usage["total_tokens"]
+
+        generated = []
+        for wave in range(0, len(prompts), 4):
+            generated += await asyncio.gather(*(complete(p) for p in prompts[wave:wave + 4]))
+        text = await (await client.get("/metrics")).text()
+    gauge = {s.labels["gate_version"]: s.value
+             for family in text_string_to_metric_families(text) if family.name == GAUGE
+             for s in family.samples}
+    return measured, generated, gauge
+
+
+def _token_mean(generated: list[tuple[float, int]]) -> float:
+    return sum(m * n for m, n in generated) / sum(n for _, n in generated)
+
+
+async def test_a_checkpoint_approaches_the_target_on_infer(checkpoint):
+    traffic = _traffic(40, seed=7, vocab=384)  # the tiny checkpoint's vocabulary
+    fixed = make_document({**DEFAULT_PARAMS, "capacityFactor": 8})
+    controlled = make_document({**DEFAULT_PARAMS, "capacityFactor": 8,
+                                "targetExpertsPerToken": CHECKPOINT_TARGET})
+    fixed_measured, _, fixed_gauge = await _serve_checkpoint(fixed, checkpoint, infer=traffic)
+    measured, _, gauge = await _serve_checkpoint(controlled, checkpoint, infer=traffic)
+    assert fixed_gauge == {}
+    fixed_mean = sum(fixed_measured) / len(fixed_measured)
+    assert fixed_mean < CHECKPOINT_TARGET - 0.7, fixed_mean
+    assert measured[0] == pytest.approx(fixed_measured[0])  # same start threshold (0.6)
+    tail_mean = sum(measured[-15:]) / 15
+    print(f"\ncheckpoint /v1/infer: fixed 0.6 mean {fixed_mean:.3f}; controlled (target "
+          f"{CHECKPOINT_TARGET}) mean of last 15 {tail_mean:.3f}; threshold -> {gauge}")
+    assert abs(tail_mean - CHECKPOINT_TARGET) < 0.25, tail_mean
+    assert set(gauge) == {controlled.version} and 0.7 < gauge[controlled.version] < 0.99
+
+
+async def test_a_checkpoint_approaches_the_target_on_batched_generation(checkpoint):
+    prompts = _prompts(48, seed=3)
+    fixed = make_document({**DEFAULT_PARAMS, "capacityFactor": 8})
+    controlled = make_document({**DEFAULT_PARAMS, "capacityFactor": 8,
+                                "targetExpertsPerToken": CHECKPOINT_TARGET})
+    _, fixed_generated, _ = await _serve_checkpoint(fixed, checkpoint, prompts=prompts)
+    _, generated, gauge = await _serve_checkpoint(controlled, checkpoint, prompts=prompts)
+    fixed_mean = _token_mean(fixed_generated)
+    assert fixed_mean < CHECKPOINT_TARGET - 0.7, fixed_mean
+    # Prompt and generated tokens alike (usage counts both), over the last 16 requests.
+    tail_mean = _token_mean(generated[-16:])
+    print(f"\ncheckpoint completions: fixed 0.6 mean {fixed_mean:.3f} experts/token; controlled "
+          f"(target {CHECKPOINT_TARGET}) first wave {_token_mean(generated[:4]):.3f}, last 16 "
+          f"requests {tail_mean:.3f}; threshold -> {gauge}")
+    assert abs(tail_mean - CHECKPOINT_TARGET) < 0.25, tail_mean
+    assert set(gauge) == {controlled.version} and 0.7 < gauge[controlled.version] < 0.99

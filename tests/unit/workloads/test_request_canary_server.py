@@ -260,3 +260,34 @@ async def test_a_checkpoint_scores_its_canary_pinned_for_the_probe_forward(tmp_p
             both = await _probe_lifecycle(c, a)
     # Pinned beside LOOSE, the canary scores what it scores installed alone.
     assert both[TIGHT.version] == pytest.approx(await _alone_probe(TIGHT, model_path=str(checkpoint)), rel=1e-5)
+
+
+async def test_a_checkpoints_controlled_canary_runs_its_own_loop_and_keeps_it_when_promoted(tmp_path):
+    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", family="mixtral")
+    stable = make_document({**DEFAULT_PARAMS, "capacityFactor": 8})
+    controlled = make_document({**DEFAULT_PARAMS, "capacityFactor": 8, "targetExpertsPerToken": 3})
+    app = create_app(gate_doc=stable, model_path=str(checkpoint))
+    async with TestClient(TestServer(app, host="127.0.0.1"), connector=aiohttp.TCPConnector(limit=0)) as c:
+        await wait_ready(app)
+        async with TestClient(TestServer(create_admin_app(app, auth=StaticToken(TOKEN)), host="127.0.0.1")) as a:
+            status, _ = await _put(a, gate_set_document(stable.to_json(), controlled.to_json(), weight=1.0))
+            assert status == 200
+            state = app[STATE]
+            controller = state.canary.gate.controller
+            assert controller is not None and state.canary.gate.hf_gate.controller is controller
+            assert state.gate.controller is None
+            for i in range(6):
+                resp = await c.post("/v1/completions", headers={"x-session-id": f"s{i}"},
+                                    json={"prompt": "the gate keeps the experts busy", "max_tokens": 6})
+                assert resp.status == 200, await resp.text()
+                assert (await resp.json())["usage"]["sparsegate"]["gate_version"] == controlled.version
+            resp = await c.post("/v1/infer", json={"tokens": [[5, 6, 7, 8]]}, headers={"x-session-id": "s0"})
+            assert (await resp.json())["gateVersion"] == controlled.version
+            assert controller.updates > 1 and controller.threshold > 0.6  # fed, and raised toward 3
+            gauge = {k: v for k, v in _samples(await (await c.get("/metrics")).text()).items()
+                     if k.startswith("sparsegate_gate_controlled_threshold")}
+            assert gauge == {f'sparsegate_gate_controlled_threshold{{gate_version="{controlled.version}"}}':
+                             controller.threshold}
+            status, _ = await _put(a, controlled.to_json())  # promote: the loop goes on where it was
+            assert status == 200
+            assert state.gate.controller is controller and state.hf.lm.gate.controller is controller

@@ -55,23 +55,33 @@ from ..expert_cost import ExpertCost, biased_selection_probs
 from ..gating import Router, Routing, assign, cost_biased_top_p
 from ..moe import MoEStats
 from ..precision import LayerBytes, Precision, StoredWeight, is_lower, layer_bytes
+from ..threshold_control import ThresholdController
 
 
 @dataclasses.dataclass(frozen=True)
 class ActiveGate:
     """A gate as routed: params, per-MoE-layer router and expert weight precision, capacity
     factor (None: dropless) and the document it came from (None when installed from bare
-    params)."""
+    params). ``controller``: the PI loop of a gate with targetExpertsPerToken (threshold_control),
+    given by whoever installs the gate (the model server); blocks then route with its threshold
+    of the moment, and the serving code that ran a forward feeds it that forward's mean selected
+    experts per token (`GateCall.mean_selected_experts`)."""
 
     params: GateParams
     precisions: tuple[Precision, ...]
     capacity_factor: float | None
     document: GateDocument | None = None
     expert_precisions: tuple[Precision, ...] = ()
+    controller: ThresholdController | None = dataclasses.field(default=None, compare=False)
 
     @property
     def version(self) -> str | None:
         return self.document.version if self.document is not None else None
+
+    def routed_params(self) -> GateParams:
+        """The params blocks route with: the controlled threshold when there is a controller
+        (read per block call; it moves only between forwards, when fed)."""
+        return self.controller.params(self.params) if self.controller is not None else self.params
 
 
 class GateSlot:
@@ -208,7 +218,7 @@ class SparseGatedMoEBlock(nn.Module):
 
     def route(self, flat: torch.Tensor, gate: ActiveGate, allowed: torch.Tensor | None = None) -> Routing:
         """``allowed``: [E] bool; the other experts get no gate mass and are never selected."""
-        params = gate.params
+        params = gate.routed_params()
         # The router as stored (the loader stores what the gate resolves to); logits in fp32.
         logits = self.gate.logits(flat)
         if allowed is not None:

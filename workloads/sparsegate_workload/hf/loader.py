@@ -25,6 +25,7 @@ from sparsegate_contracts.gate import GateDocument, GateParams, GateParamsError
 
 from ..moe import MoEStats
 from ..precision import PRECISIONS, LayerBytes, Precision, RunningVariance, choose_precision
+from ..threshold_control import ThresholdController
 from .checkpoint_files import CheckpointError, check_weight_files, family_of, read_config
 from .families import MoEFamily
 from .gated_block import ActiveGate, GateCall, GateSlot, SparseGatedMoEBlock, pin_gate
@@ -102,24 +103,26 @@ class SparseGatedCausalLM:
         return GateParams(min_experts_per_token=self.top_k, max_experts_per_token=self.top_k,
                           confidence_threshold=1.0, precision_policy="fp32")
 
-    def set_gate(self, gate: GateParams | GateDocument, *, dropless: bool = False
-                 ) -> ActiveGate:
+    def set_gate(self, gate: GateParams | GateDocument, *, dropless: bool = False,
+                 controller: ThresholdController | None = None) -> ActiveGate:
         """Install a gate for the next forwards; one reference swap, so a forward in flight
         keeps the gate it pinned. ``dropless`` ignores capacityFactor (no capacity cap).
+        ``controller``: route with its threshold (`ActiveGate.controller`).
         Raises GateParamsError if it asks for more experts per token than the model has."""
-        active = self._active_gate(gate, dropless=dropless)
+        active = self._active_gate(gate, dropless=dropless, controller=controller)
         # Storage first, then the swap: a forward pinned to the old gate computes with
         # whatever each block stores when it reaches it (each block reads its storage once).
         self.store_precisions(active.precisions, active.expert_precisions)
         self._slot.active = active
         return active
 
-    def prepare_gate(self, doc: GateDocument, *, beside: GateDocument | None = None) -> ActiveGate:
+    def prepare_gate(self, doc: GateDocument, *, beside: GateDocument | None = None,
+                     controller: ThresholdController | None = None) -> ActiveGate:
         """A gate to pin beside the installed one, or beside ``beside`` once that is installed (a
         request-level canary), not installed itself: the weights stay stored as the stable gate
         resolves them, so ``doc``'s precision policy must resolve to that same storage
-        (GateParamsError naming precisionPolicy otherwise)."""
-        active = self._active_gate(doc, dropless=False)
+        (GateParamsError naming precisionPolicy otherwise). ``controller`` as in `set_gate`."""
+        active = self._active_gate(doc, dropless=False, controller=controller)
         current = self._active_gate(beside, dropless=False) if beside is not None else self._slot.active
         if (active.precisions, active.expert_precisions) != (current.precisions, current.expert_precisions):
             raise GateParamsError(
@@ -129,7 +132,8 @@ class SparseGatedCausalLM:
                 f"a checkpoint holds one weight storage, so a canary beside it must keep it")
         return active
 
-    def _active_gate(self, gate: GateParams | GateDocument, *, dropless: bool) -> ActiveGate:
+    def _active_gate(self, gate: GateParams | GateDocument, *, dropless: bool,
+                     controller: ThresholdController | None = None) -> ActiveGate:
         document = gate if isinstance(gate, GateDocument) else None
         params = gate.params if isinstance(gate, GateDocument) else gate
         for name, value in (("minExpertsPerToken", params.min_experts_per_token),
@@ -145,7 +149,8 @@ class SparseGatedCausalLM:
         return ActiveGate(params=params, precisions=self.resolve_precisions(policy),
                           capacity_factor=None if dropless else params.capacity_factor,
                           document=document,
-                          expert_precisions=self.resolve_expert_precisions(policy))
+                          expert_precisions=self.resolve_expert_precisions(policy),
+                          controller=controller)
 
     def resolve_precisions(self, policy: str) -> tuple[Precision, ...]:
         """Router weight precision per MoE block. "auto" applies the rule to the measured
@@ -213,7 +218,7 @@ class SparseGatedCausalLM:
         n = len(self.blocks)
         self.store_precisions(("fp32",) * n, ("fp32",) * n)
         fp32 = dataclasses.replace(current, precisions=("fp32",) * n,
-                                   expert_precisions=("fp32",) * n)
+                                   expert_precisions=("fp32",) * n, controller=None)
         groups = [(blk.gate.weight, (blk.experts.gate_up_proj, blk.experts.down_proj))
                   for blk in self.blocks]
         params = [p for router, experts in groups for p in (router, *experts)]
@@ -244,7 +249,8 @@ class SparseGatedCausalLM:
         self.gate_sensitivity = [a.variance() for a in gate_acc]
         self.expert_sensitivity = [a.variance() for a in expert_acc]
         latest = self._slot.active
-        self.set_gate(latest.document or latest.params, dropless=latest.capacity_factor is None)
+        self.set_gate(latest.document or latest.params, dropless=latest.capacity_factor is None,
+                      controller=latest.controller)
         return self.gate_sensitivity
 
     def _calibration_batches(self, *, batch_size: int, seq_len: int, seed: int
