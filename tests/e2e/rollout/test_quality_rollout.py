@@ -4,7 +4,8 @@ Given the trained demo checkpoint (dev/trained_model.py: `sparsegate-train`'s de
 trained once per machine) baked into an image made FROM the stack's model-server image, served
 by 4 real model-server containers under load through the operator running in-cluster (the
 rollout conftest's dev stack, a module of its own), with the GateConfig's default
-``maxQualityDrop`` (0.02) and no ``faultInjection``:
+``maxQualityDrop`` (0.02), the default strategy (``requests``: every pod holds the stable and the
+canary version and scores the probe set under each) and no ``faultInjection``:
 
 * a benign ``confidenceThreshold`` change (0.6 → 0.8; probe perplexity 4.187 → 4.186 on this
   model) passes every step and is promoted;
@@ -33,7 +34,7 @@ from rollout_e2e_support import BASE_PARAMS, GATE, MODEL, NAMESPACE, Fleet, Oper
 
 pytestmark = pytest.mark.slow
 
-REPLICAS = 4  # 25 % → 1 canary pod against 3 stable ones
+REPLICAS = 4  # every pod holds stable + canary (strategy requests, the default): 25 % of requests
 QPS = 40.0
 CHECKPOINT_DIR = "/models/sparsegate-demo"
 
@@ -64,7 +65,7 @@ def quality_fleet(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Ite
                            # shared machine saw p99 ~1 s) and a loose drift bound (raising the threshold
                            # 0.6 -> 0.8 is meant to activate more experts: drift 0.74 measured) keep the
                            # other checks from deciding; maxQualityDrop is left at its default.
-                           "rollout": {"strategy": "instances", "steps": [25, 50, 100], "analysisInterval": "4s",
+                           "rollout": {"steps": [25, 50, 100], "analysisInterval": "4s",
                                        "slaP99LatencyMs": 10000, "maxDrift": 2.0, "autoRollback": True}}}
     model = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "SparseModel", "metadata": {"name": MODEL},
              "spec": {"replicas": REPLICAS, "image": image, "gateConfigRef": {"name": GATE},
@@ -130,9 +131,11 @@ def test_harmful_routing_is_rolled_back_because_quality_dropped(quality_fleet: F
                        timeout=180)
     seen = [s for s in seen if s["canaryVersion"] == bad or s["phase"] == "RolledBack"]
     assert max(s["step"] or 0 for s in seen) == 1, seen  # never past 25 %
+    # Strategy requests: every pod held the canary beside stable at the step.
+    assert {s["canaryInstances"] for s in seen if s["canaryVersion"] == bad and s["step"]} == {f"{REPLICAS}/{REPLICAS}"}, seen
     ro = fleet.rollout()
     assert ro["reason"] == "AnalysisFailed" and "qualityDrop" in ro["message"], ro["message"]
-    assert "perplexity" in ro["message"], ro["message"]
+    assert "perplexity" in ro["message"] and "probe set" in ro["message"], ro["message"]  # both versions' probe scores
     failed = [c for c in ro["analysis"]["checks"] if c["passed"] is False]
     assert [c["name"] for c in failed] == ["qualityDrop"] and failed[0]["value"] > 0.05, failed
     assert fleet.stable_version() == stable and set(fleet.pod_versions().values()) == {stable}
