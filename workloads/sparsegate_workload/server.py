@@ -588,9 +588,10 @@ def _held_gates(state: ServerState) -> list[AppliedGate]:
 
 
 def _probe_score(state: ServerState, gate: AppliedGate, probe: quality.ProbeSet) -> quality.Score | None:
-    """On the model thread: the probe scored under ``gate`` as its requests are served. A
+    """On the model thread: the probe scored under ``gate`` as its requests are served (a
+    controlled gate at its controller's threshold now, which at install is its start). A
     checkpoint's canary is pinned for the forward (its hf_gate); its stable is the installed
-    gate, None when that is no longer ``gate``'s version."""
+    gate, None when that is no longer ``gate``'s version. The probe does not feed a controller."""
     if state.hf is not None:
         active = gate.hf_gate
         if active is None:
@@ -599,7 +600,7 @@ def _probe_score(state: ServerState, gate: AppliedGate, probe: quality.ProbeSet)
                 return None
         return quality.score_checkpoint_probe(state.hf.lm, probe, gate=active)
     assert state.model is not None
-    return quality.score_builtin_probe(state.model, probe, gate=gate.params, precisions=gate.precisions)
+    return quality.score_builtin_probe(state.model, probe, gate=gate.routed_params(), precisions=gate.precisions)
 
 
 def _load_checkpoint(state: ServerState) -> hf_serving.HFServedModel:

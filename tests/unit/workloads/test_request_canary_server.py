@@ -275,6 +275,9 @@ async def test_a_checkpoints_controlled_canary_runs_its_own_loop_and_keeps_it_wh
             state = app[STATE]
             controller = state.canary.gate.controller
             assert controller is not None and state.canary.gate.hf_gate.controller is controller
+            # Its probe set was scored before the PUT answered, without feeding the loop.
+            assert controlled.version in _probes(await (await c.get("/metrics")).text())
+            assert controller.updates == 0 and controller.threshold == 0.6
             assert state.gate.controller is None
             for i in range(6):
                 resp = await c.post("/v1/completions", headers={"x-session-id": f"s{i}"},
