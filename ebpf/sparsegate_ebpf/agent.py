@@ -18,8 +18,9 @@ interface that cannot be attached is reported (--probe-report-*) and retried eve
 Enforcement: `off` counts only (telemetry); `audit` judges every packet to a policed destination
 and counts would-be drops (`sparsegate_xdp_policy_audit_drops_total`) without dropping; `enforce`
 drops what the policy denies. Always allowed to policed destinations: --allow-sources, and with
---node-addresses auto the IPv4 addresses of the agent's own network namespace (in a hostNetwork
-pod: the node's, so kubelet probes pass), re-read whenever a policy document is applied.
+--node-addresses auto the IPv4 and IPv6 addresses (IPv6 link-local ones excepted) of the agent's
+own network namespace (in a hostNetwork pod: the node's, so kubelet probes pass), re-read whenever
+a policy document is applied.
 
 A restart widens nothing (handover.py): the first valid policy is written into the new program's
 maps before it is attached, and the program replaces the one a previous agent left attached in one
@@ -53,6 +54,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, start_http_server
+from sparsegate_contracts import flowpolicy
 from sparsegate_contracts.version import version_line
 
 from sparsegate_contracts.probes import NodeConfig
@@ -103,9 +105,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="off: telemetry only; audit: judge and count would-be drops, drop nothing; enforce: drop "
                          "what the policy denies (default: enforce, or off with --telemetry-only)")
     ap.add_argument("--allow-sources", default="",
-                    help="comma-separated IPv4 sources always allowed to policed destinations (e.g. the node IP)")
+                    help="comma-separated IPv4/IPv6 sources always allowed to policed destinations (e.g. the node IP)")
     ap.add_argument("--node-addresses", choices=["auto", "none"], default="auto",
-                    help="auto: also always allow the IPv4 addresses of this network namespace's interfaces "
+                    help="auto: also always allow the IPv4 and IPv6 (not link-local) addresses of this network "
+                         "namespace's interfaces "
                          "(the node's, in a hostNetwork pod), read when each policy document is applied")
     ap.add_argument("--policy-liveness", choices=["watch", "off"], default="watch",
                     help="with --policy-configmap: also watch RoutingPolicies and drop the allow entries of "
@@ -141,8 +144,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.enforcement = args.enforcement or ("off" if args.telemetry_only else "enforce")
     args.telemetry_only = args.enforcement == "off"
     try:
-        args.allow_sources = [str(ipaddress.IPv4Address(a.strip())) for a in args.allow_sources.split(",") if a.strip()]
-    except ValueError as exc:
+        args.allow_sources = [flowpolicy.ip_text(a.strip(), where="--allow-sources")
+                              for a in args.allow_sources.split(",") if a.strip()]
+    except flowpolicy.FlowPolicyError as exc:
         ap.error(f"--allow-sources: {exc}")
     if args.policy_configmap and args.policy_configmap.count("/") != 1:
         ap.error("--policy-configmap must be NAMESPACE/NAME")
@@ -153,11 +157,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def local_ipv4_addresses() -> list[str]:
-    """The IPv4 addresses of every interface of this network namespace (`ip -j -4 addr`)."""
-    out = subprocess.run(["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True, timeout=10,
+def local_addresses() -> list[str]:
+    """The addresses of every interface of this network namespace (`ip -j addr`): see node_addresses."""
+    out = subprocess.run(["ip", "-j", "addr", "show"], capture_output=True, text=True, timeout=10,
                          check=True).stdout
-    return sorted({a["local"] for link in json.loads(out) for a in link.get("addr_info", ()) if a.get("local")})
+    return node_addresses(json.loads(out))
+
+
+def node_addresses(links: list[dict]) -> list[str]:
+    """IPv4 and IPv6 addresses of `ip -j addr` output, in canonical text. IPv6 link-local ones
+    (fe80::/10) are left out: every veth of a node has one (they would crowd the records the
+    operator leaves to the agent), and traffic to a pod's routable address comes from a routable one."""
+    out = set()
+    for link in links:
+        for a in link.get("addr_info", ()):
+            try:
+                ip = ipaddress.ip_address(str(a.get("local", "")).split("%")[0])
+            except ValueError:
+                continue
+            if not (ip.version == 6 and ip.is_link_local):
+                out.add(str(ip))
+    return sorted(out)
 
 
 def desired_interfaces(config: NodeConfig | None, *, default: list[str],
@@ -271,7 +291,7 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
         start.attached_without_policy = start.inherited_policy = False
 
     def sources() -> list[str]:
-        return sorted(set(args.allow_sources) | set(local_ipv4_addresses() if args.node_addresses == "auto" else ()))
+        return sorted(set(args.allow_sources) | set(local_addresses() if args.node_addresses == "auto" else ()))
 
     log.info("enforcement %s; always allowed to policed destinations: %s", args.enforcement, ", ".join(sources()))
     handler = make_policy_handler(state=state, on_applied=applied, sources=sources)

@@ -6,6 +6,8 @@ everything a moment after the predecessor's program had still been denying it. T
 program is still attached, and its maps with it; this module reads its live inner policy map
 (program id -> its maps -> `policy_outer[0]` -> the inner map -> every record) through libbpf's
 id-based calls, which `libbcc.so` links, so the new program can start from the same records.
+A predecessor from before IPv6 keyed its records with one __u32 per address (12-byte keys, told
+by the inner map's key size): its records are read in that layout and widened (maps.upgrade_key).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import ctypes as ct
 import os
 from typing import Any
 
-from .maps import PolicyKey, PolicyVal
+from .maps import PolicyKey, PolicyKeyV4, PolicyVal, upgrade_key
 
 OUTER = b"policy_outer"
 _MAX_MAPS = 64
@@ -86,13 +88,21 @@ def live_policy(prog_id: int) -> list[tuple[PolicyKey, PolicyVal]] | None:
             return None  # empty slot: the predecessor never had a policy
         inner_fd = _check(lib.bpf_map_get_fd_by_id(inner_id.value), f"inner map id {inner_id.value}")
         fds.append(inner_fd)
+        inner_info = _MapInfo()
+        _info(lib, inner_fd, inner_info)
+        layouts = {ct.sizeof(PolicyKey): PolicyKey, ct.sizeof(PolicyKeyV4): PolicyKeyV4}
+        key_type = layouts.get(inner_info.key_size)
+        if key_type is None or inner_info.value_size != ct.sizeof(PolicyVal):
+            raise OSError(0, f"prog id {prog_id}: inner policy map has {inner_info.key_size}-byte keys and "
+                             f"{inner_info.value_size}-byte values, a layout this agent cannot read")
         records: list[tuple[PolicyKey, PolicyVal]] = []
-        key, nxt = PolicyKey(), PolicyKey()
+        key, nxt = key_type(), key_type()
         prev = None  # NULL: the first key
         while lib.bpf_map_get_next_key(inner_fd, prev, ct.byref(nxt)) == 0:
             val = PolicyVal()
             if lib.bpf_map_lookup_elem(inner_fd, ct.byref(nxt), ct.byref(val)) == 0:
-                records.append((PolicyKey.from_buffer_copy(nxt), val))
+                got = key_type.from_buffer_copy(nxt)
+                records.append((got if key_type is PolicyKey else upgrade_key(got), val))
             ct.memmove(ct.byref(key), ct.byref(nxt), ct.sizeof(key))
             prev = ct.byref(key)
         return records

@@ -2,7 +2,9 @@
 
 The header is the source of truth; ``tests/unit/ebpf/test_maps.py`` parses it and checks
 these classes and the counter enum agree field by field, so the two cannot drift silently.
-Addresses and ports are kept in network byte order, exactly as the program stores them.
+Addresses and ports are kept in network byte order, exactly as the program stores them; an
+address of either family is 16 bytes (``Addr``), an IPv4 one as its IPv4-mapped IPv6 form
+(``addr_of`` / ``ip_of`` convert).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import ipaddress
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 from sparsegate_contracts import flowpolicy
 
@@ -73,15 +76,22 @@ class Counter(enum.IntEnum):
     CT_REPLY = 21
     TCP_UNTRACKED = 22
     AUDIT_DENY = 23
+    IPV6_TRUNCATED = 24
+    IPV6_BAD_HEADER = 25
+    IPV6_EXT_HEADER = 26
+    IPV6_OTHER_PROTO = 27
 
 
-COUNTER_MAX = 24
+COUNTER_MAX = 28
+
+Addr = ct.c_uint32 * 4
+"""An address field of the program's keys: 16 bytes, network order (IPv4 mapped, see addr_of)."""
 
 
 class FlowKey(ct.Structure):
     _fields_ = [
-        ("saddr", ct.c_uint32),
-        ("daddr", ct.c_uint32),
+        ("saddr", Addr),
+        ("daddr", Addr),
         ("sport", ct.c_uint16),
         ("dport", ct.c_uint16),
         ("proto", ct.c_uint8),
@@ -127,6 +137,19 @@ class CounterVal(ct.Structure):
 
 class PolicyKey(ct.Structure):
     _fields_ = [
+        ("saddr", Addr),
+        ("daddr", Addr),
+        ("dport", ct.c_uint16),
+        ("proto", ct.c_uint8),
+        ("kind", ct.c_uint8),
+    ]
+
+
+class PolicyKeyV4(ct.Structure):
+    """``sg_policy_key`` of the IPv4-only programs before this one (one __u32 per address or
+    identity): what inherit.py may read from a predecessor (``upgrade_key`` converts it)."""
+
+    _fields_ = [
         ("saddr", ct.c_uint32),
         ("daddr", ct.c_uint32),
         ("dport", ct.c_uint16),
@@ -165,6 +188,46 @@ STRUCTS: dict[str, type[ct.Structure]] = {
     "sg_policy_val": PolicyVal,
     "sg_verdict_key": VerdictKey,
 }
+
+
+_V4_MAPPED = bytes(10) + b"\xff\xff"
+
+
+def addr_of(ip: str) -> Any:
+    """An IPv4 or IPv6 address as the program keys it (``Addr``): IPv6 as is, IPv4 as
+    ::ffff:a.b.c.d."""
+    parsed = ipaddress.ip_address(ip)
+    packed = _V4_MAPPED + parsed.packed if parsed.version == 4 else parsed.packed
+    return Addr.from_buffer_copy(packed)
+
+
+def ip_of(addr: Any) -> str:
+    """The address text of a key's ``Addr`` (an IPv4-mapped one as the IPv4 address)."""
+    ip = ipaddress.IPv6Address(bytes(addr))
+    return str(ip.ipv4_mapped or ip)
+
+
+def addr_bytes(ip: str) -> bytes:
+    """``bytes(addr_of(ip))``: a hashable form, for comparing keys read from the maps."""
+    return bytes(addr_of(ip))
+
+
+def identity_addr(identity: int) -> Any:
+    """A rule key's identity field (``Addr`` whose first word is the identity, host order)."""
+    return Addr(identity)
+
+
+def upgrade_key(old: PolicyKeyV4) -> PolicyKey:
+    """A record key of an IPv4-only program, as this program keys it: addresses mapped, identities
+    (SG_KEY_RULE) in the first word; the meta record's all-zero key stays all zero."""
+    def widen(value: int, *, address: bool) -> Any:
+        if address and value:
+            return Addr.from_buffer_copy(_V4_MAPPED + value.to_bytes(4, sys.byteorder))
+        return Addr(value)
+
+    address = old.kind != KEY_RULE
+    return PolicyKey(saddr=widen(old.saddr, address=address), daddr=widen(old.daddr, address=address),
+                     dport=old.dport, proto=old.proto, kind=old.kind)
 
 
 def ip_to_be32(ip: str) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from .maps import PROTO_NAMES, Counter, be16_to_port, be32_to_ip
+from .maps import PROTO_NAMES, Counter, be16_to_port, ip_of
 from .policy import ACTION_NAMES
 
 
@@ -153,8 +153,8 @@ class XdpCollector:
 
     def _flows(self, flows: list[tuple[Any, FlowTotals]]) -> Iterator[Metric]:
         labels = ["src", "dst", "sport", "dport", "proto"]
-        fp = CounterMetricFamily("sparsegate_xdp_flow_packets", "Packets per IPv4 flow", labels=labels)
-        fb = CounterMetricFamily("sparsegate_xdp_flow_bytes", "Bytes per IPv4 flow", labels=labels)
+        fp = CounterMetricFamily("sparsegate_xdp_flow_packets", "Packets per TCP/UDP flow (IPv4 or IPv6)", labels=labels)
+        fb = CounterMetricFamily("sparsegate_xdp_flow_bytes", "Bytes per TCP/UDP flow (IPv4 or IPv6)", labels=labels)
         fd = CounterMetricFamily("sparsegate_xdp_flow_dropped_packets", "Policy drops per flow", labels=labels)
         dur = GaugeMetricFamily("sparsegate_xdp_flow_duration_seconds",
                                 "Last seen - first seen (bpf_ktime_get_ns)", labels=labels)
@@ -164,7 +164,7 @@ class XdpCollector:
         now = time.monotonic_ns()  # same clock as bpf_ktime_get_coarse_ns (within a tick)
         flows = sorted(flows, key=lambda kv: kv[1].bytes, reverse=True)
         for k, t in flows[: self._max_flows]:
-            lv = [be32_to_ip(k.saddr), be32_to_ip(k.daddr), str(be16_to_port(k.sport)),
+            lv = [ip_of(k.saddr), ip_of(k.daddr), str(be16_to_port(k.sport)),
                   str(be16_to_port(k.dport)), _proto(k.proto)]
             fp.add_metric(lv, t.packets)
             fb.add_metric(lv, t.bytes)
@@ -182,7 +182,7 @@ class XdpCollector:
         pp = CounterMetricFamily("sparsegate_xdp_port_packets", "Packets by destination port", labels=["port", "proto"])
         pb = CounterMetricFamily("sparsegate_xdp_port_bytes", "Bytes by destination port", labels=["port", "proto"])
         totals = self._state.ports.fold(
-            ((k.saddr, k.daddr, k.sport, k.dport, k.proto), t.packets, t.bytes, (be16_to_port(k.dport), k.proto))
+            ((bytes(k.saddr), bytes(k.daddr), k.sport, k.dport, k.proto), t.packets, t.bytes, (be16_to_port(k.dport), k.proto))
             for k, t in flows)
         for (port, proto), (packets, bytes_) in sorted(totals.items()):
             pp.add_metric([str(port), _proto(proto)], packets)
@@ -199,7 +199,7 @@ class XdpCollector:
         for k, h in bpf[b"handshakes"].items():
             if not h.samples:
                 continue
-            lv = [be32_to_ip(k.saddr), be32_to_ip(k.daddr), str(be16_to_port(k.dport))]
+            lv = [ip_of(k.saddr), ip_of(k.daddr), str(be16_to_port(k.dport))]
             last.add_metric(lv, h.last_rtt_ns / 1e9)
             mean.add_metric(lv, h.rtt_sum_ns / h.samples / 1e9)
         yield last

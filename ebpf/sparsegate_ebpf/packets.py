@@ -1,7 +1,8 @@
 """Pure builders of Ethernet frames for BPF_PROG_TEST_RUN tests and benchmarks.
 
 Checksums are computed for the IPv4 header only; the XDP program never reads L4
-checksums and test_run does not validate them.
+checksums and test_run does not validate them. ``tcp_frame``/``udp_frame`` build IPv6 when
+given IPv6 addresses.
 """
 from __future__ import annotations
 
@@ -63,6 +64,24 @@ def ipv4(
     return header + payload
 
 
+def ipv6(*, src: str, dst: str, next_header: int, payload: bytes = b"", version: int = 6) -> bytes:
+    """An IPv6 fixed header (40 bytes) + payload; ``version`` can be set to a malformed value."""
+    return struct.pack("!IHBB16s16s", version << 28, len(payload), next_header, 64,
+                       ipaddress.IPv6Address(src).packed, ipaddress.IPv6Address(dst).packed) + payload
+
+
+def ext_header(*, next_header: int, length_units: int = 0) -> bytes:
+    """A generic IPv6 extension header (hop-by-hop / destination options layout): 8 bytes per unit + 8."""
+    return struct.pack("!BB", next_header, length_units) + b"\x01\x04\0\0\0\0" + b"\0" * (8 * length_units)
+
+
+def _ip(*, src: str, dst: str, proto: int, payload: bytes) -> bytes:
+    """Ethernet frame of the family of ``src``."""
+    if ipaddress.ip_address(src).version == 6:
+        return ethernet(ethertype=ETH_P_IPV6, payload=ipv6(src=src, dst=dst, next_header=proto, payload=payload))
+    return ethernet(ethertype=ETH_P_IP, payload=ipv4(src=src, dst=dst, proto=proto, payload=payload))
+
+
 def tcp(*, sport: int, dport: int, flags: int = TCP_ACK, payload: bytes = b"", doff: int = 5) -> bytes:
     return struct.pack("!HHIIBBHHH", sport, dport, 1, 0, doff << 4, flags, 65535, 0, 0) + payload
 
@@ -72,17 +91,11 @@ def udp(*, sport: int, dport: int, payload: bytes = b"") -> bytes:
 
 
 def tcp_frame(*, src: str, dst: str, sport: int, dport: int, flags: int = TCP_ACK, payload: bytes = b"") -> bytes:
-    return ethernet(
-        ethertype=ETH_P_IP,
-        payload=ipv4(src=src, dst=dst, proto=6, payload=tcp(sport=sport, dport=dport, flags=flags, payload=payload)),
-    )
+    return _ip(src=src, dst=dst, proto=6, payload=tcp(sport=sport, dport=dport, flags=flags, payload=payload))
 
 
 def udp_frame(*, src: str, dst: str, sport: int, dport: int, payload: bytes = b"") -> bytes:
-    return ethernet(
-        ethertype=ETH_P_IP,
-        payload=ipv4(src=src, dst=dst, proto=17, payload=udp(sport=sport, dport=dport, payload=payload)),
-    )
+    return _ip(src=src, dst=dst, proto=17, payload=udp(sport=sport, dport=dport, payload=payload))
 
 
 def ipv6_frame(*, payload: bytes = b"\0" * 40) -> bytes:

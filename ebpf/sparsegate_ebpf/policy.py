@@ -16,7 +16,8 @@ the agent's own always-allowed sources (node addresses) pass to every policed de
 exact match on (identity of srcIP, identity of dstIP, dstPort, protocol); no match (or an address
 without identity) -> defaultAction. When rules for the same tuple disagree, deny wins (as in Cilium
 and Istio), whatever their order. Only TCP/UDP are policed (the document's protocol field); other
-IPv4 protocols are counted and passed by the program.
+protocols are counted and passed by the program (IPv6 with an extension header: see
+xdp_flow.bpf.c). Addresses of both families go into the same records (``maps.addr_of``).
 """
 from __future__ import annotations
 
@@ -38,9 +39,11 @@ from .maps import (
     POLICY_MAX_ENTRIES,
     POLICY_MAX_RECORDS,
     PROTO_NUMBERS,
+    Addr,
     PolicyKey,
     PolicyVal,
-    ip_to_be32,
+    addr_of,
+    identity_addr,
     port_to_be16,
 )
 
@@ -69,7 +72,7 @@ def identity_form(policy: FlowPolicy) -> tuple[dict[str, int], tuple[IdentityRul
     document gets one identity per IP it names (FIRST_IDENTITY upwards, in address order)."""
     if policy.rules or policy.identities:
         return {ip: ident for ident, ips in policy.identities for ip in ips}, policy.rules
-    ips = sorted({ip for e in policy.entries for ip in (e.src_ip, e.dst_ip)}, key=ip_to_be32)
+    ips = sorted({ip for e in policy.entries for ip in (e.src_ip, e.dst_ip)}, key=lambda ip: bytes(addr_of(ip)))
     ipcache = {ip: flowpolicy.FIRST_IDENTITY + i for i, ip in enumerate(ips)}
     if len(ipcache) > flowpolicy.MAX_IDENTITY - flowpolicy.FIRST_IDENTITY + 1:
         raise PolicyError(f"{len(ipcache)} addresses exceed the {flowpolicy.MAX_IDENTITY} identities")
@@ -108,12 +111,13 @@ def compile_policy(policy: FlowPolicy, *, generation: int,
     default = ACTIONS[policy.default_action]
     out = [(meta_key(), PolicyVal(action=default, rule_id=0, generation=generation))]
     for (src_id, dst_id, dport, proto), val in records.items():
-        out.append((PolicyKey(saddr=src_id, daddr=dst_id, dport=dport, proto=proto, kind=KEY_RULE), val))
+        out.append((PolicyKey(saddr=identity_addr(src_id), daddr=identity_addr(dst_id), dport=dport, proto=proto,
+                              kind=KEY_RULE), val))
     for ip in policy.policed_destinations:
-        out.append((PolicyKey(daddr=ip_to_be32(ip), kind=KEY_POLICED_DST),
+        out.append((PolicyKey(daddr=addr_of(ip), kind=KEY_POLICED_DST),
                     PolicyVal(action=default, rule_id=0, generation=generation, identity=ipcache.get(ip, 0))))
     for ip, ident in sorted(sources.items()):
-        out.append((PolicyKey(saddr=ip_to_be32(ip), kind=KEY_SOURCE),
+        out.append((PolicyKey(saddr=addr_of(ip), kind=KEY_SOURCE),
                     PolicyVal(action=ACTION_ALLOW if ident == IDENTITY_ALLOWED else 0, rule_id=0,
                               generation=generation, identity=ident)))
     return out
@@ -122,26 +126,27 @@ def compile_policy(policy: FlowPolicy, *, generation: int,
 def upgrade_records(records: list[tuple[PolicyKey, PolicyVal]]) -> list[tuple[PolicyKey, PolicyVal]]:
     """Records read from a program from before identities (IP-level SG_KEY_ENTRY rules,
     SG_KEY_ALLOWED_SRC sources) as this program reads them, same generation and rule ids; records
-    already identity-based come back as they are. Destinations its rules name stay policed."""
+    already identity-based come back as they are. Destinations its rules name stay policed.
+    (Keys of IPv4-only programs are widened first: ``maps.upgrade_key``, in inherit.py.)"""
     entries = [(k, v) for k, v in records if k.kind == KEY_ENTRY and k.proto]
     old_sources = [(k, v) for k, v in records if k.kind == KEY_ALLOWED_SRC]
     if not entries and not old_sources:
         return records
     meta = next(v for k, v in records if bytes(k) == bytes(meta_key()))
-    ips = sorted({a for k, _ in entries for a in (k.saddr, k.daddr)})
+    ips = sorted({bytes(a) for k, _ in entries for a in (k.saddr, k.daddr)})
     ipcache = {a: flowpolicy.FIRST_IDENTITY + i for i, a in enumerate(ips)}
-    policed = {k.daddr: v for k, v in records if k.kind == KEY_POLICED_DST}
+    policed = {bytes(k.daddr): v for k, v in records if k.kind == KEY_POLICED_DST}
     for k, _ in entries:
-        policed.setdefault(k.daddr, PolicyVal(action=meta.action, rule_id=0, generation=meta.generation))
+        policed.setdefault(bytes(k.daddr), PolicyVal(action=meta.action, rule_id=0, generation=meta.generation))
     out = [(meta_key(), meta)]
-    out += [(PolicyKey(saddr=ipcache[k.saddr], daddr=ipcache[k.daddr], dport=k.dport, proto=k.proto, kind=KEY_RULE),
-             v) for k, v in entries]
-    out += [(PolicyKey(daddr=d, kind=KEY_POLICED_DST),
+    out += [(PolicyKey(saddr=identity_addr(ipcache[bytes(k.saddr)]), daddr=identity_addr(ipcache[bytes(k.daddr)]),
+                       dport=k.dport, proto=k.proto, kind=KEY_RULE), v) for k, v in entries]
+    out += [(PolicyKey(daddr=Addr.from_buffer_copy(d), kind=KEY_POLICED_DST),
              PolicyVal(action=v.action, rule_id=0, generation=v.generation, identity=ipcache.get(d, 0)))
             for d, v in policed.items()]
-    sources = {k.saddr: ipcache[k.saddr] for k, _ in entries}
-    sources.update({k.saddr: IDENTITY_ALLOWED for k, _ in old_sources})
-    out += [(PolicyKey(saddr=a, kind=KEY_SOURCE),
+    sources = {bytes(k.saddr): ipcache[bytes(k.saddr)] for k, _ in entries}
+    sources.update({bytes(k.saddr): IDENTITY_ALLOWED for k, _ in old_sources})
+    out += [(PolicyKey(saddr=Addr.from_buffer_copy(a), kind=KEY_SOURCE),
              PolicyVal(action=ACTION_ALLOW if ident == IDENTITY_ALLOWED else 0, rule_id=0,
                        generation=meta.generation, identity=ident)) for a, ident in sources.items()]
     out += [(k, v) for k, v in records if k.kind in (KEY_SOURCE, KEY_RULE)]

@@ -4,10 +4,15 @@
 #ifndef SPARSEGATE_FLOW_H
 #define SPARSEGATE_FLOW_H
 
-/* One direction of an IPv4 TCP/UDP conversation. Addresses/ports in network order. */
+/* Addresses of either family fit one 16-byte field (four __u32, network order): IPv6 as is, IPv4
+ * as the IPv4-mapped IPv6 address ::ffff:a.b.c.d (words 0-1 zero, word 2 htonl(0xffff), word 3 the
+ * IPv4 address), so one key and one map serve both families. */
+#define SG_V4_MAPPED_WORD 0xffff
+
+/* One direction of a TCP/UDP conversation, IPv4 or IPv6. Addresses/ports in network order. */
 struct sg_flow_key {
-    __u32 saddr;
-    __u32 daddr;
+    __u32 saddr[4];
+    __u32 daddr[4];
     __u16 sport;
     __u16 dport;
     __u8 proto;
@@ -64,19 +69,21 @@ struct sg_counter {
 };
 
 /* Policy records, network order, one inner map per generation (identity-based, as Cilium's ipcache
- * + policy map, but in one map so that both swap together):
+ * + policy map, but in one map so that both swap together). Addresses of both families, as in
+ * sg_flow_key (IPv4 mapped):
  * kind SG_KEY_POLICED_DST (only daddr set): a destination the policy judges; its value carries the
  *   default action, the generation and the destination's identity (0: none).
  * kind SG_KEY_SOURCE (only saddr set): a source address's identity; SG_IDENTITY_ALLOWED: always
  *   allowed to policed destinations (node addresses, the operator).
- * kind SG_KEY_RULE: exact match on (source identity in saddr, destination identity in daddr, both
- *   host order, dst port, protocol).
+ * kind SG_KEY_RULE: exact match on (source identity in saddr[0], destination identity in daddr[0],
+ *   both host order, dst port, protocol).
  * The all-zero key (kind 0, proto 0) holds the generation's meta record. Kinds SG_KEY_ENTRY (an
  * IP-level rule) and SG_KEY_ALLOWED_SRC are what programs before identities used: the program no
- * longer reads them; records inherited from such a program are converted (policy.py). */
+ * longer reads them; records inherited from such a program are converted (policy.py), and so are
+ * those of IPv4-only programs, whose keys had one __u32 per address (inherit.py). */
 struct sg_policy_key {
-    __u32 saddr;
-    __u32 daddr;
+    __u32 saddr[4];
+    __u32 daddr[4];
     __u16 dport;
     __u8 proto;
     __u8 kind;
@@ -121,7 +128,7 @@ struct sg_verdict_key {
 enum sg_counter_index {
     SG_CNT_ETH_TRUNCATED = 0,   /* shorter than an Ethernet header */
     SG_CNT_IPV4 = 1,            /* well-formed IPv4 header */
-    SG_CNT_IPV6 = 2,            /* passed untouched */
+    SG_CNT_IPV6 = 2,            /* well-formed IPv6 fixed header (version 6) */
     SG_CNT_ARP = 3,             /* passed untouched */
     SG_CNT_VLAN = 4,            /* 802.1Q/802.1ad tagged: passed untouched */
     SG_CNT_OTHER_L2 = 5,        /* any other ethertype: passed untouched */
@@ -143,7 +150,12 @@ enum sg_counter_index {
     SG_CNT_CT_REPLY = 21,       /* reply of a tracked flow (the reverse flow was seen allowed/opened) */
     SG_CNT_TCP_UNTRACKED = 22,  /* TCP without SYN to a policed destination, no tracked state: passed */
     SG_CNT_AUDIT_DENY = 23,     /* denied by policy but passed: audit mode (would-be drops) */
-    SG_CNT_MAX = 24,
+    SG_CNT_IPV6_TRUNCATED = 24, /* frame ends inside the IPv6 fixed header */
+    SG_CNT_IPV6_BAD_HEADER = 25, /* version != 6 under an IPv6 ethertype: passed, the stack drops it */
+    SG_CNT_IPV6_EXT_HEADER = 26, /* an extension header follows the fixed header: no ports read;
+                                    to a policed destination judged by its default action */
+    SG_CNT_IPV6_OTHER_PROTO = 27, /* ICMPv6 (neighbour discovery) etc.: counted, not policed */
+    SG_CNT_MAX = 28,
 };
 
 #endif

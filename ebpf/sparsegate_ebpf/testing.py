@@ -32,9 +32,11 @@ def counters(prog: LoadedProgram) -> dict[Counter, int]:
     return {c: fold_counter(t[t.Key(int(c))])[0] for c in Counter}
 
 
-def flows(prog: LoadedProgram) -> dict[tuple[int, int, int, int, int], FlowTotals]:
-    """(saddr, daddr, sport, dport, proto) in map byte order -> totals over CPUs."""
-    return {(k.saddr, k.daddr, k.sport, k.dport, k.proto): fold_flow(v) for k, v in prog.bpf[b"flows"].items()}
+def flows(prog: LoadedProgram) -> dict[tuple[bytes, bytes, int, int, int], FlowTotals]:
+    """(saddr, daddr, sport, dport, proto) in map byte order (addresses: ``maps.addr_bytes``) ->
+    totals over CPUs."""
+    return {(bytes(k.saddr), bytes(k.daddr), k.sport, k.dport, k.proto): fold_flow(v)
+            for k, v in prog.bpf[b"flows"].items()}
 
 
 def verdicts(prog: LoadedProgram) -> dict[tuple[int, int, int], int]:

@@ -6,10 +6,19 @@
  *   -DSG_FLOW_ENTRIES=N size of the per-flow LRU table
  *
  * Parsing is bounds-checked at every step; anything we cannot parse is counted by type and
- * passed to the kernel stack, which validates (and drops) malformed packets itself. IPv6 and
- * non-IP frames pass untouched. Non-first IPv4 fragments carry no ports: they are counted and
- * passed; the first fragment carries the ports and is judged, so a denied flow cannot be
- * reassembled.
+ * passed to the kernel stack, which validates (and drops) malformed packets itself. Non-IP frames
+ * pass untouched. Non-first IPv4 fragments carry no ports: they are counted and passed; the first
+ * fragment carries the ports and is judged, so a denied flow cannot be reassembled.
+ *
+ * IPv4 and IPv6 share every map: addresses are keyed as 16 bytes, IPv4 ones IPv4-mapped
+ * (sparsegate_flow.h). IPv6: Ethernet, the 40-byte fixed header, then TCP or UDP directly after it
+ * is counted, timed and judged exactly as IPv4. Extension headers are not walked: a packet whose
+ * next header is one (hop-by-hop, routing, fragment, destination options, AH, ESP, mobility, HIP,
+ * shim6, experimental) has no ports we read, so it is counted `ipv6_ext_header` and, to a policed
+ * destination, passes only from an always-allowed source or when the policy's default action is
+ * allow: with the default deny it is dropped (fail-closed: a hop-by-hop or fragment header must not
+ * carry a TCP/UDP flow past the rules). Any other next header (ICMPv6, which neighbour discovery
+ * needs, and other protocols) is counted and passed, as IPv4 passes ICMP.
  *
  * Scope: only packets whose destination is a policed destination (a model pod under a
  * RoutingPolicy: an SG_KEY_POLICED_DST record) are judged; everything else passes. Before the
@@ -35,6 +44,7 @@
 #include <uapi/linux/bpf.h>
 #include <linux/if_ether.h>
 #include <linux/ip.h>
+#include <linux/ipv6.h>
 #include <linux/in.h>
 #include <linux/tcp.h>
 #include <linux/udp.h>
@@ -142,7 +152,7 @@ static __always_inline int apply_class(__u8 cls, __u8 slot, __u16 rule, __u64 le
 static __always_inline void track_outbound(void *inner, struct sg_flow_key *fk)
 {
     struct sg_policy_key sk = {};
-    sk.daddr = fk->saddr;
+    __builtin_memcpy(sk.daddr, fk->saddr, sizeof(sk.daddr));
     sk.kind = SG_KEY_POLICED_DST;
     struct sg_policy_val *src = bpf_map_lookup_elem(inner, &sk);
     if (src) {
@@ -153,7 +163,7 @@ static __always_inline void track_outbound(void *inner, struct sg_flow_key *fk)
     }
 }
 
-/* XDP_PASS or XDP_DROP for one parsed IPv4 TCP/UDP packet. st: its flow entry on this CPU (NULL
+/* XDP_PASS or XDP_DROP for one parsed TCP/UDP packet (either family). st: its flow entry on this CPU (NULL
  * for a flow's first packet here); out: the outcome to cache in it. */
 static __always_inline int judge(struct sg_flow_key *fk, __u8 tcp_flags, __u64 len, struct sg_flow_stats *st,
                                  struct sg_outcome *out)
@@ -179,7 +189,7 @@ static __always_inline int judge(struct sg_flow_key *fk, __u8 tcp_flags, __u64 l
         return apply_class(st->ct_class, st->ct_slot, st->ct_rule, len);
 
     struct sg_policy_key dk = {};
-    dk.daddr = fk->daddr;
+    __builtin_memcpy(dk.daddr, fk->daddr, sizeof(dk.daddr));
     dk.kind = SG_KEY_POLICED_DST;
     struct sg_policy_val *dst = bpf_map_lookup_elem(inner, &dk);
     if (!dst) {
@@ -200,7 +210,7 @@ static __always_inline int judge(struct sg_flow_key *fk, __u8 tcp_flags, __u64 l
     }
     /* The source's identity (ipcache): one lookup tells an always-allowed source too. */
     struct sg_policy_key sk = {};
-    sk.saddr = fk->saddr;
+    __builtin_memcpy(sk.saddr, fk->saddr, sizeof(sk.saddr));
     sk.kind = SG_KEY_SOURCE;
     struct sg_policy_val *src = bpf_map_lookup_elem(inner, &sk);
     if (src && src->identity == SG_IDENTITY_ALLOWED) {
@@ -208,8 +218,8 @@ static __always_inline int judge(struct sg_flow_key *fk, __u8 tcp_flags, __u64 l
         return apply_class(out->cls, out->slot, 0, len);
     }
     struct sg_flow_key rk = {};
-    rk.saddr = fk->daddr;
-    rk.daddr = fk->saddr;
+    __builtin_memcpy(rk.saddr, fk->daddr, sizeof(rk.saddr));
+    __builtin_memcpy(rk.daddr, fk->saddr, sizeof(rk.daddr));
     rk.sport = fk->dport;
     rk.dport = fk->sport;
     rk.proto = fk->proto;
@@ -230,8 +240,8 @@ static __always_inline int judge(struct sg_flow_key *fk, __u8 tcp_flags, __u64 l
     struct sg_policy_val *entry = NULL;
     if (src && dst->identity) {
         struct sg_policy_key pk = {};
-        pk.saddr = src->identity;
-        pk.daddr = dst->identity;
+        pk.saddr[0] = src->identity;
+        pk.daddr[0] = dst->identity;
         pk.dport = fk->dport;
         pk.proto = fk->proto;
         pk.kind = SG_KEY_RULE;
@@ -251,7 +261,45 @@ static __always_inline int judge(struct sg_flow_key *fk, __u8 tcp_flags, __u64 l
     }
     return apply_class(out->cls, out->slot, out->rule, len);
 }
+
+/* An IPv6 packet whose ports sit behind an extension header (not read): to a policed destination
+ * it passes from an always-allowed source, else the destination's default action decides
+ * (verdict counted as the default, rule 0). No flow entry, no conntrack: there are no ports. */
+static __always_inline int judge_portless(struct sg_flow_key *fk, __u64 len)
+{
+    int zero = 0;
+    void *inner = policy_outer.lookup(&zero);
+    if (!inner) {
+        count(SG_CNT_NO_POLICY, len);
+        return XDP_PASS;
+    }
+    struct sg_policy_key dk = {};
+    __builtin_memcpy(dk.daddr, fk->daddr, sizeof(dk.daddr));
+    dk.kind = SG_KEY_POLICED_DST;
+    struct sg_policy_val *dst = bpf_map_lookup_elem(inner, &dk);
+    if (!dst)
+        return XDP_PASS;
+    struct sg_policy_key sk = {};
+    __builtin_memcpy(sk.saddr, fk->saddr, sizeof(sk.saddr));
+    sk.kind = SG_KEY_SOURCE;
+    struct sg_policy_val *src = bpf_map_lookup_elem(inner, &sk);
+    if (src && src->identity == SG_IDENTITY_ALLOWED)
+        return apply_class(SG_CLASS_ALLOWED_SOURCE, dst->slot, 0, len);
+    return apply_class(dst->action == SG_ACTION_DENY ? SG_CLASS_RULE_DENY : SG_CLASS_RULE_ALLOW, dst->slot, 0, len);
+}
 #endif
+
+/* IPv6 next-header values that are extension headers (RFC 8200 and the IANA list), not an
+ * upper-layer protocol. */
+static __always_inline int ipv6_ext_header(__u8 nexthdr)
+{
+    switch (nexthdr) {
+    case 0: case 43: case 44: case 50: case 51: case 60: case 135: case 139: case 140: case 253: case 254:
+        return 1;
+    default:
+        return 0;
+    }
+}
 
 /* SYN opens a sample on the client->server key; the SYN-ACK coming back closes it. */
 static __always_inline void record_handshake(struct sg_flow_key *fk, __u8 flags)
@@ -270,8 +318,8 @@ static __always_inline void record_handshake(struct sg_flow_key *fk, __u8 flags)
     } else if (sa == (SG_TCP_FLAG_SYN | SG_TCP_FLAG_ACK)) {
         __u64 now = bpf_ktime_get_ns();
         struct sg_flow_key rk = {};
-        rk.saddr = fk->daddr;
-        rk.daddr = fk->saddr;
+        __builtin_memcpy(rk.saddr, fk->daddr, sizeof(rk.saddr));
+        __builtin_memcpy(rk.daddr, fk->saddr, sizeof(rk.daddr));
         rk.sport = fk->dport;
         rk.dport = fk->sport;
         rk.proto = fk->proto;
@@ -298,10 +346,73 @@ int xdp_flow(struct xdp_md *ctx)
         return XDP_PASS;
     }
     __u16 h_proto = eth->h_proto;
-    if (h_proto != bpf_htons(ETH_P_IP)) {
-        if (h_proto == bpf_htons(ETH_P_IPV6))
-            count(SG_CNT_IPV6, len);
-        else if (h_proto == bpf_htons(ETH_P_ARP))
+    struct sg_flow_key fk = {};
+    void *l4;
+    if (h_proto == bpf_htons(ETH_P_IP)) {
+        struct iphdr *iph = (void *)(eth + 1);
+        if ((void *)(iph + 1) > data_end) {
+            count(SG_CNT_IPV4_TRUNCATED, len);
+            return XDP_PASS;
+        }
+        if (iph->version != 4 || iph->ihl < 5) {
+            count(SG_CNT_IPV4_BAD_HEADER, len);
+            return XDP_PASS;
+        }
+        __u32 ihl_bytes = iph->ihl * 4;
+        l4 = (void *)iph + ihl_bytes;
+        if (l4 > data_end) {
+            /* Options announced by IHL run past the frame. */
+            count(SG_CNT_IPV4_TRUNCATED, len);
+            return XDP_PASS;
+        }
+        count(SG_CNT_IPV4, len);
+
+        __u16 frag = bpf_ntohs(iph->frag_off);
+        if (frag & (SG_IP_MF | SG_IP_OFFSET)) {
+            count(SG_CNT_IPV4_FRAGMENT, len);
+            if (frag & SG_IP_OFFSET)
+                return XDP_PASS; /* no L4 header in this fragment */
+        }
+        fk.proto = iph->protocol;
+        if (fk.proto != IPPROTO_TCP && fk.proto != IPPROTO_UDP) {
+            count(SG_CNT_IPV4_OTHER_PROTO, len);
+            return XDP_PASS;
+        }
+        fk.saddr[2] = bpf_htonl(SG_V4_MAPPED_WORD);
+        fk.saddr[3] = iph->saddr;
+        fk.daddr[2] = bpf_htonl(SG_V4_MAPPED_WORD);
+        fk.daddr[3] = iph->daddr;
+    } else if (h_proto == bpf_htons(ETH_P_IPV6)) {
+        struct ipv6hdr *ip6h = (void *)(eth + 1);
+        if ((void *)(ip6h + 1) > data_end) {
+            count(SG_CNT_IPV6_TRUNCATED, len);
+            return XDP_PASS;
+        }
+        if (ip6h->version != 6) {
+            count(SG_CNT_IPV6_BAD_HEADER, len);
+            return XDP_PASS;
+        }
+        count(SG_CNT_IPV6, len);
+        l4 = (void *)(ip6h + 1);
+        fk.proto = ip6h->nexthdr;
+        /* An IPv4-mapped address (::ffff:a.b.c.d) is not meant to be on the wire (RFC 4291
+         * 2.5.5.2; the kernel drops such a source): keyed as is, it meets the IPv4 address's
+         * records and is judged like that address's traffic. */
+        __builtin_memcpy(fk.saddr, &ip6h->saddr, sizeof(fk.saddr));
+        __builtin_memcpy(fk.daddr, &ip6h->daddr, sizeof(fk.daddr));
+        if (fk.proto != IPPROTO_TCP && fk.proto != IPPROTO_UDP) {
+            if (ipv6_ext_header(fk.proto)) {
+                count(SG_CNT_IPV6_EXT_HEADER, len);
+#if SG_ENFORCE
+                return judge_portless(&fk, len);
+#endif
+            } else {
+                count(SG_CNT_IPV6_OTHER_PROTO, len);
+            }
+            return XDP_PASS;
+        }
+    } else {
+        if (h_proto == bpf_htons(ETH_P_ARP))
             count(SG_CNT_ARP, len);
         else if (h_proto == bpf_htons(ETH_P_8021Q) || h_proto == bpf_htons(ETH_P_8021AD))
             count(SG_CNT_VLAN, len);
@@ -310,37 +421,8 @@ int xdp_flow(struct xdp_md *ctx)
         return XDP_PASS;
     }
 
-    struct iphdr *iph = (void *)(eth + 1);
-    if ((void *)(iph + 1) > data_end) {
-        count(SG_CNT_IPV4_TRUNCATED, len);
-        return XDP_PASS;
-    }
-    if (iph->version != 4 || iph->ihl < 5) {
-        count(SG_CNT_IPV4_BAD_HEADER, len);
-        return XDP_PASS;
-    }
-    __u32 ihl_bytes = iph->ihl * 4;
-    void *l4 = (void *)iph + ihl_bytes;
-    if (l4 > data_end) {
-        /* Options announced by IHL run past the frame. */
-        count(SG_CNT_IPV4_TRUNCATED, len);
-        return XDP_PASS;
-    }
-    count(SG_CNT_IPV4, len);
-
-    __u16 frag = bpf_ntohs(iph->frag_off);
-    if (frag & (SG_IP_MF | SG_IP_OFFSET)) {
-        count(SG_CNT_IPV4_FRAGMENT, len);
-        if (frag & SG_IP_OFFSET)
-            return XDP_PASS; /* no L4 header in this fragment */
-    }
-
-    struct sg_flow_key fk = {};
-    fk.saddr = iph->saddr;
-    fk.daddr = iph->daddr;
-    fk.proto = iph->protocol;
     __u8 tcp_flags = 0;
-    if (iph->protocol == IPPROTO_TCP) {
+    if (fk.proto == IPPROTO_TCP) {
         struct tcphdr *tcp = l4;
         if ((void *)(tcp + 1) > data_end || tcp->doff < 5) {
             count(SG_CNT_L4_TRUNCATED, len);
@@ -350,7 +432,7 @@ int xdp_flow(struct xdp_md *ctx)
         fk.dport = tcp->dest;
         tcp_flags = ((__u8 *)tcp)[13];
         count(SG_CNT_TCP, len);
-    } else if (iph->protocol == IPPROTO_UDP) {
+    } else {
         struct udphdr *udp = l4;
         if ((void *)(udp + 1) > data_end) {
             count(SG_CNT_L4_TRUNCATED, len);
@@ -359,9 +441,6 @@ int xdp_flow(struct xdp_md *ctx)
         fk.sport = udp->source;
         fk.dport = udp->dest;
         count(SG_CNT_UDP, len);
-    } else {
-        count(SG_CNT_IPV4_OTHER_PROTO, len);
-        return XDP_PASS;
     }
 
     struct sg_flow_stats *st = flows.lookup(&fk);

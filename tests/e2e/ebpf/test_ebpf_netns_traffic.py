@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import pytest
 
 from sparsegate_ebpf import xdp
-from sparsegate_ebpf.maps import ACTION_ALLOW, Counter, ip_to_be32, port_to_be16
+from sparsegate_ebpf.maps import ACTION_ALLOW, Counter, addr_bytes, port_to_be16
 from sparsegate_ebpf.policy import parse_policy
 from sparsegate_ebpf.policyswap import PolicySwapper
 from sparsegate_ebpf.programs import LoadedProgram
@@ -45,7 +45,7 @@ def attached(lab: VethLab, prog: LoadedProgram, ns: str, ifname: str) -> Iterato
 def flow_of(prog: LoadedProgram, src: str, dst: str, dport: int, proto: int):
     """All flows src->dst:dport (any source port), summed."""
     match = [t for (s, d, _sp, dp, p), t in flows(prog).items()
-             if (s, d, dp, p) == (ip_to_be32(src), ip_to_be32(dst), port_to_be16(dport), proto)]
+             if (s, d, dp, p) == (addr_bytes(src), addr_bytes(dst), port_to_be16(dport), proto)]
     return (sum(t.packets for t in match), sum(t.bytes for t in match), sum(t.dropped for t in match))
 
 
@@ -97,7 +97,8 @@ def test_udp_counts_and_policy_drops_match_what_was_sent(lab: VethLab, enforce_p
     assert c[Counter.POLICY_ALLOW] == 500
 
 
-def test_ipv6_passes_untouched_under_default_deny(lab: VethLab, enforce_prog: LoadedProgram) -> None:
+def test_ipv6_to_an_unpoliced_destination_passes_under_default_deny(lab: VethLab, enforce_prog: LoadedProgram) -> None:
+    # No rule names fd00:200::2, so it is not policed: counted (test_ebpf_netns_ipv6.py polices IPv6).
     for ns, ifname, addr in ((lab.client_ns, lab.client_if, "fd00:200::1"), (lab.server_ns, lab.server_if, "fd00:200::2")):
         lab.run(ns, ["ip", "-6", "addr", "add", f"{addr}/64", "dev", ifname, "nodad"])
     PolicySwapper(bpf=enforce_prog.bpf).apply(parse_policy({"defaultAction": "deny", "entries": []}))
@@ -109,7 +110,7 @@ def test_ipv6_passes_untouched_under_default_deny(lab: VethLab, enforce_prog: Lo
     assert got == {9000: sent} == {9000: 200}
     c = counters(enforce_prog)
     assert c[Counter.IPV6] >= 200  # plus neighbour discovery
-    assert c[Counter.POLICY_DENY] == 0 and c[Counter.IPV4] == 0
+    assert c[Counter.POLICY_DENY] == 0 and c[Counter.IPV4] == 0 and c[Counter.UNPOLICED] == 200
 
 
 def test_tcp_http_both_directions_match_kernel_segment_counts_and_handshake_rtt(
@@ -132,10 +133,10 @@ def test_tcp_http_both_directions_match_kernel_segment_counts_and_handshake_rtt(
     assert ok == 20
     sent_by = [a["OutSegs"] - b["OutSegs"] + a["RetransSegs"] - b["RetransSegs"] for b, a in zip(*[before, after])]
     to_server = flow_of(telemetry_prog, lab.client_ip, lab.server_ip, 8080, TCP)
-    to_client = sum(t.packets for (s, *_), t in flows(telemetry_prog).items() if s == ip_to_be32(lab.server_ip))
+    to_client = sum(t.packets for (s, *_), t in flows(telemetry_prog).items() if s == addr_bytes(lab.server_ip))
     assert to_server[0] == sent_by[0] > 20 * 3
     assert to_client == sent_by[1]
-    hs = [h for k, h in telemetry_prog.bpf[b"handshakes"].items() if k.daddr == ip_to_be32(lab.server_ip)]
+    hs = [h for k, h in telemetry_prog.bpf[b"handshakes"].items() if bytes(k.daddr) == addr_bytes(lab.server_ip)]
     assert len(hs) == 20 and all(h.samples == 1 and 0 < h.last_rtt_ns < 10**9 for h in hs)
 
 

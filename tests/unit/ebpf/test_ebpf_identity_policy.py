@@ -12,7 +12,7 @@ import pytest
 
 from sparsegate_contracts import flowpolicy
 from sparsegate_ebpf import packets as P
-from sparsegate_ebpf.maps import ACTION_DENY, IDENTITY_ALLOWED, KEY_POLICED_DST, KEY_RULE, KEY_SOURCE, be32_to_ip
+from sparsegate_ebpf.maps import ACTION_DENY, IDENTITY_ALLOWED, KEY_POLICED_DST, KEY_RULE, KEY_SOURCE, ip_of
 from sparsegate_ebpf.policy import PolicyError, compile_policy, parse_policy
 from sparsegate_ebpf.policyswap import PolicySwapper
 from sparsegate_ebpf.programs import LoadedProgram
@@ -61,12 +61,12 @@ def test_records_are_one_per_rule_address_and_destination() -> None:
     policy = parse_policy(document())
     assert policy.rule_names() == {0: "default:deny", 1: "m/p#0", 2: "m/deny#0"}
     records = compile_policy(policy, generation=5, extra_sources=("10.4.0.254",))
-    rules = {(k.saddr, k.daddr): v for k, v in records if k.kind == KEY_RULE}
+    rules = {(k.saddr[0], k.daddr[0]): v for k, v in records if k.kind == KEY_RULE}
     assert set(rules) == {(WEB, MODEL), (BATCH, MODEL)} and rules[(BATCH, MODEL)].action == ACTION_DENY
-    sources = {be32_to_ip(k.saddr): v.identity for k, v in records if k.kind == KEY_SOURCE}
+    sources = {ip_of(k.saddr): v.identity for k, v in records if k.kind == KEY_SOURCE}
     assert sources == {**dict.fromkeys(WEB_IPS, WEB), **dict.fromkeys(BATCH_IPS, BATCH),
                        OPERATOR: IDENTITY_ALLOWED, "10.4.0.254": IDENTITY_ALLOWED}
-    dests = {be32_to_ip(k.daddr): v.identity for k, v in records if k.kind == KEY_POLICED_DST}
+    dests = {ip_of(k.daddr): v.identity for k, v in records if k.kind == KEY_POLICED_DST}
     assert dests == dict.fromkeys(MODEL_IPS, MODEL)
     # What the operator counts before publishing is what the agent writes (plus meta and node addresses).
     assert flowpolicy.map_records(document()) + 1 + 1 == len(records)

@@ -19,7 +19,7 @@ from sparsegate_ebpf.maps import (
     PROTO_NUMBERS,
     PolicyKey,
     PolicyVal,
-    ip_to_be32,
+    addr_of,
     port_to_be16,
 )
 from sparsegate_ebpf.programs import BpfUnavailable, LoadedProgram
@@ -40,12 +40,12 @@ def ip_level_records(doc: dict, *, generation: int, policed: tuple[str, ...] = (
     actions = {"allow": ACTION_ALLOW, "deny": ACTION_DENY}
     out = [(PolicyKey(), PolicyVal(action=actions[doc["defaultAction"]], rule_id=0, generation=generation))]
     for i, e in enumerate(doc["entries"], start=1):
-        out.append((PolicyKey(saddr=ip_to_be32(e["srcIP"]), daddr=ip_to_be32(e["dstIP"]),
+        out.append((PolicyKey(saddr=addr_of(e["srcIP"]), daddr=addr_of(e["dstIP"]),
                               dport=port_to_be16(e["dstPort"]), proto=PROTO_NUMBERS[e["protocol"]]),
                     PolicyVal(action=actions[e["action"]], rule_id=i, generation=generation)))
-    out += [(PolicyKey(daddr=ip_to_be32(ip), kind=KEY_POLICED_DST),
+    out += [(PolicyKey(daddr=addr_of(ip), kind=KEY_POLICED_DST),
              PolicyVal(action=out[0][1].action, generation=generation)) for ip in policed]
-    out += [(PolicyKey(saddr=ip_to_be32(ip), kind=KEY_ALLOWED_SRC),
+    out += [(PolicyKey(saddr=addr_of(ip), kind=KEY_ALLOWED_SRC),
              PolicyVal(action=ACTION_ALLOW, generation=generation)) for ip in allowed]
     return out
 
@@ -151,4 +151,62 @@ def test_records_of_a_program_from_before_identities_keep_what_they_allowed(succ
              (P.tcp_frame(src="10.1.0.1", dst="10.1.0.5", sport=40004, dport=8080, flags=syn), "drop"),  # policed
              (P.tcp_frame(src="10.1.0.9", dst="10.1.0.5", sport=40005, dport=8080, flags=syn), "pass"),  # allowed src
              (P.tcp_frame(src="10.1.0.3", dst="10.1.0.7", sport=40006, dport=8080, flags=syn), "pass")]  # unpoliced
+    assert [run_xdp(prog_fd=successor.prog_fd, data=f).verdict for f, _ in cases] == [v for _, v in cases]
+
+
+# An IPv4-only predecessor: its inner policy map has 12-byte keys (one __u32 per address). A tiny
+# program with that layout and the same map names plays it (the real one is not in this tree).
+IPV4_ONLY_PREDECESSOR = b"""
+#include "sparsegate_flow.h"
+struct v4_policy_key { __u32 saddr; __u32 daddr; __u16 dport; __u8 proto; __u8 kind; };
+BPF_HASH(policy_a, struct v4_policy_key, struct sg_policy_val, 64);
+BPF_ARRAY_OF_MAPS(policy_outer, "policy_a", 1);
+int xdp_v4_only(struct xdp_md *ctx)
+{
+    int zero = 0;
+    return policy_outer.lookup(&zero) ? XDP_PASS : XDP_PASS;
+}
+"""
+
+
+def test_records_of_an_ipv4_only_predecessor_are_widened_and_keep_what_they_allowed(
+        successor: LoadedProgram) -> None:
+    import ctypes as ct
+
+    from bcc import BPF
+
+    from sparsegate_ebpf.maps import IDENTITY_ALLOWED, KEY_RULE, KEY_SOURCE, PolicyKeyV4, ip_to_be32
+    from sparsegate_ebpf.programs import cflags
+
+    old = BPF(text=IPV4_ONLY_PREDECESSOR, cflags=cflags(enforce=True)[:1])
+    try:
+        fn = old.load_func(b"xdp_v4_only", BPF.XDP)
+        inner = old[b"policy_a"]
+        assert ct.sizeof(inner.Key) == ct.sizeof(PolicyKeyV4) == 12
+        # Identity records as the IPv4-only identity program wrote them.
+        rows = [(PolicyKeyV4(), PolicyVal(action=ACTION_DENY, generation=6)),
+                (PolicyKeyV4(saddr=256, daddr=257, dport=port_to_be16(8080), proto=PROTO_NUMBERS["tcp"],
+                             kind=KEY_RULE), PolicyVal(action=ACTION_ALLOW, rule_id=1, generation=6)),
+                (PolicyKeyV4(daddr=ip_to_be32("10.1.0.2"), kind=KEY_POLICED_DST),
+                 PolicyVal(action=ACTION_DENY, generation=6, identity=257)),
+                (PolicyKeyV4(saddr=ip_to_be32("10.1.0.1"), kind=KEY_SOURCE), PolicyVal(generation=6, identity=256)),
+                (PolicyKeyV4(saddr=ip_to_be32("10.1.0.9"), kind=KEY_SOURCE),
+                 PolicyVal(action=ACTION_ALLOW, generation=6, identity=IDENTITY_ALLOWED))]
+        for k, v in rows:
+            inner[inner.Key.from_buffer_copy(bytes(k))] = inner.Leaf.from_buffer_copy(bytes(v))
+        old[b"policy_outer"][ct.c_int(0)] = ct.c_int(inner.get_fd())
+        info = inherit._ProgInfo()
+        inherit._info(inherit._lib(), fn.fd, info)
+        records = inherit.live_policy(info.id)
+    finally:
+        old.cleanup()
+    assert records is not None and len(records) == len(rows)
+    assert all(ct.sizeof(k) == ct.sizeof(PolicyKey) for k, _ in records)
+    result = PolicySwapper(bpf=successor.bpf).apply_records_if_empty(records)
+    assert result is not None and result.generation == 6
+    syn = P.TCP_SYN
+    cases = [(P.tcp_frame(src="10.1.0.1", dst="10.1.0.2", sport=40001, dport=8080, flags=syn), "pass"),  # rule
+             (P.tcp_frame(src="10.1.0.1", dst="10.1.0.2", sport=40002, dport=8081, flags=syn), "drop"),  # default
+             (P.tcp_frame(src="10.1.0.9", dst="10.1.0.2", sport=40003, dport=22, flags=syn), "pass"),  # allowed src
+             (P.tcp_frame(src="10.1.0.3", dst="10.1.0.7", sport=40004, dport=8080, flags=syn), "pass")]  # unpoliced
     assert [run_xdp(prog_fd=successor.prog_fd, data=f).verdict for f, _ in cases] == [v for _, v in cases]

@@ -53,3 +53,23 @@ def test_constants_match_header() -> None:
 def test_address_and_port_round_trip() -> None:
     assert maps.be32_to_ip(maps.ip_to_be32("10.200.3.4")) == "10.200.3.4"
     assert maps.be16_to_port(maps.port_to_be16(8080)) == 8080
+
+
+def test_addresses_of_both_families_fit_one_16_byte_field() -> None:
+    v4 = maps.addr_of("10.200.3.4")
+    assert bytes(v4) == bytes(10) + b"\xff\xff" + bytes([10, 200, 3, 4])  # IPv4-mapped, network order
+    assert maps.ip_of(v4) == "10.200.3.4"
+    v6 = maps.addr_of("fd00:0::1")
+    assert bytes(v6) == bytes.fromhex("fd000000000000000000000000000001") and maps.ip_of(v6) == "fd00::1"
+    assert list(maps.identity_addr(300)) == [300, 0, 0, 0]
+
+
+def test_keys_of_ipv4_only_programs_are_widened() -> None:
+    old = maps.PolicyKeyV4(daddr=maps.ip_to_be32("10.0.0.2"), kind=maps.KEY_POLICED_DST)
+    new = maps.upgrade_key(old)
+    assert (maps.ip_of(new.daddr), bytes(new.saddr), new.kind) == ("10.0.0.2", bytes(16), maps.KEY_POLICED_DST)
+    rule = maps.upgrade_key(maps.PolicyKeyV4(saddr=256, daddr=257, dport=maps.port_to_be16(80), proto=6,
+                                             kind=maps.KEY_RULE))
+    assert (list(rule.saddr), list(rule.daddr), rule.dport, rule.proto) == (
+        [256, 0, 0, 0], [257, 0, 0, 0], maps.port_to_be16(80), 6)
+    assert bytes(maps.upgrade_key(maps.PolicyKeyV4())) == bytes(ct.sizeof(maps.PolicyKey))  # the meta key

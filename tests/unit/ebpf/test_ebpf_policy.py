@@ -1,6 +1,7 @@
 """Flow policy documents -> policy map records (pure, no BPF)."""
 from __future__ import annotations
 
+import ctypes as ct
 import json
 import socket
 
@@ -15,7 +16,7 @@ from sparsegate_ebpf.maps import (
     KEY_RULE,
     KEY_SOURCE,
     be16_to_port,
-    be32_to_ip,
+    ip_of,
 )
 from sparsegate_ebpf.policy import PolicyError, compile_policy, parse_policy
 
@@ -69,23 +70,24 @@ def test_missing_version_is_content_addressed() -> None:
 def test_compiled_records_use_network_byte_order_and_meta_first() -> None:
     policy = parse_policy({"defaultAction": "allow", "entries": [entry(dstPort=8080)]})
     (meta_k, meta_v), (k, v), (dst_k, dst_v), (src_k, src_v) = compile_policy(policy, generation=7)
-    assert (meta_k.saddr, meta_k.daddr, meta_k.dport, meta_k.proto) == (0, 0, 0, 0)
+    assert bytes(meta_k) == bytes(ct.sizeof(meta_k))
     assert (meta_v.action, meta_v.rule_id, meta_v.generation) == (ACTION_ALLOW, 0, 7)
     # An entries-form document gets one identity per address, in address order.
     src_id, dst_id = FIRST_IDENTITY, FIRST_IDENTITY + 1
-    assert (k.kind, k.saddr, k.daddr) == (KEY_RULE, src_id, dst_id)
-    assert be16_to_port(k.dport) == 8080 and bytes(k)[8:10] == (8080).to_bytes(2, "big")
+    assert (k.kind, list(k.saddr), list(k.daddr)) == (KEY_RULE, [src_id, 0, 0, 0], [dst_id, 0, 0, 0])
+    assert be16_to_port(k.dport) == 8080 and bytes(k)[32:34] == (8080).to_bytes(2, "big")
     assert k.proto == socket.IPPROTO_TCP
     assert (v.action, v.rule_id, v.generation) == (ACTION_ALLOW, 1, 7)
     # The entry's destination is policed (no policedDestinations given); its record carries the
     # default action and the destination's identity.
-    assert (dst_k.saddr, be32_to_ip(dst_k.daddr), dst_k.dport, dst_k.proto, dst_k.kind) == (0, "10.0.0.2", 0, 0,
-                                                                                             KEY_POLICED_DST)
-    assert bytes(dst_k)[4:8] == socket.inet_aton("10.0.0.2")  # as the kernel reads the IP header
+    assert (bytes(dst_k.saddr), ip_of(dst_k.daddr), dst_k.dport, dst_k.proto, dst_k.kind) == (
+        bytes(16), "10.0.0.2", 0, 0, KEY_POLICED_DST)
+    # IPv4-mapped, the IPv4 address as the kernel reads the IP header.
+    assert bytes(dst_k)[16:32] == bytes(10) + b"\xff\xff" + socket.inet_aton("10.0.0.2")
     assert (dst_v.action, dst_v.rule_id, dst_v.generation, dst_v.identity) == (ACTION_ALLOW, 0, 7, dst_id)
     # The source address's identity (the ipcache record).
-    assert (be32_to_ip(src_k.saddr), src_k.daddr, src_k.kind) == ("10.0.0.1", 0, KEY_SOURCE)
-    assert bytes(src_k)[:4] == socket.inet_aton("10.0.0.1")
+    assert (ip_of(src_k.saddr), bytes(src_k.daddr), src_k.kind) == ("10.0.0.1", bytes(16), KEY_SOURCE)
+    assert bytes(src_k)[:16] == bytes(10) + b"\xff\xff" + socket.inet_aton("10.0.0.1")
     assert (src_v.identity, src_v.generation) == (src_id, 7)
 
 
@@ -116,7 +118,7 @@ def test_policed_destinations_and_allowed_sources_compile_to_their_own_records()
     for k, v in records:
         if k.kind in (KEY_POLICED_DST, KEY_SOURCE):
             assert v.generation == 3
-            by_kind.setdefault(k.kind, {})[be32_to_ip(k.daddr or k.saddr)] = v.identity
+            by_kind.setdefault(k.kind, {})[ip_of(k.daddr if k.kind == KEY_POLICED_DST else k.saddr)] = v.identity
     # 10.0.0.3 is policed but no rule names it: no identity, so only the default applies to it.
     assert by_kind == {KEY_POLICED_DST: {"10.0.0.2": FIRST_IDENTITY + 1, "10.0.0.3": 0},
                        KEY_SOURCE: {"10.0.0.1": FIRST_IDENTITY, "10.0.0.8": IDENTITY_ALLOWED,

@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from sparsegate_ebpf import packets as P
-from sparsegate_ebpf.maps import ACTION_ALLOW, ACTION_DENY, CT_ALLOWED, CT_OUTBOUND, Counter, ip_to_be32
+from sparsegate_ebpf.maps import ACTION_ALLOW, ACTION_DENY, CT_ALLOWED, CT_OUTBOUND, Counter, addr_bytes
 from sparsegate_ebpf.policy import parse_policy
 from sparsegate_ebpf.policyswap import PolicySwapper
 from sparsegate_ebpf.programs import LoadedProgram
@@ -96,8 +96,8 @@ def test_replies_to_a_flow_the_model_pod_opened_pass_when_its_outbound_packet_wa
     assert run(enforce_prog, udp(OTHER, MODEL, 123, 40123)) == "drop"
     # The model pod sends first (seen where its egress is our ingress): tracked, its replies pass.
     assert run(enforce_prog, udp(MODEL, OTHER, 40124, 123)) == "pass"
-    ct = {(k.saddr, k.dport): v.kind for k, v in enforce_prog.bpf[b"conntrack"].items()}
-    assert ct == {(ip_to_be32(MODEL), socket.htons(123)): CT_OUTBOUND}
+    ct = {(bytes(k.saddr), k.dport): v.kind for k, v in enforce_prog.bpf[b"conntrack"].items()}
+    assert ct == {(addr_bytes(MODEL), socket.htons(123)): CT_OUTBOUND}
     assert run(enforce_prog, udp(OTHER, MODEL, 123, 40124), repeat=4) == "pass"
     c = counters(enforce_prog)
     assert (c[Counter.CT_REPLY], c[Counter.POLICY_DENY]) == (4, 1)
