@@ -83,13 +83,22 @@ class HFServedModel:
         and the gate version that computed it. ``allowed_experts``: the request's expert group.
         A gate with a threshold controller routed with its threshold and is fed this batch's
         mean selected experts per token (the threshold of the next batch).
-        A checkpoint has no tool gate: ``toolCalls`` are empty and the fire rate 0."""
+        Tool gate: with a tool-gate head beside the weights (`hf.tool_head`), ``toolCalls`` are
+        the positions whose probability exceeds the routing gate's toolGateThreshold and
+        ``last_tool_prob`` each row's last one (the server then calls tools); without one,
+        ``toolCalls`` are empty and the fire rate 0."""
         batch = torch.tensor(tokens, dtype=torch.long, device=self.device)
         out = self.lm.forward(batch, gate=gate, allowed_experts=allowed_experts)
         if out.gate.controller is not None:
             out.gate.controller.update(out.mean_selected_experts)
         last = out.logits[:, -1, :].float()
         n = max(len(out.layers), 1)
+        tool_calls: list[list[int]] = [[] for _ in tokens]
+        fire_rate, last_tool_prob = 0.0, []
+        if out.tool_prob is not None:
+            fired = out.tool_prob > out.gate.params.tool_gate_threshold
+            tool_calls = [row.nonzero().squeeze(1).tolist() for row in fired]
+            fire_rate, last_tool_prob = float(fired.float().mean()), out.tool_prob[:, -1].tolist()
         result = InferenceResult(
             next_tokens=last.argmax(dim=-1).tolist(),
             last_logits=last.tolist() if return_logits else None,
@@ -98,7 +107,7 @@ class HFServedModel:
             selected_experts_per_token=out.mean_selected_experts,
             dropped_assignments=out.dropped,
             gate_entropy=sum(st.entropy for st in out.layers) / n,
-            tool_calls=[[] for _ in tokens], tool_gate_fire_rate=0.0,
+            tool_calls=tool_calls, tool_gate_fire_rate=fire_rate, last_tool_prob=last_tool_prob,
             num_tokens=batch.numel(), prompt_score=score_rows(out.logits, batch))
         return result, out.gate.version
 

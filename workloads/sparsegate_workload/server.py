@@ -39,10 +39,12 @@ of either model kind, and on a checkpoint every prefill and decode step of the O
 (`batch_decode`) too; the live threshold is the gauge
 ``sparsegate_gate_controlled_threshold{gate_version}``.
 
-Tools (`tools`): on the built-in model, a sequence whose tool gate fires above
-``toolGateThreshold`` at its last position may call the built-in calculator or an HTTP tool of
-``--tools-json``, on the event loop after its batch; a result is forced as its next tokens
-(``toolResults``, ``nextTokens``), a failure leaves plain decoding. A checkpoint has no tool gate.
+Tools (`tools`): on ``/v1/infer``, a sequence whose tool gate fires above ``toolGateThreshold``
+at its last position may call the built-in calculator or an HTTP tool of ``--tools-json``, on
+the event loop after its batch; a result is forced as its next tokens (``toolResults``,
+``nextTokens``), a failure leaves plain decoding. The built-in model has a tool-gate head; a
+checkpoint has one only when ``sparsegate_tool_gate.safetensors`` sits beside its weights
+(`hf.tool_head`). The OpenAI generation routes call no tools.
 
 `faultInjection` in the gate params is a CHAOS-TESTING KNOB, not a model setting: with
 errorRate p each inference request fails with 503 with probability p (seeded RNG) and
@@ -270,15 +272,19 @@ async def _call_tools(state: ServerState, request: web.Request, gate: AppliedGat
                      tokens: list[list[int]], result: InferenceResult
                      ) -> list[tools.ToolCall | None]:
     """On the event loop, after the batch left the model thread: the calls of the sequences whose
-    tool gate fired at their last position. Only the built-in model has a tool gate."""
+    tool gate fired at their last position. The built-in model has a tool gate; a checkpoint
+    has one when a tool-gate head ships beside its weights (its tokenizer then reads the text)."""
     if not result.last_tool_prob:
         return [None] * len(tokens)
     request_id = request.headers.get("X-Request-Id", "")[:64] or uuid.uuid4().hex
     assert state.metrics is not None
+    vocab_size = state.limits()[0]
+    codec = (tools.tokenizer_codec(state.hf.tokenizer, vocab_size=vocab_size)
+             if state.hf is not None and state.hf.tokenizer is not None else None)
     return await tools.call_fired(state.tools, tokens, last_prob=result.last_tool_prob,
                                   threshold=gate.params.tool_gate_threshold,
-                                  request_id=request_id, vocab_size=state.limits()[0],
-                                  metrics=state.metrics.tools)
+                                  request_id=request_id, vocab_size=vocab_size,
+                                  metrics=state.metrics.tools, codec=codec)
 
 
 def _hf_batch(state: ServerState, tokens: list[list[int]], return_logits: bool, chosen: AppliedGate,
@@ -655,7 +661,7 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
     ``served_name`` is its OpenAI model id; its generations decode in batches of up to
     ``max_num_seqs`` sequences (`batch_engine`).
     ``exit_on_load_error``: a failed load also sends this process SIGTERM (the entry point).
-    ``tool_registry``: the HTTP tools the built-in model's tool gate may call (`tools`).
+    ``tool_registry``: the HTTP tools the tool gate may call (`tools`).
     ``expert_groups``: SparseModel spec.expertGroups, parsed (``sparsegate_contracts.request_access``).
     ``reviewer``: verify callers and apply the access rules the admin channel sets (`request_guard`)."""
     app = web.Application(middlewares=[json_errors, request_guard.access_guard], client_max_size=MAX_BODY_BYTES)
@@ -790,7 +796,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                    help="seconds a request waits for its result before answering 503")
     p.add_argument("--tools-json", default="[]",
-                   help="HTTP tools the built-in model's tool gate may call, besides the built-in "
+                   help="HTTP tools the tool gate may call on /v1/infer (the built-in model's, or a "
+                        "checkpoint's sparsegate_tool_gate.safetensors head), besides the built-in "
                         "calculator: a JSON list of {name, url, timeoutMs} (SparseModel spec.tools)")
     p.add_argument("--request-auth", choices=("off", "in-cluster"), default="off",
                    help="in-cluster: verify callers' ServiceAccount tokens (audience sparsegate) by "

@@ -2,9 +2,11 @@
 the SparseModel, ``--tools-json``), argument extraction, the calls with their timeouts, and the
 audit record of each call (a JSON log line and two Prometheus series).
 
-Only the built-in model has a tool-gate head, so only its ``/v1/infer`` calls tools (a checkpoint
-reports no tool calls). Its token ids are read as text for this purpose: ids 0-255 are bytes
-(Latin-1), any higher id ends a segment like a newline. When the gate fires at the LAST position
+Tools are called on ``/v1/infer`` by the built-in model's tool-gate head, and by a checkpoint's
+when one ships beside its weights (`hf.tool_head`; without it a checkpoint reports no tool calls).
+The built-in model's token ids are read as text for this purpose: ids 0-255 are bytes (Latin-1),
+any higher id ends a segment like a newline; a checkpoint's are decoded by its tokenizer, and a
+result is encoded by it (`TextCodec`). When the gate fires at the LAST position
 of a sequence (the one whose next token is being decoded), the segment is the text since the last
 newline up to that position, and:
 
@@ -14,7 +16,7 @@ newline up to that position, and:
   calculator may still refuse them: outcome ``refused``);
 * anything else calls nothing.
 
-A result becomes tokens (its UTF-8 bytes, at most ``MAX_RESULT_TOKENS``) that re-rank the
+A result becomes tokens (its UTF-8 bytes, or its tokenizer ids; at most ``MAX_RESULT_TOKENS``) that re-rank the
 continuation by forcing it: the result is ranked above every token the model proposes, so the
 sequence's next token is the result's first token and the whole result is returned as the forced
 continuation. A timeout or error leaves the model's own next token (plain decoding); it never
@@ -31,7 +33,7 @@ import json
 import logging
 import re
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -245,6 +247,37 @@ def result_tokens(result: str, *, vocab_size: int) -> list[int]:
     return ids
 
 
+@dataclasses.dataclass(frozen=True)
+class TextCodec:
+    """How a model's token ids read as text for tools: the segment a call's arguments come
+    from (text since the last newline), and a result's forced tokens (raises ValueError)."""
+
+    segment: Callable[[list[int]], str]
+    encode: Callable[[str], list[int]]
+
+
+def byte_codec(vocab_size: int) -> TextCodec:
+    """The built-in model's: ids 0-255 are bytes."""
+    return TextCodec(segment=segment_text, encode=lambda r: result_tokens(r, vocab_size=vocab_size))
+
+
+def tokenizer_codec(tokenizer: Any, *, vocab_size: int) -> TextCodec:
+    """A checkpoint's: its tokenizer decodes the segment and encodes the result."""
+    def segment(tokens: list[int]) -> str:
+        return tokenizer.decode(tokens, skip_special_tokens=True).rsplit("\n", 1)[-1]
+
+    def encode(result: str) -> list[int]:
+        ids = list(tokenizer(result, add_special_tokens=False)["input_ids"])
+        if not ids:
+            raise ValueError("empty result")
+        if len(ids) > MAX_RESULT_TOKENS:
+            raise ValueError(f"result longer than {MAX_RESULT_TOKENS} tokens")
+        if max(ids) >= vocab_size:
+            raise ValueError(f"result token {max(ids)} is outside the vocabulary [0, {vocab_size})")
+        return ids
+    return TextCodec(segment=segment, encode=encode)
+
+
 # --- calls, audit, metrics --------------------------------------------------------------------
 
 class ToolMetrics:
@@ -296,9 +329,10 @@ async def _call_http(session: aiohttp.ClientSession, tool: HttpTool, arguments: 
 
 async def call(registry: ToolRegistry, session: aiohttp.ClientSession, *, tool: str,
                arguments: str, request_id: str, sequence: int, position: int,
-               gate_probability: float, vocab_size: int, metrics: ToolMetrics | None
-               ) -> ToolCall:
-    """Call one tool; never raises for the tool's failures: they become the outcome."""
+               gate_probability: float, vocab_size: int, metrics: ToolMetrics | None,
+               codec: TextCodec | None = None) -> ToolCall:
+    """Call one tool; never raises for the tool's failures: they become the outcome.
+    ``codec``: how the result becomes tokens (default: the built-in model's bytes)."""
     started = time.perf_counter()
     tokens: list[int] = []
     detail = ""
@@ -307,7 +341,7 @@ async def call(registry: ToolRegistry, session: aiohttp.ClientSession, *, tool: 
             result = calculate(arguments)
         else:
             result = await _call_http(session, registry.http[tool], arguments)
-        tokens = result_tokens(result, vocab_size=vocab_size)
+        tokens = (codec or byte_codec(vocab_size)).encode(result)
         outcome = "ok"
     except CalculatorError as e:
         outcome, detail = "refused", str(e)
@@ -330,14 +364,16 @@ async def call(registry: ToolRegistry, session: aiohttp.ClientSession, *, tool: 
 
 async def call_fired(registry: ToolRegistry, tokens: list[list[int]], *,
                      last_prob: list[float], threshold: float, request_id: str,
-                     vocab_size: int, metrics: ToolMetrics | None
-                     ) -> list[ToolCall | None]:
+                     vocab_size: int, metrics: ToolMetrics | None,
+                     codec: TextCodec | None = None) -> list[ToolCall | None]:
     """Per sequence: the call made because the gate fired at its last position (None: the gate
-    did not fire there, or the segment names no tool). Calls run concurrently."""
+    did not fire there, or the segment names no tool). Calls run concurrently. ``codec``: how
+    ids read as text (default: the built-in model's bytes)."""
+    codec = codec or byte_codec(vocab_size)
     plan: list[tuple[int, str, str]] = []
     for i, (row, prob) in enumerate(zip(tokens, last_prob, strict=True)):
         if prob > threshold:
-            chosen = registry.select(segment_text(row))
+            chosen = registry.select(codec.segment(row))
             if chosen is not None:
                 plan.append((i, *chosen))
     out: list[ToolCall | None] = [None] * len(tokens)
@@ -347,7 +383,7 @@ async def call_fired(registry: ToolRegistry, tokens: list[list[int]], *,
         records = await asyncio.gather(*(
             call(registry, session, tool=tool, arguments=args, request_id=request_id,
                  sequence=i, position=len(tokens[i]) - 1, gate_probability=last_prob[i],
-                 vocab_size=vocab_size, metrics=metrics) for i, tool, args in plan))
+                 vocab_size=vocab_size, metrics=metrics, codec=codec) for i, tool, args in plan))
     for (i, _, _), record in zip(plan, records):
         out[i] = record
     return out

@@ -26,6 +26,9 @@ _EXPORTS = {
     "GateCall": "gated_block",
     "build_tiny_checkpoint": "tiny",
     "build_tiny_tokenizer": "tiny",
+    "ToolHead": "tool_head",
+    "fit_tool_head": "tool_head",
+    "load_tool_head": "tool_head",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -29,6 +29,7 @@ from ..threshold_control import ThresholdController
 from .checkpoint_files import CheckpointError, check_weight_files, family_of, read_config
 from .families import MoEFamily
 from .gated_block import ActiveGate, GateCall, GateSlot, SparseGatedMoEBlock, pin_gate
+from .tool_head import ToolHead, final_hidden, load_tool_head
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class GatedForward:
     logits: torch.Tensor            # [B, S, V]
     layers: list[MoEStats]          # one per MoE block, in layer order
     gate: ActiveGate                # the gate every block routed with
+    tool_prob: torch.Tensor | None = None  # [B, S] tool-gate probability (None: no tool head)
 
     @property
     def mean_active_experts(self) -> float:
@@ -81,6 +83,8 @@ class SparseGatedCausalLM:
         self.gate_sensitivity: list[float] | None = None
         self.expert_sensitivity: list[float] | None = None
         self.calibration_data: str | None = None  # what the variances were measured on
+        # A tool-gate head beside the weights (tool_head.py), set by the loader; None: no tool gate.
+        self.tool_head: ToolHead | None = None
         # The checkpoint's MoE tensors per block, read again on demand: what a bf16/int8 block
         # is restored from, since it keeps no copy of them (None: lower precisions only).
         self.weight_source = source
@@ -202,9 +206,14 @@ class SparseGatedCausalLM:
             if allowed_experts is not None:
                 call.allowed = torch.zeros(self.num_experts, dtype=torch.bool, device=input_ids.device)
                 call.allowed[list(allowed_experts)] = True
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                             use_cache=False)
-        return GatedForward(logits=out.logits, layers=call.layers, gate=call.gate)
+            if self.tool_head is None:
+                out, tool_prob = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                                            use_cache=False), None
+            else:
+                out, hidden = final_hidden(self.model, input_ids=input_ids,
+                                           attention_mask=attention_mask, use_cache=False)
+                tool_prob = self.tool_head.probs(hidden)
+        return GatedForward(logits=out.logits, layers=call.layers, gate=call.gate, tool_prob=tool_prob)
 
     def calibrate_gate_precision(self, *, batches: int = 4, batch_size: int = 2,
                                  seq_len: int = 16, seed: int = 1) -> list[float]:
@@ -350,6 +359,8 @@ def load_moe_checkpoint(path: str | Path, *, gate: GateParams | GateDocument | N
         model, family=family, path=directory, tokenizer=tokenizer,
         source=lambda: _checkpoint_moe_weights(directory, family=family, dtype=dtype,
                                                device=device))
+    lm.tool_head = load_tool_head(directory, hidden_size=int(model.config.hidden_size),
+                                  has_tokenizer=tokenizer is not None)
     if calibrate:
         lm.calibrate_gate_precision()
     if gate is not None:
