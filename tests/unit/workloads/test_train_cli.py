@@ -81,3 +81,27 @@ def test_module_entry_point_prints_help() -> None:
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert "--entropy-beta" in done.stdout and "--init-from" in done.stdout
+
+
+def test_tool_gate_calculator_writes_a_head_that_fires_at_add_equals(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from sparsegate_workload.hf.tool_head import TOOL_HEAD_FILE
+
+    out = tmp_path / "ckpt"
+    # Two layers: with one, the hidden state at "=" barely sees which kind of line it ends.
+    assert main(["--output", str(out), "--steps", "6", "--tool-gate", "calculator", *TINY, "--layers", "2",
+                 "--hidden-size", "64"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["toolGate"] == str(out / TOOL_HEAD_FILE)
+    document = parse_document(json.loads((out / GATE_FILE).read_text()), num_experts=4)
+    lm = load_moe_checkpoint(out, gate=document)
+    assert lm.tool_head is not None
+
+    def last_prob(text: str) -> float:
+        ids = lm.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        return float(lm.forward(ids).tool_prob[0, -1])
+    threshold = document.params.tool_gate_threshold
+    fired = {text: last_prob(text) > threshold
+             for text in ("add 12+30=", "add 705+18=", "sort 5291=", "rev abcd=", "count 3 4 5", "add 12+")}
+    assert fired == {"add 12+30=": True, "add 705+18=": True, "sort 5291=": False, "rev abcd=": False,
+                     "count 3 4 5": False, "add 12+": False}, fired

@@ -15,11 +15,12 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
-from sparsegate_contracts.gate import make_document
+from sparsegate_contracts.gate import GateDocument, make_document
 
 from .trainer import TRAINABLE, GateSetting, ModelShape, StepLog, TrainConfig, \
     TrainingConfigError, evaluate, save_checkpoint, train
@@ -120,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--heldout-lines", type=_int_at_least(1), default=d.heldout_lines)
     c.add_argument("--hard-fraction", type=_float_in(0.0, 1.0), default=d.hard_fraction,
                    help="share of hard lines (arithmetic, reversal, sorting)")
+    p.add_argument("--tool-gate", choices=("none", "calculator"), default="none",
+                   help="calculator: after training, fit a tool-gate head (hf.tool_head) that fires "
+                        "where a synthetic 'add a+b=' line reaches '=', written beside the weights "
+                        "as sparsegate_tool_gate.safetensors: the server then calls the calculator "
+                        "there on /v1/infer")
     p.add_argument("--log-every", type=_int_at_least(1), default=50)
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
     return p
@@ -172,9 +178,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "maxExpertsPerToken": cfg.gate.max_experts,
                               "entropyBeta": cfg.entropy_beta})
     (out / GATE_FILE).write_text(document.file_text() + "\n")
-    print(json.dumps({"output": str(out), "gate": document.version,
-                      "seconds": round(result.seconds, 1), "heldout": ev.to_json()}, indent=2))
+    summary = {"output": str(out), "gate": document.version,
+               "seconds": round(result.seconds, 1), "heldout": ev.to_json()}
+    if args.tool_gate == "calculator":
+        summary["toolGate"] = str(fit_calculator_gate(out, document, seed=cfg.seed))
+    print(json.dumps(summary, indent=2))
     return 0
+
+
+TOOL_GATE_LINES = 400  # synthetic lines the calculator head is fitted on
+
+
+def fit_calculator_gate(out: Path, document: GateDocument, *, seed: int) -> Path:
+    """Fit and write the calculator tool-gate head of the checkpoint in ``out``, under the gate
+    it was trained with, on synthetic lines of another seed than the training corpus's."""
+    from ..hf import fit_tool_head, load_moe_checkpoint
+    from .corpus import generate_lines
+
+    lm = load_moe_checkpoint(out, gate=document)
+    lines = [text for text, _ in generate_lines(TOOL_GATE_LINES, seed=seed + 1)]
+    head = fit_tool_head(lm, lines, fires=lambda prefix: prefix.startswith("add ") and prefix.endswith("="))
+    return head.save(out)
 
 
 if __name__ == "__main__":
