@@ -22,9 +22,11 @@ FIELD_MANAGER = "sparsegate"
 # Default bound on one request (connect + response); callers with a deadline pass a shorter one.
 REQUEST_TIMEOUT_S = 30.0
 
-# Plural and group/version per kind this operator writes; add here when rendering a new kind.
+# Plural and group/version per kind this operator reads or writes; add here for a new kind.
 _KINDS: dict[str, tuple[str, str]] = {
     "ConfigMap": ("v1", "configmaps"),
+    "Pod": ("v1", "pods"),
+    "ReplicaSet": ("apps/v1", "replicasets"),
     "Secret": ("v1", "secrets"),
     "Service": ("v1", "services"),
     "Deployment": ("apps/v1", "deployments"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime
 
 from sparsegate.domain import admin_tls, render
-from sparsegate.handlers.gateconfig import RolloutLoop, _Cache
+from sparsegate.controllers.rollout import RolloutLoop, RolloutCache
 from sparsegate_contracts import names
 
 NS = "ns"
@@ -58,7 +58,7 @@ class FakeKube:
 async def test_only_pods_owned_through_the_chain_get_credentials() -> None:
     kube = FakeKube([pod("real"), pod("impostor", owned=False), pod("old", admin_port=False),
                      pod("pending", ip=None)])
-    cache = _Cache()
+    cache = RolloutCache()
     fleet = await RolloutLoop(kube=kube)._fleet(namespace=NS, models=["m"], cache=cache)
     assert set(fleet.targets) == {"real", "old"}
     assert fleet.all_pods == ("old", "pending", "real")  # the impostor is no part of the rollout
@@ -75,7 +75,7 @@ async def test_only_pods_owned_through_the_chain_get_credentials() -> None:
 
 async def test_a_changed_secret_takes_effect_at_the_next_refresh() -> None:
     kube = FakeKube([pod("real")])
-    cache = _Cache()
+    cache = RolloutCache()
     loop = RolloutLoop(kube=kube)
     first = (await loop._fleet(namespace=NS, models=["m"], cache=cache)).targets["real"]
     same = (await loop._fleet(namespace=NS, models=["m"], cache=cache)).targets["real"]

@@ -95,10 +95,10 @@ def test_prometheus_queries_select_the_serving_version() -> None:
 def test_the_tick_asks_the_providers_for_a_split_by_version_under_requests() -> None:
     from sparsegate.domain.request_canary import Strategy
     from sparsegate.domain.rollout import Phase, RolloutStatus
-    from sparsegate.handlers.gateconfig import RolloutLoop, _Fleet
+    from sparsegate.controllers.rollout import RolloutLoop, Fleet
 
     targets = {p: PodTarget(name=p, ip="127.0.0.1", port=1) for p in ("m-a", "m-b", "m-c")}
-    fleet = _Fleet(targets=targets, all_pods=tuple(targets))
+    fleet = Fleet(targets=targets, all_pods=tuple(targets))
     loop = RolloutLoop(kube=None)  # type: ignore[arg-type]  # _request reads no API
     status = RolloutStatus(phase=Phase.ANALYSING, stable=STABLE, canary=FAULTY, step=0, step_percent=5,
                            canary_pods=tuple(targets), strategy=Strategy.REQUESTS, analysis_started_at=5.0)

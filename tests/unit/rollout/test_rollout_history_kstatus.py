@@ -54,7 +54,7 @@ def healthy(requests: float = 100, errors: float = 0) -> GroupMetrics:
 
 class Gate:
     """A GateConfig as the API server holds it: spec edits bump generation; each tick persists the
-    decision's status with ``observedGeneration`` as handlers/gateconfig.py ``_persist`` does;
+    decision's status with ``observedGeneration`` as controllers/rollout.py ``_persist`` does;
     pods apply pushed gates."""
 
     def __init__(self, params: dict, *, pods: int = 20, **rollout: Any) -> None:

@@ -1,4 +1,4 @@
-"""The rollout tick (handlers.gateconfig.RolloutLoop) with declared checks and across a restart.
+"""The rollout tick (controllers.rollout.RolloutLoop) with declared checks and across a restart.
 
 Our own wrappers stand in for the cluster and the pods (``Kube``: one GateConfig object whose
 status JSON patches are applied; ``PodAdmin``: pods that take pushes and expose counters); the
@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-import sparsegate.handlers.gateconfig as handler
+import sparsegate.controllers.rollout as controller
 from sparsegate.clients.podadmin import PodAdmin, PodHealth, PodTarget, PushResult
 from sparsegate.domain.rollout import GateVersion
-from sparsegate.handlers.gateconfig import RolloutLoop, _Cache, _Fleet
+from sparsegate.controllers.rollout import RolloutLoop, RolloutCache, Fleet
 
 V1 = {"toolGateThreshold": 0.85}
 V2 = {"toolGateThreshold": 0.8}
@@ -88,15 +88,15 @@ class FakePods(PodAdmin):
 
 
 class Loop(RolloutLoop):
-    async def _fleet(self, *, namespace: str, models: Any, cache: _Cache) -> _Fleet:
+    async def _fleet(self, *, namespace: str, models: Any, cache: RolloutCache) -> Fleet:
         targets = {p: PodTarget(name=p, ip="127.0.0.1", port=1) for p in PODS}
-        return _Fleet(targets=targets, all_pods=PODS)
+        return Fleet(targets=targets, all_pods=PODS)
 
 
 @pytest.fixture(autouse=True)
 def no_kopf_events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     events: list[tuple[str, str]] = []
-    monkeypatch.setattr(handler.kopf, "event", lambda body, *, type, reason, message: events.append((reason, message)))
+    monkeypatch.setattr(controller.kopf, "event", lambda body, *, type, reason, message: events.append((reason, message)))
     return events
 
 
@@ -129,7 +129,7 @@ def spec(params: dict, *, checks: list[dict] | None = None) -> dict:
     return {"params": params, "rollout": rollout, "calibration": {"qpsThreshold": {"initial": 1}}}
 
 
-async def tick(loop: RolloutLoop, cache: _Cache, clock: list[float], dt: float) -> dict:
+async def tick(loop: RolloutLoop, cache: RolloutCache, clock: list[float], dt: float) -> dict:
     clock[0] += dt
     await loop.tick(namespace="ns", name="gate", models=["m"], cache=cache)
     return loop.kube.obj["status"]  # type: ignore[attr-defined]
@@ -139,7 +139,7 @@ async def test_web_check_measured_when_due_and_recorded(judge: dict[str, Any]) -
     clock = [1000.0]
     kube = FakeKube(spec(V1))
     pods = FakePods(clock)
-    loop, cache = Loop(kube=kube, admin=pods, clock=lambda: clock[0]), _Cache()  # type: ignore[arg-type]
+    loop, cache = Loop(kube=kube, admin=pods, clock=lambda: clock[0]), RolloutCache()  # type: ignore[arg-type]
     assert (await tick(loop, cache, clock, 1))["rollout"]["phase"] == "Succeeded"
     check = {"name": "quality", "provider": {"web": {"url": judge["url"] + "/score?v={{args.canaryVersion}}",
                                                       "jsonPath": "score"}},
@@ -164,7 +164,7 @@ async def test_web_check_measured_when_due_and_recorded(judge: dict[str, Any]) -
 async def test_inconclusive_web_check_pauses(judge: dict[str, Any], no_kopf_events: list) -> None:
     clock = [1000.0]
     kube = FakeKube(spec(V1))
-    loop, cache = Loop(kube=kube, admin=FakePods(clock), clock=lambda: clock[0]), _Cache()  # type: ignore[arg-type]
+    loop, cache = Loop(kube=kube, admin=FakePods(clock), clock=lambda: clock[0]), RolloutCache()  # type: ignore[arg-type]
     await tick(loop, cache, clock, 1)
     judge["score"] = 0.7
     kube.set_spec(spec(V2, checks=[{"name": "quality", "provider": {"web": {"url": judge["url"] + "/score",
@@ -172,9 +172,9 @@ async def test_inconclusive_web_check_pauses(judge: dict[str, Any], no_kopf_even
                                     "successCondition": "result >= 0.9", "failureCondition": "result < 0.5",
                                     "interval": "5s"}]))
     await tick(loop, cache, clock, 1)
-    before = handler.MEASUREMENTS.labels(provider="web", answer="value")._value.get()
+    before = controller.MEASUREMENTS.labels(provider="web", answer="value")._value.get()
     st = await tick(loop, cache, clock, 5)
-    assert handler.MEASUREMENTS.labels(provider="web", answer="value")._value.get() == before + 1
+    assert controller.MEASUREMENTS.labels(provider="web", answer="value")._value.get() == before + 1
     assert st["rollout"]["phase"] == "Paused" and st["rollout"]["analysisPaused"] is True
     assert st["rollout"]["reason"] == "AnalysisInconclusive" and ("AnalysisInconclusive", st["rollout"]["message"]) \
         in no_kopf_events
@@ -186,7 +186,7 @@ async def test_operator_restart_needs_a_full_window_of_fresh_data() -> None:
     clock = [1000.0]
     kube = FakeKube(spec(V1))
     pods = FakePods(clock)
-    loop, cache = Loop(kube=kube, admin=pods, clock=lambda: clock[0]), _Cache()  # type: ignore[arg-type]
+    loop, cache = Loop(kube=kube, admin=pods, clock=lambda: clock[0]), RolloutCache()  # type: ignore[arg-type]
     await tick(loop, cache, clock, 1)
     kube.set_spec(spec(V2))
     st = await tick(loop, cache, clock, 1)
@@ -199,7 +199,7 @@ async def test_operator_restart_needs_a_full_window_of_fresh_data() -> None:
     assert st["rollout"]["phase"] == "Analysing" and st["rollout"]["analysis"]["verdict"] == "Pass"
     # Crash 6 s into the 10 s window; back 20 s later with no memory but status.
     clock[0] += 20
-    loop, cache = Loop(kube=kube, admin=pods, clock=lambda: clock[0]), _Cache()  # type: ignore[arg-type]
+    loop, cache = Loop(kube=kube, admin=pods, clock=lambda: clock[0]), RolloutCache()  # type: ignore[arg-type]
     st = await tick(loop, cache, clock, 0)
     assert st["rollout"]["analysisWindow"]["from"] != first_from and st["rollout"]["analysisWindow"]["samples"] == 0
     assert "analysis window restarted" in st["rollout"]["message"]

@@ -1,0 +1,410 @@
+"""The GateConfig rollout controller: observe → decide (pure) → persist → act, once per tick.
+
+:meth:`RolloutLoop.tick` is called per GateConfig by the Kopf wiring (``handlers.gateconfig``:
+a watch-driven loop, no finalizer). One tick:
+
+1. read the GateConfig fresh (the watched body may predate our own last status write);
+2. observe: pods of the SparseModels whose ``spec.gateConfigRef`` names it (the wiring passes
+   them from the Kopf index ``models_by_gate``) — only pods whose owner chain leads to the model
+   (pod → ReplicaSet → Deployment → SparseModel, ``domain.pod_ownership``) are the model's; a pod
+   that only carries the model's labels gets no token, no push, no scrape and is no part of the
+   rollout (Warning Event ``AdminTokenWithheld``) — their ``/healthz`` (heartbeat +
+   version/checksum double check) and, while a canary is in flight, their ``/metrics``;
+3. decide with ``domain.rollout.next_action`` (pure);
+4. persist the new status (JSON patch replacing the whole status, optimistic concurrency)
+   BEFORE acting, then push gates, post Events, clear one-shot annotations, count metrics;
+5. when it pushed, observe again at once so verified pods are recorded in the same tick.
+
+Every API path comes from ``clients.kube.path_for``. Crash safety follows from (4) and from
+pushes being level-based: a restarted operator reads status, looks at what the pods report and
+only pushes what is still missing.
+
+Tunable (environment, for tests and the chart): ``SPARSEGATE_ROLLOUT_RESTING_CHECK_S`` (default
+30) how often a resting GateConfig still checks its pods.
+
+With ``spec.rollout.strategy: requests`` the same loop pushes every pod the stable + canary set
+at the step's weight (``domain.request_canary``) and the builtin analysis compares the canary
+version's requests with the stable version's, both served by the same pods.
+
+Analysis goes through ``clients.analysis_providers`` (one ``AnalysisProvider`` interface): the
+builtin check's provider every tick while a canary is in flight (a direct scrape that owns its
+windows, or Prometheus), each declared check's provider when ``domain.analysis_run.due_checks``
+says its next measurement is due.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+import prometheus_client
+
+from sparsegate_contracts import names
+
+from sparsegate.clients.admin_credentials import AdminCredentialStore, ModelCredentials
+from sparsegate.clients.analysis_providers import (
+    BuiltinWindow,
+    DirectScrape,
+    MeasureRequest,
+    PrometheusGroups,
+    PrometheusQuery,
+    WebRequest,
+    measure_safely,
+)
+from sparsegate.clients.kube import Kube, path_for
+from sparsegate.clients.metrics_source import PrometheusAPI
+from sparsegate.clients.podadmin import PodAdmin, PodTarget
+from sparsegate.domain import analysis_run, render
+from sparsegate.domain.analysis_run import Measured, Provider, RunPhase
+from sparsegate.domain.pod_ownership import ownership_problem
+from sparsegate.domain.rollout import (
+    RESTING_PHASES,
+    ClearAnnotation,
+    Decision,
+    EmitEvent,
+    Observations,
+    Phase,
+    PodObservation,
+    PushGate,
+    RecordOutcome,
+    RecordStep,
+    RolloutSpec,
+    RolloutStatus,
+    SpecError,
+    Strategy,
+    annotation_requests,
+    invalid_spec,
+    next_action,
+    parse_spec,
+)
+
+RESTING_CHECK_S = float(os.environ.get("SPARSEGATE_ROLLOUT_RESTING_CHECK_S", "30"))
+
+ROLLOUTS = prometheus_client.Counter(
+    "sparsegate_rollouts_total", "Gate rollouts that ended, by outcome.", ["outcome"])
+STEP_SECONDS = prometheus_client.Histogram(
+    "sparsegate_rollout_step_duration_seconds", "Time from a step's start to its promotion.",
+    ["percent"], buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800))
+TICK_SECONDS = prometheus_client.Histogram(
+    "sparsegate_rollout_tick_duration_seconds", "Wall time of one rollout reconcile tick.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+PUSHES = prometheus_client.Counter(
+    "sparsegate_rollout_gate_pushes_total", "PUT /admin/gate calls by result.", ["result"])
+MEASUREMENTS = prometheus_client.Counter(
+    "sparsegate_rollout_analysis_measurements_total",
+    "Declared analysis checks measured, by provider and answer (value, no_data, error).", ["provider", "answer"])
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutCache:
+    """Per-GateConfig memory that is only an optimisation: losing it (restart) is safe."""
+
+    last_full_check: float = 0.0
+    # The builtin provider of this GateConfig (a DirectScrape owns its window snapshots).
+    builtin: DirectScrape | PrometheusGroups | None = None
+    # Admin credentials per model: re-read from the Secret on every fleet refresh, rebuilt only
+    # when its resourceVersion changes (never cached beyond the Secret they came from).
+    credentials: AdminCredentialStore = field(default_factory=AdminCredentialStore)
+    withheld: set[tuple[str, str]] = field(default_factory=set)  # (pod uid, reason) already reported
+
+
+FleetCache = RolloutCache  # what ``RolloutLoop.fleet`` keeps between calls (credentials, reported pods)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    targets: dict[str, PodTarget]  # reachable candidates (have an IP) whose owner chain is the model's
+    all_pods: tuple[str, ...]  # every live pod of the models, with or without IP
+    withheld: dict[str, tuple[str, str]] = field(default_factory=dict)  # pod → (uid, why no token)
+
+
+def admin_port(pod: Mapping[str, Any]) -> int | None:
+    """The model server's TLS admin port as the pod declares it (None: a pod rendered before the
+    admin channel had a port of its own)."""
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        if c.get("name") != render.CONTAINER_NAME:
+            continue
+        for port in c.get("ports") or []:
+            if port.get("name") == names.ADMIN_PORT_NAME and port.get("containerPort"):
+                return int(port["containerPort"])
+    return None
+
+
+class RolloutLoop:
+    def __init__(self, *, kube: Kube, admin: PodAdmin | None = None,
+                 prometheus: PrometheusAPI | None = None, prometheus_url: str | None = None,
+                 clock: Any = time.time) -> None:
+        self.kube = kube
+        self.admin = admin or PodAdmin()
+        self.prometheus = prometheus
+        self.clock = clock
+        # Declared checks' providers (stateless; the builtin one is per GateConfig, in its RolloutCache).
+        self.providers = {Provider.PROMETHEUS: PrometheusQuery(default_address=prometheus_url),
+                          Provider.WEB: WebRequest()}
+
+    # ------------------------------------------------------------ observation
+
+    async def _fleet(self, *, namespace: str, models: Sequence[str], cache: RolloutCache) -> Fleet:
+        """Pods of the referencing models, and what each may be sent.
+
+        Per model a GET of the SparseModel, its Deployment and its admin Secret (concurrently); one
+        pod LIST and, when there are pods, one ReplicaSet LIST for the namespace. ReplicaSets are
+        listed after the pods, so every live pod's ReplicaSet is in the list."""
+        if not models:
+            return Fleet(targets={}, all_pods=())
+
+        def get(kind: str, name: str) -> Any:
+            return asyncio.to_thread(self.kube.get, kind, namespace=namespace, name=name)
+
+        bodies = await asyncio.gather(*(get("SparseModel", m) for m in models))
+        live_models = {b["metadata"]["name"]: b for b in bodies if b is not None}
+        if not live_models:
+            return Fleet(targets={}, all_pods=())
+        selector = f"{names.MODEL_LABEL} in ({','.join(sorted(live_models))})"
+        pods = await asyncio.to_thread(
+            self.kube.request, "GET", path_for("Pod", namespace=namespace), query={"labelSelector": selector})
+        order = sorted(live_models)
+        deployments = await asyncio.gather(*(get("Deployment", m) for m in order))
+        secrets = await asyncio.gather(*(get("Secret", render.admin_secret_name(m)) for m in order))
+        creds: dict[str, ModelCredentials] = {
+            m: cache.credentials.update(secret, namespace=namespace, model=m,
+                                        server_name=render.admin_server_name(live_models[m]))
+            for m, secret in zip(order, secrets)}
+        deployment_of = dict(zip(order, deployments))
+        items = pods.get("items", [])
+        replicasets: dict[str, Mapping[str, Any]] = {}
+        if items:
+            listed = await asyncio.to_thread(
+                self.kube.request, "GET", path_for("ReplicaSet", namespace=namespace),
+                query={"labelSelector": selector})
+            replicasets = {rs["metadata"]["uid"]: rs for rs in listed.get("items", [])}
+        targets: dict[str, PodTarget] = {}
+        withheld: dict[str, tuple[str, str]] = {}
+        live: list[str] = []
+        for pod in items:
+            meta, status = pod["metadata"], pod.get("status") or {}
+            model_name = (meta.get("labels") or {}).get(names.MODEL_LABEL)
+            if model_name not in live_models or meta.get("deletionTimestamp") \
+                    or status.get("phase") in ("Succeeded", "Failed"):
+                continue
+            problem = ownership_problem(pod, replicasets=replicasets, deployment=deployment_of[model_name],
+                                        model=live_models[model_name])
+            if problem is not None:
+                # Labelled as the model's but not its pod: no token, no push, no scrape, and not
+                # part of the rollout (a labelled pod must not be able to stall or fake one).
+                withheld[meta["name"]] = (meta.get("uid", ""), problem)
+                continue
+            live.append(meta["name"])
+            if status.get("podIP"):
+                c = creds[model_name]
+                targets[meta["name"]] = PodTarget(
+                    name=meta["name"], ip=status["podIP"], port=render.serving_port(live_models[model_name]),
+                    admin_port=admin_port(pod), admin=c.current, previous_admin=c.previous, refusal=c.error)
+        return Fleet(targets=targets, all_pods=tuple(sorted(live)), withheld=withheld)
+
+    async def fleet(self, *, namespace: str, models: Sequence[str], cache: RolloutCache) -> Fleet:
+        """The models' pods that may be sent their admin token (the same owner checks as a rollout's);
+        ``handlers.accesssync`` pushes access rules to these."""
+        return await self._fleet(namespace=namespace, models=models, cache=cache)
+
+    async def _observe_pods(self, fleet: Fleet) -> tuple[PodObservation, ...]:
+        health = await self.admin.health(list(fleet.targets.values()))
+        out = []
+        for name in fleet.all_pods:
+            h = health.get(name)
+            out.append(PodObservation(name=name, reachable=bool(h and h.reachable), version=h.serving if h else None))
+        return tuple(out)
+
+    def _request(self, *, namespace: str, fleet: Fleet, status: RolloutStatus, now: float) -> MeasureRequest:
+        # Each group counts only the requests its own version served. Under `requests` both groups
+        # are every pod; under `instances` the canary pods' requests of the canary version and the
+        # others' of the stable one, so a pod still finishing requests of a version just rolled
+        # back (seconds of injected latency, in CI) does not fail the next rollout's first window.
+        by_version = status.canary is not None and status.stable is not None
+        if by_version and status.strategy == Strategy.REQUESTS:
+            canary = stable = sorted(fleet.targets)
+        else:
+            canary = [p for p in status.canary_pods if p in fleet.targets]
+            stable = [p for p in fleet.targets if p not in set(status.canary_pods)]
+        return MeasureRequest(
+            namespace=namespace, now=now, targets=fleet.targets, canary=canary, stable=stable,
+            analysing=status.phase == Phase.ANALYSING,
+            window_key=(status.canary.version if status.canary else None, status.step, status.analysis_started_at),
+            analysis_started_at=status.analysis_started_at,
+            canary_version=status.canary.version if by_version and status.canary else None,
+            stable_version=status.stable.version if by_version and status.stable else None)
+
+    async def _metrics(self, *, spec: RolloutSpec, request: MeasureRequest, status: RolloutStatus,
+                       cache: RolloutCache) -> dict[str, Any]:
+        """The builtin check's window groups and this tick's calibration samples (no builtin check: none)."""
+        if cache.builtin is None:
+            cache.builtin = PrometheusGroups(self.prometheus) if self.prometheus is not None else DirectScrape(self.admin)
+        if spec.builtin is None or status.phase not in (Phase.PROGRESSING, Phase.ANALYSING) or status.canary is None:
+            cache.builtin.reset()
+            return {}
+        answer = await cache.builtin.measure(spec.builtin, request)
+        return answer.observations() if isinstance(answer, BuiltinWindow) else {}
+
+    async def _declared(self, *, spec: RolloutSpec, request: MeasureRequest, status: RolloutStatus, name: str,
+                        models: Sequence[str], now: float) -> dict[str, Measured]:
+        """Answers of the declared checks whose measurement is due this tick."""
+        run = status.analysis_runs[-1] if status.analysis_runs else None
+        if status.phase != Phase.ANALYSING or run is None or run.phase != RunPhase.RUNNING \
+                or status.canary is None or status.stable is None or status.step is None:
+            return {}
+        due = analysis_run.due_checks(spec.checks, run, now=now, default_interval_s=spec.analysis_interval_s)
+        if not due:
+            return {}
+
+        def args(check: analysis_run.CheckSpec) -> dict[str, str]:
+            assert status.canary is not None and status.stable is not None and status.step is not None
+            return analysis_run.measure_args(
+                namespace=request.namespace, gate_config=name, models=models, canary_pods=status.canary_pods,
+                stable_pods=[p for p in request.targets if p not in set(status.canary_pods)],
+                canary_version=status.canary.version, stable_version=status.stable.version, step=status.step + 1,
+                percent=spec.steps[min(status.step, len(spec.steps) - 1)],
+                window_s=check.interval_s or spec.analysis_interval_s)
+
+        answers = await asyncio.gather(*(
+            measure_safely(self.providers[c.provider], c, dataclasses.replace(request, args=args(c))) for c in due))
+        for c, a in zip(due, answers):
+            answer = "error" if a.error is not None else "no_data" if a.value is None else "value"
+            MEASUREMENTS.labels(provider=c.provider.value, answer=answer).inc()
+        return {c.name: a for c, a in zip(due, answers)}
+
+    # ------------------------------------------------------------ the tick
+
+    async def tick(self, *, namespace: str, name: str, models: Sequence[str], cache: RolloutCache,
+                   seen: Mapping[str, Any] | None = None, logger: logging.Logger = log) -> Decision | None:
+        """One reconcile. ``seen``: the object as the watch last delivered it, for a cheap skip."""
+        if seen is not None and self._quiet(seen, cache=cache, now=self.clock()):
+            return None  # resting and checked recently: not even a GET (1,000s of ticks at scale)
+        started = time.perf_counter()
+        try:
+            return await self._tick(namespace=namespace, name=name, models=models, cache=cache, logger=logger)
+        finally:
+            TICK_SECONDS.observe(time.perf_counter() - started)
+
+    @staticmethod
+    def _quiet(body: Mapping[str, Any], *, cache: RolloutCache, now: float) -> bool:
+        """Nothing to do: resting, spec already stable (or rejected), no one-shot annotation."""
+        if now - cache.last_full_check >= RESTING_CHECK_S:
+            return False
+        meta = body.get("metadata") or {}
+        if any(annotation_requests(meta.get("annotations")).values()):
+            return False
+        if (body.get("status") or {}).get("observedGeneration") != meta.get("generation"):
+            return False  # Flux/Argo wait on observedGeneration: record a spec edit (e.g. pause) at once
+        status = RolloutStatus.from_status(body.get("status"))
+        if status.phase not in RESTING_PHASES or status.stable is None:
+            return False
+        try:
+            target = parse_spec(body.get("spec") or {}).target.version
+        except SpecError:
+            return False
+        return target in (status.stable.version, status.rejected_version)
+
+    async def _tick(self, *, namespace: str, name: str, models: Sequence[str], cache: RolloutCache,
+                    logger: logging.Logger) -> Decision | None:
+        body = await asyncio.to_thread(self.kube.get, "GateConfig", namespace=namespace, name=name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None
+        now = self.clock()
+        status = RolloutStatus.from_status(body.get("status"))
+        requests = annotation_requests(body["metadata"].get("annotations"))
+        try:
+            spec = parse_spec(body.get("spec") or {})
+        except SpecError as e:
+            decision = invalid_spec(status=status, error=str(e), now=now)
+            await self._persist(body, decision, steps=(100,))
+            await self._act(body, decision, fleet=None, logger=logger)
+            return decision
+
+        if self._quiet(body, cache=cache, now=now):
+            return None
+        cache.last_full_check = now
+
+        fleet = await self._fleet(namespace=namespace, models=models, cache=cache)
+        self._report_withheld(body, fleet, cache=cache, logger=logger)
+        decision: Decision | None = None
+        for _ in range(3):
+            pods = await self._observe_pods(fleet)
+            request = self._request(namespace=namespace, fleet=fleet, status=status, now=now)
+            metrics = await self._metrics(spec=spec, request=request, status=status, cache=cache)
+            measured = await self._declared(spec=spec, request=request, status=status, name=name, models=models,
+                                            now=now)
+            obs = Observations(pods=pods, **requests, **metrics, measurements=measured)
+            decision = next_action(spec=spec, status=status, obs=obs, now=now)
+            body = await self._persist(body, decision, steps=spec.steps)
+            pushed = await self._act(body, decision, fleet=fleet, logger=logger)
+            if not pushed:
+                break  # nothing new landed on a pod: the next tick looks again
+            # Pushed: look again now so verified pods (and the next phase) are recorded this tick.
+            status, now = decision.status, self.clock()
+            requests = dict.fromkeys(requests, False)
+        return decision
+
+    @staticmethod
+    def _report_withheld(body: Mapping[str, Any], fleet: Fleet, *, cache: RolloutCache, logger: logging.Logger) -> None:
+        """One Warning Event (and log line) per pod and reason that was refused the admin token."""
+        for pod, (uid, why) in sorted(fleet.withheld.items()):
+            if (uid, why) in cache.withheld:
+                continue
+            cache.withheld.add((uid, why))
+            message = f"pod {pod} carries a model's labels but is not its pod ({why}): no admin token sent"
+            logger.warning("%s", message)
+            kopf.event(dict(body), type="Warning", reason="AdminTokenWithheld", message=message[:1024])
+
+    async def _persist(self, body: Mapping[str, Any], decision: Decision, *, steps: Sequence[int]) -> dict[str, Any]:
+        """Replace status (keeping fields other writers own); skipped when nothing changed."""
+        current = dict(body.get("status") or {})
+        new = {**current, **decision.status.to_status(steps=steps),
+               "observedGeneration": body["metadata"].get("generation")}
+        if new == current:
+            return dict(body)
+        path = path_for("GateConfig", namespace=body["metadata"]["namespace"], name=body["metadata"]["name"],
+                        subresource="status")
+        # A JSON patch replaces status wholesale (a merge patch would merge the params maps of
+        # two gate versions). Carrying metadata.resourceVersion makes a concurrent writer's
+        # change a 409 Conflict: nothing is acted on, the next tick starts from a fresh read.
+        ops = [{"op": "replace", "path": "/metadata/resourceVersion", "value": body["metadata"]["resourceVersion"]},
+               {"op": "add", "path": "/status", "value": new}]
+        return await asyncio.to_thread(self.kube.request, "PATCH", path, body=ops,
+                                       content_type="application/json-patch+json")
+
+    async def _act(self, body: Mapping[str, Any], decision: Decision, *, fleet: Fleet | None,
+                   logger: logging.Logger) -> int:
+        """Perform the decision's side effects; returns how many gate pushes succeeded."""
+        pushes: list[tuple[PodTarget, Mapping[str, Any]]] = []
+        for action in decision.actions:
+            if isinstance(action, PushGate) and fleet is not None and action.pod in fleet.targets:
+                pushes.append((fleet.targets[action.pod], action.gate.document()))
+            elif isinstance(action, EmitEvent):
+                kopf.event(dict(body), type=action.type, reason=action.reason, message=action.message[:1024])
+                (logger.warning if action.type == "Warning" else logger.info)("%s: %s", action.reason, action.message)
+            elif isinstance(action, ClearAnnotation):
+                path = path_for("GateConfig", namespace=body["metadata"]["namespace"], name=body["metadata"]["name"])
+                await asyncio.to_thread(
+                    self.kube.request, "PATCH", path, body={"metadata": {"annotations": {action.name: None}}},
+                    content_type="application/merge-patch+json")
+            elif isinstance(action, RecordOutcome):
+                ROLLOUTS.labels(outcome=action.outcome).inc()
+            elif isinstance(action, RecordStep):
+                STEP_SECONDS.labels(percent=str(action.percent)).observe(action.seconds)
+        if not pushes:
+            return 0
+        results = await self.admin.push(pushes)
+        for r in results.values():
+            PUSHES.labels(result="ok" if r.ok else "error").inc()
+            if not r.ok:
+                logger.warning("push to %s failed: %s", r.name, r.error)
+        return sum(1 for r in results.values() if r.ok)
