@@ -736,60 +736,81 @@ def _builtin(run: AnalysisRun, check: CheckSpec, *, result: AnalysisResult | Non
     return runs.set_check_phase(run, check.name, RunPhase(phase.value), result.message)
 
 
-def _judge_step(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float, percent: int,
-                acts: list[Action]) -> RolloutStatus:
-    """Analysing, pods in place: record this tick's measurements and decide the step."""
-    assert s.canary is not None and s.step is not None
+@dataclass(frozen=True)
+class _StepData:
+    """What one tick measured for the step under analysis."""
+
+    run: AnalysisRun  # the step's run with this tick's measurements recorded
+    result: AnalysisResult | None = None  # the builtin check's verdict on its window (None: no data)
+    covered_s: float = 0.0  # seconds of data the builtin window holds
+    note: str = ""  # "; analysis window restarted ..." when the provider's window began again
+
+
+def _measure_step(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations,
+                  now: float) -> tuple[RolloutStatus, _StepData]:
+    """Record the declared checks' answers and the builtin check's window in the step's run. The
+    builtin passes only on a full analysisInterval of data from where its provider's window begins
+    (a restarted operator's direct scrape begins a new one), never on time since the analysis began."""
     run = _current_run(s, spec=spec, now=now)
     for check in spec.checks:
         if check.provider != Provider.BUILTIN and check.name in obs.measurements:
             run = runs.record(run, check, runs.judge(check, obs.measurements[check.name], now=now))
-    result: AnalysisResult | None = None
-    note = ""
     builtin = spec.builtin
+    if builtin is None:
+        return s, _StepData(run=run, covered_s=now - (s.analysis_started_at or now))
+    s, note = _track_window(s, obs=obs)
     covered = now - (s.analysis_started_at or now)
-    if builtin is not None:
-        s, note = _track_window(s, obs=obs)
-        if s.window_from is not None:
-            covered = now - max(s.window_from, s.analysis_started_at or s.window_from)
-        result = _analyse(s, spec=spec, obs=obs, now=now)
-        if result is not None:
-            s = dataclasses.replace(s, last_analysis=result.to_status())
-        run = _builtin(run, builtin, result=result, covered_s=covered, spec=spec, now=now)
-    verdict, why = runs.run_phase(run, spec.checks)
+    if s.window_from is not None:
+        covered = now - max(s.window_from, s.analysis_started_at or s.window_from)
+    result = _analyse(s, spec=spec, obs=obs, now=now)
+    if result is not None:
+        s = dataclasses.replace(s, last_analysis=result.to_status())
+    run = _builtin(run, builtin, result=result, covered_s=covered, spec=spec, now=now)
+    return s, _StepData(run=run, result=result, covered_s=covered, note=note)
+
+
+def _judge_step(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float, percent: int,
+                acts: list[Action]) -> RolloutStatus:
+    """Analysing, pods in place: record this tick's measurements and decide the step by its run."""
+    assert s.canary is not None and s.step is not None
+    s, data = _measure_step(s, spec=spec, obs=obs, now=now)
+    verdict, why = runs.run_phase(data.run, spec.checks)
+    if verdict == RunPhase.RUNNING:
+        if spec.builtin is not None:
+            verdict_text = "waiting for metrics" if data.result is None else data.result.message
+            progress = f"analysing {data.covered_s:.0f}/{spec.analysis_interval_s:g}s: {verdict_text}"
+        else:
+            progress = f"analysing: {why}"
+        return dataclasses.replace(s, analysis_runs=_replace_run(s, data.run),
+                                   message=f"step {s.step + 1}/{len(spec.steps)} ({percent}%): {progress}{data.note}")
+    s = dataclasses.replace(s, analysis_runs=_replace_run(s, runs.finish(data.run, verdict, why, now=now)))
     step_text = f"step {s.step + 1} ({percent}%)"
     if verdict == RunPhase.FAILED:
-        run = runs.finish(run, verdict, why, now=now)
-        s = dataclasses.replace(s, analysis_runs=_replace_run(s, run))
         return _fail(s, spec=spec, reason="AnalysisFailed", message=f"{step_text} analysis {why}", acts=acts)
     if verdict == RunPhase.INCONCLUSIVE:
-        run = runs.finish(run, verdict, why, now=now)
         msg = (f"{step_text} analysis inconclusive, rollout paused: {why}; promote to continue, retry to analyse "
                f"the step again, abort to roll back")
         acts.append(EmitEvent("Warning", "AnalysisInconclusive", msg))
-        return dataclasses.replace(
-            s, phase=Phase.PAUSED, analysis_paused=True, analysis_started_at=None, reason="AnalysisInconclusive",
-            message=msg, analysis_runs=_replace_run(s, run))
-    if verdict == RunPhase.SUCCESSFUL:
-        run = runs.finish(run, verdict, why, now=now)
-        s = dataclasses.replace(s, analysis_runs=_replace_run(s, run))
-        summary = result.message if result is not None and builtin is not None and not builtin.dry_run else why
-        acts.append(RecordStep(percent, now - (s.step_started_at or now)))
-        if s.step == len(spec.steps) - 1:
-            msg = f"{s.canary.version} promoted: {summary}"
-            acts += [EmitEvent("Normal", "Promoted", msg), RecordOutcome("succeeded")]
-            return _promote_fully(s, spec=spec, reason="Promoted", message=msg)
-        s = _advance_step(s, spec=spec, obs=obs, step=s.step + 1, now=now)
-        s = dataclasses.replace(s, reason="StepPromoted")
-        acts.append(EmitEvent("Normal", "StepPromoted", f"{summary}; {s.message}"))
-        return s
-    if builtin is not None:
-        verdict_text = "waiting for metrics" if result is None else result.message
-        progress = f"analysing {covered:.0f}/{spec.analysis_interval_s:g}s: {verdict_text}"
-    else:
-        progress = f"analysing: {why}"
-    return dataclasses.replace(s, analysis_runs=_replace_run(s, run),
-                               message=f"step {s.step + 1}/{len(spec.steps)} ({percent}%): {progress}{note}")
+        return dataclasses.replace(s, phase=Phase.PAUSED, analysis_paused=True, analysis_started_at=None,
+                                   reason="AnalysisInconclusive", message=msg)
+    builtin = spec.builtin
+    summary = data.result.message if data.result is not None and builtin is not None and not builtin.dry_run else why
+    return _step_passed(s, spec=spec, obs=obs, now=now, percent=percent, summary=summary, acts=acts)
+
+
+def _step_passed(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float, percent: int, summary: str,
+                 acts: list[Action]) -> RolloutStatus:
+    """The step's analysis succeeded: the next step, or promotion after the last one."""
+    assert s.canary is not None and s.step is not None
+    acts.append(RecordStep(percent, now - (s.step_started_at or now)))
+    if s.step == len(spec.steps) - 1:
+        msg = f"{s.canary.version} promoted: {summary}"
+        acts += [EmitEvent("Normal", "Promoted", msg), RecordOutcome("succeeded")]
+        return _promote_fully(s, spec=spec, reason="Promoted", message=msg)
+    s = _advance_step(s, spec=spec, obs=obs, step=s.step + 1, now=now)
+    s = dataclasses.replace(s, reason="StepPromoted")
+    acts.append(EmitEvent("Normal", "StepPromoted", f"{summary}; {s.message}"))
+    return s
 
 
 def _is_last(s: RolloutStatus, run: AnalysisRun) -> bool:
