@@ -38,8 +38,8 @@ from sparsegate.clients.podadmin import BodyTooLarge, PodAdmin, PodTarget, read_
 from sparsegate.domain.analysis import GroupMetrics, PodCounters
 from sparsegate.domain.analysis_run import CheckSpec, Measured, render_args
 
-__all__ = ["MeasureRequest", "BuiltinWindow", "AnalysisProvider", "DirectScrape", "PrometheusGroups",
-           "PrometheusQuery", "WebRequest", "measure_safely"]
+__all__ = ["MeasureRequest", "BuiltinWindow", "AnalysisProvider", "BuiltinProvider", "DirectScrape",
+           "PrometheusGroups", "PrometheusQuery", "WebRequest", "measure_safely"]
 
 ANSWER_LIMIT = 256 * 1024  # a web check's JSON or a query's answer: one number is wanted
 
@@ -80,7 +80,16 @@ class BuiltinWindow:
 
 
 class AnalysisProvider(Protocol):
+    """What every provider is: one ``measure`` per check and tick."""
+
     async def measure(self, check: CheckSpec, request: MeasureRequest) -> BuiltinWindow | Measured: ...
+
+
+class BuiltinProvider(AnalysisProvider, Protocol):
+    """A provider of the builtin check (:class:`DirectScrape`, :class:`PrometheusGroups`): it answers
+    a :class:`BuiltinWindow` and forgets any window it holds on ``reset`` (no canary in flight)."""
+
+    def reset(self) -> None: ...
 
 
 async def measure_safely(provider: AnalysisProvider, check: CheckSpec, request: MeasureRequest) -> Measured:

@@ -50,6 +50,7 @@ from sparsegate_contracts import names
 
 from sparsegate.clients.admin_credentials import AdminCredentialStore, ModelCredentials
 from sparsegate.clients.analysis_providers import (
+    BuiltinProvider,
     BuiltinWindow,
     DirectScrape,
     MeasureRequest,
@@ -110,7 +111,7 @@ class RolloutCache:
 
     last_full_check: float = 0.0
     # The builtin provider of this GateConfig (a DirectScrape owns its window snapshots).
-    builtin: DirectScrape | PrometheusGroups | None = None
+    builtin: BuiltinProvider | None = None
     # Admin credentials per model: re-read from the Secret on every fleet refresh, rebuilt only
     # when its resourceVersion changes (never cached beyond the Secret they came from).
     credentials: AdminCredentialStore = field(default_factory=AdminCredentialStore)
@@ -247,7 +248,8 @@ class RolloutLoop:
                        cache: RolloutCache) -> dict[str, Any]:
         """The builtin check's window groups and this tick's calibration samples (no builtin check: none)."""
         if cache.builtin is None:
-            cache.builtin = PrometheusGroups(self.prometheus) if self.prometheus is not None else DirectScrape(self.admin)
+            cache.builtin = PrometheusGroups(self.prometheus) if self.prometheus is not None \
+                else DirectScrape(self.admin)
         if spec.builtin is None or status.phase not in (Phase.PROGRESSING, Phase.ANALYSING) or status.canary is None:
             cache.builtin.reset()
             return {}

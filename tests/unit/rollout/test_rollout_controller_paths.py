@@ -14,7 +14,8 @@ def test_the_kinds_the_controller_lists_and_patches() -> None:
     assert path_for("ReplicaSet", namespace="ns") == "/apis/apps/v1/namespaces/ns/replicasets"
     assert path_for("GateConfig", namespace="ns", name="g", subresource="status") \
         == "/apis/sparsegate.dev/v1alpha1/namespaces/ns/gateconfigs/g/status"
-    assert path_for("GateConfig", namespace="a b", name="g") == "/apis/sparsegate.dev/v1alpha1/namespaces/a%20b/gateconfigs/g"
+    assert path_for("GateConfig", namespace="a b", name="g") \
+        == "/apis/sparsegate.dev/v1alpha1/namespaces/a%20b/gateconfigs/g"
 
 
 def test_no_hand_built_api_path_in_the_controller() -> None:
