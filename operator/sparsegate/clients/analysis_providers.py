@@ -2,8 +2,8 @@
 
 ``await provider.measure(check, request)`` answers either a :class:`BuiltinWindow` (the builtin
 check's canary and stable groups over the step's window, plus calibration samples) or a
-``domain.analysis_run.Measured`` number (declared checks). The handler asks the provider of each
-check that is due; the state machine (``domain.rollout``) judges the answers.
+``domain.analysis_run.Measured`` number (declared checks). The controller (``controllers.rollout``)
+asks the provider of each check that is due; the state machine (``domain.rollout``) judges the answers.
 
 * :class:`DirectScrape` (builtin, default): ``GET /metrics`` on every pod; it owns its windows
   (start snapshots kept in memory, keyed by canary version, step and analysis start). A

@@ -2,16 +2,17 @@
 
 ``next_action(spec=, status=, obs=, now=) -> Decision(status, actions)`` is the
 whole controller logic (after Argo Rollouts' ``CalculateRolloutPhase``): it reads
-the parsed spec, the persisted status and what the handler just observed (pod
+the parsed spec, the persisted status and what the controller just observed (pod
 versions from ``/healthz``, one-shot annotations, windowed metrics) and returns
-the next status plus side effects for the handler to perform. No I/O here.
+the next status plus side effects for the controller (``controllers.rollout``) to
+perform. No I/O here.
 
 Why it is crash-safe: every bit of rollout state lives in ``status``, and pushes
 are *level-based*: each tick derives the version every pod should run from
 ``status`` (:func:`desired_versions`) and pushes only to pods whose reported
 version differs. A restarted operator observes the pods again, so work already
 done is never repeated and the stable version is never lost (it only changes on
-promotion). The handler persists the returned status before performing the
+promotion). The controller persists the returned status before performing the
 returned actions.
 
 Flow for a new spec version (``steps`` default 5 → 20 → 100 % of requests, or of instances)::
@@ -96,7 +97,7 @@ from sparsegate.domain.rollout_codec import (
 from sparsegate.domain.rollout_conditions import CONDITION_ORDER, conditions, kstatus_conditions
 
 # The spec/status codec and the conditions are defined in their own modules; importers of this
-# one (handlers, the kubectl plugin, tests) keep reading them from here.
+# one (the controller, the kubectl plugin, tests) keep reading them from here.
 __all__ = [
     "ABORT_ANNOTATION", "ACTIVE_PHASES", "CONDITION_ORDER", "DEFAULT_ANALYSIS_INTERVAL_S", "DEFAULT_MAX_DRIFT",
     "DEFAULT_MAX_QUALITY_DROP", "DEFAULT_MIN_REQUESTS", "DEFAULT_PROGRESS_DEADLINE_S", "DEFAULT_SLA_P99_MS",
