@@ -35,6 +35,18 @@ as long as the gate's capacity cap drops nothing: a capacity factor caps an expe
 (as in any capacity-capped MoE batch). Usage is split per sequence from each step's routing
 (`GateCall.routings`): expert counts, kept and dropped assignments and per-call entropy, as the
 solo path reports them.
+
+Tools: a request with ``max_tool_calls`` > 0 on a checkpoint with a tool-gate head
+(`hf.tool_head`) has its tool-gate probability read at its last position after its prefill and
+after every step (the hidden state the LM head reads, captured by a hook). Above its gate's
+``toolGateThreshold``, when ``tool_select`` (set by the server) finds a tool call in the
+sequence's text, the token just sampled is held back and the sequence is *parked*: it leaves its
+group with its own KV cache (a `ToolFire` event tells the engine what to call) while the others
+keep decoding. `run`'s ``resume`` brings it back: with the result's tokens, they are forced (one
+forward over them on its cache, which grows by them), appended to the generation, and the token
+after them is sampled from that forward; with None (the tool failed), the held-back token is
+kept (plain decoding). Either way it rejoins its version's group. Forced tokens count toward
+``max_tokens`` (cut there, finish ``length``) and are not scored as prompt quality.
 """
 
 from __future__ import annotations
@@ -46,6 +58,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 
 from .hf.gated_block import ActiveGate, GateCall, pin_gate
+from .hf.tool_head import final_hidden
 from .hf_serving import Generation, HFServedModel, sampling_probs
 from .quality import Score, score_packed
 
@@ -67,6 +80,8 @@ class DecodeRequest:
     seed: int = 0
     # The gate to prefill (and so decode) under: a request-level canary's; None: the installed one.
     gate: ActiveGate | None = None
+    # Most tool calls the tool gate may make for it (0: none; only with a tool-gate head).
+    max_tool_calls: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +93,19 @@ class TokenEvent:
     generation: Generation | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class ToolFire:
+    """``key``'s tool gate fired at ``position`` (its last token, prompt + generated) and its
+    text selects ``tool`` with ``arguments``: the sequence is parked until `BatchDecoder.run`
+    gets its resume."""
+
+    key: Hashable
+    tool: str
+    arguments: str
+    position: int
+    gate_probability: float
+
+
 class _Seq:
     """One sequence's decoding state (model thread only); its usage lives in its group."""
 
@@ -86,6 +114,11 @@ class _Seq:
         self.generator = torch.Generator().manual_seed(req.seed)
         self.generated: list[int] = []
         self.gate_version: str | None = None
+        self.tool_calls = 0
+
+    @property
+    def ids(self) -> list[int]:
+        return [*self.req.prompt_ids, *self.generated]
 
     @property
     def next_position(self) -> int:
@@ -98,6 +131,18 @@ class _Seq:
 # of the expert counts), and each block call adds the mean entropy of the sequence's tokens in
 # it, as the solo path averages per call.
 _SELECTED, _ENTROPY, _TOKENS, _CALLS = range(-4, 0)
+
+
+@dataclasses.dataclass
+class _Parked:
+    """A sequence waiting for its tool: its cache (no padding), usage and held-back token."""
+
+    seq: _Seq
+    gate: ActiveGate
+    keys: list[torch.Tensor]     # per layer [1, heads, length, head_dim]
+    values: list[torch.Tensor]
+    acc: torch.Tensor            # [blocks, experts + 4]
+    held: int                    # the token the model sampled where the gate fired
 
 
 @dataclasses.dataclass
@@ -160,22 +205,37 @@ class BatchDecoder:
         self.on_threshold: Callable[[str | None, float], None] | None = None
         # id(controller) -> [gate, selected assignments, routed tokens] since the last feed.
         self._measured: dict[int, list[Any]] = {}
+        # A sequence's text (prompt + generated ids) -> (tool, arguments) it calls, or None:
+        # set by the server (its tool registry and the tokenizer's text); None: no tool calls.
+        self.tool_select: Callable[[list[int]], tuple[str, str] | None] | None = None
+        self._parked: dict[Hashable, _Parked] = {}
 
     @property
     def running(self) -> int:
+        """Sequences in a decode group (parked ones wait for their tool outside)."""
         return len(self._where)
+
+    @property
+    def parked(self) -> int:
+        return len(self._parked)
 
     def group_sizes(self) -> dict[str | None, int]:
         """Sequences decoding per gate version now."""
         return {v: len(g.seqs) for v, g in self._groups.items()}
 
-    def run(self, admit: Sequence[DecodeRequest], leave: Sequence[Hashable]) -> list[TokenEvent]:
-        """One engine job: drop ``leave``, prefill ``admit`` (packed, under the gate in force
-        now), then one decode step per gate group. Returns the tokens made, in order.
+    def run(self, admit: Sequence[DecodeRequest], leave: Sequence[Hashable],
+            resume: Sequence[tuple[Hashable, list[int] | None]] = ()
+            ) -> list[TokenEvent | ToolFire]:
+        """One engine job: drop ``leave``, resume parked sequences (their tool's tokens, or
+        None: plain decoding), prefill ``admit`` (packed, under the gate in force now), then one
+        decode step per gate group. Returns the tokens made and the tool fires, in order.
         Controlled gates are fed once, after the whole job."""
         for key in leave:
             self.remove(key)
-        events = self._add_many(admit)
+        events: list[TokenEvent | ToolFire] = []
+        for key, forced in resume:
+            events += self._resume(key, forced)
+        events += self._add_many(admit)
         events += self._step()
         self._feed_controllers()
         return events
@@ -185,6 +245,7 @@ class BatchDecoder:
         self._groups.clear()
         self._where.clear()
         self._measured.clear()
+        self._parked.clear()
 
     def add(self, req: DecodeRequest) -> TokenEvent:
         """Prefill ``req`` alone; its first token, and its generation if that ended it."""
@@ -197,11 +258,11 @@ class BatchDecoder:
         self._feed_controllers()
         return events
 
-    def _add_many(self, reqs: Sequence[DecodeRequest]) -> list[TokenEvent]:
+    def _add_many(self, reqs: Sequence[DecodeRequest]) -> list[TokenEvent | ToolFire]:
         keys = [r.key for r in reqs]
-        if len(set(keys)) < len(keys) or any(k in self._where for k in keys):
+        if len(set(keys)) < len(keys) or any(k in self._where or k in self._parked for k in keys):
             raise ValueError(f"a sequence of {keys!r} is already decoding")
-        events: list[TokenEvent] = []
+        events: list[TokenEvent | ToolFire] = []
         pack: list[DecodeRequest] = []
         for req in reqs:
             # One forward runs under one gate: a request for another version starts a new pack.
@@ -214,7 +275,7 @@ class BatchDecoder:
             events += self._prefill(pack)
         return events
 
-    def _prefill(self, reqs: Sequence[DecodeRequest]) -> list[TokenEvent]:
+    def _prefill(self, reqs: Sequence[DecodeRequest]) -> list[TokenEvent | ToolFire]:
         """One forward over the prompts of ``reqs`` packed end to end in one row (no padding
         reaches the MoE routing): positions restart at 0 for each prompt and a block-diagonal
         causal mask keeps each prompt to itself. Then each joins its gate version's group."""
@@ -235,7 +296,7 @@ class BatchDecoder:
                       "attention_mask": (same & causal)[None, None]}  # [1, 1, T, T], True: attend
         gate = reqs[0].gate or self.lm.gate  # add_many packs only requests of one gate
         with torch.inference_mode(), pin_gate(gate, keep_routing=len(reqs) > 1) as call:
-            out = self.lm.model(input_ids=ids, use_cache=True, **kwargs)
+            out, hidden = self._forward(seqs, input_ids=ids, use_cache=True, **kwargs)
         self._measure(call)
         table = (self._usage_rows(call, owner=owner, n=len(reqs)) if len(reqs) > 1
                  else self._usage_alone(call))
@@ -244,18 +305,26 @@ class BatchDecoder:
             self.on_prompts_scored(call.gate.version, score_packed(out.logits[0], ids[0], lengths))
         last = out.logits[0, [e - 1 for e in ends]]
         tokens = self._sample(seqs, last)
+        fires = self._tool_fires(seqs, call.gate, None if hidden is None
+                                 else hidden[0, [e - 1 for e in ends]])
         layers = out.cache.layers
-        events = []
+        events: list[TokenEvent | ToolFire] = []
         joiners = []
         for i, (seq, token, end, length) in enumerate(zip(seqs, tokens, ends, lengths)):
             seq.gate_version = call.gate.version
+            cols = slice(end - length, end)
+            if fires[i] is not None:
+                self._parked[seq.req.key] = _Parked(
+                    seq, call.gate, keys=[layer.keys[:, :, cols] for layer in layers],
+                    values=[layer.values[:, :, cols] for layer in layers], acc=table[i], held=token)
+                events.append(fires[i])
+                continue
             finish = self._append(seq, token)
             if finish is not None:
                 events.append(TokenEvent(seq.req.key, token,
                                          self._generation(seq, finish, table[i])))
                 continue
             events.append(TokenEvent(seq.req.key, token))
-            cols = slice(end - length, end)
             joiners.append(_Joiner(
                 seq, keys=[layer.keys[:, :, cols] for layer in layers],
                 values=[layer.values[:, :, cols] for layer in layers],
@@ -264,7 +333,9 @@ class BatchDecoder:
         return events
 
     def remove(self, key: Hashable) -> bool:
-        """Drop ``key``'s sequence (no-op when it is not decoding); True if it was."""
+        """Drop ``key``'s sequence (no-op when it is not decoding or parked); True if it was."""
+        if self._parked.pop(key, None) is not None:
+            return True
         group = self._where.pop(key, None)
         if group is None:
             return False
@@ -272,21 +343,21 @@ class BatchDecoder:
         self._keep_rows(group, keep)
         return True
 
-    def step(self) -> list[TokenEvent]:
+    def step(self) -> list[TokenEvent | ToolFire]:
         """One token for every decoding sequence: one model forward per gate group."""
         events = self._step()
         self._feed_controllers()
         return events
 
-    def _step(self) -> list[TokenEvent]:
-        events: list[TokenEvent] = []
+    def _step(self) -> list[TokenEvent | ToolFire]:
+        events: list[TokenEvent | ToolFire] = []
         for version in list(self._groups):
             events += self._step_group(self._groups[version])
         return events
 
     # -- internals -------------------------------------------------------------------------
 
-    def _step_group(self, group: _Group) -> list[TokenEvent]:
+    def _step_group(self, group: _Group) -> list[TokenEvent | ToolFire]:
         seqs = group.seqs
         n = len(seqs)
         last = torch.tensor([[s.generated[-1]] for s in seqs], dtype=torch.long,
@@ -296,15 +367,27 @@ class BatchDecoder:
         mask = torch.cat([group.mask, group.mask.new_ones(n, 1)], dim=1)
         # One row needs no split of its routing: the block stats are its own.
         with torch.inference_mode(), pin_gate(group.gate, keep_routing=n > 1) as call:
-            out = self.lm.model(input_ids=last, attention_mask=mask if group.padded else None,
-                                position_ids=positions, cache=group.cache, use_cache=True)
+            out, hidden = self._forward(seqs, input_ids=last,
+                                        attention_mask=mask if group.padded else None,
+                                        position_ids=positions, cache=group.cache, use_cache=True)
         self._measure(call)
         group.mask = mask  # the cache grew by one column in place
         group.acc += (self._usage_rows(call, owner=torch.arange(n, device=self.device), n=n)
                       if n > 1 else self._usage_alone(call))
         tokens = self._sample(seqs, out.logits[:, -1])
-        events, keep = [], []
+        fires = self._tool_fires(seqs, group.gate, None if hidden is None else hidden[:, -1])
+        events: list[TokenEvent | ToolFire] = []
+        keep: list[int] = []
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            if fires[i] is not None:
+                first = int(group.mask[i].nonzero()[0])  # its left padding stays behind
+                self._parked[seq.req.key] = _Parked(
+                    seq, group.gate, keys=[k[i:i + 1, :, first:] for k in group.keys],
+                    values=[v[i:i + 1, :, first:] for v in group.values],
+                    acc=group.acc[i].clone(), held=token)
+                del self._where[seq.req.key]
+                events.append(fires[i])
+                continue
             finish = self._append(seq, token)
             if finish is None:
                 events.append(TokenEvent(seq.req.key, token))
@@ -315,6 +398,77 @@ class BatchDecoder:
                 del self._where[seq.req.key]
         if len(keep) < n:
             self._keep_rows(group, keep)
+        return events
+
+    def _forward(self, seqs: Sequence[_Seq], **inputs: Any) -> tuple[Any, torch.Tensor | None]:
+        """The model's output, and the hidden state its LM head read when a sequence here may
+        still call a tool (else None: no hook)."""
+        if self.lm.tool_head is None or self.tool_select is None or not any(
+                s.tool_calls < s.req.max_tool_calls for s in seqs):
+            return self.lm.model(**inputs), None
+        return final_hidden(self.lm.model, **inputs)
+
+    def _tool_fires(self, seqs: Sequence[_Seq], gate: ActiveGate,
+                    hidden: torch.Tensor | None) -> list[ToolFire | None]:
+        """Per sequence, the call its tool gate makes at its last position ([N, hidden] states
+        there): above the gate's toolGateThreshold, within its call budget, and only when its
+        text selects a tool."""
+        fires: list[ToolFire | None] = [None] * len(seqs)
+        if hidden is None:
+            return fires
+        assert self.lm.tool_head is not None and self.tool_select is not None
+        probs = self.lm.tool_head.probs(hidden).tolist()
+        for i, (seq, prob) in enumerate(zip(seqs, probs)):
+            if prob > gate.params.tool_gate_threshold and seq.tool_calls < seq.req.max_tool_calls:
+                chosen = self.tool_select(seq.ids)
+                if chosen is not None:
+                    seq.tool_calls += 1
+                    fires[i] = ToolFire(seq.req.key, *chosen, position=len(seq.ids) - 1,
+                                        gate_probability=prob)
+        return fires
+
+    def _resume(self, key: Hashable, forced: list[int] | None) -> list[TokenEvent | ToolFire]:
+        """Bring a parked sequence back (no-op when it left meanwhile): ``forced`` fed on its
+        cache and appended, the token after them sampled (it may fire again); None keeps the
+        token held back. Then it rejoins its version's group, or ends."""
+        parked = self._parked.pop(key, None)
+        if parked is None:
+            return []
+        seq, acc = parked.seq, parked.acc
+        keys, values, token = parked.keys, parked.values, parked.held
+        events: list[TokenEvent | ToolFire] = []
+        if forced:
+            room = seq.req.max_tokens - len(seq.generated)
+            for t in forced[:room]:
+                seq.generated.append(t)
+                events.append(TokenEvent(key, t))
+            if len(forced) >= room:  # the forced text reached max_tokens: it ends there
+                last = events.pop()
+                return [*events, TokenEvent(key, last.token, self._generation(seq, "length", acc))]
+            from transformers import DynamicCache
+
+            cache = DynamicCache(ddp_cache_data=list(zip(keys, values)))
+            start = len(seq.ids) - len(forced)
+            positions = torch.arange(start, start + len(forced), device=self.device)[None]
+            with torch.inference_mode(), pin_gate(parked.gate) as call:
+                out, hidden = self._forward([seq], input_ids=torch.tensor([forced], device=self.device),
+                                            position_ids=positions, cache=cache, use_cache=True)
+            self._measure(call)
+            acc = acc + self._usage_alone(call)[0]
+            keys = [layer.keys for layer in out.cache.layers]
+            values = [layer.values for layer in out.cache.layers]
+            token = self._sample([seq], out.logits[:, -1])[0]
+            fire = self._tool_fires([seq], parked.gate, None if hidden is None else hidden[:, -1])[0]
+            if fire is not None:
+                self._parked[key] = _Parked(seq, parked.gate, keys, values, acc, held=token)
+                return [*events, fire]
+        finish = self._append(seq, token)
+        if finish is not None:
+            return [*events, TokenEvent(key, token, self._generation(seq, finish, acc))]
+        events.append(TokenEvent(key, token))
+        self._join(parked.gate, [_Joiner(seq, keys=keys, values=values, acc=acc,
+                                         mask=torch.ones(1, keys[0].shape[2], dtype=torch.long,
+                                                         device=self.device))])
         return events
 
     def _measure(self, call: GateCall) -> None:

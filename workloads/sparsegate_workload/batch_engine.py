@@ -15,6 +15,12 @@ called (the admission slot freed), so the slot counts what really occupies the m
 the engine (server shutdown) fails everything still queued or decoding with 503.
 
 The vLLM gauges stay true: ``waiting`` counts queued handles, ``running`` decoding ones.
+
+Tools: when the decoder parks a sequence on a tool (`batch_decode.ToolFire`), the engine runs
+``tool_runner(handle, fire)`` as its own task on the event loop (it must not raise for a tool's
+failure: it returns the forced tokens, or None for plain decoding) while the other sequences
+keep stepping; its answer is handed to the next job's ``resume``. With only parked sequences
+left, the driver sleeps until a tool answers or a request is cancelled (no empty jobs).
 """
 
 from __future__ import annotations
@@ -25,9 +31,9 @@ import concurrent.futures
 import itertools
 import logging
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
-from .batch_decode import BatchDecoder, DecodeRequest, TokenEvent
+from .batch_decode import BatchDecoder, DecodeRequest, TokenEvent, ToolFire
 from .hf.gated_block import ActiveGate
 from .hf_serving import Generation
 from .metrics import ServerMetrics
@@ -43,8 +49,10 @@ _ids = itertools.count()
 class GenerationHandle:
     """One submitted generation, as its HTTP request sees it (event loop only)."""
 
-    def __init__(self, request: DecodeRequest, *, on_leave: Callable[[], None] | None) -> None:
+    def __init__(self, request: DecodeRequest, *, on_leave: Callable[[], None] | None,
+                 request_id: str = "") -> None:
         self.request = request
+        self.request_id = request_id  # what its tool calls' audit records name
         self.tokens: asyncio.Queue[int] = asyncio.Queue()
         self.done: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         self.first_token_at: float | None = None   # perf_counter when its first token arrived
@@ -52,6 +60,9 @@ class GenerationHandle:
         self.cancelled = False
         self._on_leave = on_leave
         self._timer: asyncio.TimerHandle | None = None
+        self._tool_task: asyncio.Task[None] | None = None
+        # What its tools did, in call order: whatever the engine's tool_runner records here.
+        self.tool_calls: list[object] = []
 
     @property
     def key(self) -> object:
@@ -66,9 +77,14 @@ class GenerationHandle:
         self.state = "left"
         if self._timer is not None:
             self._timer.cancel()
+        if self._tool_task is not None and not self._tool_task.done():
+            self._tool_task.cancel()
         on_leave, self._on_leave = self._on_leave, None
         if on_leave is not None:
             on_leave()
+
+
+ToolRunner = Callable[[GenerationHandle, ToolFire], Awaitable[list[int] | None]]
 
 
 class BatchEngine:
@@ -76,7 +92,8 @@ class BatchEngine:
 
     def __init__(self, decoder: BatchDecoder, *, executor: concurrent.futures.Executor,
                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None,
+                 tool_runner: ToolRunner | None = None) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         self.decoder = decoder
@@ -86,6 +103,9 @@ class BatchEngine:
         self._waiting: collections.deque[GenerationHandle] = collections.deque()
         self._running: dict[object, GenerationHandle] = {}
         self._driver: asyncio.Task[None] | None = None
+        self._tool_runner = tool_runner
+        self._answered: dict[object, list[int] | None] = {}  # parked key -> its tool's answer
+        self._wake = asyncio.Event()  # a tool answered, or a parked request was cancelled
         self.closed: str | None = None   # why new work is refused (None: open)
         self.steps = 0                   # jobs run (each: joins + one decode step per group)
         self.max_batch = 0               # most sequences decoding at once so far
@@ -101,15 +121,18 @@ class BatchEngine:
     def submit(self, prompt_ids: list[int], *, max_tokens: int, temperature: float = 0.0,
                seed: int = 0, timeout_s: float | None = None,
                on_leave: Callable[[], None] | None = None,
-               gate: ActiveGate | None = None) -> GenerationHandle:
+               gate: ActiveGate | None = None, max_tool_calls: int = 0,
+               request_id: str = "") -> GenerationHandle:
         """Queue one generation. ``timeout_s``: fail with 503 after that long, and leave.
         ``gate``: prefill and decode under it (a request-level canary), else the installed gate.
-        ``on_leave``: called once when it no longer occupies the queue or a batch."""
+        ``on_leave``: called once when it no longer occupies the queue or a batch.
+        ``max_tool_calls``: most tool calls its tool gate may make (`batch_decode`)."""
         if self.closed is not None:
             raise ApiError(503, self.closed)
         request = DecodeRequest(key=next(_ids), prompt_ids=list(prompt_ids),
-                                max_tokens=max_tokens, temperature=temperature, seed=seed, gate=gate)
-        handle = GenerationHandle(request, on_leave=on_leave)
+                                max_tokens=max_tokens, temperature=temperature, seed=seed, gate=gate,
+                                max_tool_calls=max_tool_calls)
+        handle = GenerationHandle(request, on_leave=on_leave, request_id=request_id)
         if timeout_s is not None:
             handle._timer = asyncio.get_running_loop().call_later(
                 timeout_s, self._expire, handle, timeout_s)
@@ -132,6 +155,7 @@ class BatchEngine:
             if self._metrics is not None:
                 self._metrics.waiting.dec()
             handle._left()
+        self._wake.set()
 
     def _expire(self, handle: GenerationHandle, timeout_s: float) -> None:
         self.cancel(handle, ApiError(503, f"no result within {timeout_s:g} s"))
@@ -158,6 +182,14 @@ class BatchEngine:
                     break
                 admit.append(self._waiting.popleft())
             leave = [h for h in self._running.values() if h.cancelled]
+            resume = [(k, t) for k, t in self._answered.items() if k in self._running
+                      and not self._running[k].cancelled]
+            self._answered.clear()
+            if not admit and not leave and not resume and self.decoder.running == 0:
+                # Everything running waits for its tool: sleep until one answers.
+                self._wake.clear()
+                await self._wake.wait()
+                continue
             for h in admit:
                 h.state = "running"
                 self._running[h.key] = h
@@ -167,7 +199,7 @@ class BatchEngine:
             try:
                 events = await loop.run_in_executor(
                     self._executor, self.decoder.run, [h.request for h in admit],
-                    [h.key for h in leave])
+                    [h.key for h in leave], resume)
             except Exception as e:  # the model failed: every sequence in it fails too
                 log.exception("batched decode step failed")
                 await loop.run_in_executor(self._executor, self.decoder.reset)
@@ -182,11 +214,14 @@ class BatchEngine:
             self.max_batch = max(self.max_batch, self.decoder.running + sum(
                 1 for e in events if e.generation is not None))
 
-    def _dispatch(self, events: list[TokenEvent]) -> None:
+    def _dispatch(self, events: list[TokenEvent | ToolFire]) -> None:
         now = time.perf_counter()
         for event in events:
             handle = self._running.get(event.key)
             if handle is None:
+                continue
+            if isinstance(event, ToolFire):
+                handle._tool_task = asyncio.create_task(self._call_tool(handle, event))
                 continue
             if not handle.cancelled:
                 if handle.first_token_at is None:
@@ -196,6 +231,20 @@ class BatchEngine:
                     handle.done.set_result(event.generation)
             if event.generation is not None:
                 self._leave(handle)
+
+    async def _call_tool(self, handle: GenerationHandle, fire: ToolFire) -> None:
+        """Run the tool on the event loop; its answer (None: plain decoding) goes to the next
+        job. A runner that raises degrades to plain decoding too."""
+        forced: list[int] | None = None
+        if self._tool_runner is not None:
+            try:
+                forced = await self._tool_runner(handle, fire)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("tool runner failed for %s; decoding goes on without it", fire.tool)
+        self._answered[handle.key] = forced
+        self._wake.set()
 
     def _leave(self, handle: GenerationHandle) -> None:
         if self._running.pop(handle.key, None) is not None and self._metrics is not None:

@@ -12,7 +12,9 @@ request past ``--request-timeout`` 503 (in a stream: an error event), and it lea
 
 ``usage`` carries OpenAI's token counts plus ``usage.sparsegate``: ``mean_experts_per_token``
 (kept expert assignments per token and MoE layer, over prompt and generated tokens),
-``dropped_assignments`` (capacity cap) and ``gate_version`` (the gate that routed the request).
+``dropped_assignments`` (capacity cap), ``gate_version`` (the gate that routed the request) and
+``tool_calls``: the tools the checkpoint's tool gate called while generating, whose results were
+forced into the text (`generation_tools`: shape there; ``[]`` without a tool-gate head).
 Errors answer OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``. The built-in
 model has no tokenizer: ``/v1/models`` lists nothing and the two others answer 404.
 """
@@ -26,12 +28,13 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from aiohttp import web
 
 from .hf_serving import Generation, HFServedModel
 from .batch_engine import GenerationHandle
+from .generation_tools import MAX_TOOL_CALLS_PER_REQUEST
 from .server_state import (STATE, ApiError, ServerState, admission, choose_gate, free_slot, inject_fault,
                            read_json)
 
@@ -194,13 +197,15 @@ def parse_request(body: Any, *, chat: bool, hf: HFServedModel) -> Plan:
                 include_usage=bool(options.get("include_usage", False)))
 
 
-def usage(gen: Generation) -> dict[str, Any]:
+def usage(gen: Generation, tool_calls: Sequence[Any] = ()) -> dict[str, Any]:
+    """OpenAI's usage plus ours; ``tool_calls``: the handle's `GenerationToolCall`s."""
     completion = len(gen.token_ids)
     return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": completion,
             "total_tokens": gen.prompt_tokens + completion,
             "sparsegate": {"mean_experts_per_token": round(gen.mean_experts_per_token, 6),
                            "dropped_assignments": gen.dropped_assignments,
-                           "gate_version": gen.gate_version}}
+                           "gate_version": gen.gate_version,
+                           "tool_calls": [c.to_usage() for c in tool_calls]}}
 
 
 class _Call:
@@ -225,7 +230,7 @@ class _Call:
                 else "text_completion", "created": self.created, "model": self.hf.name,
                 "choices": [choice]}
 
-    def full(self, gen: Generation) -> dict[str, Any]:
+    def full(self, gen: Generation, tool_calls: Sequence[Any]) -> dict[str, Any]:
         text = self.hf.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason}
         if self.chat:
@@ -234,7 +239,7 @@ class _Call:
             choice["text"] = text
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.hf.name, "choices": [choice],
-                "usage": usage(gen)}
+                "usage": usage(gen, tool_calls)}
 
     def observe(self, gen: Generation) -> None:
         m = self.state.metrics
@@ -267,7 +272,9 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
             handle = state.engine.submit(
                 plan.prompt_ids, max_tokens=plan.max_tokens, temperature=plan.temperature,
                 seed=plan.seed, timeout_s=state.request_timeout_s,
-                on_leave=lambda: free_slot(state), gate=gate.hf_gate)
+                on_leave=lambda: free_slot(state), gate=gate.hf_gate,
+                max_tool_calls=MAX_TOOL_CALLS_PER_REQUEST,
+                request_id=request.headers.get("X-Request-Id", "")[:64] or call.id)
             keep()  # the engine frees the slot when the request leaves its queue or batch
         if plan.stream:
             code = 200  # the status is sent before the tokens; a later failure is an event
@@ -281,7 +288,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         call.observe(gen)
         served = gen.gate_version or served  # the version its prefill really ran under
         code = 200
-        return web.json_response(call.full(gen))
+        return web.json_response(call.full(gen, handle.tool_calls))
     except ApiError as e:
         code = e.status
         raise
@@ -340,7 +347,7 @@ async def _send_events(request: web.Request, call: _Call, plan: Plan,
         await send(call.chunk(text=None if call.chat else "", finish=gen.finish_reason))
         if plan.include_usage:
             await send({**call.chunk(text=None, finish=None), "choices": [],
-                        "usage": usage(gen)})
+                        "usage": usage(gen, handle.tool_calls)})
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp

@@ -44,7 +44,9 @@ at its last position may call the built-in calculator or an HTTP tool of ``--too
 the event loop after its batch; a result is forced as its next tokens (``toolResults``,
 ``nextTokens``), a failure leaves plain decoding. The built-in model has a tool-gate head; a
 checkpoint has one only when ``sparsegate_tool_gate.safetensors`` sits beside its weights
-(`hf.tool_head`). The OpenAI generation routes call no tools.
+(`hf.tool_head`). On the OpenAI generation routes, such a checkpoint's tool gate calls them too:
+the sequence waits outside its decode group for the result, which is forced into its text
+(`generation_tools`, `batch_decode`).
 
 `faultInjection` in the gate params is a CHAOS-TESTING KNOB, not a model setting: with
 errorRate p each inference request fails with 503 with probability p (seeded RNG) and
@@ -88,6 +90,7 @@ from . import hf_serving, openai_api, quality, request_guard, tools
 from .admin import AdminAuth, AdminDenied, AdminFiles, check_bearer
 from .batch_decode import BatchDecoder
 from .batch_engine import DEFAULT_MAX_NUM_SEQS, BatchEngine
+from .generation_tools import GenerationTools
 from .caller_auth import CachedReviewer, KubeTokenReview
 from .devices import DEVICE_CHOICES, DeviceError, resolve_device
 from .inference import InferenceResult, run_batch
@@ -534,8 +537,14 @@ async def _load_model(app: web.Application) -> None:
         decoder.on_prompts_scored = metrics_.quality.observe
         decoder.on_threshold = lambda version, threshold: metrics_.controlled_threshold.labels(
             gate_version=version or quality.NO_VERSION).set(threshold)
+        runner = None
+        if hf.lm.tool_head is not None:  # the loader allows a head only with a tokenizer
+            gen_tools = GenerationTools(state.tools, hf.tokenizer, vocab_size=hf.vocab_size,
+                                        metrics=metrics_.tools)
+            decoder.tool_select, runner = gen_tools.select, gen_tools.run
         state.engine = BatchEngine(decoder, executor=state.executor,
-                                   max_num_seqs=state.max_num_seqs, metrics=metrics_)
+                                   max_num_seqs=state.max_num_seqs, metrics=metrics_,
+                                   tool_runner=runner)
         try:
             metrics_.quality.probe = quality.checkpoint_probe(
                 state.model_path, hf.tokenizer, vocab_size=hf.vocab_size,
@@ -797,7 +806,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a request waits for its result before answering 503")
     p.add_argument("--tools-json", default="[]",
                    help="HTTP tools the tool gate may call on /v1/infer (the built-in model's, or a "
-                        "checkpoint's sparsegate_tool_gate.safetensors head), besides the built-in "
+                        "checkpoint's sparsegate_tool_gate.safetensors head; with that head on "
+                        "the OpenAI routes too), besides the built-in "
                         "calculator: a JSON list of {name, url, timeoutMs} (SparseModel spec.tools)")
     p.add_argument("--request-auth", choices=("off", "in-cluster"), default="off",
                    help="in-cluster: verify callers' ServiceAccount tokens (audience sparsegate) by "

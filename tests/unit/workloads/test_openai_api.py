@@ -90,7 +90,8 @@ async def test_completion_is_the_greedy_decode_with_usage(client):
     assert usage["total_tokens"] == len(prompt) + len(direct.token_ids)
     # minExpertsPerToken = maxExpertsPerToken = 1 and nothing dropped: exactly one per token.
     assert usage["sparsegate"] == {"mean_experts_per_token": 1.0, "dropped_assignments": 0,
-                                   "gate_version": ONE_EXPERT.version}
+                                   "gate_version": ONE_EXPERT.version,
+                                   "tool_calls": []}  # no tool-gate head: no calls
 
 
 async def test_sampling_is_seeded(client):
