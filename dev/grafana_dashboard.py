@@ -6,7 +6,7 @@ per-pod metrics into canary-vs-stable series are defined in one place.
 
 Every query uses only series the code exports today:
 
-* operator (``operator/sparsegate/metrics.py``, ``handlers/gateconfig.py``): reconciles, errors
+* operator (``operator/sparsegate/metrics.py``, ``controllers/rollout.py``): reconciles, errors
   and durations by kind; rollout ticks, gate pushes, finished rollouts, step durations; and the
   ``sparsegate_rollout_*`` gauges derived from each GateConfig's status;
 * model servers (``workloads/sparsegate_workload/metrics.py``): ``sparsegate_requests_total``,

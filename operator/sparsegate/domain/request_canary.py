@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sparsegate_contracts import canary as contract
+from sparsegate_contracts import gate as gate_contract
 
 
 class Strategy(str, enum.Enum):
@@ -71,6 +72,23 @@ def parse_strategy(raw: Any) -> Strategy:
     except ValueError:
         raise ValueError(f"spec.rollout.strategy must be one of {[s.value for s in Strategy]}, "
                          f"got {raw!r}") from None
+
+
+def strategy_for(requested: Strategy, *, stable: GateDoc | None, canary: GateDoc) -> tuple[Strategy, str]:
+    """The strategy a rollout runs under, and why when it is not the requested one.
+
+    A checkpoint pod holds one weight storage, so it cannot serve two versions whose
+    ``precisionPolicy`` differ side by side (it answers such a set with 422). A rollout that
+    changes ``precisionPolicy`` therefore runs pod by pod (``instances``) whatever the spec asks;
+    every other change keeps the requested strategy."""
+    if requested != Strategy.REQUESTS or stable is None:
+        return requested, ""
+    before = stable.document()["params"].get("precisionPolicy", gate_contract.DEFAULT_PARAMS["precisionPolicy"])
+    after = canary.document()["params"].get("precisionPolicy", gate_contract.DEFAULT_PARAMS["precisionPolicy"])
+    if before == after:
+        return requested, ""
+    return Strategy.INSTANCES, (f"strategy instances for this rollout: precisionPolicy {before} -> {after} "
+                                "changes weight storage, which a pod holds once")
 
 
 def parse_sticky_header(raw: Any) -> str:

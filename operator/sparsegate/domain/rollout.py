@@ -278,12 +278,14 @@ def _step_text(strategy: Strategy | None, *, percent: int, chosen: Sequence[str]
 
 def _start(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float, reason: str) -> RolloutStatus:
     percent = spec.steps[0]
-    chosen = _choose(spec.strategy, pods=obs.pods, percent=percent, previous=s.canary_pods,
+    # Chosen once per rollout and kept in status (a precisionPolicy change runs pod by pod).
+    strategy, why = request_canary.strategy_for(spec.strategy, stable=s.stable, canary=spec.target)
+    chosen = _choose(strategy, pods=obs.pods, percent=percent, previous=s.canary_pods,
                      canary_version=spec.target.version)
     return dataclasses.replace(
         s,
         phase=Phase.PAUSED if spec.paused else Phase.PROGRESSING,
-        strategy=spec.strategy,
+        strategy=strategy,
         canary=spec.target,
         step=0,
         step_percent=percent,
@@ -297,7 +299,8 @@ def _start(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float
         window_samples=0,
         reason=reason,
         message=f"rolling out {spec.target.version} over {s.stable.version if s.stable else '-'}: "
-        f"step 1/{len(spec.steps)} ({_step_text(spec.strategy, percent=percent, chosen=chosen, pods=obs.pods)})",
+        f"step 1/{len(spec.steps)} ({_step_text(strategy, percent=percent, chosen=chosen, pods=obs.pods)})"
+        + (f"; {why}" if why else ""),
         last_analysis=None,
     )
 
@@ -429,8 +432,9 @@ def _consumed(obs: Observations) -> list[str]:
 
 
 def _initialize(s: RolloutStatus, *, target: GateVersion, acts: list[Action]) -> RolloutStatus:
-    """First reconcile: the spec's version becomes stable (what new pods start with), unless the
-    SparseModel side already recorded one (it writes status.stable on first sight too)."""
+    """First reconcile: the spec's version becomes stable (what new pods start with), unless
+    status already records one (e.g. written by an operator version whose SparseModel side set
+    it on first sight)."""
     if s.stable is not None and s.phase != Phase.PENDING:
         return s
     stable = s.stable or target

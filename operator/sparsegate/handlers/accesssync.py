@@ -31,7 +31,7 @@ from sparsegate.clients.kube import Kube, KubeError
 from sparsegate.clients.podadmin import PodAdmin
 from sparsegate.domain import access_sync
 from sparsegate.domain.policy import DEFAULT_TRUST_DOMAIN, PolicySource
-from sparsegate.handlers.gateconfig import FleetCache, RolloutLoop
+from sparsegate.controllers.rollout import FleetCache, RolloutLoop
 from sparsegate.handlers.periodic import ObjectLoops
 
 GROUP, VERSION = names.GROUP, names.VERSION

@@ -1,8 +1,9 @@
-"""GateConfig → SparseModel binding (the rollout logic itself lives in handlers.gateconfig).
+"""GateConfig → SparseModel binding (the rollout logic itself lives in controllers.rollout).
 
-On every GateConfig event: give it a ``status.stable`` if it has none yet (first sight), then
-re-reconcile the models that reference it and render a different gate than it now resolves to.
-Comparing versions keeps this level-triggered and cheap under frequent rollout status writes.
+On every GateConfig event: re-reconcile the models that reference it and render a different gate
+than it now resolves to. Comparing versions keeps this level-triggered and cheap under frequent
+rollout status writes. ``status.stable`` is written by the rollout state machine alone (its first
+tick records the spec's version); until then a model resolves the GateConfig's spec.params.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ def gateconfig_changed(type: str | None, body: kopf.Body, namespace: str, name: 
                        models_by_gate: kopf.Index, memo: kopf.Memo,
                        logger: logging.Logger, **_: Any) -> None:
     with metrics.observe("GateConfig"):
-        if type != "DELETED" and modelsync.gate_needs_stable(body):
-            modelsync.set_initial_stable(memo.kube, body, logger=logger)
         names = sorted(set(models_by_gate.get((namespace, name), [])))
         for model in modelsync.models_to_resync(memo.kube, namespace=namespace, names=names):
             logger.info("re-rendering SparseModel %s for GateConfig %s", model["metadata"]["name"], name)

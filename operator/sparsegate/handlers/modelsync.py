@@ -160,29 +160,6 @@ def write_status(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
                f"{cond.get('reason')}: {cond.get('message')}")
 
 
-def gate_needs_stable(gateconfig: Mapping[str, Any]) -> dict[str, Any] | None:
-    """``status.stable`` to set on first sight, or None when it exists or params are invalid."""
-    if (gateconfig.get("status") or {}).get("stable"):
-        return None
-    try:
-        return gate.stable_from_params((gateconfig.get("spec") or {}).get("params") or {})
-    except ValueError:
-        return None
-
-
-def set_initial_stable(kube: Kube, gateconfig: Mapping[str, Any], *,
-                       logger: logging.Logger) -> None:
-    """Write status.stable only if still absent (the rollout controller may get there first)."""
-    meta = gateconfig["metadata"]
-
-    def mutate(current: dict[str, Any]) -> dict[str, Any] | None:
-        stable = gate_needs_stable(current)
-        return {"stable": stable} if stable else None
-
-    kube.update_status("GateConfig", namespace=meta["namespace"], name=meta["name"], mutate=mutate)
-    logger.info("GateConfig %s/%s has a stable gate", meta["namespace"], meta["name"])
-
-
 def models_to_resync(kube: Kube, *, namespace: str, names: list[str]) -> list[dict[str, Any]]:
     """Models referencing a changed GateConfig whose rendered gate differs from the resolved one."""
     out = []

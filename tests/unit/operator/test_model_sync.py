@@ -150,18 +150,6 @@ def test_gate_too_wide_for_the_model_is_invalid(kube):
     assert conditions(kube)["Degraded"]["reason"] == "GateConfigInvalid"
 
 
-def test_initial_stable_only_when_absent(kube):
-    gateconfig(kube)
-    gc = kube.get("GateConfig", namespace="ns", name="default-gate")
-    modelsync.set_initial_stable(kube, gc, logger=LOG)
-    stable = kube.get("GateConfig", namespace="ns", name="default-gate")["status"]["stable"]
-    assert stable["version"].startswith("g-")
-    other = {**stable, "version": "g-000000000000"}
-    kube.objects[("GateConfig", "ns", "default-gate")]["status"]["stable"] = other
-    modelsync.set_initial_stable(kube, gc, logger=LOG)  # a rollout controller set it: keep it
-    assert kube.get("GateConfig", namespace="ns", name="default-gate")["status"]["stable"] == other
-
-
 def test_models_to_resync_follow_the_resolved_gate(kube):
     gateconfig(kube)
     modelsync.reconcile(kube, model_of(kube), events=lambda *a: None, logger=LOG)
