@@ -99,6 +99,17 @@ class FlowKey(ct.Structure):
     ]
 
 
+class FlowKey4(ct.Structure):
+    _fields_ = [
+        ("saddr", ct.c_uint32),
+        ("daddr", ct.c_uint32),
+        ("sport", ct.c_uint16),
+        ("dport", ct.c_uint16),
+        ("proto", ct.c_uint8),
+        ("pad", ct.c_uint8 * 3),
+    ]
+
+
 class FlowStats(ct.Structure):
     _fields_ = [
         ("packets", ct.c_uint64),
@@ -180,6 +191,7 @@ class VerdictKey(ct.Structure):
 # Header struct name -> mirror, for the drift test and load-time size checks.
 STRUCTS: dict[str, type[ct.Structure]] = {
     "sg_flow_key": FlowKey,
+    "sg_flow4_key": FlowKey4,
     "sg_flow_stats": FlowStats,
     "sg_ct_val": CtVal,
     "sg_handshake": Handshake,
@@ -210,6 +222,19 @@ def ip_of(addr: Any) -> str:
 def addr_bytes(ip: str) -> bytes:
     """``bytes(addr_of(ip))``: a hashable form, for comparing keys read from the maps."""
     return bytes(addr_of(ip))
+
+
+def flow_addr_bytes(value: Any) -> bytes:
+    """An address field of either flow table's key (`flows`: a __u32, `flows6`: an ``Addr``) as
+    ``addr_bytes`` gives it."""
+    if isinstance(value, int):
+        return _V4_MAPPED + value.to_bytes(4, sys.byteorder)
+    return bytes(value)
+
+
+def flow_ip(value: Any) -> str:
+    """The address text of a flow key's address field (either table)."""
+    return be32_to_ip(value) if isinstance(value, int) else ip_of(value)
 
 
 def identity_addr(identity: int) -> Any:

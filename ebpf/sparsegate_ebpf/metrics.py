@@ -17,7 +17,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from .maps import PROTO_NAMES, Counter, be16_to_port, ip_of
+from .maps import PROTO_NAMES, Counter, be16_to_port, flow_addr_bytes, flow_ip, ip_of
 from .policy import ACTION_NAMES
 
 
@@ -145,7 +145,7 @@ class XdpCollector:
         ad.add_metric([], audit)
         yield ad
 
-        flows = [(k, fold_flow(v)) for k, v in bpf[b"flows"].items()]
+        flows = [(k, fold_flow(v)) for table in (b"flows", b"flows6") for k, v in bpf[table].items()]
         yield from self._flows(flows)
         yield from self._ports(flows)
         yield from self._handshakes(bpf)
@@ -164,7 +164,7 @@ class XdpCollector:
         now = time.monotonic_ns()  # same clock as bpf_ktime_get_coarse_ns (within a tick)
         flows = sorted(flows, key=lambda kv: kv[1].bytes, reverse=True)
         for k, t in flows[: self._max_flows]:
-            lv = [ip_of(k.saddr), ip_of(k.daddr), str(be16_to_port(k.sport)),
+            lv = [flow_ip(k.saddr), flow_ip(k.daddr), str(be16_to_port(k.sport)),
                   str(be16_to_port(k.dport)), _proto(k.proto)]
             fp.add_metric(lv, t.packets)
             fb.add_metric(lv, t.bytes)
@@ -182,7 +182,7 @@ class XdpCollector:
         pp = CounterMetricFamily("sparsegate_xdp_port_packets", "Packets by destination port", labels=["port", "proto"])
         pb = CounterMetricFamily("sparsegate_xdp_port_bytes", "Bytes by destination port", labels=["port", "proto"])
         totals = self._state.ports.fold(
-            ((bytes(k.saddr), bytes(k.daddr), k.sport, k.dport, k.proto), t.packets, t.bytes, (be16_to_port(k.dport), k.proto))
+            ((flow_addr_bytes(k.saddr), flow_addr_bytes(k.daddr), k.sport, k.dport, k.proto), t.packets, t.bytes, (be16_to_port(k.dport), k.proto))
             for k, t in flows)
         for (port, proto), (packets, bytes_) in sorted(totals.items()):
             pp.add_metric([str(port), _proto(proto)], packets)

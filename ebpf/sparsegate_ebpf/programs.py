@@ -78,7 +78,8 @@ def load(*, enforce: bool = True, audit: bool = False, flow_entries: int = 65536
 def _check_layouts(bpf: Any) -> None:
     """BCC builds its own ctypes from the C; make sure ours (maps.py) have the same sizes."""
     expected = {
-        "flows": ("sg_flow_key", None),
+        "flows": ("sg_flow4_key", None),
+        "flows6": ("sg_flow_key", None),
         "handshakes": ("sg_flow_key", "sg_handshake"),
         "conntrack": ("sg_flow_key", "sg_ct_val"),
         "policy_a": ("sg_policy_key", "sg_policy_val"),

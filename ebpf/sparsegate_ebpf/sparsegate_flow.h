@@ -19,6 +19,17 @@ struct sg_flow_key {
     __u8 pad[3];
 };
 
+/* The key of the IPv4 per-flow table (`flows`): the 16-byte key would cost every IPv4 packet a
+ * longer hash on the one lookup its fast path makes; IPv6 flows go to `flows6` (sg_flow_key). */
+struct sg_flow4_key {
+    __u32 saddr;
+    __u32 daddr;
+    __u16 sport;
+    __u16 dport;
+    __u8 proto;
+    __u8 pad[3];
+};
+
 /* Per-CPU per-flow counters. first/last_seen_ns: bpf_ktime_get_coarse_ns (CLOCK_MONOTONIC_COARSE:
  * one tick of resolution, a fraction of the cost of bpf_ktime_get_ns). The ct_* fields cache the
  * policy outcome for this flow on this CPU, valid while ct_generation is the live generation. */

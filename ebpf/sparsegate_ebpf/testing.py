@@ -5,7 +5,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from .maps import Counter, be16_to_port
+from .maps import Counter, be16_to_port, flow_addr_bytes
 from .metrics import FlowTotals, fold_counter, fold_flow
 from .programs import BpfUnavailable, LoadedProgram, load
 from .verdicts import slots_in_maps, zero_range
@@ -21,7 +21,7 @@ def require_program(*, enforce: bool, audit: bool = False) -> LoadedProgram:
 
 def reset_maps(prog: LoadedProgram) -> None:
     """Empty every telemetry map (policy maps are left to the swapper)."""
-    for name in ("flows", "handshakes", "verdicts", "counters", "conntrack"):
+    for name in ("flows", "flows6", "handshakes", "verdicts", "counters", "conntrack"):
         prog.bpf[name.encode()].clear()
     table = prog.bpf[b"verdict_counts"]
     zero_range(table, 0, len(table))
@@ -34,9 +34,9 @@ def counters(prog: LoadedProgram) -> dict[Counter, int]:
 
 def flows(prog: LoadedProgram) -> dict[tuple[bytes, bytes, int, int, int], FlowTotals]:
     """(saddr, daddr, sport, dport, proto) in map byte order (addresses: ``maps.addr_bytes``) ->
-    totals over CPUs."""
-    return {(bytes(k.saddr), bytes(k.daddr), k.sport, k.dport, k.proto): fold_flow(v)
-            for k, v in prog.bpf[b"flows"].items()}
+    totals over CPUs, from both flow tables (IPv4 and IPv6)."""
+    return {(flow_addr_bytes(k.saddr), flow_addr_bytes(k.daddr), k.sport, k.dport, k.proto): fold_flow(v)
+            for table in (b"flows", b"flows6") for k, v in prog.bpf[table].items()}
 
 
 def verdicts(prog: LoadedProgram) -> dict[tuple[int, int, int], int]:

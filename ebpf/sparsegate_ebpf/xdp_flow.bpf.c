@@ -70,7 +70,10 @@
 #define SG_PORT_GENEVE 6081
 
 BPF_PERCPU_ARRAY(counters, struct sg_counter, SG_CNT_MAX);
-BPF_TABLE("lru_percpu_hash", struct sg_flow_key, struct sg_flow_stats, flows, SG_FLOW_ENTRIES);
+/* Per-flow telemetry, one table per family: an IPv4 packet hashes a 16-byte key, not the 40-byte
+ * one that fits both (conntrack and handshakes, touched only when judging or on SYNs, use that). */
+BPF_TABLE("lru_percpu_hash", struct sg_flow4_key, struct sg_flow_stats, flows, SG_FLOW_ENTRIES);
+BPF_TABLE("lru_percpu_hash", struct sg_flow_key, struct sg_flow_stats, flows6, SG_FLOW_ENTRIES);
 BPF_TABLE("lru_hash", struct sg_flow_key, struct sg_handshake, handshakes, 16384);
 
 BPF_HASH(policy_a, struct sg_policy_key, struct sg_policy_val, SG_POLICY_MAX_RECORDS);
@@ -348,6 +351,7 @@ int xdp_flow(struct xdp_md *ctx)
     __u16 h_proto = eth->h_proto;
     struct sg_flow_key fk = {};
     void *l4;
+    int v6 = 0;
     if (h_proto == bpf_htons(ETH_P_IP)) {
         struct iphdr *iph = (void *)(eth + 1);
         if ((void *)(iph + 1) > data_end) {
@@ -393,6 +397,7 @@ int xdp_flow(struct xdp_md *ctx)
             return XDP_PASS;
         }
         count(SG_CNT_IPV6, len);
+        v6 = 1;
         l4 = (void *)(ip6h + 1);
         fk.proto = ip6h->nexthdr;
         /* An IPv4-mapped address (::ffff:a.b.c.d) is not meant to be on the wire (RFC 4291
@@ -443,7 +448,18 @@ int xdp_flow(struct xdp_md *ctx)
         count(SG_CNT_UDP, len);
     }
 
-    struct sg_flow_stats *st = flows.lookup(&fk);
+    struct sg_flow4_key fk4 = {};
+    struct sg_flow_stats *st;
+    if (v6) {
+        st = flows6.lookup(&fk);
+    } else {
+        fk4.saddr = fk.saddr[3];
+        fk4.daddr = fk.daddr[3];
+        fk4.sport = fk.sport;
+        fk4.dport = fk.dport;
+        fk4.proto = fk.proto;
+        st = flows.lookup(&fk4);
+    }
     int verdict = XDP_PASS;
     struct sg_outcome out = {};
 #if SG_ENFORCE
@@ -473,7 +489,7 @@ int xdp_flow(struct xdp_md *ctx)
         init.ct_rule = out.rule;
         init.ct_class = out.cls;
         init.ct_slot = out.slot;
-        if (flows.update(&fk, &init))
+        if (v6 ? flows6.update(&fk, &init) : flows.update(&fk4, &init))
             count(SG_CNT_FLOW_TABLE_FULL, len);
     }
     if (verdict == XDP_PASS && fk.proto == IPPROTO_TCP && (tcp_flags & SG_TCP_FLAG_SYN))
