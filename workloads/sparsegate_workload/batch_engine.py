@@ -105,7 +105,7 @@ class BatchEngine:
         self._driver: asyncio.Task[None] | None = None
         self._tool_runner = tool_runner
         self._answered: dict[object, list[int] | None] = {}  # parked key -> its tool's answer
-        self._wake = asyncio.Event()  # a tool answered, or a parked request was cancelled
+        self._wake = asyncio.Event()  # a tool answered, a request came or was cancelled
         self.closed: str | None = None   # why new work is refused (None: open)
         self.steps = 0                   # jobs run (each: joins + one decode step per group)
         self.max_batch = 0               # most sequences decoding at once so far
@@ -141,6 +141,7 @@ class BatchEngine:
             self._metrics.waiting.inc()
         if self._driver is None or self._driver.done():
             self._driver = asyncio.create_task(self._drive())
+        self._wake.set()  # a driver sleeping on parked sequences admits it now
         return handle
 
     def cancel(self, handle: GenerationHandle, error: Exception | None = None) -> None:
@@ -212,7 +213,7 @@ class BatchEngine:
                 self._leave(h)
             self._dispatch(events)
             self.max_batch = max(self.max_batch, self.decoder.running + sum(
-                1 for e in events if e.generation is not None))
+                1 for e in events if isinstance(e, TokenEvent) and e.generation is not None))
 
     def _dispatch(self, events: list[TokenEvent | ToolFire]) -> None:
         now = time.perf_counter()
