@@ -3,7 +3,8 @@ the SparseModel, ``--tools-json``), argument extraction, the calls with their ti
 audit record of each call (a JSON log line and two Prometheus series).
 
 Tools are called on ``/v1/infer`` by the built-in model's tool-gate head, and by a checkpoint's
-when one ships beside its weights (`hf.tool_head`; without it a checkpoint reports no tool calls).
+when one ships beside its weights (`hf.tool_head`; without it a checkpoint reports no tool calls);
+with such a head, also while the OpenAI routes generate (`generation_tools`, `batch_decode`).
 The built-in model's token ids are read as text for this purpose: ids 0-255 are bytes (Latin-1),
 any higher id ends a segment like a newline; a checkpoint's are decoded by its tokenizer, and a
 result is encoded by it (`TextCodec`). When the gate fires at the LAST position
