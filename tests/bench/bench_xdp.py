@@ -17,10 +17,14 @@ Side by side, trials interleaved round-robin so machine noise hits every configu
 2. test_run ns/packet (kernel-measured mean over --repeat runs), with a bare XDP_PASS program as
    the floor of this machine; telemetry+policy also for a destination the policy does not police,
    in audit mode (SG_AUDIT=1), and with no cached outcome (every packet judged afresh, as a flow's
-   first packet is).
+   first packet is). The same UDP flow over IPv6 (the policy's identities hold both families).
+   --baseline-rev REV: the program of that git revision, built from `git show`, runs the IPv4
+   frames interleaved with the others (its maps filled with the same policy in its own key layout,
+   for a revision from before IPv6: 12-byte policy keys), so the two are compared side by side.
 3. Policy swap latency: PolicySwapper.apply at 100 and --policy-entries entries: fill time of the
    inactive inner map, and the single outer-slot update (which includes the kernel's RCU wait).
-Writes tests/bench/results/bench_xdp.json.
+Writes tests/bench/results/bench_xdp.json. --skip-veth / --skip-swap: only the other sections
+(short comparisons).
 """
 from __future__ import annotations
 
@@ -33,19 +37,24 @@ import platform
 import socket
 import statistics
 import struct
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from sparsegate_contracts import flowpolicy
 from sparsegate_ebpf import packets, programs, testrun, xdp
-from sparsegate_ebpf.maps import Counter
+from sparsegate_ebpf.maps import KEY_RULE, Counter, PolicyKey, PolicyKeyV4
 from sparsegate_ebpf.policy import parse_policy
 from sparsegate_ebpf.policyswap import PolicySwapper
 from sparsegate_ebpf.testing import counters
 from sparsegate_ebpf.vethlab import VethLab
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_xdp.json"
+ROOT = Path(__file__).resolve().parents[2]
+SRC6, DST6 = "fd00:9::1", "fd00:9::2"
+V4_MAPPED = bytes(10) + b"\xff\xff"
 SIOCETHTOOL = 0x8946
 ETHTOOL_SGRO = 0x2C
 FOREIGN_MAC = bytes.fromhex("02aabbccddee")
@@ -65,7 +74,7 @@ def policy_doc(*, lab: VethLab | None, entries: int) -> dict:
     map holds rules + 1,000 source addresses + the flow's two (16,384 records in all at most)."""
     src, dst = (lab.client_ip, lab.server_ip) if lab else ("10.9.0.1", "10.9.0.2")
     first = flowpolicy.FIRST_IDENTITY
-    identities = [{"identity": first, "ips": [src]}, {"identity": first + 1, "ips": [dst]}]
+    identities = [{"identity": first, "ips": [src, SRC6]}, {"identity": first + 1, "ips": [dst, DST6]}]
     identities += [{"identity": first + 2 + c, "ips": [f"10.{100 + c // 25}.{c % 25 * 10 + k}.1" for k in range(10)]}
                    for c in range(100)]
     rows = [{"srcIdentity": first, "dstIdentity": first + 1, "dstPort": 9000, "protocol": "udp", "action": "allow",
@@ -131,7 +140,39 @@ def bench_veth(*, n_packets: int, trials: int, policy_entries: int) -> dict:
                    "ratio_to_none": statistics.median(v) / base} for name, v in out.items()}
 
 
-def bench_test_run(*, repeat: int, trials: int, policy_entries: int) -> dict:
+def load_revision(rev: str, *, enforce: bool) -> tuple[object, object]:
+    """(bcc.BPF, function) of the XDP program as it was at git revision `rev`."""
+    from bcc import BPF
+
+    tmp = Path(tempfile.mkdtemp(prefix="sg-xdp-baseline-"))
+    for name in (programs.PROGRAM_PATH.name, "sparsegate_flow.h"):
+        text = subprocess.run(["git", "show", f"{rev}:ebpf/sparsegate_ebpf/{name}"], cwd=ROOT, check=True,
+                              capture_output=True).stdout
+        (tmp / name).write_bytes(text)
+    bpf = BPF(src_file=str(tmp / programs.PROGRAM_PATH.name).encode(),
+              cflags=[f"-I{tmp}", *programs.cflags(enforce=enforce)[1:]])
+    return bpf, bpf.load_func(programs.FUNCTION.encode(), BPF.XDP)
+
+
+def fill_baseline_policy(bpf: object, records: list, *, generation: int) -> None:
+    """The compiled records, in the baseline program's own key layout (same size: as they are; a
+    12-byte layout: IPv4 addresses from the mapped word, identities from the first), made live."""
+    inner = bpf[b"policy_a"]  # type: ignore[index]
+    narrow = ct.sizeof(inner.Key) == ct.sizeof(PolicyKeyV4)
+    if not narrow and ct.sizeof(inner.Key) != ct.sizeof(PolicyKey):
+        raise RuntimeError(f"baseline policy key of {ct.sizeof(inner.Key)} bytes: unknown layout")
+    for k, v in records:
+        if narrow:
+            if k.kind != KEY_RULE and any(bytes(a)[:12] not in (bytes(12), V4_MAPPED) for a in (k.saddr, k.daddr)):
+                continue  # an IPv6 address: the IPv4-only baseline cannot hold it
+            word = 0 if k.kind == KEY_RULE else 3
+            k = PolicyKeyV4(saddr=k.saddr[word], daddr=k.daddr[word], dport=k.dport, proto=k.proto, kind=k.kind)
+        inner[inner.Key.from_buffer_copy(bytes(k))] = inner.Leaf.from_buffer_copy(bytes(v))
+    bpf[b"policy_outer"][ct.c_int(0)] = ct.c_int(inner.get_fd())  # type: ignore[index]
+    bpf[b"policy_live"][ct.c_int(0)] = ct.c_uint32(generation)  # type: ignore[index]
+
+
+def bench_test_run(*, repeat: int, trials: int, policy_entries: int, baseline_rev: str | None = None) -> dict:
     from bcc import BPF
 
     bare = BPF(text=b"int bare(struct xdp_md *ctx) { return XDP_PASS; }")
@@ -147,10 +188,28 @@ def bench_test_run(*, repeat: int, trials: int, policy_entries: int) -> dict:
     judged.bpf[b"policy_live"][ct.c_int(0)] = ct.c_uint32(0)
     frame = packets.udp_frame(src="10.9.0.1", dst="10.9.0.2", sport=40000, dport=9000, payload=b"b" * 18)
     unpoliced = packets.udp_frame(src="10.9.0.1", dst="10.9.0.3", sport=40000, dport=9000, payload=b"b" * 18)
+    frame6 = packets.udp_frame(src=SRC6, dst=DST6, sport=40000, dport=9000, payload=b"b" * 18)
     runs = {"bare XDP_PASS": (bare_fn.fd, frame), "telemetry": (tele.prog_fd, frame),
             "telemetry+policy": (enf.prog_fd, frame), "+policy, unpoliced dst": (enf.prog_fd, unpoliced),
             "+policy, judged every packet": (judged.prog_fd, frame),
-            "audit (policy, no drop)": (aud.prog_fd, frame)}
+            "audit (policy, no drop)": (aud.prog_fd, frame),
+            "IPv6 telemetry": (tele.prog_fd, frame6), "IPv6 telemetry+policy": (enf.prog_fd, frame6),
+            "IPv6 judged every packet": (judged.prog_fd, frame6)}
+    baseline: list = []
+    if baseline_rev:
+        from sparsegate_ebpf.policy import compile_policy
+
+        records = compile_policy(parse_policy(policy_doc(lab=None, entries=policy_entries)), generation=1)
+        b_tele, b_tele_fn = load_revision(baseline_rev, enforce=False)
+        b_enf, b_enf_fn = load_revision(baseline_rev, enforce=True)
+        b_judged, b_judged_fn = load_revision(baseline_rev, enforce=True)
+        fill_baseline_policy(b_enf, records, generation=1)
+        fill_baseline_policy(b_judged, records, generation=1)
+        b_judged[b"policy_live"][ct.c_int(0)] = ct.c_uint32(0)
+        baseline = [b_tele, b_enf, b_judged]
+        runs.update({f"{baseline_rev} telemetry": (b_tele_fn.fd, frame),
+                     f"{baseline_rev} telemetry+policy": (b_enf_fn.fd, frame),
+                     f"{baseline_rev} judged every packet": (b_judged_fn.fd, frame)})
     ns: dict[str, list[int]] = {k: [] for k in runs}
     for _ in range(trials):
         for name, (fd, data) in runs.items():
@@ -159,6 +218,8 @@ def bench_test_run(*, repeat: int, trials: int, policy_entries: int) -> dict:
             ns[name].append(r.duration_ns)
     for p in (tele, enf, aud, judged):
         p.close()
+    for bpf in baseline:
+        bpf.cleanup()
     bare.cleanup()
     return {k: {"ns_median": statistics.median(v), "ns_trials": v} for k, v in ns.items()}
 
@@ -194,25 +255,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy-entries", type=int, default=10_000)
     ap.add_argument("--swaps", type=int, default=200, help="swaps at 100 entries (a tenth at the large size)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--baseline-rev", default=None, help="also time the program of this git revision (test_run)")
+    ap.add_argument("--skip-veth", action="store_true", help="no veth pps section")
+    ap.add_argument("--skip-swap", action="store_true", help="no policy swap section")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("bench_xdp needs root (BPF, network namespaces)", file=sys.stderr)
         return 2
 
     t0 = time.time()
-    veth = bench_veth(n_packets=args.packets, trials=args.trials, policy_entries=args.policy_entries)
-    tr = bench_test_run(repeat=args.repeat, trials=args.trials, policy_entries=args.policy_entries)
+    veth = {} if args.skip_veth else bench_veth(n_packets=args.packets, trials=args.trials,
+                                                 policy_entries=args.policy_entries)
+    tr = bench_test_run(repeat=args.repeat, trials=args.trials, policy_entries=args.policy_entries,
+                        baseline_rev=args.baseline_rev)
     sizes = [100, args.policy_entries]
-    swap = bench_swap(sizes=sizes, swaps={100: args.swaps, args.policy_entries: max(10, args.swaps // 10)})
+    swap = {} if args.skip_swap else bench_swap(sizes=sizes, swaps={100: args.swaps,
+                                                                     args.policy_entries: max(10, args.swaps // 10)})
 
     print(f"\nveth pair, kernel-generated {args.packets:,} frames x {args.trials} trials (medians)")
     print(f"{'config':<20}{'Mpps':>8}{'ratio':>8}")
     for name, r in veth.items():
         print(f"{name:<20}{r['pps_median'] / 1e6:>8.3f}{r['ratio_to_none']:>8.3f}")
     print(f"\nBPF_PROG_TEST_RUN, {args.repeat:,} repeats, policy of {args.policy_entries:,} identity rules")
-    print(f"{'program':<30}{'ns/pkt':>8}")
+    print(f"{'program':<40}{'ns/pkt':>8}")
     for name, r in tr.items():
-        print(f"{name:<30}{r['ns_median']:>8.0f}")
+        print(f"{name:<40}{r['ns_median']:>8.0f}")
     print("\npolicy swap (A/B inner maps, one outer-slot update)")
     print(f"{'entries':>8}{'swaps':>7}{'swap med ms':>13}{'swap p99 ms':>13}{'fill med ms':>13}")
     for size, r in swap.items():

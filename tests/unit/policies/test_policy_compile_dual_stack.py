@@ -6,7 +6,6 @@ import pytest
 
 from sparsegate_contracts import flowpolicy
 
-from sparsegate.domain.policy import Port
 from sparsegate.domain.policy_capacity import Capacity, check
 from sparsegate.domain.policy_compile import (
     FlowTable,
