@@ -88,6 +88,15 @@ BPF_PERCPU_ARRAY(verdict_counts, struct sg_counter, 2 * SG_POLICY_MAX_ENTRIES);
 BPF_HASH(verdicts, struct sg_verdict_key, struct sg_counter, 65536);
 BPF_TABLE("lru_hash", struct sg_flow_key, struct sg_ct_val, conntrack, SG_FLOW_ENTRIES);
 
+/* An IPv4 flow's addresses in the 16-byte form (IPv4-mapped) the shared maps key. */
+static __always_inline void widen4(struct sg_flow_key *fk, struct sg_flow4_key *fk4)
+{
+    fk->saddr[2] = bpf_htonl(SG_V4_MAPPED_WORD);
+    fk->saddr[3] = fk4->saddr;
+    fk->daddr[2] = bpf_htonl(SG_V4_MAPPED_WORD);
+    fk->daddr[3] = fk4->daddr;
+}
+
 static __always_inline void count(int idx, __u64 len)
 {
     struct sg_counter *c = counters.lookup(&idx);
@@ -350,6 +359,7 @@ int xdp_flow(struct xdp_md *ctx)
     }
     __u16 h_proto = eth->h_proto;
     struct sg_flow_key fk = {};
+    struct sg_flow4_key fk4 = {};
     void *l4;
     int v6 = 0;
     if (h_proto == bpf_htons(ETH_P_IP)) {
@@ -382,10 +392,10 @@ int xdp_flow(struct xdp_md *ctx)
             count(SG_CNT_IPV4_OTHER_PROTO, len);
             return XDP_PASS;
         }
-        fk.saddr[2] = bpf_htonl(SG_V4_MAPPED_WORD);
-        fk.saddr[3] = iph->saddr;
-        fk.daddr[2] = bpf_htonl(SG_V4_MAPPED_WORD);
-        fk.daddr[3] = iph->daddr;
+        /* The flow table's IPv4 key; the 16-byte (mapped) addresses only where a shared map needs
+         * them (judge, handshakes): an unjudged IPv4 packet pays for no IPv6. */
+        fk4.saddr = iph->saddr;
+        fk4.daddr = iph->daddr;
     } else if (h_proto == bpf_htons(ETH_P_IPV6)) {
         struct ipv6hdr *ip6h = (void *)(eth + 1);
         if ((void *)(ip6h + 1) > data_end) {
@@ -448,13 +458,10 @@ int xdp_flow(struct xdp_md *ctx)
         count(SG_CNT_UDP, len);
     }
 
-    struct sg_flow4_key fk4 = {};
     struct sg_flow_stats *st;
     if (v6) {
         st = flows6.lookup(&fk);
     } else {
-        fk4.saddr = fk.saddr[3];
-        fk4.daddr = fk.daddr[3];
         fk4.sport = fk.sport;
         fk4.dport = fk.dport;
         fk4.proto = fk.proto;
@@ -463,6 +470,8 @@ int xdp_flow(struct xdp_md *ctx)
     int verdict = XDP_PASS;
     struct sg_outcome out = {};
 #if SG_ENFORCE
+    if (!v6)
+        widen4(&fk, &fk4);
     verdict = judge(&fk, tcp_flags, len, st, &out);
 #endif
     __u64 now = bpf_ktime_get_coarse_ns();
@@ -492,7 +501,12 @@ int xdp_flow(struct xdp_md *ctx)
         if (v6 ? flows6.update(&fk, &init) : flows.update(&fk4, &init))
             count(SG_CNT_FLOW_TABLE_FULL, len);
     }
-    if (verdict == XDP_PASS && fk.proto == IPPROTO_TCP && (tcp_flags & SG_TCP_FLAG_SYN))
+    if (verdict == XDP_PASS && fk.proto == IPPROTO_TCP && (tcp_flags & SG_TCP_FLAG_SYN)) {
+#if !SG_ENFORCE
+        if (!v6)
+            widen4(&fk, &fk4);
+#endif
         record_handshake(&fk, tcp_flags);
+    }
     return verdict;
 }
