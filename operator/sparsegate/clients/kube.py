@@ -23,16 +23,21 @@ FIELD_MANAGER = "sparsegate"
 REQUEST_TIMEOUT_S = 30.0
 
 # Plural and group/version per kind this operator reads or writes; add here for a new kind.
-_KINDS: dict[str, tuple[str, str]] = {
+# The chart's admission policy covers exactly the core kinds written here (a unit test checks it).
+WRITTEN_KINDS: dict[str, tuple[str, str]] = {
     "ConfigMap": ("v1", "configmaps"),
-    "Pod": ("v1", "pods"),
-    "ReplicaSet": ("apps/v1", "replicasets"),
     "Secret": ("v1", "secrets"),
     "Service": ("v1", "services"),
     "Deployment": ("apps/v1", "deployments"),
     **{kind: (names.API_VERSION, plural) for kind, plural in names.PLURALS.items()},
     "Lease": ("coordination.k8s.io/v1", "leases"),
 }
+# Kinds only read (the rollout controller's pod list and owner check).
+READ_KINDS: dict[str, tuple[str, str]] = {
+    "Pod": ("v1", "pods"),
+    "ReplicaSet": ("apps/v1", "replicasets"),
+}
+_KINDS: dict[str, tuple[str, str]] = {**WRITTEN_KINDS, **READ_KINDS}
 
 
 class KubeError(Exception):

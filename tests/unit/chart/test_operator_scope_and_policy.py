@@ -171,7 +171,7 @@ def test_policy_covers_exactly_the_core_kinds_the_operator_writes():
         assert rule["operations"] == ["CREATE", "UPDATE", "DELETE"] and rule["apiVersions"] == ["*"]
     # The kinds the operator's client writes, less its own API group (Kopf's annotations, status)
     # and the Lease: every one of them is covered, and nothing else is.
-    written = {("" if gv == "v1" else gv.split("/")[0], plural) for kind, (gv, plural) in kube._KINDS.items()
+    written = {("" if gv == "v1" else gv.split("/")[0], plural) for kind, (gv, plural) in kube.WRITTEN_KINDS.items()
                if not gv.startswith(names.GROUP) and kind != "Lease"}
     assert matched == written == {("", "configmaps"), ("", "services"), ("", "secrets"), ("apps", "deployments")}
 
