@@ -194,6 +194,9 @@ def pod_fields(pod: Mapping[str, Any]) -> dict[str, str | None]:
         "spec.nodeName": _get(pod, "spec", "nodeName"),
         "spec.serviceAccountName": _get(pod, "spec", "serviceAccountName") or "default",
         "status.podIP": _get(pod, "status", "podIP"),
+        # A kubelet joins every address (dual-stack) with commas.
+        "status.podIPs": ",".join(ip["ip"] for ip in _get(pod, "status", "podIPs") or [] if ip.get("ip"))
+        or _get(pod, "status", "podIP"),
         "status.hostIP": _get(pod, "status", "hostIP"),
     }
     for kind in ("labels", "annotations"):

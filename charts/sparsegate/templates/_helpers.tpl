@@ -88,6 +88,13 @@ token
   valueFrom: {fieldRef: {fieldPath: status.podIP}}
 {{- end -}}
 
+{{/* POD_IPS: every address of the pod (dual-stack), comma-separated; the operator lists them all
+as always-allowed sources in the flow policy. */}}
+{{- define "sparsegate.podIPsEnv" -}}
+- name: POD_IPS
+  valueFrom: {fieldRef: {fieldPath: status.podIPs}}
+{{- end -}}
+
 {{- /*
 The namespaces the operator serves when operator.clusterWide is false: operator.watchNamespaces,
 or the release namespace when that is empty. One definition, read by operator/rbac.yaml (a Role and

@@ -217,3 +217,12 @@ def test_binary_secret_values_are_written_byte_for_byte():
     vol = volume_files({"name": "tls", "secret": {"secretName": "tls"}}, pod=pod(),
                        secrets=lambda ns, n: data, configmaps=lambda ns, n: None, tokens=token_source)
     assert vol.files == (("key.der", blob, 0o644),)
+
+
+def test_status_pod_ips_is_every_address_comma_separated_as_a_kubelet_gives_it():
+    from localcluster.podplan import pod_fields
+
+    p = pod()
+    assert pod_fields(p)["status.podIPs"] == "127.20.1.5"  # single-stack: the one address
+    p["status"]["podIPs"] = [{"ip": "127.20.1.5"}, {"ip": "fd00::5"}]
+    assert pod_fields(p)["status.podIPs"] == "127.20.1.5,fd00::5"
