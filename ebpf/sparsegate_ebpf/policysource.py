@@ -3,6 +3,12 @@
 Each source calls `on_document(text)` with the raw `policy.json` text whenever it changes;
 validation and the swap happen in the agent. The ConfigMap-to-text step is a pure function.
 
+A ConfigMap source reads both layouts (`sparsegate_contracts.flowpolicy_shards`): a head holding
+the whole document, or a head naming shard ConfigMaps `<name>-<k>`. It watches the head (the
+writer's commit point) and, for a sharded head, gets each shard and forwards the rebuilt document
+only when every shard matches the head's digests and version; a half-updated set is not forwarded
+(the agent keeps the policy it enforces) and is read again a second later.
+
 `LivePolicyFilter` sits between a source and the agent: it also follows which RoutingPolicies
 exist (`watch_routing_policies`) and drops the allow entries of deleted ones, so a policy's access
 ends when the policy goes even while the operator is down (the operator republishes the same
@@ -20,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from sparsegate_contracts import names
-from sparsegate_contracts.flowpolicy import DOCUMENT_KEY, document_text, rows_of, without_policies
+from sparsegate_contracts import flowpolicy_shards
+from sparsegate_contracts.flowpolicy import (DOCUMENT_KEY, FlowPolicyError, document_text, rows_of,
+                                             without_policies)
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +43,20 @@ def document_from_configmap(obj: Any) -> str | None:
     if not data:
         return None
     return data.get(POLICY_KEY)
+
+
+def assemble(head_text: str, get_shard: Callable[[str], str | None], *, head_name: str) -> str:
+    """The policy text a head ConfigMap's ``policy.json`` stands for: itself (single layout), or the
+    document rebuilt from its shards (``get_shard(name)``: a shard's ``shard.json``, None if absent).
+    ShardsNotReady for an inconsistent set, FlowPolicyError for a malformed head."""
+    try:
+        head = json.loads(head_text)
+    except ValueError:
+        return head_text  # the agent's parser reports it
+    if not isinstance(head, Mapping) or not flowpolicy_shards.is_head(head):
+        return head_text
+    texts = {name: get_shard(name) for name in flowpolicy_shards.shards_named(head_text)}
+    return document_text(flowpolicy_shards.join(head, texts, head_name=head_name))
 
 
 class _Dedup:
@@ -70,7 +92,8 @@ def watch_file(*, path: Path, on_document: OnDocument, stop: threading.Event, in
 
 def watch_configmap(*, namespace: str, name: str, on_document: OnDocument, stop: threading.Event,
                     api_client: Any = None) -> None:
-    """Watch one ConfigMap with the kubernetes client; re-read and re-watch on any error.
+    """Watch the head ConfigMap ``name`` with the kubernetes client (getting its shards when it names
+    some, ``assemble``); re-read and re-watch on any error.
 
     Without `api_client`: in-cluster service account, else $KUBECONFIG / ~/.kube/config.
     """
@@ -83,15 +106,38 @@ def watch_configmap(*, namespace: str, name: str, on_document: OnDocument, stop:
             config.load_kube_config()
     api = client.CoreV1Api(api_client)
     emit = _Dedup(on_document)
+
+    def shard(shard_name: str) -> str | None:
+        try:
+            cm = api.read_namespaced_config_map(shard_name, namespace)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return (cm.data or {}).get(flowpolicy_shards.SHARD_KEY)
+
+    def forward(obj: Any) -> bool:
+        """Emit the policy of a head object; False when its shards are not consistent (yet)."""
+        text = document_from_configmap(obj)
+        if text is None:
+            log.warning("ConfigMap %s/%s has no %s key", namespace, name, POLICY_KEY)
+            return True
+        try:
+            emit(assemble(text, shard, head_name=name))
+        except flowpolicy_shards.ShardsNotReady as exc:
+            log.info("flow policy shards not consistent yet, keeping the live policy: %s", exc)
+            return False
+        except FlowPolicyError as exc:
+            log.error("flow policy head %s/%s refused, keeping the live policy: %s", namespace, name, exc)
+        return True
+
     backoff = 1.0
     while not stop.is_set():
         try:
             cm = api.read_namespaced_config_map(name, namespace)
-            text = document_from_configmap(cm)
-            if text is not None:
-                emit(text)
-            else:
-                log.warning("ConfigMap %s/%s has no %s key", namespace, name, POLICY_KEY)
+            if not forward(cm):
+                stop.wait(1.0)  # the writer is mid-way: read the set again
+                continue
             w = watch.Watch()
             for event in w.stream(
                 api.list_namespaced_config_map,
@@ -103,10 +149,10 @@ def watch_configmap(*, namespace: str, name: str, on_document: OnDocument, stop:
                 if stop.is_set():
                     w.stop()
                     break
-                if event["type"] in ("ADDED", "MODIFIED"):
-                    text = document_from_configmap(event["object"])
-                    if text is not None:
-                        emit(text)
+                if event["type"] in ("ADDED", "MODIFIED") and not forward(event["object"]):
+                    w.stop()
+                    stop.wait(1.0)
+                    break
             backoff = 1.0
         except Exception as exc:
             log.warning("watching ConfigMap %s/%s: %s (retrying in %.0fs)", namespace, name, exc, backoff)

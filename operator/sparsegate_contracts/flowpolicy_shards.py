@@ -42,8 +42,8 @@ MAX_SHARDS = 16
 is ~15 MiB, several times what a document within the map's 65,536 records takes."""
 SHARD_MAX_BYTES = DOCUMENT_MAX_BYTES
 """Largest ``policy.json`` (single layout) or ``shard.json`` (sharded) written: 1 MiB less headroom."""
-MIN_SHARD_BYTES = 512
-"""Smallest budget ``split`` accepts (room for the shard envelope and one item)."""
+MIN_SHARD_BYTES = 4096
+"""Smallest budget ``split`` accepts: room for a head naming ``MAX_SHARDS`` shards (~2.3 KB)."""
 LIST_FIELDS = ("entries", IDENTITIES, RULES, POLICED_DESTINATIONS, ALLOWED_SOURCES)
 
 
@@ -93,7 +93,11 @@ def split(document: Mapping[str, Any], *, head_name: str = CONFIGMAP_NAME, max_b
     shards = tuple((shard_name(head_name, k), canonical_json(body)) for k, body in enumerate(bodies))
     head = {"version": version, "defaultAction": document.get("defaultAction", "deny"),
             SHARDS: [{"name": name, "digest": digest(t)} for name, t in shards]}
-    return Layout(head=document_text(head), shards=shards)
+    head_text = document_text(head)
+    if len(head_text) > max_bytes:
+        raise FlowPolicyError(f"the head naming {len(shards)} shards takes {len(head_text)} bytes, "
+                              f"over the budget {max_bytes}")
+    return Layout(head=head_text, shards=shards)
 
 
 def _pack(document: Mapping[str, Any], fields: list[str], *, version: str, budget: int) -> list[dict[str, Any]]:

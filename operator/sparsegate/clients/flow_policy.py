@@ -1,7 +1,14 @@
-"""The flow allow-list ConfigMap (`sparsegate-flow-policy`, key `policy.json`) the eBPF agents read.
+"""The flow allow-list ConfigMaps (`sparsegate-flow-policy`, key `policy.json`, and its shards) the
+eBPF agents read.
 
 Written only by the routing-policy sync; create-or-replace, skipped when the version is unchanged.
-The sync Kubernetes client runs in a worker thread so Kopf's event loop never blocks.
+A document larger than `max_bytes` is sharded (`sparsegate_contracts.flowpolicy_shards`): the
+shard ConfigMaps `sparsegate-flow-policy-<k>` are written first, the head last, then the shards the
+previous head named and the new one does not are deleted (`flowpolicy_shards.publish_steps`). A
+small document stays one ConfigMap in the layout of before. Reading a sharded head whose shards do
+not match it (an operator stopped mid-publish) yields no document, as if none were published: the
+next sync publishes the whole one again. The sync Kubernetes client runs in a worker thread so
+Kopf's event loop never blocks.
 
 Beside the document, annotation `sparsegate.dev/flow-policy-basis` records what its allow entries
 were decided from (`domain.policy.decision_basis`: Rego, trust domain, each RoutingPolicy's
@@ -22,7 +29,7 @@ from typing import Any
 import kubernetes
 from kubernetes.client import ApiException
 
-from sparsegate_contracts import flowpolicy, names
+from sparsegate_contracts import flowpolicy, flowpolicy_shards, names
 from sparsegate_contracts.canonical import canonical_json
 
 NAME = flowpolicy.CONFIGMAP_NAME
@@ -47,44 +54,87 @@ def _core_api() -> kubernetes.client.CoreV1Api:
 
 
 class FlowPolicyConfigMap:
-    def __init__(self, *, namespace: str, name: str = NAME) -> None:
+    def __init__(self, *, namespace: str, name: str = NAME,
+                 max_bytes: int = flowpolicy_shards.SHARD_MAX_BYTES, api_client: Any = None) -> None:
+        self._api_client = api_client  # None: in-cluster config, else the kubeconfig
         self.namespace = namespace
         self.name = name
+        self.max_bytes = max_bytes  # per ConfigMap; a larger document is sharded
+        self.shards: list[str] = []  # the shards the published head names
 
-    def _read(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    def _core(self) -> kubernetes.client.CoreV1Api:
+        return kubernetes.client.CoreV1Api(self._api_client) if self._api_client is not None else _core_api()
+
+    def _get(self, name: str) -> Any:
         try:
-            cm = _core_api().read_namespaced_config_map(self.name, self.namespace)
+            return self._core().read_namespaced_config_map(name, self.namespace)
         except ApiException as e:
             if e.status == 404:
-                return None, None
+                return None
             raise
+
+    def _read(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        cm = self._get(self.name)
+        if cm is None:
+            return None, None
         raw = (cm.data or {}).get(KEY)
-        return (json.loads(raw) if raw else None), _basis((cm.metadata.annotations or {}).get(BASIS_ANNOTATION))
+        basis = _basis((cm.metadata.annotations or {}).get(BASIS_ANNOTATION))
+        document = json.loads(raw) if raw else None
+        self.shards = flowpolicy_shards.shards_named(raw)
+        if isinstance(document, dict) and flowpolicy_shards.is_head(document):
+            texts = {}
+            for name in self.shards:
+                shard = self._get(name)
+                texts[name] = ((shard.data or {}).get(flowpolicy_shards.SHARD_KEY) if shard is not None else None)
+            try:
+                document = flowpolicy_shards.join(document, texts, head_name=self.name)
+            except flowpolicy.FlowPolicyError:
+                return None, None  # a half-published set: republish whole on the next sync
+        return document, basis
 
     def _write(self, document: Mapping[str, Any], basis: Mapping[str, Any] | None) -> None:
         annotations = {names.FLOW_POLICY_VERSION_ANNOTATION: str(document.get("version", ""))}
         recorded = canonical_json(basis) if basis is not None else ""
         if recorded and len(recorded) <= BASIS_ANNOTATION_MAX:
             annotations[BASIS_ANNOTATION] = recorded
+        layout = flowpolicy_shards.split(document, head_name=self.name, max_bytes=self.max_bytes)
+        steps = flowpolicy_shards.publish_steps(layout, head_name=self.name, previous_shards=self.shards)
+        for step in steps:
+            if step.action == "delete":
+                self._delete(step.name)
+            else:
+                self._put(step.name, {step.key: step.text},
+                          annotations if step.name == self.name else
+                          {names.FLOW_POLICY_VERSION_ANNOTATION: str(document.get("version", ""))})
+        self.shards = [name for name, _ in layout.shards]
+
+    def _put(self, name: str, data: dict[str, str], annotations: dict[str, str]) -> None:
         body = {
             "apiVersion": "v1",
             "kind": "ConfigMap",
             "metadata": {
-                "name": self.name,
+                "name": name,
                 "namespace": self.namespace,
                 "labels": {names.PART_OF_LABEL: names.PART_OF, names.COMPONENT_LABEL: names.FLOW_POLICY_COMPONENT,
                            names.MANAGED_BY_LABEL: names.MANAGED_BY},
                 "annotations": annotations,
             },
-            "data": {KEY: flowpolicy.document_text(document)},
+            "data": data,
         }
-        api = _core_api()
+        api = self._core()
         try:
-            api.replace_namespaced_config_map(self.name, self.namespace, body)
+            api.replace_namespaced_config_map(name, self.namespace, body)
         except ApiException as e:
             if e.status != 404:
                 raise
             api.create_namespaced_config_map(self.namespace, body)
+
+    def _delete(self, name: str) -> None:
+        try:
+            self._core().delete_namespaced_config_map(name, self.namespace)
+        except ApiException as e:
+            if e.status != 404:
+                raise
 
     async def read(self) -> dict[str, Any] | None:
         """The published document, None when there is none yet."""

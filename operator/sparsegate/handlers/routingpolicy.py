@@ -8,9 +8,10 @@ RoutingPolicies and pods, then writes only its own object's status:
    (a restarted OPA has none, so it gets everything again without anyone re-applying);
 2. ask OPA, in one evaluation, about every (identity class, model, port) worth asking
    (`flow_decisions`; questions and answers in `domain.policy_compile`);
-3. publish the IP-level allow-list ConfigMap when its version changed, with the decision basis
-   (which policy specs it was decided from) as an annotation; unless it does not fit the agents'
-   policy map or the ConfigMap (`domain.policy_capacity`): then the published one is kept and every
+3. publish the IP-level allow-list ConfigMap (sharded over several when it is large) when its
+   version changed, with the decision basis (which policy specs it was decided from) as an
+   annotation; unless it does not fit the agents' policy map or the ConfigMaps
+   (`domain.policy_capacity`): then the published one is kept and every
    policy reports Ready=False/Stalled=True reason PolicyTooLarge with needed vs capacity;
 4. read back which policy generations OPA holds (`status.loadedInOPA`).
 
@@ -233,7 +234,8 @@ def _state() -> PolicySync:
     if _sync is None:
         settings = Settings.from_env()
         _sync = PolicySync(
-            settings=settings, opa=RoutingOpa(url=settings.opa_url, token=settings.opa_token), store=FlowPolicyConfigMap(namespace=settings.namespace),
+            settings=settings, opa=RoutingOpa(url=settings.opa_url, token=settings.opa_token),
+            store=FlowPolicyConfigMap(namespace=settings.namespace, max_bytes=settings.capacity.max_bytes),
             kube=Kube.from_environment(),
         )
     return _sync

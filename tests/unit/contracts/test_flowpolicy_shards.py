@@ -35,7 +35,7 @@ def test_small_document_is_the_single_layout_byte_for_byte() -> None:
                      Step("delete", "sparsegate-flow-policy-0")]
 
 
-@pytest.mark.parametrize("budget", [600, 4000, 30_000])
+@pytest.mark.parametrize("budget", [4096, 9000, 30_000])
 def test_split_then_join_rebuilds_the_document(budget: int) -> None:
     doc = document()
     layout = shards.split(doc, max_bytes=budget, max_shards=1000)
@@ -99,8 +99,10 @@ def test_head_naming_other_configmaps_is_an_error() -> None:
 
 
 def test_too_many_shards_is_an_error_with_numbers() -> None:
-    with pytest.raises(FlowPolicyError, match=r"needs \d+ shards of 600 bytes, at most 16 are published"):
-        shards.split(document(), max_bytes=600)
+    with pytest.raises(FlowPolicyError, match=r"needs \d+ shards of 4096 bytes, at most 16 are published"):
+        shards.split(document(per_class=400), max_bytes=4096)
+    with pytest.raises(FlowPolicyError, match="below the minimum 4096"):
+        shards.split(document(), max_bytes=4095)
 
 
 def test_a_head_is_refused_by_the_pre_sharding_parser() -> None:

@@ -10,10 +10,11 @@ from sparsegate.domain.policy_capacity import (
     MAX_BYTES_ENV,
     MAX_RECORDS_ENV,
     Capacity,
+    Footprint,
     check,
 )
 from sparsegate.domain.policy_status import SyncOutcome, status_patch
-from sparsegate_contracts import flowpolicy
+from sparsegate_contracts import flowpolicy, flowpolicy_shards
 from sparsegate_ebpf.policy import compile_policy, parse_policy
 
 
@@ -49,12 +50,22 @@ def test_too_many_records_reported_with_numbers() -> None:
     assert check(doc, Capacity(max_records=33))[1] is None
 
 
-def test_too_many_bytes_reported_with_numbers() -> None:
-    doc = _document(10, 2)
+def test_bytes_beyond_one_configmap_are_sharded_not_refused() -> None:
+    doc = _document(150, 2)
     size = len(flowpolicy.document_text(doc).encode())
-    _, too_large = check(doc, Capacity(max_bytes=size - 1))
-    assert too_large is not None and f"needs {size} bytes, ConfigMap capacity {size - 1}" in too_large.message
-    assert check(doc, Capacity(max_bytes=size))[1] is None
+    assert size > 4096
+    needed, too_large = check(doc, Capacity(max_bytes=4096))
+    assert too_large is None and 1 < needed.shards <= flowpolicy_shards.MAX_SHARDS
+    assert check(doc, Capacity(max_bytes=size)) == (Footprint.of(doc, max_bytes=size), None)
+    assert Footprint.of(doc, max_bytes=size).shards == 0  # fits one ConfigMap: the single layout
+
+
+def test_too_many_shards_reported_with_numbers() -> None:
+    doc = _document(300, 2)
+    needed, too_large = check(doc, Capacity(max_bytes=4096, max_shards=2))
+    assert too_large is not None and needed.shards > 2
+    assert (f"needs {needed.shards} ConfigMaps of 4096 bytes ({needed.bytes} bytes), capacity 2"
+            in too_large.message)
 
 
 def test_defaults_are_the_real_limits_less_headroom() -> None:
@@ -67,7 +78,8 @@ def test_defaults_are_the_real_limits_less_headroom() -> None:
 @pytest.mark.parametrize(("env", "text"), [
     ({MAX_RECORDS_ENV: "lots"}, f"{MAX_RECORDS_ENV}: must be an integer"),
     ({MAX_RECORDS_ENV: "0"}, f"{MAX_RECORDS_ENV}: must be in 1..{DEFAULT_MAX_RECORDS}"),
-    ({MAX_BYTES_ENV: str(2 * 1024 * 1024)}, f"{MAX_BYTES_ENV}: must be in 1..{DEFAULT_MAX_BYTES}"),
+    ({MAX_BYTES_ENV: str(2 * 1024 * 1024)}, f"{MAX_BYTES_ENV}: must be in 4096..{DEFAULT_MAX_BYTES}"),
+    ({MAX_BYTES_ENV: "100"}, f"{MAX_BYTES_ENV}: must be in 4096..{DEFAULT_MAX_BYTES}"),
 ])
 def test_bad_limits_name_the_variable(env: dict, text: str) -> None:
     with pytest.raises(ValueError, match=text):
