@@ -36,6 +36,13 @@ as long as the gate's capacity cap drops nothing: a capacity factor caps an expe
 (`GateCall.routings`): expert counts, kept and dropped assignments and per-call entropy, as the
 solo path reports them.
 
+Expert groups (per-request access): a request with ``allowed_experts`` (its group's experts) may
+activate only those. Sequences of any groups and unscoped ones share prefills and groups; each
+forward pins a per-token mask (`GateCall.allowed` [T, E]: in a packed prefill each prompt token
+gets its sequence's row, in a step each sequence's one token), so the gate masks a scoped row's
+other experts before selection while an unscoped row's routing is what it would be alone. A forward
+with no scoped sequence routes with no mask at all.
+
 Tools: a request with ``max_tool_calls`` > 0 on a checkpoint with a tool-gate head
 (`hf.tool_head`) has its tool-gate probability read at its last position after its prefill and
 after every step (the hidden state the LM head reads, captured by a hook). Above its gate's
@@ -82,6 +89,8 @@ class DecodeRequest:
     gate: ActiveGate | None = None
     # Most tool calls the tool gate may make for it (0: none; only with a tool-gate head).
     max_tool_calls: int = 0
+    # The only experts its tokens may activate (its expert group, per-request access); None: all.
+    allowed_experts: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +118,9 @@ class ToolFire:
 class _Seq:
     """One sequence's decoding state (model thread only); its usage lives in its group."""
 
-    def __init__(self, req: DecodeRequest) -> None:
+    def __init__(self, req: DecodeRequest, allowed: torch.Tensor | None = None) -> None:
         self.req = req
+        self.allowed = allowed  # [E] bool of req.allowed_experts (None: every expert)
         self.generator = torch.Generator().manual_seed(req.seed)
         self.generated: list[int] = []
         self.gate_version: str | None = None
@@ -168,6 +178,7 @@ class _Group:
         self.acc = acc
         self.mask = mask          # [N, L] long: 1 where a cached position is real
         self.padded = False       # some row has padding (else no mask is passed: cheaper)
+        self.allowed = _allowed_rows(seqs)  # [N, E] bool when some row is scoped, else None
         self.set_cache(keys, values)
 
     def set_cache(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -176,6 +187,11 @@ class _Group:
 
         self.cache = DynamicCache(ddp_cache_data=list(zip(keys, values)))
         self.padded = not bool(self.mask.all())
+
+    def set_allowed(self) -> None:
+        """Rebuild the per-row expert mask after ``seqs`` changed (None while no row is scoped,
+        so an unscoped group routes exactly as before)."""
+        self.allowed = _allowed_rows(self.seqs)
 
     @property
     def keys(self) -> list[torch.Tensor]:
@@ -209,6 +225,9 @@ class BatchDecoder:
         # set by the server (its tool registry and the tokenizer's text); None: no tool calls.
         self.tool_select: Callable[[list[int]], tuple[str, str] | None] | None = None
         self._parked: dict[Hashable, _Parked] = {}
+        # Called after every forward with its sequences' keys and their expert counts in it
+        # ([n, MoE blocks, experts] tokens routed): which experts each sequence used, per step.
+        self.on_routed: Callable[[list[Hashable], torch.Tensor], None] | None = None
 
     @property
     def running(self) -> int:
@@ -279,7 +298,7 @@ class BatchDecoder:
         """One forward over the prompts of ``reqs`` packed end to end in one row (no padding
         reaches the MoE routing): positions restart at 0 for each prompt and a block-diagonal
         causal mask keeps each prompt to itself. Then each joins its gate version's group."""
-        seqs = [_Seq(r) for r in reqs]
+        seqs = [_Seq(r, self.allowed_mask(r.allowed_experts)) for r in reqs]
         lengths = [len(r.prompt_ids) for r in reqs]
         ids = torch.tensor([[t for r in reqs for t in r.prompt_ids]], dtype=torch.long,
                            device=self.device)
@@ -295,11 +314,14 @@ class BatchDecoder:
             kwargs = {"position_ids": positions.unsqueeze(0),
                       "attention_mask": (same & causal)[None, None]}  # [1, 1, T, T], True: attend
         gate = reqs[0].gate or self.lm.gate  # add_many packs only requests of one gate
-        with torch.inference_mode(), pin_gate(gate, keep_routing=len(reqs) > 1) as call:
+        rows = _allowed_rows(seqs)  # per token: its sequence's experts
+        allowed = None if rows is None else rows.index_select(0, owner)
+        with torch.inference_mode(), pin_gate(gate, keep_routing=len(reqs) > 1, allowed=allowed) as call:
             out, hidden = self._forward(seqs, input_ids=ids, use_cache=True, **kwargs)
         self._measure(call)
         table = (self._usage_rows(call, owner=owner, n=len(reqs)) if len(reqs) > 1
                  else self._usage_alone(call))
+        self._routed(seqs, table)
         ends = list(itertools.accumulate(lengths))
         if self.on_prompts_scored is not None:
             self.on_prompts_scored(call.gate.version, score_packed(out.logits[0], ids[0], lengths))
@@ -366,14 +388,16 @@ class BatchDecoder:
                                  device=self.device)
         mask = torch.cat([group.mask, group.mask.new_ones(n, 1)], dim=1)
         # One row needs no split of its routing: the block stats are its own.
-        with torch.inference_mode(), pin_gate(group.gate, keep_routing=n > 1) as call:
+        with torch.inference_mode(), pin_gate(group.gate, keep_routing=n > 1, allowed=group.allowed) as call:
             out, hidden = self._forward(seqs, input_ids=last,
                                         attention_mask=mask if group.padded else None,
                                         position_ids=positions, cache=group.cache, use_cache=True)
         self._measure(call)
         group.mask = mask  # the cache grew by one column in place
-        group.acc += (self._usage_rows(call, owner=torch.arange(n, device=self.device), n=n)
-                      if n > 1 else self._usage_alone(call))
+        used = (self._usage_rows(call, owner=torch.arange(n, device=self.device), n=n)
+                if n > 1 else self._usage_alone(call))
+        group.acc += used
+        self._routed(seqs, used)
         tokens = self._sample(seqs, out.logits[:, -1])
         fires = self._tool_fires(seqs, group.gate, None if hidden is None else hidden[:, -1])
         events: list[TokenEvent | ToolFire] = []
@@ -450,11 +474,13 @@ class BatchDecoder:
             cache = DynamicCache(ddp_cache_data=list(zip(keys, values)))
             start = len(seq.ids) - len(forced)
             positions = torch.arange(start, start + len(forced), device=self.device)[None]
-            with torch.inference_mode(), pin_gate(parked.gate) as call:
+            with torch.inference_mode(), pin_gate(parked.gate, allowed=seq.allowed) as call:
                 out, hidden = self._forward([seq], input_ids=torch.tensor([forced], device=self.device),
                                             position_ids=positions, cache=cache, use_cache=True)
             self._measure(call)
-            acc = acc + self._usage_alone(call)[0]
+            used = self._usage_alone(call)
+            self._routed([seq], used)
+            acc = acc + used[0]
             keys = [layer.keys for layer in out.cache.layers]
             values = [layer.values for layer in out.cache.layers]
             token = self._sample([seq], out.logits[:, -1])[0]
@@ -470,6 +496,23 @@ class BatchDecoder:
                                          mask=torch.ones(1, keys[0].shape[2], dtype=torch.long,
                                                          device=self.device))])
         return events
+
+    def allowed_mask(self, experts: Sequence[int] | None) -> torch.Tensor | None:
+        """[E] bool of a request's expert group (None: every expert); ValueError naming
+        ``allowed_experts`` for an empty group or an index this model does not have."""
+        if experts is None:
+            return None
+        n = self.hf.num_experts
+        if not experts or any(isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < n for e in experts):
+            raise ValueError(f"allowed_experts must be a non-empty list of expert indices below {n}, "
+                             f"got {list(experts)}")
+        allowed = torch.zeros(n, dtype=torch.bool, device=self.device)
+        allowed[list(experts)] = True
+        return allowed
+
+    def _routed(self, seqs: Sequence[_Seq], usage: torch.Tensor) -> None:
+        if self.on_routed is not None:
+            self.on_routed([s.req.key for s in seqs], usage[:, :, :self.hf.num_experts])
 
     def _measure(self, call: GateCall) -> None:
         """Count the selected assignments and routed tokens of a forward under a controlled
@@ -589,6 +632,7 @@ class BatchDecoder:
             group.mask = mask
             group.set_cache(keys, values)
             group.seqs.extend(seqs)
+            group.set_allowed()
         for seq in seqs:
             self._where[seq.req.key] = group
 
@@ -606,6 +650,17 @@ class BatchDecoder:
         group.set_cache([k.index_select(0, index)[:, :, first:] for k in group.keys],
                         [v.index_select(0, index)[:, :, first:] for v in group.values])
         group.seqs = [group.seqs[i] for i in keep]
+        group.set_allowed()
+
+
+def _allowed_rows(seqs: Sequence[_Seq]) -> torch.Tensor | None:
+    """[N, E] bool: each sequence's allowed experts (all True for an unscoped one); None when no
+    sequence is scoped, so unscoped batches route without a mask."""
+    scoped = next((s.allowed for s in seqs if s.allowed is not None), None)
+    if scoped is None:
+        return None
+    everything = torch.ones_like(scoped)
+    return torch.stack([everything if s.allowed is None else s.allowed for s in seqs])
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -122,16 +122,19 @@ class BatchEngine:
                seed: int = 0, timeout_s: float | None = None,
                on_leave: Callable[[], None] | None = None,
                gate: ActiveGate | None = None, max_tool_calls: int = 0,
-               request_id: str = "") -> GenerationHandle:
+               request_id: str = "", allowed_experts: tuple[int, ...] | None = None) -> GenerationHandle:
         """Queue one generation. ``timeout_s``: fail with 503 after that long, and leave.
         ``gate``: prefill and decode under it (a request-level canary), else the installed gate.
         ``on_leave``: called once when it no longer occupies the queue or a batch.
-        ``max_tool_calls``: most tool calls its tool gate may make (`batch_decode`)."""
+        ``max_tool_calls``: most tool calls its tool gate may make (`batch_decode`).
+        ``allowed_experts``: the only experts it may activate (its expert group; None: all);
+        an index the model lacks raises ValueError here, before it can fail a batch."""
         if self.closed is not None:
             raise ApiError(503, self.closed)
+        self.decoder.allowed_mask(allowed_experts)
         request = DecodeRequest(key=next(_ids), prompt_ids=list(prompt_ids),
                                 max_tokens=max_tokens, temperature=temperature, seed=seed, gate=gate,
-                                max_tool_calls=max_tool_calls)
+                                max_tool_calls=max_tool_calls, allowed_experts=allowed_experts)
         handle = GenerationHandle(request, on_leave=on_leave, request_id=request_id)
         if timeout_s is not None:
             handle._timer = asyncio.get_running_loop().call_later(

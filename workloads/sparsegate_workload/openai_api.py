@@ -15,6 +15,10 @@ request past ``--request-timeout`` 503 (in a stream: an error event), and it lea
 ``dropped_assignments`` (capacity cap), ``gate_version`` (the gate that routed the request) and
 ``tool_calls``: the tools the checkpoint's tool gate called while generating, whose results were
 forced into the text (`generation_tools`: shape there; ``[]`` without a tool-gate head).
+A request scoped to an expert group (header ``x-sparsegate-expert-group``, `request_guard`)
+decodes in the shared batches with a per-sequence expert mask (`batch_decode`), and its usage
+adds ``expert_group``, ``access_rule``, ``allowed_experts`` and ``experts_used`` (the experts its
+tokens activated in any MoE layer, prompt and generated).
 Errors answer OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``. The built-in
 model has no tokenizer: ``/v1/models`` lists nothing and the two others answer 404.
 """
@@ -32,6 +36,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from aiohttp import web
 
+from sparsegate_contracts.request_access import Scope
+
+from . import request_guard
 from .hf_serving import Generation, HFServedModel
 from .batch_engine import GenerationHandle
 from .generation_tools import MAX_TOOL_CALLS_PER_REQUEST
@@ -197,22 +204,29 @@ def parse_request(body: Any, *, chat: bool, hf: HFServedModel) -> Plan:
                 include_usage=bool(options.get("include_usage", False)))
 
 
-def usage(gen: Generation, tool_calls: Sequence[Any] = ()) -> dict[str, Any]:
-    """OpenAI's usage plus ours; ``tool_calls``: the handle's `GenerationToolCall`s."""
+def usage(gen: Generation, tool_calls: Sequence[Any] = (), scope: Scope | None = None) -> dict[str, Any]:
+    """OpenAI's usage plus ours; ``tool_calls``: the handle's `GenerationToolCall`s; ``scope``:
+    the request's access scope when it was narrowed to fewer experts (None: not scoped)."""
     completion = len(gen.token_ids)
+    ours: dict[str, Any] = {"mean_experts_per_token": round(gen.mean_experts_per_token, 6),
+                            "dropped_assignments": gen.dropped_assignments,
+                            "gate_version": gen.gate_version,
+                            "tool_calls": [c.to_usage() for c in tool_calls]}
+    if scope is not None and scope.experts is not None:
+        ours.update(expert_group=scope.group, access_rule=scope.decision.rule,
+                    allowed_experts=list(scope.experts),
+                    experts_used=sorted({e for layer in gen.expert_counts for e, n in enumerate(layer) if n}))
     return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": gen.prompt_tokens + completion,
-            "sparsegate": {"mean_experts_per_token": round(gen.mean_experts_per_token, 6),
-                           "dropped_assignments": gen.dropped_assignments,
-                           "gate_version": gen.gate_version,
-                           "tool_calls": [c.to_usage() for c in tool_calls]}}
+            "total_tokens": gen.prompt_tokens + completion, "sparsegate": ours}
 
 
 class _Call:
     """One request's identity, timing and metrics bookkeeping."""
 
-    def __init__(self, state: ServerState, *, chat: bool, hf: HFServedModel) -> None:
+    def __init__(self, state: ServerState, *, chat: bool, hf: HFServedModel,
+                 scope: Scope | None = None) -> None:
         self.state, self.chat, self.hf = state, chat, hf
+        self.scope = scope  # the access scope the request runs under (None: unguarded)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.started = time.perf_counter()
@@ -239,7 +253,7 @@ class _Call:
             choice["text"] = text
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.hf.name, "choices": [choice],
-                "usage": usage(gen, tool_calls)}
+                "usage": usage(gen, tool_calls, self.scope)}
 
     def observe(self, gen: Generation) -> None:
         m = self.state.metrics
@@ -268,12 +282,13 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         async with admission(state) as keep:
             plan = parse_request(await read_json(request), chat=chat, hf=hf)
             await inject_fault(state, gate)
-            call = _Call(state, chat=chat, hf=hf)
+            call = _Call(state, chat=chat, hf=hf, scope=request.get(request_guard.SCOPE))
             handle = state.engine.submit(
                 plan.prompt_ids, max_tokens=plan.max_tokens, temperature=plan.temperature,
                 seed=plan.seed, timeout_s=state.request_timeout_s,
                 on_leave=lambda: free_slot(state), gate=gate.hf_gate,
                 max_tool_calls=MAX_TOOL_CALLS_PER_REQUEST,
+                allowed_experts=request_guard.allowed_experts(request),
                 request_id=request.headers.get("X-Request-Id", "")[:64] or call.id)
             keep()  # the engine frees the slot when the request leaves its queue or batch
         if plan.stream:
@@ -347,7 +362,7 @@ async def _send_events(request: web.Request, call: _Call, plan: Plan,
         await send(call.chunk(text=None if call.chat else "", finish=gen.finish_reason))
         if plan.include_usage:
             await send({**call.chunk(text=None, finish=None), "choices": [],
-                        "usage": usage(gen, handle.tool_calls)})
+                        "usage": usage(gen, handle.tool_calls, call.scope)})
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp

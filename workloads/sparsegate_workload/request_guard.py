@@ -14,8 +14,10 @@ Without caller verification (no ``--request-auth``), a request naming an expert 
   the experts the rules leave it (its named group's, or the whole model less denied groups).
 
 A request scoped to fewer than all experts is served only where the gate masks experts per request:
-``/v1/infer`` (built-in model and checkpoints). The OpenAI routes decode in shared batches under one
-routing, so a scoped request there gets 403 rather than more experts than it may use.
+``/v1/infer`` (built-in model and checkpoints) and the OpenAI routes (checkpoints), whose shared
+decode batches carry a mask per sequence (`batch_decode`). Any other POST route answers a named
+group with 400, and a scope narrower than the model with 403, rather than serve more experts than
+the request may use.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from .caller_auth import ReviewUnavailable
 from .server_state import STATE, ApiError, ServerState, read_json
 
 SCOPE = web.RequestKey("sparsegate_scope", Scope)  # the Scope a guarded request runs under
-MASKABLE_ROUTES = frozenset({"/v1/infer"})
+MASKABLE_ROUTES = frozenset({"/v1/infer", "/v1/completions", "/v1/chat/completions"})
+_MASKABLE_TEXT = ", ".join(sorted(MASKABLE_ROUTES))
 
 
 def _deny(status: int, message: str, **extra: Any) -> web.Response:
@@ -81,7 +84,7 @@ async def access_guard(request: web.Request,
         if group is not None:
             if not _maskable(request):
                 _count(state, "bad_group", group)
-                return _deny(400, f"header {EXPERT_GROUP_HEADER}: only /v1/infer can restrict experts")
+                return _deny(400, f"header {EXPERT_GROUP_HEADER}: only {_MASKABLE_TEXT} can restrict experts")
             request[SCOPE] = Scope(Decision(True, "", "callers not checked"), group, state.expert_groups[group])
             _count(state, "narrowed", group)
         return await handler(request)
@@ -105,8 +108,8 @@ async def access_guard(request: web.Request,
         return _deny(403, scope.decision.reason, rule=scope.decision.rule, caller=who, expertGroup=group)
     if scope.experts is not None and len(scope.experts) < _num_experts(state) and not _maskable(request):
         _count(state, "forbidden", group)
-        return _deny(403, f"this request may use only experts {list(scope.experts)}, and only /v1/infer "
-                          f"can restrict experts", rule=scope.decision.rule, caller=who)
+        return _deny(403, f"this request may use only experts {list(scope.experts)}, and only "
+                          f"{_MASKABLE_TEXT} can restrict experts", rule=scope.decision.rule, caller=who)
     request[SCOPE] = scope
     _count(state, "allowed", group)
     return await handler(request)

@@ -100,8 +100,9 @@ class GateCall:
     # Each block call's whole Routing too, when asked (`pin_gate(keep_routing=True)`): what a
     # batched decode step splits per sequence (which row used which experts).
     routings: list[Routing] | None = None
-    # [E] bool: the only experts blocks may select in this call (a request's expert group,
-    # per-request access); None: all.
+    # The only experts blocks may select in this call (per-request access): [E] bool for every
+    # token (one request's expert group), or [T, E] bool, one row per routed token in the
+    # order blocks flatten their input (a batch of sequences of different groups); None: all.
     allowed: torch.Tensor | None = None
 
     @property
@@ -124,10 +125,11 @@ _CURRENT_CALL: contextvars.ContextVar[GateCall | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def pin_gate(gate: ActiveGate, *, keep_routing: bool = False) -> Iterator[GateCall]:
+def pin_gate(gate: ActiveGate, *, keep_routing: bool = False,
+             allowed: torch.Tensor | None = None) -> Iterator[GateCall]:
     """Blocks called inside (in this thread or task) route with `gate` and record into the
-    yielded call (their Routing objects too with ``keep_routing``)."""
-    call = GateCall(gate=gate, routings=[] if keep_routing else None)
+    yielded call (their Routing objects too with ``keep_routing``); ``allowed``: `GateCall.allowed`."""
+    call = GateCall(gate=gate, routings=[] if keep_routing else None, allowed=allowed)
     token = _CURRENT_CALL.set(call)
     try:
         yield call
@@ -217,7 +219,8 @@ class SparseGatedMoEBlock(nn.Module):
         return layer_bytes(self.moe_index, self.gate.storage, self.expert_storage)
 
     def route(self, flat: torch.Tensor, gate: ActiveGate, allowed: torch.Tensor | None = None) -> Routing:
-        """``allowed``: [E] bool; the other experts get no gate mass and are never selected."""
+        """``allowed``: [E] bool (every token) or [T, E] bool (per token); the other experts get
+        no gate mass and are never selected."""
         params = gate.routed_params()
         # The router as stored (the loader stores what the gate resolves to); logits in fp32.
         logits = self.gate.logits(flat)
@@ -248,7 +251,7 @@ class SparseGatedMoEBlock(nn.Module):
                 threshold=params.confidence_threshold, min_k=lo, max_k=hi)
         if allowed is not None:
             # k (or min_k) may exceed the allowed experts: masked ones are never kept.
-            mask = mask & allowed[sorted_e]
+            mask = mask & (allowed[sorted_e] if allowed.dim() == 1 else allowed.gather(1, sorted_e))
         return assign(probs, sorted_p, sorted_e, mask, capacity_factor=gate.capacity_factor,
                       normalize=self.renormalize)
 
