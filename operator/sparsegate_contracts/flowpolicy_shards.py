@@ -17,9 +17,10 @@ Layouts, chosen by ``split`` from the document's ``policy.json`` size (``flowpol
 ``join`` rebuilds the document only from a consistent set: every named shard present, its digest
 and ``version`` those of the head, and the rebuilt document's content address equal to ``V``;
 otherwise ``ShardsNotReady`` and the reader keeps the policy it has (never a half-updated set).
-The writer publishes shards first and the head last (``publish_steps``), then deletes shards the
-new head no longer names. Shard names are ``<head>-0`` .. ``<head>-(MAX_SHARDS-1)``: a fixed set,
-so the agent's RBAC can name them (resourceNames) instead of reading every ConfigMap.
+The writer publishes shards first and the head last (``publish_steps``), then empties the shards
+the new head no longer names (not deleted: the operator's RBAC has no delete verb). Shard names
+are ``<head>-0`` .. ``<head>-(MAX_SHARDS-1)``: a fixed set, so the agent's RBAC can name them
+(resourceNames) instead of reading every ConfigMap.
 """
 
 from __future__ import annotations
@@ -194,9 +195,10 @@ def _extend(into: list[Any], field: str, items: list[Any]) -> None:
 
 @dataclass(frozen=True)
 class Step:
-    """One write of ``publish_steps``: put ``text`` under ``key`` of ConfigMap ``name``, or delete it."""
+    """One write of ``publish_steps``: put ``text`` under ``key`` of ConfigMap ``name``, or clear
+    its data (an existing ConfigMap only)."""
 
-    action: str  # "put" | "delete"
+    action: str  # "put" | "clear"
     name: str
     key: str = ""
     text: str = ""
@@ -204,13 +206,13 @@ class Step:
 
 def publish_steps(layout: Layout, *, head_name: str = CONFIGMAP_NAME,
                   previous_shards: Iterable[str] = ()) -> list[Step]:
-    """Writes in a safe order: shards, then the head (the commit point), then the deletion of shards
-    the previous head named that the new one does not. A reader that sees the new head finds its
+    """Writes in a safe order: shards, then the head (the commit point), then emptying the shards the
+    previous head named that the new one does not. A reader that sees the new head finds its
     shards; one that still sees the old head finds shards that no longer match and keeps its policy."""
     names = [name for name, _ in layout.shards]
     steps = [Step("put", name, SHARD_KEY, text) for name, text in layout.shards]
     steps.append(Step("put", head_name, DOCUMENT_KEY, layout.head))
-    steps += [Step("delete", name) for name in previous_shards if name not in names]
+    steps += [Step("clear", name) for name in previous_shards if name not in names]
     return steps
 
 

@@ -4,10 +4,11 @@ eBPF agents read.
 Written only by the routing-policy sync; create-or-replace, skipped when the version is unchanged.
 A document larger than `max_bytes` is sharded (`sparsegate_contracts.flowpolicy_shards`): the
 shard ConfigMaps `sparsegate-flow-policy-<k>` are written first, the head last, then the shards the
-previous head named and the new one does not are deleted (`flowpolicy_shards.publish_steps`). A
-small document stays one ConfigMap in the layout of before. Reading a sharded head whose shards do
-not match it (an operator stopped mid-publish) yields no document, as if none were published: the
-next sync publishes the whole one again. The sync Kubernetes client runs in a worker thread so
+previous head named and the new one does not are emptied (`flowpolicy_shards.publish_steps`; the
+operator's RBAC grants no delete). A small document stays one ConfigMap in the layout of before.
+Reading a sharded head whose shards do not match it (an operator stopped mid-publish) yields no
+document, as if none were published: the operator starts as on an empty cluster (an empty deny-all
+allow-list until OPA has decided), failing closed. The sync Kubernetes client runs in a worker thread so
 Kopf's event loop never blocks.
 
 Beside the document, annotation `sparsegate.dev/flow-policy-basis` records what its allow entries
@@ -100,8 +101,8 @@ class FlowPolicyConfigMap:
         layout = flowpolicy_shards.split(document, head_name=self.name, max_bytes=self.max_bytes)
         steps = flowpolicy_shards.publish_steps(layout, head_name=self.name, previous_shards=self.shards)
         for step in steps:
-            if step.action == "delete":
-                self._delete(step.name)
+            if step.action == "clear":
+                self._clear(step.name)
             else:
                 self._put(step.name, {step.key: step.text},
                           annotations if step.name == self.name else
@@ -129,9 +130,16 @@ class FlowPolicyConfigMap:
                 raise
             api.create_namespaced_config_map(self.namespace, body)
 
-    def _delete(self, name: str) -> None:
+    def _clear(self, name: str) -> None:
+        """Empty a shard no head names any more (never created when absent)."""
         try:
-            self._core().delete_namespaced_config_map(name, self.namespace)
+            self._core().replace_namespaced_config_map(name, self.namespace, {
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": name, "namespace": self.namespace,
+                             "labels": {names.PART_OF_LABEL: names.PART_OF,
+                                        names.COMPONENT_LABEL: names.FLOW_POLICY_COMPONENT,
+                                        names.MANAGED_BY_LABEL: names.MANAGED_BY}},
+                "data": {}})
         except ApiException as e:
             if e.status != 404:
                 raise

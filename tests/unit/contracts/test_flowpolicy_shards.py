@@ -32,7 +32,7 @@ def test_small_document_is_the_single_layout_byte_for_byte() -> None:
     assert layout.head == flowpolicy.document_text(doc)  # what the operator wrote before sharding
     steps = shards.publish_steps(layout, previous_shards=["sparsegate-flow-policy-0"])
     assert steps == [Step("put", "sparsegate-flow-policy", "policy.json", layout.head),
-                     Step("delete", "sparsegate-flow-policy-0")]
+                     Step("clear", "sparsegate-flow-policy-0")]
 
 
 @pytest.mark.parametrize("budget", [4096, 9000, 30_000])
@@ -111,14 +111,14 @@ def test_a_head_is_refused_by_the_pre_sharding_parser() -> None:
         parse_document(layout.head)  # an agent of before keeps its policy
 
 
-def test_publish_steps_put_shards_then_head_then_delete_unnamed() -> None:
+def test_publish_steps_put_shards_then_head_then_clear_unnamed() -> None:
     big = shards.split(document(), max_bytes=20_000)
     n = len(big.shards)
     previous = [f"sparsegate-flow-policy-{k}" for k in range(n + 2)]
     steps = shards.publish_steps(big, previous_shards=previous)
     assert [(s.action, s.name) for s in steps] == (
         [("put", f"sparsegate-flow-policy-{k}") for k in range(n)] + [("put", "sparsegate-flow-policy")]
-        + [("delete", f"sparsegate-flow-policy-{k}") for k in (n, n + 1)])
+        + [("clear", f"sparsegate-flow-policy-{k}") for k in (n, n + 1)])
     assert {s.key for s in steps[:n]} == {"shard.json"} and steps[n].key == "policy.json"
     assert shards.shards_named(big.head) == [name for name, _ in big.shards]
     assert shards.shards_named(flowpolicy.document_text(document(classes=1, per_class=1))) == []
