@@ -115,3 +115,81 @@ def _wait_created(create) -> None:
             if e.status != 404 or time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def _identity_doc(port: int, callers: int) -> dict:
+    from sparsegate_contracts import flowpolicy
+
+    ids = [{"identity": 256, "ips": ["10.0.0.9", "fd00::9"]},
+           {"identity": 257, "ips": [f"10.1.{j // 256}.{j % 256}" for j in range(callers)]}]
+    rules = [{"srcIdentity": 257, "dstIdentity": 256, "dstPort": port, "protocol": "tcp", "action": "allow",
+              "rule": "models/p#0"}]
+    return flowpolicy.build_document(rules=rules, identities=ids, allowed_sources=["10.9.0.1"])
+
+
+def test_sharded_policy_published_by_the_operator_reaches_the_agent_whole(kube_api_client, namespace: str) -> None:
+    """The operator's publisher shards a large document (ConfigMaps lowered to 4 KiB by
+    SPARSEGATE_FLOW_POLICY_MAX_BYTES), the agent's source rebuilds it; a half-updated set (a shard
+    rewritten, its head not) is not forwarded; a small document goes back to one ConfigMap and the
+    stale shards are emptied."""
+    import asyncio
+
+    from kubernetes import client
+
+    from sparsegate.clients.flow_policy import FlowPolicyConfigMap
+    from sparsegate.domain.policy_capacity import MAX_BYTES_ENV, Capacity
+    from sparsegate_contracts import flowpolicy_shards
+
+    api = client.CoreV1Api(kube_api_client)
+    max_bytes = Capacity.from_env({MAX_BYTES_ENV: "4096"}).max_bytes
+    store = FlowPolicyConfigMap(namespace=namespace, max_bytes=max_bytes, api_client=kube_api_client)
+    v1, v2, small = _identity_doc(8080, 1200), _identity_doc(9090, 400), _identity_doc(7070, 3)
+    seen: list[str] = []
+    stop = threading.Event()
+    t = threading.Thread(target=watch_configmap, daemon=True, kwargs={
+        "namespace": namespace, "name": "sparsegate-flow-policy", "on_document": seen.append, "stop": stop,
+        "api_client": kube_api_client})
+
+    def shard_data(name: str) -> dict:
+        return api.read_namespaced_config_map(name, namespace).data or {}
+
+    try:
+        asyncio.run(store.publish(v1))
+        assert len(store.shards) > 2, store.shards
+        t.start()
+        _wait(lambda: len(seen) >= 1, "the sharded document")
+        policy = parse_policy(seen[0])
+        assert policy.version == v1["version"] and len(dict(policy.identities)[257]) == 1200
+        assert flowpolicy_shards.is_head(json.loads(api.read_namespaced_config_map(
+            "sparsegate-flow-policy", namespace).data[POLICY_KEY]))
+        assert all(len(text.encode()) <= 4096 for name in store.shards for text in shard_data(name).values())
+
+        # Half-updated: shard 0 already holds v2's first slice, the head still names v1's digests.
+        v2_layout = flowpolicy_shards.split(v2, max_bytes=max_bytes)
+        first_name, first_text = v2_layout.shards[0]
+        api.patch_namespaced_config_map(first_name, namespace, {"data": {flowpolicy_shards.SHARD_KEY: first_text}})
+        api.patch_namespaced_config_map("sparsegate-flow-policy", namespace,
+                                        {"metadata": {"labels": {"touched": "yes"}}})  # the agent re-reads the set
+        time.sleep(2.5)
+        assert len(seen) == 1, "a half-updated set must not reach the agent"
+
+        v1_shards = list(store.shards)
+        asyncio.run(store.publish(v2))
+        _wait(lambda: len(seen) >= 2, "the v2 document")
+        assert parse_policy(seen[-1]).version == v2["version"] and parse_policy(seen[-1]).rules[0].dst_port == 9090
+        assert len(store.shards) < len(v1_shards)
+        for name in v1_shards[len(store.shards):]:
+            assert shard_data(name) == {}, f"stale shard {name} emptied"
+
+        asyncio.run(store.publish(small))
+        _wait(lambda: len(seen) >= 3, "the small document")
+        head_text = api.read_namespaced_config_map("sparsegate-flow-policy", namespace).data[POLICY_KEY]
+        assert head_text == seen[-1] and json.loads(head_text)["version"] == small["version"]  # single layout
+        assert all(shard_data(name) == {} for name in v1_shards)
+        # The operator reads back what it published, in either layout.
+        assert asyncio.run(store.read()) == small
+        asyncio.run(store.publish(v1))
+        assert asyncio.run(FlowPolicyConfigMap(namespace=namespace, max_bytes=max_bytes,
+                                               api_client=kube_api_client).read()) == v1
+    finally:
+        stop.set()
