@@ -97,7 +97,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--metrics-addr", default="0.0.0.0")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--policy-file", type=Path)
-    src.add_argument("--policy-configmap", metavar="NS/NAME")
+    src.add_argument("--policy-configmap", metavar="NS/NAME",
+                     help="watch this ConfigMap's policy.json; a sharded one (its shards NAME-0..NAME-15, "
+                          "got by name) is applied only once every shard matches it")
     ap.add_argument("--xdp-mode", choices=[m.value for m in xdp.XdpMode], default="auto")
     ap.add_argument("--poll-interval", type=float, default=1.0, help="policy file poll period (s)")
     ap.add_argument("--telemetry-only", action="store_true", help="count, never drop (= --enforcement off)")
