@@ -9,9 +9,12 @@ OPA). Both forms come from the same decisions: the operator's `flow_document` (i
 its expansion to IP-level entries (`flowpolicy.ip_entries`, what the operator published before).
 Per form: rows (entries or rules), agent map records (identity form: `flowpolicy.map_records`;
 entries form: what the agent wrote before identities, one per entry), `policy.json`
-bytes, whether it fits the map (16,384 less the agent's reserve) and the ConfigMap (1 MiB less
-headroom), the operator's build time (entries form: the identity build plus its expansion, which
-stands in for the old operator's build), and the agent's parse + compile time where it fits.
+bytes (one ConfigMap's worth), how it is published (`flowpolicy_shards.split` at the real 1 MiB less
+headroom per ConfigMap: shard ConfigMaps, 0 = one ConfigMap; bytes written, head + shards), whether it
+fits the map (65,536 less the agent's reserve) and the shard limit, the operator's build time (entries
+form: the identity build plus its expansion, which stands in for the old operator's build), the
+split time (operator) and rebuild time (`flowpolicy_shards.join`, agent) when sharded, and the agent's
+parse + compile time where it fits.
 `--identity-only-pods`: sizes measured in the identity form only (the entries form there has tens of
 millions of entries). Writes tests/bench/results/bench_flow_policy_size.json.
 """
@@ -24,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from sparsegate.domain.policy import Port
-from sparsegate.domain.policy_capacity import DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS
+from sparsegate.domain.policy_capacity import DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, Capacity, Footprint
 from sparsegate.domain.policy_compile import PodInfo, QueryKey, flow_document
-from sparsegate_contracts import flowpolicy
+from sparsegate_contracts import flowpolicy, flowpolicy_shards
 from sparsegate_ebpf.policy import compile_policy, parse_policy
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_flow_policy_size.json"
@@ -63,15 +66,29 @@ def old_agent_records(document: dict[str, Any]) -> int:
     return len(tuples) + len(flowpolicy.policed_of(document)) + len(document.get(flowpolicy.ALLOWED_SOURCES) or ())
 
 
-def measure(document: dict[str, Any], build_s: float) -> dict[str, Any]:
+def measure(document: dict[str, Any], build_s: float, *, shard: bool = True) -> dict[str, Any]:
     records = old_agent_records(document) if "entries" in document else flowpolicy.map_records(document)
     size = flowpolicy.document_bytes(document)
     out: dict[str, Any] = {
         "rows": len(flowpolicy.rows_of(document)), "identities": len(document.get(flowpolicy.IDENTITIES) or ()),
         "map_records": records, "bytes": size, "fits_map": records <= DEFAULT_MAX_RECORDS,
-        "fits_configmap": size <= DEFAULT_MAX_BYTES, "operator_build_s": build_s,
+        "operator_build_s": build_s,
     }
-    if out["fits_map"] and out["fits_configmap"]:
+    if shard:
+        t0 = time.perf_counter()
+        layout = flowpolicy_shards.split(document, max_bytes=DEFAULT_MAX_BYTES, max_shards=1 << 30)
+        out["split_s"] = time.perf_counter() - t0
+        out["shards"] = len(layout.shards)
+        out["published_bytes"] = len(layout.head) + sum(len(t) for _, t in layout.shards)
+        out["largest_configmap_bytes"] = max([len(layout.head), *(len(t) for _, t in layout.shards)])
+        out["fits_shards"] = out["shards"] <= Capacity().max_shards
+        assert Footprint.of(document).shards == out["shards"]
+        if layout.shards:
+            t0 = time.perf_counter()
+            rebuilt = flowpolicy_shards.join(json.loads(layout.head), dict(layout.shards))
+            out["agent_join_s"] = time.perf_counter() - t0
+            assert rebuilt == document
+    if out["fits_map"] and out.get("fits_shards", False):
         t0 = time.perf_counter()
         compile_policy(parse_policy(flowpolicy.document_text(document)), generation=1)
         out["agent_parse_compile_s"] = time.perf_counter() - t0
@@ -98,16 +115,24 @@ def main(argv: list[str] | None = None) -> int:
                                             policed_destinations=identity[flowpolicy.POLICED_DESTINATIONS],
                                             allowed_sources=[])
         t2 = time.perf_counter()
-        results[str(n)] = {"entries form (before)": measure(entries, t2 - t1 + t1 - t0),
+        # The entries form is what was published before identities: sized, not sharded (never sent now).
+        results[str(n)] = {"entries form (before)": measure(entries, t2 - t1 + t1 - t0, shard=False),
                            "identity form (now)": measure(identity, t1 - t0)}
-    print(f"limits: {DEFAULT_MAX_RECORDS} map records, {DEFAULT_MAX_BYTES} bytes")
-    print(f"{'pods':>6} {'form':<22} {'rows':>9} {'records':>9} {'bytes':>11} {'fits':>9} {'build s':>8} {'agent s':>8}")
+    print(f"limits: {DEFAULT_MAX_RECORDS} map records; {DEFAULT_MAX_BYTES} bytes per ConfigMap, "
+          f"{Capacity().max_shards} shards")
+    print(f"{'pods':>6} {'form':<22} {'rows':>7} {'records':>8} {'bytes':>10} {'shards':>6} {'written':>10} "
+          f"{'largest':>8} {'fits':>8} {'build s':>8} {'split s':>8} {'join s':>7} {'agent s':>8}")
     for n, forms in results.items():
         for form, r in forms.items():
-            fits = "yes" if r["fits_map"] and r["fits_configmap"] else ("no:map" if not r["fits_map"] else "no:cm")
+            sharded = "shards" in r
+            fits = ("-" if not sharded else "yes" if r["fits_map"] and r["fits_shards"]
+                    else "no:map" if not r["fits_map"] else "no:cms")
             agent = f"{r['agent_parse_compile_s']:.3f}" if "agent_parse_compile_s" in r else "-"
-            print(f"{n:>6} {form:<22} {r['rows']:>9} {r['map_records']:>9} {r['bytes']:>11} {fits:>9} "
-                  f"{r['operator_build_s']:>8.3f} {agent:>8}")
+            join = f"{r['agent_join_s']:.3f}" if "agent_join_s" in r else "-"
+            print(f"{n:>6} {form:<22} {r['rows']:>7} {r['map_records']:>8} {r['bytes']:>10} "
+                  f"{r.get('shards', '-'):>6} {r.get('published_bytes', '-'):>10} "
+                  f"{r.get('largest_configmap_bytes', '-'):>8} "
+                  f"{fits:>8} {r['operator_build_s']:>8.3f} {r.get('split_s', 0):>8.3f} {join:>7} {agent:>8}")
         if "entries form (before)" not in forms:
             continue
         old, new = forms["entries form (before)"], forms["identity form (now)"]
