@@ -16,7 +16,8 @@ RECORDS = prometheus_client.Gauge(
     "Policy map records of the latest compiled flow allow-list (needed) and the limit (capacity).", ["of"])
 BYTES = prometheus_client.Gauge(
     "sparsegate_flow_policy_document_bytes",
-    "policy.json bytes of the latest compiled flow allow-list (needed) and the limit (capacity).", ["of"])
+    "Bytes the latest compiled flow allow-list is published in, head and shards (needed), and the limit: "
+    "bytes per ConfigMap x shard ConfigMaps (capacity).", ["of"])
 TOO_LARGE = prometheus_client.Gauge(
     "sparsegate_flow_policy_too_large",
     "1 while the latest compiled flow allow-list exceeds a limit and is not published.")
@@ -26,5 +27,5 @@ def observe(*, needed: Footprint, capacity: Capacity, too_large: bool) -> None:
     RECORDS.labels(of="needed").set(needed.records)
     RECORDS.labels(of="capacity").set(capacity.max_records)
     BYTES.labels(of="needed").set(needed.bytes)
-    BYTES.labels(of="capacity").set(capacity.max_bytes)
+    BYTES.labels(of="capacity").set(capacity.max_bytes * capacity.max_shards)
     TOO_LARGE.set(1 if too_large else 0)

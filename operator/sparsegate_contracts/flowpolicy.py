@@ -1,6 +1,7 @@
 """The flow allow-list: produced by the operator, enforced by the node agent (dev/CONTRACTS.md).
 
-ConfigMap ``sparsegate-flow-policy`` (operator namespace), key ``policy.json``, in one of two forms.
+ConfigMap ``sparsegate-flow-policy`` (operator namespace), key ``policy.json``, in one of two forms
+(a document larger than one ConfigMap is sharded over several: ``flowpolicy_shards``).
 Identity form (what the operator publishes)::
 
     {"version": "sha256:...", "defaultAction": "deny"|"allow",
@@ -80,7 +81,8 @@ AGENT_RESERVED_RECORDS = 64
 CONFIGMAP_MAX_BYTES = 1024 * 1024
 """The API server refuses a ConfigMap whose data exceeds 1 MiB."""
 DOCUMENT_MAX_BYTES = CONFIGMAP_MAX_BYTES - 64 * 1024
-"""The largest ``policy.json`` the operator publishes: the 1 MiB limit minus headroom."""
+"""The largest value the operator writes in one ConfigMap (``policy.json``, or a shard's
+``shard.json``): the 1 MiB limit minus headroom. A larger document is sharded."""
 
 
 class FlowPolicyError(ValueError):
