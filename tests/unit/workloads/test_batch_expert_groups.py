@@ -104,6 +104,33 @@ def test_a_bad_group_is_refused_before_it_reaches_a_batch(checkpoint):
     assert dec.allowed_mask((1, 3)).tolist() == [False, True, False, True] + [False] * 4
 
 
+@pytest.mark.parametrize("rows", [[(0, 1), None, (2, 3)], [(0,), None, (2, 3)]],
+                         ids=["groups-of-k", "a-group-below-k"])
+def test_masked_fixed_k_fast_path_routes_as_the_general_assign(checkpoint, monkeypatch, rows):
+    import torch
+
+    from sparsegate_workload.hf import gated_block
+
+    hf = load(checkpoint, gate=TWO, device="cpu")
+    block = hf.lm.blocks[0]
+    flat = torch.randn(3 * 4, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(5))
+    allowed = torch.ones(3 * 4, hf.num_experts, dtype=torch.bool)
+    for i, group in enumerate(rows):
+        if group is not None:
+            allowed[i * 4:(i + 1) * 4] = False
+            allowed[i * 4:(i + 1) * 4, list(group)] = True
+    with torch.inference_mode():
+        fast = block.route(flat, hf.lm.gate, allowed)
+        monkeypatch.setattr(gated_block, "FIXED_K_FAST_TOKENS", 0)  # the general `assign` only
+        general = block.route(flat, hf.lm.gate, allowed)
+    assert fast.counts == general.counts
+    for field in ("token_idx", "weights", "slots", "per_token", "selected"):
+        assert torch.equal(getattr(fast, field), getattr(general, field)), field
+    picked = fast.token_idx.tolist()
+    experts = [e for e, n in enumerate(fast.counts) for _ in range(n)]
+    assert all(allowed[t, e] for t, e in zip(picked, experts))
+
+
 async def _serve(app) -> TestClient:
     client = TestClient(TestServer(app, host="127.0.0.1"), connector=aiohttp.TCPConnector(limit=0))
     await client.start_server()

@@ -227,6 +227,7 @@ class SparseGatedMoEBlock(nn.Module):
         if allowed is not None:
             logits = logits.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
+        kept_allowed = None  # [T, k] per selected expert: allowed (set when a mask applies)
         lo = min(params.min_experts_per_token, self.num_experts)
         hi = min(params.max_experts_per_token, self.num_experts)
         cost_lambda = params.hardware_cost_lambda
@@ -240,7 +241,12 @@ class SparseGatedMoEBlock(nn.Module):
             else:  # pick on the cost-biased probs, weigh with the unbiased ones
                 sorted_e = selection.topk(hi, dim=-1).indices
                 sorted_p = probs.gather(-1, sorted_e)
-            if allowed is None and not torch.is_grad_enabled() and flat.shape[0] <= FIXED_K_FAST_TOKENS:
+            if allowed is not None:
+                kept_allowed = _allowed_at(allowed, sorted_e)
+            # With a mask, the fast path only when every top-k pick is allowed (each row's group
+            # has at least k experts): then it is the same routing as the masked `assign`.
+            if not torch.is_grad_enabled() and flat.shape[0] <= FIXED_K_FAST_TOKENS and (
+                    kept_allowed is None or bool(kept_allowed.all())):
                 return _assign_fixed_k(probs, sorted_p, sorted_e,
                                        capacity_factor=gate.capacity_factor,
                                        normalize=self.renormalize)
@@ -251,7 +257,7 @@ class SparseGatedMoEBlock(nn.Module):
                 threshold=params.confidence_threshold, min_k=lo, max_k=hi)
         if allowed is not None:
             # k (or min_k) may exceed the allowed experts: masked ones are never kept.
-            mask = mask & (allowed[sorted_e] if allowed.dim() == 1 else allowed.gather(1, sorted_e))
+            mask = mask & (kept_allowed if kept_allowed is not None else _allowed_at(allowed, sorted_e))
         return assign(probs, sorted_p, sorted_e, mask, capacity_factor=gate.capacity_factor,
                       normalize=self.renormalize)
 
@@ -309,6 +315,12 @@ class SparseGatedMoEBlock(nn.Module):
                 start = end
         ys[:n_assign].mul_(w)
         return combine(ys, routing.slots)
+
+
+def _allowed_at(allowed: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """[T, k] bool: whether each token may use each of its candidate ``experts`` [T, k]
+    (``allowed`` [E] for all tokens, or [T, E] per token)."""
+    return allowed[experts] if allowed.dim() == 1 else allowed.gather(1, experts)
 
 
 # Decode-sized batches (a token or a few per sequence): routing dominates the block there, so a
