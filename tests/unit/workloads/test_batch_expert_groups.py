@@ -95,6 +95,32 @@ def test_scoped_rows_stay_in_their_group_and_unscoped_rows_are_unaffected(checkp
             assert tokens[req.key] == solo.token_ids
 
 
+def test_a_scoped_sequence_parked_on_a_tool_resumes_inside_its_group(checkpoint):
+    import torch
+
+    from sparsegate_workload.batch_decode import ToolFire
+    from sparsegate_workload.hf.tool_head import ToolHead
+
+    hf = load(checkpoint, gate=DYNAMIC, device="cpu")
+    hf.lm.tool_head = ToolHead(weight=torch.zeros(64), bias=10.0)  # the tool gate fires everywhere
+    dec = BatchDecoder(hf)
+    dec.tool_select = lambda ids: ("calculator", "40+2")
+    forwards: list[tuple[list, list]] = []
+    dec.on_routed = lambda keys, counts: forwards.append((keys, counts.tolist()))
+    tool = DecodeRequest(key="t", prompt_ids=[67, 70, 70, 223, 19, 20], max_tokens=6, max_tool_calls=1,
+                         allowed_experts=GROUPS["b"])
+    other = DecodeRequest(key="o", prompt_ids=[5, 6, 7], max_tokens=6)
+    fires = [ev for ev in dec.run([tool, other], []) if isinstance(ev, ToolFire)]
+    assert [f.key for f in fires] == ["t"] and dec.parked == 1
+    dec.run([], [], resume=[("t", [22, 20])])  # forced tokens: one forward on its own cache
+    while dec.running:
+        dec.run([], [])
+    seen = [row for keys, counts in forwards for key, row in zip(keys, counts) if key == "t"]
+    assert len(seen) >= 3  # prefill, the forced tokens' forward, decode steps
+    for row in seen:
+        assert all({e for e, n in enumerate(layer) if n} <= {2, 3} for layer in row), row
+
+
 def test_a_bad_group_is_refused_before_it_reaches_a_batch(checkpoint):
     dec = BatchDecoder(load(checkpoint, gate=TWO, device="cpu"))
     for bad in [(), (8,), (0, -1)]:
