@@ -7,7 +7,9 @@ A ConfigMap source reads both layouts (`sparsegate_contracts.flowpolicy_shards`)
 the whole document, or a head naming shard ConfigMaps `<name>-<k>`. It watches the head (the
 writer's commit point) and, for a sharded head, gets each shard and forwards the rebuilt document
 only when every shard matches the head's digests and version; a half-updated set is not forwarded
-(the agent keeps the policy it enforces) and is read again a second later.
+(the agent keeps the policy it enforces). While the set stays inconsistent the source keeps watching
+the head (a new head is read at once) and re-reads the whole set 1 s later, then at doubling
+intervals up to 30 s (shards are large).
 
 `LivePolicyFilter` sits between a source and the agent: it also follows which RoutingPolicies
 exist (`watch_routing_policies`) and drops the allow entries of deleted ones, so a policy's access
@@ -132,26 +134,24 @@ def watch_configmap(*, namespace: str, name: str, on_document: OnDocument, stop:
         return True
 
     backoff = 1.0
+    pending = 0  # while the set is inconsistent: seconds to the next full re-read (1 s doubling to 30 s)
     while not stop.is_set():
         try:
             cm = api.read_namespaced_config_map(name, namespace)
-            if not forward(cm):
-                stop.wait(1.0)  # the writer is mid-way: read the set again
-                continue
+            pending = 0 if forward(cm) else min(max(pending * 2, 1), 30)
             w = watch.Watch()
             for event in w.stream(
                 api.list_namespaced_config_map,
                 namespace,
                 field_selector=f"metadata.name={name}",
                 resource_version=cm.metadata.resource_version,
-                timeout_seconds=30,
+                timeout_seconds=pending or 30,  # the stream's end is the re-read
             ):
                 if stop.is_set():
                     w.stop()
                     break
-                if event["type"] in ("ADDED", "MODIFIED") and not forward(event["object"]):
-                    w.stop()
-                    stop.wait(1.0)
+                if event["type"] in ("ADDED", "MODIFIED") and not forward(event["object"]) and not pending:
+                    w.stop()  # a head whose shards do not match (yet): re-read, then on the re-read period
                     break
             backoff = 1.0
         except Exception as exc:
