@@ -130,11 +130,11 @@ def _identity_doc(port: int, callers: int) -> dict:
 def test_sharded_policy_published_by_the_operator_reaches_the_agent_whole(kube_api_client, namespace: str) -> None:
     """The operator's publisher shards a large document (ConfigMaps lowered to 4 KiB by
     SPARSEGATE_FLOW_POLICY_MAX_BYTES), the agent's source rebuilds it; a half-updated set (a shard
-    rewritten, its head not) is not forwarded; a small document goes back to one ConfigMap and the
-    stale shards are emptied."""
+    rewritten, its head not) is not forwarded; the API server sees the shards written before the head
+    and the stale shards emptied after it; a small document goes back to one ConfigMap."""
     import asyncio
 
-    from kubernetes import client
+    from kubernetes import client, watch
 
     from sparsegate.clients.flow_policy import FlowPolicyConfigMap
     from sparsegate.domain.policy_capacity import MAX_BYTES_ENV, Capacity
@@ -174,7 +174,20 @@ def test_sharded_policy_published_by_the_operator_reaches_the_agent_whole(kube_a
         assert len(seen) == 1, "a half-updated set must not reach the agent"
 
         v1_shards = list(store.shards)
+        # The API server's own order of writes (resourceVersion order of one watch): shards, head, clears.
+        since = api.list_namespaced_config_map(namespace).metadata.resource_version
         asyncio.run(store.publish(v2))
+        writes: list[tuple[str, dict]] = []
+        w = watch.Watch()
+        for event in w.stream(api.list_namespaced_config_map, namespace, resource_version=since,
+                              timeout_seconds=10):
+            writes.append((event["object"].metadata.name, event["object"].data or {}))
+            if len(writes) == len(v1_shards) + 1:
+                w.stop()
+        head_at = [name for name, _ in writes].index("sparsegate-flow-policy")
+        assert sorted(name for name, _ in writes[:head_at]) == sorted(store.shards)
+        assert all(data == {} for _, data in writes[head_at + 1:])
+        assert sorted(name for name, _ in writes[head_at + 1:]) == sorted(set(v1_shards) - set(store.shards))
         _wait(lambda: len(seen) >= 2, "the v2 document")
         assert parse_policy(seen[-1]).version == v2["version"] and parse_policy(seen[-1]).rules[0].dst_port == 9090
         assert len(store.shards) < len(v1_shards)
