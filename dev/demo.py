@@ -6,8 +6,9 @@
    pods run their containers with podman (the pod runner in container mode), and the chart
    installed with helm pointing at those images — so the operator runs in-cluster from its image
    with the chart's ServiceAccount, next to its OPA sidecar; a running stack is reused;
-2. applies ``examples/`` (incl. a RoutingPolicy, decided by the chart's OPA), scales the GPU model
-   so each rollout step is visible, waits until its model-server containers are Ready;
+2. applies ``examples/`` (incl. a RoutingPolicy, decided by the chart's OPA), scales the GPU model to 6 pods
+   (every one holds both versions during a step: strategy requests, the default), waits until
+   its model-server containers are Ready;
 3. starts a bounded loopback load generator against the model pods, changes the GateConfig's
    parameters and prints the rollout (``kubectl get gateconfig -o wide``) as it goes
    5% → 20% → 100% until it ends; then a fault-injected version that is rolled back;
@@ -43,10 +44,10 @@ from sparsegate_contracts import flowpolicy
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL, GATE, NS = "moe-small", "default-gate", "default"
-DEMO_REPLICAS = 6  # 5 % → 1 pod, 20 % → 2 pods, 100 % → 6
+DEMO_REPLICAS = 6  # each step: 5 / 20 / 100 % of requests on the new version, on all 6 pods
 # A 2 s rollout tick (the chart's operator.extraEnv) so the demo ends in minutes.
 DEMO_OPERATOR_ENV = {"SPARSEGATE_ROLLOUT_TICK_S": "2"}
-TRAINED_MODEL, TRAINED_GATE, TRAINED_REPLICAS = "moe-trained", "trained-gate", 4  # 25 % → 1 canary pod
+TRAINED_MODEL, TRAINED_GATE, TRAINED_REPLICAS = "moe-trained", "trained-gate", 4  # 25 % of requests on every pod
 
 
 def log(msg: str) -> None:
@@ -109,7 +110,7 @@ class Demo:
     def apply_examples(self) -> None:
         # --force-conflicts: a re-run resets what the previous run patched back to examples/.
         self.kubectl("apply", "--server-side", "--force-conflicts", "-n", NS, "-f", str(REPO / "examples"))
-        # A few more instances than the example, so 5 % and 20 % are different pod counts.
+        # A few more instances than the example: the rollout's share of requests holds on all of them.
         self.kubectl("scale", f"sparsemodel/{MODEL}", "-n", NS, f"--replicas={DEMO_REPLICAS}")
         # Shorter analysis windows than production so the demo ends in minutes.
         self.kubectl("patch", f"gateconfig/{GATE}", "-n", NS, "--type=merge",
