@@ -176,11 +176,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def load(path: str | Path, *, gate: GateDocument, name: str | None = None,
-         dtype: str = "float32", device: str | torch.device = "cpu") -> HFServedModel:
+         dtype: str = "float32", device: str | torch.device = "cpu",
+         placement: dict | None = None) -> HFServedModel:
     """Load the checkpoint under ``gate`` in ``dtype`` (a DTYPES key) onto ``device`` (weights,
     KV caches and the MoE dispatch all run there; raises CheckpointError naming the file, or
-    GateParamsError). ``name``: the OpenAI model id (default: the directory's name)."""
+    GateParamsError). ``name``: the OpenAI model id (default: the directory's name).
+    ``placement``: experts on their own dtype/device (hf.placement; PlacementError)."""
     from .hf import load_moe_checkpoint  # transformers loads here, not when the server starts
 
-    lm = load_moe_checkpoint(path, gate=gate, dtype=DTYPES[dtype], device=device)
+    lm = load_moe_checkpoint(path, gate=gate, dtype=DTYPES[dtype], device=device,
+                             placement=placement)
     return HFServedModel(lm, name=name or Path(path).resolve().name)

@@ -88,6 +88,11 @@ class ServerMetrics:
             "Normalised hardware cost per expert (EWMA of measured time per row x placement, "
             "divided by the layer's largest) that hardwareCostLambda weighs",
             ["layer", "expert"], registry=r)
+        self.placement_factor = Gauge(
+            "sparsegate_expert_placement_factor",
+            "Per-expert placement factor of the cost: its (device, dtype) matmul time relative "
+            "to the fastest in its layer, measured at load (1 when nothing is placed)",
+            ["layer", "expert"], registry=r)
         self.controlled_threshold = Gauge(
             "sparsegate_gate_controlled_threshold",
             "Top-p threshold set by the PI controller of a gate version with "
@@ -109,6 +114,11 @@ class ServerMetrics:
         for layer, row in enumerate(costs):
             for expert, cost in enumerate(row):
                 self.expert_cost.labels(layer=str(layer), expert=str(expert)).set(cost)
+
+    def set_placement_factors(self, factors: list[list[float]]) -> None:
+        for layer, row in enumerate(factors):
+            for expert, factor in enumerate(row):
+                self.placement_factor.labels(layer=str(layer), expert=str(expert)).set(factor)
 
     def set_gate(self, *, version: str, checksum: str) -> None:
         self.gate_info.clear()

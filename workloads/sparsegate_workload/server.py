@@ -91,6 +91,7 @@ from .admin import AdminAuth, AdminDenied, AdminFiles, check_bearer
 from .batch_decode import BatchDecoder
 from .batch_engine import DEFAULT_MAX_NUM_SEQS, BatchEngine
 from .generation_tools import GenerationTools
+from .hf.placement import PlacementError, parse_placement_json
 from .caller_auth import CachedReviewer, KubeTokenReview
 from .devices import DEVICE_CHOICES, DeviceError, resolve_device
 from .inference import InferenceResult, run_batch
@@ -347,6 +348,7 @@ async def metrics(request: web.Request) -> web.Response:
     # Costs move with every dispatch: read them when scraped.
     if state.hf is not None:
         state.metrics.set_expert_costs([b.cost.vector().tolist() for b in state.hf.lm.blocks])
+        state.metrics.set_placement_factors([b.cost.placement for b in state.hf.lm.blocks])
     elif state.model is not None:
         state.metrics.set_expert_costs([b.moe.cost.vector().tolist() for b in state.model.blocks])
     return web.Response(body=generate_latest(state.metrics.registry),
@@ -622,7 +624,8 @@ def _load_checkpoint(state: ServerState) -> hf_serving.HFServedModel:
     assert state.model_path is not None
     try:
         hf = hf_serving.load(state.model_path, gate=state.pending_doc, name=state.served_name,
-                             dtype=state.model_dtype, device=resolve_device(state.device))
+                             dtype=state.model_dtype, device=resolve_device(state.device),
+                             placement=state.expert_placement)
     except GateParamsError as e:  # say which gate, as a CheckpointError says which file
         raise GateParamsError(f"gate {state.pending_doc.version} (--gate-config) does not fit "
                               f"checkpoint {state.model_path}: {e}") from e
@@ -662,7 +665,8 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
                exit_on_load_error: bool = False,
                tool_registry: tools.ToolRegistry | None = None,
                expert_groups: Mapping[str, tuple[int, ...]] | None = None,
-               reviewer: CachedReviewer | None = None) -> web.Application:
+               reviewer: CachedReviewer | None = None,
+               expert_placement: dict | None = None) -> web.Application:
     """The inference app (no /admin routes). ``admin``: also serve :func:`create_admin_app` on
     its own TLS listener for as long as this app runs (None: no admin channel at all).
     ``model_path``: serve that Hugging Face checkpoint directory instead of the built-in model
@@ -672,7 +676,8 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
     ``exit_on_load_error``: a failed load also sends this process SIGTERM (the entry point).
     ``tool_registry``: the HTTP tools the tool gate may call (`tools`).
     ``expert_groups``: SparseModel spec.expertGroups, parsed (``sparsegate_contracts.request_access``).
-    ``reviewer``: verify callers and apply the access rules the admin channel sets (`request_guard`)."""
+    ``reviewer``: verify callers and apply the access rules the admin channel sets (`request_guard`).
+    ``expert_placement``: a checkpoint's experts on their own dtype/device (hf.placement, parsed)."""
     app = web.Application(middlewares=[json_errors, request_guard.access_guard], client_max_size=MAX_BODY_BYTES)
     app[STATE] = ServerState(model_config=model_config,
                              rng=random.Random(fault_seed), pending_doc=gate_doc,
@@ -681,7 +686,8 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
                              model_dtype=model_dtype, device=device,
                              max_num_seqs=max_num_seqs,
                              tools=tool_registry or tools.ToolRegistry(),
-                             expert_groups=dict(expert_groups or {}), reviewer=reviewer)
+                             expert_groups=dict(expert_groups or {}), reviewer=reviewer,
+                             expert_placement=expert_placement)
     app[EXIT_ON_LOAD_ERROR] = exit_on_load_error
     openai_api.add_routes(app)
     app.router.add_post("/v1/infer", infer)
@@ -818,6 +824,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-groups-json", default="[]",
                    help="named expert groups: a JSON list of {name, experts: [index, ...]} "
                         "(SparseModel spec.expertGroups)")
+    p.add_argument("--expert-placement-json", default=None,
+                   help="with --model-path: experts stored in their own dtype/device, "
+                        "'{\"<layer>|*:<expert>\": {\"dtype\": \"float32|bfloat16|float16\", "
+                        "\"device\": \"cpu|cuda:N\"}}'; their cost placement factor is measured at load")
     add_model_flags(p)
     return p
 
@@ -860,6 +870,14 @@ def main(argv: list[str] | None = None) -> None:
                                                     num_experts=num_experts)
     except (json.JSONDecodeError, request_access.AccessDocumentError) as e:
         p.error(f"--expert-groups-json: {e}")
+    placement = None
+    if args.expert_placement_json is not None:
+        if not args.model_path:
+            p.error("--expert-placement-json needs --model-path (it places a checkpoint's experts)")
+        try:
+            placement = parse_placement_json(args.expert_placement_json)
+        except PlacementError as e:
+            p.error(str(e))
     reviewer = None
     if args.request_auth == "in-cluster":
         try:
@@ -888,7 +906,7 @@ def main(argv: list[str] | None = None) -> None:
                      served_name=args.served_model_name, model_dtype=args.model_dtype,
                      device=args.device, max_num_seqs=args.max_num_seqs,
                      exit_on_load_error=True, tool_registry=registry,
-                     expert_groups=groups, reviewer=reviewer)
+                     expert_groups=groups, reviewer=reviewer, expert_placement=placement)
     log.info("serving on %s:%d gate %s model %s; admin %s", args.host, args.port, doc.version,
              json.dumps(app[STATE].shape(), sort_keys=True),
              f"TLS on {args.host}:{args.admin_port}" if listener else "disabled (no --admin-token-file)")

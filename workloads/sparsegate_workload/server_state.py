@@ -99,6 +99,8 @@ class ServerState:
     served_name: str | None = None        # its OpenAI model id (None: the directory's name)
     model_dtype: str = "float32"          # its compute dtype (hf_serving.DTYPES)
     device: str = "auto"                  # its --device (devices.resolve_device)
+    # its --expert-placement-json, parsed (hf.placement.parse_placement); None: none
+    expert_placement: dict | None = None
     max_num_seqs: int = 32                # sequences its engine decodes together
     hf: HFServedModel | None = None       # the loaded checkpoint
     engine: BatchEngine | None = None     # its continuous-batching generation engine

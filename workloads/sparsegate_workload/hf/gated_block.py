@@ -13,6 +13,8 @@ Hardware-aware routing: with the gate's ``hardwareCostLambda`` above 0, the sele
 softmax(logits - lambda * cost), cost the block's `expert_cost.ExpertCost` (EWMA of each expert's
 measured time per row in the inference dispatch, normalised to [0, 1]); the combine weights stay
 the unbiased probabilities. At 0 (the default) routing is bit-identical to no bias.
+Experts placed on their own dtype/device (`placement`, ``--expert-placement-json``) run there in
+the inference dispatch, timed like the others; their placement factor is measured at load.
 
 Dispatch (FACTS.md "MoE dispatch on CPU"): gather the kept rows once in expert order, one
 ``mm`` pair per non-empty expert on its contiguous slice, weights applied in place, combine by
@@ -56,6 +58,7 @@ from ..gating import Router, Routing, assign, cost_biased_top_p
 from ..moe import MoEStats
 from ..precision import LayerBytes, Precision, StoredWeight, is_lower, layer_bytes
 from ..threshold_control import ThresholdController
+from .placement import PlacedExpert
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +172,9 @@ class SparseGatedMoEBlock(nn.Module):
         # Measured per-expert cost (timed in `dispatch`), used when the gate's
         # hardwareCostLambda is above 0.
         self.cost = ExpertCost(self.num_experts)
+        # Experts given their own dtype/device (placement.apply_placement); the rest use the
+        # layer's storage.
+        self.placed: dict[int, PlacedExpert] = {}
 
     @property
     def expert_storage(self) -> tuple[StoredWeight, StoredWeight]:
@@ -301,6 +307,7 @@ class SparseGatedMoEBlock(nn.Module):
         # Inference: each expert writes straight into its slice; row A stays zero (padding).
         # The storage is read once, so a re-store between calls cannot split this one.
         gate_up, down = self.expert_storage
+        placed = self.placed
         ys = flat.new_empty(n_assign + 1, d_model)
         ys[n_assign].zero_()
         start = 0
@@ -309,8 +316,12 @@ class SparseGatedMoEBlock(nn.Module):
             if n:
                 end = start + n
                 t0 = clock()
-                h = _swiglu(expert_mm(xs[start:end], gate_up, e), inplace=True)
-                expert_mm(h, down, e, out=ys[start:end])
+                spot = placed.get(e)
+                if spot is not None:
+                    spot.run(xs[start:end], ys[start:end])
+                else:
+                    h = _swiglu(expert_mm(xs[start:end], gate_up, e), inplace=True)
+                    expert_mm(h, down, e, out=ys[start:end])
                 self.cost.record(e, clock() - t0, n)
                 start = end
         ys[:n_assign].mul_(w)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ from ..threshold_control import ThresholdController
 from .checkpoint_files import CheckpointError, check_weight_files, family_of, read_config
 from .families import MoEFamily
 from .gated_block import ActiveGate, GateCall, GateSlot, SparseGatedMoEBlock, pin_gate
+from .placement import PlacementSpec, apply_placement, measure_placement_factors
 from .tool_head import ToolHead, final_hidden, load_tool_head
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,16 @@ class SparseGatedCausalLM:
         for blk, (g, e) in zip(self.blocks, targets):
             blk.store(gate=g, experts=e)
 
+    def place_experts(self, spec: Mapping[tuple[int | None, int], PlacementSpec]
+                      ) -> list[list[float]]:
+        """Store the experts `spec` names in their own dtype/device (`placement`), then measure
+        and set every block's placement factors (returned per block). Raises PlacementError
+        naming the key when it does not fit this model (nothing is placed then)."""
+        param = next(self.model.parameters())
+        kw = dict(compute_dtype=param.dtype, device=param.device)
+        apply_placement(self.blocks, spec, **kw)
+        return measure_placement_factors(self.blocks, **kw)
+
     def weight_bytes(self) -> list[LayerBytes]:
         """Per MoE block: router and expert bytes as stored now, and as fp32 would be."""
         return [blk.weight_bytes() for blk in self.blocks]
@@ -312,13 +323,16 @@ def _patch_blocks(model: nn.Module, *, family: MoEFamily, slot: GateSlot
 
 def load_moe_checkpoint(path: str | Path, *, gate: GateParams | GateDocument | None = None,
                         dropless: bool = False, device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32, calibrate: bool = False
+                        dtype: torch.dtype = torch.float32, calibrate: bool = False,
+                        placement: Mapping[tuple[int | None, int], PlacementSpec] | None = None
                         ) -> SparseGatedCausalLM:
     """Read a local checkpoint directory and patch its MoE blocks.
 
     ``gate`` None installs the family's own top-k routing (dropless); otherwise that gate
     (``dropless`` ignores its capacityFactor). ``calibrate`` measures router sensitivity for
     ``precisionPolicy: auto`` (see `SparseGatedCausalLM.calibrate_gate_precision`).
+    ``placement``: experts stored in their own dtype/device (`SparseGatedCausalLM.place_experts`;
+    PlacementError when it does not fit).
     Raises CheckpointError (message names the file or field) for unusable input and
     GateParamsError for a gate the model cannot route with.
     """
@@ -361,6 +375,8 @@ def load_moe_checkpoint(path: str | Path, *, gate: GateParams | GateDocument | N
                                                device=device))
     lm.tool_head = load_tool_head(directory, hidden_size=int(model.config.hidden_size),
                                   has_tokenizer=tokenizer is not None)
+    if placement:
+        lm.place_experts(placement)
     if calibrate:
         lm.calibrate_gate_precision()
     if gate is not None:
