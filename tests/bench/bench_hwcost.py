@@ -1,14 +1,21 @@
 """Hardware-aware routing (gate param hardwareCostLambda): p99 batch latency, held-out quality
 and the slow expert's share of assignments, with lambda 0 and a few lambda > 0, side by side.
 
-    python tests/bench/bench_hwcost.py [--delay-us-per-row 200] [--batches 60]
+    python tests/bench/bench_hwcost.py [--slow simulated|real] [--delay-us-per-row 200]
+                                       [--slow-dtype bfloat16] [--batches 60]
                                        [--lambdas 0,1,2,3,4]
 
 Model: the trained demo checkpoint (dev/trained_model.py: a tiny Mixtral, top-p 0.6 over 1-4 of
 8 experts, trained once per machine and cached), served through the sparsegate HF block with
 the default gate params (confidenceThreshold 0.6, 1-4 experts, capacityFactor 1.25).
 
-The slow expert is SIMULATED: there is one CPU and no slower device here, so the bench wraps
+``--slow real``: the chosen expert is really placed in a slower precision, in every MoE layer
+(``--expert-placement-json {"*:<e>": {"dtype": "bfloat16"}}``, hf/placement.py; on this CPU,
+without bf16 matmul units, a bf16 matmul of the expert's shape is many times slower than fp32),
+and its placement factor is measured at load. Its outputs are bf16-rounded, so the perplexity
+column includes that (small) precision effect, under every lambda alike.
+
+``--slow simulated`` (default): the bench wraps
 the block's per-expert matmul and sleeps ``--delay-us-per-row`` times the rows routed to the
 chosen expert before each of its matmuls (two per dispatch: gate+up and down), in every MoE
 layer, standing in for an expert placed on a device with lower throughput. The chosen expert is the one with the most assignments at lambda 0 (the case
@@ -38,6 +45,7 @@ sys.path.insert(0, str(REPO / "dev"))
 from sparsegate_workload import quality  # noqa: E402
 from sparsegate_workload.gateparams import DEFAULT_PARAMS, make_document  # noqa: E402
 from sparsegate_workload.hf import gated_block, load_moe_checkpoint  # noqa: E402
+from sparsegate_workload.hf.placement import parse_placement  # noqa: E402
 from trained_model import trained_checkpoint  # noqa: E402
 
 
@@ -48,6 +56,11 @@ def p(values: list[float], q: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--slow", choices=("simulated", "real"), default="simulated")
+    ap.add_argument("--slow-dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    ap.add_argument("--no-placement-factor", action="store_true",
+                    help="--slow real: reset the measured placement factors to 1, so the cost "
+                         "is the dispatch timer's alone (what the factor adds on CPU)")
     ap.add_argument("--delay-us-per-row", type=float, default=200.0)
     ap.add_argument("--batches", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=5)
@@ -80,11 +93,22 @@ def main() -> None:
             time.sleep(delay * x.shape[0])
         return real_mm(x, weight, e, out=out)
 
-    gated_block.expert_mm = slow_mm
+    if args.slow == "real":
+        lm = load_moe_checkpoint(path, placement=parse_placement(
+            {f"*:{slow}": {"dtype": args.slow_dtype}}))
+        how = (f"placed in {args.slow_dtype} in every layer (measured placement factor per "
+               f"layer: {', '.join(f'{b.cost.placement[slow]:.1f}' for b in lm.blocks)}"
+               f"{', reset to 1' if args.no_placement_factor else ''})")
+        if args.no_placement_factor:
+            for b in lm.blocks:
+                b.cost.set_placement([1.0] * num_experts)
+    else:
+        gated_block.expert_mm = slow_mm
+        how = (f"simulated +{args.delay_us_per_row:g} us per row per matmul of it in "
+               f"every layer")
     print(f"checkpoint {path.name}: {num_experts} experts x {len(lm.blocks)} MoE layers; "
           f"slow expert {slow} (busiest at lambda 0: {counts0[slow] / sum(counts0):.1%} of "
-          f"assignments), simulated +{args.delay_us_per_row:g} us per row per matmul of it in "
-          f"every layer; "
+          f"assignments), {how}; "
           f"{args.batches} batches of {tuple(batches[0].shape)} tokens per lambda, 1 thread")
     print(f"{'lambda':>7} {'p50 ms':>8} {'p99 ms':>8} {'slow share':>11} {'experts/tok':>12} "
           f"{'perplexity':>11} {'ppl vs 0':>9}")
@@ -105,7 +129,7 @@ def main() -> None:
             for layer in out.layers:
                 counts[lam] = [c + n for c, n in zip(counts[lam], layer.counts)]
             active[lam].append(out.mean_active_experts)
-    gated_block.expert_mm = real_mm  # score quality without the delay (same routing)
+    gated_block.expert_mm = real_mm  # simulated: score without the delay (same routing)
     base_ppl = None
     for lam, doc in zip(lambdas, docs):
         lm.set_gate(doc)
