@@ -2,8 +2,10 @@
 
 Each MoE layer keeps one `ExpertCost`: an EWMA of the measured wall time per routed row of each
 expert's FFN (timed in the block's inference dispatch loop), times a placement factor per expert
-(e.g. 2.0 for an expert held in a slower precision or on a slower device; 1.0 by default) and
-``1 + queue_weight * queue_depth`` (0 unless a caller reports queue depths). `vector()` divides by
+(e.g. 2.0 for an expert held in a slower precision or on a slower device; 1.0 by default; for a
+checkpoint with ``--expert-placement-json`` measured at load by `hf.placement`) and
+``1 + queue_weight * queue_depth`` (0: nothing reports queue depths, the server has no
+per-expert queue). `vector()` divides by
 the largest, so costs lie in [0, 1] and the gate's lambda has the same scale on any machine.
 
 On CPU the timing is the expert's real compute time. On an accelerator the timer sees kernel
