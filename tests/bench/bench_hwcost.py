@@ -24,7 +24,10 @@ the per-expert cost the gate sees is learnt online (EWMA), not set by the bench.
 
 Warm-up forwards (the cost EWMA settles), then --batches rounds; each round serves the same
 batch of 4 sequences x 32 tokens (from the checkpoint's probe text) once per lambda, in
-rotation, so machine noise hits every lambda alike. Per lambda: batch latency p50/p99, the slow
+rotation, so machine noise hits every lambda alike (with ``--slow real`` the unplaced model at
+lambda 0 joins the rotation as row "0 fp32", the baseline of the first "ppl vs 0"). Per lambda: batch latency p50/p99 (wall),
+median CPU time of the serving thread per batch (time.thread_time: less hit by the other
+processes of a shared machine, though not immune), the slow
 expert's share of kept assignments, mean experts per token, and held-out perplexity of the probe
 windows under that gate (scored without the delay; the routing is the same).
 """
@@ -93,6 +96,7 @@ def main() -> None:
             time.sleep(delay * x.shape[0])
         return real_mm(x, weight, e, out=out)
 
+    plain = lm
     if args.slow == "real":
         lm = load_moe_checkpoint(path, placement=parse_placement(
             {f"*:{slow}": {"dtype": args.slow_dtype}}))
@@ -110,34 +114,43 @@ def main() -> None:
           f"slow expert {slow} (busiest at lambda 0: {counts0[slow] / sum(counts0):.1%} of "
           f"assignments), {how}; "
           f"{args.batches} batches of {tuple(batches[0].shape)} tokens per lambda, 1 thread")
-    print(f"{'lambda':>7} {'p50 ms':>8} {'p99 ms':>8} {'slow share':>11} {'experts/tok':>12} "
-          f"{'perplexity':>11} {'ppl vs 0':>9}")
+    print(f"{'lambda':>9} {'p50 ms':>8} {'p99 ms':>8} {'cpu p50':>8} {'slow share':>11} "
+          f"{'experts/tok':>12} {'perplexity':>11} {'ppl vs 0':>9}")
     lambdas = [float(x) for x in args.lambdas.split(",")]
-    docs = [make_document({**DEFAULT_PARAMS, **({"hardwareCostLambda": lam} if lam else {})})
-            for lam in lambdas]
-    times = {lam: [] for lam in lambdas}
-    counts = {lam: [0] * num_experts for lam in lambdas}
-    active = {lam: [] for lam in lambdas}
-    for b in batches[:args.warmup]:
-        lm.forward(b)
+    # (label, model, gate): each lambda on the model with the slow expert; with --slow real
+    # also lambda 0 on the unplaced model ("0 fp32": what the slow placement costs).
+    rows = [(f"{lam:.2f}", lm, make_document(
+        {**DEFAULT_PARAMS, **({"hardwareCostLambda": lam} if lam else {})})) for lam in lambdas]
+    if args.slow == "real":
+        rows.insert(0, ("0 fp32", plain, make_document(DEFAULT_PARAMS)))
+    times = {r[0]: [] for r in rows}
+    cpu = {r[0]: [] for r in rows}  # this thread's CPU time: less hit by other processes
+    counts = {r[0]: [0] * num_experts for r in rows}
+    active = {r[0]: [] for r in rows}
+    for _, model, doc in rows:
+        model.set_gate(doc)
+        for b in batches[:args.warmup]:
+            model.forward(b)
     for b in batches:
-        for lam, doc in zip(lambdas, docs):
-            lm.set_gate(doc)
-            t0 = time.perf_counter()
-            out = lm.forward(b)
-            times[lam].append((time.perf_counter() - t0) * 1000)
+        for label, model, doc in rows:
+            model.set_gate(doc)
+            t0, c0 = time.perf_counter(), time.thread_time()
+            out = model.forward(b)
+            times[label].append((time.perf_counter() - t0) * 1000)
+            cpu[label].append((time.thread_time() - c0) * 1000)
             for layer in out.layers:
-                counts[lam] = [c + n for c, n in zip(counts[lam], layer.counts)]
-            active[lam].append(out.mean_active_experts)
+                counts[label] = [c + n for c, n in zip(counts[label], layer.counts)]
+            active[label].append(out.mean_active_experts)
     gated_block.expert_mm = real_mm  # simulated: score without the delay (same routing)
     base_ppl = None
-    for lam, doc in zip(lambdas, docs):
-        lm.set_gate(doc)
-        ppl = quality.score_checkpoint_probe(lm, probe).perplexity
+    for label, model, doc in rows:
+        model.set_gate(doc)
+        ppl = quality.score_checkpoint_probe(model, probe).perplexity
         base_ppl = ppl if base_ppl is None else base_ppl
-        c = counts[lam]
-        print(f"{lam:7.2f} {statistics.median(times[lam]):8.1f} {p(times[lam], 0.99):8.1f} "
-              f"{c[slow] / sum(c):11.1%} {statistics.mean(active[lam]):12.2f} "
+        c = counts[label]
+        print(f"{label:>9} {statistics.median(times[label]):8.1f} {p(times[label], 0.99):8.1f} "
+              f"{statistics.median(cpu[label]):8.1f} "
+              f"{c[slow] / sum(c):11.1%} {statistics.mean(active[label]):12.2f} "
               f"{ppl:11.4f} {ppl / base_ppl - 1:+9.2%}")
     gated_block.expert_mm = real_mm
     costs = [round(c, 3) for c in lm.blocks[0].cost.vector().tolist()]
