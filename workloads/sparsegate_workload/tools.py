@@ -237,15 +237,19 @@ def segment_text(tokens: list[int]) -> str:
     return text.rsplit("\n", 1)[-1]
 
 
-def result_tokens(result: str, *, vocab_size: int) -> list[int]:
-    ids = list(result.encode("utf-8"))
+def _checked_result(ids: list[int], *, vocab_size: int, unit: str) -> list[int]:
+    """A result's forced ids, or ValueError: not empty, at most MAX_RESULT_TOKENS, in the vocabulary."""
     if not ids:
         raise ValueError("empty result")
     if len(ids) > MAX_RESULT_TOKENS:
         raise ValueError(f"result longer than {MAX_RESULT_TOKENS} tokens")
     if max(ids) >= vocab_size:
-        raise ValueError(f"result byte {max(ids)} is outside the vocabulary [0, {vocab_size})")
+        raise ValueError(f"result {unit} {max(ids)} is outside the vocabulary [0, {vocab_size})")
     return ids
+
+
+def result_tokens(result: str, *, vocab_size: int) -> list[int]:
+    return _checked_result(list(result.encode("utf-8")), vocab_size=vocab_size, unit="byte")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,13 +273,7 @@ def tokenizer_codec(tokenizer: Any, *, vocab_size: int) -> TextCodec:
 
     def encode(result: str) -> list[int]:
         ids = list(tokenizer(result, add_special_tokens=False)["input_ids"])
-        if not ids:
-            raise ValueError("empty result")
-        if len(ids) > MAX_RESULT_TOKENS:
-            raise ValueError(f"result longer than {MAX_RESULT_TOKENS} tokens")
-        if max(ids) >= vocab_size:
-            raise ValueError(f"result token {max(ids)} is outside the vocabulary [0, {vocab_size})")
-        return ids
+        return _checked_result(ids, vocab_size=vocab_size, unit="token")
     return TextCodec(segment=segment, encode=encode)
 
 
