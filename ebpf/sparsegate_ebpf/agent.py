@@ -333,6 +333,7 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
     else:
         _follow_probes(args, follower=follower, attachments=attachments, desired=desired, prog_fd=prog.prog_fd,
                        stop=stop)
+    log.info("stopping (signal received)")  # logged here, not in the handler: logging takes locks
     _exit(args, state=state, reader=exit_reader)
     prog.close()
     log.info("bye")

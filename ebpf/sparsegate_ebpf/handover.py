@@ -110,7 +110,11 @@ class DaemonSetWatch:
     RBAC, often before the agent's SIGTERM, so a read at exit would fail and keep the program.
 
     Removal is seen as the DaemonSet's DELETED event, its deletionTimestamp, its absence, or the
-    API server refusing the agent's credentials (401/403: the release's RBAC or ServiceAccount went).
+    API server refusing the agent's credentials (401/403: the release's RBAC or ServiceAccount went)
+    *after* it had accepted them once. A refusal before the first successful read is retried: right
+    after an install the API server's authorizer may not have seen the new RoleBinding yet (and a
+    restarted API server answers 403 while its caches fill), and a permanent "removed" verdict taken
+    then would make a mere restart of this agent detach XDP.
     """
 
     def __init__(self, namespace: str, name: str, *, api_client: Any = None) -> None:
@@ -119,6 +123,7 @@ class DaemonSetWatch:
         self.body: Mapping[str, Any] | None = None
         self.error: BaseException | None = None
         self._api_client = api_client
+        self.read_once = False  # the DaemonSet was listed at least once with these credentials
 
     def _api(self) -> Any:
         from kubernetes import client, config
@@ -133,14 +138,19 @@ class DaemonSetWatch:
         return client.AppsV1Api(self._api_client)
 
     def _seen(self, obj: Mapping[str, Any] | None) -> None:
+        # The latest state wins: a DaemonSet seen again (re-installed, or a refusal that passed)
+        # clears an earlier verdict.
         if obj is None or (obj.get("metadata") or {}).get("deletionTimestamp"):
             self.removed.set()
+        else:
+            self.removed.clear()
         self.body = obj
 
-    def run(self, stop: threading.Event) -> None:
-        """List, then watch, until ``stop`` or removal; errors other than 401/403 are retried."""
-        backoff = 1.0
-        while not stop.is_set() and not self.removed.is_set():
+    def run(self, stop: threading.Event, *, first_backoff_s: float = 1.0) -> None:
+        """List, then watch, until ``stop``; every error is retried (backoff from
+        ``first_backoff_s`` up to 30 s; refusals every ``first_backoff_s``)."""
+        backoff = first_backoff_s
+        while not stop.is_set():
             try:
                 from kubernetes import watch
 
@@ -149,8 +159,8 @@ class DaemonSetWatch:
                                                         _preload_content=False, _request_timeout=10)
                 body = json.loads(listed.data)
                 items = body.get("items") or []
+                self.error, self.read_once = None, True
                 self._seen(items[0] if items else None)
-                self.error = None
                 w = watch.Watch()
                 for event in w.stream(api.list_namespaced_daemon_set, self.namespace,
                                       field_selector=f"metadata.name={self.name}",
@@ -162,19 +172,24 @@ class DaemonSetWatch:
                         meta = obj.get("metadata") or {}
                         self._seen({"metadata": {"deletionTimestamp": meta.get("deletion_timestamp")
                                                  or meta.get("deletionTimestamp"), "name": meta.get("name")}})
-                    if stop.is_set() or self.removed.is_set():
+                    if stop.is_set():
                         w.stop()
                         break
-                backoff = 1.0
+                backoff = first_backoff_s
             except Exception as exc:  # noqa: BLE001 (the decision reads self.error)
-                self.error = exc
-                if getattr(exc, "status", None) in (401, 403):
-                    self.body = None
+                refused = getattr(exc, "status", None) in (401, 403)
+                if refused and not self.read_once:
+                    log.warning("the API server refuses the agent's credentials (%s) before it could read its "
+                                "DaemonSet %s/%s once: retrying (RBAC not in effect yet?)",
+                                getattr(exc, "status"), self.namespace, self.name)
+                elif refused and not self.removed.is_set():
                     log.info("the API server refuses the agent's credentials (%s): its release is being removed",
                              getattr(exc, "status"))
+                self.error = exc
+                if refused and self.read_once:
+                    self.body = None
                     self.removed.set()
-                    return
-                stop.wait(backoff)
+                stop.wait(first_backoff_s if refused else backoff)
                 backoff = min(backoff * 2, 30.0)
 
     def read(self, namespace: str, name: str, *, grace_s: float = 2.0) -> tuple[Mapping[str, Any] | None,
@@ -187,6 +202,8 @@ class DaemonSetWatch:
             return self.body, None  # None: gone; a body: being deleted
         if self.body is not None:
             return self.body, None
+        if not self.read_once:  # a refusal before any read is not a removal: the error keeps the program
+            return None, RuntimeError(f"the DaemonSet was never read ({self.error or 'no answer yet'})")
         return None, self.error or RuntimeError("the DaemonSet was never read")
 
 

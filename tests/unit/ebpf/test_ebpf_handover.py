@@ -239,3 +239,74 @@ def test_enforcement_flag_and_allow_sources_are_validated() -> None:
     for bad in (["--allow-sources", "10.0.0.300"], ["--telemetry-only", "--enforcement", "enforce"]):
         with pytest.raises(SystemExit):
             agent.parse_args([*base, *bad])
+
+
+def test_daemonset_watch_takes_a_refusal_for_removal_only_after_the_credentials_worked() -> None:
+    """Right after an install the authorizer may not know the agent's RoleBinding yet (403): that is
+    retried, not taken for an uninstall, else a mere restart of that agent would detach XDP. A refusal
+    after a successful read is the release going; a DaemonSet seen again clears it."""
+    import time
+
+    from sparsegate_ebpf.handover import DaemonSetWatch
+
+    reply: dict = {"status": 403, "lists": 0}
+    listing = {"kind": "DaemonSetList", "apiVersion": "apps/v1", "metadata": {"resourceVersion": "7"},
+               "items": [DS]}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status = reply["status"]
+            if status == 200 and "watch=" in self.path:
+                time.sleep(0.05)  # an empty watch that ends: the follower lists again
+                data = b""
+            elif status == 200:
+                reply["lists"] += 1
+                data = json.dumps(listing).encode()
+            else:
+                data = json.dumps({"kind": "Status", "reason": "Forbidden", "code": status}).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    stop = threading.Event()
+    w = DaemonSetWatch("sg", "sg-agent", api_client=_client(f"http://127.0.0.1:{server.server_address[1]}"))
+    t = threading.Thread(target=w.run, args=(stop,), kwargs={"first_backoff_s": 0.02}, daemon=True)
+
+    def until(cond, what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not cond():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.01)
+
+    try:
+        t.start()
+        until(lambda: getattr(w.error, "status", None) == 403, "a refused first read")
+        time.sleep(0.2)  # several refused retries
+        assert not w.removed.is_set() and not w.read_once
+        d = decide_from_daemonset(*w.read("sg", "sg-agent", grace_s=0))
+        assert d.action == ExitAction.KEEP and "never read" in d.reason
+
+        reply["status"] = 200  # the RoleBinding takes effect
+        until(lambda: w.read_once and reply["lists"] >= 1, "a successful list")
+        assert decide_from_daemonset(*w.read("sg", "sg-agent", grace_s=0)).action == ExitAction.KEEP
+
+        reply["status"] = 403  # the release's RBAC is deleted
+        until(w.removed.is_set, "the refusal taken for removal")
+        d = decide_from_daemonset(*w.read("sg", "sg-agent", grace_s=0))
+        assert d.action == ExitAction.DETACH and "credentials" in d.reason
+
+        reply["status"] = 200  # seen again (a transient refusal): the verdict is cleared
+        until(lambda: not w.removed.is_set(), "the DaemonSet seen again")
+        assert decide_from_daemonset(*w.read("sg", "sg-agent", grace_s=0)).action == ExitAction.KEEP
+    finally:
+        stop.set()
+        t.join(timeout=5)
+        server.shutdown()
+        server.server_close()
