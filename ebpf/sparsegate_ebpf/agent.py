@@ -269,6 +269,7 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
     if args.on_exit == OnExit.DAEMONSET.value:
         ds_namespace, ds_name = args.daemonset.split("/")
         ds_watch = handover.DaemonSetWatch(ds_namespace, ds_name)
+        start.daemonset_watch = ds_watch
         # Its own never-set stop: it must keep following through SIGTERM (the deletion event may
         # arrive just after it); a daemon thread, it ends with the process.
         threading.Thread(target=ds_watch.run, args=(threading.Event(),), name="own-daemonset", daemon=True).start()

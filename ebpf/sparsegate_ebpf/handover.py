@@ -16,8 +16,9 @@ flow the policy denies passes. Two rules close it:
 
 SIGTERM looks the same in both cases, so in Kubernetes the agent asks the API server, at exit,
 whether its DaemonSet still exists and is not being deleted. An uninstall also takes away the
-agent's ServiceAccount and RBAC, often before its pod stops: a 401 or 403 counts as removal
-(detach), else the program would enforce its last policy on the node for ever. When it cannot
+agent's ServiceAccount and RBAC, often before its pod stops: a 401 or 403 after the agent has
+read its DaemonSet once counts as removal (detach), else the program would enforce its last policy
+on the node for ever. When it cannot
 tell (API server unreachable, timeouts, other errors) it keeps the program: a kept program
 enforces the last policy it had, while detaching on a mere restart would let everything through
 until the successor attaches.
@@ -226,6 +227,7 @@ class StartState:
     initial_policy_wait_seconds: float = 0.0
     attached_without_policy: bool = False
     inherited_policy: bool = False
+    daemonset_watch: DaemonSetWatch | None = None  # --on-exit daemonset only
 
 
 class StartCollector:
@@ -252,3 +254,11 @@ class StartCollector:
             "(no document within --initial-policy-timeout)")
         inherited.add_metric([], 1.0 if self._state.inherited_policy else 0.0)
         yield inherited
+        watch = self._state.daemonset_watch
+        if watch is not None:
+            followed = GaugeMetricFamily(
+                "sparsegate_agent_daemonset_followed",
+                "1 while the agent reads its own DaemonSet (--on-exit daemonset); 0 before the first read "
+                "or after an error: at exit it then keeps XDP attached (RBAC missing: it can never detach)")
+            followed.add_metric([], 1.0 if watch.read_once and watch.error is None else 0.0)
+            yield followed

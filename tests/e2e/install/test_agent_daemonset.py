@@ -272,6 +272,10 @@ def test_agent_enforces_the_published_policy_on_veth_packets(stack: Stack, agent
 
 def test_uninstalling_the_daemonset_detaches_xdp(stack: Stack, agent: Agent, veth: HostVeth) -> None:
     assert veth.xdp(), "the agent's program should be attached before the DaemonSet goes"
+    # The chart's RBAC lets the agent follow its own DaemonSet (list + watch by name): without it
+    # the agent cannot tell an uninstall from a restart and keeps XDP attached.
+    wait_for(lambda: sample(try_scrape(agent.metrics_url) or {}, "sparsegate_agent_daemonset_followed") == 1,
+             what="the agent following its DaemonSet", timeout_s=30, interval_s=0.5)
     name = stack.container_name(agent.pod, "agent")
     # The container's log file (k8s-file), held open: still readable once the runner removed the
     # container, so the agent's own account of its stop can be read to the end. (`podman logs

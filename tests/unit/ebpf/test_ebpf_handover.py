@@ -182,6 +182,7 @@ def test_start_metrics() -> None:
     assert "sparsegate_agent_attached_without_policy 1.0" in text
     state.attached_without_policy = False
     assert "sparsegate_agent_attached_without_policy 0.0" in generate_latest(registry).decode()
+    assert "sparsegate_agent_daemonset_followed" not in text  # only with --on-exit daemonset
 
 
 def test_on_applied_runs_only_after_a_valid_policy_is_swapped_in() -> None:
@@ -277,6 +278,13 @@ def test_daemonset_watch_takes_a_refusal_for_removal_only_after_the_credentials_
     threading.Thread(target=server.serve_forever, daemon=True).start()
     stop = threading.Event()
     w = DaemonSetWatch("sg", "sg-agent", api_client=_client(f"http://127.0.0.1:{server.server_address[1]}"))
+    registry = CollectorRegistry()
+    registry.register(StartCollector(state=StartState(daemonset_watch=w)))
+
+    def followed() -> str:
+        return [line for line in generate_latest(registry).decode().splitlines()
+                if line.startswith("sparsegate_agent_daemonset_followed ")][0]
+
     t = threading.Thread(target=w.run, args=(stop,), kwargs={"first_backoff_s": 0.02}, daemon=True)
 
     def until(cond, what: str) -> None:
@@ -290,11 +298,13 @@ def test_daemonset_watch_takes_a_refusal_for_removal_only_after_the_credentials_
         until(lambda: getattr(w.error, "status", None) == 403, "a refused first read")
         time.sleep(0.2)  # several refused retries
         assert not w.removed.is_set() and not w.read_once
+        assert followed() == "sparsegate_agent_daemonset_followed 0.0"  # what the e2e waits for
         d = decide_from_daemonset(*w.read("sg", "sg-agent", grace_s=0))
         assert d.action == ExitAction.KEEP and "never read" in d.reason
 
         reply["status"] = 200  # the RoleBinding takes effect
         until(lambda: w.read_once and reply["lists"] >= 1, "a successful list")
+        assert followed() == "sparsegate_agent_daemonset_followed 1.0"
         assert decide_from_daemonset(*w.read("sg", "sg-agent", grace_s=0)).action == ExitAction.KEEP
 
         reply["status"] = 403  # the release's RBAC is deleted

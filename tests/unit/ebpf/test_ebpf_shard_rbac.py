@@ -51,3 +51,11 @@ def test_agent_gets_and_operator_writes_every_shard_name() -> None:
 def test_shard_names_follow_the_configured_head_name() -> None:
     agent = verbs_by_name(roles("--set", "agent.policyConfigMap=other-policy")["rel-sparsegate-agent"])
     assert agent["other-policy-0"] == {"get"} and agent["other-policy-15"] == {"get"}
+
+
+def test_agent_may_follow_its_own_daemonset_and_no_other() -> None:
+    # DaemonSetWatch lists and watches with fieldSelector metadata.name=<its DaemonSet>: without
+    # list/watch every read is a 403, the agent never knows it is being uninstalled and keeps XDP.
+    rules = [r for r in roles()["rel-sparsegate-agent"]["rules"] if r.get("resources") == ["daemonsets"]]
+    assert rules == [{"apiGroups": ["apps"], "resources": ["daemonsets"], "resourceNames": ["rel-sparsegate-agent"],
+                      "verbs": ["get", "list", "watch"]}], rules
