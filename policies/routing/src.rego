@@ -181,58 +181,51 @@ batch_decisions := [d |
 # The operator's allow-list build: every (caller class, model, port) a rule decides, for the pushed
 # rules and the pods the operator sends (sparsegate.domain.policy_compile.flow_question):
 #
-#   input: {"classes": [{"namespace", "serviceAccount", "labels", "keys": [identity key, ...]}],
-#           "filed": {identity key: [class index, ...]},
-#           "models": [{"namespace", "sparseModel", "ports": [{"port", "protocol"}]}]}
+#   input: {"classes": [{"serviceAccount", "labels"?}],
+#           "models": [{"namespace", "sparseModel", "ports": [{"port", "protocol"}]}],
+#           "one": [[class index, model index, target key, identity key], ...],
+#           "many": [[class index, model index, [[target key, identity key], ...]], ...]}
 #   flow_decisions: [[class index, model index, port, protocol, allow, rule id], ...]
 #
 # The same questions as asking `decision` once per candidate (policy_compile.candidate_queries) and
-# the same answers, without a `with` per question: per model, its buckets are found by ground keys
-# and only the classes filed under those identity keys are considered. A class's keys are the three
-# `identity_keys` would compute for it (the operator files them as it files the rules,
-# sparsegate.domain.policy.identity_key). Ports: those the model's rules name, plus the model pods'
-# ports when a rule names none. A question no rule decides gets no element (default deny).
+# the same answers, without a `with` per question. The operator has joined classes and rule buckets
+# by identity key (indexing, not policy: the buckets a class is filed in are the ones `decision`
+# would look up for it) and sends each model's candidate ports (those its rules name, plus its pods'
+# ports when a rule names none). `one`: the pair's only bucket holds one rule with no service-account
+# or label condition, decided without gathering (most pairs: OPA pays microseconds per expression).
+# A question no rule decides gets no element (default deny).
 
-model_keys(m) := [concat("/", [m.namespace, m.sparseModel]), concat("/", [m.namespace, "*"])]
+flow_decisions contains [i, j, p.port, p.protocol, r.action == "allow", r.id] if {
+	some [i, j, tkey, ikey] in input.one
+	r := data.sparsegate.policies.targets[tkey][ikey][0]
+	flow_scope_ok(r)
+	some p in flow_rule_ports(r, input.models[j].ports)
+}
+
+# A port-less rule covers every candidate port; the ports a rule names are candidates by construction.
+flow_rule_ports(r, candidates) := r.ports if count(r.ports) > 0
+
+else := candidates
 
 flow_decisions contains answer if {
-	some j, m in input.models
-	tkeys := model_keys(m)
-	ports := model_ports(m, tkeys)
-	some tkey in tkeys
-	some ikey, _ in data.sparsegate.policies.targets[tkey]
-	some i in input.filed[ikey]
+	some [i, j, buckets] in input.many
 	c := input.classes[i]
 
-	# The class's rules for this model whose port-independent conditions hold (a class filed in two
-	# of the model's buckets is decided twice, identically: a set keeps one answer).
+	# The class's rules for this model whose port-independent conditions hold.
 	rules := [r |
-		some k in tkeys
-		some key in c.keys
-		some r in data.sparsegate.policies.targets[k][key]
+		some [tkey, ikey] in buckets
+		some r in data.sparsegate.policies.targets[tkey][ikey]
 		service_account_ok(r, c.serviceAccount)
 		labels_ok(r, object.get(c, "labels", {}))
 		flow_scope_ok(r)
 	]
 	count(rules) > 0
-	some p in ports
+	some p in input.models[j].ports
 	denies := [r.id | some r in rules; r.action == "deny"; port_ok(r, p.port, p.protocol)]
 	allows := [r.id | some r in rules; r.action == "allow"; port_ok(r, p.port, p.protocol)]
 	verdict := flow_verdict(denies, allows, rules)
 	answer := [i, j, p.port, p.protocol, verdict[0], verdict[1]]
 }
-
-# Candidate ports of a model: those its rules name, and its pods' ports if a rule names none.
-model_ports(m, tkeys) := {{"port": p.port, "protocol": lower(p.protocol)} |
-	some tkey in tkeys
-	some rules in data.sparsegate.policies.targets[tkey]
-	some r in rules
-	some p in rule_ports(r, m)
-}
-
-rule_ports(r, m) := m.ports if count(object.get(r, "ports", [])) == 0
-
-rule_ports(r, _) := r.ports if count(object.get(r, "ports", [])) > 0
 
 # scope_ok for both lists when the request names neither (a flow): any Allow, an unscoped Deny.
 flow_scope_ok(r) if r.action == "allow"

@@ -184,8 +184,11 @@ test_spiffe_id_alone_gives_namespace_and_service_account if {
 
 # --- The whole allow-list in one evaluation ------------------------------------------------------
 
-# Classes and models as the operator sends them (policy_compile.flow_question): each class with
-# its identity keys, the reverse index, and the models with their pods' ports.
+# Classes and models as the operator sends them (policy_compile.flow_question): classes with the
+# identity keys they are filed under (`keys`, used here to join them, not read by the policy),
+# models with their candidate ports (named by a rule, or the pods' ports where a rule names none),
+# and the pairs joined by identity key, split into `one` (a single bucket of one unconditional rule)
+# and `many`.
 flow_classes := [
 	{"serviceAccount": "frontend", "keys": [frontend_id, "ns:web", "*"]},
 	{"serviceAccount": "job", "labels": {"tier": "trusted"}, "keys": ["spiffe://cluster.local/ns/batch/sa/job", "ns:batch", "*"]},
@@ -194,18 +197,50 @@ flow_classes := [
 	{"serviceAccount": "intruder", "keys": ["spiffe://cluster.local/ns/web/sa/intruder", "ns:web", "*"]},
 ]
 
-flow_input := {
-	"classes": flow_classes,
-	"filed": {key: idxs |
-		some c in flow_classes
-		some key in c.keys
-		idxs := [i | some i, d in flow_classes; key in d.keys]
-	},
-	"models": [
-		{"namespace": "models", "sparseModel": "mixtral", "ports": [{"port": 8080, "protocol": "tcp"}]},
-		{"namespace": "models", "sparseModel": "llama", "ports": [{"port": 8080, "protocol": "tcp"}, {"port": 7070, "protocol": "udp"}]},
+flow_models := [
+	{"namespace": "models", "sparseModel": "mixtral", "ports": [{"port": 8080, "protocol": "tcp"}, {"port": 9090, "protocol": "tcp"}]},
+	{"namespace": "models", "sparseModel": "llama", "ports": [{"port": 7070, "protocol": "udp"}, {"port": 8080, "protocol": "tcp"}]},
+]
+
+flow_pairs(p) := [[i, j, bs] |
+	some j, m in flow_models
+	some i, c in flow_classes
+	bs := [[t, k] |
+		some t in [concat("/", [m.namespace, m.sparseModel]), concat("/", [m.namespace, "*"])]
+		some k in c.keys
+		p.targets[t][k]
+	]
+	count(bs) > 0
+]
+
+unconditional(r) if {
+	not r.serviceAccount
+	count(r.matchLabels) == 0
+}
+
+flow_input_for(p) := {
+	"classes": [object.remove(c, ["keys"]) | some c in flow_classes],
+	"models": flow_models,
+	"one": [[i, j, bs[0][0], bs[0][1]] |
+		some [i, j, bs] in flow_pairs(p)
+		count(bs) == 1
+		count(p.targets[bs[0][0]][bs[0][1]]) == 1
+		unconditional(p.targets[bs[0][0]][bs[0][1]][0])
+	],
+	"many": [[i, j, bs] |
+		some [i, j, bs] in flow_pairs(p)
+		not [i, j, bs[0][0], bs[0][1]] in flow_input_one(p)
 	],
 }
+
+flow_input_one(p) := {[i, j, bs[0][0], bs[0][1]] |
+	some [i, j, bs] in flow_pairs(p)
+	count(bs) == 1
+	count(p.targets[bs[0][0]][bs[0][1]]) == 1
+	unconditional(p.targets[bs[0][0]][bs[0][1]][0])
+}
+
+flow_input := flow_input_for(policies)
 
 flows := fs if {
 	fs := routing.flow_decisions with input as flow_input with data.sparsegate.policies as policies
@@ -225,8 +260,8 @@ test_flow_decisions_cover_every_decided_flow if {
 
 test_flow_decisions_agree_with_single_decisions if {
 	every f in flows {
-		c := flow_input.classes[f[0]]
-		m := flow_input.models[f[1]]
+		c := flow_classes[f[0]]
+		m := flow_models[f[1]]
 		ns := split(c.keys[1], ":")[1]
 		d := decide(req(caller(ns, c.serviceAccount, object.get(c, "labels", {})), {"namespace": m.namespace, "sparseModel": m.sparseModel, "port": f[2], "protocol": f[3]}))
 		d.allow == f[4]
@@ -240,7 +275,7 @@ test_flow_decisions_rank_several_hits_and_skip_scoped_deny if {
 		rule("models/high#s0t0", "allow", {"priority": 50}),
 		rule("models/no-math#s0t0", "deny", {"expertGroups": ["math"]}),
 	]}])
-	fs := routing.flow_decisions with input as flow_input with data.sparsegate.policies as p
+	fs := routing.flow_decisions with input as flow_input_for(p) with data.sparsegate.policies as p
 	[0, 0, 8080, "tcp", true, "models/high#s0t0"] in fs
 	not [0, 0, 8080, "tcp", true, "models/allow-frontend#s0t0"] in fs
 	[4, 0, 8080, "tcp", true, "models/high#s0t0"] in fs # web/intruder: the namespace-wide allows
@@ -248,6 +283,26 @@ test_flow_decisions_rank_several_hits_and_skip_scoped_deny if {
 
 test_flow_decisions_without_data_or_classes_are_empty if {
 	count(routing.flow_decisions) == 0 with input as flow_input
-	count(routing.flow_decisions) == 0 with input as {"classes": [], "filed": {}, "models": flow_input.models}
+	count(routing.flow_decisions) == 0 with input as {"classes": [], "models": flow_models, "one": [], "many": []}
 		with data.sparsegate.policies as policies
+}
+
+test_flow_input_exercises_both_paths if {
+	flow_input.one == [[1, 1, "models/*", "ns:batch"]] # batch/job -> llama: batch-all alone
+	count(flow_input.many) == 5 # every class reaches mixtral through its "*" bucket
+}
+
+# The shortcut for `one` answers exactly what gathering would.
+test_one_rule_shortcut_agrees_with_the_general_path if {
+	all_many := object.union(flow_input, {"one": [], "many": [[i, j, bs] | some [i, j, bs] in flow_pairs(policies)]})
+	routing.flow_decisions == flows with input as all_many with data.sparsegate.policies as policies
+}
+
+test_one_rule_shortcut_answers_only_the_ports_its_rule_names if {
+	p := json.patch(policies, [{"op": "add", "path": "/targets/models~1llama", "value": {frontend_id: [rule("models/fe-llama#s0t0", "allow", {"ports": [{"port": 7070, "protocol": "udp"}]})]}}])
+	inp := flow_input_for(p)
+	[0, 1, "models/llama", frontend_id] in inp.one
+	fs := routing.flow_decisions with input as inp with data.sparsegate.policies as p
+	[0, 1, 7070, "udp", true, "models/fe-llama#s0t0"] in fs
+	not [0, 1, 8080, "tcp", true, "models/fe-llama#s0t0"] in fs
 }

@@ -148,14 +148,36 @@ def _models(pods: Iterable[PodInfo]) -> dict[tuple[str, str], list[PodInfo]]:
     return models
 
 
+def _model_buckets(
+    targets: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]], *, namespace: str, model: str
+) -> list[tuple[str, str]]:
+    """The rule buckets (target key, identity key) that can decide flows to one model."""
+    return [(tkey, ikey)
+            for tkey in (target_key(namespace=namespace, model=model), target_key(namespace=namespace, model=ANY))
+            for ikey in (targets.get(tkey) or {})]
+
+
+def _candidate_ports(
+    targets: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]], buckets: Iterable[tuple[str, str]],
+    model_pods: Sequence[PodInfo],
+) -> set[Port]:
+    """Ports worth asking about for a model: those its rules name, plus its pods' declared ports when
+    a rule names none (a port-less rule covers every port, and the pods' ports are the ones that matter)."""
+    ports: set[Port] = set()
+    for tkey, ikey in buckets:
+        for rule in targets[tkey][ikey]:
+            if rule.get("ports"):
+                ports.update(Port(port=p["port"], protocol=p["protocol"]) for p in rule["ports"])
+            else:
+                ports.update(port for pod in model_pods for port in pod.ports)
+    return ports
+
+
 def candidate_queries(
     *, targets: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]], pods: Sequence[PodInfo], trust_domain: str
 ) -> list[QueryKey]:
-    """The questions worth asking, given the indexed rules (`data.sparsegate.policies.targets`).
-
-    Ports: those the target's rules name, plus the model pods' declared ports when a rule names none
-    (a port-less rule covers every port, and the pods' ports are the ones that matter).
-    """
+    """The questions worth asking, given the indexed rules (`data.sparsegate.policies.targets`), on
+    the candidate ports (`_candidate_ports`)."""
     # identity key -> identity classes filed there: each bucket finds its classes by lookup, so the
     # cost follows the matches, not models × classes.
     by_key: dict[str, set[tuple[str, str, tuple[tuple[str, str], ...]]]] = {}
@@ -164,20 +186,11 @@ def candidate_queries(
             by_key.setdefault(key, set()).add(pod.identity)
     queries: set[QueryKey] = set()
     for (namespace, model), model_pods in sorted(_models(pods).items()):
-        buckets: dict[str, list[Mapping[str, Any]]] = {}
-        for tkey in (target_key(namespace=namespace, model=model), target_key(namespace=namespace, model=ANY)):
-            for ikey, rules in (targets.get(tkey) or {}).items():
-                buckets.setdefault(ikey, []).extend(rules)
+        buckets = _model_buckets(targets, namespace=namespace, model=model)
         if not buckets:
             continue
-        ports: set[Port] = set()
-        for rules in buckets.values():
-            for rule in rules:
-                if rule.get("ports"):
-                    ports.update(Port(port=p["port"], protocol=p["protocol"]) for p in rule["ports"])
-                else:
-                    ports.update(port for pod in model_pods for port in pod.ports)
-        classes = set().union(*(by_key.get(ikey, ()) for ikey in buckets))
+        ports = _candidate_ports(targets, buckets, model_pods)
+        classes = set().union(*(by_key.get(ikey, ()) for _, ikey in buckets))
         for ns, sa, labels in classes:
             for port in ports:
                 queries.add(
@@ -215,43 +228,65 @@ class FlowQuestion:
 
 
 def flow_question(
-    *, targets: Mapping[str, Mapping[str, Any]], pods: Sequence[PodInfo], trust_domain: str
+    *, targets: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]], pods: Sequence[PodInfo], trust_domain: str
 ) -> FlowQuestion:
-    """The identity classes and models of `pods` that the indexed rules (`targets`) can decide, as
+    """The (identity class, model) pairs of `pods` that the indexed rules (`targets`) can decide, as
     `flow_decisions` takes them.
 
-    Each class comes with the identity keys it is filed under (of the three `identity_keys` gives,
-    those some rule bucket uses) and the input carries the reverse index, so that OPA finds the
-    classes of a bucket by lookup (grouping them inside Rego cost more than the decisions). Classes
-    filed under no used key and models without rules cannot get an entry and are left out: the input
-    OPA parses stays proportional to what can match.
+    The join of classes and rule buckets by identity key is done here, not in Rego: it is indexing,
+    not policy, and OPA pays several microseconds per expression (grouping inside Rego cost more than
+    the decisions). Each pair names its buckets; a pair whose one bucket holds one rule with no
+    service-account or label condition goes to `one` (OPA decides it without gathering), every other
+    pair to `many`. Models carry their candidate ports (`_candidate_ports`, as `candidate_queries`
+    asks). Classes and models no bucket joins are left out: the input stays proportional to what can
+    match.
     """
-    used_keys = {ikey for buckets in targets.values() for ikey in buckets}
+    by_key: dict[str, list[int]] = {}
+    identities = sorted({pod.identity for pod in pods})
+    for index, (ns, sa, _labels) in enumerate(identities):
+        for key in (spiffe_id(trust_domain=trust_domain, namespace=ns, service_account=sa), f"ns:{ns}", ANY):
+            by_key.setdefault(key, []).append(index)
+    class_index: dict[int, int] = {}  # position in `identities` -> position in the input's classes
     classes: list[tuple[str, str, tuple[tuple[str, str], ...]]] = []
-    filed: dict[str, list[int]] = {}
-    rows: list[dict[str, Any]] = []
-    for ns, sa, labels in sorted({pod.identity for pod in pods}):
-        keys = [key for key in (spiffe_id(trust_domain=trust_domain, namespace=ns, service_account=sa),
-                                f"ns:{ns}", ANY) if key in used_keys]
-        if not keys:
+    class_rows: list[dict[str, Any]] = []
+    models: list[tuple[str, str]] = []
+    model_rows: list[dict[str, Any]] = []
+    one: list[list[Any]] = []
+    many: list[list[Any]] = []
+    for (ns, model), model_pods in sorted(_models(pods).items()):
+        buckets = _model_buckets(targets, namespace=ns, model=model)
+        per_class: dict[int, list[tuple[str, str]]] = {}
+        for tkey, ikey in buckets:
+            for index in by_key.get(ikey, ()):
+                per_class.setdefault(index, []).append((tkey, ikey))
+        if not per_class:
             continue
-        for key in keys:
-            filed.setdefault(key, []).append(len(classes))
-        row: dict[str, Any] = {"serviceAccount": sa, "keys": keys}
-        if labels:
-            row["labels"] = dict(labels)
-        rows.append(row)
-        classes.append((ns, sa, labels))
-    models = _models(pods)
-    order = tuple(key for key in sorted(models)
-                  if target_key(namespace=key[0], model=key[1]) in targets
-                  or target_key(namespace=key[0], model=ANY) in targets)
-    model_rows = []
-    for ns, model in order:
-        ports = sorted({port for pod in models[(ns, model)] for port in pod.ports}, key=lambda p: (p.port, p.protocol))
+        j = len(models)
+        models.append((ns, model))
+        ports = sorted(_candidate_ports(targets, buckets, model_pods), key=lambda p: (p.port, p.protocol))
         model_rows.append({"namespace": ns, "sparseModel": model, "ports": [p.to_json() for p in ports]})
-    return FlowQuestion(classes=tuple(classes), models=order,
-                        input={"classes": rows, "filed": filed, "models": model_rows})
+        for index, pair_buckets in sorted(per_class.items()):
+            if index not in class_index:
+                class_index[index] = len(classes)
+                ns_c, sa, labels = identities[index]
+                classes.append(identities[index])
+                row: dict[str, Any] = {"serviceAccount": sa}
+                if labels:
+                    row["labels"] = dict(labels)
+                class_rows.append(row)
+            i = class_index[index]
+            rules = targets[pair_buckets[0][0]][pair_buckets[0][1]]
+            if len(pair_buckets) == 1 and len(rules) == 1 and _unconditional(rules[0]):
+                one.append([i, j, *pair_buckets[0]])
+            else:
+                many.append([i, j, [list(b) for b in pair_buckets]])
+    return FlowQuestion(classes=tuple(classes), models=tuple(models),
+                        input={"classes": class_rows, "models": model_rows, "one": one, "many": many})
+
+
+def _unconditional(rule: Mapping[str, Any]) -> bool:
+    """A rule that holds for every class filed in its bucket (no service account or label condition)."""
+    return rule.get("serviceAccount") is None and not rule.get("matchLabels")
 
 
 def flow_document(
@@ -271,6 +306,7 @@ def flow_document(
     for pod in pods:
         by_identity.setdefault(pod.identity, []).append(pod)
     models = _models(pods)
+    dst_classes = {key: {pod.identity for pod in model_pods} for key, model_pods in models.items()}
     found = set()
     for query, decision in decisions.items():
         rule = decision.get("rule") or ""
@@ -280,7 +316,7 @@ def flow_document(
         if src not in by_identity:
             continue  # no pod of that class now: nothing to allow or deny
         action = flowpolicy.ALLOW if decision.get("allow") else flowpolicy.DENY
-        for dst in {pod.identity for pod in models.get((query.target_namespace, query.model), ())}:
+        for dst in dst_classes.get((query.target_namespace, query.model), ()):
             found.add((src, dst, query.port, query.protocol, action, rule))
     # More classes than identity numbers: numbered past MAX_IDENTITY, which the capacity check
     # (domain.policy_capacity) refuses before the document is published.

@@ -21,6 +21,7 @@ from sparsegate.domain.policy_compile import (
     candidate_queries,
     decision_counts,
     flow_document,
+    flow_question,
     ip_owners,
     narrow_document,
     narrow_undecided,
@@ -70,6 +71,36 @@ def test_only_identity_classes_filed_under_the_target_are_asked() -> None:
     # fe-0 and fe-1 share one identity class; port from the model pods (the rule names none)
     assert queries == [QueryKey("web", "frontend", (("app", "fe"),), "models", "mixtral", 8080, "tcp")]
     assert queries[0].opa_input(trust_domain=TD)["source"]["spiffeID"] == "spiffe://cluster.local/ns/web/sa/frontend"
+
+
+def test_flow_question_joins_classes_and_buckets_and_asks_what_the_questions_ask() -> None:
+    """One question for the whole allow-list: the (class, model) pairs and candidate ports are the
+    per-question path's, and only a pair with one unconditional rule skips gathering in OPA."""
+    targets = _targets(
+        {"action": "Allow", "sources": [{"namespace": "web", "serviceAccount": "frontend"}],
+         "targets": [{"sparseModel": "mixtral"}], "ports": [{"port": 9090}]},
+        {"action": "Deny", "sources": [{"namespace": "batch"}], "targets": [{"sparseModel": "*"}]},
+        {"action": "Allow", "sources": [{"namespace": "web", "serviceAccount": "other", "matchLabels": {"a": "b"}}],
+         "targets": [{"sparseModel": "mixtral"}]})
+    pods = [M1, M2, FE, FE2, OTHER, BATCH]
+    q = flow_question(targets=targets, pods=pods, trust_domain=TD)
+    assert q.models == (("models", "mixtral"),)
+    assert q.input["models"] == [{"namespace": "models", "sparseModel": "mixtral",
+                                  "ports": [{"port": 8080, "protocol": "tcp"}, {"port": 9090, "protocol": "tcp"}]}]
+    classes = {c[:2]: i for i, c in enumerate(q.classes)}
+    assert set(classes) == {("web", "frontend"), ("web", "other"), ("batch", "job")}  # x-0 / m-*: no bucket
+    assert q.input["classes"][classes[("web", "frontend")]] == {"serviceAccount": "frontend", "labels": {"app": "fe"}}
+    fe = "spiffe://cluster.local/ns/web/sa/frontend"
+    other = "spiffe://cluster.local/ns/web/sa/other"
+    assert sorted(q.input["one"]) == sorted([[classes[("web", "frontend")], 0, "models/mixtral", fe],
+                                             [classes[("batch", "job")], 0, "models/*", "ns:batch"]])
+    # A label condition must be checked against the class: gathered.
+    assert q.input["many"] == [[classes[("web", "other")], 0, [["models/mixtral", other]]]]
+    # Every question the per-question path asks names a pair of the one question, on its ports.
+    pairs = {(q.classes[i][:2], q.models[j]) for i, j, *_ in q.input["one"] + q.input["many"]}
+    asked = candidate_queries(targets=targets, pods=pods, trust_domain=TD)
+    assert {((a.namespace, a.service_account), (a.target_namespace, a.model)) for a in asked} == pairs
+    assert {a.port for a in asked} == {8080, 9090}
 
 
 def test_rule_ports_and_namespace_wide_selectors() -> None:
