@@ -179,6 +179,7 @@ class ContainerPodRunner:
         self._stop = threading.Event()
         self._changed = threading.Event()
         self._images: set[str] = set()
+        self._removing: set[str] = set()  # containers being stopped and removed (one removal each)
 
     # -- API lookups ------------------------------------------------------------------------
 
@@ -430,11 +431,27 @@ class ContainerPodRunner:
         track = self.tracks.pop(name, None)
         if track is not None and track.busy:
             return
+        with self._lock:
+            # The next pass still lists a container that is stopping: one removal is enough (a
+            # second `podman rm -f` of a stopping container must not cut its grace short).
+            if name in self._removing:
+                return
+            self._removing.add(name)
         self.pool.submit(self._remove_now, name, grace_s)
 
     def _remove_now(self, name: str, grace_s: int) -> None:
-        podman.podman("rm", "-f", "-t", str(grace_s), "--ignore", name, check=False)
-        LOG.info("removed %s", name)
+        # Stop first (SIGTERM, SIGKILL after the grace), so the log says how the container ended:
+        # exit code 137 means the grace ran out (or something else killed it).
+        try:
+            t0 = time.monotonic()
+            podman.podman("stop", "-t", str(grace_s), "--ignore", name, check=False)
+            inspect = podman.podman("inspect", "--format", "{{.State.ExitCode}}", name, check=False)
+            podman.podman("rm", "-f", "-t", str(grace_s), "--ignore", name, check=False)
+            LOG.info("removed %s: stopped in %.1fs (grace %ds), exit code %s", name, time.monotonic() - t0, grace_s,
+                     inspect.stdout.strip() or "unknown")
+        finally:
+            with self._lock:
+                self._removing.discard(name)
 
     def _forget_pod(self, uid: str) -> None:
         plan = self.plans.pop(uid)

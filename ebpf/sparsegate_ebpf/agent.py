@@ -494,8 +494,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     stop = threading.Event()
+    def on_signal(signum: int, _frame: object) -> None:
+        # os.write takes no Python lock (logging does, and the main thread may hold it here).
+        os.write(2, f"signal {signum} received: stopping\n".encode())
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
+        signal.signal(sig, on_signal)
     return run(args, stop=stop)
 
 
