@@ -18,6 +18,8 @@ Side by side, per rule count N:
 Then the log-log slope of p50/p99 against N (0 = flat, 1 = linear). A widely reported figure for a
 naive engine is 680 ms at 2,000 rules with O(n²) growth; our target is p99 < 1 ms at 10,000 rules.
 Cross-check: `opa bench` on the same policy, data and one input, at the largest N.
+OPA runs with the chart's Go collector settings (`opa.gogc`, `opa.goMemLimit` in
+charts/sparsegate/values.yaml), as the sidecar does; `--go-defaults` runs it with Go's defaults.
 Results also go to tests/bench/results/bench_opa.json.
 """
 
@@ -85,6 +87,14 @@ decision := {"allow": true} if allow
 """
 
 
+def chart_go_env() -> dict[str, str]:
+    """GOGC / GOMEMLIMIT as the chart sets them on the OPA sidecar (empty values: unset)."""
+    import yaml
+
+    opa = yaml.safe_load((Path(__file__).resolve().parents[2] / "charts/sparsegate/values.yaml").read_text())["opa"]
+    return {k: str(v) for k, v in (("GOGC", opa.get("gogc")), ("GOMEMLIMIT", opa.get("goMemLimit"))) if v}
+
+
 def opa_binary() -> str:
     path = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache/sparsegate/bin")) / "opa"
     found = str(path) if path.is_file() else shutil.which("opa")
@@ -128,13 +138,14 @@ def naive_data(sources: list[PolicySource]) -> dict:
 
 
 class Opa:
-    def __init__(self, binary: str) -> None:
+    def __init__(self, binary: str, *, go_env: dict[str, str] | None = None) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if k not in ("GOGC", "GOMEMLIMIT")} | (go_env or {})
         self.proc = subprocess.Popen([binary, "run", "--server", "--addr", f"127.0.0.1:{self.port}", "--log-level",
                                       "error", "--disable-telemetry"], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+                                     stderr=subprocess.DEVNULL, start_new_session=True, env=env)
         for _ in range(200):
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=0.5)
@@ -207,11 +218,14 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=2000)
     parser.add_argument("--naive-queries", type=int, default=300)
     parser.add_argument("--build-repeats", type=int, default=3)
+    parser.add_argument("--go-defaults", action="store_true", help="run OPA without the chart's GOGC/GOMEMLIMIT")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     rng = random.Random(7)
     binary = opa_binary()
-    opa = Opa(binary)
+    go_env = {} if args.go_defaults else chart_go_env()
+    print(f"OPA with {go_env or 'Go defaults'}")
+    opa = Opa(binary, go_env=go_env)
     rows = []
     try:
         for n in sizes:
@@ -259,6 +273,7 @@ def main() -> None:
                          "compile_s": compile_s, "build_s": build_s, "allowed": sum(allowed)})
             print(f"  N={n}: done ({len(queries)} OPA questions → {rows[-1]['entries']} IP-level entries; build "
                   f"{compile_s:.2f}s → {build_s:.2f}s)", file=sys.stderr)
+        go_cmp = compare_go_defaults(binary, opa, data, probes, args.queries) if go_env else None
     finally:
         opa.stop()
 
@@ -297,8 +312,32 @@ def main() -> None:
         build_verdict = "MET" if last["build_s"] < 0.5 else "NOT MET"
         print(f"Target allow-list build < 0.5 s at {last['n']} rules: {last['build_s']:.2f} s → {build_verdict} "
               f"(old path {last['compile_s']:.2f} s)")
+        if go_cmp is not None:
+            ours, plain = go_cmp
+            print(f"Same {last['n']} rules, REST p50 / p99 side by side (alternating): chart's {go_env} "
+                  f"{pct(ours, 0.5):.0f} / {pct(ours, 0.99):.0f} µs vs Go defaults {pct(plain, 0.5):.0f} / "
+                  f"{pct(plain, 0.99):.0f} µs (p99 ratio {pct(ours, 0.99) / pct(plain, 0.99):.2f})")
     cross_check(binary, sizes[-1])
     save(rows)
+
+
+def compare_go_defaults(binary: str, opa: Opa, data: dict, probes: list[dict], queries: int
+                        ) -> tuple[list[float], list[float]]:
+    """REST latency of `opa` (the chart's GOGC/GOMEMLIMIT) and of a second OPA with Go's defaults,
+    same policy, data and probes, in alternating chunks so machine noise hits both alike."""
+    plain = Opa(binary, go_env={})
+    try:
+        plain.put("/v1/policies/sparsegate-routing", REGO, "text/plain")
+        plain.put("/v1/data/sparsegate/policies", json.dumps(data), "application/json")
+        path = "/v1/data/sparsegate/routing/decision"
+        ours: list[float] = []
+        theirs: list[float] = []
+        for _ in range(4):
+            ours += opa.latencies(path, probes, queries // 4, metrics=False)[0]
+            theirs += plain.latencies(path, probes, queries // 4, metrics=False)[0]
+        return ours, theirs
+    finally:
+        plain.stop()
 
 
 def save(rows: list[dict]) -> None:

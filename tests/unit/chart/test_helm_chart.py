@@ -222,6 +222,21 @@ def test_opa_is_a_sidecar_by_default_listening_on_the_pod_ip_with_token_auth():
         "annotations"]["checksum/opa-authz"]
 
 
+def test_opa_gets_its_go_collector_settings_and_they_can_be_removed():
+    """GOGC / GOMEMLIMIT for the OPA sidecar (bench_opa starts OPA with the same values), under the
+    container's memory limit; empty values render nothing; malformed ones are refused."""
+    opa = containers(render(), "Deployment")["opa"]
+    env = env_of(opa)
+    assert (env["GOGC"]["value"], env["GOMEMLIMIT"]["value"]) == ("400", "230MiB")
+    assert opa["resources"]["limits"]["memory"] == "256Mi"  # the soft limit stays ~10 % under it
+    bare = env_of(containers(render(None, "--set", "opa.gogc=", "--set", "opa.goMemLimit="), "Deployment")["opa"])
+    assert "GOGC" not in bare and "GOMEMLIMIT" not in bare
+    for bad in ("opa.gogc=fast", "opa.goMemLimit=lots"):
+        proc = subprocess.run([str(BIN / "helm"), "template", "rel", str(CHART), "--set", bad],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0 and bad.split("=")[0].split(".")[1] in proc.stderr, proc.stderr
+
+
 def test_opa_token_is_random_per_install_and_an_existing_secret_replaces_it():
     assert opa_token_secret(render())["data"] != opa_token_secret(render())["data"]  # no lookup here
     docs = render(None, "--set", "opa.auth.existingSecret=mine", "--set", "opa.auth.existingSecretKey=k")

@@ -75,7 +75,9 @@ def sidecar(tmp_path):
     for key, text in cm["data"].items():
         (tmp_path / key).write_text(text)
     values = {"POD_IP": POD_IP, "SPARSEGATE_OPA_TOKEN": token}
-    assert set(env_of(opa)) == set(values)  # the sidecar's whole env is these two
+    # The sidecar's whole env: these two and its Go collector settings (run with them here too).
+    values.update({e["name"]: e["value"] for e in opa["env"] if e["name"] in ("GOGC", "GOMEMLIMIT")})
+    assert set(env_of(opa)) == set(values) == {"POD_IP", "SPARSEGATE_OPA_TOKEN", "GOGC", "GOMEMLIMIT"}
     args = [_expand(a, values).replace(mount["mountPath"], str(tmp_path)) for a in opa["args"]]
     proc = subprocess.Popen([_opa(), *args], env={**values, "PATH": os.environ.get("PATH", "")},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
