@@ -345,6 +345,8 @@ def _assign_fixed_k(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch
     fields, order and slots. A capacity cap that would drop something takes `assign` itself."""
     num_tokens, num_experts = probs.shape
     k = sorted_p.shape[1]
+    if num_tokens == 1:
+        return _assign_one_token(probs, sorted_p, sorted_e, capacity_factor=capacity_factor, normalize=normalize)
     weights = sorted_p / sorted_p.sum(dim=-1, keepdim=True) if normalize else sorted_p
     n_assign = num_tokens * k
     # Assignment i = (token i // k, rank i % k); grouped by expert, then rank, then token.
@@ -370,6 +372,34 @@ def _assign_fixed_k(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch
                    slots=slots, per_token=torch.full((num_tokens,), k, device=probs.device),
                    selected=torch.full((num_tokens,), k, device=probs.device), probs=probs,
                    dropped=0, capacity=capacity,
+                   aux_loss=num_experts * (frac * probs.mean(dim=0)).sum(),
+                   entropy=-(probs * probs.clamp_min(1e-12).log()).sum(dim=-1).mean())
+
+
+def _assign_one_token(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch.Tensor, *,
+                      capacity_factor: float | None, normalize: bool) -> Routing:
+    """`_assign_fixed_k` for a single token (decoding one sequence): its k picks ordered by expert
+    on the host (k integers), instead of the sort and scatter a batch needs; the same Routing."""
+    num_experts = probs.shape[1]
+    k = sorted_p.shape[1]
+    picks = sorted_e[0].tolist()  # the block's single host sync
+    counts = [0] * num_experts
+    for e in picks:
+        counts[e] += 1
+    capacity = None
+    if capacity_factor is not None:
+        capacity = max(1, math.ceil(capacity_factor * k / num_experts))
+        if max(counts) > capacity:
+            return assign(probs, sorted_p, sorted_e, torch.ones_like(sorted_p, dtype=torch.bool),
+                          capacity_factor=capacity_factor, normalize=normalize)
+    device = probs.device
+    order = torch.tensor(sorted(range(k), key=picks.__getitem__), device=device)
+    weights = sorted_p / sorted_p.sum(dim=-1, keepdim=True) if normalize else sorted_p
+    frac = torch.tensor(counts, device=device).float() / k
+    return Routing(token_idx=torch.zeros(k, dtype=torch.long, device=device), weights=weights.reshape(-1)[order],
+                   counts=counts, slots=torch.arange(k, device=device).view(1, k),
+                   per_token=torch.full((1,), k, device=device), selected=torch.full((1,), k, device=device),
+                   probs=probs, dropped=0, capacity=capacity,
                    aux_loss=num_experts * (frac * probs.mean(dim=0)).sum(),
                    entropy=-(probs * probs.clamp_min(1e-12).log()).sum(dim=-1).mean())
 
