@@ -131,6 +131,12 @@ def _stage_context(p: Planned, co: Checkout, cache: Path) -> Path:
     return ctx
 
 
+# runc failing to start a RUN step's process, not the step's own command failing: seen once on
+# these machines ("Close_Fd sealing memfd copy: Device or resource busy" from runc's re-exec).
+TRANSIENT_RUNC_ERRORS = ("sealing memfd",)
+TRANSIENT_ATTEMPTS = 3
+
+
 def _build(p: Planned, co: Checkout, cache: Path) -> None:
     tools.require("buildah", "podman")
     if p.spec.base:
@@ -138,7 +144,15 @@ def _build(p: Planned, co: Checkout, cache: Path) -> None:
     ctx = _stage_context(p, co, cache)
     try:
         argv = spec.buildah_argv(p.spec, p.inputs, str(co.containerfile(p.spec)), str(ctx))
-        tools.run(argv, what=f"buildah bud of {p.ref}", timeout=3600)
+        for attempt in range(1, TRANSIENT_ATTEMPTS + 1):
+            try:
+                tools.run(argv, what=f"buildah bud of {p.ref}", timeout=3600)
+                break
+            except ImageBuildError as exc:
+                if attempt == TRANSIENT_ATTEMPTS or not any(t in str(exc) for t in TRANSIENT_RUNC_ERRORS):
+                    raise
+                tools.log(f"{p.ref}: transient runc failure in a RUN step, building again "
+                          f"(attempt {attempt + 1} of {TRANSIENT_ATTEMPTS}; finished layers are cached)")
     finally:
         shutil.rmtree(ctx, ignore_errors=True)
 

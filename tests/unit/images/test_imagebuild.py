@@ -338,3 +338,30 @@ def test_prune_dirs_keeps_current_newest_and_incomplete(tmp_path: Path) -> None:
     (tmp_path / "core-partial").mkdir()  # no KEY: being written by someone, never removed
     wheels.prune_dirs(tmp_path, "core-*", tmp_path / "core-a", keep=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["core-a", "core-d", "core-partial", "workload-x"]
+
+
+def test_a_transient_runc_failure_is_built_again_and_a_real_failure_is_not(
+        checkout: build.Checkout, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (planned,) = [p for p in build.plan(["operator"], checkout)]
+    monkeypatch.setattr(build.tools, "require", lambda *names: None)
+    monkeypatch.setattr(build.bases, "ensure_base", lambda *a, **k: None)
+    monkeypatch.setattr(build, "_stage_context", lambda p, co, cache: tmp_path / "ctx")
+    outcomes: list[str] = []
+
+    def fake_run(argv, *, what, **kw):
+        outcome = outcomes.pop(0)
+        if outcome != "ok":
+            raise build.ImageBuildError(f"{what} failed (1): {outcome}")
+
+    monkeypatch.setattr(build.tools, "run", fake_run)
+    outcomes[:] = ["Error: Close_Fd sealing memfd copy: Device or resource busy", "ok"]
+    build._build(planned, checkout, tmp_path)
+    assert outcomes == []  # built again, once
+    outcomes[:] = ["STEP 7/16: pip check: sparsegate 0.1.0 requires torch", "ok"]
+    with pytest.raises(build.ImageBuildError, match="pip check"):
+        build._build(planned, checkout, tmp_path)
+    assert outcomes == ["ok"]  # a step's own failure is not retried
+    outcomes[:] = ["sealing memfd"] * build.TRANSIENT_ATTEMPTS
+    with pytest.raises(build.ImageBuildError, match="sealing memfd"):
+        build._build(planned, checkout, tmp_path)
+    assert outcomes == []
