@@ -342,64 +342,50 @@ FIXED_K_FAST_TOKENS = 64
 def _assign_fixed_k(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch.Tensor, *,
                     capacity_factor: float | None, normalize: bool) -> Routing:
     """`gating.assign` for every token keeping exactly its top k (inference only): identical
-    fields, order and slots. A capacity cap that would drop something takes `assign` itself."""
+    fields, order and slots. A capacity cap that would drop something takes `assign` itself.
+    A single token (decoding one sequence) orders its k picks on the host (k integers) instead of
+    the sort and scatter a batch needs."""
     num_tokens, num_experts = probs.shape
     k = sorted_p.shape[1]
-    if num_tokens == 1:
-        return _assign_one_token(probs, sorted_p, sorted_e, capacity_factor=capacity_factor, normalize=normalize)
-    weights = sorted_p / sorted_p.sum(dim=-1, keepdim=True) if normalize else sorted_p
+    device = probs.device
     n_assign = num_tokens * k
-    # Assignment i = (token i // k, rank i % k); grouped by expert, then rank, then token.
-    flat_e = sorted_e.reshape(-1)
-    position = torch.arange(n_assign, device=probs.device)
-    token = torch.div(position, k, rounding_mode="floor")
-    order = ((flat_e * k + position % k) * num_tokens + token).argsort()
-    counts_all = torch.bincount(flat_e, minlength=num_experts)
-    counts = counts_all.tolist()  # the block's single host sync, as in assign
+    if num_tokens == 1:
+        picks = sorted_e[0].tolist()  # the block's single host sync
+        counts = [0] * num_experts
+        for e in picks:
+            counts[e] += 1
+    else:
+        # Assignment i = (token i // k, rank i % k); grouped by expert, then rank, then token.
+        flat_e = sorted_e.reshape(-1)
+        position = torch.arange(n_assign, device=device)
+        token = torch.div(position, k, rounding_mode="floor")
+        order = ((flat_e * k + position % k) * num_tokens + token).argsort()
+        counts_all = torch.bincount(flat_e, minlength=num_experts)
+        counts = counts_all.tolist()  # the block's single host sync, as in assign
     capacity = None
     if capacity_factor is not None:
         capacity = max(1, math.ceil(capacity_factor * n_assign / num_experts))
         if max(counts) > capacity:
             return assign(probs, sorted_p, sorted_e, torch.ones_like(sorted_p, dtype=torch.bool),
                           capacity_factor=capacity_factor, normalize=normalize)
-    # slots[t] = where token t's k outputs sit in the grouped order, ascending (expert order),
-    # as assign lays them out.
-    where = torch.empty_like(order)
-    where[order] = position
-    slots = where.view(num_tokens, k).sort(dim=1).values
-    frac = counts_all.float() / n_assign
-    return Routing(token_idx=token[order], weights=weights.reshape(-1)[order], counts=counts,
-                   slots=slots, per_token=torch.full((num_tokens,), k, device=probs.device),
-                   selected=torch.full((num_tokens,), k, device=probs.device), probs=probs,
-                   dropped=0, capacity=capacity,
-                   aux_loss=num_experts * (frac * probs.mean(dim=0)).sum(),
-                   entropy=-(probs * probs.clamp_min(1e-12).log()).sum(dim=-1).mean())
-
-
-def _assign_one_token(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch.Tensor, *,
-                      capacity_factor: float | None, normalize: bool) -> Routing:
-    """`_assign_fixed_k` for a single token (decoding one sequence): its k picks ordered by expert
-    on the host (k integers), instead of the sort and scatter a batch needs; the same Routing."""
-    num_experts = probs.shape[1]
-    k = sorted_p.shape[1]
-    picks = sorted_e[0].tolist()  # the block's single host sync
-    counts = [0] * num_experts
-    for e in picks:
-        counts[e] += 1
-    capacity = None
-    if capacity_factor is not None:
-        capacity = max(1, math.ceil(capacity_factor * k / num_experts))
-        if max(counts) > capacity:
-            return assign(probs, sorted_p, sorted_e, torch.ones_like(sorted_p, dtype=torch.bool),
-                          capacity_factor=capacity_factor, normalize=normalize)
-    device = probs.device
-    order = torch.tensor(sorted(range(k), key=picks.__getitem__), device=device)
+    if num_tokens == 1:
+        order = torch.tensor(sorted(range(k), key=picks.__getitem__), device=device)
+        token_idx = torch.zeros(k, dtype=torch.long, device=device)
+        slots = torch.arange(k, device=device).view(1, k)
+        counts_all = torch.tensor(counts, device=device)
+    else:
+        # slots[t] = where token t's k outputs sit in the grouped order, ascending (expert order),
+        # as assign lays them out.
+        where = torch.empty_like(order)
+        where[order] = position
+        slots = where.view(num_tokens, k).sort(dim=1).values
+        token_idx = token[order]
     weights = sorted_p / sorted_p.sum(dim=-1, keepdim=True) if normalize else sorted_p
-    frac = torch.tensor(counts, device=device).float() / k
-    return Routing(token_idx=torch.zeros(k, dtype=torch.long, device=device), weights=weights.reshape(-1)[order],
-                   counts=counts, slots=torch.arange(k, device=device).view(1, k),
-                   per_token=torch.full((1,), k, device=device), selected=torch.full((1,), k, device=device),
-                   probs=probs, dropped=0, capacity=capacity,
+    frac = counts_all.float() / n_assign
+    return Routing(token_idx=token_idx, weights=weights.reshape(-1)[order], counts=counts,
+                   slots=slots, per_token=torch.full((num_tokens,), k, device=device),
+                   selected=torch.full((num_tokens,), k, device=device), probs=probs,
+                   dropped=0, capacity=capacity,
                    aux_loss=num_experts * (frac * probs.mean(dim=0)).sum(),
                    entropy=-(probs * probs.clamp_min(1e-12).log()).sum(dim=-1).mean())
 
