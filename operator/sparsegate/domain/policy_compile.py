@@ -173,17 +173,24 @@ def _candidate_ports(
     return ports
 
 
+def _classes_by_key(
+    pods: Iterable[PodInfo], *, trust_domain: str
+) -> dict[str, set[tuple[str, str, tuple[tuple[str, str], ...]]]]:
+    """identity key -> the identity classes filed there: each bucket finds its classes by lookup,
+    so the cost follows the matches, not models × classes."""
+    by_key: dict[str, set[tuple[str, str, tuple[tuple[str, str], ...]]]] = {}
+    for pod in pods:
+        for key in identity_keys(pod=pod, trust_domain=trust_domain):
+            by_key.setdefault(key, set()).add(pod.identity)
+    return by_key
+
+
 def candidate_queries(
     *, targets: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]], pods: Sequence[PodInfo], trust_domain: str
 ) -> list[QueryKey]:
     """The questions worth asking, given the indexed rules (`data.sparsegate.policies.targets`), on
     the candidate ports (`_candidate_ports`)."""
-    # identity key -> identity classes filed there: each bucket finds its classes by lookup, so the
-    # cost follows the matches, not models × classes.
-    by_key: dict[str, set[tuple[str, str, tuple[tuple[str, str], ...]]]] = {}
-    for pod in pods:
-        for key in identity_keys(pod=pod, trust_domain=trust_domain):
-            by_key.setdefault(key, set()).add(pod.identity)
+    by_key = _classes_by_key(pods, trust_domain=trust_domain)
     queries: set[QueryKey] = set()
     for (namespace, model), model_pods in sorted(_models(pods).items()):
         buckets = _model_buckets(targets, namespace=namespace, model=model)
@@ -241,12 +248,8 @@ def flow_question(
     asks). Classes and models no bucket joins are left out: the input stays proportional to what can
     match.
     """
-    by_key: dict[str, list[int]] = {}
-    identities = sorted({pod.identity for pod in pods})
-    for index, (ns, sa, _labels) in enumerate(identities):
-        for key in (spiffe_id(trust_domain=trust_domain, namespace=ns, service_account=sa), f"ns:{ns}", ANY):
-            by_key.setdefault(key, []).append(index)
-    class_index: dict[int, int] = {}  # position in `identities` -> position in the input's classes
+    by_key = _classes_by_key(pods, trust_domain=trust_domain)
+    class_index: dict[tuple[str, str, tuple[tuple[str, str], ...]], int] = {}  # -> position in classes
     classes: list[tuple[str, str, tuple[tuple[str, str], ...]]] = []
     class_rows: list[dict[str, Any]] = []
     models: list[tuple[str, str]] = []
@@ -255,26 +258,26 @@ def flow_question(
     many: list[list[Any]] = []
     for (ns, model), model_pods in sorted(_models(pods).items()):
         buckets = _model_buckets(targets, namespace=ns, model=model)
-        per_class: dict[int, list[tuple[str, str]]] = {}
+        per_class: dict[tuple[str, str, tuple[tuple[str, str], ...]], list[tuple[str, str]]] = {}
         for tkey, ikey in buckets:
-            for index in by_key.get(ikey, ()):
-                per_class.setdefault(index, []).append((tkey, ikey))
+            for identity in by_key.get(ikey, ()):
+                per_class.setdefault(identity, []).append((tkey, ikey))
         if not per_class:
             continue
         j = len(models)
         models.append((ns, model))
         ports = sorted(_candidate_ports(targets, buckets, model_pods), key=lambda p: (p.port, p.protocol))
         model_rows.append({"namespace": ns, "sparseModel": model, "ports": [p.to_json() for p in ports]})
-        for index, pair_buckets in sorted(per_class.items()):
-            if index not in class_index:
-                class_index[index] = len(classes)
-                ns_c, sa, labels = identities[index]
-                classes.append(identities[index])
+        for identity, pair_buckets in sorted(per_class.items()):
+            if identity not in class_index:
+                class_index[identity] = len(classes)
+                classes.append(identity)
+                _, sa, labels = identity
                 row: dict[str, Any] = {"serviceAccount": sa}
                 if labels:
                     row["labels"] = dict(labels)
                 class_rows.append(row)
-            i = class_index[index]
+            i = class_index[identity]
             rules = targets[pair_buckets[0][0]][pair_buckets[0][1]]
             if len(pair_buckets) == 1 and len(rules) == 1 and _unconditional(rules[0]):
                 one.append([i, j, *pair_buckets[0]])
