@@ -16,7 +16,7 @@ FIELDS = ("token_idx", "weights", "slots", "per_token", "selected", "probs", "au
 def test_fixed_k_fast_path_equals_assign(capacity_factor, normalize):
     g = torch.Generator().manual_seed(hash((capacity_factor, normalize)) % 2**31)
     for i in range(60):
-        # One token in three: the single-sequence decode path (`_assign_one_token`).
+        # One token in three: the single-sequence decode branch of `_assign_fixed_k`.
         tokens = 1 if i % 3 == 0 else int(torch.randint(1, 65, (1,), generator=g))
         experts = int(torch.randint(2, 17, (1,), generator=g))
         k = int(torch.randint(1, experts + 1, (1,), generator=g))
