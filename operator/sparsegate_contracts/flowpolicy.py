@@ -113,8 +113,16 @@ class IdentityRule:
     rule: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"srcIdentity": self.src_identity, "dstIdentity": self.dst_identity, "dstPort": self.dst_port,
-                "protocol": self.protocol, "action": self.action, "rule": self.rule}
+        return identity_rule_json(self.src_identity, self.dst_identity, self.dst_port, self.protocol, self.action,
+                                  self.rule)
+
+
+def identity_rule_json(src_identity: int, dst_identity: int, dst_port: int, protocol: str, action: str,
+                       rule: str) -> dict[str, Any]:
+    """One ``rules`` row (``IdentityRule.to_json``), without building the dataclass: a compile writes
+    one per (source class, destination class, port)."""
+    return {"srcIdentity": src_identity, "dstIdentity": dst_identity, "dstPort": dst_port,
+            "protocol": protocol, "action": action, "rule": rule}
 
 
 @dataclass(frozen=True)

@@ -181,33 +181,34 @@ batch_decisions := [d |
 # The operator's allow-list build: every (caller class, model, port) a rule decides, for the pushed
 # rules and the pods the operator sends (sparsegate.domain.policy_compile.flow_question):
 #
-#   input: {"classes": [{"serviceAccount", "labels"?}],
+#   input: {"one": [[target key, identity key], ...],
+#           "classes": [{"serviceAccount", "labels"?}],
 #           "models": [{"namespace", "sparseModel", "ports": [{"port", "protocol"}]}],
-#           "one": [[class index, model index, target key, identity key], ...],
 #           "many": [[class index, model index, [[target key, identity key], ...]], ...]}
-#   flow_decisions: [[class index, model index, port, protocol, allow, rule id], ...]
+#   flow_decisions: {"one": [[one index, allow, rule id, ports], ...],
+#                    "many": [[class index, model index, port, protocol, allow, rule id], ...]}
 #
 # The same questions as asking `decision` once per candidate (policy_compile.candidate_queries) and
 # the same answers, without a `with` per question. The operator has joined classes and rule buckets
 # by identity key (indexing, not policy: the buckets a class is filed in are the ones `decision`
-# would look up for it) and sends each model's candidate ports (those its rules name, plus its pods'
-# ports when a rule names none). `one`: the pair's only bucket holds one rule with no service-account
-# or label condition, decided without gathering (most pairs: OPA pays microseconds per expression).
-# A question no rule decides gets no element (default deny).
+# would look up for it). `one`: buckets holding one rule with no service-account or label
+# condition, each the only bucket of some (class, model) pairs: that rule decides those pairs
+# whatever the class, so each bucket is asked once and answered with the ports the rule names
+# (`[]`: every port, as `port_ok`; the operator expands the pairs and the model's candidate ports).
+# `many`: every other pair, with its model's candidate ports (those its rules name, plus its pods'
+# ports when a rule names none), gathered and ranked per port. OPA pays microseconds per
+# expression, so the common case does the least. A question no rule decides gets no element
+# (default deny).
 
-flow_decisions contains [i, j, p.port, p.protocol, r.action == "allow", r.id] if {
-	some [i, j, tkey, ikey] in input.one
+flow_decisions := {"one": flow_one, "many": flow_many}
+
+flow_one := [[k, r.action == "allow", r.id, r.ports] |
+	some k, [tkey, ikey] in input.one
 	r := data.sparsegate.policies.targets[tkey][ikey][0]
 	flow_scope_ok(r)
-	some p in flow_rule_ports(r, input.models[j].ports)
-}
+]
 
-# A port-less rule covers every candidate port; the ports a rule names are candidates by construction.
-flow_rule_ports(r, candidates) := r.ports if count(r.ports) > 0
-
-else := candidates
-
-flow_decisions contains answer if {
+flow_many contains answer if {
 	some [i, j, buckets] in input.many
 	c := input.classes[i]
 

@@ -218,32 +218,38 @@ unconditional(r) if {
 	count(r.matchLabels) == 0
 }
 
-flow_input_for(p) := {
-	"classes": [object.remove(c, ["keys"]) | some c in flow_classes],
-	"models": flow_models,
-	"one": [[i, j, bs[0][0], bs[0][1]] |
-		some [i, j, bs] in flow_pairs(p)
-		count(bs) == 1
-		count(p.targets[bs[0][0]][bs[0][1]]) == 1
-		unconditional(p.targets[bs[0][0]][bs[0][1]][0])
-	],
-	"many": [[i, j, bs] |
-		some [i, j, bs] in flow_pairs(p)
-		not [i, j, bs[0][0], bs[0][1]] in flow_input_one(p)
-	],
-}
-
-flow_input_one(p) := {[i, j, bs[0][0], bs[0][1]] |
-	some [i, j, bs] in flow_pairs(p)
+# A pair decided by one unconditional rule alone: its bucket goes to `one`.
+one_rule_pair(p, bs) if {
 	count(bs) == 1
 	count(p.targets[bs[0][0]][bs[0][1]]) == 1
 	unconditional(p.targets[bs[0][0]][bs[0][1]][0])
 }
 
+flow_input_for(p) := {
+	"classes": [object.remove(c, ["keys"]) | some c in flow_classes],
+	"models": flow_models,
+	"one": [b | some b in {bs[0] | some [_, _, bs] in flow_pairs(p); one_rule_pair(p, bs)}],
+	"many": [[i, j, bs] | some [i, j, bs] in flow_pairs(p); not one_rule_pair(p, bs)],
+}
+
+# flow_decisions as [class, model, port, protocol, allow, rule] rows: each `one` answer expanded
+# over the pairs its bucket decides and, where the rule names no port, the model's candidate ports
+# (what policy_compile.FlowQuestion.decisions does).
+flat(p, inp, fd) := {f | some f in fd.many} | {[i, j, port.port, port.protocol, allow, id] |
+	some [k, allow, id, ports] in fd.one
+	some [i, j, bs] in flow_pairs(p)
+	bs == [inp.one[k]]
+	some port in answer_ports(ports, j)
+}
+
+answer_ports(ports, _) := ports if count(ports) > 0
+
+answer_ports(ports, j) := flow_models[j].ports if count(ports) == 0
+
 flow_input := flow_input_for(policies)
 
-flows := fs if {
-	fs := routing.flow_decisions with input as flow_input with data.sparsegate.policies as policies
+flows := flat(policies, flow_input, fd) if {
+	fd := routing.flow_decisions with input as flow_input with data.sparsegate.policies as policies
 }
 
 test_flow_decisions_cover_every_decided_flow if {
@@ -275,34 +281,54 @@ test_flow_decisions_rank_several_hits_and_skip_scoped_deny if {
 		rule("models/high#s0t0", "allow", {"priority": 50}),
 		rule("models/no-math#s0t0", "deny", {"expertGroups": ["math"]}),
 	]}])
-	fs := routing.flow_decisions with input as flow_input_for(p) with data.sparsegate.policies as p
+	fs := flat(p, flow_input_for(p), routing.flow_decisions) with input as flow_input_for(p)
+		with data.sparsegate.policies as p
 	[0, 0, 8080, "tcp", true, "models/high#s0t0"] in fs
 	not [0, 0, 8080, "tcp", true, "models/allow-frontend#s0t0"] in fs
 	[4, 0, 8080, "tcp", true, "models/high#s0t0"] in fs # web/intruder: the namespace-wide allows
 }
 
 test_flow_decisions_without_data_or_classes_are_empty if {
-	count(routing.flow_decisions) == 0 with input as flow_input
-	count(routing.flow_decisions) == 0 with input as {"classes": [], "models": flow_models, "one": [], "many": []}
+	routing.flow_decisions == {"one": [], "many": set()} with input as flow_input
+	routing.flow_decisions == {"one": [], "many": set()}
+		with input as {"classes": [], "models": flow_models, "one": [], "many": []}
 		with data.sparsegate.policies as policies
 }
 
 test_flow_input_exercises_both_paths if {
-	flow_input.one == [[1, 1, "models/*", "ns:batch"]] # batch/job -> llama: batch-all alone
+	flow_input.one == [["models/*", "ns:batch"]] # batch/job -> llama: batch-all alone
 	count(flow_input.many) == 5 # every class reaches mixtral through its "*" bucket
 }
 
 # The shortcut for `one` answers exactly what gathering would.
 test_one_rule_shortcut_agrees_with_the_general_path if {
 	all_many := object.union(flow_input, {"one": [], "many": [[i, j, bs] | some [i, j, bs] in flow_pairs(policies)]})
-	routing.flow_decisions == flows with input as all_many with data.sparsegate.policies as policies
+	flat(policies, all_many, routing.flow_decisions) == flows with input as all_many
+		with data.sparsegate.policies as policies
 }
 
 test_one_rule_shortcut_answers_only_the_ports_its_rule_names if {
 	p := json.patch(policies, [{"op": "add", "path": "/targets/models~1llama", "value": {frontend_id: [rule("models/fe-llama#s0t0", "allow", {"ports": [{"port": 7070, "protocol": "udp"}]})]}}])
 	inp := flow_input_for(p)
-	[0, 1, "models/llama", frontend_id] in inp.one
-	fs := routing.flow_decisions with input as inp with data.sparsegate.policies as p
+	["models/llama", frontend_id] in inp.one
+	fd := routing.flow_decisions with input as inp with data.sparsegate.policies as p
+	fs := flat(p, inp, fd)
 	[0, 1, 7070, "udp", true, "models/fe-llama#s0t0"] in fs
 	not [0, 1, 8080, "tcp", true, "models/fe-llama#s0t0"] in fs
+}
+
+# A bucket that alone decides several pairs (here: every class, through "*") is asked once.
+test_one_bucket_is_asked_once_for_every_pair_it_decides if {
+	p := json.patch(policies, [{"op": "add", "path": "/targets/models~1llama", "value": {"*": [rule("models/all-llama#s0t0", "deny", {"ports": []})]}}])
+	inp := flow_input_for(p)
+	[b | some b in inp.one; b == ["models/llama", "*"]] == [["models/llama", "*"]]
+	fd := routing.flow_decisions with input as inp with data.sparsegate.policies as p
+	[k, false, "models/all-llama#s0t0", []] in fd.one
+	inp.one[k] == ["models/llama", "*"]
+	fs := flat(p, inp, fd)
+	every i, _ in flow_classes {
+		every port in flow_models[1].ports {
+			[i, 1, port.port, port.protocol, false, "models/all-llama#s0t0"] in fs
+		}
+	}
 }

@@ -43,6 +43,7 @@ import urllib.request
 from pathlib import Path
 
 from sparsegate.clients.opa import RoutingOpa
+from sparsegate.gc_pause import gc_paused
 from sparsegate.domain.policy import PolicySource, Port, build_opa_data
 from sparsegate.domain.policy_compile import (
     FlowTable,
@@ -254,9 +255,11 @@ def main() -> None:
                     document = flow_document(decisions=dict(zip(queries, answers)), pods=pods)
                     old_s.append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
-                    question = flow_question(targets=data["targets"], pods=pods, trust_domain=TD)
-                    one = flow_document(decisions=question.decisions(asyncio.run(ropa.flow_decisions(question.input))),
-                                        pods=pods)
+                    with gc_paused():  # as PolicySync.sync runs it
+                        question = flow_question(targets=data["targets"], pods=pods, trust_domain=TD)
+                    answers = asyncio.run(ropa.flow_decisions(question.input))
+                    with gc_paused():
+                        one = flow_document(decisions=question.decisions(answers), pods=pods)
                     new_s.append(time.perf_counter() - t0)
                     assert one == document, "one evaluation and the per-question path disagree"
             finally:

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cached_property
+from typing import Any, NamedTuple
 
 from sparsegate_contracts import flowpolicy
 from sparsegate_contracts.names import MODEL_LABEL
+from sparsegate_contracts.request_access import caller_identity_keys
 
 from sparsegate.domain.policy import (
     ANY,
@@ -48,11 +50,13 @@ class PodInfo:
         """Every address of the pod (IPv4 and IPv6): each is published in the allow-list."""
         return self.ips or (self.ip,)
 
-    @property
+    # Cached: a build reads them for every pod several times (the instance stays frozen: the cache
+    # lives in __dict__, outside the dataclass fields that equality, hashing and astuple use).
+    @cached_property
     def model(self) -> str | None:
         return dict(self.labels).get(MODEL_LABEL)
 
-    @property
+    @cached_property
     def identity(self) -> tuple[str, str, tuple[tuple[str, str], ...]]:
         return (self.namespace, self.service_account, self.labels)
 
@@ -100,18 +104,9 @@ def pod_info(pod: Mapping[str, Any]) -> PodInfo | None:
     )
 
 
-def identity_keys(*, pod: PodInfo, trust_domain: str) -> tuple[str, ...]:
-    """The buckets a pod can be found in: the same three keys the Rego computes for its input."""
-    return (
-        spiffe_id(trust_domain=trust_domain, namespace=pod.namespace, service_account=pod.service_account),
-        f"ns:{pod.namespace}",
-        ANY,
-    )
-
-
-@dataclass(frozen=True)
-class QueryKey:
-    """One question to OPA: may this identity class reach this model on this port?"""
+class QueryKey(NamedTuple):
+    """One question to OPA: may this identity class reach this model on this port? (A NamedTuple, not
+    a frozen dataclass: a build at 10,000 rules makes one per answer, and this is ~5x cheaper.)"""
 
     namespace: str
     service_account: str
@@ -163,13 +158,17 @@ def _candidate_ports(
 ) -> set[Port]:
     """Ports worth asking about for a model: those its rules name, plus its pods' declared ports when
     a rule names none (a port-less rule covers every port, and the pods' ports are the ones that matter)."""
-    ports: set[Port] = set()
+    named: set[tuple[int, str]] = set()
+    portless = False
     for tkey, ikey in buckets:
         for rule in targets[tkey][ikey]:
             if rule.get("ports"):
-                ports.update(Port(port=p["port"], protocol=p["protocol"]) for p in rule["ports"])
+                named.update((p["port"], p["protocol"]) for p in rule["ports"])
             else:
-                ports.update(port for pod in model_pods for port in pod.ports)
+                portless = True
+    ports = {Port(port=port, protocol=protocol) for port, protocol in named}  # one Port per distinct port
+    if portless:
+        ports.update(port for pod in model_pods for port in pod.ports)
     return ports
 
 
@@ -179,9 +178,11 @@ def _classes_by_key(
     """identity key -> the identity classes filed there: each bucket finds its classes by lookup,
     so the cost follows the matches, not models × classes."""
     by_key: dict[str, set[tuple[str, str, tuple[tuple[str, str], ...]]]] = {}
-    for pod in pods:
-        for key in identity_keys(pod=pod, trust_domain=trust_domain):
-            by_key.setdefault(key, set()).add(pod.identity)
+    for identity in {pod.identity for pod in pods}:  # keyed once per class, not per pod
+        namespace, service_account, _ = identity
+        for key in caller_identity_keys(trust_domain=trust_domain, namespace=namespace,
+                                        service_account=service_account):
+            by_key.setdefault(key, set()).add(identity)
     return by_key
 
 
@@ -210,27 +211,41 @@ def candidate_queries(
                                           q.service_account, q.labels))
 
 
+Identity = tuple[str, str, tuple[tuple[str, str], ...]]  # (namespace, service account, labels): a class
+
+
 @dataclass(frozen=True)
 class FlowQuestion:
     """The whole allow-list as one question to OPA (`data.sparsegate.routing.flow_decisions`).
 
-    `input` names every identity class and every model (with its pods' ports) once; OPA answers with
-    class and model indexes, which `decisions` maps back to the same `QueryKey`s the per-question
-    path (`candidate_queries`) would have asked, so `flow_document` is unchanged.
+    `input`: `one`, the distinct rule buckets that alone decide some (class, model) pairs; `many`,
+    the other pairs with their buckets, indexing `classes` and `models` rows (only the classes and
+    models those pairs use). OPA answers `{"one": [[k, allow, rule, ports]], "many": [[i, j, port,
+    protocol, allow, rule]]}`; `decisions` maps both back to the `QueryKey`s the per-question path
+    (`candidate_queries`) would have asked, so `flow_document` is unchanged.
     """
 
-    classes: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...]
-    models: tuple[tuple[str, str], ...]
+    models: tuple[tuple[str, str], ...]  # every model some pair joins (policed), in name order
+    many_classes: tuple[Identity, ...]  # input.classes
+    many_models: tuple[tuple[str, str], ...]  # input.models
+    # For input.one[k]: the pairs it decides, each with the model's candidate ports (port, protocol).
+    one_pairs: tuple[tuple[tuple[Identity, tuple[str, str], tuple[tuple[int, str], ...]], ...], ...]
     input: dict[str, Any]
 
-    def decisions(self, answers: Iterable[Sequence[Any]]) -> dict[QueryKey, dict[str, Any]]:
+    def decisions(self, answers: Mapping[str, Iterable[Sequence[Any]]]) -> dict[QueryKey, dict[str, Any]]:
         out: dict[QueryKey, dict[str, Any]] = {}
-        for class_index, model_index, port, protocol, allow, rule in answers:
-            ns, sa, labels = self.classes[int(class_index)]
-            target_ns, model = self.models[int(model_index)]
-            key = QueryKey(namespace=ns, service_account=sa, labels=labels, target_namespace=target_ns,
-                           model=model, port=int(port), protocol=str(protocol))
-            out[key] = {"allow": bool(allow), "rule": str(rule)}
+        for k, allow, rule, ports in answers.get("one") or ():
+            decision = {"allow": bool(allow), "rule": str(rule)}
+            named = tuple((int(p["port"]), str(p["protocol"])) for p in ports)
+            for (ns, sa, labels), (target_ns, model), candidates in self.one_pairs[int(k)]:
+                # A rule that names no port covers every candidate port of the model (the Rego's port_ok).
+                for port, protocol in named or candidates:
+                    out[QueryKey(ns, sa, labels, target_ns, model, port, protocol)] = decision
+        for class_index, model_index, port, protocol, allow, rule in answers.get("many") or ():
+            ns, sa, labels = self.many_classes[int(class_index)]
+            target_ns, model = self.many_models[int(model_index)]
+            out[QueryKey(ns, sa, labels, target_ns, model, int(port), str(protocol))] = {
+                "allow": bool(allow), "rule": str(rule)}
         return out
 
 
@@ -242,48 +257,62 @@ def flow_question(
 
     The join of classes and rule buckets by identity key is done here, not in Rego: it is indexing,
     not policy, and OPA pays several microseconds per expression (grouping inside Rego cost more than
-    the decisions). Each pair names its buckets; a pair whose one bucket holds one rule with no
-    service-account or label condition goes to `one` (OPA decides it without gathering), every other
-    pair to `many`. Models carry their candidate ports (`_candidate_ports`, as `candidate_queries`
-    asks). Classes and models no bucket joins are left out: the input stays proportional to what can
-    match.
+    the decisions). A pair whose one bucket holds one rule with no service-account or label condition
+    is decided by that rule alone, whatever the class: such buckets go to `one`, once each however
+    many pairs they decide (OPA answers per bucket; a namespace-wide rule is asked once, not per
+    class). Every other pair goes to `many` with its buckets, and its model with its candidate ports
+    (`_candidate_ports`, as `candidate_queries` asks). Classes and models no bucket joins are left
+    out: the input stays proportional to what can match.
     """
     by_key = _classes_by_key(pods, trust_domain=trust_domain)
-    class_index: dict[tuple[str, str, tuple[tuple[str, str], ...]], int] = {}  # -> position in classes
-    classes: list[tuple[str, str, tuple[tuple[str, str], ...]]] = []
-    class_rows: list[dict[str, Any]] = []
     models: list[tuple[str, str]] = []
+    class_index: dict[Identity, int] = {}  # -> position in many_classes
+    many_classes: list[Identity] = []
+    class_rows: list[dict[str, Any]] = []
+    many_models: list[tuple[str, str]] = []
     model_rows: list[dict[str, Any]] = []
-    one: list[list[Any]] = []
+    one_index: dict[tuple[str, str], int] = {}  # bucket -> position in one
+    one: list[list[str]] = []
+    one_pairs: list[list[tuple[Identity, tuple[str, str], tuple[tuple[int, str], ...]]]] = []
     many: list[list[Any]] = []
     for (ns, model), model_pods in sorted(_models(pods).items()):
         buckets = _model_buckets(targets, namespace=ns, model=model)
-        per_class: dict[tuple[str, str, tuple[tuple[str, str], ...]], list[tuple[str, str]]] = {}
+        per_class: dict[Identity, list[tuple[str, str]]] = {}
         for tkey, ikey in buckets:
             for identity in by_key.get(ikey, ()):
                 per_class.setdefault(identity, []).append((tkey, ikey))
         if not per_class:
             continue
-        j = len(models)
         models.append((ns, model))
-        ports = sorted(_candidate_ports(targets, buckets, model_pods), key=lambda p: (p.port, p.protocol))
-        model_rows.append({"namespace": ns, "sparseModel": model, "ports": [p.to_json() for p in ports]})
+        candidates = sorted(_candidate_ports(targets, buckets, model_pods), key=lambda p: (p.port, p.protocol))
+        ports = tuple((p.port, p.protocol) for p in candidates)
+        j = None  # this model's row in input.models, added when a `many` pair needs it
         for identity, pair_buckets in sorted(per_class.items()):
+            bucket = pair_buckets[0]
+            rules = targets[bucket[0]][bucket[1]]
+            if len(pair_buckets) == 1 and len(rules) == 1 and _unconditional(rules[0]):
+                if bucket not in one_index:
+                    one_index[bucket] = len(one)
+                    one.append(list(bucket))
+                    one_pairs.append([])
+                one_pairs[one_index[bucket]].append((identity, (ns, model), ports))
+                continue
+            if j is None:
+                j = len(many_models)
+                many_models.append((ns, model))
+                model_rows.append({"namespace": ns, "sparseModel": model,
+                                   "ports": [p.to_json() for p in candidates]})
             if identity not in class_index:
-                class_index[identity] = len(classes)
-                classes.append(identity)
+                class_index[identity] = len(many_classes)
+                many_classes.append(identity)
                 _, sa, labels = identity
                 row: dict[str, Any] = {"serviceAccount": sa}
                 if labels:
                     row["labels"] = dict(labels)
                 class_rows.append(row)
-            i = class_index[identity]
-            rules = targets[pair_buckets[0][0]][pair_buckets[0][1]]
-            if len(pair_buckets) == 1 and len(rules) == 1 and _unconditional(rules[0]):
-                one.append([i, j, *pair_buckets[0]])
-            else:
-                many.append([i, j, [list(b) for b in pair_buckets]])
-    return FlowQuestion(classes=tuple(classes), models=tuple(models),
+            many.append([class_index[identity], j, [list(b) for b in pair_buckets]])
+    return FlowQuestion(models=tuple(models), many_classes=tuple(many_classes), many_models=tuple(many_models),
+                        one_pairs=tuple(tuple(pairs) for pairs in one_pairs),
                         input={"classes": class_rows, "models": model_rows, "one": one, "many": many})
 
 
@@ -325,9 +354,9 @@ def flow_document(
     # (domain.policy_capacity) refuses before the document is published.
     classes = sorted({c for row in found for c in row[:2]})
     number = {c: flowpolicy.FIRST_IDENTITY + i for i, c in enumerate(classes)}
-    rows = [flowpolicy.IdentityRule(src_identity=number[s], dst_identity=number[d], dst_port=p, protocol=proto,
-                                    action=a, rule=r).to_json()
-            for s, d, p, proto, a, r in sorted(found, key=lambda row: (number[row[0]], number[row[1]], *row[2:]))]
+    # Numbered first, then sorted as plain tuples: the same order as sorting by (numbers, rest).
+    numbered = sorted([(number[s], number[d], p, proto, a, r) for s, d, p, proto, a, r in found])
+    rows = [flowpolicy.identity_rule_json(*row) for row in numbered]
     identities = [{"identity": number[c], "ips": [ip for pod in by_identity[c] for ip in pod.addresses]}
                   for c in classes]
     policed = None

@@ -45,6 +45,7 @@ from sparsegate_contracts.canonical import sha256_of
 from sparsegate.clients.flow_policy import FlowPolicyConfigMap
 from sparsegate.clients.kube import Kube
 from sparsegate import policy_metrics
+from sparsegate.gc_pause import gc_paused
 from sparsegate.clients.opa import DEFAULT_URL, OpaRejected, OpaUnavailable, RoutingOpa
 from sparsegate.domain.policy import (
     DEFAULT_TRUST_DOMAIN,
@@ -147,11 +148,16 @@ class PolicySync:
                     pushed = True
                 if pushed or fingerprint != self.fingerprint:
                     # The whole allow-list in one evaluation (`flow_decisions`), not one per question.
-                    question = flow_question(targets=data["targets"], pods=pods, trust_domain=self.settings.trust_domain)
+                    # The cyclic GC waits during the two synchronous halves (gc_pause: a full
+                    # collection over the operator's caches costs as much as the build).
+                    with gc_paused():
+                        question = flow_question(targets=data["targets"], pods=pods,
+                                                 trust_domain=self.settings.trust_domain)
                     answers = await self.opa.flow_decisions(question.input)
-                    document = flow_document(decisions=question.decisions(answers), pods=pods,
-                                             policed_models=question.models,
-                                             allowed_sources=self.settings.allowed_sources)
+                    with gc_paused():
+                        document = flow_document(decisions=question.decisions(answers), pods=pods,
+                                                 policed_models=question.models,
+                                                 allowed_sources=self.settings.allowed_sources)
                     needed, too_large = check(document, self.settings.capacity)
                     policy_metrics.observe(needed=needed, capacity=self.settings.capacity,
                                            too_large=too_large is not None)

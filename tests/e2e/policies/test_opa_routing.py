@@ -159,10 +159,16 @@ async def test_allow_list_agrees_with_opa_for_every_pair(opa_server, routing_reg
         opa.close()
 
 
-def _generated(seed: int) -> tuple[list[PolicySource], list[PodInfo]]:
+def _generated(seed: int, *, sparse: bool = False) -> tuple[list[PolicySource], list[PodInfo]]:
     """Policies of every shape the CRD allows (SPIFFE IDs, namespace/service-account/label selectors,
     `*` namespaces and targets, Deny and Allow, priorities, ports named or not, tcp and udp, expert
-    group and route scopes, several sources x targets) over pods of several identity classes."""
+    group and route scopes, several sources x targets) over pods of several identity classes.
+
+    `sparse`: fewer policies, each one selector (no labels) to one named model, so that most (class,
+    model) pairs are decided by one rule alone (`flow_question`'s `one`, some buckets deciding several
+    pairs) and the rest still overlap (`many`)."""
+    if sparse:
+        return _generated_sparse(seed)
     rng = random.Random(seed)
     namespaces, sas, models = ["web", "batch", "ops", "models"], ["a", "b", "c"], ["m0", "m1", "m2", "m3"]
     pods = [PodInfo(namespace="models", name=f"m{i}", ip=f"127.20.0.{i + 1}", service_account="srv",
@@ -197,12 +203,36 @@ def _generated(seed: int) -> tuple[list[PolicySource], list[PodInfo]]:
     return sources, pods
 
 
+def _generated_sparse(seed: int) -> tuple[list[PolicySource], list[PodInfo]]:
+    rng = random.Random(seed)
+    _, pods = _generated(seed)
+    namespaces, sas = ["web", "batch", "ops", "models"], ["a", "b", "c"]
+    sources = []
+    for i in range(14):
+        selector = rng.choice([
+            {"namespace": rng.choice(namespaces)},
+            {"namespace": rng.choice(namespaces), "serviceAccount": rng.choice(sas)},
+            {"spiffeID": f"spiffe://cluster.local/ns/{rng.choice(namespaces)}/sa/{rng.choice(sas)}"},
+        ])
+        target = {"sparseModel": rng.choice(["m0", "m1", "m2", "m3"]),
+                  **({"expertGroups": ["code"]} if rng.random() < 0.15 else {})}
+        spec: dict[str, Any] = {"action": rng.choice(["Allow", "Allow", "Deny"]), "priority": rng.randint(0, 5),
+                                "sources": [selector], "targets": [target]}
+        if rng.random() < 0.5:
+            spec["ports"] = [{"port": rng.choice([8080, 9090])}, *([{"port": 53, "protocol": "UDP"}] if rng.random() < 0.3 else [])]
+        sources.append(PolicySource(namespace="models", name=f"p{i}", generation=1, spec=spec))
+    return sources, pods
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["overlapping", "sparse"])
 @pytest.mark.parametrize("seed", range(6))
 async def test_one_evaluation_decides_exactly_what_the_per_question_path_decides(
-        opa_server, routing_rego: str, seed: int) -> None:
+        opa_server, routing_rego: str, seed: int, sparse: bool) -> None:
     """`flow_decisions` (one POST) and `decide_many` over `candidate_queries` (the questions one by
-    one through `decision`) give the same allow-list document, entry for entry, on generated policies."""
-    sources, pods = _generated(seed)
+    one through `decision`) give the same allow-list document, entry for entry, on generated policies:
+    overlapping ones (every pair gathered: `many`) and sparse ones (mostly decided by one rule:
+    `one`, with buckets that decide several pairs)."""
+    sources, pods = _generated(seed, sparse=sparse)
     data, _ = build_opa_data(sources=sources, trust_domain=TD, rego=routing_rego)
     opa = RoutingOpa(url=opa_server.url)
     try:
@@ -217,7 +247,9 @@ async def test_one_evaluation_decides_exactly_what_the_per_question_path_decides
     assert one == per_question
     actions = {e["action"] for e in ip_entries(one)}
     assert actions == {"allow", "deny"}, actions  # the scenario exercises both outcomes
-    assert len(ip_entries(one)) > 50
+    assert len(ip_entries(one)) > (10 if sparse else 50)
+    if sparse:  # both paths, and a bucket asked once for several pairs
+        assert question.input["many"] and max(len(pairs) for pairs in question.one_pairs) > 1
 
 
 async def test_fail_closed_then_resync_after_restart(opa_server) -> None:

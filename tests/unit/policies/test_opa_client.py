@@ -32,7 +32,7 @@ async def test_unreachable_opa_raises_opa_unavailable(call: str) -> None:
         with pytest.raises(OpaUnavailable):
             await opa.decide_many([{"source": {}, "target": {}}])
         with pytest.raises(OpaUnavailable):
-            await opa.flow_decisions({"classes": [], "filed": {}, "models": []})
+            await opa.flow_decisions({"one": [], "classes": [], "models": [], "many": []})
     finally:
         opa.close()
 
@@ -56,12 +56,14 @@ class _RecordingOpa:
         import threading
 
         seen = self.seen = []
+        encodings = self.encodings = []  # Accept-Encoding of each request
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def _answer(self) -> None:
                 raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 body = json.loads(raw) if self.command == "POST" else None  # PUTs: Rego or data
                 seen.append((self.command, self.path, self.headers.get("Authorization")))
+                encodings.append(self.headers.get("Accept-Encoding"))
                 if self.headers.get("Authorization") != f"Bearer {token}":
                     status, reply = 401, {"code": "unauthorized",
                                           "message": "request rejected by administrative policy"}
@@ -69,6 +71,8 @@ class _RecordingOpa:
                     status, reply = 204, None
                 elif self.command == "POST" and isinstance(body, dict) and "batch" in body["input"]:
                     status, reply = 200, {"result": [{"allow": False}] * len(body["input"]["batch"])}
+                elif self.command == "POST" and self.path.endswith("/flow_decisions"):
+                    status, reply = 200, {"result": {"one": [], "many": []}}
                 else:
                     status, reply = 200, {"result": "rev-1" if self.path.endswith("data_revision") else {}}
                 data = b"" if reply is None else json.dumps(reply).encode()
@@ -101,12 +105,15 @@ async def test_every_call_carries_the_bearer_token() -> None:
         await opa.push(rego="package sparsegate.routing", data={"revision": "rev-1"})
         assert await opa.loaded_policies() == {}
         assert await opa.decide_many([{"source": {}, "target": {}}] * 3) == [{"allow": False}] * 3
+        assert await opa.flow_decisions({"one": [], "classes": [], "models": [], "many": []}) == {"one": [], "many": []}
     finally:
         opa.close()
         fake.close()
     methods = {m for m, _, _ in fake.seen}
-    assert methods == {"GET", "PUT", "POST"} and len(fake.seen) == 6
+    assert methods == {"GET", "PUT", "POST"} and len(fake.seen) == 7
     assert {auth for _, _, auth in fake.seen} == {"Bearer s3cret"}
+    # No gzip asked for: OPA would compress large answers, which costs more than it saves on loopback.
+    assert set(fake.encodings) == {"identity"}
 
 
 @pytest.mark.parametrize("token", [None, "wrong"])

@@ -85,22 +85,43 @@ def test_flow_question_joins_classes_and_buckets_and_asks_what_the_questions_ask
     pods = [M1, M2, FE, FE2, OTHER, BATCH]
     q = flow_question(targets=targets, pods=pods, trust_domain=TD)
     assert q.models == (("models", "mixtral"),)
-    assert q.input["models"] == [{"namespace": "models", "sparseModel": "mixtral",
-                                  "ports": [{"port": 8080, "protocol": "tcp"}, {"port": 9090, "protocol": "tcp"}]}]
-    classes = {c[:2]: i for i, c in enumerate(q.classes)}
-    assert set(classes) == {("web", "frontend"), ("web", "other"), ("batch", "job")}  # x-0 / m-*: no bucket
-    assert q.input["classes"][classes[("web", "frontend")]] == {"serviceAccount": "frontend", "labels": {"app": "fe"}}
     fe = "spiffe://cluster.local/ns/web/sa/frontend"
     other = "spiffe://cluster.local/ns/web/sa/other"
-    assert sorted(q.input["one"]) == sorted([[classes[("web", "frontend")], 0, "models/mixtral", fe],
-                                             [classes[("batch", "job")], 0, "models/*", "ns:batch"]])
-    # A label condition must be checked against the class: gathered.
-    assert q.input["many"] == [[classes[("web", "other")], 0, [["models/mixtral", other]]]]
+    candidates = ((8080, "tcp"), (9090, "tcp"))
+    # One unconditional rule alone decides frontend's and batch's pairs: their buckets, asked once each.
+    one = dict(zip(map(tuple, q.input["one"]), q.one_pairs))
+    assert one == {("models/mixtral", fe): ((FE.identity, ("models", "mixtral"), candidates),),
+                   ("models/*", "ns:batch"): ((BATCH.identity, ("models", "mixtral"), candidates),)}
+    # A label condition must be checked against the class: gathered, with the class and the model
+    # (and its candidate ports) the only rows of `classes` and `models`.
+    assert q.many_classes == (OTHER.identity,) and q.many_models == (("models", "mixtral"),)
+    assert q.input["classes"] == [{"serviceAccount": "other"}]
+    assert q.input["models"] == [{"namespace": "models", "sparseModel": "mixtral",
+                                  "ports": [{"port": 8080, "protocol": "tcp"}, {"port": 9090, "protocol": "tcp"}]}]
+    assert q.input["many"] == [[0, 0, [["models/mixtral", other]]]]
     # Every question the per-question path asks names a pair of the one question, on its ports.
-    pairs = {(q.classes[i][:2], q.models[j]) for i, j, *_ in q.input["one"] + q.input["many"]}
+    pairs = {(c[:2], m) for pairs in q.one_pairs for c, m, _ in pairs}
+    pairs |= {(q.many_classes[i][:2], q.many_models[j]) for i, j, _ in q.input["many"]}
     asked = candidate_queries(targets=targets, pods=pods, trust_domain=TD)
     assert {((a.namespace, a.service_account), (a.target_namespace, a.model)) for a in asked} == pairs
     assert {a.port for a in asked} == {8080, 9090}
+
+
+def test_flow_question_asks_a_bucket_once_for_every_pair_it_decides() -> None:
+    """A namespace-wide rule decides every class of the namespace: one `one` row, answered once,
+    expanded by `decisions` to each class on the ports the rule names (none named: every candidate)."""
+    targets = _targets({"action": "Allow", "sources": [{"namespace": "web"}], "targets": [{"sparseModel": "mixtral"}]})
+    q = flow_question(targets=targets, pods=[M1, FE, FE2, OTHER], trust_domain=TD)
+    assert q.input["one"] == [["models/mixtral", "ns:web"]] and q.input["many"] == []
+    assert {c for c, _, _ in q.one_pairs[0]} == {FE.identity, OTHER.identity}
+    rule = "models/p0#s0t0"
+    decided = q.decisions({"one": [[0, True, rule, []]], "many": []})
+    assert decided == {QueryKey(*c, "models", "mixtral", 8080, "tcp"): {"allow": True, "rule": rule}
+                       for c in (FE.identity, OTHER.identity)}
+    # Ports the rule names replace the model's candidates.
+    named = q.decisions({"one": [[0, False, rule, [{"port": 9090, "protocol": "tcp"}]]], "many": []})
+    assert {(k.service_account, k.port, v["allow"]) for k, v in named.items()} == {("frontend", 9090, False),
+                                                                                   ("other", 9090, False)}
 
 
 def test_rule_ports_and_namespace_wide_selectors() -> None:
