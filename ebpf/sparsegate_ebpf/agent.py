@@ -71,6 +71,13 @@ ENFORCEMENT_MODES = ("off", "audit", "enforce")
 INHERITED = "inherited"  # sparsegate_xdp_policy_info{version} of a policy carried over from a predecessor
 
 
+def _policy_records(text: str) -> int:
+    try:
+        return programs.check_policy_records(int(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m sparsegate_ebpf.agent", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,6 +108,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      help="watch this ConfigMap's policy.json; a sharded one (its shards NAME-0..NAME-15, "
                           "got by name) is applied only once every shard matches it")
     ap.add_argument("--xdp-mode", choices=[m.value for m in xdp.XdpMode], default="auto")
+    ap.add_argument("--policy-map-records", type=_policy_records, default=flowpolicy.MAP_MAX_ENTRIES,
+                    metavar="N", help="records per inner policy map (rules, policed destinations, source "
+                    f"addresses; {flowpolicy.MAP_MIN_ENTRIES}..{flowpolicy.MAP_MAX_ENTRIES_LIMIT}, default "
+                    f"%(default)s); not preallocated: memory follows the records written")
     ap.add_argument("--poll-interval", type=float, default=1.0, help="policy file poll period (s)")
     ap.add_argument("--telemetry-only", action="store_true", help="count, never drop (= --enforcement off)")
     ap.add_argument("--enforcement", choices=list(ENFORCEMENT_MODES), default=None,
@@ -220,7 +231,7 @@ def make_policy_handler(*, state: AgentState, on_applied: Callable[[], None] | N
 
     def on_document(text: str) -> None:
         try:
-            policy = parse_policy(text)
+            policy = parse_policy(text, max_records=state.swapper.max_records)
         except PolicyError as exc:
             state.policy_errors += 1
             log.error("rejected policy document (keeping version %s): %s", state.policy_version or "none", exc)
@@ -275,7 +286,8 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
         threading.Thread(target=ds_watch.run, args=(threading.Event(),), name="own-daemonset", daemon=True).start()
         exit_reader = ds_watch.read
     try:
-        prog = programs.load(enforce=args.enforcement != "off", audit=args.enforcement == "audit")
+        prog = programs.load(enforce=args.enforcement != "off", audit=args.enforcement == "audit",
+                             policy_records=args.policy_map_records)
     except programs.BpfUnavailable as exc:
         state.bpf_error = str(exc)
         log.error("BPF unavailable, no XDP telemetry or enforcement on this node: %s", exc)
@@ -450,7 +462,11 @@ def _inherit(interfaces: list[str], *, state: AgentState) -> bool:
         if records is None:
             log.info("the program left on %s had no policy either", ifname)
             return False
-        result = state.swapper.apply_records_if_empty(records)
+        try:
+            result = state.swapper.apply_records_if_empty(records)
+        except PolicyError as exc:  # more records than this agent's --policy-map-records
+            log.error("cannot carry over the policy of the program on %s: %s", ifname, exc)
+            return False
         if result is None:
             return False  # a document arrived meanwhile
         state.policy_version = INHERITED

@@ -24,7 +24,7 @@ PROGRAM_PATH = Path(__file__).with_name("xdp_flow.bpf.c")
 ACTION_ALLOW = 1
 ACTION_DENY = 2
 POLICY_MAX_ENTRIES = 16384  # the header's SG_POLICY_MAX_ENTRIES: rule ids per pool map (tests check)
-POLICY_MAX_RECORDS = flowpolicy.MAP_MAX_ENTRIES  # the header's SG_POLICY_MAX_RECORDS (tests check)
+POLICY_MAX_RECORDS = flowpolicy.MAP_MAX_ENTRIES  # the header's default SG_POLICY_MAX_RECORDS (tests check)
 
 KEY_ENTRY = 0         # sg_policy_key.kind: all zero, the meta record (before identities: an IP-level entry)
 KEY_POLICED_DST = 1   # only daddr set: a destination the policy judges (value: its identity)

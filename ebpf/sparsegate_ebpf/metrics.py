@@ -222,6 +222,13 @@ class XdpCollector:
         sw = GaugeMetricFamily("sparsegate_xdp_policy_last_swap_seconds", "Duration of the last outer-slot update")
         sw.add_metric([], s.last_swap_seconds)
         yield sw
+        cap = GaugeMetricFamily("sparsegate_xdp_policy_map_capacity_records",
+                                "max_entries of each inner policy map (--policy-map-records)")
+        cap.add_metric([], s.swapper.max_records)
+        yield cap
+        used = GaugeMetricFamily("sparsegate_xdp_policy_map_records", "Records in the live inner policy map")
+        used.add_metric([], s.swapper.live_records)
+        yield used
         verdicts = CounterMetricFamily("sparsegate_xdp_policy_verdicts", "Packets judged, by rule and action",
                                        labels=["rule", "action"])
         totals: dict[tuple[str, str], int] = {}

@@ -57,9 +57,10 @@ PolicyError = flowpolicy.FlowPolicyError
 """The document is not a valid flow policy; the agent keeps the policy it has."""
 
 
-def parse_policy(document: Mapping[str, Any] | str | bytes) -> FlowPolicy:
-    """Validate a policy document (dict or JSON text); one map slot is the meta record."""
-    return flowpolicy.parse_document(document, max_entries=POLICY_MAX_RECORDS - 1, max_rules=POLICY_MAX_ENTRIES - 1)
+def parse_policy(document: Mapping[str, Any] | str | bytes, *, max_records: int = POLICY_MAX_RECORDS) -> FlowPolicy:
+    """Validate a policy document (dict or JSON text) for a map of `max_records` records; one map
+    slot is the meta record."""
+    return flowpolicy.parse_document(document, max_entries=max_records - 1, max_rules=POLICY_MAX_ENTRIES - 1)
 
 
 def meta_key() -> PolicyKey:
@@ -81,9 +82,9 @@ def identity_form(policy: FlowPolicy) -> tuple[dict[str, int], tuple[IdentityRul
     return ipcache, rules
 
 
-def compile_policy(policy: FlowPolicy, *, generation: int,
-                   extra_sources: tuple[str, ...] = ()) -> list[tuple[PolicyKey, PolicyVal]]:
-    """All records of one inner map, meta record first: rules, one record per policed destination
+def compile_policy(policy: FlowPolicy, *, generation: int, extra_sources: tuple[str, ...] = (),
+                   max_records: int = POLICY_MAX_RECORDS) -> list[tuple[PolicyKey, PolicyVal]]:
+    """All records of one inner map (at most `max_records`), meta record first: rules, one record per policed destination
     (default action, identity), one per source address of a rule's source identity, and one per
     always-allowed source (the document's ``allowedSources`` plus ``extra_sources``, the node's
     own addresses; their identity is IDENTITY_ALLOWED, whatever the document gives them)."""
@@ -103,9 +104,9 @@ def compile_policy(policy: FlowPolicy, *, generation: int,
         if prior is None or (action == ACTION_DENY and prior.action != ACTION_DENY):
             records[tup] = PolicyVal(action=action, rule_id=rule_id, generation=generation)
     total = len(records) + len(policy.policed_destinations) + len(sources) + 1
-    if total > POLICY_MAX_RECORDS:
+    if total > max_records:
         raise PolicyError(f"{total} records (rules, policed destinations, sources, meta) exceed the "
-                          f"map capacity {POLICY_MAX_RECORDS}")
+                          f"map capacity {max_records}")
     if len(rules) > POLICY_MAX_ENTRIES - 1:
         raise PolicyError(f"{len(rules)} rules exceed the {POLICY_MAX_ENTRIES - 1} the program counts verdicts for")
     default = ACTIONS[policy.default_action]

@@ -19,7 +19,7 @@ from typing import Any
 
 from . import verdicts
 from .maps import PolicyKey, PolicyVal
-from .policy import FlowPolicy, compile_policy, upgrade_records
+from .policy import FlowPolicy, PolicyError, compile_policy, upgrade_records
 from .verdicts import POOL, SlotInfo
 
 
@@ -37,6 +37,9 @@ class PolicySwapper:
         self._outer = bpf[b"policy_outer"]
         self._live = bpf[b"policy_live"]
         self._pool = [bpf[name.encode()] for name in POOL]
+        # Read from the maps themselves, so the records checked against are the records loaded.
+        self.max_records = int(self._pool[0].max_entries)
+        self.live_records = 0  # records in the live inner map (meta included)
         self._active: int | None = None
         self._lock = threading.Lock()
         self._bpf = bpf
@@ -55,7 +58,8 @@ class PolicySwapper:
             if extra_sources is not None:
                 self.extra_sources = tuple(sorted(set(extra_sources)))
             generation = self.generation + 1
-            records = compile_policy(policy, generation=generation, extra_sources=self.extra_sources)
+            records = compile_policy(policy, generation=generation, extra_sources=self.extra_sources,
+                                     max_records=self.max_records)
             return self._install(records, generation=generation, policy=policy, rule_names=policy.rule_names())
 
     def apply_records_if_empty(self, records: list[tuple[PolicyKey, PolicyVal]]) -> SwapResult | None:
@@ -78,6 +82,8 @@ class PolicySwapper:
     def _install(self, records: list[tuple[PolicyKey, PolicyVal]], *, generation: int,
                  policy: FlowPolicy | None, rule_names: dict[int, str]) -> SwapResult:
         """Fill the inactive inner map, then flip the outer slot (caller holds self._lock)."""
+        if len(records) > self.max_records:  # e.g. inherited from a program with larger maps
+            raise PolicyError(f"{len(records)} records exceed the map capacity {self.max_records}")
         target = 1 if self._active == 0 else 0
         inner = self._pool[target]
         previous = self.slots.pop(target, None)
@@ -100,6 +106,7 @@ class PolicySwapper:
         # generations are judged again at their next packet (xdp_flow.bpf.c, policy_live).
         self._live[ct.c_int(0)] = ct.c_uint32(generation)
         self._active = target
+        self.live_records = len(records)
         self.slots[target] = verdicts.slot_info(records)
         self.generation = generation
         self.policy = policy

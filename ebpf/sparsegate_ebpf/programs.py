@@ -12,7 +12,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from .maps import PROGRAM_PATH, STRUCTS
+from sparsegate_contracts import flowpolicy
+
+from .maps import POLICY_MAX_RECORDS, PROGRAM_PATH, STRUCTS
 
 FUNCTION = "xdp_flow"
 DEBUG_PREPROCESSOR = 0x4  # bcc: print the rewritten C
@@ -40,13 +42,23 @@ class LoadedProgram:
         self.bpf.cleanup()
 
 
-def cflags(*, enforce: bool, audit: bool = False, flow_entries: int = 65536) -> list[str]:
+def cflags(*, enforce: bool, audit: bool = False, flow_entries: int = 65536,
+           policy_records: int = POLICY_MAX_RECORDS) -> list[str]:
     return [
         f"-I{PROGRAM_PATH.parent}",
         f"-DSG_ENFORCE={1 if enforce else 0}",
         f"-DSG_AUDIT={1 if audit else 0}",
         f"-DSG_FLOW_ENTRIES={flow_entries}",
+        f"-DSG_POLICY_MAX_RECORDS={policy_records}",
     ]
+
+
+def check_policy_records(value: int) -> int:
+    """`value` if it is a valid policy map size, else ValueError saying the range."""
+    low, high = flowpolicy.MAP_MIN_ENTRIES, flowpolicy.MAP_MAX_ENTRIES_LIMIT
+    if not low <= value <= high:
+        raise ValueError(f"policy map records must be in {low}..{high}, got {value}")
+    return value
 
 
 def import_bcc() -> Any:
@@ -59,15 +71,19 @@ def import_bcc() -> Any:
     return bcc
 
 
-def load(*, enforce: bool = True, audit: bool = False, flow_entries: int = 65536, debug: int = 0) -> LoadedProgram:
+def load(*, enforce: bool = True, audit: bool = False, flow_entries: int = 65536,
+         policy_records: int = POLICY_MAX_RECORDS, debug: int = 0) -> LoadedProgram:
     """Compile, verify and load the program (not attached anywhere yet). `audit` (with `enforce`):
-    the policy is judged and would-be drops are counted (`audit_deny`), but nothing is dropped."""
+    the policy is judged and would-be drops are counted (`audit_deny`), but nothing is dropped.
+    `policy_records`: max_entries of each inner policy map (`--policy-map-records`)."""
+    check_policy_records(policy_records)
     bcc = import_bcc()
     if os.geteuid() != 0:
         raise BpfUnavailable("loading XDP programs needs root (CAP_BPF + CAP_NET_ADMIN)")
     try:
         bpf = bcc.BPF(src_file=str(PROGRAM_PATH).encode(),
-                      cflags=cflags(enforce=enforce, audit=audit, flow_entries=flow_entries), debug=debug)
+                      cflags=cflags(enforce=enforce, audit=audit, flow_entries=flow_entries,
+                                    policy_records=policy_records), debug=debug)
         fn = bpf.load_func(FUNCTION.encode(), bcc.BPF.XDP)
     except Exception as exc:  # bcc raises bare Exception on compile/verify failure
         raise BpfUnavailable(f"BCC could not compile/load {PROGRAM_PATH.name}: {exc}") from exc

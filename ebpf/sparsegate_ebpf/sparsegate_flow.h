@@ -133,7 +133,9 @@ struct sg_verdict_key {
 /* Rule ids per pool map (the verdict counter range; ids 1..16383, 0 = the default action), and
  * records per inner policy map (rules, policed destinations, source addresses, meta). */
 #define SG_POLICY_MAX_ENTRIES 16384
+#ifndef SG_POLICY_MAX_RECORDS /* -DSG_POLICY_MAX_RECORDS=N (programs.cflags): the agent's --policy-map-records */
 #define SG_POLICY_MAX_RECORDS 65536
+#endif
 
 /* Index into the per-CPU packet-type counters. Keep in sync with maps.Counter. */
 enum sg_counter_index {

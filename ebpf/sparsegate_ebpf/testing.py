@@ -5,18 +5,18 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from .maps import Counter, be16_to_port, flow_addr_bytes
+from .maps import POLICY_MAX_RECORDS, Counter, be16_to_port, flow_addr_bytes
 from .metrics import FlowTotals, fold_counter, fold_flow
 from .programs import BpfUnavailable, LoadedProgram, load
 from .verdicts import slots_in_maps, zero_range
 from .verdicts import totals as verdict_totals
 
 
-def require_program(*, enforce: bool, audit: bool = False) -> LoadedProgram:
+def require_program(*, enforce: bool, audit: bool = False, policy_records: int = POLICY_MAX_RECORDS) -> LoadedProgram:
     """Load the program or raise with the reason; tests turn this into a loud failure."""
     if os.geteuid() != 0:
         raise BpfUnavailable("BPF tests need root (run dev/test.sh as root)")
-    return load(enforce=enforce, audit=audit)
+    return load(enforce=enforce, audit=audit, policy_records=policy_records)
 
 
 def reset_maps(prog: LoadedProgram) -> None:

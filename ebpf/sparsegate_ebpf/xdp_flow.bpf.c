@@ -76,8 +76,10 @@ BPF_TABLE("lru_percpu_hash", struct sg_flow4_key, struct sg_flow_stats, flows, S
 BPF_TABLE("lru_percpu_hash", struct sg_flow_key, struct sg_flow_stats, flows6, SG_FLOW_ENTRIES);
 BPF_TABLE("lru_hash", struct sg_flow_key, struct sg_handshake, handshakes, 16384);
 
-BPF_HASH(policy_a, struct sg_policy_key, struct sg_policy_val, SG_POLICY_MAX_RECORDS);
-BPF_HASH(policy_b, struct sg_policy_key, struct sg_policy_val, SG_POLICY_MAX_RECORDS);
+/* Not preallocated: kernel memory follows the records written (~120 B each), not the capacity,
+ * so a large --policy-map-records costs nothing until a policy needs it. */
+BPF_F_TABLE("hash", struct sg_policy_key, struct sg_policy_val, policy_a, SG_POLICY_MAX_RECORDS, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", struct sg_policy_key, struct sg_policy_val, policy_b, SG_POLICY_MAX_RECORDS, BPF_F_NO_PREALLOC);
 BPF_ARRAY_OF_MAPS(policy_outer, "policy_a", 1);
 /* The live generation, written by userspace right after each outer-slot flip: a flow's cached
  * outcome is reused while it matches, with no policy lookup at all. */

@@ -72,7 +72,13 @@ MAX_IDENTITY = 65535
 
 # Capacity (checked by the operator before it publishes, and again by the agent before it loads).
 MAP_MAX_ENTRIES = 65536
-"""``max_entries`` of each inner policy map: records (``SG_POLICY_MAX_RECORDS`` in the agent's header)."""
+"""Default ``max_entries`` of each inner policy map: records (``SG_POLICY_MAX_RECORDS`` in the agent's
+header; the agent's ``--policy-map-records`` and the chart's ``agent.policyMapRecords`` change it)."""
+MAP_MAX_ENTRIES_LIMIT = 1 << 20
+"""The largest ``--policy-map-records`` the agent accepts (the maps are not preallocated: kernel
+memory follows the records written, ~120 B each, plus 16 B per record of capacity)."""
+MAP_MIN_ENTRIES = 1024
+"""The smallest ``--policy-map-records`` the agent accepts (the reserve and a few rules must fit)."""
 MAX_RULES = 16383
 """Rules (or entries) per document: their 1-based ids index the agent's per-rule verdict counters
 (``SG_POLICY_MAX_ENTRIES`` = MAX_RULES + 1 per pool map)."""

@@ -16,7 +16,12 @@ form: the identity build plus its expansion, which stands in for the old operato
 split time (operator) and rebuild time (`flowpolicy_shards.join`, agent) when sharded, and the agent's
 parse + compile time where it fits.
 `--identity-only-pods`: sizes measured in the identity form only (the entries form there has tens of
-millions of entries). Writes tests/bench/results/bench_flow_policy_size.json.
+millions of entries). `--map-records N`: the agents' policy map size (chart `agent.policyMapRecords`;
+default 65,536): what fits, and what the agent parses and compiles against. `--load` (root, BCC):
+also load the XDP program with maps of that size and swap each fitting identity document in, as the
+agent does (`PolicySwapper.apply`: fill the inactive map, flip the outer slot), reporting fill and
+swap times and the map's kernel memory (`memlock` in its fdinfo; the maps are not preallocated).
+Writes tests/bench/results/bench_flow_policy_size.json.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from sparsegate.domain.policy import Port
-from sparsegate.domain.policy_capacity import DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, Capacity, Footprint
+from sparsegate.domain.policy_capacity import DEFAULT_MAX_BYTES, MAP_RECORDS_ENV, Capacity, Footprint
 from sparsegate.domain.policy_compile import PodInfo, QueryKey, flow_document
 from sparsegate_contracts import flowpolicy, flowpolicy_shards
 from sparsegate_ebpf.policy import compile_policy, parse_policy
@@ -59,6 +64,35 @@ def cluster(n: int) -> tuple[list[PodInfo], dict[QueryKey, dict[str, Any]]]:
     return pods, decisions
 
 
+class Swap:
+    """The agent's maps, loaded once (`--load`): each fitting document swapped in as the agent does."""
+
+    def __init__(self, map_records: int) -> None:
+        from sparsegate_ebpf.policyswap import PolicySwapper
+        from sparsegate_ebpf.testing import require_program
+
+        self.prog = require_program(enforce=True, policy_records=map_records)
+        self.swapper = PolicySwapper(bpf=self.prog.bpf)
+        self.empty = _memlock(self.prog, "policy_a")
+        self.map_records = map_records
+
+    def swap(self, document: dict[str, Any]) -> dict[str, Any]:
+        if flowpolicy.map_records(document) + 1 > self.map_records:
+            return {}
+        result = self.swapper.apply(parse_policy(document, max_records=self.map_records))
+        return {"fill_s": result.fill_seconds, "swap_s": result.swap_seconds,
+                "map_bytes": _memlock(self.prog, result.slot), "empty_map_bytes": self.empty}
+
+    def close(self) -> None:
+        self.prog.close()
+
+
+def _memlock(prog: Any, table: str) -> int:
+    """Kernel memory of one map (its fdinfo `memlock`: what is charged for it)."""
+    with open(f"/proc/self/fdinfo/{prog.table(table).get_fd()}") as f:
+        return int(dict(line.split(":\t", 1) for line in f.read().splitlines())["memlock"])
+
+
 def old_agent_records(document: dict[str, Any]) -> int:
     """Records the agent wrote for an entries-form document before identities: one per entry tuple,
     policed destination and allowed source (no per-source identity records)."""
@@ -66,12 +100,13 @@ def old_agent_records(document: dict[str, Any]) -> int:
     return len(tuples) + len(flowpolicy.policed_of(document)) + len(document.get(flowpolicy.ALLOWED_SOURCES) or ())
 
 
-def measure(document: dict[str, Any], build_s: float, *, shard: bool = True) -> dict[str, Any]:
+def measure(document: dict[str, Any], build_s: float, *, capacity: Capacity, map_records: int,
+            shard: bool = True) -> dict[str, Any]:
     records = old_agent_records(document) if "entries" in document else flowpolicy.map_records(document)
     size = flowpolicy.document_bytes(document)
     out: dict[str, Any] = {
         "rows": len(flowpolicy.rows_of(document)), "identities": len(document.get(flowpolicy.IDENTITIES) or ()),
-        "map_records": records, "bytes": size, "fits_map": records <= DEFAULT_MAX_RECORDS,
+        "map_records": records, "bytes": size, "fits_map": records <= capacity.max_records,
         "operator_build_s": build_s,
     }
     if shard:
@@ -90,7 +125,8 @@ def measure(document: dict[str, Any], build_s: float, *, shard: bool = True) -> 
             assert rebuilt == document
     if out["fits_map"] and out.get("fits_shards", False):
         t0 = time.perf_counter()
-        compile_policy(parse_policy(flowpolicy.document_text(document)), generation=1)
+        compile_policy(parse_policy(flowpolicy.document_text(document), max_records=map_records), generation=1,
+                       max_records=map_records)
         out["agent_parse_compile_s"] = time.perf_counter() - t0
     return out
 
@@ -99,8 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pods", type=int, nargs="+", default=[1000, 10000])
     ap.add_argument("--identity-only-pods", type=int, nargs="*", default=[50000, 100000])
+    ap.add_argument("--map-records", type=int, default=flowpolicy.MAP_MAX_ENTRIES)
+    ap.add_argument("--load", action="store_true", help="swap each fitting document into real BPF maps (root)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
+    capacity = Capacity.from_env({MAP_RECORDS_ENV: str(args.map_records)})
+    size = dict(capacity=capacity, map_records=args.map_records)
+    swapper = Swap(args.map_records) if args.load else None
     results = {}
     for n in [*args.pods, *args.identity_only_pods]:
         pods, decisions = cluster(n)
@@ -109,17 +150,23 @@ def main(argv: list[str] | None = None) -> int:
         identity = flow_document(decisions=decisions, pods=pods, policed_models=models, allowed_sources=[])
         t1 = time.perf_counter()
         if n in args.identity_only_pods:
-            results[str(n)] = {"identity form (now)": measure(identity, t1 - t0)}
+            results[str(n)] = {"identity form (now)": measure(identity, t1 - t0, **size)}
+            if swapper is not None:
+                results[str(n)]["identity form (now)"].update(swapper.swap(identity))
             continue
         entries = flowpolicy.build_document(entries=flowpolicy.ip_entries(identity),
                                             policed_destinations=identity[flowpolicy.POLICED_DESTINATIONS],
                                             allowed_sources=[])
         t2 = time.perf_counter()
         # The entries form is what was published before identities: sized, not sharded (never sent now).
-        results[str(n)] = {"entries form (before)": measure(entries, t2 - t1 + t1 - t0, shard=False),
-                           "identity form (now)": measure(identity, t1 - t0)}
-    print(f"limits: {DEFAULT_MAX_RECORDS} map records; {DEFAULT_MAX_BYTES} bytes per ConfigMap, "
-          f"{Capacity().max_shards} shards")
+        results[str(n)] = {"entries form (before)": measure(entries, t2 - t1 + t1 - t0, shard=False, **size),
+                           "identity form (now)": measure(identity, t1 - t0, **size)}
+        if swapper is not None:
+            results[str(n)]["identity form (now)"].update(swapper.swap(identity))
+    if swapper is not None:
+        swapper.close()
+    print(f"limits: {capacity.max_records} map records (maps of {args.map_records}); {DEFAULT_MAX_BYTES} bytes per "
+          f"ConfigMap, {capacity.max_shards} shards")
     print(f"{'pods':>6} {'form':<22} {'rows':>7} {'records':>8} {'bytes':>10} {'shards':>6} {'written':>10} "
           f"{'largest':>8} {'fits':>8} {'build s':>8} {'split s':>8} {'join s':>7} {'agent s':>8}")
     for n, forms in results.items():
@@ -138,8 +185,17 @@ def main(argv: list[str] | None = None) -> int:
         old, new = forms["entries form (before)"], forms["identity form (now)"]
         print(f"{'':>6} ratio before/now: records {old['map_records'] / new['map_records']:.1f}x, "
               f"bytes {old['bytes'] / new['bytes']:.1f}x")
+    if swapper is not None:
+        print(f"\nSwapped into real BPF maps of {args.map_records} records (agent: parse, compile, fill, flip):")
+        print(f"{'pods':>6} {'records':>8} {'parse+compile s':>15} {'fill s':>7} {'flip ms':>8} {'map MiB':>8} "
+              f"{'empty map MiB':>13}")
+        for n, forms in results.items():
+            r = forms["identity form (now)"]
+            if "fill_s" in r:
+                print(f"{n:>6} {r['map_records']:>8} {r['agent_parse_compile_s']:>15.3f} {r['fill_s']:>7.3f} "
+                      f"{r['swap_s'] * 1e3:>8.2f} {r['map_bytes'] / 2**20:>8.1f} {r['empty_map_bytes'] / 2**20:>13.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"pods": results}, indent=1) + "\n")
+    args.out.write_text(json.dumps({"map_records": args.map_records, "pods": results}, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
 

@@ -15,9 +15,12 @@ Records are counted per address (``flowpolicy.map_records``), whatever its famil
 pod is published with its IPv4 and its IPv6 address, so it needs two source records and two
 policed-destination records, and the agent keys both families in the same inner map.
 
-Both limits can be lowered (never raised above the real ones) through the operator's environment,
-so that tests can reach them with a handful of pods: ``SPARSEGATE_FLOW_POLICY_MAX_RECORDS`` and
-``SPARSEGATE_FLOW_POLICY_MAX_BYTES`` (bytes per ConfigMap: a smaller value shards small documents).
+The agents' map size is ``SPARSEGATE_FLOW_POLICY_MAP_RECORDS`` (the chart sets it and the agents'
+``--policy-map-records`` from one value, ``agent.policyMapRecords``; default
+``flowpolicy.MAP_MAX_ENTRIES``). Both limits can be lowered (never raised above the real ones)
+through the operator's environment, so that tests can reach them with a handful of pods:
+``SPARSEGATE_FLOW_POLICY_MAX_RECORDS`` and ``SPARSEGATE_FLOW_POLICY_MAX_BYTES`` (bytes per ConfigMap:
+a smaller value shards small documents).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 from sparsegate_contracts import flowpolicy, flowpolicy_shards
 from sparsegate_contracts.flowpolicy import FlowPolicyError
 
+MAP_RECORDS_ENV = "SPARSEGATE_FLOW_POLICY_MAP_RECORDS"
 MAX_RECORDS_ENV = "SPARSEGATE_FLOW_POLICY_MAX_RECORDS"
 MAX_BYTES_ENV = "SPARSEGATE_FLOW_POLICY_MAX_BYTES"
 DEFAULT_MAX_RECORDS = flowpolicy.MAP_MAX_ENTRIES - flowpolicy.AGENT_RESERVED_RECORDS
@@ -47,20 +51,24 @@ class Capacity:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Capacity:
         """The limits, lowered by the environment; ValueError naming the variable when it is bad."""
-        return cls(max_records=_limit(env, MAX_RECORDS_ENV, DEFAULT_MAX_RECORDS),
+        map_records = _limit(env, MAP_RECORDS_ENV, flowpolicy.MAP_MAX_ENTRIES_LIMIT, floor=flowpolicy.MAP_MIN_ENTRIES,
+                             default=flowpolicy.MAP_MAX_ENTRIES)
+        records = map_records - flowpolicy.AGENT_RESERVED_RECORDS
+        return cls(max_records=_limit(env, MAX_RECORDS_ENV, records),
                    max_bytes=_limit(env, MAX_BYTES_ENV, DEFAULT_MAX_BYTES, floor=flowpolicy_shards.MIN_SHARD_BYTES))
 
 
-def _limit(env: Mapping[str, str], name: str, ceiling: int, *, floor: int = 1) -> int:
+def _limit(env: Mapping[str, str], name: str, ceiling: int, *, floor: int = 1, default: int | None = None) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
-        return ceiling
+        return ceiling if default is None else default
     try:
         value = int(raw)
     except ValueError:
         raise ValueError(f"{name}: must be an integer, got {raw!r}") from None
     if not floor <= value <= ceiling:
-        raise ValueError(f"{name}: must be in {floor}..{ceiling} (it can only lower the real limit), got {value}")
+        why = "" if default is not None else " (it can only lower the real limit)"
+        raise ValueError(f"{name}: must be in {floor}..{ceiling}{why}, got {value}")
     return value
 
 
@@ -98,7 +106,8 @@ class TooLarge:
     def message(self) -> str:
         over = []
         if self.needed.records > self.capacity.max_records:
-            over.append(f"needs {self.needed.records} policy map records, capacity {self.capacity.max_records}")
+            over.append(f"needs {self.needed.records} policy map records, capacity {self.capacity.max_records} "
+                        "(the chart's agent.policyMapRecords sets the agents' maps)")
         if self.needed.shards > self.capacity.max_shards:
             over.append(f"needs {self.needed.shards} ConfigMaps of {self.capacity.max_bytes} bytes "
                         f"({self.needed.bytes} bytes), capacity {self.capacity.max_shards}")

@@ -78,7 +78,7 @@ def test_agent_attaches_exports_follows_policy_file_and_detaches_on_sigterm(lab:
         agent = lab.popen(lab.server_ns, [PY, "-m", "sparsegate_ebpf.agent", "--interfaces", lab.server_if,
                                           "--metrics-port", str(PORT), "--metrics-addr", "127.0.0.1",
                                           "--policy-file", str(policy), "--poll-interval", "0.2",
-                                          "--on-exit", "detach"],
+                                          "--on-exit", "detach", "--policy-map-records", "4096"],
                           stdout=log_f, stderr=subprocess.STDOUT)
     try:
         # The policy goes into the maps before the program is attached (never live without it), so
@@ -89,6 +89,9 @@ def test_agent_attaches_exports_follows_policy_file_and_detaches_on_sigterm(lab:
                      timeout=120.0)  # BCC compiles first: slow on a loaded machine
         assert sample(m, "sparsegate_agent_bpf_available") == 1
         assert sample(m, "sparsegate_xdp_attached", interface=lab.server_if, mode="native") == 1
+        # The maps are the size asked for; the live one holds meta, rule, policed destination, source.
+        assert sample(m, "sparsegate_xdp_policy_map_capacity_records") == 4096
+        assert 4 <= sample(m, "sparsegate_xdp_policy_map_records") < 4096
 
         assert (send(lab, 9000, 100), send(lab, 9001, 40)) == (100, 40)
         m = scrape(lab)

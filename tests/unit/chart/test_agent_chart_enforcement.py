@@ -59,8 +59,27 @@ def test_enforcement_is_an_explicit_value(mode: str) -> None:
     assert parsed.allow_sources == ["10.0.0.7", "10.9.0.1", "10.9.0.2"]
 
 
+def test_one_policy_map_size_reaches_the_agents_and_the_operator() -> None:
+    """agent.policyMapRecords becomes the agents' --policy-map-records and the operator's capacity,
+    so the operator never publishes an allow-list the agents cannot load."""
+    from sparsegate.domain.policy_capacity import Capacity
+    from sparsegate_contracts import flowpolicy
+
+    for value, records in ((None, flowpolicy.MAP_MAX_ENTRIES), ("262144", 262144)):
+        proc = helm_template(*(("--set", f"agent.policyMapRecords={value}") if value else ()))
+        assert proc.returncode == 0, proc.stderr
+        docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+        (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+        assert agent.parse_args(agent_args(ds)).policy_map_records == records
+        (deploy,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("operator")]
+        env = {e["name"]: e.get("value") for c in deploy["spec"]["template"]["spec"]["containers"]
+               for e in c.get("env") or ()}
+        assert Capacity.from_env(env).max_records == records - flowpolicy.AGENT_RESERVED_RECORDS
+
+
 @pytest.mark.parametrize(("values", "field"), [
     (("--set", "agent.enforcement=on"), "/agent/enforcement"),
+    (("--set", "agent.policyMapRecords=100"), "/agent/policyMapRecords"),
     (("--set", "agent.allowSources={not-an-ip}"), "/agent/allowSources/0"),
 ])
 def test_bad_values_are_refused_naming_the_field(values: tuple[str, ...], field: str) -> None:

@@ -190,6 +190,8 @@ def test_on_applied_runs_only_after_a_valid_policy_is_swapped_in() -> None:
     from sparsegate_ebpf.policyswap import SwapResult
 
     class Swapper:  # our own wrapper's interface, not BCC's
+        max_records = 65536  # the pool maps' max_entries, which documents are parsed against
+
         def __init__(self) -> None:
             self.applied: list[str] = []
 

@@ -7,6 +7,7 @@ import pytest
 from sparsegate.domain.policy_capacity import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_RECORDS,
+    MAP_RECORDS_ENV,
     MAX_BYTES_ENV,
     MAX_RECORDS_ENV,
     Capacity,
@@ -80,10 +81,28 @@ def test_defaults_are_the_real_limits_less_headroom() -> None:
     ({MAX_RECORDS_ENV: "0"}, f"{MAX_RECORDS_ENV}: must be in 1..{DEFAULT_MAX_RECORDS}"),
     ({MAX_BYTES_ENV: str(2 * 1024 * 1024)}, f"{MAX_BYTES_ENV}: must be in 4096..{DEFAULT_MAX_BYTES}"),
     ({MAX_BYTES_ENV: "100"}, f"{MAX_BYTES_ENV}: must be in 4096..{DEFAULT_MAX_BYTES}"),
+    ({MAP_RECORDS_ENV: "100"}, f"{MAP_RECORDS_ENV}: must be in 1024..1048576, got 100"),
+    ({MAP_RECORDS_ENV: str(2**21)}, f"{MAP_RECORDS_ENV}: must be in 1024..1048576"),
+    ({MAP_RECORDS_ENV: "2048", MAX_RECORDS_ENV: "5000"}, f"{MAX_RECORDS_ENV}: must be in 1..1984"),
 ])
 def test_bad_limits_name_the_variable(env: dict, text: str) -> None:
     with pytest.raises(ValueError, match=text):
         Capacity.from_env(env)
+
+
+def test_the_agents_map_size_sets_the_ceiling_and_the_test_limit_only_lowers_it() -> None:
+    """agent.policyMapRecords reaches the operator as SPARSEGATE_FLOW_POLICY_MAP_RECORDS: records
+    available = the agents' map less their reserve, above the default as well as below it."""
+    big = Capacity.from_env({MAP_RECORDS_ENV: "262144"})
+    assert big.max_records == 262144 - flowpolicy.AGENT_RESERVED_RECORDS
+    assert Capacity.from_env({MAP_RECORDS_ENV: "262144", MAX_RECORDS_ENV: "70000"}).max_records == 70000
+    sources = [f"10.{1 + i // 65536}.{i // 256 % 256}.{i % 256}" for i in range(70_000)]
+    document = flowpolicy.build_document(  # one rule from 70,000 callers: over the default map, inside the big one
+        rules=[flowpolicy.identity_rule_json(256, 257, 8080, "tcp", "allow", "models/allow#0")],
+        identities=[{"identity": 256, "ips": sources}, {"identity": 257, "ips": ["10.200.0.1"]}])
+    assert check(document, Capacity())[1] is not None
+    assert check(document, big)[1] is None
+    assert "agent.policyMapRecords" in check(document, Capacity())[1].message
 
 
 def test_the_map_capacity_is_one_contract_constant() -> None:
