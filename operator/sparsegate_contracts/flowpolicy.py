@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -287,6 +288,11 @@ def ip_text(value: Any, *, where: str) -> str:
     IPv6 zone ids (``fe80::1%eth0``: an address of one link, not of a pod) and IPv4-mapped IPv6
     addresses (``::ffff:a.b.c.d``: the agent keys an IPv4 address that way, so the IPv4 form is the
     one to write)."""
+    if isinstance(value, str):
+        try:  # fast path, ~10x cheaper: glibc's inet_pton takes exactly ipaddress's IPv4 forms
+            return socket.inet_ntop(socket.AF_INET, socket.inet_pton(socket.AF_INET, value))
+        except (OSError, ValueError):  # ValueError: e.g. an embedded NUL
+            pass  # IPv6, or not an address: ipaddress decides and words the error
     try:
         if not isinstance(value, str) or "%" in value:
             raise ValueError(value)

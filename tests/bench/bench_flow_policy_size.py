@@ -124,9 +124,9 @@ def measure(document: dict[str, Any], build_s: float, *, capacity: Capacity, map
             out["agent_join_s"] = time.perf_counter() - t0
             assert rebuilt == document
     if out["fits_map"] and out.get("fits_shards", False):
+        text = flowpolicy.document_text(document)  # what the agent reads (written by the operator)
         t0 = time.perf_counter()
-        compile_policy(parse_policy(flowpolicy.document_text(document), max_records=map_records), generation=1,
-                       max_records=map_records)
+        compile_policy(parse_policy(text, max_records=map_records), generation=1, max_records=map_records)
         out["agent_parse_compile_s"] = time.perf_counter() - t0
     return out
 

@@ -66,3 +66,46 @@ def test_map_records_count_each_address_of_either_family() -> None:
     # One rule tuple, two policed destinations (the v4 and v6 address of identity 257), two source
     # addresses of identity 256 and one allowed source.
     assert flowpolicy.map_records(doc) == 1 + 2 + 2 + 1
+
+
+def _reference_ip_text(value: object) -> str | None:
+    """ip_text as it was before its inet_pton fast path: ipaddress alone (None: refused)."""
+    import ipaddress
+    try:
+        if not isinstance(value, str) or "%" in value:
+            return None
+        ip = ipaddress.ip_address(value)
+    except ValueError:
+        return None
+    return None if ip.version == 6 and ip.ipv4_mapped is not None else str(ip)
+
+
+def test_ip_text_fast_path_accepts_and_spells_exactly_what_ipaddress_does() -> None:
+    """IPv4 text goes through inet_pton (~10x cheaper at 100k addresses); it must accept the same
+    strings as ipaddress and write the same canonical text, and addr_of must pack them alike."""
+    import ipaddress
+    import random
+
+    from sparsegate_ebpf import maps
+
+    rng = random.Random(11)
+    octet = [lambda: str(rng.randrange(256)), lambda: str(rng.randrange(1000)), lambda: "0" + str(rng.randrange(10)),
+             lambda: " 1", lambda: "0x1", lambda: "", lambda: "-1", lambda: "١"]
+    cases: list[object] = ["1.2.3.4\x00", "fe80::1%eth0", "::ffff:1.2.3.4", "FD00::A", "0.0.0.0", 5, None]
+    def part() -> str:
+        return str(rng.randrange(256)) if rng.random() < 0.9 else rng.choice(octet)()
+
+    cases += [".".join(part() for _ in range(rng.choice([3, 4, 4, 4, 4, 4, 5]))) for _ in range(5000)]
+    accepted = 0
+    for value in cases:
+        try:
+            got: str | None = flowpolicy.ip_text(value, where="x")
+        except FlowPolicyError:
+            got = None
+        assert got == _reference_ip_text(value), value
+        if got is not None:
+            accepted += 1
+            ip = ipaddress.ip_address(got)
+            packed = bytes(10) + b"\xff\xff" + ip.packed if ip.version == 4 else ip.packed
+            assert bytes(maps.addr_of(got)) == packed
+    assert 500 < accepted < len(cases) - 500  # both outcomes exercised
