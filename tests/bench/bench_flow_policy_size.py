@@ -21,12 +21,19 @@ default 65,536): what fits, and what the agent parses and compiles against. `--l
 also load the XDP program with maps of that size and swap each fitting identity document in, as the
 agent does (`PolicySwapper.apply`: fill the inactive map, flip the outer slot), reporting fill and
 swap times and the map's kernel memory (`memlock` in its fdinfo; the maps are not preallocated).
+`--publish`: also start a local control plane (dev/localcluster, cached binaries) and publish each
+identity document as the operator does (`FlowPolicyConfigMap.publish`: shards first, head last),
+timing it and reading it back (it must come back equal).
 Writes tests/bench/results/bench_flow_policy_size.json.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import shutil
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -62,6 +69,37 @@ def cluster(n: int) -> tuple[list[PodInfo], dict[QueryKey, dict[str, Any]]]:
                        model=f"model-{cls % MODELS}", port=8080, protocol="tcp")
         decisions[key] = {"allow": True, "rule": f"models/allow-{cls % MODELS}#s0t0"}
     return pods, decisions
+
+
+class Publish:
+    """A local control plane and the operator's ConfigMap writer (`--publish`)."""
+
+    def __init__(self) -> None:
+        import kubernetes
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dev"))
+        from localcluster import LocalCluster, nodes
+
+        from sparsegate.clients.flow_policy import FlowPolicyConfigMap
+
+        self.state = Path(tempfile.mkdtemp(prefix="bench-policy-publish-"))
+        self.cluster = LocalCluster(state_dir=self.state, pod_cidr="127.43.0.0/16",
+                                    node_shape=nodes.NodeShape(count=1, gpu_count=0))
+        self.cluster.start()
+        self.cluster.kubectl("create", "namespace", "sparsegate-system")
+        client = kubernetes.config.new_client_from_config(config_file=str(self.cluster.kubeconfig))
+        self.store = FlowPolicyConfigMap(namespace="sparsegate-system", api_client=client)
+
+    def publish(self, document: dict[str, Any]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        asyncio.run(self.store.publish(document))
+        elapsed = time.perf_counter() - t0
+        assert asyncio.run(self.store.read()) == document, "published document does not read back equal"
+        return {"publish_s": elapsed}
+
+    def close(self) -> None:
+        self.cluster.stop()
+        shutil.rmtree(self.state, ignore_errors=True)
 
 
 class Swap:
@@ -137,12 +175,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--identity-only-pods", type=int, nargs="*", default=[50000, 100000])
     ap.add_argument("--map-records", type=int, default=flowpolicy.MAP_MAX_ENTRIES)
     ap.add_argument("--load", action="store_true", help="swap each fitting document into real BPF maps (root)")
+    ap.add_argument("--publish", action="store_true", help="publish each document to a local control plane")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     capacity = Capacity.from_env({MAP_RECORDS_ENV: str(args.map_records)})
     size = dict(capacity=capacity, map_records=args.map_records)
     swapper = Swap(args.map_records) if args.load else None
-    results = {}
+    publisher = Publish() if args.publish else None
+    try:
+        results = run(args, size, swapper, publisher)
+    finally:
+        if swapper is not None:
+            swapper.close()
+        if publisher is not None:
+            publisher.close()
+    report(args, capacity, results)
+    return 0
+
+
+def run(args: argparse.Namespace, size: dict[str, Any], swapper: Swap | None, publisher: Publish | None
+        ) -> dict[str, Any]:
+    results: dict[str, Any] = {}
     for n in [*args.pods, *args.identity_only_pods]:
         pods, decisions = cluster(n)
         models = [("models", f"model-{m}") for m in range(MODELS)]
@@ -151,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.perf_counter()
         if n in args.identity_only_pods:
             results[str(n)] = {"identity form (now)": measure(identity, t1 - t0, **size)}
-            if swapper is not None:
-                results[str(n)]["identity form (now)"].update(swapper.swap(identity))
+            extras(results[str(n)]["identity form (now)"], identity, swapper, publisher)
             continue
         entries = flowpolicy.build_document(entries=flowpolicy.ip_entries(identity),
                                             policed_destinations=identity[flowpolicy.POLICED_DESTINATIONS],
@@ -161,10 +213,18 @@ def main(argv: list[str] | None = None) -> int:
         # The entries form is what was published before identities: sized, not sharded (never sent now).
         results[str(n)] = {"entries form (before)": measure(entries, t2 - t1 + t1 - t0, shard=False, **size),
                            "identity form (now)": measure(identity, t1 - t0, **size)}
-        if swapper is not None:
-            results[str(n)]["identity form (now)"].update(swapper.swap(identity))
+        extras(results[str(n)]["identity form (now)"], identity, swapper, publisher)
+    return results
+
+
+def extras(row: dict[str, Any], identity: dict[str, Any], swapper: Swap | None, publisher: Publish | None) -> None:
+    if publisher is not None and row.get("fits_shards"):
+        row.update(publisher.publish(identity))
     if swapper is not None:
-        swapper.close()
+        row.update(swapper.swap(identity))
+
+
+def report(args: argparse.Namespace, capacity: Capacity, results: dict[str, Any]) -> None:
     print(f"limits: {capacity.max_records} map records (maps of {args.map_records}); {DEFAULT_MAX_BYTES} bytes per "
           f"ConfigMap, {capacity.max_shards} shards")
     print(f"{'pods':>6} {'form':<22} {'rows':>7} {'records':>8} {'bytes':>10} {'shards':>6} {'written':>10} "
@@ -185,7 +245,14 @@ def main(argv: list[str] | None = None) -> int:
         old, new = forms["entries form (before)"], forms["identity form (now)"]
         print(f"{'':>6} ratio before/now: records {old['map_records'] / new['map_records']:.1f}x, "
               f"bytes {old['bytes'] / new['bytes']:.1f}x")
-    if swapper is not None:
+    if args.publish:
+        print("\nPublished to a local control plane (FlowPolicyConfigMap.publish; shards, then the head):")
+        print(f"{'pods':>6} {'shards':>6} {'publish s':>9}")
+        for n, forms in results.items():
+            r = forms["identity form (now)"]
+            if "publish_s" in r:
+                print(f"{n:>6} {r['shards']:>6} {r['publish_s']:>9.3f}")
+    if args.load:
         print(f"\nSwapped into real BPF maps of {args.map_records} records (agent: parse, compile, fill, flip):")
         print(f"{'pods':>6} {'records':>8} {'parse+compile s':>15} {'fill s':>7} {'flip ms':>8} {'map MiB':>8} "
               f"{'empty map MiB':>13}")
@@ -197,7 +264,6 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"map_records": args.map_records, "pods": results}, indent=1) + "\n")
     print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":
