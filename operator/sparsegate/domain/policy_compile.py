@@ -35,6 +35,9 @@ from sparsegate.domain.policy import (
 )
 
 
+Identity = tuple[str, str, tuple[tuple[str, str], ...]]  # (namespace, service account, labels): a class
+
+
 @dataclass(frozen=True)
 class PodInfo:
     namespace: str
@@ -57,7 +60,7 @@ class PodInfo:
         return dict(self.labels).get(MODEL_LABEL)
 
     @cached_property
-    def identity(self) -> tuple[str, str, tuple[tuple[str, str], ...]]:
+    def identity(self) -> Identity:
         return (self.namespace, self.service_account, self.labels)
 
 
@@ -174,10 +177,10 @@ def _candidate_ports(
 
 def _classes_by_key(
     pods: Iterable[PodInfo], *, trust_domain: str
-) -> dict[str, set[tuple[str, str, tuple[tuple[str, str], ...]]]]:
+) -> dict[str, set[Identity]]:
     """identity key -> the identity classes filed there: each bucket finds its classes by lookup,
     so the cost follows the matches, not models × classes."""
-    by_key: dict[str, set[tuple[str, str, tuple[tuple[str, str], ...]]]] = {}
+    by_key: dict[str, set[Identity]] = {}
     for identity in {pod.identity for pod in pods}:  # keyed once per class, not per pod
         namespace, service_account, _ = identity
         for key in caller_identity_keys(trust_domain=trust_domain, namespace=namespace,
@@ -209,9 +212,6 @@ def candidate_queries(
                 )
     return sorted(queries, key=lambda q: (q.target_namespace, q.model, q.port, q.protocol, q.namespace,
                                           q.service_account, q.labels))
-
-
-Identity = tuple[str, str, tuple[tuple[str, str], ...]]  # (namespace, service account, labels): a class
 
 
 @dataclass(frozen=True)
@@ -334,7 +334,7 @@ def flow_document(
     their pods' IPs are published as `policedDestinations`, the only destinations the agent judges.
     None: the field is left out (the agent then polices the destinations the rules name).
     `allowed_sources`: IPs always allowed to policed destinations (the operator's own pod)."""
-    by_identity: dict[tuple[str, str, tuple[tuple[str, str], ...]], list[PodInfo]] = {}
+    by_identity: dict[Identity, list[PodInfo]] = {}
     for pod in pods:
         by_identity.setdefault(pod.identity, []).append(pod)
     models = _models(pods)
