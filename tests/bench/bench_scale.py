@@ -15,6 +15,8 @@ Reports, side by side:
   (``sparsegate_operator_reconcile_duration_seconds``), and the rollout tick p50/p99
   (``sparsegate_rollout_tick_duration_seconds``, one tick checks every pod of a GateConfig);
 - operator memory: peak RSS (VmHWM) and RSS at the end;
+- the operator's own API requests (``sparsegate_operator_kube_requests_total``) by verb and
+  resource, in all and per SparseModel: where the API server's work comes from;
 - then one GateConfig change at scale: time for the controller to choose and record the first
   step (the pods cannot answer, so the step waits; that part is measured by the e2e tests).
 Results also go to tests/bench/results/bench_scale.json.
@@ -65,6 +67,17 @@ def histogram_quantiles(text: str, name: str, label: tuple[str, str] | None) -> 
             prev_le, prev_c = le, c
         out[f"p{int(q * 100)}"] = value
     return out
+
+
+def counter_by(text: str, name: str, labels: tuple[str, ...]) -> dict[str, float]:
+    """A counter's samples summed by the given labels ("verb resource" → count), largest first."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == f"{name}_total":
+                key = " ".join(s.labels.get(label, "") for label in labels)
+                out[key] = out.get(key, 0.0) + s.value
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def rss_kib(pid: int) -> tuple[int, int]:
@@ -149,6 +162,8 @@ def main() -> int:
         time.sleep(3)  # a few ticks at 1,000-pod scale for the tick histogram
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         hwm, rss = rss_kib(op_proc.pid)
+        requests = counter_by(metrics, "sparsegate_operator_kube_requests", ("verb", "resource"))
+        reconciles = counter_by(metrics, "sparsegate_operator_reconciles", ("kind",))
         result = {
             "models": args.models, "replicas": args.replicas, "pods": len(pods), "podsRunning": running,
             "nodes": args.nodes, "gateconfigs": args.gateconfigs,
@@ -162,6 +177,12 @@ def main() -> int:
             "firstStepRecordedSeconds": None if first_step_s is None else round(first_step_s, 2),
             "canaryInstances": ro.get("canaryInstances"),
             "operatorPeakRssMiB": round(hwm / 1024, 1), "operatorRssMiB": round(rss / 1024, 1),
+            # Where the API server's work comes from: the operator's own requests (not Kopf's
+            # watches), in all and per SparseModel, by verb and resource.
+            "apiRequests": sum(requests.values()),
+            "apiRequestsPerModel": round(sum(requests.values()) / max(args.models, 1), 1),
+            "apiRequestsByVerbResource": requests,
+            "reconciles": reconciles,
         }
         print(json.dumps(result, indent=2))
         out_dir = REPO / "tests" / "bench" / "results"

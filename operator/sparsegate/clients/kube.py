@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping
 from urllib.parse import quote
 
 import kubernetes
+import prometheus_client
 
 from sparsegate_contracts import names
 
@@ -38,6 +39,29 @@ READ_KINDS: dict[str, tuple[str, str]] = {
     "ReplicaSet": ("apps/v1", "replicasets"),
 }
 _KINDS: dict[str, tuple[str, str]] = {**WRITTEN_KINDS, **READ_KINDS}
+
+
+# What the operator asks of the API server, so the cost of a reconcile at scale is visible (the
+# scale benchmark divides these by reconciles). ``verb``: get, list, create, update, patch, delete.
+API_REQUESTS = prometheus_client.Counter(
+    "sparsegate_operator_kube_requests_total",
+    "Requests the operator's own client sent to the Kubernetes API server, by answer code (Kopf's watches "
+    "and its own patches are not counted).",
+    ["verb", "resource", "code"])
+
+
+def verb_and_resource(method: str, path: str) -> tuple[str, str]:
+    """(``get`` | ``list`` | ``create`` | ..., plural[/subresource]) of one API path."""
+    parts = [p for p in path.split("?", 1)[0].split("/") if p]
+    # /api/v1/namespaces/<ns>/<plural>[/<name>[/<sub>]] or /apis/<group>/<version>/namespaces/...
+    rest = parts[parts.index("namespaces") + 2:] if "namespaces" in parts else parts[2 if parts[:1] == ["api"] else 3:]
+    resource = rest[0] if rest else "unknown"
+    if len(rest) >= 3:
+        resource = f"{resource}/{rest[2]}"
+    named = len(rest) >= 2
+    verb = {"GET": "get" if named else "list", "POST": "create", "PUT": "update", "PATCH": "patch",
+            "DELETE": "delete"}.get(method.upper(), method.lower())
+    return verb, resource
 
 
 class KubeError(Exception):
@@ -97,6 +121,8 @@ class Kube:
             header_params={"Content-Type": content_type, "Accept": "application/json"},
             body=body, auth_settings=["BearerToken"])
         resp = self._api.call_api(*params, _request_timeout=timeout)
+        verb, resource = verb_and_resource(method, path)
+        API_REQUESTS.labels(verb=verb, resource=resource, code=str(resp.status)).inc()
         raw = resp.read()
         try:
             data = json.loads(raw) if raw else {}
@@ -158,14 +184,17 @@ class Kube:
 
     def update_status(self, kind: str, *, namespace: str, name: str,
                       mutate: Callable[[dict[str, Any]], dict[str, Any] | None],
-                      attempts: int = 5) -> dict[str, Any] | None:
+                      attempts: int = 5, current: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Read-modify-write of status with optimistic concurrency (retried on 409).
 
         ``mutate`` gets the current object and returns the status patch, or None for no write.
-        Returns the object as read (the write's input), or None if it does not exist.
+        ``current``: the object as the caller just read it, used for the first attempt instead of a
+        GET (a conflict reads it again). Returns the object as read (the write's input), or None if
+        it does not exist.
         """
-        for _ in range(attempts):
-            current = self.get(kind, namespace=namespace, name=name)
+        for attempt in range(attempts):
+            if attempt or current is None:
+                current = self.get(kind, namespace=namespace, name=name)
             if current is None:
                 return None
             patch = mutate(current)
