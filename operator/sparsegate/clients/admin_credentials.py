@@ -1,10 +1,10 @@
 """The operator's side of the admin channel's credentials: Secret ``<model>-admin`` → what a push needs.
 
-The rollout controller GETs each model's Secret on every fleet refresh (one small GET per model
-per tick) and hands the body to :meth:`AdminCredentialStore.update`; only a changed
-``resourceVersion`` (or uid) builds new credentials, so the TLS context is not rebuilt each tick,
-and nothing outlives the Secret it came from: a rotated or deleted Secret takes effect at the
-next refresh.
+The rollout controller and the access sync GET a model's Secret just before they send something
+to its pods (``RolloutLoop.credentials``: one small GET per model and send) and hand the body to
+:meth:`AdminCredentialStore.update`; only a changed ``resourceVersion`` (or uid) builds new
+credentials, so the TLS context is not rebuilt each time, and nothing outlives the Secret it came
+from: a rotated or deleted Secret takes effect at the next send.
 
 Each :class:`~sparsegate.clients.podadmin.AdminCredentials` trusts exactly one certificate (the
 model's ``tls.crt``; no system CAs) and names the model's server name, so a pod that does not hold

@@ -5,14 +5,16 @@ a watch-driven loop, no finalizer). One tick:
 
 1. read the GateConfig fresh (the watched body may predate our own last status write);
 2. observe: pods of the SparseModels whose ``spec.gateConfigRef`` names it (the wiring passes
-   them from the Kopf index ``models_by_gate``) — only pods whose owner chain leads to the model
+   them from the Kopf index ``models_by_gate``; models, Deployments, ReplicaSets and pods are read
+   from the watched views of ``handlers.fleetindex``, not the API server) — only pods whose owner chain leads to the model
    (pod → ReplicaSet → Deployment → SparseModel, ``domain.pod_ownership``) are the model's; a pod
    that only carries the model's labels gets no token, no push, no scrape and is no part of the
    rollout (Warning Event ``AdminTokenWithheld``) — their ``/healthz`` (heartbeat +
    version/checksum double check) and, while a canary is in flight, their ``/metrics``;
 3. decide with ``domain.rollout.next_action`` (pure);
 4. persist the new status (JSON patch replacing the whole status, optimistic concurrency)
-   BEFORE acting, then push gates, post Events, clear one-shot annotations, count metrics;
+   BEFORE acting, then push gates (the models' admin Secrets are read just before), post Events,
+   clear one-shot annotations, count metrics;
 5. when it pushed, observe again at once so verified pods are recorded in the same tick.
 
 Every API path comes from ``clients.kube.path_for``. Crash safety follows from (4) and from
@@ -39,7 +41,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,10 +63,11 @@ from sparsegate.clients.analysis_providers import (
 )
 from sparsegate.clients.kube import Kube, path_for
 from sparsegate.clients.metrics_source import PrometheusAPI
+from sparsegate.controllers.inventory import Inventory
 from sparsegate.clients.podadmin import PodAdmin, PodTarget
-from sparsegate.domain import analysis_run, render
+from sparsegate.domain import analysis_run, fleet_view, render
 from sparsegate.domain.analysis_run import Measured, Provider, RunPhase
-from sparsegate.domain.pod_ownership import ownership_problem
+from sparsegate.domain.pod_ownership import controller_ref, ownership_problem
 from sparsegate.domain.rollout import (
     RESTING_PHASES,
     ClearAnnotation,
@@ -112,7 +115,7 @@ class RolloutCache:
     last_full_check: float = 0.0
     # The builtin provider of this GateConfig (a DirectScrape owns its window snapshots).
     builtin: BuiltinProvider | None = None
-    # Admin credentials per model: re-read from the Secret on every fleet refresh, rebuilt only
+    # Admin credentials per model: the Secret is re-read before each push, credentials rebuilt only
     # when its resourceVersion changes (never cached beyond the Secret they came from).
     credentials: AdminCredentialStore = field(default_factory=AdminCredentialStore)
     withheld: set[tuple[str, str]] = field(default_factory=set)  # (pod uid, reason) already reported
@@ -123,9 +126,13 @@ FleetCache = RolloutCache  # what ``RolloutLoop.fleet`` keeps between calls (cre
 
 @dataclass(frozen=True)
 class Fleet:
-    targets: dict[str, PodTarget]  # reachable candidates (have an IP) whose owner chain is the model's
+    # Reachable candidates (have an IP) whose owner chain is the model's; without credentials
+    # (``RolloutLoop.credentials`` adds them just before something is sent).
+    targets: dict[str, PodTarget]
     all_pods: tuple[str, ...]  # every live pod of the models, with or without IP
     withheld: dict[str, tuple[str, str]] = field(default_factory=dict)  # pod → (uid, why no token)
+    model_of: dict[str, str] = field(default_factory=dict)  # target pod → its model
+    server_names: dict[str, str] = field(default_factory=dict)  # model → its admin TLS server name
 
 
 def admin_port(pod: Mapping[str, Any]) -> int | None:
@@ -154,42 +161,32 @@ class RolloutLoop:
 
     # ------------------------------------------------------------ observation
 
-    async def _fleet(self, *, namespace: str, models: Sequence[str], cache: RolloutCache) -> Fleet:
-        """Pods of the referencing models, and what each may be sent.
-
-        Per model a GET of the SparseModel, its Deployment and its admin Secret (concurrently); one
-        pod LIST and, when there are pods, one ReplicaSet LIST for the namespace. ReplicaSets are
-        listed after the pods, so every live pod's ReplicaSet is in the list."""
-        if not models:
-            return Fleet(targets={}, all_pods=())
-
-        def get(kind: str, name: str) -> Any:
-            return asyncio.to_thread(self.kube.get, kind, namespace=namespace, name=name)
-
-        bodies = await asyncio.gather(*(get("SparseModel", m) for m in models))
-        live_models = {b["metadata"]["name"]: b for b in bodies if b is not None}
+    async def _fleet(self, *, namespace: str, models: Sequence[str], inventory: Inventory) -> Fleet:
+        """Pods of the referencing models that are really theirs, read from the watched projections
+        (``controllers.inventory``): no API request in the steady state. A model's Deployment or a
+        pod's ReplicaSet the watches have not delivered yet (created a moment ago) is read from the
+        API server instead, so a new pod is not refused for the watches' lag."""
+        live_models = {m: v for m in models if (v := inventory.model(namespace, m)) is not None}
         if not live_models:
             return Fleet(targets={}, all_pods=())
-        selector = f"{names.MODEL_LABEL} in ({','.join(sorted(live_models))})"
-        pods = await asyncio.to_thread(
-            self.kube.request, "GET", path_for("Pod", namespace=namespace), query={"labelSelector": selector})
-        order = sorted(live_models)
-        deployments = await asyncio.gather(*(get("Deployment", m) for m in order))
-        secrets = await asyncio.gather(*(get("Secret", render.admin_secret_name(m)) for m in order))
-        creds: dict[str, ModelCredentials] = {
-            m: cache.credentials.update(secret, namespace=namespace, model=m,
-                                        server_name=render.admin_server_name(live_models[m]))
-            for m, secret in zip(order, secrets)}
-        deployment_of = dict(zip(order, deployments))
-        items = pods.get("items", [])
+        deployment_of: dict[str, Mapping[str, Any] | None] = {}
+        for m in sorted(live_models):
+            deployment_of[m] = inventory.deployment(namespace, m) or await self._read_view(
+                "Deployment", namespace=namespace, name=m)
+        items = [pod for m in sorted(live_models) for pod in inventory.pods(namespace, m)]
         replicasets: dict[str, Mapping[str, Any]] = {}
-        if items:
-            listed = await asyncio.to_thread(
-                self.kube.request, "GET", path_for("ReplicaSet", namespace=namespace),
-                query={"labelSelector": selector})
-            replicasets = {rs["metadata"]["uid"]: rs for rs in listed.get("items", [])}
+        for pod in items:
+            ref = controller_ref(pod)
+            uid = (ref or {}).get("uid")
+            if not ref or ref.get("kind") != "ReplicaSet" or not uid or uid in replicasets:
+                continue
+            rs = inventory.replicaset(namespace, uid) or await self._read_view(
+                "ReplicaSet", namespace=namespace, name=ref.get("name") or "")
+            if rs is not None and rs["metadata"].get("uid") == uid:
+                replicasets[uid] = rs
         targets: dict[str, PodTarget] = {}
         withheld: dict[str, tuple[str, str]] = {}
+        model_of: dict[str, str] = {}
         live: list[str] = []
         for pod in items:
             meta, status = pod["metadata"], pod.get("status") or {}
@@ -206,16 +203,39 @@ class RolloutLoop:
                 continue
             live.append(meta["name"])
             if status.get("podIP"):
-                c = creds[model_name]
+                model_of[meta["name"]] = model_name
                 targets[meta["name"]] = PodTarget(
                     name=meta["name"], ip=status["podIP"], port=render.serving_port(live_models[model_name]),
-                    admin_port=admin_port(pod), admin=c.current, previous_admin=c.previous, refusal=c.error)
-        return Fleet(targets=targets, all_pods=tuple(sorted(live)), withheld=withheld)
+                    admin_port=admin_port(pod))
+        return Fleet(targets=targets, all_pods=tuple(sorted(live)), withheld=withheld, model_of=model_of,
+                     server_names={m: render.admin_server_name(v) for m, v in live_models.items()})
 
-    async def fleet(self, *, namespace: str, models: Sequence[str], cache: RolloutCache) -> Fleet:
+    async def _read_view(self, kind: str, *, namespace: str, name: str) -> Mapping[str, Any] | None:
+        body = await asyncio.to_thread(self.kube.get, kind, namespace=namespace, name=name) if name else None
+        return fleet_view.owner_view(body) if body is not None else None
+
+    async def fleet(self, *, namespace: str, models: Sequence[str], inventory: Inventory) -> Fleet:
         """The models' pods that may be sent their admin token (the same owner checks as a rollout's);
         ``handlers.accesssync`` pushes access rules to these."""
-        return await self._fleet(namespace=namespace, models=models, cache=cache)
+        return await self._fleet(namespace=namespace, models=models, inventory=inventory)
+
+    async def credentials(self, *, namespace: str, fleet: Fleet, pods: Iterable[str],
+                          cache: FleetCache) -> dict[str, PodTarget]:
+        """``pods``' targets with their model's admin credentials, the models' Secrets read now (one
+        GET per model, only when something is to be sent: a rotated or deleted Secret takes effect
+        at the next push)."""
+        wanted = [p for p in pods if p in fleet.targets]
+        models = sorted({fleet.model_of[p] for p in wanted})
+        secrets = await asyncio.gather(*(asyncio.to_thread(
+            self.kube.get, "Secret", namespace=namespace, name=render.admin_secret_name(m)) for m in models))
+        creds: dict[str, ModelCredentials] = {
+            m: cache.credentials.update(secret, namespace=namespace, model=m, server_name=fleet.server_names[m])
+            for m, secret in zip(models, secrets)}
+        out = {}
+        for p in wanted:
+            c = creds[fleet.model_of[p]]
+            out[p] = dataclasses.replace(fleet.targets[p], admin=c.current, previous_admin=c.previous, refusal=c.error)
+        return out
 
     async def _observe_pods(self, fleet: Fleet) -> tuple[PodObservation, ...]:
         health = await self.admin.health(list(fleet.targets.values()))
@@ -285,14 +305,15 @@ class RolloutLoop:
 
     # ------------------------------------------------------------ the tick
 
-    async def tick(self, *, namespace: str, name: str, models: Sequence[str], cache: RolloutCache,
+    async def tick(self, *, namespace: str, name: str, models: Sequence[str], cache: RolloutCache, inventory: Inventory,
                    seen: Mapping[str, Any] | None = None, logger: logging.Logger = log) -> Decision | None:
         """One reconcile. ``seen``: the object as the watch last delivered it, for a cheap skip."""
         if seen is not None and self._quiet(seen, cache=cache, now=self.clock()):
             return None  # resting and checked recently: not even a GET (1,000s of ticks at scale)
         started = time.perf_counter()
         try:
-            return await self._tick(namespace=namespace, name=name, models=models, cache=cache, logger=logger)
+            return await self._tick(namespace=namespace, name=name, models=models, cache=cache, inventory=inventory,
+                                    logger=logger)
         finally:
             TICK_SECONDS.observe(time.perf_counter() - started)
 
@@ -315,7 +336,7 @@ class RolloutLoop:
             return False
         return target in (status.stable.version, status.rejected_version)
 
-    async def _tick(self, *, namespace: str, name: str, models: Sequence[str], cache: RolloutCache,
+    async def _tick(self, *, namespace: str, name: str, models: Sequence[str], cache: RolloutCache, inventory: Inventory,
                     logger: logging.Logger) -> Decision | None:
         body = await asyncio.to_thread(self.kube.get, "GateConfig", namespace=namespace, name=name)
         if body is None or body["metadata"].get("deletionTimestamp"):
@@ -328,14 +349,14 @@ class RolloutLoop:
         except SpecError as e:
             decision = invalid_spec(status=status, error=str(e), now=now)
             await self._persist(body, decision, steps=(100,))
-            await self._act(body, decision, fleet=None, logger=logger)
+            await self._act(body, decision, fleet=None, cache=cache, logger=logger)
             return decision
 
         if self._quiet(body, cache=cache, now=now):
             return None
         cache.last_full_check = now
 
-        fleet = await self._fleet(namespace=namespace, models=models, cache=cache)
+        fleet = await self._fleet(namespace=namespace, models=models, inventory=inventory)
         self._report_withheld(body, fleet, cache=cache, logger=logger)
         decision: Decision | None = None
         for _ in range(3):
@@ -347,7 +368,7 @@ class RolloutLoop:
             obs = Observations(pods=pods, **requests, **metrics, measurements=measured)
             decision = next_action(spec=spec, status=status, obs=obs, now=now)
             body = await self._persist(body, decision, steps=spec.steps)
-            pushed = await self._act(body, decision, fleet=fleet, logger=logger)
+            pushed = await self._act(body, decision, fleet=fleet, cache=cache, logger=logger)
             if not pushed:
                 break  # nothing new landed on a pod: the next tick looks again
             # Pushed: look again now so verified pods (and the next phase) are recorded this tick.
@@ -383,13 +404,13 @@ class RolloutLoop:
         return await asyncio.to_thread(self.kube.request, "PATCH", path, body=ops,
                                        content_type="application/json-patch+json")
 
-    async def _act(self, body: Mapping[str, Any], decision: Decision, *, fleet: Fleet | None,
+    async def _act(self, body: Mapping[str, Any], decision: Decision, *, fleet: Fleet | None, cache: RolloutCache,
                    logger: logging.Logger) -> int:
         """Perform the decision's side effects; returns how many gate pushes succeeded."""
-        pushes: list[tuple[PodTarget, Mapping[str, Any]]] = []
+        gates: list[tuple[str, Mapping[str, Any]]] = []
         for action in decision.actions:
             if isinstance(action, PushGate) and fleet is not None and action.pod in fleet.targets:
-                pushes.append((fleet.targets[action.pod], action.gate.document()))
+                gates.append((action.pod, action.gate.document()))
             elif isinstance(action, EmitEvent):
                 kopf.event(dict(body), type=action.type, reason=action.reason, message=action.message[:1024])
                 (logger.warning if action.type == "Warning" else logger.info)("%s: %s", action.reason, action.message)
@@ -402,9 +423,11 @@ class RolloutLoop:
                 ROLLOUTS.labels(outcome=action.outcome).inc()
             elif isinstance(action, RecordStep):
                 STEP_SECONDS.labels(percent=str(action.percent)).observe(action.seconds)
-        if not pushes:
+        if not gates or fleet is None:
             return 0
-        results = await self.admin.push(pushes)
+        targets = await self.credentials(namespace=body["metadata"]["namespace"], fleet=fleet,
+                                         pods=[p for p, _ in gates], cache=cache)
+        results = await self.admin.push([(targets[p], doc) for p, doc in gates])
         for r in results.values():
             PUSHES.labels(result="ok" if r.ok else "error").inc()
             if not r.ok:

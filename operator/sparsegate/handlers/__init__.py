@@ -1,5 +1,6 @@
 """Kopf handlers; importing this package registers them. Each feature adds its module here."""
 
+from sparsegate.handlers import fleetindex  # noqa: F401
 from sparsegate.handlers import gatebinding, sparsemodel  # noqa: F401
 from sparsegate.handlers import routingpolicy  # noqa: F401
 from sparsegate.handlers import gateconfig  # noqa: F401

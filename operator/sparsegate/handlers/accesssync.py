@@ -7,7 +7,8 @@ another revision or none, and write condition ``AccessRulesApplied`` and ``statu
 (``domain.access_sync``). Pods get the admin token only after the owner checks of the rollout
 controller (``RolloutLoop.fleet``), over the same pinned TLS channel.
 
-The loop runs every ``SPARSEGATE_ACCESS_RESYNC_S`` (default 5) and at once when the model changes,
+A model that neither enforces nor still reports the condition has no loop at all. The loop runs
+every ``SPARSEGATE_ACCESS_RESYNC_S`` (default 5) and at once when the model changes,
 a RoutingPolicy of its namespace changes or goes, or one of its pods changes (a new or restarted
 pod holds no rules). Errors become the condition (or a log line when even status cannot be
 written); a model that does not enforce only has the condition removed.
@@ -31,6 +32,7 @@ from sparsegate.clients.kube import Kube, KubeError
 from sparsegate.clients.podadmin import PodAdmin
 from sparsegate.domain import access_sync
 from sparsegate.domain.policy import DEFAULT_TRUST_DOMAIN, PolicySource
+from sparsegate.controllers.inventory import Inventory
 from sparsegate.controllers.rollout import FleetCache, RolloutLoop
 from sparsegate.handlers.periodic import ObjectLoops
 
@@ -56,7 +58,7 @@ class AccessSync:
         self.trust_domain = trust_domain
 
     async def tick(self, *, namespace: str, name: str, sources: Iterable[PolicySource], cache: FleetCache,
-                   logger: logging.Logger | logging.LoggerAdapter = log) -> dict[str, str] | None:
+                   inventory: Inventory, logger: logging.Logger | logging.LoggerAdapter = log) -> dict[str, str] | None:
         """One round for one model; returns the condition written (None: the model does not enforce)."""
         model = await asyncio.to_thread(self.kube.get, "SparseModel", namespace=namespace, name=name)
         if model is None or model["metadata"].get("deletionTimestamp"):
@@ -71,8 +73,8 @@ class AccessSync:
             await self._write(model, wanted=wanted, revision=None)
             return wanted
         revision = document["revision"]
-        fleet = await self.fleets.fleet(namespace=namespace, models=[name], cache=cache)
-        targets = fleet.targets
+        fleet = await self.fleets.fleet(namespace=namespace, models=[name], inventory=inventory)
+        targets = await self.fleets.credentials(namespace=namespace, fleet=fleet, pods=fleet.targets, cache=cache)
         answers = await self.admin.access(list(targets.values()))
         held = {p: access_sync.PodAccess(name=p, revision=a.revision, error=a.error) for p, a in answers.items()}
         push = access_sync.pods_to_push(revision, reachable=sorted(targets), held=held)
@@ -124,19 +126,24 @@ def _sources(index: kopf.Index, namespace: str) -> list[PolicySource]:
 @kopf.on.event(GROUP, VERSION, names.SPARSEMODELS)
 async def sparsemodel_access_loop(type: str | None, body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
                                   sparsegate_routing_policies: kopf.Index, logger: logging.Logger,
-                                  **_: Any) -> None:
+                                  **kwargs: Any) -> None:
     """Runs the model's access round every TICK_S, and at once after each change of the model."""
+    inventory = Inventory.from_kopf(kwargs)
 
     async def tick(seen: Mapping[str, Any]) -> None:
         if not access_sync.enforced(seen) and not access_sync.reported(seen):
             return  # not enforcing, nothing to remove: not even a GET
         sync = _sync(memo)
         try:
-            await sync.tick(namespace=namespace, name=name, cache=memo.access_cache, logger=logger,
+            await sync.tick(namespace=namespace, name=name, cache=memo.access_cache, inventory=inventory, logger=logger,
                             sources=_sources(sparsegate_routing_policies, namespace))
         except KubeError as e:
             logger.warning("access rules round for %s/%s: %s", namespace, name, e)
 
+    if not access_sync.enforced(body) and not access_sync.reported(body):
+        # Nothing to apply or remove: no loop and no copy of the body (most models, at 10,000 of them).
+        _loops.discard((namespace, name))
+        return
     if _loops.seen(key=(namespace, name), event_type=type, body=dict(body), tick=tick, logger=logger):
         _loops.wake([(namespace, name)])
 

@@ -2,7 +2,7 @@
 
 The controller itself (observe → decide → persist → act) is ``controllers.rollout.RolloutLoop``;
 this module only builds it from the environment, feeds it the models of the Kopf index
-``models_by_gate`` every ``SPARSEGATE_ROLLOUT_TICK_S`` (default 5) seconds, and turns a conflict
+``models_by_gate`` and the fleet's watched objects (``handlers.fleetindex``) every ``SPARSEGATE_ROLLOUT_TICK_S`` (default 5) seconds, and turns a conflict
 or an API error of one tick into a log line (the next tick starts from a fresh read).
 ``SPARSEGATE_PROMETHEUS_URL`` makes the builtin analysis use Prometheus' HTTP API instead of
 scraping pods directly, and is the address of declared ``prometheus`` checks that name none.
@@ -21,6 +21,7 @@ from sparsegate_contracts import names
 
 from sparsegate.clients.kube import Conflict, KubeError
 from sparsegate.clients.metrics_source import PrometheusAPI
+from sparsegate.controllers.inventory import Inventory
 from sparsegate.controllers.rollout import FleetCache, RolloutCache, RolloutLoop
 from sparsegate.handlers.periodic import ObjectLoops
 
@@ -44,26 +45,27 @@ _loops = ObjectLoops(kind="GateConfig", interval_s=TICK_S)
 
 @kopf.on.event(GROUP, VERSION, names.GATECONFIGS)
 async def gateconfig_rollout_loop(type: str | None, body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
-                                  models_by_gate: kopf.Index, logger: logging.Logger, **_: Any) -> None:
+                                  models_by_gate: kopf.Index, logger: logging.Logger, **kwargs: Any) -> None:
     """Runs the GateConfig's rollout tick every TICK_S (a loop, not a Kopf timer: no finalizer, so
     deleting a GateConfig never waits for the operator; its rollout state lives in the object)."""
+    inventory = Inventory.from_kopf(kwargs)
 
     async def tick(seen: Mapping[str, Any]) -> None:
         await rollout_tick(seen=seen, namespace=namespace, name=name, memo=memo, models_by_gate=models_by_gate,
-                           logger=logger)
+                           inventory=inventory, logger=logger)
 
     _loops.seen(key=(namespace, name), event_type=type, body=dict(body), tick=tick, logger=logger)
 
 
 async def rollout_tick(*, seen: Mapping[str, Any], namespace: str, name: str, memo: kopf.Memo,
-                       models_by_gate: kopf.Index, logger: logging.Logger) -> None:
+                       models_by_gate: kopf.Index, inventory: Inventory, logger: logging.Logger) -> None:
     cache = getattr(memo, "rollout_cache", None)
     if cache is None:
         cache = memo.rollout_cache = RolloutCache()
     models = sorted(set(models_by_gate.get((namespace, name), [])))
     try:
-        await _loop(memo).tick(namespace=namespace, name=name, models=models, cache=cache, seen=seen,
-                               logger=logger)
+        await _loop(memo).tick(namespace=namespace, name=name, models=models, cache=cache, inventory=inventory,
+                               seen=seen, logger=logger)
     except Conflict:
         logger.debug("GateConfig %s/%s changed during the tick; next tick retries", namespace, name)
     except KubeError as e:

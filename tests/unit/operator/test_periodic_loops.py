@@ -99,3 +99,43 @@ async def test_wake_runs_the_next_round_at_once_for_the_named_objects_only() -> 
     await asyncio.sleep(0.05)
     await loops.stop()
     assert rounds == {"a": 3, "b": 2}
+
+
+async def test_discard_ends_a_live_objects_loop_and_the_next_event_starts_one() -> None:
+    loops = ObjectLoops(kind="SparseModel access", interval_s=0.01)
+    calls = 0
+
+    async def tick(_: Any) -> None:
+        nonlocal calls
+        calls += 1
+
+    loops.seen(key=("ns", "m"), event_type="ADDED", body=body(), tick=tick)
+    await asyncio.sleep(0.03)
+    loops.discard(("ns", "m"))
+    loops.discard(("ns", "never-seen"))  # no loop: nothing to do
+    assert len(loops) == 0 and loops.wake([("ns", "m")]) == 0
+    before = calls
+    await asyncio.sleep(0.03)
+    assert calls == before
+    assert loops.seen(key=("ns", "m"), event_type="MODIFIED", body=body(), tick=tick)
+    await asyncio.sleep(0.03)
+    await loops.stop()
+    assert calls > before
+
+
+async def test_wake_reaches_only_the_named_loops() -> None:
+    loops = ObjectLoops(kind="SparseModel access", interval_s=60)
+    ticked: list[str] = []
+
+    def tick_for(name: str) -> Any:
+        async def tick(_: Any) -> None:
+            ticked.append(name)
+        return tick
+
+    for name in ("a", "b", "c"):
+        loops.seen(key=("ns", name), event_type="ADDED", body=body(), tick=tick_for(name))
+    await asyncio.sleep(0.02)  # each loop's first round
+    assert loops.wake([("ns", "b"), ("ns", "b"), ("other", "x")]) == 1
+    await asyncio.sleep(0.02)
+    await loops.stop()
+    assert sorted(ticked) == ["a", "b", "b", "c"]

@@ -1,13 +1,17 @@
-"""The rollout controller's fleet: which pods get the admin channel, against an in-memory stand-in
-for our Kube wrapper (mocked at our own layer, never at HTTP; the real API server runs the same
-flow in tests/e2e/operator/test_admin_channel.py)."""
+"""The rollout controller's fleet: which pods get the admin channel, read from the watched views
+(``controllers.inventory``) and an in-memory stand-in for our Kube wrapper (mocked at our own
+layer, never at HTTP; the real API server and Kopf indexes run the same flow in
+tests/e2e/operator/test_admin_channel.py)."""
 
 from __future__ import annotations
 
 import datetime
+import json
 
-from sparsegate.domain import admin_tls, render
-from sparsegate.controllers.rollout import RolloutLoop, RolloutCache
+from sparsegate.controllers.inventory import Inventory
+from sparsegate.controllers.rollout import RolloutCache, RolloutLoop
+from sparsegate.domain import admin_tls, conditions, fleet_view, render
+from sparsegate.domain.pod_ownership import ownership_problem
 from sparsegate_contracts import names
 
 NS = "ns"
@@ -34,8 +38,9 @@ def pod(name: str, *, owned: bool = True, admin_port: bool = True, ip: str | Non
 
 
 class FakeKube:
-    def __init__(self, pods: list[dict]) -> None:
-        self.pods = pods
+    """Serves the model's admin Secret, and the ReplicaSet by name for a view the watch has not delivered."""
+
+    def __init__(self) -> None:
         self.secret = self.make_secret("1")
         self.calls: list[str] = []
 
@@ -46,44 +51,77 @@ class FakeKube:
                 "data": material.secret_data()}
 
     def get(self, kind: str, *, namespace: str, name: str) -> dict | None:
-        self.calls.append(f"get {kind}")
-        return {"SparseModel": MODEL, "Deployment": DEPLOYMENT, "Secret": self.secret}[kind]
-
-    def request(self, method: str, path: str, *, query: dict | None = None, **_: object) -> dict:
-        self.calls.append(f"list {path.rsplit('/', 1)[-1]}")
-        assert method == "GET" and query == {"labelSelector": f"{names.MODEL_LABEL} in (m)"}
-        return {"items": self.pods if path.endswith("/pods") else [RS]}
+        self.calls.append(f"get {kind} {name}")
+        return {"Secret": self.secret, "ReplicaSet": RS if name == "m-abc" else None}[kind]
 
 
-async def test_only_pods_owned_through_the_chain_get_credentials() -> None:
-    kube = FakeKube([pod("real"), pod("impostor", owned=False), pod("old", admin_port=False),
-                     pod("pending", ip=None)])
-    cache = RolloutCache()
-    fleet = await RolloutLoop(kube=kube)._fleet(namespace=NS, models=["m"], cache=cache)
+def inventory(pods: list[dict], *, replicasets: list[dict] = [RS]) -> Inventory:  # noqa: B006 (never mutated)
+    """The watched projections, as the Kopf indexes of handlers.fleetindex hold them."""
+    return Inventory(
+        models={(NS, "m"): [fleet_view.model_view(MODEL)]},
+        pods={(NS, "m"): [fleet_view.pod_view(p) for p in pods]},
+        deployments={(NS, "m"): [fleet_view.owner_view(DEPLOYMENT)]},
+        replicasets={(NS, rs["metadata"]["uid"]): [fleet_view.owner_view(rs)] for rs in replicasets})
+
+
+async def test_only_pods_owned_through_the_chain_are_targets_and_no_api_is_read() -> None:
+    kube = FakeKube()
+    inv = inventory([pod("real"), pod("impostor", owned=False), pod("old", admin_port=False), pod("pending", ip=None)])
+    fleet = await RolloutLoop(kube=kube)._fleet(namespace=NS, models=["m", "gone"], inventory=inv)  # type: ignore[arg-type]
     assert set(fleet.targets) == {"real", "old"}
     assert fleet.all_pods == ("old", "pending", "real")  # the impostor is no part of the rollout
     assert fleet.withheld == {"impostor": ("impostor-uid", "no controller ReplicaSet")}
     real = fleet.targets["real"]
     assert (real.port, real.admin_port, real.admin_base) == (8080, 8443, "https://127.0.0.9:8443")
-    assert real.admin is not None and real.admin.server_name == "m.ns.admin.sparsegate.dev"
-    assert real.admin.token == admin_tls.material_from_secret(kube.secret).token
+    assert real.admin is None  # credentials only when something is to be sent
     assert fleet.targets["old"].admin_port is None
-    # Pods are listed before ReplicaSets (every live pod's ReplicaSet is then in the list).
-    lists = [c for c in kube.calls if c.startswith("list")]
-    assert lists == ["list pods", "list replicasets"]
+    assert kube.calls == []  # read from the watched views alone
 
 
-async def test_a_changed_secret_takes_effect_at_the_next_refresh() -> None:
-    kube = FakeKube([pod("real")])
+async def test_credentials_are_read_when_sent_and_a_changed_secret_takes_effect_at_the_next_send() -> None:
+    kube = FakeKube()
     cache = RolloutCache()
-    loop = RolloutLoop(kube=kube)
-    first = (await loop._fleet(namespace=NS, models=["m"], cache=cache)).targets["real"]
-    same = (await loop._fleet(namespace=NS, models=["m"], cache=cache)).targets["real"]
+    loop = RolloutLoop(kube=kube)  # type: ignore[arg-type]
+    fleet = await loop._fleet(namespace=NS, models=["m"], inventory=inventory([pod("real")]))
+    first = (await loop.credentials(namespace=NS, fleet=fleet, pods=["real"], cache=cache))["real"]
+    assert first.admin is not None and first.admin.server_name == "m.ns.admin.sparsegate.dev"
+    assert first.admin.token == admin_tls.material_from_secret(kube.secret).token
+    assert kube.calls == ["get Secret m-admin"]
+    same = (await loop.credentials(namespace=NS, fleet=fleet, pods=["real"], cache=cache))["real"]
     assert same.admin is first.admin  # unchanged resourceVersion: nothing rebuilt
     kube.secret = FakeKube.make_secret("2")
-    rotated = (await loop._fleet(namespace=NS, models=["m"], cache=cache)).targets["real"]
+    rotated = (await loop.credentials(namespace=NS, fleet=fleet, pods=["real"], cache=cache))["real"]
     assert rotated.admin.token == admin_tls.material_from_secret(kube.secret).token != first.admin.token
     assert rotated.previous_admin is first.admin  # for pods whose volume still shows the old files
     kube.secret = None
-    gone = (await loop._fleet(namespace=NS, models=["m"], cache=cache)).targets["real"]
+    gone = (await loop.credentials(namespace=NS, fleet=fleet, pods=["real"], cache=cache))["real"]
     assert gone.admin is None and "not found" in gone.refusal
+    assert await loop.credentials(namespace=NS, fleet=fleet, pods=["pending-or-unknown"], cache=cache) == {}
+
+
+async def test_a_replicaset_the_watch_has_not_delivered_is_read_once_by_name() -> None:
+    kube = FakeKube()
+    loop = RolloutLoop(kube=kube)  # type: ignore[arg-type]
+    fleet = await loop._fleet(namespace=NS, models=["m"], inventory=inventory([pod("a"), pod("b")], replicasets=[]))
+    assert set(fleet.targets) == {"a", "b"} and kube.calls == ["get ReplicaSet m-abc"]
+    # A ReplicaSet of that name with another uid is not the pod's controller.
+    stranger = {"metadata": {**RS["metadata"], "uid": "other-uid"}}
+    kube.get = lambda kind, *, namespace, name: stranger  # type: ignore[method-assign]
+    fleet = await loop._fleet(namespace=NS, models=["m"], inventory=inventory([pod("a")], replicasets=[]))
+    assert fleet.targets == {} and "not found" in fleet.withheld["a"][1]
+
+
+def test_views_keep_what_the_checks_read_and_little_else() -> None:
+    full = pod("real")
+    full["metadata"]["labels"]["team"] = "x"
+    full["metadata"]["annotations"] = {"a": "b" * 1000}
+    full["status"]["containerStatuses"] = [
+        {"name": "server", "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off"}}},
+        {"name": "side", "state": {"running": {}}}]
+    view = fleet_view.pod_view(full)
+    assert view["metadata"]["labels"] == {names.MODEL_LABEL: "m"} and "annotations" not in view["metadata"]
+    assert view["spec"]["containers"][0]["ports"] == [{"name": "admin", "containerPort": 8443}]
+    assert conditions.container_problems([view]) == conditions.container_problems([full])
+    assert ownership_problem(view, replicasets={"rs-uid": fleet_view.owner_view(RS)},
+                             deployment=fleet_view.owner_view(DEPLOYMENT), model=fleet_view.model_view(MODEL)) is None
+    assert len(json.dumps(view)) < len(json.dumps(full)) / 3

@@ -88,9 +88,12 @@ class FakePods(PodAdmin):
 
 
 class Loop(RolloutLoop):
-    async def _fleet(self, *, namespace: str, models: Any, cache: RolloutCache) -> Fleet:
+    async def _fleet(self, *, namespace: str, models: Any, inventory: Any) -> Fleet:
         targets = {p: PodTarget(name=p, ip="127.0.0.1", port=1) for p in PODS}
         return Fleet(targets=targets, all_pods=PODS)
+
+    async def credentials(self, *, namespace: str, fleet: Fleet, pods: Any, cache: Any) -> dict[str, PodTarget]:
+        return {p: fleet.targets[p] for p in pods}  # FakePods takes pushes without a token
 
 
 @pytest.fixture(autouse=True)
@@ -131,7 +134,7 @@ def spec(params: dict, *, checks: list[dict] | None = None) -> dict:
 
 async def tick(loop: RolloutLoop, cache: RolloutCache, clock: list[float], dt: float) -> dict:
     clock[0] += dt
-    await loop.tick(namespace="ns", name="gate", models=["m"], cache=cache)
+    await loop.tick(namespace="ns", name="gate", models=["m"], cache=cache, inventory=None)  # type: ignore[arg-type]
     return loop.kube.obj["status"]  # type: ignore[attr-defined]
 
 

@@ -1,0 +1,84 @@
+"""Small projections of the objects a model's fleet is made of, as the operator's watches keep them.
+
+The rollout controller needs, per tick, each referencing SparseModel, its Deployment, the
+ReplicaSets and the pods — only their names, uids, controller references, pod addresses and ports.
+Reading them from the API server cost one GET per model and object kind and a pod and a
+ReplicaSet LIST per GateConfig on every check (at 2,000 GateConfigs, tens of thousands of
+requests a minute). The Kopf indexes in ``handlers.fleetindex`` keep these projections of the
+watched objects instead, so a tick reads its fleet from memory.
+
+A projection keeps the object's shape (``metadata``/``spec``/``status``) with only the fields read
+by ``domain.pod_ownership``, ``controllers.rollout``, ``domain.conditions.container_problems`` and
+the gate binding (``handlers.modelsync.stale_models``),
+so those read a projection exactly as they read the full object; and it is small (a pod's is a
+few hundred bytes where the object is several KiB).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from sparsegate_contracts import names
+
+from sparsegate.domain import render
+from sparsegate.domain.conditions import STUCK_REASONS, ConditionType
+from sparsegate.domain.pod_ownership import controller_ref
+
+_REF_FIELDS = ("apiVersion", "kind", "name", "uid", "controller")
+
+
+def _meta(obj: Mapping[str, Any], *, labels: tuple[str, ...] = ()) -> dict[str, Any]:
+    """name, namespace, uid, the controller reference alone, the given labels, deletionTimestamp."""
+    meta = obj.get("metadata") or {}
+    out: dict[str, Any] = {k: meta[k] for k in ("name", "namespace", "uid", "deletionTimestamp") if meta.get(k)}
+    ref = controller_ref(obj)
+    if ref is not None:
+        out["ownerReferences"] = [{k: ref[k] for k in _REF_FIELDS if k in ref}]
+    kept = {k: v for k, v in (meta.get("labels") or {}).items() if k in labels}
+    if kept:
+        out["labels"] = kept
+    return out
+
+
+def pod_view(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """A model pod: owner chain, model label, phase and IP, the server container's admin port, and
+    containers waiting for a reason that means they cannot start (for the model's status)."""
+    status = pod.get("status") or {}
+    view: dict[str, Any] = {"metadata": _meta(pod, labels=(names.MODEL_LABEL,)),
+                            "status": {k: status[k] for k in ("phase", "podIP") if status.get(k)}}
+    stuck = [{"name": cs.get("name"), "state": {"waiting": {"reason": waiting["reason"],
+                                                            "message": str(waiting.get("message") or "")[:200]}}}
+             for cs in status.get("containerStatuses") or []
+             for waiting in [((cs.get("state") or {}).get("waiting") or {})]
+             if waiting.get("reason") in STUCK_REASONS]
+    if stuck:
+        view["status"]["containerStatuses"] = stuck
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        if c.get("name") != render.CONTAINER_NAME:
+            continue
+        ports = [{"name": p["name"], "containerPort": p["containerPort"]} for p in c.get("ports") or []
+                 if p.get("name") == names.ADMIN_PORT_NAME and p.get("containerPort")]
+        view["spec"] = {"containers": [{"name": c["name"], "ports": ports}]}
+    return view
+
+
+def owner_view(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """A ReplicaSet or Deployment: who it is and who controls it."""
+    return {"metadata": _meta(obj)}
+
+
+def model_view(model: Mapping[str, Any]) -> dict[str, Any]:
+    """A SparseModel: who it is, what the fleet needs of its spec (the serving port), and what the
+    gate binding compares (expert count; the gate version it renders and whether it is Degraded)."""
+    spec, status = model.get("spec") or {}, model.get("status") or {}
+    view: dict[str, Any] = {"metadata": _meta(model), "spec": {k: spec[k] for k in ("servingPort",) if spec.get(k)},
+                            "status": {k: status[k] for k in ("gateVersion",) if status.get(k)}}
+    experts = (spec.get("model") or {}).get("experts")
+    if experts is not None:
+        view["spec"]["model"] = {"experts": experts}
+    degraded = [{"type": c["type"], "status": c.get("status")} for c in status.get("conditions") or []
+                if c.get("type") == ConditionType.DEGRADED.value]
+    if degraded:
+        view["status"]["conditions"] = degraded
+    return view

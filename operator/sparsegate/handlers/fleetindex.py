@@ -1,0 +1,43 @@
+"""Kopf indexes of the objects a model's fleet is made of (``domain.fleet_view`` projections).
+
+The rollout controller and the access sync read a model's pods, ReplicaSets, Deployment and the
+SparseModel itself from these instead of the API server (``controllers.inventory``). Kopf fills
+every index from its initial listing before any handler runs, so a restarted operator never
+ticks on an empty view. The watches are the ones the operator holds anyway (pods, Deployments,
+SparseModels) plus ReplicaSets, which its role already lets it list and watch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from sparsegate_contracts import names
+
+from sparsegate.domain import fleet_view
+
+
+@kopf.index(names.GROUP, names.VERSION, names.SPARSEMODELS)
+def sparsegate_model_views(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+    """(namespace, model) → the SparseModel's projection."""
+    return {(namespace, name): fleet_view.model_view(body)}
+
+
+@kopf.index("", "v1", "pods", labels={names.MODEL_LABEL: kopf.PRESENT})
+def sparsegate_model_pod_views(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict:
+    """(namespace, model) → the projections of the pods labelled as the model's (owner checks decide
+    later which of them are really its pods)."""
+    return {(namespace, labels[names.MODEL_LABEL]): fleet_view.pod_view(body)}
+
+
+@kopf.index("apps", "v1", "deployments", labels={names.NAME_LABEL: names.MODEL_SERVER_NAME})
+def sparsegate_model_deployment_views(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+    """(namespace, Deployment name) → its projection."""
+    return {(namespace, name): fleet_view.owner_view(body)}
+
+
+@kopf.index("apps", "v1", "replicasets", labels={names.NAME_LABEL: names.MODEL_SERVER_NAME})
+def sparsegate_model_replicaset_views(namespace: str, uid: str, body: kopf.Body, **_: Any) -> dict:
+    """(namespace, ReplicaSet uid) → its projection (pods name their ReplicaSet by uid)."""
+    return {(namespace, uid): fleet_view.owner_view(body)}
