@@ -37,6 +37,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.execution.max_workers = 8
     settings.watching.server_timeout = 300
     memo.kube = Kube.from_environment()
+    memo.model_pool = settings.execution.executor  # handlers.pools: the model handlers' blocking work
 
 
 @kopf.on.probe(id="handlers")

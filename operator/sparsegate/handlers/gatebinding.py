@@ -1,9 +1,11 @@
 """GateConfig → SparseModel binding (the rollout logic itself lives in controllers.rollout).
 
 On every GateConfig event: re-reconcile the models that reference it and render a different gate
-than it now resolves to. Comparing versions keeps this level-triggered and cheap under frequent
-rollout status writes. ``status.stable`` is written by the rollout state machine alone (its first
-tick records the spec's version); until then a model resolves the GateConfig's spec.params.
+than it now resolves to. The comparison reads the GateConfig as the event delivered it and the
+models' watched views (``handlers.fleetindex``), so the frequent rollout status writes cost no API
+request; only a model that is stale is read and reconciled. ``status.stable`` is written by the
+rollout state machine alone (its first tick records the spec's version); until then a model
+resolves the GateConfig's spec.params.
 """
 
 from __future__ import annotations
@@ -16,18 +18,29 @@ import kopf
 from sparsegate_contracts import names
 
 from sparsegate import metrics
+from sparsegate.controllers.inventory import Inventory
 from sparsegate.handlers import modelsync
+from sparsegate.handlers.pools import run_model_work
 from sparsegate.handlers.sparsemodel import GROUP, VERSION, post_event
 
 
 @kopf.on.event(GROUP, VERSION, names.GATECONFIGS)
-def gateconfig_changed(type: str | None, body: kopf.Body, namespace: str, name: str,
-                       models_by_gate: kopf.Index, memo: kopf.Memo,
-                       logger: logging.Logger, **_: Any) -> None:
+async def gateconfig_changed(type: str | None, body: kopf.Body, namespace: str, name: str,
+                             models_by_gate: kopf.Index, memo: kopf.Memo,
+                             logger: logging.Logger, **kwargs: Any) -> None:
     with metrics.observe("GateConfig"):
-        names = sorted(set(models_by_gate.get((namespace, name), [])))
-        for model in modelsync.models_to_resync(memo.kube, namespace=namespace, names=names):
-            logger.info("re-rendering SparseModel %s for GateConfig %s", model["metadata"]["name"], name)
-            with metrics.observe("SparseModel") as outcome:
-                outcome.value = modelsync.reconcile(memo.kube, model, events=post_event,
-                                                    logger=logger)
+        inventory = Inventory.from_kopf(kwargs)
+        views = [v for m in sorted(set(models_by_gate.get((namespace, name), [])))
+                 if (v := inventory.model(namespace, m)) is not None]
+        stale = modelsync.stale_models(None if type == "DELETED" else dict(body), views)
+        for model in stale:
+            logger.info("re-rendering SparseModel %s for GateConfig %s", model, name)
+            await run_model_work(memo, _reconcile, memo.kube, namespace=namespace, name=model, logger=logger)
+
+
+def _reconcile(kube: Any, *, namespace: str, name: str, logger: logging.Logger) -> None:
+    model = kube.get("SparseModel", namespace=namespace, name=name)
+    if model is None:
+        return
+    with metrics.observe("SparseModel") as outcome:
+        outcome.value = modelsync.reconcile(kube, model, events=post_event, logger=logger)

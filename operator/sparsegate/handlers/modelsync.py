@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 from urllib.parse import quote
 
 from sparsegate_contracts import names
@@ -34,22 +34,22 @@ def resolve_gate(kube: Kube, model: Mapping[str, Any]) -> gate.GateResolution:
     return gate.resolve(body, referenced=ref is not None, num_experts=experts)
 
 
-def container_problems(kube: Kube, *, namespace: str, name: str,
-                       deployment: Mapping[str, Any] | None, desired: int) -> list[str]:
-    """Why the model's pods cannot start, read from the pods only while some are not ready."""
+def container_problems(pods: Iterable[Mapping[str, Any]], *, deployment: Mapping[str, Any] | None,
+                       desired: int) -> list[str]:
+    """Why the model's pods cannot start, while some are not ready. ``pods``: the model's pods as
+    the operator watches them (``handlers.fleetindex``; no LIST per reconcile)."""
     ready = int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0)
     if deployment is None or ready >= desired:
         return []
-    pods = kube.request("GET", f"/api/v1/namespaces/{quote(namespace)}/pods",
-                        query={"labelSelector": f"{names.MODEL_LABEL}={name}"})
-    return conditions.container_problems(pods.get("items") or [])
+    return conditions.container_problems(pods)
 
 
 def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
-              logger: logging.Logger, default_image: render.DefaultImage | None = None) -> str:
+              logger: logging.Logger, pods: Iterable[Mapping[str, Any]] = (),
+              default_image: render.DefaultImage | None = None) -> str:
     """Bring the owned objects and status in line with ``model``; returns the outcome label.
 
-    ``default_image``: for models without ``spec.image``; None reads the operator's env
+    ``pods``: the model's pods as watched (their waiting reasons go into Ready). ``default_image``: for models without ``spec.image``; None reads the operator's env
     (SPARSEGATE_MODEL_IMAGE / _PULL_POLICY, set by the chart from modelServer.image)."""
     meta = model["metadata"]
     default_image = default_image or render.DefaultImage.from_env(os.environ)
@@ -73,8 +73,7 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
         # handler written Ready from it: computing from the apply's response would overwrite that
         # with a stale "not observed yet". Read it again, as late as possible.
         deployment = kube.get("Deployment", namespace=meta["namespace"], name=meta["name"]) or deployment
-    problems = container_problems(kube, namespace=meta["namespace"], name=meta["name"], deployment=deployment,
-                                  desired=model_status.desired_replicas(model))
+    problems = container_problems(pods, deployment=deployment, desired=model_status.desired_replicas(model))
     write_status(kube, model, events=events,
                  compute=lambda current: model_status.after_reconcile(
                      model=current, generation=meta.get("generation"), gate=resolution,
@@ -122,21 +121,21 @@ def live_owner(kube: Kube, *, namespace: str, name: str,
     return model if model["metadata"].get("uid") in uids else None
 
 
-def refresh_from_deployment(kube: Kube, *, namespace: str, name: str,
-                            deployment: Mapping[str, Any] | None, events: EventSink) -> None:
+def refresh_from_deployment(kube: Kube, *, namespace: str, name: str, deployment: Mapping[str, Any] | None,
+                            pods: Iterable[Mapping[str, Any]], events: EventSink) -> None:
     """The model's Deployment (or one of its pods) changed: refresh replica counts, Ready and Progressing."""
     current = kube.get("SparseModel", namespace=namespace, name=name)
     if current is None:
         return
-    problems = container_problems(kube, namespace=namespace, name=name, deployment=deployment,
-                                  desired=model_status.desired_replicas(current))
-    write_status(kube, current, events=events,
+    problems = container_problems(pods, deployment=deployment, desired=model_status.desired_replicas(current))
+    write_status(kube, current, events=events, fresh=True,
                  compute=lambda m: model_status.after_deployment_event(
                      model=m, deployment=deployment, now=now(), problems=problems))
 
 
 def write_status(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
-                 compute: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
+                 compute: Callable[[dict[str, Any]], dict[str, Any] | None], fresh: bool = False) -> None:
+    """``fresh``: ``model`` was just read, so the first write attempt starts from it (no second GET)."""
     meta = model["metadata"]
     seen: dict[str, Any] = {}
 
@@ -149,7 +148,7 @@ def write_status(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
         return patch
 
     written = kube.update_status("SparseModel", namespace=meta["namespace"], name=meta["name"],
-                                 mutate=mutate)
+                                 mutate=mutate, current=dict(model) if fresh else None)
     if written is None:
         return
     for cond in conditions.transitions(seen.get("before", []), seen.get("after", [])):
@@ -160,17 +159,22 @@ def write_status(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
                f"{cond.get('reason')}: {cond.get('message')}")
 
 
-def models_to_resync(kube: Kube, *, namespace: str, names: list[str]) -> list[dict[str, Any]]:
-    """Models referencing a changed GateConfig whose rendered gate differs from the resolved one."""
+def stale_models(gate_config: Mapping[str, Any] | None, models: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Names of the models (SparseModels or their ``domain.fleet_view`` views) referencing
+    ``gate_config`` (None: it is gone) whose rendered gate differs from what it now resolves to, or
+    whose Degraded condition no longer matches whether there is a gate at all.
+
+    A model never reconciled yet (neither a gate version nor Degraded in its status) is not
+    stale: its own pending reconcile resolves the gate (reconciling it from here as well only
+    repeated the same work during a mass create)."""
     out = []
-    for name in names:
-        model = kube.get("SparseModel", namespace=namespace, name=name)
-        if model is None:
-            continue
-        resolution = resolve_gate(kube, model)
+    for model in models:
         status = model.get("status") or {}
-        have = status.get("gateVersion")
+        if not status.get("gateVersion") and not conditions.is_degraded(status.get("conditions") or []):
+            continue
+        experts = int(((model.get("spec") or {}).get("model") or {}).get("experts") or 0)
+        resolution = gate.resolve(gate_config, referenced=True, num_experts=experts)
         want = resolution.document.version if resolution.document else None
-        if want != have or conditions.is_degraded(status.get("conditions") or []) != (want is None):
-            out.append(model)
-    return out
+        if want != status.get("gateVersion") or conditions.is_degraded(status.get("conditions") or []) != (want is None):
+            out.append(model["metadata"]["name"])
+    return sorted(out)

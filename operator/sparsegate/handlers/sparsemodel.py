@@ -15,6 +15,7 @@ SparseModel must stay deletable while the operator is down.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -22,8 +23,11 @@ import kopf
 from sparsegate_contracts import names
 
 from sparsegate import metrics
+from sparsegate.clients.kube import Kube
+from sparsegate.controllers.inventory import Inventory
 from sparsegate.domain import conditions
 from sparsegate.handlers import modelsync
+from sparsegate.handlers.pools import run_model_work
 
 GROUP, VERSION = names.GROUP, names.VERSION
 
@@ -42,31 +46,46 @@ def models_by_gate(namespace: str, name: str, spec: kopf.Spec, **_: Any) -> dict
 @kopf.on.resume(GROUP, VERSION, names.SPARSEMODELS)
 @kopf.on.create(GROUP, VERSION, names.SPARSEMODELS)
 @kopf.on.update(GROUP, VERSION, names.SPARSEMODELS)
-def reconcile_model(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+async def reconcile_model(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
+                          **kwargs: Any) -> None:
+    pods = Inventory.from_kopf(kwargs).pods(namespace, name)  # read on the event loop, where Kopf writes it
+    await run_model_work(memo, _reconcile, memo.kube, dict(body), pods=pods, logger=logger)
+
+
+def _reconcile(kube: Kube, model: Mapping[str, Any], *, pods: list[Mapping[str, Any]], logger: logging.Logger) -> None:
     with metrics.observe("SparseModel") as outcome:
-        outcome.value = modelsync.reconcile(memo.kube, body, events=post_event, logger=logger)
+        outcome.value = modelsync.reconcile(kube, model, events=post_event, logger=logger, pods=pods)
 
 
 @kopf.on.event("apps", "v1", "deployments",
                labels={names.NAME_LABEL: names.MODEL_SERVER_NAME,
                        names.MANAGED_BY_LABEL: names.MANAGED_BY})
-def deployment_changed(type: str | None, body: kopf.Body, memo: kopf.Memo,
-                       logger: logging.Logger, **_: Any) -> None:
+async def deployment_changed(type: str | None, body: kopf.Body, memo: kopf.Memo,
+                             logger: logging.Logger, **kwargs: Any) -> None:
     model = body.metadata.labels.get(names.MODEL_LABEL)
     if not model or type is None:  # None: the initial listing; resume handlers cover it
         return
+    namespace = body.metadata.namespace
+    pods = Inventory.from_kopf(kwargs).pods(namespace, model)
+    await run_model_work(memo, _deployment_changed, memo.kube, type=type, deployment=dict(body), model=model,
+                            pods=pods, logger=logger)
+
+
+def _deployment_changed(kube: Kube, *, type: str, deployment: Mapping[str, Any], model: str,
+                        pods: list[Mapping[str, Any]], logger: logging.Logger) -> None:
+    namespace = deployment["metadata"]["namespace"]
     with metrics.observe("Deployment"):
         if type == "DELETED":
             # Deleted by someone else while its model lives on: put it back (self-healing).
-            owner = modelsync.live_owner(memo.kube, namespace=body.metadata.namespace, name=model,
-                                         owner_refs=body.metadata.get("ownerReferences") or [])
+            owner = modelsync.live_owner(kube, namespace=namespace, name=model,
+                                         owner_refs=deployment["metadata"].get("ownerReferences") or [])
             if owner is not None:
                 logger.warning("Deployment %s was deleted; re-creating it", model)
-                modelsync.reconcile(memo.kube, owner, events=post_event, logger=logger)
+                modelsync.reconcile(kube, owner, events=post_event, logger=logger, pods=pods)
                 return
         modelsync.refresh_from_deployment(
-            memo.kube, namespace=body.metadata.namespace, name=model,
-            deployment=None if type == "DELETED" else dict(body), events=post_event)
+            kube, namespace=namespace, name=model, deployment=None if type == "DELETED" else deployment,
+            pods=pods, events=post_event)
 
 
 def _stuck(body: kopf.Body, **_: Any) -> bool:
@@ -74,12 +93,17 @@ def _stuck(body: kopf.Body, **_: Any) -> bool:
 
 
 @kopf.on.event("", "v1", "pods", labels={names.NAME_LABEL: names.MODEL_SERVER_NAME}, when=_stuck)
-def pod_stuck(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+async def pod_stuck(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
     model = body.metadata.labels.get(names.MODEL_LABEL)
     if not model:
         return
     namespace = body.metadata.namespace
+    pods = Inventory.from_kopf(kwargs).pods(namespace, model)
+    await run_model_work(memo, _pod_stuck, memo.kube, namespace=namespace, model=model, pods=pods)
+
+
+def _pod_stuck(kube: Kube, *, namespace: str, model: str, pods: list[Mapping[str, Any]]) -> None:
     with metrics.observe("Pod"):
-        deployment = memo.kube.get("Deployment", namespace=namespace, name=model)
-        modelsync.refresh_from_deployment(memo.kube, namespace=namespace, name=model, deployment=deployment,
+        deployment = kube.get("Deployment", namespace=namespace, name=model)
+        modelsync.refresh_from_deployment(kube, namespace=namespace, name=model, deployment=deployment, pods=pods,
                                           events=post_event)

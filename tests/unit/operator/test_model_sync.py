@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from sparsegate.clients.kube import KubeError
-from sparsegate.domain import admin_tls
+from sparsegate.domain import admin_tls, fleet_view
 from sparsegate.handlers import modelsync
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -64,15 +64,7 @@ class MemoryKube:
         self.put(obj)
         return True
 
-    def request(self, method, path, *, query=None, **_):
-        # Only the pod LIST by label that modelsync makes.
-        assert method == "GET" and path.endswith("/pods"), path
-        namespace = path.split("/")[4]
-        key, _, value = (query or {})["labelSelector"].partition("=")
-        return {"items": [copy.deepcopy(o) for (kind, ns, _), o in self.objects.items()
-                          if kind == "Pod" and ns == namespace and o["metadata"]["labels"].get(key) == value]}
-
-    def update_status(self, kind, *, namespace, name, mutate, attempts=5):
+    def update_status(self, kind, *, namespace, name, mutate, attempts=5, current=None):
         current = self.get(kind, namespace=namespace, name=name)
         if current is None:
             return None
@@ -150,13 +142,21 @@ def test_gate_too_wide_for_the_model_is_invalid(kube):
     assert conditions(kube)["Degraded"]["reason"] == "GateConfigInvalid"
 
 
-def test_models_to_resync_follow_the_resolved_gate(kube):
+def test_stale_models_follow_the_resolved_gate_from_the_views(kube):
     gateconfig(kube)
     modelsync.reconcile(kube, model_of(kube), events=lambda *a: None, logger=LOG)
-    assert modelsync.models_to_resync(kube, namespace="ns", names=["moe-small", "gone"]) == []
-    kube.objects[("GateConfig", "ns", "default-gate")]["spec"]["params"]["entropyBeta"] = 0.3
-    assert [m["metadata"]["name"] for m in
-            modelsync.models_to_resync(kube, namespace="ns", names=["moe-small"])] == ["moe-small"]
+    gc = kube.objects[("GateConfig", "ns", "default-gate")]
+    # What the gate binding reads: the GateConfig as its event delivered it, the models' views.
+    view = fleet_view.model_view(model_of(kube))
+    assert modelsync.stale_models(gc, [view]) == []
+    assert modelsync.stale_models(gc, [model_of(kube)]) == []  # the view decides as the object does
+    gc["spec"]["params"]["entropyBeta"] = 0.3
+    assert modelsync.stale_models(gc, [view]) == ["moe-small"]
+    # Gone: the model renders a gate but should now be Degraded.
+    assert modelsync.stale_models(None, [view]) == ["moe-small"]
+    # Never reconciled yet: its own reconcile is pending and resolves the gate itself.
+    fresh = {**view, "status": {}}
+    assert modelsync.stale_models(gc, [fresh]) == [] and modelsync.stale_models(None, [fresh]) == []
 
 
 def test_status_writes_skip_a_recreated_model(kube):
@@ -195,15 +195,16 @@ def test_ready_names_pods_whose_containers_cannot_start(kube):
     stuck_pod(kube, "moe-small-b", "ContainerCreating", "")  # just takes time: not named
     deployment = kube.get("Deployment", namespace="ns", name="moe-small")
     deployment["status"] = {"replicas": 2, "readyReplicas": 0, "updatedReplicas": 2}
-    modelsync.refresh_from_deployment(kube, namespace="ns", name="moe-small", deployment=deployment,
+    pods = [fleet_view.pod_view(p) for (kind, _, _), p in kube.objects.items() if kind == "Pod"]
+    modelsync.refresh_from_deployment(kube, namespace="ns", name="moe-small", deployment=deployment, pods=pods,
                                       events=lambda *a: None)
     ready = conditions(kube)["Ready"]
     assert ready["status"] == "False" and ready["reason"] == "ContainersWaiting"
     assert "moe-small-a/server: ErrImageNeverPull" in ready["message"] and "moe-small-b" not in ready["message"]
-    # Once every replica is ready the pods are not even read, and Ready is True.
+    # Once every replica is ready the pods are not looked at, and Ready is True.
     deployment["status"] = {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "observedGeneration": 1}
     deployment["metadata"]["generation"] = 1
-    modelsync.refresh_from_deployment(kube, namespace="ns", name="moe-small", deployment=deployment,
+    modelsync.refresh_from_deployment(kube, namespace="ns", name="moe-small", deployment=deployment, pods=pods,
                                       events=lambda *a: None)
     assert conditions(kube)["Ready"]["status"] == "True"
 
