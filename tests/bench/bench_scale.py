@@ -163,7 +163,7 @@ def main() -> int:
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         hwm, rss = rss_kib(op_proc.pid)
         requests = counter_by(metrics, "sparsegate_operator_kube_requests", ("verb", "resource"))
-        reconciles = counter_by(metrics, "sparsegate_operator_reconciles", ("kind",))
+        reconciles = counter_by(metrics, "sparsegate_operator_reconciles", ("kind", "outcome"))
         result = {
             "models": args.models, "replicas": args.replicas, "pods": len(pods), "podsRunning": running,
             "nodes": args.nodes, "gateconfigs": args.gateconfigs,

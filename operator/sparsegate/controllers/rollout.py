@@ -6,8 +6,9 @@ a watch-driven loop, no finalizer). One tick:
 1. read the GateConfig fresh (the watched body may predate our own last status write);
 2. observe: pods of the SparseModels whose ``spec.gateConfigRef`` names it (the wiring passes
    them from the Kopf index ``models_by_gate``; models, Deployments, ReplicaSets and pods are read
-   from the watched views of ``handlers.fleetindex``, not the API server) — only pods whose owner chain leads to the model
-   (pod → ReplicaSet → Deployment → SparseModel, ``domain.pod_ownership``) are the model's; a pod
+   from the watched views of ``handlers.fleetindex``, not the API server) — only pods whose owner
+   chain leads to the model (pod → ReplicaSet → Deployment → SparseModel, ``domain.pod_ownership``)
+   are the model's; a pod
    that only carries the model's labels gets no token, no push, no scrape and is no part of the
    rollout (Warning Event ``AdminTokenWithheld``) — their ``/healthz`` (heartbeat +
    version/checksum double check) and, while a canary is in flight, their ``/metrics``;
@@ -169,11 +170,13 @@ class RolloutLoop:
         live_models = {m: v for m in models if (v := inventory.model(namespace, m)) is not None}
         if not live_models:
             return Fleet(targets={}, all_pods=())
+        items = [pod for m in sorted(live_models) for pod in inventory.pods(namespace, m)]
+        # Only a model with pods needs its Deployment (for their owner checks): a model created a
+        # moment ago has neither, and asking for its Deployment would be a 404 every tick.
         deployment_of: dict[str, Mapping[str, Any] | None] = {}
-        for m in sorted(live_models):
+        for m in sorted({(p["metadata"].get("labels") or {}).get(names.MODEL_LABEL) for p in items} & set(live_models)):
             deployment_of[m] = inventory.deployment(namespace, m) or await self._read_view(
                 "Deployment", namespace=namespace, name=m)
-        items = [pod for m in sorted(live_models) for pod in inventory.pods(namespace, m)]
         replicasets: dict[str, Mapping[str, Any]] = {}
         for pod in items:
             ref = controller_ref(pod)
@@ -305,8 +308,9 @@ class RolloutLoop:
 
     # ------------------------------------------------------------ the tick
 
-    async def tick(self, *, namespace: str, name: str, models: Sequence[str], cache: RolloutCache, inventory: Inventory,
-                   seen: Mapping[str, Any] | None = None, logger: logging.Logger = log) -> Decision | None:
+    async def tick(self, *, namespace: str, name: str, models: Sequence[str], cache: RolloutCache,
+                   inventory: Inventory, seen: Mapping[str, Any] | None = None,
+                   logger: logging.Logger = log) -> Decision | None:
         """One reconcile. ``seen``: the object as the watch last delivered it, for a cheap skip."""
         if seen is not None and self._quiet(seen, cache=cache, now=self.clock()):
             return None  # resting and checked recently: not even a GET (1,000s of ticks at scale)
@@ -336,8 +340,8 @@ class RolloutLoop:
             return False
         return target in (status.stable.version, status.rejected_version)
 
-    async def _tick(self, *, namespace: str, name: str, models: Sequence[str], cache: RolloutCache, inventory: Inventory,
-                    logger: logging.Logger) -> Decision | None:
+    async def _tick(self, *, namespace: str, name: str, models: Sequence[str], cache: RolloutCache,
+                    inventory: Inventory, logger: logging.Logger) -> Decision | None:
         body = await asyncio.to_thread(self.kube.get, "GateConfig", namespace=namespace, name=name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return None

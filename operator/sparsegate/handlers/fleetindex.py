@@ -19,25 +19,25 @@ from sparsegate.domain import fleet_view
 
 
 @kopf.index(names.GROUP, names.VERSION, names.SPARSEMODELS)
-def sparsegate_model_views(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+async def sparsegate_model_views(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
     """(namespace, model) → the SparseModel's projection."""
     return {(namespace, name): fleet_view.model_view(body)}
 
 
 @kopf.index("", "v1", "pods", labels={names.MODEL_LABEL: kopf.PRESENT})
-def sparsegate_model_pod_views(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict:
+async def sparsegate_model_pod_views(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict:
     """(namespace, model) → the projections of the pods labelled as the model's (owner checks decide
     later which of them are really its pods)."""
     return {(namespace, labels[names.MODEL_LABEL]): fleet_view.pod_view(body)}
 
 
 @kopf.index("apps", "v1", "deployments", labels={names.NAME_LABEL: names.MODEL_SERVER_NAME})
-def sparsegate_model_deployment_views(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+async def sparsegate_model_deployment_views(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
     """(namespace, Deployment name) → its projection."""
     return {(namespace, name): fleet_view.owner_view(body)}
 
 
 @kopf.index("apps", "v1", "replicasets", labels={names.NAME_LABEL: names.MODEL_SERVER_NAME})
-def sparsegate_model_replicaset_views(namespace: str, uid: str, body: kopf.Body, **_: Any) -> dict:
+async def sparsegate_model_replicaset_views(namespace: str, uid: str, body: kopf.Body, **_: Any) -> dict:
     """(namespace, ReplicaSet uid) → its projection (pods name their ReplicaSet by uid)."""
     return {(namespace, uid): fleet_view.owner_view(body)}

@@ -17,7 +17,7 @@ from sparsegate import metrics
 
 
 @kopf.on.event(names.GROUP, names.VERSION, names.GATECONFIGS)
-def gateconfig_rollout_gauges(type: str | None, body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
+async def gateconfig_rollout_gauges(type: str | None, body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
     if type == "DELETED":
         metrics.forget_gateconfig(namespace=namespace, name=name)
     else:

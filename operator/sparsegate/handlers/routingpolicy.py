@@ -264,15 +264,16 @@ def _backoff(retry: int) -> float:
 
 
 @kopf.index(GROUP, VERSION, PLURAL)
-def sparsegate_routing_policies(namespace: str, name: str, meta: kopf.Meta, body: kopf.Body, **_: Any) -> dict:
+async def sparsegate_routing_policies(namespace: str, name: str, meta: kopf.Meta, body: kopf.Body, **_: Any) -> dict:
     if meta.get("deletionTimestamp"):
         return {}  # being deleted: already out of what OPA should hold
     spec = copy.deepcopy(dict(body.get("spec") or {}))
-    return {(namespace, name): PolicySource(namespace=namespace, name=name, generation=meta.get("generation", 1), spec=spec)}
+    return {(namespace, name): PolicySource(namespace=namespace, name=name, generation=meta.get("generation", 1),
+                                            spec=spec)}
 
 
 @kopf.index("", "v1", "pods")
-def sparsegate_flow_pods(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict:
+async def sparsegate_flow_pods(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict:
     info = pod_info(dict(body))
     return {(namespace, name): info} if info else {}
 

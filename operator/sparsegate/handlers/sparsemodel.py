@@ -37,7 +37,7 @@ def post_event(body: Any, type_: str, reason: str, message: str) -> None:
 
 
 @kopf.index(GROUP, VERSION, names.SPARSEMODELS)
-def models_by_gate(namespace: str, name: str, spec: kopf.Spec, **_: Any) -> dict | None:
+async def models_by_gate(namespace: str, name: str, spec: kopf.Spec, **_: Any) -> dict | None:
     """(namespace, GateConfig name) → names of the models that reference it."""
     ref = (spec.get("gateConfigRef") or {}).get("name")
     return {(namespace, ref): name} if ref else None

@@ -118,14 +118,14 @@ def _inputs(kwargs: dict[str, Any]) -> tuple[list[ProbeSource], list[NodeInfo]]:
 
 
 @kopf.index(GROUP, VERSION, PLURAL)
-def sparsegate_telemetry_probes(namespace: str, name: str, meta: kopf.Meta, body: kopf.Body, **_: Any) -> dict:
+async def sparsegate_telemetry_probes(namespace: str, name: str, meta: kopf.Meta, body: kopf.Body, **_: Any) -> dict:
     if meta.get("deletionTimestamp"):
         return {}
     return {(namespace, name): probe_source(dict(body))}
 
 
 @kopf.index("", "v1", "nodes")
-def sparsegate_probe_nodes(name: str, body: kopf.Body, **_: Any) -> dict:
+async def sparsegate_probe_nodes(name: str, body: kopf.Body, **_: Any) -> dict:
     return {name: node_info(dict(body))}
 
 

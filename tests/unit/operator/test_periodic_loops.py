@@ -62,7 +62,10 @@ async def test_a_failing_round_is_logged_and_the_loop_goes_on(caplog) -> None:
             raise ConnectionResetError("API server went away")
 
     loops.seen(key=("ns", "g"), event_type=None, body=body(), tick=tick)
-    await asyncio.sleep(0.06)
+    for _ in range(500):  # ~0.03 s on a quiet machine; a loaded one may take far longer
+        if rounds >= 3:
+            break
+        await asyncio.sleep(0.01)
     await loops.stop()
     assert rounds >= 3
     assert "ConnectionResetError" in caplog.text
@@ -122,20 +125,3 @@ async def test_discard_ends_a_live_objects_loop_and_the_next_event_starts_one() 
     await loops.stop()
     assert calls > before
 
-
-async def test_wake_reaches_only_the_named_loops() -> None:
-    loops = ObjectLoops(kind="SparseModel access", interval_s=60)
-    ticked: list[str] = []
-
-    def tick_for(name: str) -> Any:
-        async def tick(_: Any) -> None:
-            ticked.append(name)
-        return tick
-
-    for name in ("a", "b", "c"):
-        loops.seen(key=("ns", name), event_type="ADDED", body=body(), tick=tick_for(name))
-    await asyncio.sleep(0.02)  # each loop's first round
-    assert loops.wake([("ns", "b"), ("ns", "b"), ("other", "x")]) == 1
-    await asyncio.sleep(0.02)
-    await loops.stop()
-    assert sorted(ticked) == ["a", "b", "b", "c"]

@@ -125,3 +125,10 @@ def test_views_keep_what_the_checks_read_and_little_else() -> None:
     assert ownership_problem(view, replicasets={"rs-uid": fleet_view.owner_view(RS)},
                              deployment=fleet_view.owner_view(DEPLOYMENT), model=fleet_view.model_view(MODEL)) is None
     assert len(json.dumps(view)) < len(json.dumps(full)) / 3
+
+
+async def test_a_model_without_pods_needs_no_deployment_read() -> None:
+    kube = FakeKube()
+    inv = Inventory(models={(NS, "m"): [fleet_view.model_view(MODEL)]}, pods={}, deployments={}, replicasets={})
+    fleet = await RolloutLoop(kube=kube)._fleet(namespace=NS, models=["m"], inventory=inv)  # type: ignore[arg-type]
+    assert fleet.all_pods == () and kube.calls == []  # just created: no pods, and no 404 every tick
