@@ -58,7 +58,8 @@ class AccessSync:
         self.trust_domain = trust_domain
 
     async def tick(self, *, namespace: str, name: str, sources: Iterable[PolicySource], cache: FleetCache,
-                   inventory: Inventory, logger: logging.Logger | logging.LoggerAdapter = log) -> dict[str, str] | None:
+                   inventory: Inventory,
+                   logger: logging.Logger | logging.LoggerAdapter = log) -> dict[str, str] | None:
         """One round for one model; returns the condition written (None: the model does not enforce)."""
         model = await asyncio.to_thread(self.kube.get, "SparseModel", namespace=namespace, name=name)
         if model is None or model["metadata"].get("deletionTimestamp"):
@@ -135,8 +136,8 @@ async def sparsemodel_access_loop(type: str | None, body: kopf.Body, namespace: 
             return  # not enforcing, nothing to remove: not even a GET
         sync = _sync(memo)
         try:
-            await sync.tick(namespace=namespace, name=name, cache=memo.access_cache, inventory=inventory, logger=logger,
-                            sources=_sources(sparsegate_routing_policies, namespace))
+            await sync.tick(namespace=namespace, name=name, cache=memo.access_cache, inventory=inventory,
+                            logger=logger, sources=_sources(sparsegate_routing_policies, namespace))
         except KubeError as e:
             logger.warning("access rules round for %s/%s: %s", namespace, name, e)
 

@@ -2,8 +2,9 @@
 
 The controller itself (observe → decide → persist → act) is ``controllers.rollout.RolloutLoop``;
 this module only builds it from the environment, feeds it the models of the Kopf index
-``models_by_gate`` and the fleet's watched objects (``handlers.fleetindex``) every ``SPARSEGATE_ROLLOUT_TICK_S`` (default 5) seconds, and turns a conflict
-or an API error of one tick into a log line (the next tick starts from a fresh read).
+``models_by_gate`` and the fleet's watched objects (``handlers.fleetindex``) every
+``SPARSEGATE_ROLLOUT_TICK_S`` (default 5) seconds, and turns a conflict or an API error of one
+tick into a log line (the next tick starts from a fresh read).
 ``SPARSEGATE_PROMETHEUS_URL`` makes the builtin analysis use Prometheus' HTTP API instead of
 scraping pods directly, and is the address of declared ``prometheus`` checks that name none.
 """

@@ -49,8 +49,9 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
               default_image: render.DefaultImage | None = None) -> str:
     """Bring the owned objects and status in line with ``model``; returns the outcome label.
 
-    ``pods``: the model's pods as watched (their waiting reasons go into Ready). ``default_image``: for models without ``spec.image``; None reads the operator's env
-    (SPARSEGATE_MODEL_IMAGE / _PULL_POLICY, set by the chart from modelServer.image)."""
+    ``pods``: the model's pods as watched (their waiting reasons go into Ready). ``default_image``:
+    for models without ``spec.image``; None reads the operator's env (SPARSEGATE_MODEL_IMAGE /
+    _PULL_POLICY, set by the chart from modelServer.image)."""
     meta = model["metadata"]
     default_image = default_image or render.DefaultImage.from_env(os.environ)
     resolution = resolve_gate(kube, model)
@@ -170,11 +171,12 @@ def stale_models(gate_config: Mapping[str, Any] | None, models: Iterable[Mapping
     out = []
     for model in models:
         status = model.get("status") or {}
-        if not status.get("gateVersion") and not conditions.is_degraded(status.get("conditions") or []):
+        degraded = conditions.is_degraded(status.get("conditions") or [])
+        if not status.get("gateVersion") and not degraded:
             continue
         experts = int(((model.get("spec") or {}).get("model") or {}).get("experts") or 0)
         resolution = gate.resolve(gate_config, referenced=True, num_experts=experts)
         want = resolution.document.version if resolution.document else None
-        if want != status.get("gateVersion") or conditions.is_degraded(status.get("conditions") or []) != (want is None):
+        if want != status.get("gateVersion") or degraded != (want is None):
             out.append(model["metadata"]["name"])
     return sorted(out)

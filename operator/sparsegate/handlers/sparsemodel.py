@@ -68,7 +68,7 @@ async def deployment_changed(type: str | None, body: kopf.Body, memo: kopf.Memo,
     namespace = body.metadata.namespace
     pods = Inventory.from_kopf(kwargs).pods(namespace, model)
     await run_model_work(memo, _deployment_changed, memo.kube, type=type, deployment=dict(body), model=model,
-                            pods=pods, logger=logger)
+                         pods=pods, logger=logger)
 
 
 def _deployment_changed(kube: Kube, *, type: str, deployment: Mapping[str, Any], model: str,
