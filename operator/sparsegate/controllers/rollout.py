@@ -170,11 +170,12 @@ class RolloutLoop:
         live_models = {m: v for m in models if (v := inventory.model(namespace, m)) is not None}
         if not live_models:
             return Fleet(targets={}, all_pods=())
-        items = [pod for m in sorted(live_models) for pod in inventory.pods(namespace, m)]
+        pods_of = {m: inventory.pods(namespace, m) for m in sorted(live_models)}
+        items = [pod for pods in pods_of.values() for pod in pods]
         # Only a model with pods needs its Deployment (for their owner checks): a model created a
         # moment ago has neither, and asking for its Deployment would be a 404 every tick.
         deployment_of: dict[str, Mapping[str, Any] | None] = {}
-        for m in sorted({(p["metadata"].get("labels") or {}).get(names.MODEL_LABEL) for p in items} & set(live_models)):
+        for m in (m for m, pods in pods_of.items() if pods):
             deployment_of[m] = inventory.deployment(namespace, m) or await self._read_view(
                 "Deployment", namespace=namespace, name=m)
         replicasets: dict[str, Mapping[str, Any]] = {}

@@ -8,9 +8,6 @@ import datetime
 import logging
 import os
 from typing import Any, Callable, Iterable, Mapping
-from urllib.parse import quote
-
-from sparsegate_contracts import names
 
 from sparsegate.clients.kube import Kube, KubeError
 from sparsegate.domain import admin_tls, conditions, gate, model_status, render
