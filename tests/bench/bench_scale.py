@@ -16,7 +16,9 @@ Reports, side by side:
   (``sparsegate_rollout_tick_duration_seconds``, one tick checks every pod of a GateConfig);
 - operator memory: peak RSS (VmHWM) and RSS at the end;
 - the operator's own API requests (``sparsegate_operator_kube_requests_total``) by verb and
-  resource, in all and per SparseModel: where the API server's work comes from;
+  resource, in all and per SparseModel, and by answer code (409: a status write that lost a race
+  and was read again), with each kind's p50/p99 duration: where the API server's work and a
+  reconcile's time go;
 - then one GateConfig change at scale: time for the controller to choose and record the first
   step (the pods cannot answer, so the step waits; that part is measured by the e2e tests).
 Results also go to tests/bench/results/bench_scale.json.
@@ -46,12 +48,15 @@ NS = "bench"
 
 
 
-def histogram_quantiles(text: str, name: str, label: tuple[str, str] | None) -> dict[str, float | None]:
+def histogram_quantiles(text: str, name: str, label: tuple[str, str] | None,
+                        labels: dict[str, str] | None = None) -> dict[str, float | None]:
+    """p50/p99 of a histogram's samples with ``label`` (name, value) and every one of ``labels``."""
+    want = {**({label[0]: label[1]} if label else {}), **(labels or {})}
     buckets: dict[float, float] = {}
     count = 0.0
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if label and s.labels.get(label[0]) != label[1]:
+            if any(s.labels.get(k) != v for k, v in want.items()):
                 continue
             if s.name == f"{name}_bucket":
                 buckets[float(s.labels["le"])] = buckets.get(float(s.labels["le"]), 0.0) + s.value
@@ -66,6 +71,8 @@ def histogram_quantiles(text: str, name: str, label: tuple[str, str] | None) -> 
                 break
             prev_le, prev_c = le, c
         out[f"p{int(q * 100)}"] = value
+    if 1.0 in buckets and count:
+        out["shareUnder1s"] = round(buckets[1.0] / count, 4)
     return out
 
 
@@ -182,6 +189,14 @@ def main() -> int:
             "apiRequests": sum(requests.values()),
             "apiRequestsPerModel": round(sum(requests.values()) / max(args.models, 1), 1),
             "apiRequestsByVerbResource": requests,
+            "apiRequestsByCode": counter_by(metrics, "sparsegate_operator_kube_requests", ("code",)),
+            # How long each kind of request took (p50/p99 from the operator's histogram): a
+            # reconcile's time is the sum of its requests'.
+            "apiRequestSeconds": {
+                key: {k: v if k == "count" else round(v, 3) for k, v in histogram_quantiles(
+                    metrics, "sparsegate_operator_kube_request_duration_seconds",
+                    None, labels={"verb": key.split()[0], "resource": key.split()[1]}).items() if v is not None}
+                for key in requests},
             "reconciles": reconciles,
         }
         print(json.dumps(result, indent=2))
