@@ -21,6 +21,7 @@ from sparsegate_contracts.names import FINALIZER, KOPF_ANNOTATION_PREFIX, KOPF_D
 
 import sparsegate.handlers  # noqa: F401  (registers handlers)
 from sparsegate.clients.kube import Kube
+from sparsegate.controllers.status_inputs import StatusInputs
 
 
 @kopf.on.startup()
@@ -38,6 +39,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.server_timeout = 300
     memo.kube = Kube.from_environment()
     memo.model_pool = settings.execution.executor  # handlers.pools: the model handlers' blocking work
+    memo.status_inputs = StatusInputs()  # what each model's status was last written from
 
 
 @kopf.on.probe(id="handlers")

@@ -8,8 +8,9 @@ requests a minute). The Kopf indexes in ``handlers.fleetindex`` keep these proje
 watched objects instead, so a tick reads its fleet from memory.
 
 A projection keeps the object's shape (``metadata``/``spec``/``status``) with only the fields read
-by ``domain.pod_ownership``, ``controllers.rollout``, ``domain.conditions.container_problems`` and
-the gate binding (``handlers.modelsync.stale_models``),
+by ``domain.pod_ownership``, ``controllers.rollout``, ``domain.conditions.container_problems``,
+the gate binding (``handlers.modelsync.stale_models``) and, for a Deployment, the model's status
+(``domain.model_status``: generation and replica counts),
 so those read a projection exactly as they read the full object; and it is small (a pod's is a
 few hundred bytes where the object is several KiB).
 """
@@ -66,6 +67,23 @@ def pod_view(pod: Mapping[str, Any]) -> dict[str, Any]:
 def owner_view(obj: Mapping[str, Any]) -> dict[str, Any]:
     """A ReplicaSet or Deployment: who it is and who controls it."""
     return {"metadata": _meta(obj)}
+
+
+# What a model's status reads of its Deployment (``domain.conditions.workload_conditions`` and the
+# replica counts): the spec generation the controller has observed and three counts.
+DEPLOYMENT_STATUS_FIELDS = ("observedGeneration", "replicas", "readyReplicas", "updatedReplicas")
+
+
+def deployment_view(deployment: Mapping[str, Any]) -> dict[str, Any]:
+    """A model-server Deployment: who controls it (owner checks) and what the model's status is
+    computed from, so a status refresh needs no Deployment GET."""
+    view = owner_view(deployment)
+    generation = (deployment.get("metadata") or {}).get("generation")
+    if generation is not None:
+        view["metadata"]["generation"] = generation
+    status = deployment.get("status") or {}
+    view["status"] = {k: status[k] for k in DEPLOYMENT_STATUS_FIELDS if status.get(k) is not None}
+    return view
 
 
 def model_view(model: Mapping[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,7 @@ counts, Ready, Progressing and Reconciling and carries the rest over. Both go th
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from sparsegate.domain import conditions as c
 from sparsegate.domain.gate import GateResolution
@@ -16,6 +16,23 @@ from sparsegate.domain.gate import GateResolution
 
 def desired_replicas(model: Mapping[str, Any]) -> int:
     return int(model["spec"].get("replicas", 1))
+
+
+# What of a Deployment and the model's pods a status computation reads (besides the model itself):
+# equal inputs and an unchanged model give an equal status. ``controllers.status_inputs`` keys on it.
+WorkloadInputs = tuple[Any, ...]
+
+
+def workload_inputs(deployment: Mapping[str, Any] | None, pods: Iterable[Mapping[str, Any]]) -> WorkloadInputs:
+    """The Deployment's uid, generation and replica counts (as ``c.workload_conditions`` and
+    ``_replica_counts`` read them) and the pods' container problems; the Deployment may be the
+    object or its ``domain.fleet_view.deployment_view``."""
+    problems = tuple(c.container_problems(pods))
+    if deployment is None:
+        return (None, problems)
+    meta, st = deployment.get("metadata") or {}, deployment.get("status") or {}
+    return ((meta.get("uid"), meta.get("generation"), st.get("observedGeneration", 0),
+             st.get("replicas") or 0, st.get("readyReplicas") or 0, st.get("updatedReplicas") or 0), problems)
 
 
 def _replica_counts(deployment: Mapping[str, Any] | None) -> dict[str, int]:

@@ -33,8 +33,8 @@ async def sparsegate_model_pod_views(namespace: str, labels: kopf.Labels, body: 
 
 @kopf.index("apps", "v1", "deployments", labels={names.NAME_LABEL: names.MODEL_SERVER_NAME})
 async def sparsegate_model_deployment_views(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
-    """(namespace, Deployment name) → its projection."""
-    return {(namespace, name): fleet_view.owner_view(body)}
+    """(namespace, Deployment name) → its projection (owner and replica status)."""
+    return {(namespace, name): fleet_view.deployment_view(body)}
 
 
 @kopf.index("apps", "v1", "replicasets", labels={names.NAME_LABEL: names.MODEL_SERVER_NAME})

@@ -11,6 +11,7 @@ resolves the GateConfig's spec.params.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -21,7 +22,7 @@ from sparsegate import metrics
 from sparsegate.controllers.inventory import Inventory
 from sparsegate.handlers import modelsync
 from sparsegate.handlers.pools import run_model_work
-from sparsegate.handlers.sparsemodel import GROUP, VERSION, post_event
+from sparsegate.handlers.sparsemodel import GROUP, VERSION, reconcile, watched_deployment
 
 
 @kopf.on.event(GROUP, VERSION, names.GATECONFIGS)
@@ -35,12 +36,13 @@ async def gateconfig_changed(type: str | None, body: kopf.Body, namespace: str, 
         stale = modelsync.stale_models(None if type == "DELETED" else dict(body), views)
         for model in stale:
             logger.info("re-rendering SparseModel %s for GateConfig %s", model, name)
-            await run_model_work(memo, _reconcile, memo.kube, namespace=namespace, name=model, logger=logger)
+            await run_model_work(memo, _reconcile, memo, namespace=namespace, name=model, logger=logger,
+                                 pods=inventory.pods(namespace, model),
+                                 watched=watched_deployment(inventory, namespace, model))
 
 
-def _reconcile(kube: Any, *, namespace: str, name: str, logger: logging.Logger) -> None:
-    model = kube.get("SparseModel", namespace=namespace, name=name)
-    if model is None:
-        return
-    with metrics.observe("SparseModel") as outcome:
-        outcome.value = modelsync.reconcile(kube, model, events=post_event, logger=logger)
+def _reconcile(memo: kopf.Memo, *, namespace: str, name: str, logger: logging.Logger,
+               pods: list[Mapping[str, Any]], watched: modelsync.WatchedDeployment) -> None:
+    model = memo.kube.get("SparseModel", namespace=namespace, name=name)
+    if model is not None:
+        reconcile(memo, model, pods=pods, logger=logger, watched=watched)

@@ -4,16 +4,27 @@ Kopf handlers stay one-liners and this reads top to bottom.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import datetime
+import functools
 import logging
 import os
 from typing import Any, Callable, Iterable, Mapping
 
 from sparsegate.clients.kube import Kube, KubeError
+from sparsegate.controllers.status_inputs import StatusInputs
 from sparsegate.domain import admin_tls, conditions, gate, model_status, render
+from sparsegate.domain.pod_ownership import controller_ref
 
 # (body of the object the event is about, type Normal|Warning, reason, message)
 EventSink = Callable[[Mapping[str, Any], str, str, str], None]
+# Threads for the applies of one reconcile that run at once (``apply_owned``): three for each of
+# the model pool's threads (``sparsegate.main`` gives it 8).
+_APPLY_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=24, thread_name_prefix="sparsegate-apply")
+# The model's Deployment as the operator's watch last delivered it (``handlers.pools.loop_reader``
+# over the fleet index), or None if it has not seen one.
+WatchedDeployment = Callable[[], Mapping[str, Any] | None]
 
 
 def now() -> str:
@@ -41,42 +52,80 @@ def container_problems(pods: Iterable[Mapping[str, Any]], *, deployment: Mapping
     return conditions.container_problems(pods)
 
 
-def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
-              logger: logging.Logger, pods: Iterable[Mapping[str, Any]] = (),
-              default_image: render.DefaultImage | None = None) -> str:
-    """Bring the owned objects and status in line with ``model``; returns the outcome label.
+def newest_deployment(applied: Mapping[str, Any] | None,
+                      watched: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The model's Deployment as status should see it: the watched view once it has seen the
+    generation our apply produced (it then also carries what the Deployment controller did since,
+    which the apply's response predates), else the apply's response."""
+    if applied is None or watched is None:
+        return applied if applied is not None else watched
+    a, w = applied.get("metadata") or {}, watched.get("metadata") or {}
+    if a.get("uid") != w.get("uid") or (w.get("generation") or 0) < (a.get("generation") or 0):
+        return applied
+    return watched
 
+
+def apply_owned(kube: Kube, model: Mapping[str, Any], objects: Iterable[Mapping[str, Any]], *,
+                events: EventSink, logger: logging.Logger) -> Mapping[str, Any] | None:
+    """The admin Secret and every rendered object but the Deployment at once, then the Deployment
+    (its pods mount the Secret and the ConfigMap); returns the Deployment as applied. Raises the
+    first KubeError (the Deployment is then not applied). At once because a reconcile is a chain
+    of API calls and the first three do not depend on each other (bench_scale at 1,000 models:
+    a Service apply alone took p50 0.19 s, p99 0.9 s)."""
+    objects = list(objects)
+    first = [functools.partial(ensure_admin_secret, kube, model, events=events, logger=logger)]
+    first += [functools.partial(kube.apply, obj) for obj in objects if obj["kind"] != "Deployment"]
+    # Each in a copy of this thread's context: Kopf posts Events through context variables.
+    futures = [_APPLY_POOL.submit(contextvars.copy_context().run, call) for call in first]
+    errors = [e for f in futures if isinstance(e := f.exception(), BaseException)]
+    if errors:
+        raise errors[0]
+    applied = None
+    for obj in objects:
+        if obj["kind"] == "Deployment":
+            applied = kube.apply(obj)
+    return applied
+
+
+def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink, logger: logging.Logger,
+              watched_deployment: WatchedDeployment, status_inputs: StatusInputs,
+              pods: Iterable[Mapping[str, Any]] = (), default_image: render.DefaultImage | None = None) -> str:
+    """Bring the owned objects and status in line with ``model`` (as the event delivered it or as
+    just read); returns the outcome label.
+
+    ``watched_deployment``: the model's Deployment as the operator's watch last delivered it
+    (``domain.fleet_view.deployment_view``), read again at each status write attempt.
     ``pods``: the model's pods as watched (their waiting reasons go into Ready). ``default_image``:
     for models without ``spec.image``; None reads the operator's env (SPARSEGATE_MODEL_IMAGE /
     _PULL_POLICY, set by the chart from modelServer.image)."""
     meta = model["metadata"]
     default_image = default_image or render.DefaultImage.from_env(os.environ)
     resolution = resolve_gate(kube, model)
-    deployment: Mapping[str, Any] | None = None
+    applied: Mapping[str, Any] | None = None
     apply_error: str | None = None
     if resolution.document is not None:
         try:
-            ensure_admin_secret(kube, model, events=events, logger=logger)
-            for obj in render.render_applied(model, resolution.document, default_image=default_image):
-                applied = kube.apply(obj)
-                if obj["kind"] == "Deployment":
-                    deployment = applied
+            applied = apply_owned(kube, model, render.render_applied(model, resolution.document,
+                                                                     default_image=default_image),
+                                  events=events, logger=logger)
         except KubeError as e:
             apply_error = str(e)
-    else:
-        # No usable gate: leave what runs untouched (it keeps its last gate) and report why.
-        deployment = kube.get("Deployment", namespace=meta["namespace"], name=meta["name"])
-    if deployment is not None and resolution.document is not None:
+
+    def deployment_now() -> Mapping[str, Any] | None:
+        if resolution.document is None:
+            # No usable gate: what runs was left untouched (it keeps its last gate); report it as watched.
+            return watched_deployment()
         # The Deployment controller may have observed our apply already, and the Deployment event
-        # handler written Ready from it: computing from the apply's response would overwrite that
-        # with a stale "not observed yet". Read it again, as late as possible.
-        deployment = kube.get("Deployment", namespace=meta["namespace"], name=meta["name"]) or deployment
-    problems = container_problems(pods, deployment=deployment, desired=model_status.desired_replicas(model))
-    write_status(kube, model, events=events,
-                 compute=lambda current: model_status.after_reconcile(
-                     model=current, generation=meta.get("generation"), gate=resolution,
-                     deployment=deployment,
-                     apply_error=apply_error, now=now(), problems=problems))
+        # handler written Ready from it: the apply's response alone would overwrite that with a
+        # stale "not observed yet". Read as late as possible, at each attempt.
+        return newest_deployment(applied, watched_deployment()) if applied is not None else None
+
+    with status_inputs.guard(meta["namespace"], meta["name"]):
+        _write_status(kube, model, events=events, status_inputs=status_inputs, pods=pods, deployment=deployment_now,
+                      fresh=True,
+                      compute=lambda current, deployment, problems: model_status.after_reconcile(
+                          model=current, generation=meta.get("generation"), gate=resolution, deployment=deployment,
+                          apply_error=apply_error, now=now(), problems=problems))
     if apply_error:
         raise KubeError(500, "ApplyFailed", apply_error)
     return "degraded" if resolution.document is None else "success"
@@ -93,6 +142,13 @@ def ensure_admin_secret(kube: Kube, model: Mapping[str, Any], *, events: EventSi
     name = render.admin_secret_name(model["metadata"]["name"])
     server_name = render.admin_server_name(model)
     now = datetime.datetime.now(datetime.timezone.utc)
+    if not (model.get("status") or {}).get("observedGeneration"):
+        # Never reconciled: there is most likely no Secret yet, so create first (one request) and
+        # read only if one exists (a 409).
+        secret = render.render_secret(model, material=admin_tls.new_material(server_name=server_name, now=now))
+        if kube.create_if_absent(secret):
+            logger.info("created admin Secret %s", name)
+            return
     existing = kube.get("Secret", namespace=model["metadata"]["namespace"], name=name)
     if existing is None:
         secret = render.render_secret(model, material=admin_tls.new_material(server_name=server_name, now=now))
@@ -119,37 +175,65 @@ def live_owner(kube: Kube, *, namespace: str, name: str,
     return model if model["metadata"].get("uid") in uids else None
 
 
+def model_uid(deployment: Mapping[str, Any] | None) -> str | None:
+    """The uid of the SparseModel controlling ``deployment`` (the object or its view)."""
+    ref = controller_ref(deployment) if deployment is not None else None
+    return ref.get("uid") if ref is not None and ref.get("kind") == render.KIND else None
+
+
 def refresh_from_deployment(kube: Kube, *, namespace: str, name: str, deployment: Mapping[str, Any] | None,
-                            pods: Iterable[Mapping[str, Any]], events: EventSink) -> None:
-    """The model's Deployment (or one of its pods) changed: refresh replica counts, Ready and Progressing."""
-    current = kube.get("SparseModel", namespace=namespace, name=name)
-    if current is None:
-        return
-    problems = container_problems(pods, deployment=deployment, desired=model_status.desired_replicas(current))
-    write_status(kube, current, events=events, fresh=True,
-                 compute=lambda m: model_status.after_deployment_event(
-                     model=m, deployment=deployment, now=now(), problems=problems))
+                            pods: Iterable[Mapping[str, Any]], events: EventSink,
+                            status_inputs: StatusInputs) -> bool:
+    """The model's Deployment (or one of its pods) changed: refresh replica counts, Ready and
+    Progressing. ``deployment``: the object or its watched view; None when it is gone. Returns
+    False when the status was already written from these very inputs (no request sent)."""
+    pods = list(pods)
+    inputs = model_status.workload_inputs(deployment, pods)
+    owner_uid = model_uid(deployment)
+    with status_inputs.guard(namespace, name):
+        if status_inputs.matches(namespace, name, uid=owner_uid, inputs=inputs):
+            return False
+        current = kube.get("SparseModel", namespace=namespace, name=name)
+        if current is None:
+            return True
+        _write_status(kube, current, events=events, status_inputs=status_inputs, pods=pods,
+                      deployment=lambda: deployment, fresh=True,
+                      compute=lambda m, d, problems: model_status.after_deployment_event(
+                          model=m, deployment=d, now=now(), problems=problems))
+    return True
 
 
-def write_status(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
-                 compute: Callable[[dict[str, Any]], dict[str, Any] | None], fresh: bool = False) -> None:
-    """``fresh``: ``model`` was just read, so the first write attempt starts from it (no second GET)."""
+def _write_status(kube: Kube, model: Mapping[str, Any], *, events: EventSink, status_inputs: StatusInputs,
+                  pods: Iterable[Mapping[str, Any]], deployment: WatchedDeployment,
+                  compute: Callable[[dict[str, Any], Mapping[str, Any] | None, list[str]], dict[str, Any] | None],
+                  fresh: bool = False) -> None:
+    """Read-modify-write of the model's status; the caller holds ``status_inputs.guard`` for it.
+
+    Each attempt reads ``deployment()`` again and derives the pods' problems from it; the inputs
+    of the attempt that landed (or found nothing to change) are recorded in ``status_inputs``.
+    ``fresh``: start from ``model`` (a 409 reads it again) instead of a GET."""
     meta = model["metadata"]
+    pods = list(pods)
     seen: dict[str, Any] = {}
 
     def mutate(current: dict[str, Any]) -> dict[str, Any] | None:
+        seen.clear()
         if current["metadata"].get("uid") != meta.get("uid"):
             return None  # deleted and re-created under the same name: not ours to write
-        patch = compute(current)
+        dep = deployment()
+        problems = container_problems(pods, deployment=dep, desired=model_status.desired_replicas(current))
+        patch = compute(current, dep, problems)
+        seen["inputs"] = model_status.workload_inputs(dep, pods)
         seen["before"] = (current.get("status") or {}).get("conditions") or []
         seen["after"] = patch.get("conditions", []) if patch else seen["before"]
         return patch
 
     written = kube.update_status("SparseModel", namespace=meta["namespace"], name=meta["name"],
                                  mutate=mutate, current=dict(model) if fresh else None)
-    if written is None:
+    if written is None or "inputs" not in seen:
         return
-    for cond in conditions.transitions(seen.get("before", []), seen.get("after", [])):
+    status_inputs.record(meta["namespace"], meta["name"], uid=meta.get("uid"), inputs=seen["inputs"])
+    for cond in conditions.transitions(seen["before"], seen["after"]):
         warn = (cond["type"] == conditions.ConditionType.DEGRADED.value and cond["status"] == "True") \
             or (cond["type"] == conditions.ConditionType.READY.value and cond["status"] != "True"
                 and cond.get("reason") != conditions.Reason.REPLICAS_NOT_READY.value)

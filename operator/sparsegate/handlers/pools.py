@@ -21,6 +21,9 @@ import kopf
 
 T = TypeVar("T")
 
+# Bound on one read through :func:`loop_reader` (the loop answers in microseconds unless blocked).
+LOOP_READ_TIMEOUT_S = 30.0
+
 
 async def run_model_work(memo: kopf.Memo, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """``func(*args, **kwargs)`` in the model pool, with the caller's context variables (Kopf posts
@@ -28,3 +31,22 @@ async def run_model_work(memo: kopf.Memo, func: Callable[..., T], /, *args: Any,
     context = contextvars.copy_context()
     call = functools.partial(context.run, func, *args, **kwargs)
     return await asyncio.get_running_loop().run_in_executor(memo.model_pool, call)
+
+
+def loop_reader(read: Callable[[], T]) -> Callable[[], T]:
+    """``read`` made callable from a pool thread: each call runs it on this event loop (where Kopf
+    updates its indexes, so a read never sees an index mid-update) and waits for the answer."""
+    loop = asyncio.get_running_loop()
+
+    async def on_loop() -> T:
+        return read()
+
+    def call() -> T:
+        try:
+            if asyncio.get_running_loop() is loop:
+                return read()  # already on the loop (not from a pool thread)
+        except RuntimeError:
+            pass
+        return asyncio.run_coroutine_threadsafe(on_loop(), loop).result(timeout=LOOP_READ_TIMEOUT_S)
+
+    return call

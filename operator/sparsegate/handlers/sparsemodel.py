@@ -25,9 +25,9 @@ from sparsegate_contracts import names
 from sparsegate import metrics
 from sparsegate.clients.kube import Kube
 from sparsegate.controllers.inventory import Inventory
-from sparsegate.domain import conditions
+from sparsegate.domain import conditions, model_status
 from sparsegate.handlers import modelsync
-from sparsegate.handlers.pools import run_model_work
+from sparsegate.handlers.pools import loop_reader, run_model_work
 
 GROUP, VERSION = names.GROUP, names.VERSION
 
@@ -48,13 +48,23 @@ async def models_by_gate(namespace: str, name: str, spec: kopf.Spec, **_: Any) -
 @kopf.on.update(GROUP, VERSION, names.SPARSEMODELS)
 async def reconcile_model(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
                           **kwargs: Any) -> None:
-    pods = Inventory.from_kopf(kwargs).pods(namespace, name)  # read on the event loop, where Kopf writes it
-    await run_model_work(memo, _reconcile, memo.kube, dict(body), pods=pods, logger=logger)
+    inventory = Inventory.from_kopf(kwargs)
+    pods = inventory.pods(namespace, name)  # read on the event loop, where Kopf writes it
+    await run_model_work(memo, reconcile, memo, dict(body), pods=pods, logger=logger,
+                         watched=watched_deployment(inventory, namespace, name))
 
 
-def _reconcile(kube: Kube, model: Mapping[str, Any], *, pods: list[Mapping[str, Any]], logger: logging.Logger) -> None:
+def watched_deployment(inventory: Inventory, namespace: str, name: str) -> modelsync.WatchedDeployment:
+    """The model's Deployment view, readable from the pool thread (call on the event loop)."""
+    return loop_reader(lambda: inventory.deployment(namespace, name))
+
+
+def reconcile(memo: kopf.Memo, model: Mapping[str, Any], *, pods: list[Mapping[str, Any]], logger: logging.Logger,
+              watched: modelsync.WatchedDeployment) -> None:
+    """One reconcile of ``model`` (as delivered or just read), timed and counted; in the model pool."""
     with metrics.observe("SparseModel") as outcome:
-        outcome.value = modelsync.reconcile(kube, model, events=post_event, logger=logger, pods=pods)
+        outcome.value = modelsync.reconcile(memo.kube, model, events=post_event, logger=logger, pods=pods,
+                                            watched_deployment=watched, status_inputs=memo.status_inputs)
 
 
 @kopf.on.event("apps", "v1", "deployments",
@@ -66,26 +76,37 @@ async def deployment_changed(type: str | None, body: kopf.Body, memo: kopf.Memo,
     if not model or type is None:  # None: the initial listing; resume handlers cover it
         return
     namespace = body.metadata.namespace
-    pods = Inventory.from_kopf(kwargs).pods(namespace, model)
-    await run_model_work(memo, _deployment_changed, memo.kube, type=type, deployment=dict(body), model=model,
-                         pods=pods, logger=logger)
+    inventory = Inventory.from_kopf(kwargs)
+    pods = inventory.pods(namespace, model)
+    if type != "DELETED" and memo.status_inputs.settled(
+            namespace, model, uid=modelsync.model_uid(body), inputs=model_status.workload_inputs(body, pods)):
+        with metrics.observe("Deployment") as outcome:
+            outcome.value = "unchanged"  # the model's status was written from exactly this: no pool thread, no request
+        return
+    await run_model_work(memo, _deployment_changed, memo, type=type, deployment=dict(body), model=model,
+                         pods=pods, logger=logger, watched=watched_deployment(inventory, namespace, model))
 
 
-def _deployment_changed(kube: Kube, *, type: str, deployment: Mapping[str, Any], model: str,
-                        pods: list[Mapping[str, Any]], logger: logging.Logger) -> None:
+def _deployment_changed(memo: kopf.Memo, *, type: str, deployment: Mapping[str, Any], model: str,
+                        pods: list[Mapping[str, Any]], logger: logging.Logger,
+                        watched: modelsync.WatchedDeployment) -> None:
     namespace = deployment["metadata"]["namespace"]
-    with metrics.observe("Deployment"):
+    kube: Kube = memo.kube
+    with metrics.observe("Deployment") as outcome:
         if type == "DELETED":
+            memo.status_inputs.forget(namespace, model)
             # Deleted by someone else while its model lives on: put it back (self-healing).
             owner = modelsync.live_owner(kube, namespace=namespace, name=model,
                                          owner_refs=deployment["metadata"].get("ownerReferences") or [])
             if owner is not None:
                 logger.warning("Deployment %s was deleted; re-creating it", model)
-                modelsync.reconcile(kube, owner, events=post_event, logger=logger, pods=pods)
+                modelsync.reconcile(kube, owner, events=post_event, logger=logger, pods=pods,
+                                    watched_deployment=watched, status_inputs=memo.status_inputs)
                 return
-        modelsync.refresh_from_deployment(
-            kube, namespace=namespace, name=model, deployment=None if type == "DELETED" else deployment,
-            pods=pods, events=post_event)
+        if not modelsync.refresh_from_deployment(
+                kube, namespace=namespace, name=model, deployment=None if type == "DELETED" else deployment,
+                pods=pods, events=post_event, status_inputs=memo.status_inputs):
+            outcome.value = "unchanged"
 
 
 def _stuck(body: kopf.Body, **_: Any) -> bool:
@@ -98,12 +119,15 @@ async def pod_stuck(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
     if not model:
         return
     namespace = body.metadata.namespace
-    pods = Inventory.from_kopf(kwargs).pods(namespace, model)
-    await run_model_work(memo, _pod_stuck, memo.kube, namespace=namespace, model=model, pods=pods)
+    inventory = Inventory.from_kopf(kwargs)
+    await run_model_work(memo, _pod_stuck, memo, namespace=namespace, model=model, pods=inventory.pods(namespace, model),
+                         deployment=inventory.deployment(namespace, model))
 
 
-def _pod_stuck(kube: Kube, *, namespace: str, model: str, pods: list[Mapping[str, Any]]) -> None:
-    with metrics.observe("Pod"):
-        deployment = kube.get("Deployment", namespace=namespace, name=model)
-        modelsync.refresh_from_deployment(kube, namespace=namespace, name=model, deployment=deployment, pods=pods,
-                                          events=post_event)
+def _pod_stuck(memo: kopf.Memo, *, namespace: str, model: str, pods: list[Mapping[str, Any]],
+               deployment: Mapping[str, Any] | None) -> None:
+    """``deployment``: its watched view (None before the watch delivered it: "no Deployment" until it does)."""
+    with metrics.observe("Pod") as outcome:
+        if not modelsync.refresh_from_deployment(memo.kube, namespace=namespace, name=model, deployment=deployment,
+                                                 pods=pods, events=post_event, status_inputs=memo.status_inputs):
+            outcome.value = "unchanged"

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 from pathlib import Path
 
 import pytest
 import yaml
 
 from sparsegate.clients.kube import KubeError
-from sparsegate.domain import admin_tls, fleet_view
+from sparsegate.controllers.status_inputs import StatusInputs
+from sparsegate.domain import admin_tls, fleet_view, model_status
 from sparsegate.handlers import modelsync
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -30,6 +32,7 @@ class MemoryKube:
         self.replaced: list[str] = []
         self.fail_apply: str | None = None
         self.rv = 0
+        self.calls: list[tuple[str, str]] = []  # (get|create|apply|status, kind): what a real client would send
 
     def put(self, obj: dict) -> dict:
         self.rv += 1
@@ -40,6 +43,7 @@ class MemoryKube:
         return obj
 
     def get(self, kind, *, namespace, name):
+        self.calls.append(("get", kind))
         obj = self.objects.get((kind, namespace, name))
         return copy.deepcopy(obj) if obj else None
 
@@ -47,6 +51,11 @@ class MemoryKube:
         if self.fail_apply == obj["kind"]:
             raise KubeError(422, "Invalid", {"message": f"{obj['kind']} refused"})
         self.applied.append(obj["kind"])
+        self.calls.append(("apply", obj["kind"]))
+        existing = self.objects.get((obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]))
+        if existing is not None:  # as a server-side apply: status and generation stay the server's
+            obj = {**copy.deepcopy(obj), "status": existing.get("status")}
+            obj["metadata"]["generation"] = existing["metadata"].get("generation")
         return self.put(obj)
 
     def replace(self, obj):
@@ -58,6 +67,7 @@ class MemoryKube:
         return self.put(obj)
 
     def create_if_absent(self, obj):
+        self.calls.append(("create", obj["kind"]))
         m = obj["metadata"]
         if (obj["kind"], m["namespace"], m["name"]) in self.objects:
             return False
@@ -65,11 +75,15 @@ class MemoryKube:
         return True
 
     def update_status(self, kind, *, namespace, name, mutate, attempts=5, current=None):
-        current = self.get(kind, namespace=namespace, name=name)
+        stored = self.objects.get((kind, namespace, name))
+        if current is None or stored is None or \
+                current["metadata"].get("resourceVersion") != stored["metadata"]["resourceVersion"]:
+            current = self.get(kind, namespace=namespace, name=name)  # as Kube does: a stale start reads again
         if current is None:
             return None
         patch = mutate(current)
         if patch is not None:
+            self.calls.append(("status", kind))
             stored = self.objects[(kind, namespace, name)]
             stored["status"] = {**(stored.get("status") or {}), **patch}
         return current
@@ -82,6 +96,20 @@ def kube():
     model["metadata"].update(namespace="ns", uid="uid-1", generation=1)
     k.put(model)
     return k
+
+
+def watched(k):
+    """The Deployment as the operator's watch delivered it (here: as stored, at once)."""
+    def read():
+        deployment = k.objects.get(("Deployment", "ns", "moe-small"))  # no request: the watch has it
+        return fleet_view.deployment_view(deployment) if deployment else None
+    return read
+
+
+def reconcile(k, model, *, events=None, inputs=None, pods=()):
+    return modelsync.reconcile(k, model, events=(lambda *a: events.append(a)) if events is not None else (lambda *a: None),
+                               logger=LOG, watched_deployment=watched(k), status_inputs=StatusInputs() if inputs is None else inputs,
+                               pods=pods)
 
 
 def model_of(k):
@@ -101,7 +129,7 @@ def gateconfig(k, **spec_params):
 
 def test_missing_gateconfig_applies_nothing_and_degrades(kube):
     events = []
-    outcome = modelsync.reconcile(kube, model_of(kube), events=lambda *a: events.append(a), logger=LOG)
+    outcome = reconcile(kube, model_of(kube), events=events)
     assert outcome == "degraded" and kube.applied == []
     assert conditions(kube)["Degraded"]["reason"] == "GateConfigNotFound"
     assert ("Warning", "DegradedTrue") in {(e[1], e[2]) for e in events}
@@ -110,13 +138,13 @@ def test_missing_gateconfig_applies_nothing_and_degrades(kube):
 def test_reconcile_renders_everything_once_and_records_the_gate(kube):
     gateconfig(kube)
     events = []
-    assert modelsync.reconcile(kube, model_of(kube), events=lambda *a: events.append(a), logger=LOG) == "success"
+    assert reconcile(kube, model_of(kube), events=events) == "success"
     assert kube.applied == ["ConfigMap", "Service", "Deployment"]
     secret = kube.get("Secret", namespace="ns", name="moe-small-admin")
     assert sorted(secret["data"]) == ["tls.crt", "tls.key", "token"]
     assert admin_tls.certificate_names(admin_tls.material_from_secret(secret).cert_pem) == [
         "moe-small.ns.admin.sparsegate.dev"]
-    modelsync.reconcile(kube, model_of(kube), events=lambda *a: events.append(a), logger=LOG)
+    reconcile(kube, model_of(kube), events=events)
     # the Secret is created once: token and certificate survive re-reconciles
     assert kube.get("Secret", namespace="ns", name="moe-small-admin")["data"] == secret["data"]
     assert kube.replaced == []
@@ -131,20 +159,30 @@ def test_apply_failure_is_reported_then_raised_for_retry(kube):
     gateconfig(kube)
     kube.fail_apply = "Service"
     with pytest.raises(KubeError):
-        modelsync.reconcile(kube, model_of(kube), events=lambda *a: None, logger=LOG)
+        reconcile(kube, model_of(kube))
     assert conditions(kube)["Degraded"]["reason"] == "ApplyFailed"
     assert "Service refused" in conditions(kube)["Degraded"]["message"]
 
 
+def test_no_deployment_is_applied_when_what_its_pods_mount_failed(kube):
+    gateconfig(kube)
+    kube.fail_apply = "ConfigMap"
+    with pytest.raises(KubeError):
+        reconcile(kube, model_of(kube))
+    assert "Deployment" not in kube.applied and sorted(kube.applied) == ["Service"]
+    assert kube.get("Secret", namespace="ns", name="moe-small-admin") is not None
+    assert "ConfigMap refused" in conditions(kube)["Degraded"]["message"]
+
+
 def test_gate_too_wide_for_the_model_is_invalid(kube):
     gateconfig(kube, maxExpertsPerToken=16)  # the example model has 8 experts
-    assert modelsync.reconcile(kube, model_of(kube), events=lambda *a: None, logger=LOG) == "degraded"
+    assert reconcile(kube, model_of(kube)) == "degraded"
     assert conditions(kube)["Degraded"]["reason"] == "GateConfigInvalid"
 
 
 def test_stale_models_follow_the_resolved_gate_from_the_views(kube):
     gateconfig(kube)
-    modelsync.reconcile(kube, model_of(kube), events=lambda *a: None, logger=LOG)
+    reconcile(kube, model_of(kube))
     gc = kube.objects[("GateConfig", "ns", "default-gate")]
     # What the gate binding reads: the GateConfig as its event delivered it, the models' views.
     view = fleet_view.model_view(model_of(kube))
@@ -161,9 +199,11 @@ def test_stale_models_follow_the_resolved_gate_from_the_views(kube):
 
 def test_status_writes_skip_a_recreated_model(kube):
     old = model_of(kube)
-    kube.objects[("SparseModel", "ns", "moe-small")]["metadata"]["uid"] = "uid-2"
+    recreated = model_of(kube)
+    recreated["metadata"]["uid"] = "uid-2"
+    kube.put(recreated)  # a new object: another uid and resourceVersion
     gateconfig(kube)
-    modelsync.reconcile(kube, old, events=lambda *a: None, logger=LOG)
+    reconcile(kube, old)
     assert "status" not in model_of(kube)
 
 
@@ -176,7 +216,7 @@ def test_model_without_image_gets_the_operators_default_from_env(kube, monkeypat
     kube.put(model)
     monkeypatch.setenv("SPARSEGATE_MODEL_IMAGE", "localhost/sparsegate-model-server:dev")
     monkeypatch.setenv("SPARSEGATE_MODEL_IMAGE_PULL_POLICY", "Never")
-    modelsync.reconcile(kube, model_of(kube), events=lambda *a: None, logger=LOG)
+    reconcile(kube, model_of(kube))
     (c,) = kube.get("Deployment", namespace="ns", name="moe-small")["spec"]["template"]["spec"]["containers"]
     assert (c["image"], c["imagePullPolicy"]) == ("localhost/sparsegate-model-server:dev", "Never")
 
@@ -190,14 +230,14 @@ def stuck_pod(k, name, reason, message):
 
 def test_ready_names_pods_whose_containers_cannot_start(kube):
     gateconfig(kube)
-    modelsync.reconcile(kube, model_of(kube), events=lambda *a: None, logger=LOG)
+    reconcile(kube, model_of(kube))
     stuck_pod(kube, "moe-small-a", "ErrImageNeverPull", 'Container image "x" is not present with pull policy of Never')
     stuck_pod(kube, "moe-small-b", "ContainerCreating", "")  # just takes time: not named
     deployment = kube.get("Deployment", namespace="ns", name="moe-small")
     deployment["status"] = {"replicas": 2, "readyReplicas": 0, "updatedReplicas": 2}
     pods = [fleet_view.pod_view(p) for (kind, _, _), p in kube.objects.items() if kind == "Pod"]
     modelsync.refresh_from_deployment(kube, namespace="ns", name="moe-small", deployment=deployment, pods=pods,
-                                      events=lambda *a: None)
+                                      events=lambda *a: None, status_inputs=StatusInputs())
     ready = conditions(kube)["Ready"]
     assert ready["status"] == "False" and ready["reason"] == "ContainersWaiting"
     assert "moe-small-a/server: ErrImageNeverPull" in ready["message"] and "moe-small-b" not in ready["message"]
@@ -205,7 +245,7 @@ def test_ready_names_pods_whose_containers_cannot_start(kube):
     deployment["status"] = {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "observedGeneration": 1}
     deployment["metadata"]["generation"] = 1
     modelsync.refresh_from_deployment(kube, namespace="ns", name="moe-small", deployment=deployment, pods=pods,
-                                      events=lambda *a: None)
+                                      events=lambda *a: None, status_inputs=StatusInputs())
     assert conditions(kube)["Ready"]["status"] == "True"
 
 
@@ -224,7 +264,7 @@ def test_ready_comes_from_the_deployment_as_it_is_when_status_is_written(kube):
         return applied  # the response predates the controller's update
 
     kube.apply = apply_then_controller_observes
-    modelsync.reconcile(kube, model_of(kube), events=lambda *a: None, logger=LOG)
+    reconcile(kube, model_of(kube))
     assert conditions(kube)["Ready"]["status"] == "True"
 
 
@@ -247,7 +287,7 @@ def test_an_unusable_admin_secret_is_replaced_with_a_complete_one(kube, case):
     kube.put({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
               "metadata": {"name": "moe-small-admin", "namespace": "ns"}, "data": data})
     events = []
-    assert modelsync.reconcile(kube, model_of(kube), events=lambda *a: events.append(a), logger=LOG) == "success"
+    assert reconcile(kube, model_of(kube), events=events) == "success"
     assert kube.replaced == ["Secret"]
     secret = kube.get("Secret", namespace="ns", name="moe-small-admin")
     assert admin_tls.secret_problem(secret, server_name="moe-small.ns.admin.sparsegate.dev", now=now) is None
@@ -255,5 +295,112 @@ def test_an_unusable_admin_secret_is_replaced_with_a_complete_one(kube, case):
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     assert any(e[2] == "AdminSecretReplaced" for e in events)
     # Complete now: the next reconcile leaves it alone.
-    modelsync.reconcile(kube, model_of(kube), events=lambda *a: None, logger=LOG)
+    reconcile(kube, model_of(kube))
     assert kube.replaced == ["Secret"]
+
+
+def test_a_new_model_costs_no_secret_or_deployment_read(kube):
+    """Never reconciled: the admin Secret is created straight away (no GET first); the Deployment
+    status comes from the apply and the watch, not a GET; the status write starts from the model
+    as delivered. A reconciled model reads its Secret (it may need replacing) and creates none."""
+    gateconfig(kube)
+    model = model_of(kube)
+    kube.calls.clear()
+    reconcile(kube, model)
+    # Secret, ConfigMap and Service at once (in any order), then the Deployment that mounts them.
+    assert kube.calls[:1] == [("get", "GateConfig")]
+    assert sorted(kube.calls[1:4]) == [("apply", "ConfigMap"), ("apply", "Service"), ("create", "Secret")]
+    assert kube.calls[4:] == [("apply", "Deployment"), ("status", "SparseModel")]
+    model = model_of(kube)
+    kube.calls.clear()
+    reconcile(kube, model)
+    assert ("get", "Secret") in kube.calls and ("create", "Secret") not in kube.calls
+    assert ("get", "Deployment") not in kube.calls
+
+
+def test_newest_deployment_prefers_the_watch_once_it_has_seen_the_apply():
+    def dep(uid="d1", generation=2, ready=0):
+        return {"metadata": {"uid": uid, "generation": generation}, "status": {"readyReplicas": ready}}
+
+    applied = dep(generation=3)
+    assert modelsync.newest_deployment(applied, None) is applied
+    assert modelsync.newest_deployment(None, dep()) == dep()
+    assert modelsync.newest_deployment(applied, dep(generation=2, ready=2)) is applied  # predates the apply
+    seen = dep(generation=3, ready=2)
+    assert modelsync.newest_deployment(applied, seen) is seen  # has the controller's work since
+    assert modelsync.newest_deployment(applied, dep(uid="old", generation=9)) is applied  # another object
+
+
+def ready_deployment(kube, *, ready):
+    deployment = kube.objects[("Deployment", "ns", "moe-small")]
+    deployment["metadata"]["generation"] = 1
+    deployment["status"] = {"observedGeneration": 1, "replicas": 2, "readyReplicas": ready, "updatedReplicas": 2}
+    return copy.deepcopy(deployment)
+
+
+def test_a_refresh_from_the_inputs_status_was_written_from_sends_nothing(kube):
+    gateconfig(kube)
+    inputs = StatusInputs()
+    reconcile(kube, model_of(kube))
+    deployment = ready_deployment(kube, ready=1)
+    reconcile(kube, model_of(kube), inputs=inputs)  # writes Ready from this Deployment (as watched)
+
+    def refresh(deployment):
+        kube.calls.clear()
+        sent = modelsync.refresh_from_deployment(kube, namespace="ns", name="moe-small", deployment=deployment,
+                                                 pods=[], events=lambda *a: None, status_inputs=inputs)
+        return sent, list(kube.calls)
+
+    # The Deployment event with what the reconcile already wrote from: nothing read, nothing written.
+    assert refresh(deployment) == (False, [])
+    assert conditions(kube)["Ready"]["status"] == "False"
+    # A replica became ready: read and written, and that is recorded in turn.
+    deployment = ready_deployment(kube, ready=2)
+    assert refresh(deployment) == (True, [("get", "SparseModel"), ("status", "SparseModel")])
+    assert conditions(kube)["Ready"]["status"] == "True"
+    assert refresh(deployment) == (False, [])
+    # Back to one ready replica: the inputs differ from the last write, not from an older one.
+    assert refresh(ready_deployment(kube, ready=1))[0] is True
+    assert conditions(kube)["Ready"]["status"] == "False"
+    # The same inputs for a model re-created under the name (another uid) are not taken as written.
+    other = copy.deepcopy(deployment)
+    other["metadata"]["ownerReferences"][0]["uid"] = "uid-9"
+    assert refresh(other)[0] is True
+    # A pod that cannot start changes the inputs too.
+    stuck_pod(kube, "moe-small-a", "CrashLoopBackOff", "back-off")
+    pods = [fleet_view.pod_view(kube.objects[("Pod", "ns", "moe-small-a")])]
+    kube.calls.clear()
+    assert modelsync.refresh_from_deployment(kube, namespace="ns", name="moe-small", deployment=deployment, pods=pods,
+                                             events=lambda *a: None, status_inputs=inputs)
+
+
+def test_the_deployment_view_gives_the_same_inputs_as_the_object(kube):
+    gateconfig(kube)
+    reconcile(kube, model_of(kube))
+    deployment = ready_deployment(kube, ready=1)
+    view = fleet_view.deployment_view(deployment)
+    assert model_status.workload_inputs(view, []) == model_status.workload_inputs(deployment, [])
+    assert view["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert len(repr(view)) * 3 < len(repr(deployment))
+
+
+def test_a_check_waits_for_a_write_of_the_same_model_in_flight(kube):
+    """Check and write hold the model's lock: a refresh cannot skip on inputs about to be replaced."""
+    gateconfig(kube)
+    inputs = StatusInputs()
+    reconcile(kube, model_of(kube))
+    deployment = ready_deployment(kube, ready=2)
+    reconcile(kube, model_of(kube), inputs=inputs)
+    done = threading.Event()
+
+    def refresh():
+        modelsync.refresh_from_deployment(kube, namespace="ns", name="moe-small", deployment=deployment, pods=[],
+                                          events=lambda *a: None, status_inputs=inputs)
+        done.set()
+
+    with inputs.guard("ns", "moe-small"):  # a write of this model in flight
+        worker = threading.Thread(target=refresh)
+        worker.start()
+        assert not done.wait(0.2)
+    worker.join(5)
+    assert done.is_set()
