@@ -1,12 +1,16 @@
 """Kopf wiring for SparseModel: each handler is a thin call into handlers.modelsync.
 
 - create/update/resume → render and server-side apply the owned objects, write status.
-- any event of an owned Deployment → refresh replica counts and Ready/Progressing.
+- any event of an owned Deployment → refresh replica counts and Ready/Progressing; no request at
+  all when the status was last written from the same Deployment counts and pod problems
+  (``controllers.status_inputs``).
 - a model pod whose container cannot start (missing image, crash loop) → the same refresh, so
   Ready=False names the pod, container and reason (ContainersWaiting).
-- GateConfig events → write status.stable on first sight (if nothing else did) and re-reconcile
-  models whose rendered gate no longer matches (see handlers.gatebinding).
-  A Deployment deleted while its model lives is re-created.
+- GateConfig events → re-reconcile models whose rendered gate no longer matches (see
+  handlers.gatebinding).
+- A Deployment deleted while its model lives is re-created.
+Status reads the Deployment from the operator's watch (``handlers.fleetindex``) and the apply's
+answer, never with a GET.
 Deletion needs no handler (and so no finalizer): owned objects carry ownerReferences and the
 garbage collector removes them. No timers either: Kopf gives timed resources a finalizer, and a
 SparseModel must stay deletable while the operator is down.
@@ -120,13 +124,16 @@ async def pod_stuck(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
         return
     namespace = body.metadata.namespace
     inventory = Inventory.from_kopf(kwargs)
+    deployment = inventory.deployment(namespace, model)
+    if deployment is None:
+        return  # not delivered by the watch yet: its first event refreshes the status, these pods included
     await run_model_work(memo, _pod_stuck, memo, namespace=namespace, model=model, pods=inventory.pods(namespace, model),
-                         deployment=inventory.deployment(namespace, model))
+                         deployment=deployment)
 
 
 def _pod_stuck(memo: kopf.Memo, *, namespace: str, model: str, pods: list[Mapping[str, Any]],
-               deployment: Mapping[str, Any] | None) -> None:
-    """``deployment``: its watched view (None before the watch delivered it: "no Deployment" until it does)."""
+               deployment: Mapping[str, Any]) -> None:
+    """``deployment``: its watched view."""
     with metrics.observe("Pod") as outcome:
         if not modelsync.refresh_from_deployment(memo.kube, namespace=namespace, name=model, deployment=deployment,
                                                  pods=pods, events=post_event, status_inputs=memo.status_inputs):
