@@ -55,7 +55,7 @@ async def gateconfig_rollout_loop(type: str | None, body: kopf.Body, namespace: 
         await rollout_tick(seen=seen, namespace=namespace, name=name, memo=memo, models_by_gate=models_by_gate,
                            inventory=inventory, logger=logger)
 
-    _loops.seen(key=(namespace, name), event_type=type, body=dict(body), tick=tick, logger=logger)
+    _loops.seen(key=(namespace, name), event_type=type, body=RolloutLoop.quiet_view(body), tick=tick, logger=logger)
 
 
 async def rollout_tick(*, seen: Mapping[str, Any], namespace: str, name: str, memo: kopf.Memo,

@@ -42,3 +42,28 @@ def test_rejected_version_stays_quiet() -> None:
     bad = GateVersion.from_params(V2).version
     assert RolloutLoop._quiet(body(spec_params=V2, phase="RolledBack", rejected=bad),
                               cache=RolloutCache(last_full_check=now - 1), now=now)
+
+
+def test_the_view_kept_between_ticks_decides_as_the_object_does() -> None:
+    now = time.time()
+    bad = GateVersion.from_params(V2).version
+    bodies = [body(spec_params=V1), body(spec_params=V2), body(spec_params={"bogus": 1}),
+              body(spec_params=V1, annotations={"sparsegate.dev/abort": "x"}),
+              body(spec_params=V1, annotations={"sparsegate.dev/promote": "step"}),
+              body(spec_params=V1, phase="Analysing"), body(spec_params=V2, phase="RolledBack", rejected=bad)]
+    generation_edit = body(spec_params=V1)
+    generation_edit["metadata"]["generation"] = 3
+    generation_edit["status"]["observedGeneration"] = 2
+    bodies.append(generation_edit)
+    for cache in (RolloutCache(last_full_check=now - 1), RolloutCache(last_full_check=now - RESTING_CHECK_S)):
+        for b in bodies:
+            assert RolloutLoop._quiet(RolloutLoop.quiet_view(b), cache=cache, now=now) == \
+                RolloutLoop._quiet(b, cache=cache, now=now), b
+    # What it leaves out: the history, conditions, analysis records and kubectl's copy of the spec.
+    full = body(spec_params=V1, annotations={"kubectl.kubernetes.io/last-applied-configuration": "{...}" * 100})
+    full["metadata"].update(name="g", namespace="ns", generation=1, deletionTimestamp="2026-12-04T00:00:00Z")
+    full["status"].update(history=[{"revision": i} for i in range(10)], conditions=[{"type": "Ready"}] * 4)
+    view = RolloutLoop.quiet_view(full)
+    assert view["metadata"] == {"name": "g", "namespace": "ns", "generation": 1,
+                                "deletionTimestamp": "2026-12-04T00:00:00Z", "annotations": {}}
+    assert set(view["status"]) == {"stable", "rollout"} and len(repr(view)) * 3 < len(repr(full))
