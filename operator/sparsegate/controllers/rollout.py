@@ -324,23 +324,26 @@ class RolloutLoop:
 
     @staticmethod
     def quiet_view(body: Mapping[str, Any]) -> dict[str, Any]:
-        """What :meth:`_quiet` reads of a GateConfig (and ``handlers.periodic`` of its metadata), for the
-        per-GateConfig loop to keep between ticks instead of the whole object (history, conditions,
-        analysis records and kubectl's last-applied copy of the spec: ~3x the size)."""
-        meta, status = body.get("metadata") or {}, body.get("status") or {}
-        view_meta = {k: meta[k] for k in ("name", "namespace", "generation", "deletionTimestamp") if k in meta}
-        view_meta["annotations"] = {k: v for k, v in (meta.get("annotations") or {}).items()
-                                    if k.startswith(f"{names.GROUP}/")}
-        rollout = status.get("rollout") or {}
-        view_status = {k: status[k] for k in ("observedGeneration", "stable") if k in status}
-        view_status["rollout"] = {k: rollout[k] for k in ("phase", "rejectedVersion") if k in rollout}
-        return {"metadata": view_meta, "spec": body.get("spec") or {}, "status": view_status}
+        """What the per-GateConfig loop keeps between ticks instead of the whole object: the
+        metadata ``handlers.periodic`` reads and whether the object as delivered is :meth:`resting`,
+        decided once per watch event rather than once per tick (parsing the spec and hashing its
+        version took ~60 µs: at 2,000 GateConfigs and a 1 s tick, a tenth of a core)."""
+        meta = body.get("metadata") or {}
+        return {"metadata": {k: meta[k] for k in ("name", "namespace", "deletionTimestamp") if k in meta},
+                "resting": RolloutLoop.resting(body)}
 
     @staticmethod
     def _quiet(body: Mapping[str, Any], *, cache: RolloutCache, now: float) -> bool:
-        """Nothing to do: resting, spec already stable (or rejected), no one-shot annotation."""
+        """Nothing to do: checked recently and :meth:`resting`. ``body``: the object, or its
+        :meth:`quiet_view`."""
         if now - cache.last_full_check >= RESTING_CHECK_S:
             return False
+        resting = body.get("resting")
+        return resting if isinstance(resting, bool) else RolloutLoop.resting(body)
+
+    @staticmethod
+    def resting(body: Mapping[str, Any]) -> bool:
+        """Resting, spec already stable (or rejected), no one-shot annotation, status observed the spec."""
         meta = body.get("metadata") or {}
         if any(annotation_requests(meta.get("annotations")).values()):
             return False
