@@ -122,7 +122,6 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink, logger
 
     with status_inputs.guard(meta["namespace"], meta["name"]):
         _write_status(kube, model, events=events, status_inputs=status_inputs, pods=pods, deployment=deployment_now,
-                      fresh=True,
                       compute=lambda current, deployment, problems: model_status.after_reconcile(
                           model=current, generation=meta.get("generation"), gate=resolution, deployment=deployment,
                           apply_error=apply_error, now=now(), problems=problems))
@@ -142,23 +141,28 @@ def ensure_admin_secret(kube: Kube, model: Mapping[str, Any], *, events: EventSi
     name = render.admin_secret_name(model["metadata"]["name"])
     server_name = render.admin_server_name(model)
     now = datetime.datetime.now(datetime.timezone.utc)
-    if not (model.get("status") or {}).get("observedGeneration"):
-        # Never reconciled: there is most likely no Secret yet, so create first (one request) and
-        # read only if one exists (a 409).
-        secret = render.render_secret(model, material=admin_tls.new_material(server_name=server_name, now=now))
-        if kube.create_if_absent(secret):
+
+    def fresh_secret() -> dict[str, Any]:
+        return render.render_secret(model, material=admin_tls.new_material(server_name=server_name, now=now))
+
+    def create() -> bool:
+        created = kube.create_if_absent(fresh_secret())
+        if created:
             logger.info("created admin Secret %s", name)
-            return
+        return created
+
+    # Never reconciled: there is most likely no Secret yet, so create first (one request) and read
+    # only if one exists (a 409).
+    if not (model.get("status") or {}).get("observedGeneration") and create():
+        return
     existing = kube.get("Secret", namespace=model["metadata"]["namespace"], name=name)
     if existing is None:
-        secret = render.render_secret(model, material=admin_tls.new_material(server_name=server_name, now=now))
-        if kube.create_if_absent(secret):
-            logger.info("created admin Secret %s", name)
+        create()
         return
     problem = admin_tls.secret_problem(existing, server_name=server_name, now=now)
     if problem is None:
         return
-    secret = render.render_secret(model, material=admin_tls.new_material(server_name=server_name, now=now))
+    secret = fresh_secret()
     secret["metadata"]["resourceVersion"] = existing["metadata"].get("resourceVersion")
     kube.replace(secret)
     events(model, "Normal", "AdminSecretReplaced", f"Secret {name} replaced with a new token and certificate: {problem}")
@@ -197,7 +201,7 @@ def refresh_from_deployment(kube: Kube, *, namespace: str, name: str, deployment
         if current is None:
             return True
         _write_status(kube, current, events=events, status_inputs=status_inputs, pods=pods,
-                      deployment=lambda: deployment, fresh=True,
+                      deployment=lambda: deployment,
                       compute=lambda m, d, problems: model_status.after_deployment_event(
                           model=m, deployment=d, now=now(), problems=problems))
     return True
@@ -205,13 +209,13 @@ def refresh_from_deployment(kube: Kube, *, namespace: str, name: str, deployment
 
 def _write_status(kube: Kube, model: Mapping[str, Any], *, events: EventSink, status_inputs: StatusInputs,
                   pods: Iterable[Mapping[str, Any]], deployment: WatchedDeployment,
-                  compute: Callable[[dict[str, Any], Mapping[str, Any] | None, list[str]], dict[str, Any] | None],
-                  fresh: bool = False) -> None:
+                  compute: Callable[[dict[str, Any], Mapping[str, Any] | None, list[str]], dict[str, Any] | None]) -> None:
     """Read-modify-write of the model's status; the caller holds ``status_inputs.guard`` for it.
 
-    Each attempt reads ``deployment()`` again and derives the pods' problems from it; the inputs
-    of the attempt that landed (or found nothing to change) are recorded in ``status_inputs``.
-    ``fresh``: start from ``model`` (a 409 reads it again) instead of a GET."""
+    The first attempt starts from ``model`` as the caller has it (delivered or just read; a 409
+    reads it again). Each attempt reads ``deployment()`` again and derives the pods' problems from
+    it; the inputs of the attempt that landed (or found nothing to change) are recorded in
+    ``status_inputs``."""
     meta = model["metadata"]
     pods = list(pods)
     seen: dict[str, Any] = {}
@@ -229,7 +233,7 @@ def _write_status(kube: Kube, model: Mapping[str, Any], *, events: EventSink, st
         return patch
 
     written = kube.update_status("SparseModel", namespace=meta["namespace"], name=meta["name"],
-                                 mutate=mutate, current=dict(model) if fresh else None)
+                                 mutate=mutate, current=dict(model))
     if written is None or "inputs" not in seen:
         return
     status_inputs.record(meta["namespace"], meta["name"], uid=meta.get("uid"), inputs=seen["inputs"])
