@@ -5,6 +5,7 @@ addresses (maps and /metrics labels), denied ones are dropped, IPv4 on the same 
 before. Counts are checked against what the sender sent and the receiver got."""
 from __future__ import annotations
 
+import ipaddress
 import json
 import socket
 import subprocess
@@ -47,7 +48,9 @@ def attached(lab: VethLab, prog: LoadedProgram) -> Iterator[None]:
 def lab6(lab: VethLab) -> tuple[VethLab, str, str]:
     """The lab with a ULA address on each veth end (no duplicate address detection: usable at once)."""
     subnet = lab.client_ip.split(".")[2]
-    client6, server6 = f"fd00:201:{subnet}::1", f"fd00:201:{subnet}::2"
+    # Canonical text (subnet 0 would otherwise read "fd00:201:0::1"): /metrics labels print
+    # addresses the way ipaddress does, and the test compares them as text.
+    client6, server6 = (str(ipaddress.IPv6Address(f"fd00:201:{subnet}::{host}")) for host in (1, 2))
     for ns, ifname, addr in ((lab.client_ns, lab.client_if, client6), (lab.server_ns, lab.server_if, server6)):
         lab.run(ns, ["ip", "-6", "addr", "add", f"{addr}/64", "dev", ifname, "nodad"])
     return lab, client6, server6
@@ -120,7 +123,7 @@ def test_ipv6_allowed_flows_pass_and_are_counted_with_their_addresses_denied_one
     assert c[Counter.POLICY_DENY] == 200 + syns[2]
     v = verdicts(enforce_prog)
     assert v[(1, 1, ACTION_ALLOW)] == 300 and v[(1, 0, ACTION_DENY)] == 200 + syns[2]
-    # /metrics: the flow series carry the IPv6 addresses as written in the policy.
+    # /metrics: the flow series carry the IPv6 addresses (canonical text, RFC 5952).
     packets = {(s.labels["src"], s.labels["dst"], s.labels["dport"], s.labels["proto"]): s.value
                for s in samples["sparsegate_xdp_flow_packets"]}
     dropped = {(s.labels["src"], s.labels["dport"]): s.value for s in samples["sparsegate_xdp_flow_dropped_packets"]}
