@@ -1,8 +1,12 @@
-"""Free loopback ports for one cluster's components.
+"""Free loopback ports for one cluster's components and for test servers.
 
-Ports are chosen by the kernel (bind to port 0) with every socket held open until all are
-picked, so one cluster never gets the same port twice; they are recorded in the state file so
-parallel clusters (and `down` from another process) know them.
+Ports come from *below* the kernel's ephemeral range (``ip_local_port_range``): a port the kernel
+hands out for ``bind(0)`` or an outgoing connection can be taken by any client in the seconds
+between picking it and the server binding it (a CI run lost a model server to ``EADDRINUSE`` that
+way), while a port outside that range is only ever taken by someone binding it on purpose. Each
+candidate is bound to check it is free, and every socket is held open until all are picked, so one
+call never returns the same port twice; clusters record theirs in the state file so parallel
+clusters (and `down` from another process) know them.
 """
 
 from __future__ import annotations
@@ -14,14 +18,51 @@ import socket
 LOOPBACK = "127.0.0.1"
 
 
-def pick_free_ports(names: list[str] | tuple[str, ...], *, host: str = LOOPBACK) -> dict[str, int]:
-    """One distinct free TCP port on ``host`` per name."""
+LOWEST = 10000  # below this: well-known and registered services' habitual ports
+
+
+def ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The kernel's ephemeral port range (Linux default 32768..60999)."""
+    try:
+        with open(path) as f:
+            low, high = (int(v) for v in f.read().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def candidate_ports(*, ephemeral: tuple[int, int] | None = None) -> range:
+    """The ports picked from: [LOWEST, start of the ephemeral range), or above its end when the
+    range starts too low to leave room."""
+    low, high = ephemeral or ephemeral_range()
+    if low - LOWEST >= 2000:
+        return range(LOWEST, low)
+    if 65535 - high >= 2000:
+        return range(high + 1, 65536)
+    raise RuntimeError(f"no room outside the ephemeral port range {low}-{high} to pick test ports from")
+
+
+def pick_free_ports(names: list[str] | tuple[str, ...], *, host: str = LOOPBACK,
+                    rng: random.Random | None = None) -> dict[str, int]:
+    """One distinct free TCP port on ``host`` per name, outside the ephemeral range."""
+    pool = candidate_ports()
+    rng = rng or random.Random()
     ports: dict[str, int] = {}
     with contextlib.ExitStack() as stack:
         for name in names:
-            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind((host, 0))
-            ports[name] = sock.getsockname()[1]
+            for _ in range(200):
+                port = rng.choice(pool)
+                if port in ports.values():
+                    continue
+                sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+                ports[name] = port
+                break
+            else:
+                raise RuntimeError(f"no free port on {host} in {pool.start}..{pool.stop - 1} after 200 tries")
     return ports
 
 

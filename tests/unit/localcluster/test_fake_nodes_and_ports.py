@@ -6,7 +6,7 @@ import socket
 import pytest
 
 from localcluster import nodes
-from localcluster.ports import is_port_free, pick_free_ports
+from localcluster.ports import candidate_ports, ephemeral_range, is_port_free, pick_free_ports
 
 
 def test_default_shape_has_two_gpu_nodes_of_four() -> None:
@@ -36,10 +36,29 @@ def test_shape_rejects_more_gpu_nodes_than_nodes() -> None:
         nodes.NodeShape(count=1, gpu_count=2)
 
 
-def test_picked_ports_are_distinct_and_bindable() -> None:
+def test_picked_ports_are_distinct_bindable_and_never_ephemeral() -> None:
     ports = pick_free_ports(["a", "b", "c", "d", "e", "f"])
     assert len(set(ports.values())) == 6
     assert all(is_port_free(p) for p in ports.values())
+    low, high = ephemeral_range()
+    assert not any(low <= p <= high for p in ports.values())
+
+
+def test_candidates_sit_below_the_ephemeral_range_or_above_a_low_one() -> None:
+    assert candidate_ports(ephemeral=(32768, 60999)) == range(10000, 32768)
+    assert candidate_ports(ephemeral=(1024, 50000)) == range(50001, 65536)
+    with pytest.raises(RuntimeError):
+        candidate_ports(ephemeral=(1024, 65000))
+
+
+def test_a_taken_candidate_is_skipped() -> None:
+    import random
+    first = pick_free_ports(["x"], rng=random.Random(7))["x"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", first))
+        s.listen()
+        again = pick_free_ports(["x"], rng=random.Random(7))["x"]
+    assert again != first
 
 
 def test_is_port_free_sees_a_listener() -> None:
