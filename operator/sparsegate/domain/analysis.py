@@ -103,7 +103,9 @@ class GroupMetrics:
 
     @property
     def error_rate(self) -> float | None:
-        return self.errors / self.requests if self.requests > 0 else None
+        # Errors are a subset of requests; Prometheus' increase() extrapolates the two counters
+        # separately and can return a ratio a hair above 1 (1.000111 seen), which is clamped.
+        return min(1.0, self.errors / self.requests) if self.requests > 0 else None
 
     @property
     def p99_ms(self) -> float | None:

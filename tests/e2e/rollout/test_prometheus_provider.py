@@ -392,7 +392,8 @@ async def test_request_level_canary_groups_split_by_gate_version(
             sys.stderr.write(f"[prom] {v}: prometheus req={p.requests:.2f} err={p.errors:.2f} | "
                              f"direct req={d.requests:.0f} err={d.errors:.0f}\n")
         (pc, dc), (ps, ds) = groups[canary.version], groups[stable["version"]]
-        assert dc.error_rate == 1.0 and pc.error_rate is not None and abs(pc.error_rate - 1.0) < 1e-9
+        # increase() extrapolates the error and request counters separately: equal to a hair.
+        assert dc.error_rate == 1.0 and pc.error_rate is not None and abs(pc.error_rate - 1.0) < 1e-3
         assert ds.errors == 0 and ps.errors == 0
         assert ps.mean_active_experts is not None and 1.0 <= ps.mean_active_experts <= 4.0
     finally:

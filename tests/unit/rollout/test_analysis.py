@@ -115,3 +115,10 @@ def test_to_status_is_json_ready() -> None:
     st = judge(group(requests=60, errors=20)).to_status()
     assert st["verdict"] == "Fail" and st["canaryRequests"] == 60
     assert {c["name"] for c in st["checks"]} == {"errorRate", "p99LatencyMs", "drift"}
+
+
+def test_error_rate_is_a_share_even_when_extrapolated_counts_disagree() -> None:
+    # Prometheus extrapolates increase() of each counter on its own: errors may read 1e-4 above requests.
+    assert group(requests=180.0, errors=180.02).error_rate == 1.0
+    assert group(requests=200.0, errors=50.0).error_rate == 0.25
+    assert group(requests=0.0).error_rate is None
