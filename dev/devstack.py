@@ -138,6 +138,10 @@ class Stack:
     def logs(self, pod: Mapping[str, Any], container: str, lines: int = 40) -> str:
         return podman.logs_tail(self.container_name(pod, container), lines)
 
+    def follow_logs(self, pod: Mapping[str, Any], container: str, out: Path) -> subprocess.Popen[bytes]:
+        """The container's log, from now until it ends, into ``out`` (kept after the pod goes)."""
+        return podman.follow_logs(self.container_name(pod, container), out)
+
     def diagnose(self) -> str:
         """Pods, their container states and the operator's log tail: what a failing wait prints."""
         out = [self.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout]

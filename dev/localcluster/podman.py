@@ -135,3 +135,11 @@ def run_argv(plan: ContainerPlan, *, name: str, labels: Mapping[str, str], mount
 def logs_tail(name: str, lines: int = 20) -> str:
     proc = podman("logs", "--tail", str(lines), name, check=False)
     return (proc.stdout + proc.stderr).strip()
+
+
+def follow_logs(name: str, out: Path) -> subprocess.Popen[bytes]:
+    """``podman logs -f --timestamps`` of a container into ``out`` until it ends (or is killed):
+    what a container said while stopping, still readable after its pod is deleted."""
+    with open(out, "wb") as sink:
+        return subprocess.Popen([executable(), "logs", "-f", "--timestamps", name], stdout=sink,
+                                stderr=subprocess.STDOUT, env=_env())

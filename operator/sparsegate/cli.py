@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import os
 import socket
 import sys
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if elector is not None:
         # Kopf has stopped (clean shutdown): nothing acts any more, so hand the Lease over.
+        logging.getLogger("sparsegate.leader").info("Kopf has stopped; handing the Lease over")
         elector.stop()
         elector.release()
     return 0

@@ -10,6 +10,7 @@ stops cleanly, releases the Lease, and the standby leads at once. Replicas are r
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 
@@ -53,7 +54,7 @@ def set_schedulable(stack, schedulable: bool) -> None:
         stack.kubectl("uncordon" if schedulable else "cordon", node["metadata"]["name"])
 
 
-def test_standby_takes_over_when_the_leader_goes(stack):
+def test_standby_takes_over_when_the_leader_goes(stack, tmp_path):
     leader(stack)  # one operator leads before the upgrade
     stack.install("--set", "operator.replicas=2")
     try:
@@ -75,17 +76,25 @@ def test_standby_takes_over_when_the_leader_goes(stack):
             # The leader's pod goes: its operator stops cleanly and releases the Lease, and the standby
             # leads and works, well before the Lease (15 s) could have expired.
             since = get_json(stack, "lease", LEASE, "-n", RELEASE_NS)["metadata"]["resourceVersion"]
+            # The old leader's last words (how long its stop took), readable after its pod is gone.
+            stopping_log = tmp_path / "old-leader.log"
+            follower = stack.follow_logs(first, "operator", stopping_log)
             t0 = time.monotonic()
             stack.kubectl("delete", "pod", first["metadata"]["name"], "-n", RELEASE_NS, "--wait=false")
             wait_for(lambda: lease_holder(stack) == standby["metadata"]["name"], what="the standby to take over",
                      timeout_s=30, interval_s=0.2)
             takeover_s = time.monotonic() - t0
+            try:
+                follower.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                follower.kill()
+            last_words = stopping_log.read_text(errors="replace")[-6000:]
             # Every change of the Lease since, from the API server's watch: the old leader released it
             # (which it does only on a clean stop) before the standby claimed it.
             seen = lease_history(stack, since)
             holders = [h for i, h in enumerate(seen) if i == 0 or seen[i - 1] != h]
-            assert holders[-2:] == [None, standby["metadata"]["name"]], holders
-            assert takeover_s < 15, f"takeover took {takeover_s:.1f}s (the Lease was not released?)"
+            assert holders[-2:] == [None, standby["metadata"]["name"]], f"{holders}\n--- old leader:\n{last_words}"
+            assert takeover_s < 15, f"takeover took {takeover_s:.1f}s (the Lease was not released?)\n{last_words}"
             sys.stderr.write(f"\n[e2e] standby leads {takeover_s:.1f}s after the leader's pod was deleted\n")
             # Kopf itself now answers the new leader's liveness (its probe results, not the standby reply).
             wait_for(lambda: kopf_live(standby), what="Kopf's liveness endpoint on the new leader", timeout_s=30)
