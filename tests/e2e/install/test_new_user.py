@@ -107,6 +107,11 @@ def test_operator_runs_in_cluster_from_its_image(stack: Stack) -> None:
 def test_model_served_and_rollout_survives_operator_kill(stack: Stack) -> None:
     gate = example("gateconfig.yaml")
     gate["spec"]["rollout"]["analysisInterval"] = "5s"
+    # 60 canary requests per verdict (default 20): the builtin drift check (mean active experts
+    # within 10 % of stable) once failed on sampling noise alone, 0.107 from 20 requests of a
+    # change that does not touch expert selection (the tool gate's threshold). At 40 qps the 5 %
+    # step collects 60 in ~30 s.
+    gate["spec"]["rollout"]["minRequests"] = 60
     # This test judges that a good version survives the operator being killed, not latency:
     # the 800 ms SLA of the example is exercised by tests/e2e/rollout (rollback on latency), and
     # here, with four model containers under load on 2 shared cores, p99 reached 900 ms once.
