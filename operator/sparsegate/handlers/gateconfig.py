@@ -3,7 +3,8 @@
 The controller itself (observe → decide → persist → act) is ``controllers.rollout.RolloutLoop``;
 this module only builds it from the environment, feeds it the models of the Kopf index
 ``models_by_gate`` and the fleet's watched objects (``handlers.fleetindex``) every
-``SPARSEGATE_ROLLOUT_TICK_S`` (default 5) seconds, and turns a conflict or an API error of one
+``SPARSEGATE_ROLLOUT_TICK_S`` (default 5) seconds (and at once for a resting GateConfig when
+one of its models' pods changes), and turns a conflict or an API error of one
 tick into a log line (the next tick starts from a fresh read).
 ``SPARSEGATE_PROMETHEUS_URL`` makes the builtin analysis use Prometheus' HTTP API instead of
 scraping pods directly, and is the address of declared ``prometheus`` checks that name none.
@@ -42,6 +43,9 @@ def _loop(memo: kopf.Memo) -> RolloutLoop:
 
 
 _loops = ObjectLoops(kind="GateConfig", interval_s=TICK_S)
+# Watch events of model pods per GateConfig (namespace, name): a resting GateConfig checks its
+# pods again when its count moves (``RolloutLoop.tick(pod_changes=)``), not on a timer.
+_pod_changes: dict[tuple[str, str], int] = {}
 
 
 @kopf.on.event(GROUP, VERSION, names.GATECONFIGS)
@@ -55,7 +59,21 @@ async def gateconfig_rollout_loop(type: str | None, body: kopf.Body, namespace: 
         await rollout_tick(seen=seen, namespace=namespace, name=name, memo=memo, models_by_gate=models_by_gate,
                            inventory=inventory, logger=logger)
 
-    _loops.seen(key=(namespace, name), event_type=type, body=RolloutLoop.quiet_view(body), tick=tick, logger=logger)
+    if not _loops.seen(key=(namespace, name), event_type=type, body=RolloutLoop.quiet_view(body), tick=tick,
+                       logger=logger):
+        _pod_changes.pop((namespace, name), None)
+
+
+@kopf.on.event("", "v1", "pods", labels={names.NAME_LABEL: names.MODEL_SERVER_NAME})
+async def model_pod_changed_rollout(body: kopf.Body, namespace: str, gate_of_model: kopf.Index, **_: Any) -> None:
+    """A model pod appeared, changed, restarted or went: its GateConfig's next tick checks the
+    pods (a resting one is woken for it now; one mid-rollout looks every tick anyway)."""
+    model = (body.get("metadata", {}).get("labels") or {}).get(names.MODEL_LABEL)
+    for gate in set(gate_of_model.get((namespace, model), ())) if model else ():
+        key = (namespace, gate)
+        _pod_changes[key] = _pod_changes.get(key, 0) + 1
+        if (_loops.body(key) or {}).get("resting"):
+            _loops.wake([key])
 
 
 async def rollout_tick(*, seen: Mapping[str, Any], namespace: str, name: str, memo: kopf.Memo,
@@ -66,7 +84,7 @@ async def rollout_tick(*, seen: Mapping[str, Any], namespace: str, name: str, me
     models = sorted(set(models_by_gate.get((namespace, name), [])))
     try:
         await _loop(memo).tick(namespace=namespace, name=name, models=models, cache=cache, inventory=inventory,
-                               seen=seen, logger=logger)
+                               seen=seen, pod_changes=_pod_changes.get((namespace, name), 0), logger=logger)
     except Conflict:
         logger.debug("GateConfig %s/%s changed during the tick; next tick retries", namespace, name)
     except KubeError as e:

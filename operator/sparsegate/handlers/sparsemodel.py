@@ -47,6 +47,13 @@ async def models_by_gate(namespace: str, name: str, spec: kopf.Spec, **_: Any) -
     return {(namespace, ref): name} if ref else None
 
 
+@kopf.index(GROUP, VERSION, names.SPARSEMODELS)
+async def gate_of_model(namespace: str, name: str, spec: kopf.Spec, **_: Any) -> dict | None:
+    """(namespace, model name) → the GateConfig it references (a model pod's event finds its gate)."""
+    ref = (spec.get("gateConfigRef") or {}).get("name")
+    return {(namespace, name): ref} if ref else None
+
+
 @kopf.on.resume(GROUP, VERSION, names.SPARSEMODELS)
 @kopf.on.create(GROUP, VERSION, names.SPARSEMODELS)
 @kopf.on.update(GROUP, VERSION, names.SPARSEMODELS)

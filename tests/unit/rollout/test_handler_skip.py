@@ -66,3 +66,12 @@ def test_the_view_kept_between_ticks_decides_as_the_object_does() -> None:
     view = RolloutLoop.quiet_view(full)
     assert view == {"metadata": {"name": "g", "namespace": "ns", "deletionTimestamp": "2026-12-04T00:00:00Z"},
                     "resting": False}  # observedGeneration not recorded yet
+
+
+def test_a_model_pod_change_since_the_last_check_is_not_quiet() -> None:
+    now = time.time()
+    checked = RolloutCache(last_full_check=now - 1, checked_pod_changes=4)
+    assert RolloutLoop._quiet(body(spec_params=V1), cache=checked, now=now, pod_changes=4)
+    assert not RolloutLoop._quiet(body(spec_params=V1), cache=checked, now=now, pod_changes=5)
+    assert not RolloutLoop._quiet(RolloutLoop.quiet_view(body(spec_params=V1)), cache=checked, now=now, pod_changes=5)
+
