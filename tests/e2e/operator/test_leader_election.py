@@ -9,6 +9,7 @@ stops cleanly, releases the Lease, and the standby leads at once. Replicas are r
 
 from __future__ import annotations
 
+import datetime
 import json
 import subprocess
 import sys
@@ -47,6 +48,24 @@ def lease_history(stack, since: str) -> list[str | None]:
                                       resource_version=since, timeout_seconds=2):
         holders.append(event["object"].spec.holder_identity)
     return holders
+
+
+def stop_timeline(log: str) -> str:
+    """Seconds from the SIGTERM log line to Kopf's end and to the Lease's release (podman's timestamps)."""
+    marks = {"SIGTERM": "Signal SIGTERM is received", "Kopf stopped": "Kopf has stopped",
+             "released": "released the Lease", "release failed": "could not release"}
+    at: dict[str, datetime.datetime] = {}
+    for line in log.splitlines():
+        stamp, _, text = line.partition(" ")
+        for mark, needle in marks.items():
+            if needle in text and mark not in at:
+                try:  # podman: 2026-12-04T21:55:41.749123456Z (nanoseconds: cut to microseconds)
+                    at[mark] = datetime.datetime.fromisoformat(stamp[:26].rstrip("Z"))
+                except ValueError:
+                    pass
+    if "SIGTERM" not in at:
+        return "no SIGTERM line"
+    return ", ".join(f"{m} +{(t - at['SIGTERM']).total_seconds():.1f}s" for m, t in at.items() if m != "SIGTERM")
 
 
 def set_schedulable(stack, schedulable: bool) -> None:
@@ -89,6 +108,7 @@ def test_standby_takes_over_when_the_leader_goes(stack, tmp_path):
             except subprocess.TimeoutExpired:
                 follower.kill()
             last_words = stopping_log.read_text(errors="replace")[-6000:]
+            sys.stderr.write(f"\n[e2e] old leader's stop: {stop_timeline(last_words)}\n")
             # Every change of the Lease since, from the API server's watch: the old leader released it
             # (which it does only on a clean stop) before the standby claimed it.
             seen = lease_history(stack, since)
