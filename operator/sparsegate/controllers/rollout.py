@@ -22,11 +22,12 @@ Every API path comes from ``clients.kube.path_for``. Crash safety follows from (
 pushes being level-based: a restarted operator reads status, looks at what the pods report and
 only pushes what is still missing.
 
-A resting GateConfig (nothing to roll out) checks its pods when one of its models' pods changes
-(``pod_changes``: the handler counts model pod watch events per GateConfig) and otherwise every
-``SPARSEGATE_ROLLOUT_RESTING_CHECK_S`` (default 300) as a safety net; a pod that appears, restarts
-or moves is a pod event, so the check that pushes it the stable gate follows at once instead of
-on a timer (at 2,000 GateConfigs a 30 s timer was ~70 GETs/s and a /healthz per pod, doing nothing).
+A resting GateConfig (nothing to roll out) checks its pods at its next tick after one of its
+models' pods is seen Ready (``pod_changes``: the handler counts those watch events per GateConfig)
+and otherwise every ``SPARSEGATE_ROLLOUT_RESTING_CHECK_S`` (default 300) as a safety net: a new
+pod, or one back from a restart, is a Ready event, so the check that pushes it the stable gate
+follows within a tick instead of a 30 s timer (at 2,000 GateConfigs that timer was ~70 GETs/s
+and a /healthz per pod, finding nothing to do).
 
 With ``spec.rollout.strategy: requests`` the same loop pushes every pod the stable + canary set
 at the step's weight (``domain.request_canary``) and the builtin analysis compares the canary

@@ -100,3 +100,13 @@ def model_view(model: Mapping[str, Any]) -> dict[str, Any]:
     if degraded:
         view["status"]["conditions"] = degraded
     return view
+
+
+def pod_serving(pod: Mapping[str, Any]) -> bool:
+    """Ready, addressed and not going: a pod a gate can be pushed to now. A resting GateConfig
+    checks its pods again only on such a pod's event (a new pod, or one back from a restart,
+    becomes Ready), not on each of the several status events every pod goes through."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    if meta.get("deletionTimestamp") or not status.get("podIP"):
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])

@@ -81,11 +81,6 @@ class ObjectLoops:
     def keys(self) -> list[Key]:
         return list(self._entries)
 
-    def body(self, key: Key) -> Mapping[str, Any] | None:
-        """The body the object's loop holds (its latest event's), None when it has no loop."""
-        entry = self._entries.get(key)
-        return None if entry is None else entry.body
-
     def wake(self, keys: list[Key] | None = None) -> int:
         """Run these objects' next round now rather than at the end of their interval (None: every
         object's); returns how many loops were woken. A round in progress finishes first and the
