@@ -19,6 +19,8 @@ Reports, side by side:
   resource, in all and per SparseModel, and by answer code (409: a status write that lost a race
   and was read again), with each kind's p50/p99 duration: where the API server's work and a
   reconcile's time go;
+- ``--idle`` seconds (default 60) right after all are Ready: the operator's API requests per second
+  and CPU (cores) while nothing changes;
 - then one GateConfig change at scale: time for the controller to choose and record the first
   step (the pods cannot answer, so the step waits; that part is measured by the e2e tests).
 Results also go to tests/bench/results/bench_scale.json.
@@ -92,6 +94,12 @@ def rss_kib(pid: int) -> tuple[int, int]:
     return int(fields["VmHWM"].split()[0]), int(fields["VmRSS"].split()[0])
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of the process so far (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", type=int, default=200)
@@ -99,6 +107,7 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=100)
     p.add_argument("--gateconfigs", type=int, default=20)
     p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument("--idle", type=float, default=60, help="seconds of idle measured after all are Ready")
     p.add_argument("--pod-cidr", default="127.42.0.0/16")
     args = p.parse_args()
 
@@ -154,6 +163,19 @@ def main() -> int:
         pods = json.loads(cluster.kubectl("get", "pods", "-n", NS, "-o", "json", timeout=120).stdout)["items"]
         running = sum(1 for x in pods if x["status"].get("phase") == "Running")
 
+        # Idle: nothing changes once all are Ready; what does the operator still send and burn?
+        time.sleep(5)  # the last Ready events' own work
+        url = f"http://127.0.0.1:{port}/metrics"
+        before = counter_by(urllib.request.urlopen(url, timeout=10).read().decode(),
+                            "sparsegate_operator_kube_requests", ("verb", "resource"))
+        cpu0, t_idle = cpu_seconds(op_proc.pid), time.monotonic()
+        time.sleep(args.idle)
+        after = counter_by(urllib.request.urlopen(url, timeout=10).read().decode(),
+                           "sparsegate_operator_kube_requests", ("verb", "resource"))
+        idle_s = time.monotonic() - t_idle
+        idle_cpu = (cpu_seconds(op_proc.pid) - cpu0) / idle_s
+        idle_requests = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+
         # One GateConfig change at scale: time until the first step is chosen and recorded.
         gc = "gate-0"
         cluster.kubectl("patch", "gateconfig", gc, "-n", NS, "--type=merge", "-p",
@@ -199,6 +221,12 @@ def main() -> int:
                     None, labels={"verb": key.split()[0], "resource": key.split()[1]}).items() if v is not None}
                 for key in requests},
             "reconciles": reconciles,
+            # The idle window right after all were Ready: requests per second and the operator's CPU
+            # (cores) with nothing to do.
+            "idleSeconds": round(idle_s, 1),
+            "idleRequestsPerSecond": round(sum(idle_requests.values()) / idle_s, 2),
+            "idleRequestsByVerbResource": idle_requests,
+            "idleCpuCores": round(idle_cpu, 3),
         }
         print(json.dumps(result, indent=2))
         out_dir = REPO / "tests" / "bench" / "results"
