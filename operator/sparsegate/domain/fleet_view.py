@@ -87,11 +87,15 @@ def deployment_view(deployment: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def model_view(model: Mapping[str, Any]) -> dict[str, Any]:
-    """A SparseModel: who it is, what the fleet needs of its spec (the serving port), and what the
-    gate binding compares (expert count; the gate version it renders and whether it is Degraded)."""
+    """A SparseModel: who it is, what the fleet needs of its spec (the serving port), the GateConfig
+    it references (a model pod's event finds its GateConfig), and what the gate binding compares
+    (expert count; the gate version it renders and whether it is Degraded)."""
     spec, status = model.get("spec") or {}, model.get("status") or {}
     view: dict[str, Any] = {"metadata": _meta(model), "spec": {k: spec[k] for k in ("servingPort",) if spec.get(k)},
                             "status": {k: status[k] for k in ("gateVersion",) if status.get(k)}}
+    ref = (spec.get("gateConfigRef") or {}).get("name")
+    if ref:
+        view["spec"]["gateConfigRef"] = {"name": ref}
     experts = (spec.get("model") or {}).get("experts")
     if experts is not None:
         view["spec"]["model"] = {"experts": experts}

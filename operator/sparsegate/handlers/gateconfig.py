@@ -4,8 +4,8 @@ The controller itself (observe → decide → persist → act) is ``controllers.
 this module only builds it from the environment, feeds it the models of the Kopf index
 ``models_by_gate`` and the fleet's watched objects (``handlers.fleetindex``) every
 ``SPARSEGATE_ROLLOUT_TICK_S`` (default 5) seconds (a resting GateConfig's tick checks its pods
-when one of its models' pods became or stayed Ready since its last check), and turns a conflict or an API error of one
-tick into a log line (the next tick starts from a fresh read).
+when one of its models' pods was seen Ready since its last check), and turns a conflict or an
+API error of one tick into a log line (the next tick starts from a fresh read).
 ``SPARSEGATE_PROMETHEUS_URL`` makes the builtin analysis use Prometheus' HTTP API instead of
 scraping pods directly, and is the address of declared ``prometheus`` checks that name none.
 """
@@ -26,6 +26,7 @@ from sparsegate.clients.metrics_source import PrometheusAPI
 from sparsegate.controllers.inventory import Inventory
 from sparsegate.controllers.rollout import FleetCache, RolloutCache, RolloutLoop
 from sparsegate.domain import fleet_view
+from sparsegate.handlers import modelsync
 from sparsegate.handlers.periodic import ObjectLoops
 
 __all__ = ["FleetCache", "RolloutLoop"]  # handlers.accesssync builds its fleets with the same loop
@@ -44,8 +45,8 @@ def _loop(memo: kopf.Memo) -> RolloutLoop:
 
 
 _loops = ObjectLoops(kind="GateConfig", interval_s=TICK_S)
-# Watch events of model pods per GateConfig (namespace, name): a resting GateConfig checks its
-# pods again when its count moves (``RolloutLoop.tick(pod_changes=)``), not on a timer.
+# Watch events of serving model pods per GateConfig (namespace, name): a resting GateConfig
+# checks its pods again when its count moves (``RolloutLoop.tick(pod_changes=)``), not on a timer.
 _pod_changes: dict[tuple[str, str], int] = {}
 
 
@@ -66,14 +67,16 @@ async def gateconfig_rollout_loop(type: str | None, body: kopf.Body, namespace: 
 
 
 @kopf.on.event("", "v1", "pods", labels={names.NAME_LABEL: names.MODEL_SERVER_NAME})
-async def model_pod_changed_rollout(body: kopf.Body, namespace: str, gate_of_model: kopf.Index, **_: Any) -> None:
+async def model_pod_changed_rollout(body: kopf.Body, namespace: str, sparsegate_model_views: kopf.Index,
+                                    **_: Any) -> None:
     """A model pod is serving (new, back from a restart, or changed while Ready): its GateConfig's
     next tick (within TICK_S) checks the pods even when resting. Not a wake: a burst of pods
     becoming Ready costs each GateConfig at most one check per tick."""
     model = (body.get("metadata", {}).get("labels") or {}).get(names.MODEL_LABEL)
     if not model or not fleet_view.pod_serving(body):
         return
-    for gate in set(gate_of_model.get((namespace, model), ())):
+    gates = {modelsync.gate_ref(view) for view in sparsegate_model_views.get((namespace, model), ())}
+    for gate in gates - {None}:
         key = (namespace, gate)
         _pod_changes[key] = _pod_changes.get(key, 0) + 1
 

@@ -41,17 +41,10 @@ def post_event(body: Any, type_: str, reason: str, message: str) -> None:
 
 
 @kopf.index(GROUP, VERSION, names.SPARSEMODELS)
-async def models_by_gate(namespace: str, name: str, spec: kopf.Spec, **_: Any) -> dict | None:
+async def models_by_gate(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict | None:
     """(namespace, GateConfig name) → names of the models that reference it."""
-    ref = (spec.get("gateConfigRef") or {}).get("name")
+    ref = modelsync.gate_ref(body)
     return {(namespace, ref): name} if ref else None
-
-
-@kopf.index(GROUP, VERSION, names.SPARSEMODELS)
-async def gate_of_model(namespace: str, name: str, spec: kopf.Spec, **_: Any) -> dict | None:
-    """(namespace, model name) → the GateConfig it references (a model pod's event finds its gate)."""
-    ref = (spec.get("gateConfigRef") or {}).get("name")
-    return {(namespace, name): ref} if ref else None
 
 
 @kopf.on.resume(GROUP, VERSION, names.SPARSEMODELS)

@@ -8,7 +8,7 @@ from typing import Any
 
 from sparsegate_contracts import names
 
-from sparsegate.domain.fleet_view import pod_serving
+from sparsegate.domain.fleet_view import model_view, pod_serving
 from sparsegate.handlers import gateconfig
 
 
@@ -35,9 +35,12 @@ def test_only_a_ready_addressed_live_pod_is_serving() -> None:
 
 async def test_serving_pod_events_count_per_gate(monkeypatch) -> None:
     monkeypatch.setattr(gateconfig, "_pod_changes", {})
-    index = {("ns", "m-a"): ["gate-1"], ("ns", "m-b"): ["gate-1"], ("ns", "m-c"): ["gate-2"]}
+    index = {("ns", m): [model_view({"metadata": {"name": m, "namespace": "ns"},
+                                     "spec": {"gateConfigRef": {"name": g}}})]
+             for m, g in (("m-a", "gate-1"), ("m-b", "gate-1"), ("m-c", "gate-2"))}
+    index[("ns", "m-unref")] = [model_view({"metadata": {"name": "m-unref", "namespace": "ns"}, "spec": {}})]
     events = [pod("m-a"), pod("m-b"), pod("m-c"), pod("m-a", ready=False), pod("m-c", ip=None),
-              pod("m-c", going=True), pod("m-unbound"), pod(None)]
+              pod("m-c", going=True), pod("m-unbound"), pod("m-unref"), pod(None)]
     for p in events:
-        await gateconfig.model_pod_changed_rollout(body=p, namespace="ns", gate_of_model=index)
+        await gateconfig.model_pod_changed_rollout(body=p, namespace="ns", sparsegate_model_views=index)
     assert gateconfig._pod_changes == {("ns", "gate-1"): 2, ("ns", "gate-2"): 1}
