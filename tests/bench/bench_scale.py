@@ -190,7 +190,7 @@ def main() -> int:
                 break
             time.sleep(0.2)
         time.sleep(3)  # a few ticks at 1,000-pod scale for the tick histogram
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        metrics = urllib.request.urlopen(url, timeout=10).read().decode()
         hwm, rss = rss_kib(op_proc.pid)
         requests = counter_by(metrics, "sparsegate_operator_kube_requests", ("verb", "resource"))
         reconciles = counter_by(metrics, "sparsegate_operator_reconciles", ("kind", "outcome"))
