@@ -14,6 +14,8 @@ from .tools import ToolMetrics
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Wider than LATENCY_BUCKETS: a whole generation (e2e) can take a minute on CPU.
+# Per-request mean active experts per token (per layer): dynamic gating keeps 1..max experts.
+EXPERTS_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 16.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0)
@@ -68,6 +70,18 @@ class ServerMetrics:
                                    "Kept (token, expert) assignments summed over layers, by gate "
                                    "version; rate / (rate of tokens * layers) = mean active experts",
                                    ["gate_version"], registry=r)
+        # One observation per request: its own mean active experts per token per layer. With the
+        # squares counter the analysis has the per-request spread, so canary-vs-stable drift is
+        # judged against its standard error (noise of a few requests is not a rollback).
+        self.request_experts = Histogram(
+            "sparsegate_request_experts_per_token",
+            "Mean active experts per token per layer of each request, by gate version",
+            ["gate_version"], buckets=EXPERTS_BUCKETS, registry=r)
+        self.request_experts_squares = Counter(
+            "sparsegate_request_experts_per_token_squares",
+            "Sum of squares of each request's mean active experts per token per layer (with the "
+            "histogram's _sum and _count: the per-request variance), by gate version",
+            ["gate_version"], registry=r)
         self.dropped = Counter("sparsegate_dropped_assignments_total",
                                "Assignments dropped by the capacity cap", registry=r)
         self.active = Gauge("sparsegate_active_experts_per_token",
@@ -142,8 +156,12 @@ class ServerMetrics:
             for expert, n in enumerate(counts):
                 if n:
                     self.expert_tokens.labels(layer=str(layer), expert=str(expert)).inc(n)
-        self.assignments.labels(gate_version=gate_version or "").inc(
-            sum(sum(c) for c in expert_counts))
+        kept = sum(sum(c) for c in expert_counts)
+        self.assignments.labels(gate_version=gate_version or "").inc(kept)
+        if num_tokens > 0 and expert_counts:
+            mean = kept / (num_tokens * len(expert_counts))  # what the assignments/tokens ratio means
+            self.request_experts.labels(gate_version=gate_version or "").observe(mean)
+            self.request_experts_squares.labels(gate_version=gate_version or "").inc(mean * mean)
         self.dropped.inc(dropped)
         self.active.set(active)
         self.entropy.set(entropy)

@@ -16,7 +16,9 @@ puts on its request, latency, token, assignment and quality series (``gate_versi
 
 Mean active experts per token comes from counters, not the last-batch gauge:
 ``sparsegate_expert_assignments_total / (sparsegate_tokens_total · layers)`` where layers is
-the number of distinct ``layer`` labels of ``sparsegate_expert_tokens_total``.
+the number of distinct ``layer`` labels of ``sparsegate_expert_tokens_total``. Its noise: the
+per-request histogram ``sparsegate_request_experts_per_token`` (``_sum``, ``_count``) and
+``sparsegate_request_experts_per_token_squares_total`` give the per-request spread.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ DURATION = "sparsegate_request_duration_seconds"
 TOKENS = "sparsegate_tokens_total"
 ASSIGNMENTS = "sparsegate_expert_assignments_total"
 EXPERT_TOKENS = "sparsegate_expert_tokens_total"
+REQUEST_EXPERTS = "sparsegate_request_experts_per_token"  # histogram: _sum, _count
+REQUEST_EXPERTS_SQUARES = "sparsegate_request_experts_per_token_squares_total"
 ACTIVE_GAUGE = "sparsegate_active_experts_per_token"
 # Quality (the model server's quality.py): live counters summed over gate versions, and the
 # probe set's gauge (one per version the pod holds: its stable, and a request-level canary's).
@@ -61,6 +65,7 @@ def parse_pod_counters(text: str, *, at: float, gate_version: str | None = None)
     gauge: float | None = None
     quality_nll = quality_tokens = 0.0
     probe_nll: float | None = None
+    request_experts = {"count": 0.0, "sum": 0.0, "squares": 0.0}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, sample.value
@@ -88,6 +93,12 @@ def parse_pod_counters(text: str, *, at: float, gate_version: str | None = None)
                 quality_tokens += value
             elif name == PROBE_NLL and math.isfinite(value):
                 probe_nll = value
+            elif name == f"{REQUEST_EXPERTS}_count":
+                request_experts["count"] += value
+            elif name == f"{REQUEST_EXPERTS}_sum":
+                request_experts["sum"] += value
+            elif name == REQUEST_EXPERTS_SQUARES:
+                request_experts["squares"] += value
     return PodCounters(
         at=at,
         requests=requests,
@@ -99,6 +110,9 @@ def parse_pod_counters(text: str, *, at: float, gate_version: str | None = None)
         quality_nll=quality_nll,
         quality_tokens=quality_tokens,
         probe_nll=probe_nll,
+        request_experts_count=request_experts["count"],
+        request_experts_sum=request_experts["sum"],
+        request_experts_squares=request_experts["squares"],
     )
 
 
@@ -167,6 +181,9 @@ class PrometheusAPI:
             "quality_nll": f"sum(increase({QUALITY_NLL}{{{sel}}}[{w}]))",
             "quality_tokens": f"sum(increase({QUALITY_TOKENS}{{{sel}}}[{w}]))",
             "probe_nll": f"avg({PROBE_NLL}{{{sel}}})",
+            "request_experts_count": f"sum(increase({REQUEST_EXPERTS}_count{{{sel}}}[{w}]))",
+            "request_experts_sum": f"sum(increase({REQUEST_EXPERTS}_sum{{{sel}}}[{w}]))",
+            "request_experts_squares": f"sum(increase({REQUEST_EXPERTS_SQUARES}{{{sel}}}[{w}]))",
         }
 
     async def _scalar(self, session: aiohttp.ClientSession, query: str) -> float | None:
@@ -202,4 +219,7 @@ class PrometheusAPI:
             quality_nll=values["quality_nll"] or 0.0,
             quality_tokens=values["quality_tokens"] or 0.0,
             probe_nll=values["probe_nll"],
+            request_experts_count=values["request_experts_count"] or 0.0,
+            request_experts_sum=values["request_experts_sum"] or 0.0,
+            request_experts_squares=values["request_experts_squares"] or 0.0,
         )

@@ -14,7 +14,13 @@ Checks on the canary group (each reported with its numbers):
   the way PromQL's ``histogram_quantile`` does (linear within a bucket).
 * ``drift``: relative difference of mean active experts per token, canary vs
   stable, ≤ ``maxDrift`` (only when both groups have enough requests; the last
-  step has no stable group).
+  step has no stable group). Noise-aware when the model servers export the
+  per-request spread (``sparsegate_request_experts_per_token`` and its squares):
+  a drift over ``maxDrift`` fails only when it is over it by more than
+  ``DRIFT_Z`` standard errors of the difference; within that band the check is
+  undecided and the step keeps observing (the window grows, the error shrinks),
+  until the canary has ``DRIFT_DECIDE_FACTOR × minRequests`` requests, when the
+  drift itself decides. Without the spread the drift itself decides at once.
 
 * ``qualityDrop``: how much worse the canary predicts text than stable, as the relative
   increase of perplexity, exp(canary mean NLL − stable mean NLL) − 1, ≤ ``maxQualityDrop``.
@@ -49,11 +55,21 @@ __all__ = [
     "histogram_quantile",
     "analyse",
     "MIN_QUALITY_TOKENS",
+    "DRIFT_Z",
+    "DRIFT_DECIDE_FACTOR",
+    "drift_check",
 ]
 
 # Fewest live-traffic tokens per group for the live quality comparison: below it the mean NLL
 # of a window is too noisy to compare (a token's NLL varies by ~1-2 nats on a small LM).
 MIN_QUALITY_TOKENS = 2000.0
+
+# Drift fails only this many standard errors beyond maxDrift (one-sided ≈ 97.7 % when the
+# per-request means are near normal): mean experts over 20 requests can be 10 % off by noise alone.
+DRIFT_Z = 2.0
+# Undecided drift stops waiting at this many times minRequests canary requests: the point
+# estimate decides (a drift sitting exactly at maxDrift would otherwise never be decided).
+DRIFT_DECIDE_FACTOR = 10.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,10 @@ class PodCounters:
     quality_nll: float = 0.0
     quality_tokens: float = 0.0
     probe_nll: float | None = None
+    # Per-request mean active experts (one observation per request): count, sum, sum of squares.
+    request_experts_count: float = 0.0
+    request_experts_sum: float = 0.0
+    request_experts_squares: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -92,6 +112,21 @@ class GroupMetrics:
     quality_nll: float = 0.0       # live traffic: summed NLL of scored tokens in the window
     quality_tokens: float = 0.0
     probe_nll: float | None = None  # probe set: mean NLL per token (mean over the group's pods)
+    # Per-request mean active experts: count, sum and sum of squares (0 when not exported).
+    request_experts_count: float = 0.0
+    request_experts_sum: float = 0.0
+    request_experts_squares: float = 0.0
+
+    @property
+    def experts_standard_error(self) -> float | None:
+        """Standard error of the group's mean active experts, from the spread of the per-request
+        means (s / √n; None below two requests or when the servers do not export the spread).
+        The mean itself is token-weighted: this is its error when requests are of like length."""
+        n = self.request_experts_count
+        if n < 2:
+            return None
+        variance = (self.request_experts_squares - self.request_experts_sum ** 2 / n) / (n - 1)
+        return math.sqrt(max(0.0, variance) / n)
 
     @property
     def live_mean_nll(self) -> float | None:
@@ -139,6 +174,9 @@ def window_delta(*, start: PodCounters | None, end: PodCounters) -> PodCounters:
         quality_nll=_counter_delta(end.quality_nll, base.quality_nll),
         quality_tokens=_counter_delta(end.quality_tokens, base.quality_tokens),
         probe_nll=end.probe_nll,
+        request_experts_count=_counter_delta(end.request_experts_count, base.request_experts_count),
+        request_experts_sum=_counter_delta(end.request_experts_sum, base.request_experts_sum),
+        request_experts_squares=_counter_delta(end.request_experts_squares, base.request_experts_squares),
     )
 
 
@@ -165,6 +203,9 @@ def aggregate(*, deltas: Iterable[PodCounters], seconds: float) -> GroupMetrics:
         quality_nll=sum(d.quality_nll for d in deltas),
         quality_tokens=sum(d.quality_tokens for d in deltas),
         probe_nll=sum(probes) / len(probes) if (probes := [d.probe_nll for d in deltas if d.probe_nll is not None]) else None,
+        request_experts_count=sum(d.request_experts_count for d in deltas),
+        request_experts_sum=sum(d.request_experts_sum for d in deltas),
+        request_experts_squares=sum(d.request_experts_squares for d in deltas),
     )
 
 
@@ -207,10 +248,16 @@ class Check:
     name: str
     value: float | None
     threshold: float
-    passed: bool | None  # None: not evaluated (no data)
+    passed: bool | None  # None: not evaluated (no data), or undecided
     detail: str = ""  # the numbers behind the value, e.g. both groups' perplexities
+    # Over the threshold but within noise: neither passed nor failed, the step keeps observing.
+    undecided: bool = False
 
     def describe(self) -> str:
+        if self.undecided:
+            value = "n/a" if self.value is None else f"{self.value:.4g}"
+            detail = f" ({self.detail})" if self.detail else ""
+            return f"{self.name} {value} > {self.threshold:.4g} within noise{detail}: more traffic needed"
         if self.passed is None:  # e.g. drift at 100 %: no stable instances left to compare with
             return f"{self.name} not evaluated (no data)"
         value = "n/a" if self.value is None else f"{self.value:.4g}"
@@ -274,16 +321,8 @@ def analyse(
     p99 = canary.p99_ms
     checks.append(Check(name="p99LatencyMs", value=p99, threshold=sla_p99_ms, passed=None if p99 is None else p99 <= sla_p99_ms))
 
-    drift: float | None = None
-    if (
-        stable is not None
-        and stable.requests >= min_requests
-        and canary.mean_active_experts is not None
-        and stable.mean_active_experts is not None
-        and stable.mean_active_experts > 0
-    ):
-        drift = abs(canary.mean_active_experts - stable.mean_active_experts) / stable.mean_active_experts
-    checks.append(Check(name="drift", value=drift, threshold=max_drift, passed=None if drift is None else drift <= max_drift))
+    drift = drift_check(canary=canary, stable=stable, max_drift=max_drift, min_requests=min_requests)
+    checks.append(drift)
 
     if max_quality_drop is not None:
         checks.append(quality_check(canary=canary, stable=stable, max_quality_drop=max_quality_drop))
@@ -292,6 +331,7 @@ def analyse(
     enough = canary.requests >= min_requests and canary.qps >= INCONCLUSIVE_FRACTION * expected_qps
     numbers = "; ".join(c.describe() for c in checks)
     traffic = f"canary {canary.requests:.0f} requests at {canary.qps:.3g} qps"
+    undecided = [c for c in checks if c.undecided]
     if not enough:
         verdict = Verdict.INCONCLUSIVE
         message = (
@@ -302,6 +342,9 @@ def analyse(
         verdict = Verdict.FAIL
         failed = "; ".join(c.describe() for c in checks if c.passed is False)
         message = f"failed: {failed} ({traffic})"
+    elif undecided:
+        verdict = Verdict.INCONCLUSIVE
+        message = f"inconclusive: {'; '.join(c.describe() for c in undecided)} ({traffic}); {numbers}"
     else:
         verdict = Verdict.PASS
         message = f"passed: {numbers} ({traffic})"
@@ -312,6 +355,32 @@ def analyse(
         canary_qps=canary.qps,
         message=message,
     )
+
+
+def drift_check(*, canary: GroupMetrics, stable: GroupMetrics | None, max_drift: float,
+                min_requests: float) -> Check:
+    """``drift``: relative difference of mean active experts, canary vs stable (module docstring).
+
+    Fails when the drift exceeds ``max_drift`` by more than ``DRIFT_Z`` standard errors of the
+    difference (both groups' per-request spread); a drift over ``max_drift`` within that band is
+    undecided until the canary has ``DRIFT_DECIDE_FACTOR × min_requests`` requests."""
+    name = "drift"
+    if (stable is None or stable.requests < min_requests or canary.mean_active_experts is None
+            or stable.mean_active_experts is None or stable.mean_active_experts <= 0):
+        return Check(name=name, value=None, threshold=max_drift, passed=None)
+    base = stable.mean_active_experts
+    drift = abs(canary.mean_active_experts - base) / base
+    if drift <= max_drift:
+        return Check(name=name, value=drift, threshold=max_drift, passed=True)
+    se_c, se_s = canary.experts_standard_error, stable.experts_standard_error
+    if se_c is None or se_s is None:  # the servers do not export the spread: the drift decides
+        return Check(name=name, value=drift, threshold=max_drift, passed=False)
+    noise = DRIFT_Z * math.sqrt(se_c ** 2 + se_s ** 2) / base
+    detail = (f"canary {canary.mean_active_experts:.4g} vs stable {base:.4g} experts/token, "
+              f"±{noise:.3g} at {DRIFT_Z:g} standard errors")
+    if drift - noise > max_drift or canary.requests >= DRIFT_DECIDE_FACTOR * min_requests:
+        return Check(name=name, value=drift, threshold=max_drift, passed=False, detail=detail)
+    return Check(name=name, value=drift, threshold=max_drift, passed=None, detail=detail, undecided=True)
 
 
 def quality_check(*, canary: GroupMetrics, stable: GroupMetrics | None, max_quality_drop: float) -> Check:

@@ -237,6 +237,13 @@ async def test_prometheus_group_metrics_agree_with_direct_scrape(
         assert p.mean_active_experts is not None and d.mean_active_experts is not None
         assert 1.0 <= p.mean_active_experts <= 4.0
         assert abs(p.mean_active_experts / d.mean_active_experts - 1) < 0.05
+    # Its noise (drift's standard error): per-request spread from the same counters on both sides.
+    for p, d in ((prom_healthy, direct_healthy), (prom_faulty, direct_faulty)):
+        assert d.request_experts_count > 10 and d.experts_standard_error is not None
+        assert p.experts_standard_error is not None
+        _check_count(what="per-request expert observations", prom=p.request_experts_count,
+                     direct=d.request_experts_count, bound=bound)
+        assert 0 < d.experts_standard_error < 1 and 0.5 < p.experts_standard_error / d.experts_standard_error < 2
 
     # A group with no such pods answers None, like the direct provider.
     assert await prom.group(namespace=NAMESPACE, pods=["m-none"], window_s=window_s) is None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import random
 
 import pytest
 
@@ -11,6 +13,8 @@ from sparsegate.domain.analysis import (
     PodCounters,
     Verdict,
     aggregate,
+    DRIFT_DECIDE_FACTOR,
+    DRIFT_Z,
     analyse,
     histogram_quantile,
     window_delta,
@@ -89,6 +93,71 @@ def test_drift_of_mean_active_experts_fails() -> None:
     assert r.verdict == Verdict.FAIL
     assert [c.name for c in r.failed] == ["drift"]
     assert r.failed[0].value == pytest.approx(0.7 / 1.3)
+
+
+def per_request(means: list[float], **kw) -> GroupMetrics:
+    """A group whose requests (of equal length) had these mean active experts per token."""
+    g = group(requests=len(means), experts=sum(means) / len(means), **kw)
+    return dataclasses.replace(g, request_experts_count=len(means), request_experts_sum=sum(means),
+                               request_experts_squares=sum(x * x for x in means))
+
+
+def spread(mean: float, sd: float, n: int) -> list[float]:
+    """n values with exactly this mean and (sample) standard deviation."""
+    half = n // 2
+    base = [mean + sd] * half + [mean - sd] * (n - half)
+    scale = sd / math.sqrt(sum((x - mean) ** 2 for x in base) / (n - 1))
+    return [mean + (x - mean) * scale for x in base]
+
+
+def test_standard_error_from_the_per_request_spread() -> None:
+    g = per_request(spread(2.0, 0.6, 20))
+    assert g.experts_standard_error == pytest.approx(0.6 / math.sqrt(20))
+    assert group(requests=60).experts_standard_error is None  # servers that do not export it
+    assert per_request([2.0]).experts_standard_error is None  # one request has no spread
+
+
+def test_drift_within_noise_keeps_observing() -> None:
+    # 20 canary requests 11 % above stable, per-request sd 0.6: 2 standard errors ≈ 14 %.
+    r = judge(per_request(spread(2.22, 0.6, 20)), per_request(spread(2.0, 0.6, 200)))
+    drift = {c.name: c for c in r.checks}["drift"]
+    assert drift.value == pytest.approx(0.11) and drift.undecided and drift.passed is None
+    assert r.verdict == Verdict.INCONCLUSIVE and not r.failed
+    assert "within noise" in r.message and "more traffic needed" in r.message
+
+
+def test_drift_beyond_noise_fails() -> None:
+    r = judge(per_request(spread(2.6, 0.6, 200)), per_request(spread(2.0, 0.6, 200)))
+    assert r.verdict == Verdict.FAIL and [c.name for c in r.failed] == ["drift"]
+    assert r.failed[0].value == pytest.approx(0.3)
+    assert f"at {DRIFT_Z:g} standard errors" in r.failed[0].describe()
+
+
+def test_undecided_drift_is_decided_by_the_estimate_after_enough_requests() -> None:
+    # Same 11 % with a wide spread: never significant, so at DRIFT_DECIDE_FACTOR × minRequests the
+    # estimate decides (a drift at the bound must not hold a step forever).
+    n = int(DRIFT_DECIDE_FACTOR * 20)
+    r = judge(per_request(spread(2.22, 3.0, n)), per_request(spread(2.0, 3.0, 400)))
+    assert r.verdict == Verdict.FAIL and [c.name for c in r.failed] == ["drift"]
+    r = judge(per_request(spread(2.22, 3.0, n - 1)), per_request(spread(2.0, 3.0, 400)))
+    assert r.verdict == Verdict.INCONCLUSIVE
+
+
+def test_noise_alone_rarely_fails_drift_where_the_estimate_alone_often_did() -> None:
+    """Both groups drawn from one distribution (a gate change that does not move expert
+    selection): judged at minRequests, the estimate alone fails a large share of steps; the
+    noise-aware check fails about the one-sided DRIFT_Z tail (≈ 2.3 %)."""
+    rng = random.Random(13)
+    trials, estimate_fails, aware_fails = 2000, 0, 0
+    for _ in range(trials):
+        draw = lambda n: [max(1.0, rng.gauss(2.0, 0.5)) for _ in range(n)]  # noqa: E731
+        canary, stable = per_request(draw(20)), per_request(draw(60))
+        r = judge(canary, stable)
+        aware_fails += r.verdict == Verdict.FAIL
+        c, st = canary.mean_active_experts, stable.mean_active_experts
+        estimate_fails += abs(c - st) / st > 0.1
+    assert estimate_fails / trials > 0.08, estimate_fails
+    assert aware_fails / trials < 0.03 and aware_fails * 4 < estimate_fails, (aware_fails, estimate_fails)
 
 
 def test_drift_skipped_without_stable_group() -> None:

@@ -132,6 +132,10 @@ async def test_scrape_window_counts_load_and_injected_errors(server: PodTarget) 
     assert 0.2 < g.error_rate < 0.8  # 50 % injected, ~80 requests
     assert g.p99_ms is not None and g.p99_ms < 5000
     assert g.mean_active_experts is not None and 1.0 <= g.mean_active_experts <= 4.0
+    # Every served request is one per-request observation of its experts (drift's noise).
+    assert g.request_experts_count == sent - stats["503"]
+    assert 1.0 <= g.request_experts_sum / g.request_experts_count <= 4.0
+    assert g.experts_standard_error is not None and 0 <= g.experts_standard_error < 1
 
 
 def test_loadgen_refuses_non_loopback_targets() -> None:
@@ -146,6 +150,10 @@ def test_prometheus_queries() -> None:
     q = prom.queries(namespace="ns1", pods=["m-b", "m-a"], window_s=29.2)
     assert q["requests"] == 'sum(increase(sparsegate_requests_total{namespace="ns1",pod=~"m-a|m-b"}[30s]))'
     assert 'code=~"5.."' in q["errors"] and q["p99"].startswith("histogram_quantile(0.99, sum by (le)")
+    # Drift's noise: the per-request spread of mean active experts, windowed like the rest.
+    assert q["request_experts_squares"] == ('sum(increase(sparsegate_request_experts_per_token_squares_total'
+                                            '{namespace="ns1",pod=~"m-a|m-b"}[30s]))')
+    assert q["request_experts_count"].startswith("sum(increase(sparsegate_request_experts_per_token_count{")
     # A dot in a pod name is literal in the regex (PromQL string "a\\.b" is the regex a\.b).
     assert prom.selector(namespace="ns1", pods=["m.a"]) == 'namespace="ns1",pod=~"m\\\\.a"'
     with pytest.raises(ValueError):

@@ -97,6 +97,12 @@ async def test_random_requests_split_at_the_weight_and_metrics_are_per_version(s
         tokens = samples[f'sparsegate_tokens_total{{gate_version="{version}"}}']
         assignments = samples[f'sparsegate_expert_assignments_total{{gate_version="{version}"}}']
         assert assignments / (tokens * 2) == experts  # 2 MoE layers
+        # One per-request observation each (drift's noise): this gate keeps exactly `experts`.
+        count = samples[f'sparsegate_request_experts_per_token_count{{gate_version="{version}"}}']
+        assert count == (canary if version == CANARY.version else n - canary)
+        assert samples[f'sparsegate_request_experts_per_token_sum{{gate_version="{version}"}}'] == experts * count
+        assert samples[f'sparsegate_request_experts_per_token_squares_total{{gate_version="{version}"}}'] \
+            == experts * experts * count
 
 
 async def test_a_faulty_canary_fails_only_its_own_requests(server):
