@@ -100,6 +100,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def start_operator(cluster: LocalCluster, state: Path) -> tuple[subprocess.Popen, int]:
+    """CRDs, namespace ``NS`` and the operator (``sparsegate run``, standalone, rollout tick 1 s)
+    on a started cluster; answers the operator's process and metrics port."""
+    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "charts" / "sparsegate" / "crds"))
+    for crd in ("sparsemodels", "gateconfigs"):
+        cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}.sparsegate.dev", "--timeout=60s")
+    cluster.kubectl("create", "namespace", NS)
+    while cluster.kubectl("get", "serviceaccount", "default", "-n", NS, check=False).returncode != 0:
+        time.sleep(0.2)
+    port = free_port()
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "SPARSEGATE_ROLLOUT_TICK_S": "1"}
+    proc = processes.start(name="operator", argv=[sys.executable, "-m", "sparsegate.cli", "run", "--standalone",
+                                                  "-n", NS, f"--metrics-port={port}"],
+                           log_path=state / "operator.log", pid_file=state / "operator.pid", env=env,
+                           die_with_parent=True)
+    time.sleep(3)
+    return proc, port
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", type=int, default=200)
@@ -120,19 +139,7 @@ def main() -> int:
     print(f"cluster up in {time.monotonic() - t0:.1f}s with {args.nodes} nodes ({state})", flush=True)
     op_proc = None
     try:
-        cluster.kubectl("apply", "--server-side", "-f", str(REPO / "charts" / "sparsegate" / "crds"))
-        for crd in ("sparsemodels", "gateconfigs"):
-            cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}.sparsegate.dev", "--timeout=60s")
-        cluster.kubectl("create", "namespace", NS)
-        while cluster.kubectl("get", "serviceaccount", "default", "-n", NS, check=False).returncode != 0:
-            time.sleep(0.2)
-        port = free_port()
-        env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "SPARSEGATE_ROLLOUT_TICK_S": "1"}
-        op_proc = processes.start(name="operator", argv=[sys.executable, "-m", "sparsegate.cli", "run", "--standalone",
-                                                         "-n", NS, f"--metrics-port={port}"],
-                                  log_path=state / "operator.log", pid_file=state / "operator.pid", env=env,
-                                  die_with_parent=True)
-        time.sleep(3)
+        op_proc, port = start_operator(cluster, state)
         gcs = [{"apiVersion": "sparsegate.dev/v1alpha1", "kind": "GateConfig", "metadata": {"name": f"gate-{i}"},
                 "spec": {"params": {"toolGateThreshold": 0.85}, "rollout": {"analysisInterval": "5s"}}}
                for i in range(args.gateconfigs)]

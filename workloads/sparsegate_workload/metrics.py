@@ -82,6 +82,11 @@ class ServerMetrics:
             "Sum of squares of each request's mean active experts per token per layer (with the "
             "histogram's _sum and _count: the per-request variance), by gate version",
             ["gate_version"], registry=r)
+        # A constant, so a scrape can read the layer count without the per-expert series.
+        self.moe_layers = Gauge("sparsegate_moe_layers",
+                                "MoE layers of the served model: mean active experts per token = "
+                                "rate(assignments) / (rate(tokens) * this)", registry=r)
+        self.moe_layers.set(n_layers)
         self.dropped = Counter("sparsegate_dropped_assignments_total",
                                "Assignments dropped by the capacity cap", registry=r)
         self.active = Gauge("sparsegate_active_experts_per_token",
@@ -96,7 +101,8 @@ class ServerMetrics:
         self.gate_info = Gauge("sparsegate_gate_config_info", "Gate config version in effect",
                                ["version", "checksum"], registry=r)
         self.gate_applies = Counter("sparsegate_gate_config_applies_total",
-                                    "Gate config PUTs by result", ["result"], registry=r)
+                                    "Gate config PUTs by result (applied; unchanged: the set was already "
+                                    "held; rejected)", ["result"], registry=r)
         self.expert_cost = Gauge(
             "sparsegate_expert_cost",
             "Normalised hardware cost per expert (EWMA of measured time per row x placement, "

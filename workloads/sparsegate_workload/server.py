@@ -351,8 +351,11 @@ async def metrics(request: web.Request) -> web.Response:
         state.metrics.set_placement_factors([b.cost.placement for b in state.hf.lm.blocks])
     elif state.model is not None:
         state.metrics.set_expert_costs([b.moe.cost.vector().tolist() for b in state.model.blocks])
-    return web.Response(body=generate_latest(state.metrics.registry),
-                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+    # ?name[]=…: only these samples (as prometheus_client's own exposition server does); the
+    # operator's analysis asks for the dozen it reads, not every per-expert series.
+    names = request.query.getall("name[]", [])
+    registry = state.metrics.registry.restricted_registry(names) if names else state.metrics.registry
+    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def _gate_json(gate: AppliedGate) -> dict[str, Any]:
@@ -405,6 +408,7 @@ async def put_gate(request: web.Request) -> web.Response:
         wanted = parse_gate_set(body, num_experts=num_experts)
         if wanted.key == _held_key(state) and (
                 state.canary is None or state.canary.sticky_header == wanted.sticky_header):
+            state.metrics.gate_applies.labels(result="unchanged").inc()
             return web.json_response({**_served_json(state), "applied": False})
         previous = state.gate.doc.version
         doc = wanted.stable

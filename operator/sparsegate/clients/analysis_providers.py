@@ -33,7 +33,14 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from sparsegate.clients.metrics_source import PrometheusAPI, PrometheusError, group_from_snapshots, parse_pod_counters
+from sparsegate.clients.metrics_source import (
+    SCRAPED_SAMPLES,
+    PrometheusAPI,
+    PrometheusError,
+    group_from_snapshots,
+    parse_samples,
+    pod_counters,
+)
 from sparsegate.clients.podadmin import BodyTooLarge, PodAdmin, PodTarget, read_capped
 from sparsegate.domain.analysis import GroupMetrics, PodCounters
 from sparsegate.domain.analysis_run import CheckSpec, Measured, render_args
@@ -123,11 +130,11 @@ class DirectScrape:
         self.prev, self.window_key, self.window_start, self.window_from = {}, None, ({}, {}), None
 
     async def measure(self, check: CheckSpec, request: MeasureRequest) -> BuiltinWindow:
-        texts = await self.admin.scrape(list(request.targets.values()))
+        texts = await self.admin.scrape(list(request.targets.values()), names=SCRAPED_SAMPLES)
+        samples = {name: parse_samples(text) for name, text in texts.items()}  # once, read up to 3 ways
 
         def snapshot(version: str | None) -> dict[str, PodCounters]:
-            return {name: parse_pod_counters(text, at=request.now, gate_version=version)
-                    for name, text in texts.items()}
+            return {name: pod_counters(s, at=request.now, gate_version=version) for name, s in samples.items()}
 
         snap = snapshot(None)
         split = request.canary_version is not None and request.stable_version is not None

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -275,12 +275,15 @@ class PodAdmin:
         pod holds now (a 422 keeps its old rules and reports the error)."""
         return await self._access([(t, doc) for t, doc in pushes])
 
-    async def scrape(self, targets: Iterable[PodTarget]) -> dict[str, str]:
-        """``/metrics`` text of every target that answered (absent: unreachable)."""
+    async def scrape(self, targets: Iterable[PodTarget], *, names: Sequence[str] = ()) -> dict[str, str]:
+        """``/metrics`` text of every target that answered (absent: unreachable). ``names``: ask
+        for these samples only (``name[]`` parameters, prometheus_client's restricted registry;
+        a server that ignores them answers everything)."""
+        params = [("name[]", n) for n in names]
 
         async def one(session: aiohttp.ClientSession, t: PodTarget) -> tuple[str, str | None]:
             try:
-                async with session.get(f"{t.base}/metrics") as resp:
+                async with session.get(f"{t.base}/metrics", params=params) as resp:
                     if resp.status != 200:
                         return t.name, None
                     return t.name, (await read_capped(resp, METRICS_BODY_LIMIT)).decode(errors="replace")

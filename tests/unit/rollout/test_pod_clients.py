@@ -18,7 +18,7 @@ from admin_model_server import admin_model_server
 from loadgen import LoadGen, check_loopback
 from sparsegate_workload import gateparams
 
-from sparsegate.clients.metrics_source import PrometheusAPI, group_from_snapshots, parse_pod_counters
+from sparsegate.clients.metrics_source import SCRAPED_SAMPLES, PrometheusAPI, group_from_snapshots, parse_pod_counters
 from sparsegate.clients.admin_credentials import client_context
 from sparsegate.clients.podadmin import AdminCredentials, PodAdmin, PodTarget
 from sparsegate.domain import admin_tls
@@ -124,7 +124,13 @@ async def test_scrape_window_counts_load_and_injected_errors(server: PodTarget) 
     gen = LoadGen(targets=lambda: [f"{server.ip}:{server.port}"], qps=40)
     stats = await gen.run(duration_s=2.0)
     assert (await admin.push([(server, gateparams.DEFAULT_DOCUMENT.to_json())]))["pod-a"].ok
-    end = {n: parse_pod_counters(t, at=time.time()) for n, t in (await admin.scrape([server])).items()}
+    at = time.time()
+    full = (await admin.scrape([server]))["pod-a"]
+    end = {"pod-a": parse_pod_counters(full, at=at)}
+    # What the analysis asks for (name[]): only its samples, read into the same counters.
+    narrow = (await admin.scrape([server], names=SCRAPED_SAMPLES))["pod-a"]
+    assert len(narrow) < len(full) / 2 and "sparsegate_expert_cost" not in narrow
+    assert parse_pod_counters(narrow, at=at) == end["pod-a"]
     g = group_from_snapshots(start=start, end=end, pods=["pod-a"])
     assert g is not None
     sent = sum(v for k, v in stats.items() if k.isdigit())

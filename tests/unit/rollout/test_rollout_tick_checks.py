@@ -72,7 +72,7 @@ class FakePods(PodAdmin):
             self.versions[target.name] = doc["version"]
         return {t.name: PushResult(name=t.name, ok=True, version=d["version"]) for t, d in pushes}
 
-    async def scrape(self, targets: Any) -> dict[str, str]:
+    async def scrape(self, targets: Any, *, names: Any = ()) -> dict[str, str]:
         # As the model server labels them: by the gate version that served the requests (here the
         # pod's whole history is counted under its current version).
         n = self.rate * self.clock[0]

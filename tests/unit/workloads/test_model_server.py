@@ -138,6 +138,9 @@ async def test_admin_endpoint_requires_the_bearer_token(client, admin):
     assert (await (await admin.get("/admin/gate", headers=AUTH)).json())["version"] == VERSION_B.version
     again = await (await admin.put("/admin/gate", json=doc, headers=AUTH)).json()
     assert again["applied"] is False
+    metrics = await (await client.get("/metrics")).text()
+    assert 'sparsegate_gate_config_applies_total{result="applied"} 1.0' in metrics
+    assert 'sparsegate_gate_config_applies_total{result="unchanged"} 1.0' in metrics
     # The swap reached the inference app: they share one state.
     assert (await (await client.get("/healthz")).json())["gateVersion"] == VERSION_B.version
 
