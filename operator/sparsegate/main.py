@@ -22,6 +22,7 @@ from sparsegate_contracts.names import FINALIZER, KOPF_ANNOTATION_PREFIX, KOPF_D
 import sparsegate.handlers  # noqa: F401  (registers handlers)
 from sparsegate.clients.kube import Kube
 from sparsegate.controllers.status_inputs import StatusInputs
+from sparsegate.handlers import accesssync, gateconfig
 
 
 @kopf.on.startup()
@@ -40,6 +41,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.kube = Kube.from_environment()
     memo.model_pool = settings.execution.executor  # handlers.pools: the model handlers' blocking work
     memo.status_inputs = StatusInputs()  # what each model's status was last written from
+    # One controller each, shared by every object's loop (Kopf copies this memo per object).
+    memo.rollout_loop = gateconfig.new_rollout_loop(memo.kube)
+    memo.access_sync = accesssync.new_access_sync(memo.kube)
 
 
 @kopf.on.probe(id="handlers")

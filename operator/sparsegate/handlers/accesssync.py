@@ -111,11 +111,17 @@ class AccessSync:
 _loops = ObjectLoops(kind="SparseModel access", interval_s=TICK_S)
 
 
+def new_access_sync(kube: Kube) -> AccessSync:
+    """The one access controller of every model's loop (``sparsegate.main`` puts it in the
+    operator's memo at startup); each model's FleetCache stays in its own memo."""
+    return AccessSync(kube=kube, trust_domain=os.environ.get("SPARSEGATE_TRUST_DOMAIN", DEFAULT_TRUST_DOMAIN))
+
+
 def _sync(memo: kopf.Memo) -> AccessSync:
     sync = getattr(memo, "access_sync", None)
-    if sync is None:
-        sync = memo.access_sync = AccessSync(
-            kube=memo.kube, trust_domain=os.environ.get("SPARSEGATE_TRUST_DOMAIN", DEFAULT_TRUST_DOMAIN))
+    if sync is None:  # a memo made before startup ran (tests)
+        sync = memo.access_sync = new_access_sync(memo.kube)
+    if getattr(memo, "access_cache", None) is None:  # this model's own
         memo.access_cache = FleetCache()
     return sync
 

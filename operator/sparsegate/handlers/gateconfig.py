@@ -21,7 +21,7 @@ import kopf
 
 from sparsegate_contracts import names
 
-from sparsegate.clients.kube import Conflict, KubeError
+from sparsegate.clients.kube import Conflict, Kube, KubeError
 from sparsegate.clients.metrics_source import PrometheusAPI
 from sparsegate.controllers.inventory import Inventory
 from sparsegate.controllers.rollout import FleetCache, RolloutCache, RolloutLoop
@@ -29,18 +29,25 @@ from sparsegate.domain import fleet_view
 from sparsegate.handlers import modelsync
 from sparsegate.handlers.periodic import ObjectLoops
 
-__all__ = ["FleetCache", "RolloutLoop"]  # handlers.accesssync builds its fleets with the same loop
+__all__ = ["FleetCache", "RolloutLoop", "new_rollout_loop"]  # handlers.accesssync builds its fleets with the same loop
 
 GROUP, VERSION = names.GROUP, names.VERSION
 TICK_S = float(os.environ.get("SPARSEGATE_ROLLOUT_TICK_S", "5"))
 PROMETHEUS_URL = os.environ.get("SPARSEGATE_PROMETHEUS_URL") or None
 
 
+def new_rollout_loop(kube: Kube) -> RolloutLoop:
+    """The one rollout controller every GateConfig's loop uses (stateless apart from its clients;
+    per-GateConfig state lives in each loop's RolloutCache): ``sparsegate.main`` puts it in the
+    operator's memo at startup, which Kopf copies into every object's memo."""
+    prometheus = PrometheusAPI(PROMETHEUS_URL) if PROMETHEUS_URL else None
+    return RolloutLoop(kube=kube, prometheus=prometheus, prometheus_url=PROMETHEUS_URL)
+
+
 def _loop(memo: kopf.Memo) -> RolloutLoop:
     loop = getattr(memo, "rollout_loop", None)
-    if loop is None:
-        prometheus = PrometheusAPI(PROMETHEUS_URL) if PROMETHEUS_URL else None
-        loop = memo.rollout_loop = RolloutLoop(kube=memo.kube, prometheus=prometheus, prometheus_url=PROMETHEUS_URL)
+    if loop is None:  # a memo made before startup ran (tests)
+        loop = memo.rollout_loop = new_rollout_loop(memo.kube)
     return loop
 
 

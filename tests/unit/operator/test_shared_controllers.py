@@ -1,0 +1,35 @@
+"""One rollout controller and one access controller for the whole operator: built at startup in
+the operator's memo, which Kopf copies (shallowly) into each object's memo, so every GateConfig's
+and every model's loop shares them; each model's FleetCache stays its own."""
+
+from __future__ import annotations
+
+import copy
+
+import kopf
+import pytest
+
+from sparsegate import main
+from sparsegate.clients.kube import Kube
+from sparsegate.handlers import accesssync, gateconfig
+
+
+def test_startup_builds_one_controller_each_shared_by_every_objects_memo(monkeypatch: pytest.MonkeyPatch) -> None:
+    kube = object.__new__(Kube)  # no cluster: the controllers only keep the client
+    monkeypatch.setattr(Kube, "from_environment", classmethod(lambda cls: kube))
+    operator_memo = kopf.Memo()
+    main.configure(settings=kopf.OperatorSettings(), memo=operator_memo)
+    first, second = copy.copy(operator_memo), copy.copy(operator_memo)  # as Kopf makes per-object memos
+
+    assert gateconfig._loop(first) is gateconfig._loop(second) is operator_memo.rollout_loop
+    assert operator_memo.rollout_loop.kube is kube
+    assert accesssync._sync(first) is accesssync._sync(second) is operator_memo.access_sync
+    assert first.access_cache is not second.access_cache  # per model
+    assert getattr(operator_memo, "access_cache", None) is None
+
+
+def test_a_memo_without_startup_still_gets_its_controllers() -> None:
+    memo = kopf.Memo()
+    memo.kube = object.__new__(Kube)
+    assert gateconfig._loop(memo) is gateconfig._loop(memo)
+    assert accesssync._sync(memo) is accesssync._sync(memo) and memo.access_cache is not None
