@@ -288,6 +288,7 @@ class AnalysisResult:
                     "value": None if c.value is None else round(c.value, 6),
                     "threshold": round(c.threshold, 6),
                     "passed": c.passed,
+                    **({"undecided": True} if c.undecided else {}),
                 }
                 for c in self.checks
             ],

@@ -41,16 +41,26 @@ def spec_steps(obj: Mapping[str, Any]) -> list[int]:
 
 def analysis_summary(analysis: Mapping[str, Any] | None) -> str:
     """``errorRate=0.01/0.02 p99LatencyMs=120/800 ...``: each check's value over its threshold,
-    a failed check marked with ``!``; ``-`` when nothing was analysed yet."""
+    a failed check marked with ``!``, an undecided one (over, within noise) with ``?``; ``-`` when
+    nothing was analysed yet."""
     if not analysis:
         return "-"
     parts = []
     for check in analysis.get("checks") or []:
         value = check.get("value")
         shown = "n/a" if value is None else f"{value:g}"
-        mark = "" if check.get("passed", True) else "!"
+        mark = "!" if check.get("passed") is False else "?" if check.get("undecided") else ""
         parts.append(f"{mark}{check.get('name')}={shown}/{check.get('threshold', 0):g}")
     return " ".join(parts) or str(analysis.get("verdict") or "-")
+
+
+def check_result(check: Mapping[str, Any]) -> str:
+    """pass, FAIL, undecided (over its threshold within noise: more traffic decides) or n/a (not
+    evaluated, e.g. drift at 100 %: no stable requests left to compare with)."""
+    passed = check.get("passed")
+    if passed is None:
+        return "undecided" if check.get("undecided") else "n/a"
+    return "pass" if passed else "FAIL"
 
 
 def latest_run(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -167,7 +177,7 @@ def status_view(obj: Mapping[str, Any], *, now: datetime | None = None) -> str:
         lines.append(f"Analysis:   {analysis.get('verdict', '-')}, {analysis.get('canaryRequests', 0):g} canary "
                      f"requests at {analysis.get('canaryQps', 0):g} qps")
         checks = [[str(c.get("name")), "n/a" if c.get("value") is None else f"{c['value']:g}",
-                   f"{c.get('threshold', 0):g}", "pass" if c.get("passed") else "FAIL"]
+                   f"{c.get('threshold', 0):g}", check_result(c)]
                   for c in analysis.get("checks") or []]
         if checks:
             lines += [table(checks, ["CHECK", "VALUE", "THRESHOLD", "RESULT"]), ""]

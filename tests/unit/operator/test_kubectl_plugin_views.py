@@ -89,6 +89,20 @@ def test_status_view_steps_analysis_conditions_history() -> None:
     assert history == [["2", doc(V2)["version"], "Promoted", "2h", "stable"], ["1", doc(V1)["version"], "Promoted", "2h"]]
 
 
+def test_checks_not_evaluated_or_undecided_are_not_shown_as_failures() -> None:
+    obj = gateconfig()
+    obj["status"]["rollout"]["analysis"]["checks"] = [
+        {"name": "errorRate", "value": 0.0, "threshold": 0.02, "passed": True},
+        {"name": "drift", "value": 0.11, "threshold": 0.1, "passed": None, "undecided": True},
+        {"name": "qualityDrop", "value": None, "threshold": 0.02, "passed": None}]
+    lines = view.status_view(obj, now=datetime(2027, 1, 1, 2, 0, tzinfo=UTC)).splitlines()
+    assert any(line.split() == ["drift", "0.11", "0.1", "undecided"] for line in lines)
+    assert any(line.split() == ["qualityDrop", "n/a", "0.02", "n/a"] for line in lines)
+    assert not any("FAIL" in line for line in lines)
+    assert view.analysis_summary(obj["status"]["rollout"]["analysis"]) == (
+        "errorRate=0/0.02 ?drift=0.11/0.1 qualityDrop=n/a/0.02")
+
+
 def test_status_view_of_a_fresh_object() -> None:
     obj = {"metadata": {"name": "g", "namespace": "ns"}, "spec": {"params": V1}}
     text = view.status_view(obj)

@@ -124,6 +124,9 @@ def test_drift_within_noise_keeps_observing() -> None:
     assert drift.value == pytest.approx(0.11) and drift.undecided and drift.passed is None
     assert r.verdict == Verdict.INCONCLUSIVE and not r.failed
     assert "within noise" in r.message and "more traffic needed" in r.message
+    st = {c["name"]: c for c in r.to_status()["checks"]}
+    assert st["drift"]["undecided"] is True and st["drift"]["passed"] is None
+    assert "undecided" not in st["errorRate"]
 
 
 def test_drift_beyond_noise_fails() -> None:
