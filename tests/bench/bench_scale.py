@@ -169,6 +169,20 @@ def main() -> int:
             time.sleep(max(5.0, 1.5 * len(models) / 1000))
         pods = json.loads(cluster.kubectl("get", "pods", "-n", NS, "-o", "json", timeout=120).stdout)["items"]
         running = sum(1 for x in pods if x["status"].get("phase") == "Running")
+        # Who lags when models are not all Ready: the controller-manager (Deployments not yet
+        # available) or the operator (Deployments available, model status not yet written)?
+        deployments = json.loads(cluster.kubectl("get", "deployments", "-n", NS, "-o", "json",
+                                                 timeout=120).stdout)["items"]
+        available = {d["metadata"]["name"] for d in deployments
+                     if (d.get("status") or {}).get("availableReplicas", 0) >= d["spec"].get("replicas", 1)}
+        out = json.loads(cluster.kubectl("get", "sparsemodels", "-n", NS, "-o", "json", timeout=120).stdout)
+        ready_names = {m["metadata"]["name"] for m in out["items"] if any(
+            c["type"] == "Ready" and c["status"] == "True" for c in (m.get("status") or {}).get("conditions", []))}
+        lag = {"deployments": len(deployments), "deploymentsAvailable": len(available),
+               "modelsReady": len(ready_names),
+               "availableButModelNotReady": len(available - ready_names),
+               "modelReadyButDeploymentNotAvailable": len(ready_names - available)}
+        print(f"at the cut: {lag}", flush=True)
 
         # Idle: nothing changes once all are Ready; what does the operator still send and burn?
         time.sleep(5)  # the last Ready events' own work
@@ -206,6 +220,7 @@ def main() -> int:
             "nodes": args.nodes, "gateconfigs": args.gateconfigs,
             "createSeconds": round(created_s, 2),
             "allReadySeconds": None if ready_s is None else round(ready_s, 2),
+            "readiness": lag,
             "reconcileSparseModel": histogram_quantiles(metrics, "sparsegate_operator_reconcile_duration_seconds",
                                                         ("kind", "SparseModel")),
             "reconcileGateConfig": histogram_quantiles(metrics, "sparsegate_operator_reconcile_duration_seconds",
