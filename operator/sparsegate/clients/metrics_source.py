@@ -33,7 +33,8 @@ import aiohttp
 
 from sparsegate.domain.analysis import GroupMetrics, PodCounters, aggregate, window_delta
 
-__all__ = ["parse_samples", "pod_counters", "SCRAPED_SAMPLES", "PARSED_SAMPLES", "parse_pod_counters", "group_from_snapshots", "PrometheusAPI", "PrometheusError"]
+__all__ = ["parse_samples", "pod_counters", "SCRAPED_SAMPLES", "PARSED_SAMPLES", "parse_pod_counters",
+           "group_from_snapshots", "PrometheusAPI", "PrometheusError"]
 
 REQUESTS = "sparsegate_requests_total"
 DURATION = "sparsegate_request_duration_seconds"
@@ -105,6 +106,13 @@ def parse_samples(text: str, names: frozenset[str] = PARSED_SAMPLES) -> list[Sam
     return out
 
 
+def _bound(le: str | None) -> float | None:
+    try:
+        return None if le is None else float(le)
+    except ValueError:
+        return None
+
+
 def parse_pod_counters(text: str, *, at: float, gate_version: str | None = None) -> PodCounters:
     """One pod's ``/metrics`` exposition → cumulative counters (unknown metrics ignored)."""
     return pod_counters(parse_samples(text), at=at, gate_version=gate_version)
@@ -131,9 +139,10 @@ def pod_counters(samples: Iterable[Sample], *, at: float, gate_version: str | No
             requests += value
             if _is_error(labels.get("code", "")):
                 errors += value
-        elif name == f"{DURATION}_bucket" and "le" in labels:
-            le = float(labels["le"])
-            buckets[le] = buckets.get(le, 0.0) + value
+        elif name == f"{DURATION}_bucket":
+            le = _bound(labels.get("le"))
+            if le is not None:  # a bucket without a readable bound is left out
+                buckets[le] = buckets.get(le, 0.0) + value
         elif name == TOKENS:
             tokens += value
         elif name == ASSIGNMENTS:

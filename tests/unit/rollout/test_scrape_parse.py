@@ -67,10 +67,11 @@ def test_the_text_formats_corners() -> None:
 
 def test_a_malformed_wanted_line_is_skipped_not_raised() -> None:
     text = 'sparsegate_tokens_total{gate_version="g-1"} not-a-number\nsparsegate_tokens_total{gate_version="g-1"}\n' \
-           'sparsegate_tokens_total{gate_version="g-1"} 3\nsparsegate_request_duration_seconds_bucket{x="1"} 4\n'
+           'sparsegate_tokens_total{gate_version="g-1"} 3\nsparsegate_request_duration_seconds_bucket{x="1"} 4\n' \
+           'sparsegate_request_duration_seconds_bucket{le="soon"} 5\n'
     got = parse_samples(text)
-    assert [v for _, _, v in got] == [3.0, 4.0]
-    counters = parse_pod_counters(text, at=0.0)  # a bucket without `le` is left out
+    assert [v for _, _, v in got] == [3.0, 4.0, 5.0]
+    counters = parse_pod_counters(text, at=0.0)  # a bucket without a readable `le` is left out
     assert counters.duration_buckets == {}
 
 
