@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import math
 import subprocess
 import sys
 import tempfile

@@ -13,9 +13,9 @@ from .quality import QualityMetrics
 from .tools import ToolMetrics
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-# Wider than LATENCY_BUCKETS: a whole generation (e2e) can take a minute on CPU.
 # Per-request mean active experts per token (per layer): dynamic gating keeps 1..max experts.
 EXPERTS_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 16.0)
+# Wider than LATENCY_BUCKETS: a whole generation (e2e) can take a minute on CPU.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0)
@@ -162,12 +162,13 @@ class ServerMetrics:
             for expert, n in enumerate(counts):
                 if n:
                     self.expert_tokens.labels(layer=str(layer), expert=str(expert)).inc(n)
+        version = gate_version or ""
         kept = sum(sum(c) for c in expert_counts)
-        self.assignments.labels(gate_version=gate_version or "").inc(kept)
+        self.assignments.labels(gate_version=version).inc(kept)
         if num_tokens > 0 and expert_counts:
             mean = kept / (num_tokens * len(expert_counts))  # what the assignments/tokens ratio means
-            self.request_experts.labels(gate_version=gate_version or "").observe(mean)
-            self.request_experts_squares.labels(gate_version=gate_version or "").inc(mean * mean)
+            self.request_experts.labels(gate_version=version).observe(mean)
+            self.request_experts_squares.labels(gate_version=version).inc(mean * mean)
         self.dropped.inc(dropped)
         self.active.set(active)
         self.entropy.set(entropy)

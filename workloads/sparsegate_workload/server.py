@@ -339,21 +339,26 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response({"ready": True, "gateVersion": state.gate.doc.version})
 
 
+# The series set_expert_costs / set_placement_factors fill at scrape time.
+COST_SERIES = ("sparsegate_expert_cost", "sparsegate_expert_placement_factor")
+
+
 async def metrics(request: web.Request) -> web.Response:
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     state = request.app[STATE]
     if state.metrics is None:
         raise ApiError(503, "model is still loading")
-    # Costs move with every dispatch: read them when scraped.
-    if state.hf is not None:
-        state.metrics.set_expert_costs([b.cost.vector().tolist() for b in state.hf.lm.blocks])
-        state.metrics.set_placement_factors([b.cost.placement for b in state.hf.lm.blocks])
-    elif state.model is not None:
-        state.metrics.set_expert_costs([b.moe.cost.vector().tolist() for b in state.model.blocks])
     # ?name[]=…: only these samples (as prometheus_client's own exposition server does); the
     # operator's analysis asks for the dozen it reads, not every per-expert series.
     names = request.query.getall("name[]", [])
+    # Costs move with every dispatch: read them when scraped (and asked for).
+    if not names or any(n.startswith(COST_SERIES) for n in names):
+        if state.hf is not None:
+            state.metrics.set_expert_costs([b.cost.vector().tolist() for b in state.hf.lm.blocks])
+            state.metrics.set_placement_factors([b.cost.placement for b in state.hf.lm.blocks])
+        elif state.model is not None:
+            state.metrics.set_expert_costs([b.moe.cost.vector().tolist() for b in state.model.blocks])
     registry = state.metrics.registry.restricted_registry(names) if names else state.metrics.registry
     return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 

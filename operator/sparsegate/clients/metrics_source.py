@@ -38,11 +38,13 @@ __all__ = ["parse_samples", "pod_counters", "SCRAPED_SAMPLES", "PARSED_SAMPLES",
 
 REQUESTS = "sparsegate_requests_total"
 DURATION = "sparsegate_request_duration_seconds"
+DURATION_BUCKET = f"{DURATION}_bucket"
 TOKENS = "sparsegate_tokens_total"
 ASSIGNMENTS = "sparsegate_expert_assignments_total"
 EXPERT_TOKENS = "sparsegate_expert_tokens_total"
 MOE_LAYERS = "sparsegate_moe_layers"
 REQUEST_EXPERTS = "sparsegate_request_experts_per_token"  # histogram: _sum, _count
+REQUEST_EXPERTS_COUNT, REQUEST_EXPERTS_SUM = f"{REQUEST_EXPERTS}_count", f"{REQUEST_EXPERTS}_sum"
 REQUEST_EXPERTS_SQUARES = "sparsegate_request_experts_per_token_squares_total"
 ACTIVE_GAUGE = "sparsegate_active_experts_per_token"
 # Quality (the model server's quality.py): live counters summed over gate versions, and the
@@ -59,9 +61,9 @@ def _is_error(code: str) -> bool:
 # The samples the analysis asks a pod for (``/metrics?name[]=…``, prometheus_client's restricted
 # registry): not the per-expert series, whose only use here is counting layers on a server that
 # predates ``sparsegate_moe_layers`` (such a server answers every series, name[] or not).
-SCRAPED_SAMPLES = (REQUESTS, f"{DURATION}_bucket", TOKENS, ASSIGNMENTS, MOE_LAYERS, ACTIVE_GAUGE,
-                   QUALITY_NLL, QUALITY_TOKENS, PROBE_NLL, f"{REQUEST_EXPERTS}_count",
-                   f"{REQUEST_EXPERTS}_sum", REQUEST_EXPERTS_SQUARES)
+SCRAPED_SAMPLES = (REQUESTS, DURATION_BUCKET, TOKENS, ASSIGNMENTS, MOE_LAYERS, ACTIVE_GAUGE,
+                   QUALITY_NLL, QUALITY_TOKENS, PROBE_NLL, REQUEST_EXPERTS_COUNT, REQUEST_EXPERTS_SUM,
+                   REQUEST_EXPERTS_SQUARES)
 # What parse_samples reads; every other line of an exposition is skipped without being parsed.
 PARSED_SAMPLES = frozenset((*SCRAPED_SAMPLES, EXPERT_TOKENS))
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
@@ -130,7 +132,7 @@ def pod_counters(samples: Iterable[Sample], *, at: float, gate_version: str | No
     gauge: float | None = None
     quality_nll = quality_tokens = 0.0
     probe_nll: float | None = None
-    request_experts = {"count": 0.0, "sum": 0.0, "squares": 0.0}
+    rx_count = rx_sum = rx_squares = 0.0  # per-request experts: count, sum, sum of squares
     for name, labels, value in samples:
         if gate_version is not None and name not in (EXPERT_TOKENS, MOE_LAYERS) \
                 and labels.get("gate_version") != gate_version:
@@ -139,7 +141,7 @@ def pod_counters(samples: Iterable[Sample], *, at: float, gate_version: str | No
             requests += value
             if _is_error(labels.get("code", "")):
                 errors += value
-        elif name == f"{DURATION}_bucket":
+        elif name == DURATION_BUCKET:
             le = _bound(labels.get("le"))
             if le is not None:  # a bucket without a readable bound is left out
                 buckets[le] = buckets.get(le, 0.0) + value
@@ -159,12 +161,12 @@ def pod_counters(samples: Iterable[Sample], *, at: float, gate_version: str | No
             quality_tokens += value
         elif name == PROBE_NLL and math.isfinite(value):
             probe_nll = value
-        elif name == f"{REQUEST_EXPERTS}_count":
-            request_experts["count"] += value
-        elif name == f"{REQUEST_EXPERTS}_sum":
-            request_experts["sum"] += value
+        elif name == REQUEST_EXPERTS_COUNT:
+            rx_count += value
+        elif name == REQUEST_EXPERTS_SUM:
+            rx_sum += value
         elif name == REQUEST_EXPERTS_SQUARES:
-            request_experts["squares"] += value
+            rx_squares += value
     return PodCounters(
         at=at,
         requests=requests,
@@ -176,9 +178,9 @@ def pod_counters(samples: Iterable[Sample], *, at: float, gate_version: str | No
         quality_nll=quality_nll,
         quality_tokens=quality_tokens,
         probe_nll=probe_nll,
-        request_experts_count=request_experts["count"],
-        request_experts_sum=request_experts["sum"],
-        request_experts_squares=request_experts["squares"],
+        request_experts_count=rx_count,
+        request_experts_sum=rx_sum,
+        request_experts_squares=rx_squares,
     )
 
 
@@ -240,15 +242,15 @@ class PrometheusAPI:
         return {
             "requests": f"sum(increase({REQUESTS}{{{sel}}}[{w}]))",
             "errors": f'sum(increase({REQUESTS}{{{sel},code=~"5.."}}[{w}]))',
-            "p99": f"histogram_quantile(0.99, sum by (le) (increase({DURATION}_bucket{{{sel}}}[{w}])))",
+            "p99": f"histogram_quantile(0.99, sum by (le) (increase({DURATION_BUCKET}{{{sel}}}[{w}])))",
             "assignments": f"sum(increase({ASSIGNMENTS}{{{sel}}}[{w}]))",
             "tokens": f"sum(increase({TOKENS}{{{sel}}}[{w}]))",
             "layers": f'count(count by (layer) ({EXPERT_TOKENS}{{{pod_sel}}}))',
             "quality_nll": f"sum(increase({QUALITY_NLL}{{{sel}}}[{w}]))",
             "quality_tokens": f"sum(increase({QUALITY_TOKENS}{{{sel}}}[{w}]))",
             "probe_nll": f"avg({PROBE_NLL}{{{sel}}})",
-            "request_experts_count": f"sum(increase({REQUEST_EXPERTS}_count{{{sel}}}[{w}]))",
-            "request_experts_sum": f"sum(increase({REQUEST_EXPERTS}_sum{{{sel}}}[{w}]))",
+            "request_experts_count": f"sum(increase({REQUEST_EXPERTS_COUNT}{{{sel}}}[{w}]))",
+            "request_experts_sum": f"sum(increase({REQUEST_EXPERTS_SUM}{{{sel}}}[{w}]))",
             "request_experts_squares": f"sum(increase({REQUEST_EXPERTS_SQUARES}{{{sel}}}[{w}]))",
         }
 

@@ -254,14 +254,12 @@ class Check:
     undecided: bool = False
 
     def describe(self) -> str:
-        if self.undecided:
-            value = "n/a" if self.value is None else f"{self.value:.4g}"
-            detail = f" ({self.detail})" if self.detail else ""
-            return f"{self.name} {value} > {self.threshold:.4g} within noise{detail}: more traffic needed"
-        if self.passed is None:  # e.g. drift at 100 %: no stable instances left to compare with
+        if self.passed is None and not self.undecided:  # e.g. drift at 100 %: no stable group left
             return f"{self.name} not evaluated (no data)"
         value = "n/a" if self.value is None else f"{self.value:.4g}"
         detail = f" ({self.detail})" if self.detail else ""
+        if self.undecided:
+            return f"{self.name} {value} > {self.threshold:.4g} within noise{detail}: more traffic needed"
         return f"{self.name} {value} {'≤' if self.passed else '>'} {self.threshold:.4g}{detail}"
 
 

@@ -131,6 +131,8 @@ async def test_scrape_window_counts_load_and_injected_errors(server: PodTarget) 
     narrow = (await admin.scrape([server], names=SCRAPED_SAMPLES))["pod-a"]
     assert len(narrow) < len(full) / 2 and "sparsegate_expert_cost" not in narrow
     assert parse_pod_counters(narrow, at=at) == end["pod-a"]
+    costs = (await admin.scrape([server], names=["sparsegate_expert_cost"]))["pod-a"]
+    assert "sparsegate_expert_cost{" in costs and "sparsegate_requests_total" not in costs
     g = group_from_snapshots(start=start, end=end, pods=["pod-a"])
     assert g is not None
     sent = sum(v for k, v in stats.items() if k.isdigit())
