@@ -8,6 +8,7 @@ layer). Selection and capacity are vectorised: no Python loop over tokens or exp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -29,8 +30,22 @@ class Routing:
     probs: torch.Tensor         # [T, E] fp32 gate distribution
     dropped: int                # assignments removed by the capacity cap
     capacity: int | None        # per-expert cap, None = dropless
-    aux_loss: torch.Tensor      # load-balance loss (1.0 = perfectly uniform)
-    entropy: torch.Tensor       # mean per-token Shannon entropy of probs (nats)
+    load: torch.Tensor | list[int]  # [E] assignments the gate chose per expert, before the cap
+
+    # The regularisers are computed when read: serving reads the entropy (a metric) and never
+    # the balance loss, which is ~8 tensor ops a layer, measurable in one-token decode steps.
+    @functools.cached_property
+    def aux_loss(self) -> torch.Tensor:
+        """Switch-style balance loss generalised to variable k: E * sum_e f_e * P_e, f_e the
+        share of chosen assignments (1.0 = perfectly uniform); differentiable wrt probs."""
+        load = torch.as_tensor(self.load, device=self.probs.device).float()
+        frac = load / load.sum().clamp_min(1)
+        return self.probs.shape[1] * (frac * self.probs.mean(dim=0)).sum()
+
+    @functools.cached_property
+    def entropy(self) -> torch.Tensor:
+        """Mean per-token Shannon entropy of probs (nats)."""
+        return -(self.probs * self.probs.clamp_min(1e-12).log()).sum(dim=-1).mean()
 
     @property
     def num_tokens(self) -> int:
@@ -111,13 +126,9 @@ def assign(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch.Tensor,
                        device=probs.device)
     slots[token_sorted, rank_in_token] = by_token
     dropped = n_assign - token.numel()
-    # Switch-style balance loss generalised to variable k: E * sum_e f_e * P_e.
-    frac = counts_all.float() / max(n_assign, 1)
-    aux = num_experts * (frac * probs.mean(dim=0)).sum()
-    entropy = -(probs * probs.clamp_min(1e-12).log()).sum(dim=-1).mean()
     return Routing(token_idx=token, weights=weight, counts=counts, slots=slots,
-                   per_token=per_token, selected=mask.sum(dim=-1), probs=probs, dropped=dropped, capacity=capacity, aux_loss=aux,
-                   entropy=entropy)
+                   per_token=per_token, selected=mask.sum(dim=-1), probs=probs, dropped=dropped,
+                   capacity=capacity, load=counts_all)
 
 
 class Router(nn.Module):

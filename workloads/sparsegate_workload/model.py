@@ -110,8 +110,16 @@ class ModelOutput:
     logits: torch.Tensor            # [B, S, V]
     tool_prob: torch.Tensor         # [B, S] sigmoid of the tool-gate head
     layers: list[MoEStats]
-    aux_loss: torch.Tensor          # sum over layers
-    entropy_loss: torch.Tensor      # sum over layers of beta * gate entropy
+
+    # Sums over layers, computed when read (training): serving never reads them.
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        return sum((st.aux_loss for st in self.layers), self.logits.new_zeros(()))
+
+    @property
+    def entropy_loss(self) -> torch.Tensor:
+        """Sum over layers of beta * gate entropy."""
+        return sum((st.entropy_loss for st in self.layers), self.logits.new_zeros(()))
 
 
 class Block(nn.Module):
@@ -192,10 +200,7 @@ class TinyMoELM(nn.Module):
             stats.append(st)
         h = self.norm(x)
         logits = h @ self.embed.weight.T  # tied embeddings
-        zero = logits.new_zeros(())
-        return ModelOutput(logits=logits, tool_prob=self.tool_gate(h), layers=stats,
-                           aux_loss=sum((st.aux_loss for st in stats), zero),
-                           entropy_loss=sum((st.entropy_loss for st in stats), zero))
+        return ModelOutput(logits=logits, tool_prob=self.tool_gate(h), layers=stats)
 
     def resolve_precisions(self, policy: str) -> tuple[Precision, ...]:
         """Router weight precision per layer for a gate's precisionPolicy (unmeasured: fp32)."""

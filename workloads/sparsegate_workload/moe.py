@@ -25,8 +25,20 @@ class MoEStats:
     mean_active: float              # experts that actually processed each token
     dropped: int                    # assignments removed by the capacity cap
     entropy: float                  # mean gate entropy (nats)
-    aux_loss: torch.Tensor          # load-balance loss (differentiable)
-    entropy_loss: torch.Tensor      # beta * entropy (differentiable); minimised -> sharper gate
+    routing: Routing | None = None  # the layer's routing (None: a dense layer, no regularisers)
+    entropy_beta: float = 0.0
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        """Load-balance loss (differentiable); computed when read, i.e. in training."""
+        return self.routing.aux_loss if self.routing is not None else torch.zeros(())
+
+    @property
+    def entropy_loss(self) -> torch.Tensor:
+        """beta * entropy (differentiable); minimised -> sharper gate."""
+        if self.routing is None:
+            return torch.zeros(())
+        return self.entropy_beta * self.routing.entropy
 
     @property
     def drop_rate(self) -> float:
@@ -34,14 +46,15 @@ class MoEStats:
         return self.dropped / total if total else 0.0
 
 
-def _stats(routing: Routing, *, entropy_beta: float) -> MoEStats:
+def routing_stats(routing: Routing, *, entropy_beta: float) -> MoEStats:
+    """A routed layer's stats from its routing (both the built-in and the checkpoint blocks)."""
     n = routing.num_tokens
     kept = routing.num_assignments
     return MoEStats(counts=routing.counts, num_tokens=n,
                     mean_selected=(kept + routing.dropped) / max(n, 1),
                     mean_active=kept / max(n, 1), dropped=routing.dropped,
-                    entropy=float(routing.entropy.detach()), aux_loss=routing.aux_loss,
-                    entropy_loss=entropy_beta * routing.entropy)
+                    entropy=float(routing.entropy.detach()), routing=routing,
+                    entropy_beta=entropy_beta)
 
 
 class _StoredMoE(nn.Module):
@@ -97,7 +110,7 @@ class DynamicMoE(_StoredMoE):
                             cost=self.cost.vector() if hardware_cost_lambda > 0 else None,
                             cost_lambda=hardware_cost_lambda, allowed=allowed)
         y = self.experts(flat, routing, cost=self.cost)
-        return y.reshape(x.shape), _stats(routing, entropy_beta=entropy_beta)
+        return y.reshape(x.shape), routing_stats(routing, entropy_beta=entropy_beta)
 
 
 class TopKMoE(_StoredMoE):
@@ -117,7 +130,7 @@ class TopKMoE(_StoredMoE):
         flat = x.reshape(-1, x.shape[-1])
         routing = self.gate(flat, capacity_factor=capacity_factor, precision=precision)
         y = self.experts(flat, routing)
-        return y.reshape(x.shape), _stats(routing, entropy_beta=entropy_beta)
+        return y.reshape(x.shape), routing_stats(routing, entropy_beta=entropy_beta)
 
 
 class DenseFFN(nn.Module):
@@ -132,9 +145,8 @@ class DenseFFN(nn.Module):
 
     def forward(self, x: torch.Tensor, **_: object) -> tuple[torch.Tensor, MoEStats]:
         n = x.numel() // x.shape[-1]
-        zero = x.new_zeros(())
         stats = MoEStats(counts=[n], num_tokens=n, mean_selected=1.0, mean_active=1.0,
-                         dropped=0, entropy=0.0, aux_loss=zero, entropy_loss=zero)
+                         dropped=0, entropy=0.0)
         return self.ffn(x), stats
 
 

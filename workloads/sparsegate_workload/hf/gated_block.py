@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 import time
 from typing import Iterator
@@ -55,7 +56,7 @@ from sparsegate_contracts.gate import GateDocument, GateParams
 from ..experts import combine, expert_mm
 from ..expert_cost import ExpertCost, biased_selection_probs
 from ..gating import Router, Routing, assign, cost_biased_top_p
-from ..moe import MoEStats
+from ..moe import routing_stats
 from ..precision import LayerBytes, Precision, StoredWeight, is_lower, layer_bytes
 from ..threshold_control import ThresholdController
 from .placement import PlacedExpert
@@ -277,7 +278,7 @@ class SparseGatedMoEBlock(nn.Module):
             shared = self.shared_expert(flat)
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * shared
         if call is not None:
-            call.layers.append(_stats(routing, entropy_beta=gate.params.entropy_beta))
+            call.layers.append(routing_stats(routing, entropy_beta=gate.params.entropy_beta))
             if call.routings is not None:
                 call.routings.append(routing)
         return out.reshape(hidden_states.shape)
@@ -344,7 +345,7 @@ def _assign_fixed_k(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch
     """`gating.assign` for every token keeping exactly its top k (inference only): identical
     fields, order and slots. A capacity cap that would drop something takes `assign` itself.
     A single token (decoding one sequence) orders its k picks on the host (k integers) instead of
-    the sort and scatter a batch needs."""
+    the sort and scatter a batch needs, and reuses its constant index tensors."""
     num_tokens, num_experts = probs.shape
     k = sorted_p.shape[1]
     device = probs.device
@@ -368,26 +369,32 @@ def _assign_fixed_k(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch
         if max(counts) > capacity:
             return assign(probs, sorted_p, sorted_e, torch.ones_like(sorted_p, dtype=torch.bool),
                           capacity_factor=capacity_factor, normalize=normalize)
+    weights = sorted_p / sorted_p.sum(dim=-1, keepdim=True) if normalize else sorted_p
     if num_tokens == 1:
         order = torch.tensor(sorted(range(k), key=picks.__getitem__), device=device)
-        token_idx = torch.zeros(k, dtype=torch.long, device=device)
-        slots = torch.arange(k, device=device).view(1, k)
-        counts_all = torch.tensor(counts, device=device)
-    else:
-        # slots[t] = where token t's k outputs sit in the grouped order, ascending (expert order),
-        # as assign lays them out.
-        where = torch.empty_like(order)
-        where[order] = position
-        slots = where.view(num_tokens, k).sort(dim=1).values
-        token_idx = token[order]
-    weights = sorted_p / sorted_p.sum(dim=-1, keepdim=True) if normalize else sorted_p
-    frac = counts_all.float() / n_assign
-    return Routing(token_idx=token_idx, weights=weights.reshape(-1)[order], counts=counts,
-                   slots=slots, per_token=torch.full((num_tokens,), k, device=device),
-                   selected=torch.full((num_tokens,), k, device=device), probs=probs,
-                   dropped=0, capacity=capacity,
-                   aux_loss=num_experts * (frac * probs.mean(dim=0)).sum(),
-                   entropy=-(probs * probs.clamp_min(1e-12).log()).sum(dim=-1).mean())
+        token_idx, slots, per_token = _one_token_indices(k, device)
+        return Routing(token_idx=token_idx, weights=weights.view(-1).index_select(0, order),
+                       counts=counts, slots=slots, per_token=per_token, selected=per_token,
+                       probs=probs, dropped=0, capacity=capacity, load=counts)
+    # slots[t] = where token t's k outputs sit in the grouped order, ascending (expert order),
+    # as assign lays them out.
+    where = torch.empty_like(order)
+    where[order] = position
+    per_token = torch.full((num_tokens,), k, device=device)
+    return Routing(token_idx=token[order], weights=weights.reshape(-1)[order], counts=counts,
+                   slots=where.view(num_tokens, k).sort(dim=1).values, per_token=per_token,
+                   selected=per_token, probs=probs, dropped=0, capacity=capacity,
+                   load=counts_all)
+
+
+@functools.lru_cache(maxsize=64)
+def _one_token_indices(k: int, device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A one-token routing's token_idx [k] (all 0), slots [1, k] (0..k-1) and per-token count
+    [1] (k): the same every step, so built once (routings are read, never written)."""
+    return (torch.zeros(k, dtype=torch.long, device=device),
+            torch.arange(k, device=device).view(1, k),
+            torch.full((1,), k, device=device))
 
 
 def _relayout_experts(experts: nn.Module) -> nn.Module:
@@ -402,14 +409,3 @@ def _relayout_experts(experts: nn.Module) -> nn.Module:
         setattr(experts, name, nn.Parameter(stored.transpose(1, 2),
                                             requires_grad=param.requires_grad))
     return experts
-
-
-def _stats(routing: Routing, *, entropy_beta: float) -> MoEStats:
-    """The built-in layers' per-layer stats (moe.MoEStats), from one routing."""
-    n = routing.num_tokens
-    kept = routing.num_assignments
-    return MoEStats(counts=routing.counts, num_tokens=n,
-                    mean_selected=(kept + routing.dropped) / max(n, 1),
-                    mean_active=kept / max(n, 1), dropped=routing.dropped,
-                    entropy=float(routing.entropy.detach()), aux_loss=routing.aux_loss,
-                    entropy_loss=entropy_beta * routing.entropy)
