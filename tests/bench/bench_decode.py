@@ -6,9 +6,9 @@ own ``generate()``, on one tiny Mixtral checkpoint built in code, side by side i
 
 Same checkpoint, same prompts (distinct, 6 to 20 tokens), greedy, stop at the checkpoint's
 end-of-sequence token or ``--max-tokens``:
-- sparsegate: the server's generation path minus HTTP — `BatchEngine` + `BatchDecoder` on a
-  one-thread executor, all N requests submitted at once (continuous batching, a KV cache per
-  sequence, sparsegate's gated MoE blocks with the family's own top-2, dropless);
+- sparsegate: the server's generation path minus HTTP — `BatchEngine` + `BatchDecoder` on the
+  server's model thread (`ModelThread`), all N requests submitted at once (continuous batching,
+  a KV cache per sequence, sparsegate's gated MoE blocks with the family's own top-2, dropless);
 - HF sequential: the unpatched checkpoint through ``model.generate()``, one request after the
   other (what serving with ``generate()`` per request gives);
 - HF batched: one ``model.generate()`` call over all N prompts left-padded (transformers' own
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import json
 import os
 import platform
@@ -44,6 +43,7 @@ from sparsegate_workload.batch_engine import BatchEngine  # noqa: E402
 from sparsegate_workload.gateparams import DEFAULT_PARAMS, make_document  # noqa: E402
 from sparsegate_workload.hf import build_tiny_checkpoint  # noqa: E402
 from sparsegate_workload.hf_serving import load  # noqa: E402
+from sparsegate_workload.model_thread import ModelThread  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_decode.json"
 GOALS = {8: 2.0, 1: 1.0}  # concurrency -> sparsegate / HF sequential tokens/s
@@ -61,7 +61,7 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 def run_sparsegate(hf, batch: list[list[int]], max_tokens: int, max_num_seqs: int
                    ) -> tuple[float, list[list[int]]]:
     async def go() -> tuple[float, list[list[int]]]:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        with ModelThread() as pool:
             engine = BatchEngine(BatchDecoder(hf), executor=pool, max_num_seqs=max_num_seqs)
             start = time.perf_counter()
             handles = [engine.submit(p, max_tokens=max_tokens) for p in batch]

@@ -4,8 +4,14 @@ Requests are submitted as `GenerationHandle`s into a FIFO queue. One driver task
 *jobs* on the server's single model thread (the executor every model call shares, so a gate
 swap or a ``/v1/infer`` batch lands between two jobs, never inside one). A job drops the
 sequences that left (timed out, client gone), prefills the queued requests that fit in
-``max_num_seqs`` and runs one decode step for every decoding sequence (`BatchDecoder.run`);
-back on the event loop, each request gets its tokens (``handle.tokens``) and, on its last one,
+``max_num_seqs`` and runs one decode step for every decoding sequence (`BatchDecoder.run`).
+On a `model_thread.ModelThread` it then keeps stepping while nothing else needs a step
+boundary: no other model call queued, no request submitted, cancelled or answered by its tool,
+no sequence ended while requests wait. Tokens are handed to the event loop without the model
+thread waiting for it: after the job's first step (first tokens), a step that ends a sequence
+or fires a tool, and otherwise at most `STREAM_FLUSH_S` apart (see `_job` for the measured
+cost that bounds). On any other executor a job is one step.
+Back on the event loop, each request gets its tokens (``handle.tokens``) and, on its last one,
 its `Generation` (``handle.done``). So requests join and leave between steps.
 
 The queue's bound is the server's admission (``--max-inflight`` running + queued: beyond it
@@ -30,6 +36,7 @@ import collections
 import concurrent.futures
 import itertools
 import logging
+import threading
 import time
 from typing import Awaitable, Callable
 
@@ -37,11 +44,13 @@ from .batch_decode import BatchDecoder, DecodeRequest, TokenEvent, ToolFire
 from .hf.gated_block import ActiveGate
 from .hf_serving import Generation
 from .metrics import ServerMetrics
+from .model_thread import ModelThread
 from .server_state import ApiError
 
 log = logging.getLogger("sparsegate.workload.batch")
 
 DEFAULT_MAX_NUM_SEQS = 32  # sequences decoded together (vLLM's name: max_num_seqs)
+STREAM_FLUSH_S = 0.005     # longest a decoded token waits on the model thread within a job
 
 _ids = itertools.count()
 
@@ -106,8 +115,11 @@ class BatchEngine:
         self._tool_runner = tool_runner
         self._answered: dict[object, list[int] | None] = {}  # parked key -> its tool's answer
         self._wake = asyncio.Event()  # a tool answered, a request came or was cancelled
+        # The same news for a running job (read on the model thread): end at the next step.
+        self._interrupt = threading.Event()
         self.closed: str | None = None   # why new work is refused (None: open)
-        self.steps = 0                   # jobs run (each: joins + one decode step per group)
+        self.steps = 0                   # decode steps run (each: one per gate group)
+        self.jobs = 0                    # jobs run (each: one step or more, see _job)
         self.max_batch = 0               # most sequences decoding at once so far
 
     @property
@@ -144,7 +156,7 @@ class BatchEngine:
             self._metrics.waiting.inc()
         if self._driver is None or self._driver.done():
             self._driver = asyncio.create_task(self._drive())
-        self._wake.set()  # a driver sleeping on parked sequences admits it now
+        self._poke()  # a driver sleeping on parked sequences admits it now
         return handle
 
     def cancel(self, handle: GenerationHandle, error: Exception | None = None) -> None:
@@ -159,7 +171,7 @@ class BatchEngine:
             if self._metrics is not None:
                 self._metrics.waiting.dec()
             handle._left()
-        self._wake.set()
+        self._poke()
 
     def _expire(self, handle: GenerationHandle, timeout_s: float) -> None:
         self.cancel(handle, ApiError(503, f"no result within {timeout_s:g} s"))
@@ -180,6 +192,7 @@ class BatchEngine:
     async def _drive(self) -> None:
         loop = asyncio.get_running_loop()
         while self._waiting or self._running:
+            self._interrupt.clear()  # before reading the news: later news ends the job
             admit: list[GenerationHandle] = []
             while self._waiting and len(self._running) + len(admit) < self.max_num_seqs:
                 if self.closed is not None:
@@ -200,10 +213,11 @@ class BatchEngine:
             if self._metrics is not None and admit:
                 self._metrics.waiting.dec(len(admit))
                 self._metrics.running.inc(len(admit))
+            self.jobs += 1
             try:
-                events = await loop.run_in_executor(
-                    self._executor, self.decoder.run, [h.request for h in admit],
-                    [h.key for h in leave], resume)
+                # Each step's tokens reach the loop (_stepped) before the job's own result.
+                await loop.run_in_executor(self._executor, self._job, loop,
+                                           [h.request for h in admit], leave, resume)
             except Exception as e:  # the model failed: every sequence in it fails too
                 log.exception("batched decode step failed")
                 await loop.run_in_executor(self._executor, self.decoder.reset)
@@ -211,12 +225,45 @@ class BatchEngine:
                     h.fail(ApiError(500, f"generation failed: {type(e).__name__}: {e}"))
                     self._leave(h)
                 continue
-            self.steps += 1
-            for h in leave:
-                self._leave(h)
-            self._dispatch(events)
-            self.max_batch = max(self.max_batch, self.decoder.running + sum(
-                1 for e in events if isinstance(e, TokenEvent) and e.generation is not None))
+
+    def _job(self, loop: asyncio.AbstractEventLoop, admit: list[DecodeRequest],
+             leave: list[GenerationHandle], resume: list[tuple[object, list[int] | None]]
+             ) -> None:
+        """On the model thread: one `BatchDecoder.run`, then further plain steps while no one
+        needs a step boundary (module docstring). Results go to the loop (`_stepped`) after the
+        first step (first tokens), a step that ended a sequence or fired a tool, the last step,
+        and otherwise at most `STREAM_FLUSH_S` apart: each hand-off wakes the loop thread, whose
+        contention for the GIL cost ~0.1 ms per step of a tiny model when every step woke it."""
+        thread = self._executor if isinstance(self._executor, ModelThread) else None
+        events = self.decoder.run(admit, [h.key for h in leave], resume)
+        pending: list[TokenEvent | ToolFire] = []
+        steps = batch = 0
+        posted_at = None
+        while True:
+            ended = sum(1 for e in events if isinstance(e, TokenEvent) and e.generation is not None)
+            steps += 1
+            batch = max(batch, self.decoder.running + ended)
+            pending += events
+            last = (thread is None or thread.queued or self._interrupt.is_set()
+                    or not self.decoder.running or bool(ended and self._waiting))
+            now = time.perf_counter()
+            if (last or ended or posted_at is None or now - posted_at >= STREAM_FLUSH_S
+                    or any(isinstance(e, ToolFire) for e in events)):
+                loop.call_soon_threadsafe(self._stepped, pending, leave, steps, batch)
+                pending, leave, steps, batch, posted_at = [], [], 0, 0, now
+            if last:
+                return
+            events = self.decoder.run((), (), ())
+
+    def _stepped(self, events: list[TokenEvent | ToolFire], left: list[GenerationHandle],
+                 steps: int, batch: int) -> None:
+        """On the loop: the results of ``steps`` steps (``left``: the handles the first one
+        dropped; ``batch``: the most sequences one of them decoded)."""
+        self.steps += steps
+        for h in left:
+            self._leave(h)
+        self._dispatch(events)
+        self.max_batch = max(self.max_batch, batch)
 
     def _dispatch(self, events: list[TokenEvent | ToolFire]) -> None:
         now = time.perf_counter()
@@ -248,7 +295,12 @@ class BatchEngine:
             except Exception:
                 log.exception("tool runner failed for %s; decoding goes on without it", fire.tool)
         self._answered[handle.key] = forced
+        self._poke()
+
+    def _poke(self) -> None:
+        """News for the driver: wake it if asleep, end a running job at its next step."""
         self._wake.set()
+        self._interrupt.set()
 
     def _leave(self, handle: GenerationHandle) -> None:
         if self._running.pop(handle.key, None) is not None and self._metrics is not None:

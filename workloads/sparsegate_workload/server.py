@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -97,6 +96,7 @@ from .devices import DEVICE_CHOICES, DeviceError, resolve_device
 from .inference import InferenceResult, run_batch
 from .metrics import ServerMetrics
 from .model import ModelConfig, TinyMoELM, build_model, default_heads, effective_gate
+from .model_thread import ModelThread
 from .server_state import (BUILTIN_MODEL_NAME, DEFAULT_MAX_INFLIGHT, DEFAULT_REQUEST_TIMEOUT_S,
                            MAX_BODY_BYTES, STATE, ApiError, AppliedGate, CanaryGate, ServerState,
                            admission, choose_gate, inject_fault, read_json, run_on_model,
@@ -511,8 +511,7 @@ def _swap_checkpoint_gate(state: ServerState, doc: GateDocument,
 
 async def _load_model(app: web.Application) -> None:
     state = app[STATE]
-    state.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                                           thread_name_prefix="model")
+    state.executor = ModelThread()
     loop = asyncio.get_running_loop()
     try:
         if state.model_path is not None:

@@ -8,7 +8,6 @@ both use them without importing each other.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -24,6 +23,7 @@ from sparsegate_contracts.gate import DEFAULT_DOCUMENT, GateDocument, GateParams
 from .hf_serving import HFServedModel
 from .metrics import ServerMetrics
 from .model import ModelConfig, TinyMoELM
+from .model_thread import ModelThread
 from .precision import Precision
 from .threshold_control import ThresholdControl, ThresholdController
 from .tools import ToolRegistry
@@ -104,7 +104,7 @@ class ServerState:
     max_num_seqs: int = 32                # sequences its engine decodes together
     hf: HFServedModel | None = None       # the loaded checkpoint
     engine: BatchEngine | None = None     # its continuous-batching generation engine
-    executor: concurrent.futures.ThreadPoolExecutor | None = None
+    executor: ModelThread | None = None
     metrics: ServerMetrics | None = None
     started: float = dataclasses.field(default_factory=time.monotonic)
     started_wall: float = dataclasses.field(default_factory=time.time)  # /v1/models "created"
