@@ -9,8 +9,9 @@ watched objects instead, so a tick reads its fleet from memory.
 
 A projection keeps the object's shape (``metadata``/``spec``/``status``) with only the fields read
 by ``domain.pod_ownership``, ``controllers.rollout``, ``domain.conditions.container_problems``,
-the gate binding (``handlers.modelsync.stale_models``) and, for a Deployment, the model's status
-(``domain.model_status``: generation and replica counts),
+the gate binding (``handlers.modelsync.stale_models``), for a Deployment the model's status
+(``domain.model_status``: generation and replica counts), and for a GateConfig the model's gate
+(``domain.gate.resolve``),
 so those read a projection exactly as they read the full object; and it is small (a pod's is a
 few hundred bytes where the object is several KiB).
 """
@@ -103,6 +104,18 @@ def model_view(model: Mapping[str, Any]) -> dict[str, Any]:
                 if c.get("type") == ConditionType.DEGRADED.value]
     if degraded:
         view["status"]["conditions"] = degraded
+    return view
+
+
+def gate_view(gate_config: Mapping[str, Any]) -> dict[str, Any]:
+    """A GateConfig as a model's reconcile resolves it (``domain.gate.resolve``): its spec params and
+    the stable document in its status; the rollout's own state and history stay out."""
+    spec, status = gate_config.get("spec") or {}, gate_config.get("status") or {}
+    view: dict[str, Any] = {"metadata": _meta(gate_config), "spec": {}, "status": {}}
+    if "params" in spec:
+        view["spec"]["params"] = spec["params"]
+    if status.get("stable"):
+        view["status"]["stable"] = status["stable"]
     return view
 
 

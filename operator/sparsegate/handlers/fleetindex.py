@@ -1,10 +1,11 @@
 """Kopf indexes of the objects a model's fleet is made of (``domain.fleet_view`` projections).
 
 The rollout controller and the access sync read a model's pods, ReplicaSets, Deployment and the
-SparseModel itself from these instead of the API server (``controllers.inventory``). Kopf fills
+SparseModel itself from these instead of the API server (``controllers.inventory``); a model's
+reconcile reads its GateConfig from here too. Kopf fills
 every index from its initial listing before any handler runs, so a restarted operator never
 ticks on an empty view. The watches are the ones the operator holds anyway (pods, Deployments,
-SparseModels) plus ReplicaSets, which its role already lets it list and watch.
+SparseModels, GateConfigs) plus ReplicaSets, which its role already lets it list and watch.
 """
 
 from __future__ import annotations
@@ -41,3 +42,9 @@ async def sparsegate_model_deployment_views(namespace: str, name: str, body: kop
 async def sparsegate_model_replicaset_views(namespace: str, uid: str, body: kopf.Body, **_: Any) -> dict:
     """(namespace, ReplicaSet uid) → its projection (pods name their ReplicaSet by uid)."""
     return {(namespace, uid): fleet_view.owner_view(body)}
+
+
+@kopf.index(names.GROUP, names.VERSION, names.GATECONFIGS)
+async def sparsegate_gate_views(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+    """(namespace, GateConfig) → what a model's gate resolves from (``fleet_view.gate_view``)."""
+    return {(namespace, name): fleet_view.gate_view(body)}

@@ -1,17 +1,26 @@
 """GateConfig → SparseModel binding (the rollout logic itself lives in controllers.rollout).
 
-On every GateConfig event: re-reconcile the models that reference it and render a different gate
-than it now resolves to. The comparison reads the GateConfig as the event delivered it and the
-models' watched views (``handlers.fleetindex``), so the frequent rollout status writes cost no API
-request; only a model that is stale is read and reconciled. ``status.stable`` is written by the
-rollout state machine alone (its first tick records the spec's version); until then a model
-resolves the GateConfig's spec.params.
+A model's reconcile resolves its gate from the GateConfig as watched (``fleetindex``), and two
+events re-reconcile a model whose rendered gate no longer matches what its GateConfig resolves to:
+- every GateConfig event, for the models that reference it: the comparison reads the GateConfig as
+  the event delivered it and the models' watched views, so the frequent rollout status writes cost
+  no API request; only a model that is stale is read and reconciled. A model never reconciled yet
+  is skipped there (its own pending reconcile resolves the gate), and so
+- every SparseModel event, against its GateConfig as watched: a reconcile that read the GateConfig
+  just before it changed writes a status whose event arrives either before the GateConfig's event
+  (which then sees the old version in the model's view) or after it (and is caught here). Without
+  this, a GateConfig changed while its new model's first reconcile ran kept the old gate.
+A model already waiting for such a reconcile is not queued twice (it reads the gate when it starts).
+
+``status.stable`` is written by the rollout state machine alone (its first tick records the spec's
+version); until then a model resolves the GateConfig's spec.params.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
@@ -22,7 +31,10 @@ from sparsegate import metrics
 from sparsegate.controllers.inventory import Inventory
 from sparsegate.handlers import modelsync
 from sparsegate.handlers.pools import run_model_work
-from sparsegate.handlers.sparsemodel import GROUP, VERSION, reconcile, watched_deployment
+from sparsegate.handlers.sparsemodel import GROUP, VERSION, reconcile, watched_deployment, watched_gates
+
+# (namespace, model) of the re-reconciles queued here and not started yet: touched on the event loop.
+_queued: set[tuple[str, str]] = set()
 
 
 @kopf.on.event(GROUP, VERSION, names.GATECONFIGS)
@@ -36,13 +48,45 @@ async def gateconfig_changed(type: str | None, body: kopf.Body, namespace: str, 
         stale = modelsync.stale_models(None if type == "DELETED" else dict(body), views)
         for model in stale:
             logger.info("re-rendering SparseModel %s for GateConfig %s", model, name)
-            await run_model_work(memo, _reconcile, memo, namespace=namespace, name=model, logger=logger,
-                                 pods=inventory.pods(namespace, model),
-                                 watched=watched_deployment(inventory, namespace, model))
+            await rereconcile(memo, inventory, namespace=namespace, name=model, logger=logger)
+
+
+@kopf.on.event(GROUP, VERSION, names.SPARSEMODELS)
+async def model_gate_check(type: str | None, body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
+                           logger: logging.Logger, **kwargs: Any) -> None:
+    if type in (None, "DELETED") or body.metadata.get("deletionTimestamp"):
+        return  # None: the initial listing, which the resume handler reconciles anyway
+    ref = modelsync.gate_ref(body)
+    if not ref:
+        return
+    inventory = Inventory.from_kopf(kwargs)
+    if modelsync.stale_models(inventory.gate(namespace, ref), [body]):
+        logger.info("re-rendering SparseModel %s: GateConfig %s changed since its status was written", name, ref)
+        await rereconcile(memo, inventory, namespace=namespace, name=name, logger=logger)
+
+
+async def rereconcile(memo: kopf.Memo, inventory: Inventory, *, namespace: str, name: str,
+                      logger: logging.Logger) -> None:
+    """Read the model and reconcile it in the model pool, unless that is queued already."""
+    key = (namespace, name)
+    if key in _queued:
+        return
+    _queued.add(key)
+    loop = asyncio.get_running_loop()
+    try:
+        await run_model_work(memo, _reconcile, memo, namespace=namespace, name=name, logger=logger,
+                             pods=inventory.pods(namespace, name),
+                             watched=watched_deployment(inventory, namespace, name),
+                             gates=watched_gates(inventory),
+                             started=lambda: loop.call_soon_threadsafe(_queued.discard, key))
+    finally:
+        _queued.discard(key)
 
 
 def _reconcile(memo: kopf.Memo, *, namespace: str, name: str, logger: logging.Logger,
-               pods: list[Mapping[str, Any]], watched: modelsync.WatchedDeployment) -> None:
+               pods: list[Mapping[str, Any]], watched: modelsync.WatchedDeployment,
+               gates: modelsync.WatchedGate, started: Callable[[], object]) -> None:
+    started()  # from here on, a newer change needs a reconcile of its own
     model = memo.kube.get("SparseModel", namespace=namespace, name=name)
     if model is not None:
-        reconcile(memo, model, pods=pods, logger=logger, watched=watched)
+        reconcile(memo, model, pods=pods, logger=logger, watched=watched, gates=gates)

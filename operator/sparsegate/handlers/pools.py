@@ -15,11 +15,12 @@ import asyncio
 import contextvars
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import kopf
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 # Bound on one read through :func:`loop_reader` (the loop answers in microseconds unless blocked).
 LOOP_READ_TIMEOUT_S = 30.0
@@ -33,20 +34,21 @@ async def run_model_work(memo: kopf.Memo, func: Callable[..., T], /, *args: Any,
     return await asyncio.get_running_loop().run_in_executor(memo.model_pool, call)
 
 
-def loop_reader(read: Callable[[], T]) -> Callable[[], T]:
-    """``read`` made callable from a pool thread: each call runs it on this event loop (where Kopf
-    updates its indexes, so a read never sees an index mid-update) and waits for the answer."""
+def loop_reader(read: Callable[P, T]) -> Callable[P, T]:
+    """``read`` made callable from a pool thread: each call runs it (with the call's arguments) on
+    this event loop (where Kopf updates its indexes, so a read never sees an index mid-update) and
+    waits for the answer."""
     loop = asyncio.get_running_loop()
 
-    async def on_loop() -> T:
-        return read()
+    async def on_loop(*args: P.args, **kwargs: P.kwargs) -> T:
+        return read(*args, **kwargs)
 
-    def call() -> T:
+    def call(*args: P.args, **kwargs: P.kwargs) -> T:
         try:
             if asyncio.get_running_loop() is loop:
-                return read()  # already on the loop (not from a pool thread)
+                return read(*args, **kwargs)  # already on the loop (not from a pool thread)
         except RuntimeError:
             pass
-        return asyncio.run_coroutine_threadsafe(on_loop(), loop).result(timeout=LOOP_READ_TIMEOUT_S)
+        return asyncio.run_coroutine_threadsafe(on_loop(*args, **kwargs), loop).result(timeout=LOOP_READ_TIMEOUT_S)
 
     return call

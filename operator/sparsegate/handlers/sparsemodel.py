@@ -55,7 +55,7 @@ async def reconcile_model(body: kopf.Body, namespace: str, name: str, memo: kopf
     inventory = Inventory.from_kopf(kwargs)
     pods = inventory.pods(namespace, name)  # read on the event loop, where Kopf writes it
     await run_model_work(memo, reconcile, memo, dict(body), pods=pods, logger=logger,
-                         watched=watched_deployment(inventory, namespace, name))
+                         watched=watched_deployment(inventory, namespace, name), gates=watched_gates(inventory))
 
 
 def watched_deployment(inventory: Inventory, namespace: str, name: str) -> modelsync.WatchedDeployment:
@@ -63,12 +63,18 @@ def watched_deployment(inventory: Inventory, namespace: str, name: str) -> model
     return loop_reader(lambda: inventory.deployment(namespace, name))
 
 
+def watched_gates(inventory: Inventory) -> modelsync.WatchedGate:
+    """The GateConfig views, readable from the pool thread (call on the event loop)."""
+    return loop_reader(inventory.gate)
+
+
 def reconcile(memo: kopf.Memo, model: Mapping[str, Any], *, pods: list[Mapping[str, Any]], logger: logging.Logger,
-              watched: modelsync.WatchedDeployment) -> None:
+              watched: modelsync.WatchedDeployment, gates: modelsync.WatchedGate) -> None:
     """One reconcile of ``model`` (as delivered or just read), timed and counted; in the model pool."""
     with metrics.observe("SparseModel") as outcome:
         outcome.value = modelsync.reconcile(memo.kube, model, events=post_event, logger=logger, pods=pods,
-                                            watched_deployment=watched, status_inputs=memo.status_inputs)
+                                            watched_deployment=watched, watched_gate=gates,
+                                            status_inputs=memo.status_inputs)
 
 
 @kopf.on.event("apps", "v1", "deployments",
@@ -88,12 +94,13 @@ async def deployment_changed(type: str | None, body: kopf.Body, memo: kopf.Memo,
             outcome.value = "unchanged"  # the model's status was written from exactly this: no pool thread, no request
         return
     await run_model_work(memo, _deployment_changed, memo, type=type, deployment=dict(body), model=model,
-                         pods=pods, logger=logger, watched=watched_deployment(inventory, namespace, model))
+                         pods=pods, logger=logger, watched=watched_deployment(inventory, namespace, model),
+                         gates=watched_gates(inventory))
 
 
 def _deployment_changed(memo: kopf.Memo, *, type: str, deployment: Mapping[str, Any], model: str,
                         pods: list[Mapping[str, Any]], logger: logging.Logger,
-                        watched: modelsync.WatchedDeployment) -> None:
+                        watched: modelsync.WatchedDeployment, gates: modelsync.WatchedGate) -> None:
     namespace = deployment["metadata"]["namespace"]
     kube: Kube = memo.kube
     with metrics.observe("Deployment") as outcome:
@@ -105,7 +112,8 @@ def _deployment_changed(memo: kopf.Memo, *, type: str, deployment: Mapping[str, 
             if owner is not None:
                 logger.warning("Deployment %s was deleted; re-creating it", model)
                 modelsync.reconcile(kube, owner, events=post_event, logger=logger, pods=pods,
-                                    watched_deployment=watched, status_inputs=memo.status_inputs)
+                                    watched_deployment=watched, watched_gate=gates,
+                                    status_inputs=memo.status_inputs)
                 return
         if not modelsync.refresh_from_deployment(
                 kube, namespace=namespace, name=model, deployment=None if type == "DELETED" else deployment,

@@ -20,5 +20,6 @@ def test_inventory_reads_the_indexes_fleetindex_defines() -> None:
             return {}
 
     inventory = Inventory.from_kopf(Recorder())
-    assert set(asked) == defined and len(asked) == 4
+    assert set(asked) == defined and len(asked) == 5
     assert inventory.model("ns", "m") is None and inventory.pods("ns", "m") == []
+    assert inventory.gate("ns", "g") is None

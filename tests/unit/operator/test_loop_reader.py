@@ -30,3 +30,11 @@ def test_an_error_in_the_read_reaches_the_caller():
         return False
 
     assert asyncio.run(main())
+
+
+def test_the_call_arguments_reach_the_read():
+    async def main():
+        read = loop_reader(lambda key, *, default=None: {"a": 1}.get(key, default))
+        return await asyncio.to_thread(read, "a"), await asyncio.to_thread(read, "b", default=2), read("a")
+
+    assert asyncio.run(main()) == (1, 2, 1)

@@ -106,10 +106,18 @@ def watched(k):
     return read
 
 
+def watched_gates(k):
+    """The GateConfigs as the operator's watch delivered them (here: as stored, at once)."""
+    def read(namespace, name):
+        gc = k.objects.get(("GateConfig", namespace, name))  # no request: the watch has it
+        return fleet_view.gate_view(gc) if gc else None
+    return read
+
+
 def reconcile(k, model, *, events=None, inputs=None, pods=()):
     return modelsync.reconcile(k, model, events=(lambda *a: events.append(a)) if events is not None else (lambda *a: None),
-                               logger=LOG, watched_deployment=watched(k), status_inputs=StatusInputs() if inputs is None else inputs,
-                               pods=pods)
+                               logger=LOG, watched_deployment=watched(k), watched_gate=watched_gates(k),
+                               status_inputs=StatusInputs() if inputs is None else inputs, pods=pods)
 
 
 def model_of(k):
@@ -299,18 +307,19 @@ def test_an_unusable_admin_secret_is_replaced_with_a_complete_one(kube, case):
     assert kube.replaced == ["Secret"]
 
 
-def test_a_new_model_costs_no_secret_or_deployment_read(kube):
-    """Never reconciled: the admin Secret is created straight away (no GET first); the Deployment
-    status comes from the apply and the watch, not a GET; the status write starts from the model
-    as delivered. A reconciled model reads its Secret (it may need replacing) and creates none."""
+def test_a_new_model_costs_no_secret_deployment_or_gateconfig_read(kube):
+    """Never reconciled: the GateConfig comes from the watch, not a GET; the admin Secret is
+    created straight away (no GET first); the Deployment status comes from the apply and the
+    watch, not a GET; the status write starts from the model as delivered. A reconciled model
+    reads its Secret (it may need replacing) and creates none."""
     gateconfig(kube)
     model = model_of(kube)
     kube.calls.clear()
     reconcile(kube, model)
     # Secret, ConfigMap and Service at once (in any order), then the Deployment that mounts them.
-    assert kube.calls[:1] == [("get", "GateConfig")]
-    assert sorted(kube.calls[1:4]) == [("apply", "ConfigMap"), ("apply", "Service"), ("create", "Secret")]
-    assert kube.calls[4:] == [("apply", "Deployment"), ("status", "SparseModel")]
+    assert sorted(kube.calls[:3]) == [("apply", "ConfigMap"), ("apply", "Service"), ("create", "Secret")]
+    assert kube.calls[3:] == [("apply", "Deployment"), ("status", "SparseModel")]
+    assert model_of(kube)["status"]["gateVersion"]  # resolved from the watched GateConfig
     model = model_of(kube)
     kube.calls.clear()
     reconcile(kube, model)

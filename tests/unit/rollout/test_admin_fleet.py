@@ -61,7 +61,8 @@ def inventory(pods: list[dict], *, replicasets: list[dict] = [RS]) -> Inventory:
         models={(NS, "m"): [fleet_view.model_view(MODEL)]},
         pods={(NS, "m"): [fleet_view.pod_view(p) for p in pods]},
         deployments={(NS, "m"): [fleet_view.owner_view(DEPLOYMENT)]},
-        replicasets={(NS, rs["metadata"]["uid"]): [fleet_view.owner_view(rs)] for rs in replicasets})
+        replicasets={(NS, rs["metadata"]["uid"]): [fleet_view.owner_view(rs)] for rs in replicasets},
+        gates={})
 
 
 async def test_only_pods_owned_through_the_chain_are_targets_and_no_api_is_read() -> None:
@@ -129,6 +130,6 @@ def test_views_keep_what_the_checks_read_and_little_else() -> None:
 
 async def test_a_model_without_pods_needs_no_deployment_read() -> None:
     kube = FakeKube()
-    inv = Inventory(models={(NS, "m"): [fleet_view.model_view(MODEL)]}, pods={}, deployments={}, replicasets={})
+    inv = Inventory(models={(NS, "m"): [fleet_view.model_view(MODEL)]}, pods={}, deployments={}, replicasets={}, gates={})
     fleet = await RolloutLoop(kube=kube)._fleet(namespace=NS, models=["m"], inventory=inv)  # type: ignore[arg-type]
     assert fleet.all_pods == () and kube.calls == []  # just created: no pods, and no 404 every tick

@@ -1,0 +1,129 @@
+"""handlers.gatebinding: a model whose status was written from a GateConfig that has changed since
+is reconciled again from its own event (the race the GateConfig's event alone misses: a new model's
+first reconcile read the old GateConfig, and the GateConfig's event came while the model had no
+status yet, so it was skipped as never reconciled); a model already queued is not queued twice."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import kopf
+import pytest
+import yaml
+
+from sparsegate.domain import fleet_view, gate
+from sparsegate.handlers import gatebinding
+
+ROOT = Path(__file__).resolve().parents[3]
+LOG = logging.getLogger("test")
+
+
+def gateconfig(**params: Any) -> dict:
+    gc = yaml.safe_load((ROOT / "examples" / "gateconfig.yaml").read_text())
+    gc["metadata"]["namespace"] = "ns"
+    gc["spec"]["params"].update(params)
+    return gc
+
+
+def model(*, gate_version: str | None) -> dict:
+    m = yaml.safe_load((ROOT / "examples" / "sparsemodel.yaml").read_text())
+    m["metadata"].update(namespace="ns", uid="uid-1")
+    if gate_version:
+        m["status"] = {"gateVersion": gate_version}
+    return m
+
+
+def version(gc: dict) -> str:
+    experts = int(model(gate_version=None)["spec"]["model"]["experts"])
+    return gate.resolve(gc, referenced=True, num_experts=experts).document.version
+
+
+class Harness:
+    """The handler's Kopf arguments: indexes as dicts, a memo whose model pool can be held."""
+
+    def __init__(self, gc: dict | None) -> None:
+        self.gc_name = gateconfig()["metadata"]["name"]
+        self.gates = {("ns", self.gc_name): [fleet_view.gate_view(gc)]} if gc else {}
+        self.reconciled: list[tuple[str, str | None]] = []
+        self.memo = kopf.Memo()
+        self.memo.model_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+    def kwargs(self) -> dict:
+        return dict(sparsegate_model_views={}, sparsegate_model_pod_views={}, sparsegate_model_deployment_views={},
+                    sparsegate_model_replicaset_views={}, sparsegate_gate_views=self.gates)
+
+    def reconcile(self, memo: kopf.Memo, m: dict, *, gates: Any, **_: Any) -> None:
+        view = gates("ns", self.gc_name)  # what the reconcile resolves from: read when it runs
+        self.reconciled.append((m["metadata"]["name"], version(view) if view else None))
+
+    async def event(self, body: dict, type_: str | None = "MODIFIED") -> None:
+        await gatebinding.model_gate_check(type=type_, body=kopf.Body(copy.deepcopy(body)), namespace="ns",
+                                           name=body["metadata"]["name"], memo=self.memo, logger=LOG,
+                                           **self.kwargs())
+
+
+@pytest.fixture
+def harness(monkeypatch: pytest.MonkeyPatch):
+    def make(gc: dict | None) -> Harness:
+        h = Harness(gc)
+        monkeypatch.setattr(gatebinding, "reconcile", h.reconcile)
+        monkeypatch.setattr(gatebinding, "_queued", set())
+        h.memo.kube = type("K", (), {"get": lambda self, kind, *, namespace, name: model(gate_version="x")})()
+        return h
+    return make
+
+
+def test_a_model_written_from_an_older_gate_is_reconciled_from_its_own_event(harness) -> None:
+    old, new = gateconfig(), gateconfig(entropyBeta=0.3)
+    assert version(old) != version(new)
+    h = harness(new)
+    asyncio.run(h.event(model(gate_version=version(new))))
+    assert h.reconciled == []  # in line with the watched GateConfig: nothing to do
+    asyncio.run(h.event(model(gate_version=version(old))))
+    assert h.reconciled == [("moe-small", version(new))]  # re-rendered from the GateConfig as now watched
+
+
+def test_never_reconciled_initial_listing_and_deleted_models_are_left_alone(harness) -> None:
+    h = harness(gateconfig(entropyBeta=0.3))
+    stale = model(gate_version=version(gateconfig()))
+    asyncio.run(h.event(model(gate_version=None)))  # its own pending reconcile resolves the gate
+    asyncio.run(h.event(stale, None))  # the initial listing: the resume handler reconciles every model
+    asyncio.run(h.event(stale, "DELETED"))
+    deleting = copy.deepcopy(stale)
+    deleting["metadata"]["deletionTimestamp"] = "2026-12-05T00:00:00Z"
+    asyncio.run(h.event(deleting))
+    assert h.reconciled == []
+
+
+def test_a_model_rendered_from_a_gateconfig_now_gone_is_reconciled(harness) -> None:
+    h = harness(None)
+    asyncio.run(h.event(model(gate_version=version(gateconfig()))))
+    assert h.reconciled == [("moe-small", None)]  # it resolves to no gate: Degraded
+
+
+def test_a_queued_model_is_not_queued_twice_but_a_started_one_is(harness) -> None:
+    old, new = gateconfig(), gateconfig(entropyBeta=0.3)
+    h = harness(new)
+    stale = model(gate_version=version(old))
+
+    async def main() -> None:
+        busy = threading.Event()
+        h.memo.model_pool.submit(busy.wait, 5)  # the pool's one thread is busy: reconciles queue
+        first = asyncio.create_task(h.event(stale))
+        await asyncio.sleep(0.05)
+        await h.event(stale)  # the same model while queued: dropped (the queued one reads the gate later)
+        await h.event(stale)
+        assert gatebinding._queued == {("ns", "moe-small")} and h.reconciled == []
+        busy.set()
+        await first
+        assert h.reconciled == [("moe-small", version(new))] and gatebinding._queued == set()
+        await h.event(stale)  # after it started: a change since needs a reconcile of its own
+
+    asyncio.run(main())
+    assert len(h.reconciled) == 2
