@@ -13,7 +13,9 @@ Reports, side by side:
 - time from the first create until every SparseModel is Ready (pods Running on kwok nodes);
 - operator reconcile latency p50/p99 per kind, from its own histogram
   (``sparsegate_operator_reconcile_duration_seconds``), and the rollout tick p50/p99
-  (``sparsegate_rollout_tick_duration_seconds``, one tick checks every pod of a GateConfig);
+  (``sparsegate_rollout_tick_duration_seconds``, one tick checks every pod of a GateConfig), and
+  how long model work waited for a thread of the model pool, by work
+  (``sparsegate_operator_model_pool_wait_seconds``);
 - operator memory: peak RSS (VmHWM) and RSS at the end;
 - the operator's own API requests (``sparsegate_operator_kube_requests_total``) by verb and
   resource, in all and per SparseModel, and by answer code (409: a status write that lost a race
@@ -226,6 +228,11 @@ def main() -> int:
             "reconcileGateConfig": histogram_quantiles(metrics, "sparsegate_operator_reconcile_duration_seconds",
                                                        ("kind", "GateConfig")),
             "rolloutTick": histogram_quantiles(metrics, "sparsegate_rollout_tick_duration_seconds", None),
+            # How long model work queued for one of the model pool's threads, by work: a long
+            # wait here with short reconciles means the pool (not the API server) is the queue.
+            "modelPoolWait": {work: histogram_quantiles(metrics, "sparsegate_operator_model_pool_wait_seconds",
+                                                        ("work", work))
+                              for work in ("reconcile", "deployment_changed", "pod_stuck", "read_and_reconcile")},
             "firstStepRecordedSeconds": None if first_step_s is None else round(first_step_s, 2),
             "canaryInstances": ro.get("canaryInstances"),
             "operatorPeakRssMiB": round(hwm / 1024, 1), "operatorRssMiB": round(rss / 1024, 1),

@@ -74,7 +74,7 @@ async def rereconcile(memo: kopf.Memo, inventory: Inventory, *, namespace: str, 
     _queued.add(key)
     loop = asyncio.get_running_loop()
     try:
-        await run_model_work(memo, _reconcile, memo, namespace=namespace, name=name, logger=logger,
+        await run_model_work(memo, _read_and_reconcile, memo, namespace=namespace, name=name, logger=logger,
                              pods=inventory.pods(namespace, name),
                              watched=watched_deployment(inventory, namespace, name),
                              gates=watched_gates(inventory),
@@ -83,7 +83,7 @@ async def rereconcile(memo: kopf.Memo, inventory: Inventory, *, namespace: str, 
         _queued.discard(key)
 
 
-def _reconcile(memo: kopf.Memo, *, namespace: str, name: str, logger: logging.Logger,
+def _read_and_reconcile(memo: kopf.Memo, *, namespace: str, name: str, logger: logging.Logger,
                pods: list[Mapping[str, Any]], watched: modelsync.WatchedDeployment,
                gates: modelsync.WatchedGate, started: Callable[[], object]) -> None:
     started()  # from here on, a newer change needs a reconcile of its own

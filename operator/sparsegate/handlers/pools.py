@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
+import time
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
 import kopf
+
+from sparsegate import metrics
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -28,9 +30,16 @@ LOOP_READ_TIMEOUT_S = 30.0
 
 async def run_model_work(memo: kopf.Memo, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """``func(*args, **kwargs)`` in the model pool, with the caller's context variables (Kopf posts
-    Events through them)."""
+    Events through them); the time it waited for a thread is observed in
+    ``sparsegate_operator_model_pool_wait_seconds{work=<func's name>}``."""
     context = contextvars.copy_context()
-    call = functools.partial(context.run, func, *args, **kwargs)
+    queued = time.monotonic()
+    wait = metrics.POOL_WAIT.labels(work=func.__name__.lstrip("_"))
+
+    def call() -> T:
+        wait.observe(time.monotonic() - queued)
+        return context.run(func, *args, **kwargs)
+
     return await asyncio.get_running_loop().run_in_executor(memo.model_pool, call)
 
 
