@@ -12,6 +12,7 @@ Settings chosen here:
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from typing import Any
 
@@ -23,6 +24,9 @@ import sparsegate.handlers  # noqa: F401  (registers handlers)
 from sparsegate.clients.kube import Kube
 from sparsegate.controllers.status_inputs import StatusInputs
 from sparsegate.handlers import accesssync, gateconfig
+
+# Threads for model status refreshes (handlers.pools.run_status_work); reconciles keep Kopf's 8.
+STATUS_POOL_THREADS = 4
 
 
 @kopf.on.startup()
@@ -40,6 +44,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.server_timeout = 300
     memo.kube = Kube.from_environment()
     memo.model_pool = settings.execution.executor  # handlers.pools: the model handlers' blocking work
+    # handlers.pools.run_status_work: status refreshes, never queued behind reconciles.
+    memo.status_pool = concurrent.futures.ThreadPoolExecutor(max_workers=STATUS_POOL_THREADS,
+                                                             thread_name_prefix="sparsegate-status")
     memo.status_inputs = StatusInputs()  # what each model's status was last written from
     # One controller each, shared by every object's loop (Kopf copies this memo per object).
     memo.rollout_loop = gateconfig.new_rollout_loop(memo.kube)

@@ -31,12 +31,13 @@ RECONCILES = prometheus_client.Counter(
     ["kind", "outcome"])
 ERRORS = prometheus_client.Counter(
     "sparsegate_operator_reconcile_errors_total", "Reconciles that raised, by kind.", ["kind"])
-# How long model work waited in the model pool before a thread took it (handlers.pools), by the
-# work's name: with the reconcile duration it tells a slow reconcile from a long queue.
+# How long model work waited before a thread of its pool took it (handlers.pools: "model" for
+# reconciles, "status" for status refreshes), by pool and the work's name: with the reconcile
+# duration it tells a slow reconcile from a long queue.
 POOL_WAIT = prometheus_client.Histogram(
     "sparsegate_operator_model_pool_wait_seconds",
-    "Time model work (reconciles, status refreshes) waited for a thread of the model pool, by work.",
-    ["work"], buckets=(0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200))
+    "Time model work (reconciles, status refreshes) waited for a thread of its pool, by pool and work.",
+    ["pool", "work"], buckets=(0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200))
 DURATION = prometheus_client.Histogram(
     "sparsegate_operator_reconcile_duration_seconds", "Reconcile wall time by kind.", ["kind"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))

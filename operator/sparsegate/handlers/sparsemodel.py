@@ -31,7 +31,7 @@ from sparsegate.clients.kube import Kube
 from sparsegate.controllers.inventory import Inventory
 from sparsegate.domain import conditions, model_status
 from sparsegate.handlers import modelsync
-from sparsegate.handlers.pools import loop_reader, run_model_work
+from sparsegate.handlers.pools import loop_reader, run_model_work, run_status_work
 
 GROUP, VERSION = names.GROUP, names.VERSION
 
@@ -93,7 +93,7 @@ async def deployment_changed(type: str | None, body: kopf.Body, memo: kopf.Memo,
         with metrics.observe("Deployment") as outcome:
             outcome.value = "unchanged"  # the model's status was written from exactly this: no pool thread, no request
         return
-    await run_model_work(memo, _deployment_changed, memo, type=type, deployment=dict(body), model=model,
+    await run_status_work(memo, _deployment_changed, memo, type=type, deployment=dict(body), model=model,
                          pods=pods, logger=logger, watched=watched_deployment(inventory, namespace, model),
                          gates=watched_gates(inventory))
 
@@ -135,7 +135,7 @@ async def pod_stuck(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
     deployment = inventory.deployment(namespace, model)
     if deployment is None:
         return  # not delivered by the watch yet: its first event refreshes the status, these pods included
-    await run_model_work(memo, _pod_stuck, memo, namespace=namespace, model=model, pods=inventory.pods(namespace, model),
+    await run_status_work(memo, _pod_stuck, memo, namespace=namespace, model=model, pods=inventory.pods(namespace, model),
                          deployment=deployment)
 
 
