@@ -33,8 +33,8 @@ from sparsegate.handlers import modelsync
 from sparsegate.handlers.pools import run_model_work
 from sparsegate.handlers.sparsemodel import GROUP, VERSION, reconcile, watched_deployment, watched_gates
 
-# (namespace, model) of the re-reconciles queued here and not started yet: touched on the event loop.
-_queued: set[tuple[str, str]] = set()
+# (namespace, model) → the re-reconcile queued here and not started yet (a token): on the event loop.
+_queued: dict[tuple[str, str], object] = {}
 
 
 @kopf.on.event(GROUP, VERSION, names.GATECONFIGS)
@@ -68,24 +68,28 @@ async def model_gate_check(type: str | None, body: kopf.Body, namespace: str, na
 async def rereconcile(memo: kopf.Memo, inventory: Inventory, *, namespace: str, name: str,
                       logger: logging.Logger) -> None:
     """Read the model and reconcile it in the model pool, unless that is queued already."""
-    key = (namespace, name)
+    key, token = (namespace, name), object()
     if key in _queued:
         return
-    _queued.add(key)
+    _queued[key] = token
     loop = asyncio.get_running_loop()
+
+    def forget() -> None:
+        if _queued.get(key) is token:  # not a later one queued after this one started
+            del _queued[key]
+
     try:
         await run_model_work(memo, _read_and_reconcile, memo, namespace=namespace, name=name, logger=logger,
                              pods=inventory.pods(namespace, name),
                              watched=watched_deployment(inventory, namespace, name),
-                             gates=watched_gates(inventory),
-                             started=lambda: loop.call_soon_threadsafe(_queued.discard, key))
+                             gates=watched_gates(inventory), started=lambda: loop.call_soon_threadsafe(forget))
     finally:
-        _queued.discard(key)
+        forget()
 
 
 def _read_and_reconcile(memo: kopf.Memo, *, namespace: str, name: str, logger: logging.Logger,
-               pods: list[Mapping[str, Any]], watched: modelsync.WatchedDeployment,
-               gates: modelsync.WatchedGate, started: Callable[[], object]) -> None:
+                        pods: list[Mapping[str, Any]], watched: modelsync.WatchedDeployment,
+                        gates: modelsync.WatchedGate, started: Callable[[], object]) -> None:
     started()  # from here on, a newer change needs a reconcile of its own
     model = memo.kube.get("SparseModel", namespace=namespace, name=name)
     if model is not None:

@@ -73,7 +73,7 @@ def harness(monkeypatch: pytest.MonkeyPatch):
     def make(gc: dict | None) -> Harness:
         h = Harness(gc)
         monkeypatch.setattr(gatebinding, "reconcile", h.reconcile)
-        monkeypatch.setattr(gatebinding, "_queued", set())
+        monkeypatch.setattr(gatebinding, "_queued", {})
         h.memo.kube = type("K", (), {"get": lambda self, kind, *, namespace, name: model(gate_version="x")})()
         return h
     return make
@@ -119,11 +119,44 @@ def test_a_queued_model_is_not_queued_twice_but_a_started_one_is(harness) -> Non
         await asyncio.sleep(0.05)
         await h.event(stale)  # the same model while queued: dropped (the queued one reads the gate later)
         await h.event(stale)
-        assert gatebinding._queued == {("ns", "moe-small")} and h.reconciled == []
+        assert set(gatebinding._queued) == {("ns", "moe-small")} and h.reconciled == []
         busy.set()
         await first
-        assert h.reconciled == [("moe-small", version(new))] and gatebinding._queued == set()
+        assert h.reconciled == [("moe-small", version(new))] and gatebinding._queued == {}
         await h.event(stale)  # after it started: a change since needs a reconcile of its own
+
+    asyncio.run(main())
+    assert len(h.reconciled) == 2
+
+
+def test_a_finished_reconcile_does_not_forget_one_queued_after_it_started(harness, monkeypatch) -> None:
+    h = harness(gateconfig(entropyBeta=0.3))
+    stale = model(gate_version=version(gateconfig()))
+    inside, release = threading.Event(), threading.Event()
+    plain = h.reconcile
+
+    def first_blocks(memo: kopf.Memo, m: dict, **kw: Any) -> None:
+        if not h.reconciled:
+            inside.set()
+            release.wait(5)
+        plain(memo, m, **kw)
+
+    monkeypatch.setattr(gatebinding, "reconcile", first_blocks)
+
+    async def main() -> None:
+        first = asyncio.create_task(h.event(stale))
+        await asyncio.to_thread(inside.wait, 5)  # the first has started (and blocks the one thread)
+        await asyncio.sleep(0.05)
+        busy = threading.Event()
+        h.memo.model_pool.submit(busy.wait, 5)  # next in the pool's queue: the second cannot start yet
+        second = asyncio.create_task(h.event(stale))  # queued behind both
+        await asyncio.sleep(0.05)
+        release.set()
+        await first
+        assert set(gatebinding._queued) == {("ns", "moe-small")}  # the second is still known as queued
+        await h.event(stale)  # so this one is dropped
+        busy.set()
+        await second
 
     asyncio.run(main())
     assert len(h.reconciled) == 2
