@@ -14,8 +14,8 @@ Reports, side by side:
 - operator reconcile latency p50/p99 per kind, from its own histogram
   (``sparsegate_operator_reconcile_duration_seconds``), and the rollout tick p50/p99
   (``sparsegate_rollout_tick_duration_seconds``, one tick checks every pod of a GateConfig), and
-  how long model work waited for a thread of the model pool, by work
-  (``sparsegate_operator_model_pool_wait_seconds``);
+  how long model work waited for a thread of its pool (reconciles: the model pool; status
+  refreshes: the status pool), by work (``sparsegate_operator_model_pool_wait_seconds``);
 - operator memory: peak RSS (VmHWM) and RSS at the end;
 - the operator's own API requests (``sparsegate_operator_kube_requests_total``) by verb and
   resource, in all and per SparseModel, and by answer code (409: a status write that lost a race
@@ -228,8 +228,8 @@ def main() -> int:
             "reconcileGateConfig": histogram_quantiles(metrics, "sparsegate_operator_reconcile_duration_seconds",
                                                        ("kind", "GateConfig")),
             "rolloutTick": histogram_quantiles(metrics, "sparsegate_rollout_tick_duration_seconds", None),
-            # How long model work queued for one of the model pool's threads, by work: a long
-            # wait here with short reconciles means the pool (not the API server) is the queue.
+            # How long model work queued for a thread of its pool, by work: a long wait here with
+            # short work means the pool (not the API server) is the queue.
             "modelPoolWait": {work: histogram_quantiles(metrics, "sparsegate_operator_model_pool_wait_seconds",
                                                         ("work", work))
                               for work in ("reconcile", "deployment_changed", "pod_stuck", "read_and_reconcile")},

@@ -94,8 +94,8 @@ async def deployment_changed(type: str | None, body: kopf.Body, memo: kopf.Memo,
             outcome.value = "unchanged"  # the model's status was written from exactly this: no pool thread, no request
         return
     await run_status_work(memo, _deployment_changed, memo, type=type, deployment=dict(body), model=model,
-                         pods=pods, logger=logger, watched=watched_deployment(inventory, namespace, model),
-                         gates=watched_gates(inventory))
+                          pods=pods, logger=logger, watched=watched_deployment(inventory, namespace, model),
+                          gates=watched_gates(inventory))
 
 
 def _deployment_changed(memo: kopf.Memo, *, type: str, deployment: Mapping[str, Any], model: str,
@@ -136,7 +136,7 @@ async def pod_stuck(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
     if deployment is None:
         return  # not delivered by the watch yet: its first event refreshes the status, these pods included
     await run_status_work(memo, _pod_stuck, memo, namespace=namespace, model=model, pods=inventory.pods(namespace, model),
-                         deployment=deployment)
+                          deployment=deployment)
 
 
 def _pod_stuck(memo: kopf.Memo, *, namespace: str, model: str, pods: list[Mapping[str, Any]],
