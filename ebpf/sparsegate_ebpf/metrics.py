@@ -10,13 +10,13 @@ that scrape and its eviction are not counted.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from .flowclock import FlowClock
 from .maps import PROTO_NAMES, Counter, be16_to_port, flow_addr_bytes, flow_ip, ip_of
 from .policy import ACTION_NAMES
 
@@ -26,8 +26,8 @@ class FlowTotals:
     packets: int
     bytes: int
     dropped: int
-    first_seen_ns: int
-    last_seen_ns: int
+    first_seen_jiffies: int
+    last_seen_jiffies: int
 
 
 def fold_flow(per_cpu: Iterable[Any]) -> FlowTotals:
@@ -37,8 +37,8 @@ def fold_flow(per_cpu: Iterable[Any]) -> FlowTotals:
         packets=sum(v.packets for v in vals),
         bytes=sum(v.bytes for v in vals),
         dropped=sum(v.dropped for v in vals),
-        first_seen_ns=min((v.first_seen_ns for v in vals), default=0),
-        last_seen_ns=max((v.last_seen_ns for v in vals), default=0),
+        first_seen_jiffies=min((v.first_seen_jiffies for v in vals), default=0),
+        last_seen_jiffies=max((v.last_seen_jiffies for v in vals), default=0),
     )
 
 
@@ -146,22 +146,22 @@ class XdpCollector:
         yield ad
 
         flows = [(k, fold_flow(v)) for table in (b"flows", b"flows6") for k, v in bpf[table].items()]
-        yield from self._flows(flows)
+        yield from self._flows(flows, clock=s.program.clock)
         yield from self._ports(flows)
         yield from self._handshakes(bpf)
         yield from self._policy(bpf)
 
-    def _flows(self, flows: list[tuple[Any, FlowTotals]]) -> Iterator[Metric]:
+    def _flows(self, flows: list[tuple[Any, FlowTotals]], *, clock: FlowClock) -> Iterator[Metric]:
         labels = ["src", "dst", "sport", "dport", "proto"]
         fp = CounterMetricFamily("sparsegate_xdp_flow_packets", "Packets per TCP/UDP flow (IPv4 or IPv6)", labels=labels)
         fb = CounterMetricFamily("sparsegate_xdp_flow_bytes", "Bytes per TCP/UDP flow (IPv4 or IPv6)", labels=labels)
         fd = CounterMetricFamily("sparsegate_xdp_flow_dropped_packets", "Policy drops per flow", labels=labels)
         dur = GaugeMetricFamily("sparsegate_xdp_flow_duration_seconds",
-                                "Last seen - first seen (bpf_ktime_get_ns)", labels=labels)
+                                "Last seen - first seen (kernel ticks: one tick of resolution)", labels=labels)
         gap = GaugeMetricFamily("sparsegate_xdp_flow_mean_interarrival_seconds",
                                 "(last - first seen) / (packets - 1)", labels=labels)
         idle = GaugeMetricFamily("sparsegate_xdp_flow_idle_seconds", "Now - last seen", labels=labels)
-        now = time.monotonic_ns()  # same clock as bpf_ktime_get_coarse_ns (within a tick)
+        now = clock.sample().jiffies if flows else 0  # flows are stamped in jiffies (flowclock.py)
         flows = sorted(flows, key=lambda kv: kv[1].bytes, reverse=True)
         for k, t in flows[: self._max_flows]:
             lv = [flow_ip(k.saddr), flow_ip(k.daddr), str(be16_to_port(k.sport)),
@@ -169,11 +169,11 @@ class XdpCollector:
             fp.add_metric(lv, t.packets)
             fb.add_metric(lv, t.bytes)
             fd.add_metric(lv, t.dropped)
-            span = (t.last_seen_ns - t.first_seen_ns) / 1e9
+            span = clock.seconds(t.last_seen_jiffies - t.first_seen_jiffies)
             dur.add_metric(lv, span)
             if t.packets > 1:
                 gap.add_metric(lv, span / (t.packets - 1))
-            idle.add_metric(lv, max(0, now - t.last_seen_ns) / 1e9)
+            idle.add_metric(lv, clock.seconds(max(0, now - t.last_seen_jiffies)))
         tracked = GaugeMetricFamily("sparsegate_xdp_flows_tracked", "Flows in the LRU flow table")
         tracked.add_metric([], len(flows))
         yield from (fp, fb, fd, dur, gap, idle, tracked)

@@ -14,6 +14,7 @@ from typing import Any
 
 from sparsegate_contracts import flowpolicy
 
+from . import flowclock
 from .maps import POLICY_MAX_RECORDS, PROGRAM_PATH, STRUCTS
 
 FUNCTION = "xdp_flow"
@@ -29,6 +30,7 @@ class LoadedProgram:
     bpf: Any          # bcc.BPF
     fn: Any           # bcc function handle (fd, name)
     enforce: bool
+    clock: flowclock.FlowClock  # the flow table's jiffies, read by the exporter
     audit: bool = False  # enforce=True, audit=True: judges and counts, never drops
 
     @property
@@ -85,10 +87,12 @@ def load(*, enforce: bool = True, audit: bool = False, flow_entries: int = 65536
                       cflags=cflags(enforce=enforce, audit=audit, flow_entries=flow_entries,
                                     policy_records=policy_records), debug=debug)
         fn = bpf.load_func(FUNCTION.encode(), bcc.BPF.XDP)
+        clock_fn = bpf.load_func(flowclock.FUNCTION.encode(), bcc.BPF.XDP)
     except Exception as exc:  # bcc raises bare Exception on compile/verify failure
         raise BpfUnavailable(f"BCC could not compile/load {PROGRAM_PATH.name}: {exc}") from exc
     _check_layouts(bpf)
-    return LoadedProgram(bpf=bpf, fn=fn, enforce=enforce, audit=audit and enforce)
+    clock = flowclock.FlowClock(prog_fd=clock_fn.fd, table=bpf[flowclock.TABLE.encode()])
+    return LoadedProgram(bpf=bpf, fn=fn, enforce=enforce, audit=audit and enforce, clock=clock)
 
 
 def _check_layouts(bpf: Any) -> None:

@@ -30,15 +30,17 @@ struct sg_flow4_key {
     __u8 pad[3];
 };
 
-/* Per-CPU per-flow counters. first/last_seen_ns: bpf_ktime_get_coarse_ns (CLOCK_MONOTONIC_COARSE:
- * one tick of resolution, a fraction of the cost of bpf_ktime_get_ns). The ct_* fields cache the
+/* Per-CPU per-flow counters. first/last_seen_jiffies: bpf_jiffies64, the kernel tick count (one tick
+ * of resolution, as CLOCK_MONOTONIC_COARSE has; the verifier inlines it into a load, where
+ * bpf_ktime_get_coarse_ns is a helper call, ~6 ns a packet here). Userspace converts with the tick
+ * rate and the current count that sg_clock samples (flowclock.py). The ct_* fields cache the
  * policy outcome for this flow on this CPU, valid while ct_generation is the live generation. */
 struct sg_flow_stats {
     __u64 packets;
     __u64 bytes;
     __u64 dropped;
-    __u64 first_seen_ns;
-    __u64 last_seen_ns;
+    __u64 first_seen_jiffies;
+    __u64 last_seen_jiffies;
     __u32 ct_generation;  /* 0: nothing cached */
     __u16 ct_rule;        /* rule id of a rule verdict (SG_CLASS_RULE_*) */
     __u8 ct_class;        /* SG_CLASS_* */
@@ -72,6 +74,12 @@ struct sg_handshake {
     __u64 last_rtt_ns;
     __u64 rtt_sum_ns;
     __u64 samples;
+};
+
+/* One reading of both kernel clocks, written by the sg_clock program when userspace runs it. */
+struct sg_clock_sample {
+    __u64 jiffies;   /* bpf_jiffies64 */
+    __u64 mono_ns;   /* bpf_ktime_get_ns: CLOCK_MONOTONIC */
 };
 
 struct sg_counter {

@@ -476,13 +476,13 @@ int xdp_flow(struct xdp_md *ctx)
         widen4(&fk, &fk4);
     verdict = judge(&fk, tcp_flags, len, st, &out);
 #endif
-    __u64 now = bpf_ktime_get_coarse_ns();
+    __u64 now = bpf_jiffies64();
     if (st) {
         st->packets += 1;
         st->bytes += len;
         if (verdict == XDP_DROP)
             st->dropped += 1;
-        st->last_seen_ns = now;
+        st->last_seen_jiffies = now;
         if (out.cls) {
             st->ct_generation = out.generation;
             st->ct_rule = out.rule;
@@ -494,8 +494,8 @@ int xdp_flow(struct xdp_md *ctx)
         init.packets = 1;
         init.bytes = len;
         init.dropped = verdict == XDP_DROP ? 1 : 0;
-        init.first_seen_ns = now;
-        init.last_seen_ns = now;
+        init.first_seen_jiffies = now;
+        init.last_seen_jiffies = now;
         init.ct_generation = out.generation;
         init.ct_rule = out.rule;
         init.ct_class = out.cls;
@@ -511,4 +511,19 @@ int xdp_flow(struct xdp_md *ctx)
         record_handshake(&fk, tcp_flags);
     }
     return verdict;
+}
+
+/* Never attached: userspace runs it with BPF_PROG_TEST_RUN to read "now" in the flow table's unit
+ * (jiffies) next to CLOCK_MONOTONIC (flowclock.py), at each scrape and to measure the tick rate. */
+BPF_ARRAY(clock_sample, struct sg_clock_sample, 1);
+
+int sg_clock(struct xdp_md *ctx)
+{
+    int zero = 0;
+    struct sg_clock_sample *s = clock_sample.lookup(&zero);
+    if (s) {
+        s->jiffies = bpf_jiffies64();
+        s->mono_ns = bpf_ktime_get_ns();
+    }
+    return XDP_PASS;
 }
