@@ -75,3 +75,20 @@ def test_a_model_pod_change_since_the_last_check_is_not_quiet() -> None:
     assert not RolloutLoop._quiet(body(spec_params=V1), cache=checked, now=now, pod_changes=5)
     assert not RolloutLoop._quiet(RolloutLoop.quiet_view(body(spec_params=V1)), cache=checked, now=now, pod_changes=5)
 
+
+
+def test_a_resting_view_keeps_the_object_as_compact_json_without_what_no_tick_reads() -> None:
+    import json
+
+    import kopf
+
+    full = body(spec_params=V1, annotations={"kubectl.kubernetes.io/last-applied-configuration": "{...}" * 100,
+                                              "team": "a"})
+    full["metadata"].update(name="g", namespace="ns", resourceVersion="7",
+                            managedFields=[{"manager": "kubectl", "fieldsV1": {"f:spec": {}}}])
+    view = RolloutLoop.quiet_view(kopf.Body(full))  # as the Kopf handler passes it
+    assert view["resting"] is True
+    kept = json.loads(view["snapshot"])
+    assert kept["metadata"] == {"name": "g", "namespace": "ns", "resourceVersion": "7", "annotations": {"team": "a"}}
+    assert (kept["spec"], kept["status"]) == (full["spec"], full["status"])
+    assert "managedFields" in full["metadata"]  # the delivered body is left as it was

@@ -17,6 +17,7 @@ from aiohttp import web
 import sparsegate.controllers.rollout as controller
 from sparsegate.clients.podadmin import PodAdmin, PodHealth, PodTarget, PushResult
 from sparsegate.domain.rollout import GateVersion
+from sparsegate.clients.kube import Conflict
 from sparsegate.controllers.rollout import RolloutLoop, RolloutCache, Fleet
 
 V1 = {"toolGateThreshold": 0.85}
@@ -214,3 +215,66 @@ async def test_operator_restart_needs_a_full_window_of_fresh_data() -> None:
     st = await tick(loop, cache, clock, 1)  # ...but only now is there 10 s of data after the restart
     assert st["rollout"]["step"] == 2 and st["analysisRuns"][0]["phase"] == "Successful"
     assert st["analysisRuns"][0]["checks"][0]["measurements"][-1]["time"] == st["rollout"]["stepStartedAt"]
+
+
+class CountingKube(FakeKube):
+    """FakeKube that counts GETs and answers a status write based on an old resourceVersion with a
+    409, as the API server does."""
+
+    def __init__(self, spec: dict) -> None:
+        super().__init__(spec)
+        self.gets = 0
+
+    def get(self, kind: str, *, namespace: str, name: str) -> dict | None:
+        self.gets += 1
+        return super().get(kind, namespace=namespace, name=name)
+
+    def request(self, method: str, path: str, *, body: Any = None, query: Any = None,
+                content_type: str | None = None) -> dict:
+        for op in body:
+            if op["path"] == "/metadata/resourceVersion" and op["value"] != self.obj["metadata"]["resourceVersion"]:
+                raise Conflict(409, "Conflict", "the object has been modified")
+        return super().request(method, path, body=body, query=query, content_type=content_type)
+
+    def touch(self) -> None:
+        """Someone else's write (a label, say): a new resourceVersion, still resting."""
+        self.obj["metadata"]["resourceVersion"] = str(int(self.obj["metadata"]["resourceVersion"]) + 1)
+
+
+async def test_a_resting_pod_check_starts_from_the_watched_copy_unless_it_is_stale() -> None:
+    clock = [1000.0]
+    kube = CountingKube(spec(V1))
+    pods = FakePods(clock)
+    loop, cache = Loop(kube=kube, admin=pods, clock=lambda: clock[0]), RolloutCache()  # type: ignore[arg-type]
+    await loop.tick(namespace="ns", name="gate", models=["m"], cache=cache, inventory=None)  # type: ignore[arg-type]
+    assert kube.gets == 1 and loop.resting(kube.obj)
+    stable = GateVersion.from_params(V1).version
+
+    async def check(seen: dict, changes: int) -> None:
+        clock[0] += 1
+        await loop.tick(namespace="ns", name="gate", models=["m"], cache=cache, inventory=None,  # type: ignore[arg-type]
+                        seen=seen, pod_changes=changes)
+
+    # The watch delivered the written object; a pod comes back without the stable gate: pushed, no GET.
+    seen = RolloutLoop.quiet_view(copy.deepcopy(kube.obj))
+    assert "snapshot" in seen
+    pods.versions["m-0"] = "something-else"
+    await check(seen, 1)
+    assert kube.gets == 1 and pods.versions["m-0"] == stable
+    # A copy at a resourceVersion our own write replaced predates that write: read the object.
+    old = RolloutLoop.quiet_view(copy.deepcopy(kube.obj))
+    cache.superseded.append(kube.obj["metadata"]["resourceVersion"])
+    await check(old, 2)
+    assert kube.gets == 2
+    # A copy someone else's write made stale: whatever the check writes is a 409 (nothing acted on),
+    # and the next check reads the object.
+    cache.superseded.clear()
+    stale = RolloutLoop.quiet_view(copy.deepcopy(kube.obj))
+    kube.touch()
+    kube.obj["status"]["rollout"]["message"] = "written by another process"
+    pods.versions["m-1"] = "something-else"
+    with pytest.raises(Conflict):
+        await check(stale, 3)
+    assert cache.read_fresh and pods.versions["m-1"] == "something-else" and kube.gets == 2
+    await check(stale, 4)
+    assert kube.gets == 3 and not cache.read_fresh and pods.versions["m-1"] == stable
