@@ -147,8 +147,7 @@ def test_reconcile_renders_everything_once_and_records_the_gate(kube):
     gateconfig(kube)
     events = []
     assert reconcile(kube, model_of(kube), events=events) == "success"
-    assert sorted(kube.applied) == ["ConfigMap", "Deployment", "Service"]
-    assert kube.applied.index("ConfigMap") < kube.applied.index("Deployment")
+    assert kube.applied == ["ConfigMap", "Service", "Deployment"]
     secret = kube.get("Secret", namespace="ns", name="moe-small-admin")
     assert sorted(secret["data"]) == ["tls.crt", "tls.key", "token"]
     assert admin_tls.certificate_names(admin_tls.material_from_secret(secret).cert_pem) == [
@@ -181,45 +180,6 @@ def test_no_deployment_is_applied_when_what_its_pods_mount_failed(kube):
     assert "Deployment" not in kube.applied and sorted(kube.applied) == ["Service"]
     assert kube.get("Secret", namespace="ns", name="moe-small-admin") is not None
     assert "ConfigMap refused" in conditions(kube)["Degraded"]["message"]
-
-
-def test_the_deployment_is_applied_while_the_service_apply_is_still_in_flight(kube):
-    """The Service is nothing the pods mount: its apply (the slowest at scale) runs alongside the
-    Deployment's instead of before it; the status still waits for it."""
-    gateconfig(kube)
-    deployment_applied, service_answered = threading.Event(), threading.Event()
-    apply = kube.apply
-
-    def slow_service_apply(obj):
-        if obj["kind"] == "Service":
-            assert deployment_applied.wait(10), "the Deployment waited for the Service"
-            result = apply(obj)
-            service_answered.set()
-            return result
-        result = apply(obj)
-        if obj["kind"] == "Deployment":
-            deployment_applied.set()
-        return result
-
-    kube.apply = slow_service_apply
-    update_status = kube.update_status
-
-    def status_after_every_apply(*args, **kwargs):
-        assert service_answered.is_set()
-        return update_status(*args, **kwargs)
-
-    kube.update_status = status_after_every_apply
-    assert reconcile(kube, model_of(kube)) == "success"
-    assert kube.calls.index(("apply", "Deployment")) < kube.calls.index(("apply", "Service"))
-    assert model_of(kube)["status"]["gateVersion"]
-
-
-def test_a_failed_service_apply_is_raised_after_the_deployment_was_applied(kube):
-    gateconfig(kube)
-    kube.fail_apply = "Service"
-    with pytest.raises(KubeError, match="Service refused"):
-        reconcile(kube, model_of(kube))
-    assert sorted(kube.applied) == ["ConfigMap", "Deployment"]
 
 
 def test_gate_too_wide_for_the_model_is_invalid(kube):
@@ -356,12 +316,9 @@ def test_a_new_model_costs_no_secret_deployment_or_gateconfig_read(kube):
     model = model_of(kube)
     kube.calls.clear()
     reconcile(kube, model)
-    # Secret and ConfigMap at once, then the Deployment that mounts them; the Service alongside
-    # (any order); the status once every apply has answered.
-    sent = kube.calls[:-1]
-    assert sorted(sent) == [("apply", "ConfigMap"), ("apply", "Deployment"), ("apply", "Service"), ("create", "Secret")]
-    assert sent.index(("apply", "Deployment")) > max(sent.index(("apply", "ConfigMap")), sent.index(("create", "Secret")))
-    assert kube.calls[-1] == ("status", "SparseModel")
+    # Secret, ConfigMap and Service at once (in any order), then the Deployment that mounts them.
+    assert sorted(kube.calls[:3]) == [("apply", "ConfigMap"), ("apply", "Service"), ("create", "Secret")]
+    assert kube.calls[3:] == [("apply", "Deployment"), ("status", "SparseModel")]
     assert model_of(kube)["status"]["gateVersion"]  # resolved from the watched GateConfig
     model = model_of(kube)
     kube.calls.clear()
