@@ -146,6 +146,12 @@ class CounterVal(ct.Structure):
     _fields_ = [("packets", ct.c_uint64), ("bytes", ct.c_uint64)]
 
 
+class ClockSample(ct.Structure):
+    """What sg_clock writes (flowclock.py reads it)."""
+
+    _fields_ = [("jiffies", ct.c_uint64), ("mono_ns", ct.c_uint64)]
+
+
 class PolicyKey(ct.Structure):
     _fields_ = [
         ("saddr", Addr),
@@ -196,6 +202,7 @@ STRUCTS: dict[str, type[ct.Structure]] = {
     "sg_ct_val": CtVal,
     "sg_handshake": Handshake,
     "sg_counter": CounterVal,
+    "sg_clock_sample": ClockSample,
     "sg_policy_key": PolicyKey,
     "sg_policy_val": PolicyVal,
     "sg_verdict_key": VerdictKey,
