@@ -31,13 +31,15 @@ class FlowTotals:
 
 
 def fold_flow(per_cpu: Iterable[Any]) -> FlowTotals:
-    """Sum counters over CPUs; first seen = earliest non-zero, last seen = latest."""
+    """Sum counters over CPUs; first seen = earliest non-zero, last seen = latest. A CPU other than
+    the one whose packet created the entry counts into a zeroed slot (the per-CPU LRU map zeroes
+    every CPU's value on insert) and never stamps its first packet: its first seen stays 0."""
     vals = [v for v in per_cpu if v.packets]
     return FlowTotals(
         packets=sum(v.packets for v in vals),
         bytes=sum(v.bytes for v in vals),
         dropped=sum(v.dropped for v in vals),
-        first_seen_jiffies=min((v.first_seen_jiffies for v in vals), default=0),
+        first_seen_jiffies=min((v.first_seen_jiffies for v in vals if v.first_seen_jiffies), default=0),
         last_seen_jiffies=max((v.last_seen_jiffies for v in vals), default=0),
     )
 

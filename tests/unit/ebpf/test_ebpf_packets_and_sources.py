@@ -68,6 +68,9 @@ def test_fold_flow_ignores_idle_cpus() -> None:
     cpu = lambda p, b, d, f, l: SimpleNamespace(packets=p, bytes=b, dropped=d, first_seen_jiffies=f, last_seen_jiffies=l)  # noqa: E731
     t = fold_flow([cpu(0, 0, 0, 0, 0), cpu(2, 100, 1, 50, 90), cpu(1, 60, 0, 40, 70)])
     assert (t.packets, t.bytes, t.dropped, t.first_seen_jiffies, t.last_seen_jiffies) == (3, 160, 1, 40, 90)
+    # A CPU that only updated the entry another CPU created has packets but no first-seen stamp.
+    t = fold_flow([cpu(1, 60, 0, 40, 40), cpu(2, 100, 0, 0, 90)])
+    assert (t.packets, t.first_seen_jiffies, t.last_seen_jiffies) == (3, 40, 90)
     assert fold_counter([SimpleNamespace(packets=1, bytes=2), SimpleNamespace(packets=3, bytes=4)]) == (4, 6)
 
 
