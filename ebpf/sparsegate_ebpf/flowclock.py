@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
+from .maps import ClockSample
 from .testrun import run_xdp
 
 FUNCTION = "sg_clock"
@@ -23,12 +23,6 @@ TABLE = "clock_sample"
 HZ_CHOICES = (100, 250, 300, 1000)
 _FRAME = bytes(64)  # sg_clock reads no packet data
 _SNAP_TOLERANCE = 0.15  # a measured rate within 15 % of a choice is that choice
-
-
-@dataclass(frozen=True)
-class ClockSample:
-    jiffies: int
-    mono_ns: int
 
 
 def snap_hz(ticks: int, seconds: float) -> int:
@@ -52,8 +46,7 @@ class FlowClock:
     def sample(self) -> ClockSample:
         with self._lock:  # run and read as one step: a concurrent scrape's run would overwrite
             run_xdp(prog_fd=self._fd, data=_FRAME)
-            v = self._table[self._table.Key(0)]
-            return ClockSample(jiffies=int(v.jiffies), mono_ns=int(v.mono_ns))
+            return ClockSample.from_buffer_copy(self._table[self._table.Key(0)])
 
     @property
     def hz(self) -> int:
