@@ -7,13 +7,16 @@ Side by side, trials interleaved round-robin so machine noise hits every configu
    (BPF_PROG_TEST_RUN with BPF_F_TEST_XDP_LIVE_FRAMES running a one-line program that redirects
    each frame into the client end), so no userspace sender caps the rate. The server end runs
    - none: no XDP program (GRO on, so veth takes the same NAPI path it takes with XDP),
+   - bare XDP_PASS: a one-line program, the floor of any XDP program on veth (what attaching costs
+     the receive path before the program does anything),
    - telemetry: the program built with SG_ENFORCE=0,
    - telemetry+policy: SG_ENFORCE=1 with a policy of --policy-entries identity rules, one of which
      allows the flow (its destination is policed: the rules name it), so every frame is judged;
      after the first, from the outcome cached in the flow's entry.
    Frames carry a foreign destination MAC, so after XDP the stack drops them at ip_rcv: what is
    measured is the receive path up to and including XDP. pps = frames received at the server end
-   (its rx counter) / wall time of the generator; ratio = median pps / median pps of `none`.
+   (its rx counter) / wall time of the generator; ratio = median pps / median pps of `none`
+   (and "vs bare": of the bare program).
 2. test_run ns/packet (kernel-measured mean over --repeat runs), with a bare XDP_PASS program as
    the floor of this machine; telemetry+policy also for a destination the policy does not police,
    in audit mode (SG_AUDIT=1), and with no cached outcome (every packet judged afresh, as a flow's
@@ -42,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from sparsegate_contracts import flowpolicy
 from sparsegate_ebpf import packets, programs, testrun, xdp
@@ -93,19 +97,21 @@ def pct(values: list[float], q: float) -> float:
 def bench_veth(*, n_packets: int, trials: int, policy_entries: int) -> dict:
     from bcc import BPF
 
-    out: dict[str, list[float]] = {"none": [], "telemetry": [], "telemetry+policy": []}
+    out: dict[str, list[float]] = {"none": [], "bare XDP_PASS": [], "telemetry": [], "telemetry+policy": []}
     with VethLab.create() as lab:
         link = lab.link_stats(lab.client_ns, lab.client_if)
         gen = BPF(text=f"int gen(struct xdp_md *ctx) {{ return bpf_redirect({link['ifindex']}, 0); }}".encode())
         gen_fn = gen.load_func(b"gen", BPF.XDP)
         with lab.inside(lab.server_ns):
             set_gro(lab.server_if, on=True)
+        bare = BPF(text=b"int bare(struct xdp_md *ctx) { return XDP_PASS; }")
         tele = programs.load(enforce=False)
         enf = programs.load(enforce=True)
         PolicySwapper(bpf=enf.bpf).apply(parse_policy(policy_doc(lab=lab, entries=policy_entries)))
         frame = packets.udp_frame(src=lab.client_ip, dst=lab.server_ip, sport=40000, dport=9000, payload=b"b" * 18)
         frame = FOREIGN_MAC + frame[6:]
-        progs = {"none": None, "telemetry": tele, "telemetry+policy": enf}
+        progs = {"none": None, "bare XDP_PASS": SimpleNamespace(bpf=bare, fn=bare.load_func(b"bare", BPF.XDP)),
+                 "telemetry": tele, "telemetry+policy": enf}
 
         def rx() -> int:
             return lab.link_stats(lab.server_ns, lab.server_if)["stats64"]["rx"]["packets"]
@@ -134,10 +140,13 @@ def bench_veth(*, n_packets: int, trials: int, policy_entries: int) -> dict:
             raise RuntimeError("policy program did not judge the bench frames")
         for p in (tele, enf):
             p.close()
+        bare.cleanup()
         gen.cleanup()
     base = statistics.median(out["none"])
+    floor = statistics.median(out["bare XDP_PASS"])
     return {name: {"pps_median": statistics.median(v), "pps_trials": v,
-                   "ratio_to_none": statistics.median(v) / base} for name, v in out.items()}
+                   "ratio_to_none": statistics.median(v) / base,
+                   "ratio_to_bare": statistics.median(v) / floor} for name, v in out.items()}
 
 
 def load_revision(rev: str, *, enforce: bool) -> tuple[object, object]:
@@ -273,9 +282,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                      args.policy_entries: max(10, args.swaps // 10)})
 
     print(f"\nveth pair, kernel-generated {args.packets:,} frames x {args.trials} trials (medians)")
-    print(f"{'config':<20}{'Mpps':>8}{'ratio':>8}")
+    print(f"{'config':<20}{'Mpps':>8}{'ratio':>8}{'vs bare':>9}")
     for name, r in veth.items():
-        print(f"{name:<20}{r['pps_median'] / 1e6:>8.3f}{r['ratio_to_none']:>8.3f}")
+        print(f"{name:<20}{r['pps_median'] / 1e6:>8.3f}{r['ratio_to_none']:>8.3f}{r['ratio_to_bare']:>9.3f}")
     print(f"\nBPF_PROG_TEST_RUN, {args.repeat:,} repeats, policy of {args.policy_entries:,} identity rules")
     print(f"{'program':<40}{'ns/pkt':>8}")
     for name, r in tr.items():
