@@ -22,8 +22,9 @@ from sparsegate_contracts.names import FINALIZER, KOPF_ANNOTATION_PREFIX, KOPF_D
 
 import sparsegate.handlers  # noqa: F401  (registers handlers)
 from sparsegate.clients.kube import Kube
+from sparsegate.controllers.deferred_refresh import DeferredRefreshes
 from sparsegate.controllers.status_inputs import StatusInputs
-from sparsegate.handlers import accesssync, gateconfig
+from sparsegate.handlers import accesssync, gateconfig, sparsemodel
 
 # Threads for model status refreshes (handlers.pools.run_status_work); reconciles keep Kopf's 8.
 STATUS_POOL_THREADS = 4
@@ -48,6 +49,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.status_pool = concurrent.futures.ThreadPoolExecutor(max_workers=STATUS_POOL_THREADS,
                                                              thread_name_prefix="sparsegate-status")
     memo.status_inputs = StatusInputs()  # what each model's status was last written from
+    memo.deferred_refreshes = DeferredRefreshes(delay_s=sparsemodel.STATUS_SETTLE_S)
     # One controller each, shared by every object's loop (Kopf copies this memo per object).
     memo.rollout_loop = gateconfig.new_rollout_loop(memo.kube)
     memo.access_sync = accesssync.new_access_sync(memo.kube)

@@ -35,6 +35,20 @@ def workload_inputs(deployment: Mapping[str, Any] | None, pods: Iterable[Mapping
              st.get("replicas") or 0, st.get("readyReplicas") or 0, st.get("updatedReplicas") or 0), problems)
 
 
+def workload_settled(deployment: Mapping[str, Any] | None) -> bool:
+    """Whether the Deployment controller is done with ``deployment`` (the object or its view): it has
+    observed the current spec and every replica is updated and ready. Until then its status moves
+    again within moments (observed → some ready → all ready), which ``handlers.sparsemodel`` lets
+    settle before refreshing the model."""
+    if deployment is None:
+        return True
+    generation = (deployment.get("metadata") or {}).get("generation") or 0
+    st = deployment.get("status") or {}
+    replicas = st.get("replicas") or 0
+    return (st.get("observedGeneration") or 0) >= generation and \
+        (st.get("readyReplicas") or 0) == replicas and (st.get("updatedReplicas") or 0) == replicas
+
+
 def _replica_counts(deployment: Mapping[str, Any] | None) -> dict[str, int]:
     st = (deployment or {}).get("status") or {}
     return {"replicas": int(st.get("replicas") or 0), "readyReplicas": int(st.get("readyReplicas") or 0)}

@@ -3,7 +3,9 @@
 - create/update/resume → render and server-side apply the owned objects, write status.
 - any event of an owned Deployment → refresh replica counts and Ready/Progressing; no request at
   all when the status was last written from the same Deployment counts and pod problems
-  (``controllers.status_inputs``).
+  (``controllers.status_inputs``). While the Deployment is still rolling out, the refresh waits
+  ``STATUS_SETTLE_S`` and reads the newest watched state, one per model however many events
+  arrive meanwhile (``controllers.deferred_refresh``).
 - a model pod whose container cannot start (missing image, crash loop) → the same refresh, so
   Ready=False names the pod, container and reason (ContainersWaiting).
 - GateConfig events → re-reconcile models whose rendered gate no longer matches (see
@@ -77,6 +79,11 @@ def reconcile(memo: kopf.Memo, model: Mapping[str, Any], *, pods: list[Mapping[s
                                             status_inputs=memo.status_inputs)
 
 
+# How long a Deployment that is still rolling out may move on before its model's status is refreshed
+# from what it shows then (controllers.deferred_refresh); a settled one is refreshed at once.
+STATUS_SETTLE_S = 1.0
+
+
 @kopf.on.event("apps", "v1", "deployments",
                labels={names.NAME_LABEL: names.MODEL_SERVER_NAME,
                        names.MANAGED_BY_LABEL: names.MANAGED_BY})
@@ -93,7 +100,31 @@ async def deployment_changed(type: str | None, body: kopf.Body, memo: kopf.Memo,
         with metrics.observe("Deployment") as outcome:
             outcome.value = "unchanged"  # the model's status was written from exactly this: no pool thread, no request
         return
+    if type != "DELETED" and not model_status.workload_settled(body):
+        # Still rolling out: refresh a moment later from the newest watched state (controllers.deferred_refresh).
+        scheduled = memo.deferred_refreshes.defer(
+            (namespace, model), lambda: _refresh_watched(memo, inventory, namespace=namespace, model=model, logger=logger))
+        with metrics.observe("Deployment") as outcome:
+            outcome.value = "deferred" if scheduled else "coalesced"
+        return
     await run_status_work(memo, _deployment_changed, memo, type=type, deployment=dict(body), model=model,
+                          pods=pods, logger=logger, watched=watched_deployment(inventory, namespace, model),
+                          gates=watched_gates(inventory))
+
+
+async def _refresh_watched(memo: kopf.Memo, inventory: Inventory, *, namespace: str, model: str,
+                           logger: logging.Logger) -> None:
+    """A deferred refresh: the model's Deployment and pods as watched now (the indexes are live)."""
+    deployment = inventory.deployment(namespace, model)
+    if deployment is None:
+        return  # deleted meanwhile: its DELETED event refreshes the model
+    pods = inventory.pods(namespace, model)
+    if memo.status_inputs.settled(namespace, model, uid=modelsync.model_uid(deployment),
+                                  inputs=model_status.workload_inputs(deployment, pods)):
+        with metrics.observe("Deployment") as outcome:
+            outcome.value = "unchanged"
+        return
+    await run_status_work(memo, _deployment_changed, memo, type="MODIFIED", deployment=deployment, model=model,
                           pods=pods, logger=logger, watched=watched_deployment(inventory, namespace, model),
                           gates=watched_gates(inventory))
 
@@ -119,6 +150,11 @@ def _deployment_changed(memo: kopf.Memo, *, type: str, deployment: Mapping[str, 
                 kube, namespace=namespace, name=model, deployment=None if type == "DELETED" else deployment,
                 pods=pods, events=post_event, status_inputs=memo.status_inputs):
             outcome.value = "unchanged"
+
+
+@kopf.on.cleanup()
+async def stop_deferred_refreshes(memo: kopf.Memo, **_: Any) -> None:
+    await memo.deferred_refreshes.close()
 
 
 def _stuck(body: kopf.Body, **_: Any) -> bool:

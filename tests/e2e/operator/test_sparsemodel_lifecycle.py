@@ -11,6 +11,7 @@ removes everything it owned.
 from __future__ import annotations
 
 import json
+import re
 
 import yaml
 
@@ -87,6 +88,10 @@ def test_example_model_runs_on_gpu_nodes_and_becomes_ready(stack, operator, stac
     status, body = http_get(operator, METRICS_PORT, "/metrics")
     assert status == 200
     assert 'sparsegate_operator_reconciles_total{kind="SparseModel",outcome="success"}' in body
+    # The new Deployment's states before all its pods were ready were deferred (refreshed a moment
+    # later from the newest watched state), not written one by one.
+    deferred = re.search(r'sparsegate_operator_reconciles_total\{kind="Deployment",outcome="deferred"\} (\S+)', body)
+    assert deferred and float(deferred.group(1)) >= 1, body
     assert http_get(operator, LIVENESS_PORT, "/healthz")[0] == 200
 
     # No drift: server-side applying the same rendered objects again changes nothing ...
