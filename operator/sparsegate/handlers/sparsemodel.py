@@ -21,7 +21,7 @@ SparseModel must stay deletable while the operator is down.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
@@ -124,9 +124,18 @@ async def _refresh_watched(memo: kopf.Memo, inventory: Inventory, *, namespace: 
         with metrics.observe("Deployment") as outcome:
             outcome.value = "unchanged"
         return
-    await run_status_work(memo, _deployment_changed, memo, type="MODIFIED", deployment=deployment, model=model,
-                          pods=pods, logger=logger, watched=watched_deployment(inventory, namespace, model),
-                          gates=watched_gates(inventory))
+    await run_status_work(memo, _deferred_refresh, memo, namespace=namespace, model=model,
+                          watched=watched_deployment(inventory, namespace, model),
+                          pods=loop_reader(lambda: inventory.pods(namespace, model)))
+
+
+def _deferred_refresh(memo: kopf.Memo, *, namespace: str, model: str, watched: modelsync.WatchedDeployment,
+                      pods: Callable[[], list[Mapping[str, Any]]]) -> None:
+    """In the status pool: the Deployment and pods are read under the model's guard (modelsync.refresh_from_watched)."""
+    with metrics.observe("Deployment") as outcome:
+        if not modelsync.refresh_from_watched(memo.kube, namespace=namespace, name=model, deployment=watched,
+                                              pods=pods, events=post_event, status_inputs=memo.status_inputs):
+            outcome.value = "unchanged"
 
 
 def _deployment_changed(memo: kopf.Memo, *, type: str, deployment: Mapping[str, Any], model: str,

@@ -414,3 +414,39 @@ def test_a_check_waits_for_a_write_of_the_same_model_in_flight(kube):
         assert not done.wait(0.2)
     worker.join(5)
     assert done.is_set()
+
+
+def test_a_deferred_refresh_reads_its_inputs_under_the_guard_so_it_never_writes_older_ones(kube):
+    """The race seen at 1,000 models: a deferred refresh that had read "1/2 ready" before the
+    settled event's refresh wrote "2/2" then wrote 1/2 over it, and no event came to mend it.
+    refresh_from_watched reads the Deployment and pods only once it holds the model's guard."""
+    gateconfig(kube)
+    inputs = StatusInputs()
+    reconcile(kube, model_of(kube), inputs=inputs)
+    ready_deployment(kube, ready=1)
+    reads = []
+
+    def view():
+        reads.append(kube.objects[("Deployment", "ns", "moe-small")]["status"]["readyReplicas"])
+        return watched(kube)()
+
+    # The settled event's refresh holds the guard (2/2) while the deferred one (scheduled at 1/2) waits.
+    with inputs.guard("ns", "moe-small"):
+        done = threading.Event()
+        deferred = threading.Thread(target=lambda: (modelsync.refresh_from_watched(
+            kube, namespace="ns", name="moe-small", deployment=view, pods=lambda: [], events=lambda *a: None,
+            status_inputs=inputs), done.set()))
+        deferred.start()
+        assert not done.wait(0.2) and reads == []  # it reads nothing before it has the guard
+        newest = ready_deployment(kube, ready=2)
+        modelsync._refresh(kube, namespace="ns", name="moe-small", deployment=newest, pods=[],
+                           events=lambda *a: None, status_inputs=inputs)
+    deferred.join(5)
+    assert reads == [2]
+    assert conditions(kube)["Ready"]["status"] == "True"
+    assert model_of(kube)["status"]["readyReplicas"] == 2
+    # A Deployment gone meanwhile: nothing read or written (its DELETED event refreshes).
+    kube.calls.clear()
+    assert modelsync.refresh_from_watched(kube, namespace="ns", name="moe-small", deployment=lambda: None,
+                                          pods=lambda: [], events=lambda *a: None, status_inputs=inputs) is False
+    assert kube.calls == []
