@@ -9,12 +9,11 @@ translated image) and /proc/kallsyms, as ``bpftool prog dump xlated`` does; need
 from __future__ import annotations
 
 import ctypes as ct
-import os
-import platform
 import struct
 
+from .testrun import sys_bpf
+
 BPF_OBJ_GET_INFO_BY_FD = 15
-_SYS_BPF = {"x86_64": 321, "aarch64": 280}
 _BPF_JMP_CALL = 0x85
 _BPF_PSEUDO_CALL = 1  # src_reg of a BPF-to-BPF call (imm: an instruction offset, not a function)
 
@@ -37,14 +36,9 @@ class _InfoAttr(ct.Structure):
     _fields_ = [("bpf_fd", ct.c_uint32), ("info_len", ct.c_uint32), ("info", ct.c_uint64)]
 
 
-_libc = ct.CDLL(None, use_errno=True)
-
-
 def _get_info(prog_fd: int, info: _ProgInfoHead) -> None:
     attr = _InfoAttr(bpf_fd=prog_fd, info_len=ct.sizeof(info), info=ct.addressof(info))
-    if _libc.syscall(_SYS_BPF[platform.machine()], BPF_OBJ_GET_INFO_BY_FD, ct.byref(attr), ct.sizeof(attr)) != 0:
-        err = ct.get_errno()
-        raise OSError(err, f"BPF_OBJ_GET_INFO_BY_FD: {os.strerror(err)}")
+    sys_bpf(BPF_OBJ_GET_INFO_BY_FD, attr, what="BPF_OBJ_GET_INFO_BY_FD")
 
 
 def xlated_instructions(prog_fd: int) -> bytes:

@@ -55,16 +55,24 @@ class XdpRunResult:
 _libc = ct.CDLL(None, use_errno=True)
 
 
+def sys_bpf(cmd: int, attr: ct.Structure, *, what: str) -> None:
+    """The raw bpf(cmd, &attr, sizeof(attr)) syscall; raises OSError naming `what` with the kernel's errno."""
+    try:
+        nr = _SYS_BPF[platform.machine()]
+    except KeyError as exc:
+        raise OSError(f"bpf() syscall number unknown for {platform.machine()}") from exc
+    rc = _libc.syscall(ct.c_long(nr), ct.c_long(cmd), ct.byref(attr), ct.c_uint(ct.sizeof(attr)))
+    if rc != 0:
+        err = ct.get_errno()
+        raise OSError(err, f"{what} failed: {os.strerror(err)}")
+
+
 def run_xdp(*, prog_fd: int, data: bytes, repeat: int = 1, flags: int = 0, batch_size: int = 0) -> XdpRunResult:
     """Run the program `repeat` times on `data`; raises OSError with the kernel's errno.
 
     With flags=BPF_F_TEST_XDP_LIVE_FRAMES the kernel acts as a packet generator: each
     repetition is a fresh frame whose verdict is carried out (the bench's traffic source).
     """
-    try:
-        nr = _SYS_BPF[platform.machine()]
-    except KeyError as exc:
-        raise OSError(f"bpf() syscall number unknown for {platform.machine()}") from exc
     buf_in = ct.create_string_buffer(data, len(data))
     buf_out = ct.create_string_buffer(len(data) + 512)
     live = flags & BPF_F_TEST_XDP_LIVE_FRAMES
@@ -78,10 +86,7 @@ def run_xdp(*, prog_fd: int, data: bytes, repeat: int = 1, flags: int = 0, batch
         flags=flags,
         batch_size=batch_size,
     )
-    rc = _libc.syscall(ct.c_long(nr), ct.c_long(BPF_PROG_TEST_RUN), ct.byref(attr), ct.c_uint(ct.sizeof(attr)))
-    if rc != 0:
-        err = ct.get_errno()
-        raise OSError(err, f"BPF_PROG_TEST_RUN failed: {os.strerror(err)}")
+    sys_bpf(BPF_PROG_TEST_RUN, attr, what="BPF_PROG_TEST_RUN")
     return XdpRunResult(
         retval=attr.retval, data_out=buf_out.raw[: attr.data_size_out], duration_ns=attr.duration
     )

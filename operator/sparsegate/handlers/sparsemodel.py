@@ -103,7 +103,7 @@ async def deployment_changed(type: str | None, body: kopf.Body, memo: kopf.Memo,
     if type != "DELETED" and not model_status.workload_settled(body):
         # Still rolling out: refresh a moment later from the newest watched state (controllers.deferred_refresh).
         scheduled = memo.deferred_refreshes.defer(
-            (namespace, model), lambda: _refresh_watched(memo, inventory, namespace=namespace, model=model, logger=logger))
+            (namespace, model), lambda: _refresh_watched(memo, inventory, namespace=namespace, model=model))
         with metrics.observe("Deployment") as outcome:
             outcome.value = "deferred" if scheduled else "coalesced"
         return
@@ -112,8 +112,7 @@ async def deployment_changed(type: str | None, body: kopf.Body, memo: kopf.Memo,
                           gates=watched_gates(inventory))
 
 
-async def _refresh_watched(memo: kopf.Memo, inventory: Inventory, *, namespace: str, model: str,
-                           logger: logging.Logger) -> None:
+async def _refresh_watched(memo: kopf.Memo, inventory: Inventory, *, namespace: str, model: str) -> None:
     """A deferred refresh: the model's Deployment and pods as watched now (the indexes are live)."""
     deployment = inventory.deployment(namespace, model)
     if deployment is None:
