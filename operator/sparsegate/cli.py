@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import sparsegate.main  # noqa: F401  (registers handlers and settings)
     from sparsegate import metrics
+    from sparsegate.memo import OperatorMemo
 
     if args.metrics_port:
         metrics.serve(port=args.metrics_port, addr=args.metrics_address)
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         namespaces=args.namespace,
         standalone=args.standalone or None,
         liveness_endpoint=args.liveness,
+        memo=OperatorMemo(),  # per-object copies that share its keys (sparsegate.memo)
     )
     if elector is not None:
         # Kopf has stopped (clean shutdown): nothing acts any more, so hand the Lease over.

@@ -50,7 +50,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
                                                              thread_name_prefix="sparsegate-status")
     memo.status_inputs = StatusInputs()  # what each model's status was last written from
     memo.deferred_refreshes = DeferredRefreshes(delay_s=sparsemodel.STATUS_SETTLE_S)
-    # One controller each, shared by every object's loop (Kopf copies this memo per object).
+    # One controller each, shared by every object's loop (each object's memo reads through to this one:
+    # sparsegate.memo).
     memo.rollout_loop = gateconfig.new_rollout_loop(memo.kube)
     memo.access_sync = accesssync.new_access_sync(memo.kube)
 

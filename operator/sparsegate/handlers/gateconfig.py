@@ -39,7 +39,7 @@ PROMETHEUS_URL = os.environ.get("SPARSEGATE_PROMETHEUS_URL") or None
 def new_rollout_loop(kube: Kube) -> RolloutLoop:
     """The one rollout controller every GateConfig's loop uses (stateless apart from its clients;
     per-GateConfig state lives in each loop's RolloutCache): ``sparsegate.main`` puts it in the
-    operator's memo at startup, which Kopf copies into every object's memo."""
+    operator's memo at startup, which every object's memo reads through to (``sparsegate.memo``)."""
     prometheus = PrometheusAPI(PROMETHEUS_URL) if PROMETHEUS_URL else None
     return RolloutLoop(kube=kube, prometheus=prometheus, prometheus_url=PROMETHEUS_URL)
 

@@ -1,6 +1,7 @@
 """One rollout controller and one access controller for the whole operator: built at startup in
-the operator's memo, which Kopf copies (shallowly) into each object's memo, so every GateConfig's
-and every model's loop shares them; each model's FleetCache stays its own."""
+the operator's memo, which Kopf copies into each object's memo (``sparsegate.memo``: copies that
+read through to it; with Kopf's own Memo, shallow copies), so every GateConfig's and every model's
+loop shares them; each model's FleetCache stays its own."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ import pytest
 from sparsegate import main
 from sparsegate.clients.kube import Kube
 from sparsegate.handlers import accesssync, gateconfig
+from sparsegate.memo import OperatorMemo
 
 
-def test_startup_builds_one_controller_each_shared_by_every_objects_memo(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("memo_type", [OperatorMemo, kopf.Memo])
+def test_startup_builds_one_controller_each_shared_by_every_objects_memo(
+        monkeypatch: pytest.MonkeyPatch, memo_type: type[kopf.Memo]) -> None:
     kube = object.__new__(Kube)  # no cluster: the controllers only keep the client
     monkeypatch.setattr(Kube, "from_environment", classmethod(lambda cls: kube))
-    operator_memo = kopf.Memo()
+    operator_memo = memo_type()
     main.configure(settings=kopf.OperatorSettings(), memo=operator_memo)
     first, second = copy.copy(operator_memo), copy.copy(operator_memo)  # as Kopf makes per-object memos
 
