@@ -13,7 +13,7 @@ the gate binding (``handlers.modelsync.stale_models``), for a Deployment the mod
 (``domain.model_status``: generation and replica counts), and for a GateConfig the model's gate
 (``domain.gate.resolve``),
 so those read a projection exactly as they read the full object; and it is small (a pod's is a
-few hundred bytes where the object is several KiB).
+few hundred bytes where the object is several KiB), its strings interned (``domain.interned``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 from sparsegate_contracts import names
 
-from sparsegate.domain import render
+from sparsegate.domain import interned, render
 from sparsegate.domain.conditions import STUCK_REASONS, ConditionType
 from sparsegate.domain.pod_ownership import controller_ref
 
@@ -62,12 +62,12 @@ def pod_view(pod: Mapping[str, Any]) -> dict[str, Any]:
         ports = [{"name": p["name"], "containerPort": p["containerPort"]} for p in c.get("ports") or []
                  if p.get("name") == names.ADMIN_PORT_NAME and p.get("containerPort")]
         view["spec"] = {"containers": [{"name": c["name"], "ports": ports}]}
-    return view
+    return interned.deep(view)
 
 
 def owner_view(obj: Mapping[str, Any]) -> dict[str, Any]:
     """A ReplicaSet or Deployment: who it is and who controls it."""
-    return {"metadata": _meta(obj)}
+    return interned.deep({"metadata": _meta(obj)})
 
 
 # What a model's status reads of its Deployment (``domain.conditions.workload_conditions`` and the
@@ -104,7 +104,7 @@ def model_view(model: Mapping[str, Any]) -> dict[str, Any]:
                 if c.get("type") == ConditionType.DEGRADED.value]
     if degraded:
         view["status"]["conditions"] = degraded
-    return view
+    return interned.deep(view)
 
 
 def gate_view(gate_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -116,7 +116,7 @@ def gate_view(gate_config: Mapping[str, Any]) -> dict[str, Any]:
         view["spec"]["params"] = spec["params"]
     if status.get("stable"):
         view["status"]["stable"] = status["stable"]
-    return view
+    return interned.deep(view)
 
 
 def pod_serving(pod: Mapping[str, Any]) -> bool:

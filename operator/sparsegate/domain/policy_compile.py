@@ -18,13 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any, NamedTuple
 
 from sparsegate_contracts import flowpolicy
 from sparsegate_contracts.names import MODEL_LABEL
 from sparsegate_contracts.request_access import caller_identity_keys
 
+from sparsegate.domain import interned
 from sparsegate.domain.policy import (
     ANY,
     Action,
@@ -91,20 +92,27 @@ def pod_info(pod: Mapping[str, Any]) -> PodInfo | None:
     if not ips or status.get("phase") in ("Succeeded", "Failed") or meta.get("deletionTimestamp"):
         return None
     ports = {
-        Port(port=int(p["containerPort"]), protocol=str(p.get("protocol") or "TCP").lower())
+        _port(int(p["containerPort"]), str(p.get("protocol") or "TCP").lower())
         for c in spec.get("containers") or ()
         for p in c.get("ports") or ()
         if p.get("containerPort")
     }
+    # Kept in the operator's index of every pod for as long as the pod exists: strings interned.
     return PodInfo(
-        namespace=meta.get("namespace", "default"),
-        name=meta["name"],
-        ip=ips[0],
-        service_account=spec.get("serviceAccountName") or "default",
-        labels=tuple(sorted((meta.get("labels") or {}).items())),
+        namespace=interned.text(meta.get("namespace", "default")),
+        name=interned.text(meta["name"]),
+        ip=interned.text(ips[0]),
+        service_account=interned.text(spec.get("serviceAccountName") or "default"),
+        labels=interned.deep(tuple(sorted((meta.get("labels") or {}).items()))),
         ports=tuple(sorted(ports, key=lambda p: (p.port, p.protocol))),
-        ips=ips if len(ips) > 1 else (),
+        ips=interned.deep(ips) if len(ips) > 1 else (),
     )
+
+
+@lru_cache(maxsize=1024)
+def _port(port: int, protocol: str) -> Port:
+    """One ``Port`` per (port, protocol) for every pod that declares it (pods of a model share theirs)."""
+    return Port(port=port, protocol=protocol)
 
 
 class QueryKey(NamedTuple):

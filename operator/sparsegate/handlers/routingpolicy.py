@@ -273,9 +273,11 @@ async def sparsegate_routing_policies(namespace: str, name: str, meta: kopf.Meta
 
 
 @kopf.index("", "v1", "pods")
-async def sparsegate_flow_pods(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict:
+async def sparsegate_flow_pods(body: kopf.Body, **_: Any) -> dict:
+    # Keyed by namespace: read only as a whole (``_values``), and Kopf keeps one store per key,
+    # so one per namespace instead of one per pod.
     info = pod_info(dict(body))
-    return {(namespace, name): info} if info else {}
+    return {info.namespace: info} if info else {}
 
 
 # --- Handlers --------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from sparsegate_contracts import names
 from sparsegate import metrics
 from sparsegate.clients.kube import Kube
 from sparsegate.controllers.inventory import Inventory
-from sparsegate.domain import conditions, model_status
+from sparsegate.domain import conditions, interned, model_status
 from sparsegate.handlers import modelsync
 from sparsegate.handlers.pools import loop_reader, run_model_work, run_status_work
 
@@ -46,7 +46,7 @@ def post_event(body: Any, type_: str, reason: str, message: str) -> None:
 async def models_by_gate(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict | None:
     """(namespace, GateConfig name) → names of the models that reference it."""
     ref = modelsync.gate_ref(body)
-    return {(namespace, ref): name} if ref else None
+    return {(interned.text(namespace), interned.text(ref)): interned.text(name)} if ref else None
 
 
 @kopf.on.resume(GROUP, VERSION, names.SPARSEMODELS)
