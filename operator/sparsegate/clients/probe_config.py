@@ -2,7 +2,8 @@
 
 The operator writes ``sparsegate-probe-config`` whole (PUT, only when its data changed) and
 creates ``sparsegate-probe-reports`` empty if it is missing, so each agent can merge-patch its own
-key into it with RBAC on that one name (no create). Reports that do not parse are skipped and
+key into it with RBAC on that one name (no create). With no probe and no configuration published
+yet it writes neither. Reports that do not parse are skipped and
 logged: one bad agent must not hide the others.
 """
 
@@ -44,8 +45,14 @@ class ProbeConfigMaps:
 
     def _publish(self, configs: Mapping[str, Mapping[str, Any]]) -> bool:
         data = {node: document_text(doc) for node, doc in configs.items()}
-        self.kube.create_if_absent(_configmap(namespace=self.namespace, name=REPORT_CONFIGMAP_NAME, data={}))
         current = self.kube.get("ConfigMap", namespace=self.namespace, name=CONFIG_CONFIGMAP_NAME)
+        if current is None and not data:
+            # No probe, and no configuration to take back: agents read a missing ConfigMap as "no
+            # probe", and the reports ConfigMap is needed only once an agent has a probe to report on.
+            # (Writing them anyway failed on every node event where the namespace does not exist:
+            # 1,512 failed POSTs in a 10,000-model bench_scale run of the standalone operator.)
+            return False
+        self.kube.create_if_absent(_configmap(namespace=self.namespace, name=REPORT_CONFIGMAP_NAME, data={}))
         if current is None:
             self.kube.create(_configmap(namespace=self.namespace, name=CONFIG_CONFIGMAP_NAME, data=data))
             return True
