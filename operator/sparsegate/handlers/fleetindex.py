@@ -20,36 +20,32 @@ from sparsegate_contracts import names
 from sparsegate.domain import fleet_view, interned
 
 
-def _key(namespace: str, name: str) -> tuple[str, str]:
-    return interned.text(namespace), interned.text(name)
-
-
 @kopf.index(names.GROUP, names.VERSION, names.SPARSEMODELS)
 async def sparsegate_model_views(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
     """(namespace, model) → the SparseModel's projection."""
-    return {_key(namespace, name): fleet_view.model_view(body)}
+    return {interned.deep((namespace, name)): fleet_view.model_view(body)}
 
 
 @kopf.index("", "v1", "pods", labels={names.MODEL_LABEL: kopf.PRESENT})
 async def sparsegate_model_pod_views(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict:
     """(namespace, model) → the projections of the pods labelled as the model's (owner checks decide
     later which of them are really its pods)."""
-    return {_key(namespace, labels[names.MODEL_LABEL]): fleet_view.pod_view(body)}
+    return {interned.deep((namespace, labels[names.MODEL_LABEL])): fleet_view.pod_view(body)}
 
 
 @kopf.index("apps", "v1", "deployments", labels={names.NAME_LABEL: names.MODEL_SERVER_NAME})
 async def sparsegate_model_deployment_views(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
     """(namespace, Deployment name) → its projection (owner and replica status)."""
-    return {_key(namespace, name): fleet_view.deployment_view(body)}
+    return {interned.deep((namespace, name)): fleet_view.deployment_view(body)}
 
 
 @kopf.index("apps", "v1", "replicasets", labels={names.NAME_LABEL: names.MODEL_SERVER_NAME})
 async def sparsegate_model_replicaset_views(namespace: str, uid: str, body: kopf.Body, **_: Any) -> dict:
     """(namespace, ReplicaSet uid) → its projection (pods name their ReplicaSet by uid)."""
-    return {_key(namespace, uid): fleet_view.owner_view(body)}
+    return {interned.deep((namespace, uid)): fleet_view.owner_view(body)}
 
 
 @kopf.index(names.GROUP, names.VERSION, names.GATECONFIGS)
 async def sparsegate_gate_views(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
     """(namespace, GateConfig) → what a model's gate resolves from (``fleet_view.gate_view``)."""
-    return {_key(namespace, name): fleet_view.gate_view(body)}
+    return {interned.deep((namespace, name)): fleet_view.gate_view(body)}

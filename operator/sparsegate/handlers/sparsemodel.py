@@ -46,7 +46,7 @@ def post_event(body: Any, type_: str, reason: str, message: str) -> None:
 async def models_by_gate(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict | None:
     """(namespace, GateConfig name) → names of the models that reference it."""
     ref = modelsync.gate_ref(body)
-    return {(interned.text(namespace), interned.text(ref)): interned.text(name)} if ref else None
+    return {interned.deep((namespace, ref)): interned.text(name)} if ref else None
 
 
 @kopf.on.resume(GROUP, VERSION, names.SPARSEMODELS)
