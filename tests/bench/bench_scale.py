@@ -7,7 +7,9 @@ with ``--nodes`` fake nodes, installs the CRDs, runs the operator (``sparsegate 
 namespace, rollout tick 1 s) and creates ``--gateconfigs`` GateConfigs and ``--models``
 SparseModels of ``--replicas`` pods each, spread over the GateConfigs. Pods are kwok pods only
 (no model-server processes: 1,000 of those would need ~320 GB), so /healthz checks are refused
-at once on the unbound loopback IPs, the cheap failure path.
+at once on the unbound loopback IPs, the cheap failure path. ``--headless``: every model asks for
+a headless Service (``spec.service.headless``), so the API server allocates no virtual IP per model
+(that allocation slows as Services accumulate).
 
 Reports, side by side:
 - time from the first create until every SparseModel is Ready (pods Running on kwok nodes);
@@ -130,6 +132,8 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--idle", type=float, default=60, help="seconds of idle measured after all are Ready")
     p.add_argument("--pod-cidr", default="127.42.0.0/16")
+    p.add_argument("--headless", action="store_true",
+                   help="models with spec.service.headless (no virtual IP allocated per model)")
     args = p.parse_args()
 
     state = Path(tempfile.mkdtemp(prefix="bench-scale-"))
@@ -148,7 +152,8 @@ def main() -> int:
         models = [{"apiVersion": "sparsegate.dev/v1alpha1", "kind": "SparseModel", "metadata": {"name": f"m-{i:03d}"},
                    "spec": {"image": "ghcr.io/sparsegate/model-server:0.1.0", "replicas": args.replicas,
                             "gateConfigRef": {"name": f"gate-{i % args.gateconfigs}"},
-                            "model": {"dModel": 128, "experts": 4, "maxExpertsPerToken": 2}}}
+                            "model": {"dModel": 128, "experts": 4, "maxExpertsPerToken": 2},
+                            **({"service": {"headless": True}} if args.headless else {})}}
                   for i in range(args.models)]
         t_create = time.monotonic()
         for chunk in range(0, len(gcs) + len(models), 50):
@@ -218,7 +223,7 @@ def main() -> int:
         requests = counter_by(metrics, "sparsegate_operator_kube_requests", ("verb", "resource"))
         reconciles = counter_by(metrics, "sparsegate_operator_reconciles", ("kind", "outcome"))
         result = {
-            "models": args.models, "replicas": args.replicas, "pods": len(pods), "podsRunning": running,
+            "models": args.models, "headless": args.headless, "replicas": args.replicas, "pods": len(pods), "podsRunning": running,
             "nodes": args.nodes, "gateconfigs": args.gateconfigs,
             "createSeconds": round(created_s, 2),
             "allReadySeconds": None if ready_s is None else round(ready_s, 2),

@@ -129,13 +129,28 @@ def render_secret(model: Mapping[str, Any], *, material: AdminMaterial) -> dict[
 
 
 def render_service(model: Mapping[str, Any]) -> dict[str, Any]:
+    """ClusterIP Service ``<model>``; headless (clusterIP None) with ``spec.service.headless``
+    (immutable in the CRD, as clusterIP is in the Service: never switched in place)."""
     name = model["metadata"]["name"]
     port = serving_port(model)
-    return {"apiVersion": "v1", "kind": "Service",
-            "metadata": _metadata(model, name),
-            "spec": {"type": "ClusterIP", "selector": selector_labels(name),
-                     "ports": [{"name": PORT_NAME, "port": port, "targetPort": PORT_NAME,
-                                "protocol": "TCP"}]}}
+    spec: dict[str, Any] = {"type": "ClusterIP", "selector": selector_labels(name),
+                            "ports": [{"name": PORT_NAME, "port": port, "targetPort": PORT_NAME,
+                                       "protocol": "TCP"}]}
+    if headless_service(model):
+        spec["clusterIP"] = HEADLESS
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(model, name), "spec": spec}
+
+
+HEADLESS = "None"  # Service.spec.clusterIP of a headless Service
+
+
+def headless_service(model: Mapping[str, Any]) -> bool:
+    return bool((model["spec"].get("service") or {}).get("headless"))
+
+
+def is_headless(service: Mapping[str, Any]) -> bool:
+    """Whether a Service (rendered, applied or read) is headless."""
+    return (service.get("spec") or {}).get("clusterIP") == HEADLESS
 
 
 def serving_port(model: Mapping[str, Any]) -> int:

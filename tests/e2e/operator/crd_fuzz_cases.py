@@ -180,7 +180,8 @@ EXTRAS: dict[str, dict[str, Any]] = {
                                         "timeoutMs": 500}],
                              "expertGroups": [{"name": "math", "experts": [0, 1]},
                                               {"name": "code", "experts": [2, 3]}],
-                             "access": {"requestAuth": "Enforce", "tokenCacheSeconds": 30}}},
+                             "access": {"requestAuth": "Enforce", "tokenCacheSeconds": 30},
+                             "service": {"headless": True}}},
     "GateConfig": {"spec": {
         "params": {"faultInjection": {"errorRate": 0.0, "addedLatencyMs": 0}, "targetExpertsPerToken": 2,
                    "hardwareCostLambda": 0.5},
@@ -462,6 +463,9 @@ CEL_CASES: dict[tuple[str, str, str], list[CelCase]] = {
         ("cross_field", "spec.model.minExpertsPerToken", "min 5 > defaulted max 4",
          _drop_then_set("spec.model.maxExpertsPerToken", "spec.model.minExpertsPerToken", 5)),
     ],
+    # A transition rule: a create never breaks it (there is no old object), so no create case
+    # can; tests/e2e/operator/test_sparsemodel_lifecycle.py checks that an update is refused.
+    ("SparseModel", "spec.service.headless", "self == oldSelf"): [],
     ("SparseModel", "spec.tools", "self.all(t, t.name != 'calculator')"): [
         ("cross_field", "spec.tools", "a tool named calculator (the built-in's name)",
          _set("spec.tools[0].name", "calculator")),

@@ -236,3 +236,42 @@ def test_chart_objects_are_live(stack, operator):
     assert statuses["operator"]["image"] == stack.images["operator"] and statuses["operator"]["ready"]
     svc = get_json(stack, "service", f"{OPERATOR}-metrics", "-n", RELEASE_NS)
     assert svc["spec"]["ports"][0]["name"] == "metrics"
+
+
+
+def test_headless_service_is_chosen_at_creation(stack, operator, stack_namespace):
+    ns = stack_namespace
+    base = yaml.safe_load((EXAMPLES / "sparsemodel.yaml").read_text())
+    base["spec"].update(replicas=0, resources={"gpus": 0})
+    base["spec"].pop("gateConfigRef", None)  # the built-in gate: nothing else to wait for
+    models = {"svc-headless": {"headless": True}, "svc-default": None}
+    for name, service in models.items():
+        model = {**base, "metadata": {**base["metadata"], "name": name}, "spec": dict(base["spec"])}
+        if service is not None:
+            model["spec"]["service"] = service
+        stack.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(model))
+
+    def service(name: str):
+        def probe():
+            proc = stack.kubectl("get", "service", name, "-n", ns, "-o", "json", check=False)
+            return json.loads(proc.stdout) if proc.returncode == 0 else None
+        return probe
+    headless = wait_for(service("svc-headless"), what="the headless model's Service", timeout_s=90)
+    assert headless["spec"]["clusterIP"] == "None" and render.is_headless(headless)
+    assert headless["spec"]["selector"] == render.selector_labels("svc-headless")
+    default = wait_for(service("svc-default"), what="the default model's Service", timeout_s=90)
+    assert re.fullmatch(r"\d+\.\d+\.\d+\.\d+", default["spec"]["clusterIP"])  # allocated
+    # The schema defaults the field, so an update always carries it and the rule below applies.
+    assert get_json(stack, "sparsemodel", "svc-default", "-n", ns)["spec"]["service"] == {"headless": False}
+
+    # Immutable, as the Service's clusterIP is: the API server refuses the change, naming the field,
+    # and nothing is replaced.
+    for name, patch in (("svc-headless", '{"spec": {"service": {"headless": false}}}'),
+                        ("svc-default", '{"spec": {"service": {"headless": true}}}')):
+        proc = stack.kubectl("patch", "sparsemodel", name, "-n", ns, "--type=merge", "-p", patch, check=False)
+        assert proc.returncode != 0 and "spec.service.headless is immutable" in proc.stderr, proc.stderr
+    proc = stack.kubectl("patch", "sparsemodel", "svc-headless", "-n", ns, "--type=json", "-p",
+                         '[{"op": "remove", "path": "/spec/service"}]', check=False)
+    assert proc.returncode != 0 and "spec.service.headless" in proc.stderr, proc.stderr
+    assert service("svc-headless")()["metadata"]["uid"] == headless["metadata"]["uid"]
+    assert service("svc-default")()["metadata"]["uid"] == default["metadata"]["uid"]
