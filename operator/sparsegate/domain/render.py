@@ -128,6 +128,9 @@ def render_secret(model: Mapping[str, Any], *, material: AdminMaterial) -> dict[
             "metadata": _metadata(model, name), "data": material.secret_data()}
 
 
+HEADLESS = "None"  # Service.spec.clusterIP of a headless Service
+
+
 def render_service(model: Mapping[str, Any]) -> dict[str, Any]:
     """ClusterIP Service ``<model>``; headless (clusterIP None) with ``spec.service.headless``
     (immutable in the CRD, as clusterIP is in the Service: never switched in place)."""
@@ -141,16 +144,8 @@ def render_service(model: Mapping[str, Any]) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(model, name), "spec": spec}
 
 
-HEADLESS = "None"  # Service.spec.clusterIP of a headless Service
-
-
 def headless_service(model: Mapping[str, Any]) -> bool:
     return bool((model["spec"].get("service") or {}).get("headless"))
-
-
-def is_headless(service: Mapping[str, Any]) -> bool:
-    """Whether a Service (rendered, applied or read) is headless."""
-    return (service.get("spec") or {}).get("clusterIP") == HEADLESS
 
 
 def serving_port(model: Mapping[str, Any]) -> int:

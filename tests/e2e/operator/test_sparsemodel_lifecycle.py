@@ -238,7 +238,6 @@ def test_chart_objects_are_live(stack, operator):
     assert svc["spec"]["ports"][0]["name"] == "metrics"
 
 
-
 def test_headless_service_is_chosen_at_creation(stack, operator, stack_namespace):
     ns = stack_namespace
     base = yaml.safe_load((EXAMPLES / "sparsemodel.yaml").read_text())
@@ -257,7 +256,7 @@ def test_headless_service_is_chosen_at_creation(stack, operator, stack_namespace
             return json.loads(proc.stdout) if proc.returncode == 0 else None
         return probe
     headless = wait_for(service("svc-headless"), what="the headless model's Service", timeout_s=90)
-    assert headless["spec"]["clusterIP"] == "None" and render.is_headless(headless)
+    assert headless["spec"]["clusterIP"] == render.HEADLESS == "None"
     assert headless["spec"]["selector"] == render.selector_labels("svc-headless")
     default = wait_for(service("svc-default"), what="the default model's Service", timeout_s=90)
     assert re.fullmatch(r"\d+\.\d+\.\d+\.\d+", default["spec"]["clusterIP"])  # allocated

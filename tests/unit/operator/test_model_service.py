@@ -17,19 +17,13 @@ def test_default_service_asks_the_api_server_for_an_address() -> None:
     for spec in ({}, {"service": {}}, {"service": {"headless": False}}):
         svc = render.render_service(model(**spec))
         assert svc["spec"]["type"] == "ClusterIP" and "clusterIP" not in svc["spec"]
-        assert not render.is_headless(svc)
 
 
 def test_headless_service_asks_for_none() -> None:
     plain = render.render_service(model())
     svc = render.render_service(model(service={"headless": True}))
-    assert svc["spec"]["clusterIP"] == "None" and render.is_headless(svc)
+    assert svc["spec"]["clusterIP"] == render.HEADLESS == "None"
     # Everything else is the same Service: selector, port, owner, labels.
     del svc["spec"]["clusterIP"]
     assert svc == plain
 
-
-def test_is_headless_reads_a_service_as_the_api_server_returns_it() -> None:
-    assert render.is_headless({"spec": {"type": "ClusterIP", "clusterIP": "None", "clusterIPs": ["None"]}})
-    assert not render.is_headless({"spec": {"type": "ClusterIP", "clusterIP": "10.96.0.12"}})
-    assert not render.is_headless({})
