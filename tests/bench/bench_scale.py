@@ -26,22 +26,31 @@ Reports, side by side:
 - ``--idle`` seconds (default 60) right after all are Ready: the operator's API requests per second
   and CPU (cores) while nothing changes;
 - then one GateConfig change at scale: time for the controller to choose and record the first
-  step (the pods cannot answer, so the step waits; that part is measured by the e2e tests).
+  step (the pods cannot answer, so the step waits; that part is measured by the e2e tests);
+- then steady state (``--changes``, default 200, ``--change-rate`` a second, default 10): models
+  spread over the fleet scaled by one replica while the rest stay settled; the reconcile latency of
+  just those changes (the histogram's difference over the phase), each kind of request's duration
+  and the operator's CPU over the phase, and per model, from a watch, seconds from the PATCH until
+  its status shows the new generation and until it is Ready with the new count. Everything above
+  is from before this phase.
 Results also go to tests/bench/results/bench_scale.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import math
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "dev"))
@@ -54,10 +63,8 @@ NS = "bench"
 
 
 
-def histogram_quantiles(text: str, name: str, label: tuple[str, str] | None,
-                        labels: dict[str, str] | None = None) -> dict[str, float | None]:
-    """p50/p99 of a histogram's samples with ``label`` (name, value) and every one of ``labels``."""
-    want = {**({label[0]: label[1]} if label else {}), **(labels or {})}
+def histogram_buckets(text: str, name: str, want: dict[str, str]) -> tuple[dict[float, float], float]:
+    """A histogram's cumulative buckets (le → count) and count, summed over samples with every label of ``want``."""
     buckets: dict[float, float] = {}
     count = 0.0
     for family in text_string_to_metric_families(text):
@@ -68,6 +75,19 @@ def histogram_quantiles(text: str, name: str, label: tuple[str, str] | None,
                 buckets[float(s.labels["le"])] = buckets.get(float(s.labels["le"]), 0.0) + s.value
             elif s.name == f"{name}_count":
                 count += s.value
+    return buckets, count
+
+
+def histogram_quantiles(text: str, name: str, label: tuple[str, str] | None,
+                        labels: dict[str, str] | None = None, *, since: str | None = None) -> dict[str, float | None]:
+    """p50/p99 of a histogram's samples with ``label`` (name, value) and every one of ``labels``;
+    with ``since`` (an earlier scrape of the same process), of the observations made after it."""
+    want = {**({label[0]: label[1]} if label else {}), **(labels or {})}
+    buckets, count = histogram_buckets(text, name, want)
+    if since is not None:
+        earlier, earlier_count = histogram_buckets(since, name, want)
+        buckets = {le: c - earlier.get(le, 0.0) for le, c in buckets.items()}
+        count -= earlier_count
     out: dict[str, float | None] = {"count": count}
     for q in (0.5, 0.99):
         rank, prev_le, prev_c, value = q * count, 0.0, 0.0, None
@@ -80,6 +100,10 @@ def histogram_quantiles(text: str, name: str, label: tuple[str, str] | None,
     if 1.0 in buckets and count:
         out["shareUnder1s"] = round(buckets[1.0] / count, 4)
     return out
+
+
+def rounded(quantiles: dict[str, float | None]) -> dict[str, float | None]:
+    return {k: v if v is None else round(v, 3) for k, v in quantiles.items()}
 
 
 def counter_by(text: str, name: str, labels: tuple[str, ...]) -> dict[str, float]:
@@ -102,6 +126,96 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of the process so far (/proc/PID/stat fields 14 and 15)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+CHANGED_LABEL = "bench.sparsegate.dev/changed"
+
+
+def changed_names(models: int, gateconfigs: int, count: int) -> list[str]:
+    """``count`` models spread over the fleet, none on gate-0 (whose pods the GateConfig change uses)."""
+    eligible = [i for i in range(models) if i % gateconfigs != 0]
+    step = max(1, len(eligible) // max(count, 1))
+    return [f"m-{i:03d}" for i in eligible[::step][:count]]
+
+
+def steady_changes(cluster: LocalCluster, *, names: list[str], rate: float, replicas: int,
+                   timeout: float) -> dict[str, Any]:
+    """Scale ``names`` from ``replicas`` to ``replicas + 1``, ``rate`` a second, once the fleet is
+    settled (a user or a GitOps sync changing some models among many). Per model, seconds from its
+    PATCH until its status shows the operator acted on that generation (``observedGeneration``),
+    and until it is Ready with the new count (the Deployment controller, the scheduler and kwok
+    included), both from a watch of the changed models (the PATCH also labels them)."""
+    from kubernetes import client, watch
+
+    from sparsegate.clients.kube import Kube, path_for
+
+    kube = Kube.from_kubeconfig(str(cluster.kubeconfig))
+    api = client.CustomObjectsApi(kube._api)
+    seen: dict[str, list[tuple[float, dict]]] = {}  # name → (monotonic time, status) of each watch event
+    stream = watch.Watch()
+
+    stopping = threading.Event()
+    failed: list[BaseException] = []
+
+    def follow() -> None:
+        try:
+            for event in stream.stream(api.list_namespaced_custom_object, "sparsegate.dev", "v1alpha1", NS,
+                                       "sparsemodels", label_selector=f"{CHANGED_LABEL}=1",
+                                       timeout_seconds=int(timeout) + 60):
+                obj = event["object"]
+                seen.setdefault(obj["metadata"]["name"], []).append((time.monotonic(), obj.get("status") or {}))
+        except Exception as e:  # noqa: BLE001 - stopping closes the stream under it
+            if not stopping.is_set():
+                failed.append(e)
+
+    watcher = threading.Thread(target=follow, daemon=True)
+    watcher.start()
+    time.sleep(1)  # the watch is open before the first change
+    patched: dict[str, tuple[float, int]] = {}  # name → (time of the PATCH, generation it made)
+
+    def change(name: str) -> None:
+        t = time.monotonic()
+        body = kube.request("PATCH", path_for("SparseModel", namespace=NS, name=name),
+                            body={"metadata": {"labels": {CHANGED_LABEL: "1"}}, "spec": {"replicas": replicas + 1}},
+                            content_type="application/merge-patch+json")
+        patched[name] = (t, int(body["metadata"]["generation"]))
+
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        futures = []
+        for i, name in enumerate(names):
+            time.sleep(max(0.0, t0 + i / rate - time.monotonic()))
+            futures.append(pool.submit(change, name))
+        for f in futures:
+            f.result()  # a failed PATCH fails the bench
+    sent_s = time.monotonic() - t0
+
+    def first(name: str, done: Callable[[dict], bool]) -> float | None:
+        t_patch, _ = patched[name]
+        return next((t - t_patch for t, st in list(seen.get(name, ())) if t >= t_patch and done(st)), None)
+
+    def acted(name: str) -> Callable[[dict], bool]:
+        return lambda st: (st.get("observedGeneration") or 0) >= patched[name][1]
+
+    def ready(name: str) -> Callable[[dict], bool]:
+        return lambda st: acted(name)(st) and st.get("readyReplicas", 0) >= replicas + 1 and any(
+            c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions", []))
+
+    while time.monotonic() - t0 < timeout and not failed and not all(first(n, ready(n)) is not None for n in patched):
+        time.sleep(1)
+    stopping.set()
+    stream.stop()
+    if failed:
+        raise RuntimeError(f"the watch of the changed models failed: {failed[0]!r}")
+    acted_s = sorted(x for n in patched if (x := first(n, acted(n))) is not None)
+    ready_s = sorted(x for n in patched if (x := first(n, ready(n))) is not None)
+
+    def quantiles(xs: list[float]) -> dict[str, float | int | None]:
+        pick = (lambda q: round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)) if xs else (lambda q: None)
+        return {"count": len(xs), "p50": pick(0.5), "p99": pick(0.99), "max": pick(1.0)}
+
+    return {"changes": len(names), "patched": len(patched), "ratePerSecond": rate, "sentSeconds": round(sent_s, 1),
+            "patchToObservedGeneration": quantiles(acted_s), "patchToReady": quantiles(ready_s)}
 
 
 def start_operator(cluster: LocalCluster, state: Path) -> tuple[subprocess.Popen, int]:
@@ -132,6 +246,9 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--idle", type=float, default=60, help="seconds of idle measured after all are Ready")
     p.add_argument("--pod-cidr", default="127.42.0.0/16")
+    p.add_argument("--changes", type=int, default=200,
+                   help="models scaled by one replica once all are Ready and the GateConfig change is recorded")
+    p.add_argument("--change-rate", type=float, default=10, help="changes a second")
     p.add_argument("--headless", action="store_true",
                    help="models with spec.service.headless (no virtual IP allocated per model)")
     args = p.parse_args()
@@ -219,6 +336,36 @@ def main() -> int:
             time.sleep(0.2)
         time.sleep(3)  # a few ticks at 1,000-pod scale for the tick histogram
         metrics = urllib.request.urlopen(url, timeout=10).read().decode()
+        # Steady state: a few models change among many settled ones; the reconciles of just those.
+        changes: dict[str, Any] | None = None
+        if args.changes:
+            cpu0, t_changes = cpu_seconds(op_proc.pid), time.monotonic()
+            changes = steady_changes(cluster, names=changed_names(args.models, args.gateconfigs, args.changes),
+                                     rate=args.change_rate, replicas=args.replicas, timeout=300)
+            later = urllib.request.urlopen(url, timeout=10).read().decode()
+            # The operator's CPU over the phase (cores; ~1 means its GIL is the queue) and each kind
+            # of request's duration over the phase: where a steady reconcile's time goes.
+            changes["operatorCpuCores"] = round((cpu_seconds(op_proc.pid) - cpu0) / (time.monotonic() - t_changes), 3)
+            phase_requests = counter_by(later, "sparsegate_operator_kube_requests", ("verb", "resource"))
+            earlier_requests = counter_by(metrics, "sparsegate_operator_kube_requests", ("verb", "resource"))
+            changes["apiRequestSeconds"] = {
+                key: rounded(histogram_quantiles(later, "sparsegate_operator_kube_request_duration_seconds", None,
+                                                 labels={"verb": key.split()[0], "resource": key.split()[1]},
+                                                 since=metrics))
+                for key, n in phase_requests.items()
+                if n > earlier_requests.get(key, 0.0)}
+            changes["apiRequests"] = {key: n - earlier_requests.get(key, 0.0) for key, n in phase_requests.items()
+                                      if n > earlier_requests.get(key, 0.0)}
+            earlier_codes = counter_by(metrics, "sparsegate_operator_kube_requests", ("verb", "resource", "code"))
+            changes["apiRequestsByCode"] = {
+                key: n - earlier_codes.get(key, 0.0) for key, n in counter_by(
+                    later, "sparsegate_operator_kube_requests", ("verb", "resource", "code")).items()
+                if n > earlier_codes.get(key, 0.0) and not key.endswith(" 200")}
+            changes["reconcileSparseModel"] = rounded(histogram_quantiles(
+                later, "sparsegate_operator_reconcile_duration_seconds", ("kind", "SparseModel"), since=metrics))
+            changes["modelPoolWait"] = rounded(histogram_quantiles(
+                later, "sparsegate_operator_model_pool_wait_seconds", ("work", "reconcile"), since=metrics))
+            print(f"steady-state changes: {json.dumps(changes)}", flush=True)
         hwm, rss = rss_kib(op_proc.pid)
         requests = counter_by(metrics, "sparsegate_operator_kube_requests", ("verb", "resource"))
         reconciles = counter_by(metrics, "sparsegate_operator_reconciles", ("kind", "outcome"))
@@ -261,6 +408,8 @@ def main() -> int:
             "idleRequestsPerSecond": round(sum(idle_requests.values()) / idle_s, 2),
             "idleRequestsByVerbResource": idle_requests,
             "idleCpuCores": round(idle_cpu, 3),
+            # --changes models scaled once the fleet is settled (the figures above are from before).
+            "steadyChanges": changes,
         }
         print(json.dumps(result, indent=2))
         out_dir = REPO / "tests" / "bench" / "results"
