@@ -37,15 +37,19 @@ def workload_inputs(deployment: Mapping[str, Any] | None, pods: Iterable[Mapping
 
 def workload_settled(deployment: Mapping[str, Any] | None) -> bool:
     """Whether the Deployment controller is done with ``deployment`` (the object or its view): it has
-    observed the current spec and every replica is updated and ready. Until then its status moves
-    again within moments (observed → some ready → all ready), which ``handlers.sparsemodel`` lets
-    settle before refreshing the model."""
+    observed the current spec, its pods number what the spec asks (when the object carries
+    ``spec.replicas``) and every one is updated and ready — ``kubectl rollout status``'s test. Until
+    then its status moves again within moments (observed → some ready → all ready), which
+    ``handlers.sparsemodel`` lets settle before refreshing the model. Without the count, a new or
+    scaled Deployment looked settled at its first status (observed, counts not yet moved: 0 of 0
+    at creation, 2 of 2 on the way to 3), and its model's status was refreshed once more."""
     if deployment is None:
         return True
     generation = (deployment.get("metadata") or {}).get("generation") or 0
     st = deployment.get("status") or {}
     replicas = st.get("replicas") or 0
-    return (st.get("observedGeneration") or 0) >= generation and \
+    wanted = (deployment.get("spec") or {}).get("replicas")
+    return (st.get("observedGeneration") or 0) >= generation and (wanted is None or replicas == wanted) and \
         (st.get("readyReplicas") or 0) == replicas and (st.get("updatedReplicas") or 0) == replicas
 
 

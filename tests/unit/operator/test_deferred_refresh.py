@@ -15,16 +15,20 @@ DELAY = 0.05
 
 
 def deployment(*, generation: int = 1, observed: int | None = 1, replicas: int = 2, ready: int = 2,
-               updated: int = 2) -> dict:
+               updated: int = 2, spec_replicas: int | None = 2) -> dict:
     status = {"replicas": replicas, "readyReplicas": ready, "updatedReplicas": updated}
     if observed is not None:
         status["observedGeneration"] = observed
-    return {"metadata": {"generation": generation}, "status": status}
+    body = {"metadata": {"generation": generation}, "status": status}
+    if spec_replicas is not None:
+        body["spec"] = {"replicas": spec_replicas}
+    return body
 
 
 @pytest.mark.parametrize(("body", "settled"), [
     (deployment(), True),
-    (deployment(replicas=0, ready=0, updated=0), True),  # scaled to zero
+    (deployment(replicas=0, ready=0, updated=0, spec_replicas=0), True),  # scaled to zero
+    (deployment(spec_replicas=None), True),  # a view without the spec: the counts alone
     (None, True),  # gone: nothing left to wait for
     ({"metadata": {"generation": 1}}, False),  # created, the controller has not looked yet
     (deployment(observed=None), False),
@@ -33,6 +37,11 @@ def deployment(*, generation: int = 1, observed: int | None = 1, replicas: int =
     (deployment(ready=1), False),
     (deployment(replicas=3, ready=2, updated=2), False),  # an old pod still terminating
     (deployment(updated=1), False),  # a rollout half way
+    # Observed, but the ReplicaSet has not moved yet: no pods at creation, 2 of a new 3 when scaled.
+    (deployment(replicas=0, ready=0, updated=0), False),
+    (deployment(generation=2, observed=2, spec_replicas=3), False),
+    (deployment(generation=2, observed=2, replicas=3, ready=3, updated=3, spec_replicas=3), True),
+    (deployment(generation=2, observed=2, replicas=3, ready=3, updated=3, spec_replicas=2), False),  # scaling down
 ])
 def test_workload_settled(body, settled):
     assert workload_settled(body) is settled
