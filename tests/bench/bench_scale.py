@@ -30,9 +30,9 @@ Reports, side by side:
 - then steady state (``--changes``, default 200, ``--change-rate`` a second, default 10): models
   spread over the fleet scaled by one replica while the rest stay settled; the reconcile latency of
   just those changes (the histogram's difference over the phase), each kind of request's duration
-  and the operator's CPU over the phase, and per model, from a watch, seconds from the PATCH until
-  its status shows the new generation and until it is Ready with the new count. Everything above
-  is from before this phase.
+  and the CPU of the operator and of each control-plane process over the phase, and per model, from
+  a watch, seconds from the PATCH until its status shows the new generation and until it is Ready
+  with the new count. Everything above is from before this phase.
 Results also go to tests/bench/results/bench_scale.json.
 """
 
@@ -340,12 +340,17 @@ def main() -> int:
         changes: dict[str, Any] | None = None
         if args.changes:
             cpu0, t_changes = cpu_seconds(op_proc.pid), time.monotonic()
+            control_plane = cluster.pids()
+            control_cpu0 = {name: cpu_seconds(pid) for name, pid in control_plane.items()}
             changes = steady_changes(cluster, names=changed_names(args.models, args.gateconfigs, args.changes),
                                      rate=args.change_rate, replicas=args.replicas, timeout=300)
             later = urllib.request.urlopen(url, timeout=10).read().decode()
             # The operator's CPU over the phase (cores; ~1 means its GIL is the queue) and each kind
             # of request's duration over the phase: where a steady reconcile's time goes.
-            changes["operatorCpuCores"] = round((cpu_seconds(op_proc.pid) - cpu0) / (time.monotonic() - t_changes), 3)
+            phase_s = time.monotonic() - t_changes
+            changes["operatorCpuCores"] = round((cpu_seconds(op_proc.pid) - cpu0) / phase_s, 3)
+            changes["controlPlaneCpuCores"] = {name: round((cpu_seconds(pid) - control_cpu0[name]) / phase_s, 3)
+                                               for name, pid in control_plane.items()}
             phase_requests = counter_by(later, "sparsegate_operator_kube_requests", ("verb", "resource"))
             earlier_requests = counter_by(metrics, "sparsegate_operator_kube_requests", ("verb", "resource"))
             changes["apiRequestSeconds"] = {
