@@ -24,7 +24,7 @@ Reports, side by side:
   and was read again), with each kind's p50/p99 duration: where the API server's work and a
   reconcile's time go;
 - ``--idle`` seconds (default 60) right after all are Ready: the operator's API requests per second
-  and CPU (cores) while nothing changes;
+  and CPU (cores), and each control-plane process's CPU, while nothing changes;
 - then one GateConfig change at scale: time for the controller to choose and record the first
   step (the pods cannot answer, so the step waits; that part is measured by the e2e tests);
 - then steady state (``--changes``, default 200, ``--change-rate`` a second, default 10): models
@@ -314,11 +314,15 @@ def main() -> int:
         before = counter_by(urllib.request.urlopen(url, timeout=10).read().decode(),
                             "sparsegate_operator_kube_requests", ("verb", "resource"))
         cpu0, t_idle = cpu_seconds(op_proc.pid), time.monotonic()
+        control_plane = cluster.pids()
+        control_cpu0 = {name: cpu_seconds(pid) for name, pid in control_plane.items()}
         time.sleep(args.idle)
         after = counter_by(urllib.request.urlopen(url, timeout=10).read().decode(),
                            "sparsegate_operator_kube_requests", ("verb", "resource"))
         idle_s = time.monotonic() - t_idle
         idle_cpu = (cpu_seconds(op_proc.pid) - cpu0) / idle_s
+        idle_control_cpu = {name: round((cpu_seconds(pid) - control_cpu0[name]) / max(idle_s, 1e-9), 3)
+                            for name, pid in control_plane.items()}
         idle_requests = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
 
         # One GateConfig change at scale: time until the first step is chosen and recorded.
@@ -413,6 +417,7 @@ def main() -> int:
             "idleRequestsPerSecond": round(sum(idle_requests.values()) / idle_s, 2),
             "idleRequestsByVerbResource": idle_requests,
             "idleCpuCores": round(idle_cpu, 3),
+            "idleControlPlaneCpuCores": idle_control_cpu,
             # --changes models scaled once the fleet is settled (the figures above are from before).
             "steadyChanges": changes,
         }
