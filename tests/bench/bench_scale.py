@@ -117,6 +117,13 @@ def counter_by(text: str, name: str, labels: tuple[str, ...]) -> dict[str, float
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def counter_delta(later: str, earlier: str, name: str, labels: tuple[str, ...]) -> dict[str, float]:
+    """What a counter grew by between two scrapes of the same process, by the given labels (keys
+    that did not grow left out)."""
+    before = counter_by(earlier, name, labels)
+    return {k: v - before.get(k, 0.0) for k, v in counter_by(later, name, labels).items() if v > before.get(k, 0.0)}
+
+
 def rss_kib(pid: int) -> tuple[int, int]:
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
     return int(fields["VmHWM"].split()[0]), int(fields["VmRSS"].split()[0])
@@ -218,6 +225,18 @@ def steady_changes(cluster: LocalCluster, *, names: list[str], rate: float, repl
             "patchToObservedGeneration": quantiles(acted_s), "patchToReady": quantiles(ready_s)}
 
 
+class CpuMeter:
+    """The CPU (cores) each named process has used since the meter was made."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids, self.t0 = pids, time.monotonic()
+        self.cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+    def cores(self) -> dict[str, float]:
+        elapsed = max(time.monotonic() - self.t0, 1e-9)
+        return {name: round((cpu_seconds(pid) - self.cpu0[name]) / elapsed, 3) for name, pid in self.pids.items()}
+
+
 def start_operator(cluster: LocalCluster, state: Path) -> tuple[subprocess.Popen, int]:
     """CRDs, namespace ``NS`` and the operator (``sparsegate run``, standalone, rollout tick 1 s)
     on a started cluster; answers the operator's process and metrics port."""
@@ -311,19 +330,14 @@ def main() -> int:
         # Idle: nothing changes once all are Ready; what does the operator still send and burn?
         time.sleep(5)  # the last Ready events' own work
         url = f"http://127.0.0.1:{port}/metrics"
-        before = counter_by(urllib.request.urlopen(url, timeout=10).read().decode(),
-                            "sparsegate_operator_kube_requests", ("verb", "resource"))
-        cpu0, t_idle = cpu_seconds(op_proc.pid), time.monotonic()
-        control_plane = cluster.pids()
-        control_cpu0 = {name: cpu_seconds(pid) for name, pid in control_plane.items()}
+        before = urllib.request.urlopen(url, timeout=10).read().decode()
+        t_idle, idle_meter = time.monotonic(), CpuMeter({"operator": op_proc.pid, **cluster.pids()})
         time.sleep(args.idle)
-        after = counter_by(urllib.request.urlopen(url, timeout=10).read().decode(),
-                           "sparsegate_operator_kube_requests", ("verb", "resource"))
+        after = urllib.request.urlopen(url, timeout=10).read().decode()
         idle_s = time.monotonic() - t_idle
-        idle_cpu = (cpu_seconds(op_proc.pid) - cpu0) / idle_s
-        idle_control_cpu = {name: round((cpu_seconds(pid) - control_cpu0[name]) / max(idle_s, 1e-9), 3)
-                            for name, pid in control_plane.items()}
-        idle_requests = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+        idle_control_cpu = idle_meter.cores()
+        idle_cpu = idle_control_cpu.pop("operator")
+        idle_requests = counter_delta(after, before, "sparsegate_operator_kube_requests", ("verb", "resource"))
 
         # One GateConfig change at scale: time until the first step is chosen and recorded.
         gc = "gate-0"
@@ -343,33 +357,26 @@ def main() -> int:
         # Steady state: a few models change among many settled ones; the reconciles of just those.
         changes: dict[str, Any] | None = None
         if args.changes:
-            cpu0, t_changes = cpu_seconds(op_proc.pid), time.monotonic()
-            control_plane = cluster.pids()
-            control_cpu0 = {name: cpu_seconds(pid) for name, pid in control_plane.items()}
+            meter = CpuMeter({"operator": op_proc.pid, **cluster.pids()})
             changes = steady_changes(cluster, names=changed_names(args.models, args.gateconfigs, args.changes),
                                      rate=args.change_rate, replicas=args.replicas, timeout=300)
             later = urllib.request.urlopen(url, timeout=10).read().decode()
-            # The operator's CPU over the phase (cores; ~1 means its GIL is the queue) and each kind
-            # of request's duration over the phase: where a steady reconcile's time goes.
-            phase_s = time.monotonic() - t_changes
-            changes["operatorCpuCores"] = round((cpu_seconds(op_proc.pid) - cpu0) / phase_s, 3)
-            changes["controlPlaneCpuCores"] = {name: round((cpu_seconds(pid) - control_cpu0[name]) / phase_s, 3)
-                                               for name, pid in control_plane.items()}
-            phase_requests = counter_by(later, "sparsegate_operator_kube_requests", ("verb", "resource"))
-            earlier_requests = counter_by(metrics, "sparsegate_operator_kube_requests", ("verb", "resource"))
+            # The operator's CPU over the phase (cores; ~1 means its GIL is the queue), the control
+            # plane's, and each kind of request's duration over the phase: where a steady reconcile's
+            # time goes.
+            changes["controlPlaneCpuCores"] = meter.cores()
+            changes["operatorCpuCores"] = changes["controlPlaneCpuCores"].pop("operator")
+            changes["apiRequests"] = counter_delta(later, metrics, "sparsegate_operator_kube_requests",
+                                                   ("verb", "resource"))
             changes["apiRequestSeconds"] = {
                 key: rounded(histogram_quantiles(later, "sparsegate_operator_kube_request_duration_seconds", None,
                                                  labels={"verb": key.split()[0], "resource": key.split()[1]},
                                                  since=metrics))
-                for key, n in phase_requests.items()
-                if n > earlier_requests.get(key, 0.0)}
-            changes["apiRequests"] = {key: n - earlier_requests.get(key, 0.0) for key, n in phase_requests.items()
-                                      if n > earlier_requests.get(key, 0.0)}
-            earlier_codes = counter_by(metrics, "sparsegate_operator_kube_requests", ("verb", "resource", "code"))
+                for key in changes["apiRequests"]}
             changes["apiRequestsByCode"] = {
-                key: n - earlier_codes.get(key, 0.0) for key, n in counter_by(
-                    later, "sparsegate_operator_kube_requests", ("verb", "resource", "code")).items()
-                if n > earlier_codes.get(key, 0.0) and not key.endswith(" 200")}
+                key: n for key, n in counter_delta(later, metrics, "sparsegate_operator_kube_requests",
+                                                   ("verb", "resource", "code")).items()
+                if not key.endswith(" 200")}
             changes["reconcileSparseModel"] = rounded(histogram_quantiles(
                 later, "sparsegate_operator_reconcile_duration_seconds", ("kind", "SparseModel"), since=metrics))
             changes["modelPoolWait"] = rounded(histogram_quantiles(
