@@ -65,6 +65,7 @@ class LocalCluster:
         startup_timeout_s: float = 180.0,
         containers: bool = False,
         audit_log: bool = False,
+        profiling: bool = False,
     ) -> None:
         self.layout = config.Layout(Path(state_dir) if state_dir is not None else default_state_dir())
         self.node_shape = node_shape or nodes.NodeShape()
@@ -77,6 +78,8 @@ class LocalCluster:
         self.containers = containers
         # Audit log of every write (AUDIT_POLICY) at ``audit_log_path``; off by default (cost).
         self.audit_log = audit_log
+        # The API server's /debug/pprof (``apiserver_profile``); off by default, as on real clusters' hardened setups.
+        self.profiling = profiling
         self.ports: config.Ports | None = None
         self.timings: dict[str, float] = {}
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -171,6 +174,19 @@ class LocalCluster:
             raise ClusterError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
         return proc
 
+    def apiserver_profile(self, seconds: int) -> bytes:
+        """A CPU profile of the API server over the next ``seconds`` (pprof's gzipped protobuf, as
+        ``go tool pprof`` reads it). Needs ``profiling=True``."""
+        if not self.profiling:
+            raise ClusterError("the API server serves /debug/pprof only when the cluster is started with profiling=True")
+        exe = self._bins.get("kubectl") or find_binaries(("kubectl",), directory=self.bin_directory)["kubectl"]
+        proc = subprocess.run([str(exe), f"--kubeconfig={self.kubeconfig}", "get", "--raw",
+                               f"/debug/pprof/profile?seconds={int(seconds)}"],
+                              capture_output=True, timeout=seconds + 60, check=False)
+        if proc.returncode != 0:
+            raise ClusterError(f"profiling the API server failed ({proc.returncode}): {proc.stderr.decode().strip()}")
+        return proc.stdout
+
     def register_nodes(self, shape: nodes.NodeShape) -> None:
         """Registers the first ``shape.count`` fake nodes (existing ones are kept) and waits until all are Ready."""
         existing = set(self.kubectl("get", "nodes", "-o", "name").stdout.split())
@@ -218,7 +234,8 @@ class LocalCluster:
         )
         t = self._lap("etcd", t)
 
-        apiserver = self._spawn("kube-apiserver", config.apiserver_args(layout, ports) + self._audit_args())
+        apiserver = self._spawn("kube-apiserver", config.apiserver_args(layout, ports, profiling=self.profiling)
+                                      + self._audit_args())
         admin_tls = health.client_tls(ca=layout.cert("ca"), cert=layout.cert("admin"), key=layout.key("admin"))
         health.wait_until(
             health.endpoint_ok(config.LOOPBACK, ports.apiserver, "/readyz", context=admin_tls),

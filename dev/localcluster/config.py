@@ -136,7 +136,8 @@ def etcd_args(layout: Layout, ports: Ports) -> list[str]:
     ]
 
 
-def apiserver_args(layout: Layout, ports: Ports) -> list[str]:
+def apiserver_args(layout: Layout, ports: Ports, *, profiling: bool = False) -> list[str]:
+    """``profiling``: serve /debug/pprof (benchmarks that ask where the API server's CPU goes)."""
     return [
         f"--etcd-servers={etcd_url(ports)}",
         f"--bind-address={LOOPBACK}",
@@ -153,7 +154,7 @@ def apiserver_args(layout: Layout, ports: Ports) -> list[str]:
         # The apiserver's own address is loopback, which Endpoints validation rejects.
         "--endpoint-reconciler-type=none",
         "--allow-privileged=true",
-        "--profiling=false",
+        f"--profiling={'true' if profiling else 'false'}",
         f"--cert-dir={layout.work_dir('kube-apiserver')}",
     ]
 

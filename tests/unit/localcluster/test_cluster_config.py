@@ -37,6 +37,11 @@ def test_apiserver_secures_loopback_with_rbac_and_service_accounts() -> None:
     assert flag(args, "service-account-issuer").startswith("https://")
 
 
+def test_apiserver_profiling_is_off_unless_asked() -> None:
+    assert flag(config.apiserver_args(LAYOUT, PORTS), "profiling") == "false"
+    assert flag(config.apiserver_args(LAYOUT, PORTS, profiling=True), "profiling") == "true"
+
+
 def test_controllers_use_their_own_kubeconfigs_and_ports() -> None:
     kcm = config.controller_manager_args(LAYOUT, PORTS)
     assert flag(kcm, "kubeconfig") == "/state/kubeconfigs/kube-controller-manager.kubeconfig"

@@ -1,11 +1,13 @@
-"""The opt-in audit log of LocalCluster: off by default, Metadata-level events for writes only."""
+"""The opt-in audit log of LocalCluster (off by default, Metadata-level events for writes only) and
+its opt-in API server profiling."""
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from localcluster import LocalCluster
-from localcluster.cluster import AUDIT_POLICY
+from localcluster.cluster import AUDIT_POLICY, ClusterError
 
 
 def test_audit_log_is_off_by_default(tmp_path):
@@ -24,3 +26,8 @@ def test_audit_log_flags_and_policy(tmp_path):
     first, rest = policy["rules"]
     assert first["level"] == "Metadata" and {"create", "update", "patch", "delete"} <= set(first["verbs"])
     assert rest == {"level": "None"} and policy["omitStages"] == ["RequestReceived"]
+
+
+def test_apiserver_profile_refuses_without_profiling(tmp_path):
+    with pytest.raises(ClusterError, match="profiling=True"):
+        LocalCluster(state_dir=tmp_path).apiserver_profile(1)
