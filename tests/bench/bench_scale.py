@@ -32,7 +32,10 @@ Reports, side by side:
   just those changes (the histogram's difference over the phase), each kind of request's duration
   and the CPU of the operator and of each control-plane process over the phase, and per model, from
   a watch, seconds from the PATCH until its status shows the new generation and until it is Ready
-  with the new count. Everything above is from before this phase.
+  with the new count. Everything above is from before this phase. ``--apiserver-cost`` adds, per
+  change, the API server's requests by verb and resource, its watch events by kind, its writes by
+  writer (an audit log) and a CPU profile sorted by work (``apiserver_cost.py``); the audit log and
+  the profile cost the API server CPU themselves, so compare such runs' CPU only with each other.
 Results also go to tests/bench/results/bench_scale.json.
 """
 
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import datetime
 import json
 import math
 import os
@@ -55,6 +59,7 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "dev"))
 
+import apiserver_cost  # noqa: E402
 from localcluster import LocalCluster, nodes, processes  # noqa: E402
 from localcluster.ports import free_port  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -237,6 +242,38 @@ class CpuMeter:
         return {name: round((cpu_seconds(pid) - self.cpu0[name]) / elapsed, 3) for name, pid in self.pids.items()}
 
 
+class ApiserverCost:
+    """Where the API server's work goes over the steady phase: its requests by verb and resource
+    (its own /metrics), the writes by writer (audit log), and a CPU profile of ``seconds`` taken
+    from now, sorted by work (``apiserver_cost``)."""
+
+    def __init__(self, cluster: LocalCluster, *, seconds: float) -> None:
+        self.cluster, self.since = cluster, datetime.datetime.now(datetime.timezone.utc)
+        self.metrics = cluster.kubectl("get", "--raw", "/metrics", timeout=120).stdout
+        self.profiler = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        self.profile = self.profiler.submit(cluster.apiserver_profile, int(math.ceil(seconds)))
+
+    def result(self, *, changes: int) -> dict[str, Any]:
+        until = datetime.datetime.now(datetime.timezone.utc)
+        later = self.cluster.kubectl("get", "--raw", "/metrics", timeout=120).stdout
+        requests = counter_delta(later, self.metrics, "apiserver_request", ("verb", "resource", "subresource"))
+        # Events sent to watchers (each watcher of a kind gets each event: the fan-out).
+        events = counter_delta(later, self.metrics, "apiserver_watch_events", ("kind", "resource"))
+        writes = apiserver_cost.audited_writes(self.cluster.audit_log_path, since=self.since, until=until)
+        out_dir = REPO / "tests" / "bench" / "results"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        profile = apiserver_cost.profile_breakdown(self.profile.result(), out_dir / "bench_scale-apiserver.pprof")
+        self.profiler.shutdown()
+        per_change = max(changes, 1)
+        return {"requestsPerChange": {k.strip(): round(v / per_change, 2) for k, v in requests.items()
+                                      if v / per_change >= 0.05},
+                "writesPerChange": {k: round(v / per_change, 2) for k, v in writes.items() if v / per_change >= 0.05},
+                "writesInAllPerChange": round(sum(writes.values()) / per_change, 2),
+                "watchEventsPerChange": {k.strip(): round(v / per_change, 2) for k, v in events.items()
+                                         if v / per_change >= 0.05},
+                "cpuProfile": profile}
+
+
 def start_operator(cluster: LocalCluster, state: Path) -> tuple[subprocess.Popen, int]:
     """CRDs, namespace ``NS`` and the operator (``sparsegate run``, standalone, rollout tick 1 s)
     on a started cluster; answers the operator's process and metrics port."""
@@ -268,6 +305,9 @@ def main() -> int:
     p.add_argument("--changes", type=int, default=200,
                    help="models scaled by one replica once all are Ready and the GateConfig change is recorded")
     p.add_argument("--change-rate", type=float, default=10, help="changes a second")
+    p.add_argument("--apiserver-cost", action="store_true",
+                   help="over the steady phase, also the API server's writes by writer (audit log) and a CPU "
+                        "profile of it sorted by work (apiserver_cost.py); both add to its CPU")
     p.add_argument("--headless", action="store_true",
                    help="models with spec.service.headless (no virtual IP allocated per model)")
     args = p.parse_args()
@@ -275,7 +315,8 @@ def main() -> int:
     state = Path(tempfile.mkdtemp(prefix="bench-scale-"))
     # A pod CIDR of its own: the default 127.20.0.0/16 may be served by another local cluster.
     cluster = LocalCluster(state_dir=state, pod_cidr=args.pod_cidr,
-                           node_shape=nodes.NodeShape(count=args.nodes, gpu_count=0, max_pods=110))
+                           node_shape=nodes.NodeShape(count=args.nodes, gpu_count=0, max_pods=110),
+                           audit_log=args.apiserver_cost, profiling=args.apiserver_cost)
     t0 = time.monotonic()
     cluster.start()
     print(f"cluster up in {time.monotonic() - t0:.1f}s with {args.nodes} nodes ({state})", flush=True)
@@ -358,8 +399,11 @@ def main() -> int:
         changes: dict[str, Any] | None = None
         if args.changes:
             meter = CpuMeter({"operator": op_proc.pid, **cluster.pids()})
+            cost = ApiserverCost(cluster, seconds=args.changes / args.change_rate + 5) if args.apiserver_cost else None
             changes = steady_changes(cluster, names=changed_names(args.models, args.gateconfigs, args.changes),
                                      rate=args.change_rate, replicas=args.replicas, timeout=300)
+            if cost is not None:
+                changes["apiserver"] = cost.result(changes=args.changes)
             later = urllib.request.urlopen(url, timeout=10).read().decode()
             # The operator's CPU over the phase (cores; ~1 means its GIL is the queue), the control
             # plane's, and each kind of request's duration over the phase: where a steady reconcile's
