@@ -53,6 +53,7 @@ CROSS_CUTS: tuple[tuple[str, str], ...] = (
     ("TLS", r"crypto/tls"),
     ("allocation (mallocgc, incl. GC assists)", r"runtime\.mallocgc"),
 )
+OTHER = "other (the API server's own controllers, metrics, scheduling)"
 _VALUE = re.compile(r"^\s*([0-9.]+)(ns|us|µs|ms|s)\s+(\S.*)$")
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
 
@@ -64,7 +65,8 @@ def parse_traces(text: str) -> list[tuple[float, list[str]]]:
         lines = [line for line in block.splitlines() if line.strip()]
         if not lines or not (m := _VALUE.match(lines[0])):
             continue
-        frames = [m.group(3).strip()] + [line.strip() for line in lines[1:] if not line.strip().startswith(("bytes:", "label:"))]
+        frames = [m.group(3).strip()] + [line.strip() for line in lines[1:]
+                                         if not line.strip().startswith(("bytes:", "label:"))]
         stacks.append((float(m.group(1)) * _UNIT_S[m.group(2)], frames))
     return stacks
 
@@ -78,7 +80,7 @@ def breakdown(stacks: list[tuple[float, list[str]]]) -> dict[str, object]:
     compiled_cuts = [(name, re.compile(p)) for name, p in CROSS_CUTS]
     for seconds, frames in stacks:
         joined = "\n".join(frames)
-        bucket = next((name for name, rx in compiled if rx.search(joined)), "other (apiserver's own controllers, metrics, scheduling)")
+        bucket = next((name for name, rx in compiled if rx.search(joined)), OTHER)
         work[bucket] = work.get(bucket, 0.0) + seconds
         for name, rx in compiled_cuts:
             if rx.search(joined):

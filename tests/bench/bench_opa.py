@@ -42,6 +42,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from benchstats import nearest_rank
 from sparsegate.clients.opa import RoutingOpa
 from sparsegate.gc_pause import gc_paused
 from sparsegate.domain.policy import PolicySource, Port, build_opa_data
@@ -190,11 +191,6 @@ class Opa:
         self.proc.wait(timeout=10)
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def slope(xs: list[int], ys: list[float]) -> float:
     lx, ly = [math.log(x) for x in xs], [math.log(max(y, 1e-9)) for y in ys]
     mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
@@ -264,7 +260,7 @@ def main() -> None:
                     assert one == document, "one evaluation and the per-question path disagree"
             finally:
                 ropa.close()
-            compile_s, build_s = pct(old_s, 0.5), pct(new_s, 0.5)
+            compile_s, build_s = nearest_rank(old_s, 0.5), nearest_rank(new_s, 0.5)
             table = FlowTable.from_document(document)
             ip = {(p.namespace, p.service_account): p.ip for p in pods}
             model_ip = {p.model: p.ip for p in pods if p.model}
@@ -288,8 +284,8 @@ def main() -> None:
     print("-" * len(head))
     for r in rows:
         def pp(v: list[float], w: int) -> str:
-            return f"{pct(v, 0.5):.1f} / {pct(v, 0.99):.1f}".rjust(w)
-        ratio = pct(r["naive"], 0.5) / pct(r["rest"], 0.5)
+            return f"{nearest_rank(v, 0.5):.1f} / {nearest_rank(v, 0.99):.1f}".rjust(w)
+        ratio = nearest_rank(r["naive"], 0.5) / nearest_rank(r["rest"], 0.5)
         print(f"{r['n']:>6} | {pp(r['rest'], 16)} | {pp(r['eval'], 14)} | {pp(r['naive'], 18)} | {pp(r['naive_eval'], 18)} | "
               f"{pp(r['compiled'], 15)} | {ratio:>16.1f}x")
     print("\nAllow-list build (questions → identical documents), median seconds; old = batches of 25 through")
@@ -305,21 +301,21 @@ def main() -> None:
         print("\nGrowth exponent (log-log slope of latency vs rules; 0 = flat, 1 = linear, 2 = quadratic):")
         for label, key in [("indexed REST", "rest"), ("indexed eval", "eval"), ("naive REST", "naive"),
                            ("naive eval", "naive_eval"), ("compiled lookup", "compiled")]:
-            print(f"  {label:16} p50 {slope(ns, [pct(r[key], 0.5) for r in rows]):+.2f}   "
-                  f"p99 {slope(ns, [pct(r[key], 0.99) for r in rows]):+.2f}")
+            print(f"  {label:16} p50 {slope(ns, [nearest_rank(r[key], 0.5) for r in rows]):+.2f}   "
+                  f"p99 {slope(ns, [nearest_rank(r[key], 0.99) for r in rows]):+.2f}")
         last = rows[-1]
-        verdict = "MET" if pct(last["rest"], 0.99) < 1000 else "NOT MET"
+        verdict = "MET" if nearest_rank(last["rest"], 0.99) < 1000 else "NOT MET"
         under = sum(1 for v in last["rest"] if v < 1000) / len(last["rest"])
-        print(f"\nTarget p99 < 1 ms at {last['n']} rules through the REST API: {pct(last['rest'], 0.99):.0f} µs → {verdict} "
-              f"({under:.1%} of decisions under 1 ms; p90 {pct(last['rest'], 0.9):.0f} µs)")
+        print(f"\nTarget p99 < 1 ms at {last['n']} rules through the REST API: {nearest_rank(last['rest'], 0.99):.0f} µs → {verdict} "
+              f"({under:.1%} of decisions under 1 ms; p90 {nearest_rank(last['rest'], 0.9):.0f} µs)")
         build_verdict = "MET" if last["build_s"] < 0.5 else "NOT MET"
         print(f"Target allow-list build < 0.5 s at {last['n']} rules: {last['build_s']:.2f} s → {build_verdict} "
               f"(old path {last['compile_s']:.2f} s)")
         if go_cmp is not None:
             ours, plain = go_cmp
             print(f"Same {last['n']} rules, REST p50 / p99 side by side (alternating): chart's {go_env} "
-                  f"{pct(ours, 0.5):.0f} / {pct(ours, 0.99):.0f} µs vs Go defaults {pct(plain, 0.5):.0f} / "
-                  f"{pct(plain, 0.99):.0f} µs (p99 ratio {pct(ours, 0.99) / pct(plain, 0.99):.2f})")
+                  f"{nearest_rank(ours, 0.5):.0f} / {nearest_rank(ours, 0.99):.0f} µs vs Go defaults {nearest_rank(plain, 0.5):.0f} / "
+                  f"{nearest_rank(plain, 0.99):.0f} µs (p99 ratio {nearest_rank(ours, 0.99) / nearest_rank(plain, 0.99):.2f})")
     cross_check(binary, sizes[-1])
     save(rows)
 
@@ -349,13 +345,13 @@ def save(rows: list[dict]) -> None:
         "machine": {"cpus": os.cpu_count(), "loadavg_1m_end": round(os.getloadavg()[0], 2)},
         "rows": [{"rules": r["n"], "allowListEntries": r["entries"], "allowListQuestions": r["queries"],
                   "allowListBuildSeconds": {"batches": round(r["compile_s"], 3), "oneEvaluation": round(r["build_s"], 3)},
-                  **{f"{k}_us": {"p50": round(pct(r[k], 0.5), 1), "p99": round(pct(r[k], 0.99), 1)} for k in keys}}
+                  **{f"{k}_us": {"p50": round(nearest_rank(r[k], 0.5), 1), "p99": round(nearest_rank(r[k], 0.99), 1)} for k in keys}}
                  for r in rows],
     }
     if len(rows) >= 2:
         ns = [r["n"] for r in rows]
-        out["loglogSlope"] = {k: {"p50": round(slope(ns, [pct(r[k], 0.5) for r in rows]), 3),
-                                  "p99": round(slope(ns, [pct(r[k], 0.99) for r in rows]), 3)} for k in keys}
+        out["loglogSlope"] = {k: {"p50": round(slope(ns, [nearest_rank(r[k], 0.5) for r in rows]), 3),
+                                  "p99": round(slope(ns, [nearest_rank(r[k], 0.99) for r in rows]), 3)} for k in keys}
     path = REPO / "tests" / "bench" / "results" / "bench_opa.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")

@@ -60,6 +60,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "dev"))
 
 import apiserver_cost  # noqa: E402
+from benchstats import nearest_rank  # noqa: E402
 from localcluster import LocalCluster, nodes, processes  # noqa: E402
 from localcluster.ports import free_port  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -223,7 +224,7 @@ def steady_changes(cluster: LocalCluster, *, names: list[str], rate: float, repl
     ready_s = sorted(x for n in patched if (x := first(n, ready(n))) is not None)
 
     def quantiles(xs: list[float]) -> dict[str, float | int | None]:
-        pick = (lambda q: round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)) if xs else (lambda q: None)
+        pick = (lambda q: round(nearest_rank(xs, q), 3)) if xs else (lambda q: None)
         return {"count": len(xs), "p50": pick(0.5), "p99": pick(0.99), "max": pick(1.0)}
 
     return {"changes": len(names), "patched": len(patched), "ratePerSecond": rate, "sentSeconds": round(sent_s, 1),

@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "dev"))
 sys.path.insert(0, str(REPO / "operator"))
 
+from benchstats import nearest_rank  # noqa: E402
 from localcluster import LocalCluster, nodes  # noqa: E402
 from sparsegate.clients.kube import Kube  # noqa: E402
 from sparsegate.domain import render  # noqa: E402
@@ -46,11 +47,6 @@ def configmap(name: str) -> dict[str, Any]:
     # About the size of a model's gate ConfigMap (gate.json).
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": NS},
             "data": {"gate.json": "x" * 600}}
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def timed_applies(kube: Kube, objects: list[dict[str, Any]], workers: int) -> list[float]:
@@ -98,8 +94,8 @@ def main() -> int:
             made += len(times["clusterip"])
             row = {"existingClusterIPServices": level}
             for kind, ts in times.items():
-                row[kind] = {"p50_ms": round(percentile(ts, 0.5) * 1000, 1),
-                             "p99_ms": round(percentile(ts, 0.99) * 1000, 1)}
+                row[kind] = {"p50_ms": round(nearest_rank(ts, 0.5) * 1000, 1),
+                             "p99_ms": round(nearest_rank(ts, 0.99) * 1000, 1)}
             row["clusteripOverHeadlessP50"] = round(row["clusterip"]["p50_ms"] / row["headless"]["p50_ms"], 2)
             rows.append(row)
             print(f"{level:>6} existing: ClusterIP p50 {row['clusterip']['p50_ms']:7.1f} ms p99 "
