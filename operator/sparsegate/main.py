@@ -2,7 +2,9 @@
 
 Settings chosen here:
 - persistence under ``sparsegate.dev`` annotations (not ``status.kopf``: the CRD schemas are
-  structural and would prune unknown status fields);
+  structural and would prune unknown status fields) for handler progress, which is written only
+  while a handler retries; the last handled essence is kept in this process
+  (``handlers.diffbase``), so a handled change costs no write of Kopf's own;
 - scanning disabled: the CRDs come from the chart before the operator starts, so the operator
   needs no cluster-wide CRD/namespace watch permissions (least privilege);
 - peering: standalone by default (``sparsegate run --standalone``); a single active replica is
@@ -18,13 +20,13 @@ from typing import Any
 
 import kopf
 
-from sparsegate_contracts.names import FINALIZER, KOPF_ANNOTATION_PREFIX, KOPF_DIFFBASE_KEY
+from sparsegate_contracts.names import FINALIZER, KOPF_ANNOTATION_PREFIX
 
 import sparsegate.handlers  # noqa: F401  (registers handlers)
 from sparsegate.clients.kube import Kube
 from sparsegate.controllers.deferred_refresh import DeferredRefreshes
 from sparsegate.controllers.status_inputs import StatusInputs
-from sparsegate.handlers import accesssync, gateconfig, sparsemodel
+from sparsegate.handlers import accesssync, diffbase, gateconfig, sparsemodel
 
 # Threads for model status refreshes (handlers.pools.run_status_work); reconciles keep Kopf's 8.
 STATUS_POOL_THREADS = 4
@@ -36,8 +38,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # earlier operator versions marked (their deletion would otherwise wait for us).
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_ANNOTATION_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=KOPF_ANNOTATION_PREFIX, key=KOPF_DIFFBASE_KEY)
+    settings.persistence.diffbase_storage = diffbase.STORAGE  # in this process, not an annotation per change
     settings.scanning.disabled = True
     settings.posting.level = logging.WARNING
     settings.posting.reporting_component = "sparsegate"

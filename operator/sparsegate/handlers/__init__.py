@@ -7,3 +7,4 @@ from sparsegate.handlers import gateconfig  # noqa: F401
 from sparsegate.handlers import rollout_metrics  # noqa: F401
 from sparsegate.handlers import telemetryprobe  # noqa: F401
 from sparsegate.handlers import accesssync  # noqa: F401
+from sparsegate.handlers import diffbase  # noqa: F401

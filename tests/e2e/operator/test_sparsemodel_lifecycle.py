@@ -122,6 +122,9 @@ def test_example_model_runs_on_gpu_nodes_and_becomes_ready(stack, operator, stac
     assert model["metadata"]["generation"] == 2 and model["status"]["readyReplicas"] == 3
     after = resource_versions(stack, ns)
     assert {k for k in before if before[k] != after[k]} == {f"deployment/{MODEL}"}
+    # Kopf keeps the last handled spec in the operator's process (handlers.diffbase): it wrote no
+    # annotation of its own on the model, at creation or at the change.
+    assert "sparsegate.dev/last-handled-configuration" not in (model["metadata"].get("annotations") or {})
 
     # Self-healing: a Deployment deleted behind the operator's back comes back.
     uid = get_json(stack, "deployment", MODEL, "-n", ns)["metadata"]["uid"]

@@ -1,0 +1,52 @@
+"""Kopf's diff-base kept in the operator's process (handlers.diffbase): no write per handled change."""
+
+from __future__ import annotations
+
+import kopf
+
+from sparsegate.handlers.diffbase import InProcessDiffBaseStorage
+
+LEGACY = "sparsegate.dev/last-handled-configuration"
+
+
+def body(uid: str = "u1", *, replicas: int = 2, annotations: dict | None = None) -> kopf.Body:
+    return kopf.Body({"apiVersion": "sparsegate.dev/v1alpha1", "kind": "SparseModel",
+                      "metadata": {"name": "m", "namespace": "ns", "uid": uid, "annotations": annotations or {}},
+                      "spec": {"replicas": replicas}, "status": {"observedGeneration": 1}})
+
+
+def storage() -> InProcessDiffBaseStorage:
+    return InProcessDiffBaseStorage(prefix="sparsegate.dev", key="last-handled-configuration")
+
+
+def test_an_unknown_object_has_no_essence_so_kopf_handles_it_as_created() -> None:
+    assert storage().fetch(body=body()) is None
+
+
+def test_a_stored_essence_is_fetched_back_and_nothing_is_written() -> None:
+    s, b, patch = storage(), body(), kopf.Patch()
+    essence = s.build(body=b)
+    s.store(body=b, patch=patch, essence=essence)
+    assert s.fetch(body=b) == essence and s.fetch(body=body("other")) is None
+    assert essence["spec"] == {"replicas": 2} and "status" not in essence
+    assert not patch  # the point: no PATCH of Kopf's own after a handled change
+    changed = body(replicas=3)
+    assert s.build(body=changed) != s.fetch(body=changed)  # a spec change is still a change
+
+
+def test_an_earlier_versions_annotation_is_no_change_and_is_removed_with_the_next_store() -> None:
+    s = storage()
+    old = body(annotations={LEGACY: '{"spec":{"replicas":1}}\n', "team": "a"})
+    assert s.build(body=old) == s.build(body=body(annotations={"team": "a"}))
+    patch = kopf.Patch()
+    s.store(body=old, patch=patch, essence=s.build(body=old))
+    assert patch == {"metadata": {"annotations": {LEGACY: None}}}
+
+
+def test_a_deleted_objects_essence_is_forgotten() -> None:
+    s, b = storage(), body()
+    s.store(body=b, patch=kopf.Patch(), essence=s.build(body=b))
+    assert len(s) == 1
+    s.forget("u1")
+    s.forget("never-stored")
+    assert len(s) == 0 and s.fetch(body=b) is None
