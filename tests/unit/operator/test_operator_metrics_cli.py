@@ -29,6 +29,22 @@ def test_observe_counts_outcomes_errors_and_durations():
     assert sample("sparsegate_operator_reconcile_duration_seconds_count", kind="UnitKind") == n0 + 3
 
 
+def test_gc_pauses_are_timed_by_generation_once_installed():
+    import gc
+
+    metrics.time_gc()
+    metrics.time_gc()  # idempotent: one callback, one observation per collection
+    assert sum(cb is metrics._gc_timer for cb in gc.callbacks) == 1
+    full0 = sample("sparsegate_operator_gc_pause_seconds_count", generation="2")
+    young0 = sample("sparsegate_operator_gc_pause_seconds_count", generation="0")
+    sum0 = sample("sparsegate_operator_gc_pause_seconds_sum", generation="2")
+    gc.collect(2)
+    gc.collect(0)
+    assert sample("sparsegate_operator_gc_pause_seconds_count", generation="2") == full0 + 1
+    assert sample("sparsegate_operator_gc_pause_seconds_count", generation="0") >= young0 + 1
+    assert sample("sparsegate_operator_gc_pause_seconds_sum", generation="2") > sum0
+
+
 def test_cli_scope_flags():
     parse = cli._parser().parse_args
     assert parse(["run"]).namespace == [] and not parse(["run"]).standalone
