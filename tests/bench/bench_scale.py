@@ -108,6 +108,25 @@ def histogram_quantiles(text: str, name: str, label: tuple[str, str] | None,
     return out
 
 
+def histogram_sum(text: str, name: str, want: dict[str, str]) -> float:
+    """A histogram's ``_sum`` over samples with every label of ``want``."""
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == f"{name}_sum" and all(s.labels.get(k) == v for k, v in want.items()))
+
+
+def gc_pauses(text: str, *, since: str | None = None) -> dict[str, dict[str, float | None]]:
+    """The operator's cyclic garbage collections by generation (``sparsegate_operator_gc_pause_seconds``):
+    how many, p99, and seconds in all that every thread waited; with ``since``, after that scrape."""
+    name, out = "sparsegate_operator_gc_pause_seconds", {}
+    for g in ("0", "1", "2"):
+        q = histogram_quantiles(text, name, ("generation", g), since=since)
+        total = histogram_sum(text, name, {"generation": g}) - (histogram_sum(since, name, {"generation": g})
+                                                                if since is not None else 0.0)
+        out[g] = {"count": q["count"], "p99": None if q["p99"] is None else round(q["p99"], 3),
+                  "sumSeconds": round(total, 2)}
+    return out
+
+
 def rounded(quantiles: dict[str, float | None]) -> dict[str, float | None]:
     return {k: v if v is None else round(v, 3) for k, v in quantiles.items()}
 
@@ -254,8 +273,11 @@ class ApiserverCost:
         self.profiler = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self.profile = self.profiler.submit(cluster.apiserver_profile, int(math.ceil(seconds)))
 
-    def result(self, *, changes: int) -> dict[str, Any]:
+    def result(self, *, changes: int, models: int) -> dict[str, Any]:
         until = datetime.datetime.now(datetime.timezone.utc)
+        # Everything before the phase (the create burst, the idle window, the GateConfig change), per model.
+        before = apiserver_cost.audited_writes(self.cluster.audit_log_path, until=self.since,
+                                               since=datetime.datetime.min.replace(tzinfo=datetime.timezone.utc))
         later = self.cluster.kubectl("get", "--raw", "/metrics", timeout=120).stdout
         requests = counter_delta(later, self.metrics, "apiserver_request", ("verb", "resource", "subresource"))
         # Events sent to watchers (each watcher of a kind gets each event: the fan-out).
@@ -272,7 +294,9 @@ class ApiserverCost:
                 "writesInAllPerChange": round(sum(writes.values()) / per_change, 2),
                 "watchEventsPerChange": {k.strip(): round(v / per_change, 2) for k, v in events.items()
                                          if v / per_change >= 0.05},
-                "cpuProfile": profile}
+                "cpuProfile": profile,
+                "writesPerModelBeforePhase": {k: round(v / max(models, 1), 2) for k, v in before.items()
+                                              if v / max(models, 1) >= 0.05}}
 
 
 def start_operator(cluster: LocalCluster, state: Path) -> tuple[subprocess.Popen, int]:
@@ -404,7 +428,7 @@ def main() -> int:
             changes = steady_changes(cluster, names=changed_names(args.models, args.gateconfigs, args.changes),
                                      rate=args.change_rate, replicas=args.replicas, timeout=300)
             if cost is not None:
-                changes["apiserver"] = cost.result(changes=args.changes)
+                changes["apiserver"] = cost.result(changes=args.changes, models=args.models)
             later = urllib.request.urlopen(url, timeout=10).read().decode()
             # The operator's CPU over the phase (cores; ~1 means its GIL is the queue), the control
             # plane's, and each kind of request's duration over the phase: where a steady reconcile's
@@ -426,6 +450,7 @@ def main() -> int:
                 later, "sparsegate_operator_reconcile_duration_seconds", ("kind", "SparseModel"), since=metrics))
             changes["modelPoolWait"] = rounded(histogram_quantiles(
                 later, "sparsegate_operator_model_pool_wait_seconds", ("work", "reconcile"), since=metrics))
+            changes["operatorGcPauses"] = gc_pauses(later, since=metrics)
             print(f"steady-state changes: {json.dumps(changes)}", flush=True)
         hwm, rss = rss_kib(op_proc.pid)
         requests = counter_by(metrics, "sparsegate_operator_kube_requests", ("verb", "resource"))
@@ -449,6 +474,8 @@ def main() -> int:
             "firstStepRecordedSeconds": None if first_step_s is None else round(first_step_s, 2),
             "canaryInstances": ro.get("canaryInstances"),
             "operatorPeakRssMiB": round(hwm / 1024, 1), "operatorRssMiB": round(rss / 1024, 1),
+            # Python's cyclic collections until the GateConfig change (each stops every thread).
+            "operatorGcPauses": gc_pauses(metrics),
             # Where the API server's work comes from: the operator's own requests (not Kopf's
             # watches), in all and per SparseModel, by verb and resource.
             "apiRequests": sum(requests.values()),
