@@ -54,7 +54,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "dev"))
@@ -299,7 +299,8 @@ class ApiserverCost:
                                               if v / max(models, 1) >= 0.05}}
 
 
-def start_operator(cluster: LocalCluster, state: Path) -> tuple[subprocess.Popen, int]:
+def start_operator(cluster: LocalCluster, state: Path,
+                   extra_args: Sequence[str] = ()) -> tuple[subprocess.Popen, int]:
     """CRDs, namespace ``NS`` and the operator (``sparsegate run``, standalone, rollout tick 1 s)
     on a started cluster; answers the operator's process and metrics port."""
     cluster.kubectl("apply", "--server-side", "-f", str(REPO / "charts" / "sparsegate" / "crds"))
@@ -311,7 +312,7 @@ def start_operator(cluster: LocalCluster, state: Path) -> tuple[subprocess.Popen
     port = free_port()
     env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "SPARSEGATE_ROLLOUT_TICK_S": "1"}
     proc = processes.start(name="operator", argv=[sys.executable, "-m", "sparsegate.cli", "run", "--standalone",
-                                                  "-n", NS, f"--metrics-port={port}"],
+                                                  "-n", NS, f"--metrics-port={port}", *extra_args],
                            log_path=state / "operator.log", pid_file=state / "operator.pid", env=env,
                            die_with_parent=True)
     time.sleep(3)
@@ -330,6 +331,8 @@ def main() -> int:
     p.add_argument("--changes", type=int, default=200,
                    help="models scaled by one replica once all are Ready and the GateConfig change is recorded")
     p.add_argument("--change-rate", type=float, default=10, help="changes a second")
+    p.add_argument("--operator-arg", action="append", default=[],
+                   help="one more argument for `sparsegate run` (repeatable), e.g. --operator-arg=--gc-freeze-interval=0")
     p.add_argument("--apiserver-cost", action="store_true",
                    help="over the steady phase, also the API server's writes by writer (audit log) and a CPU "
                         "profile of it sorted by work (apiserver_cost.py); both add to its CPU")
@@ -347,7 +350,7 @@ def main() -> int:
     print(f"cluster up in {time.monotonic() - t0:.1f}s with {args.nodes} nodes ({state})", flush=True)
     op_proc = None
     try:
-        op_proc, port = start_operator(cluster, state)
+        op_proc, port = start_operator(cluster, state, args.operator_arg)
         gcs = [{"apiVersion": "sparsegate.dev/v1alpha1", "kind": "GateConfig", "metadata": {"name": f"gate-{i}"},
                 "spec": {"params": {"toolGateThreshold": 0.85}, "rollout": {"analysisInterval": "5s"}}}
                for i in range(args.gateconfigs)]
