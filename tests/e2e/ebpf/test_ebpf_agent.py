@@ -5,12 +5,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from localcluster.health import wait_for
 from sparsegate_ebpf.vethlab import VethLab
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
@@ -46,17 +46,12 @@ def flow_packets(metrics: dict, lab: VethLab, dport: int) -> tuple[float, float]
     return pk, dr
 
 
-def wait_for(fn, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            got = fn()
-            if got:
-                return got
-        except (subprocess.CalledProcessError, ValueError):
-            pass
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+def scrape_when_serving(lab: VethLab) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``scrape``, or nothing while the agent does not answer yet (BCC still compiling, not listening)."""
+    try:
+        return scrape(lab)
+    except subprocess.CalledProcessError:
+        return {}
 
 
 def write_policy(path: Path, lab: VethLab, *, allow_port: int, version: str) -> None:
@@ -83,10 +78,10 @@ def test_agent_attaches_exports_follows_policy_file_and_detaches_on_sigterm(lab:
     try:
         # The policy goes into the maps before the program is attached (never live without it), so
         # "ready" is both: the policy metric alone shows up first and raced the attach on a slow machine.
-        m = wait_for(lambda: (x := scrape(lab)) and sample(x, "sparsegate_xdp_policy_info", version="v1")
+        m = wait_for(lambda: (x := scrape_when_serving(lab)) and sample(x, "sparsegate_xdp_policy_info", version="v1")
                      and sample(x, "sparsegate_xdp_attached", interface=lab.server_if, mode="native") and x,
-                     "agent ready: policy v1 and attached natively",
-                     timeout=120.0)  # BCC compiles first: slow on a loaded machine
+                     what="agent ready: policy v1 and attached natively",
+                     timeout_s=120.0, interval_s=0.2)  # BCC compiles first: slow on a loaded machine
         assert sample(m, "sparsegate_agent_bpf_available") == 1
         assert sample(m, "sparsegate_xdp_attached", interface=lab.server_if, mode="native") == 1
         # The maps are the size asked for; the live one holds meta, rule, policed destination, source.
@@ -103,10 +98,11 @@ def test_agent_attaches_exports_follows_policy_file_and_detaches_on_sigterm(lab:
 
         # Swap to a policy allowing 9001 instead; an invalid document in between is rejected.
         policy.write_text("{broken")
-        wait_for(lambda: sample(scrape(lab), "sparsegate_agent_policy_errors_total") == 1, "rejection counted")
+        wait_for(lambda: sample(scrape(lab), "sparsegate_agent_policy_errors_total") == 1, what="rejection counted",
+                 timeout_s=30.0, interval_s=0.2)
         write_policy(policy, lab, allow_port=9001, version="v2")
         m = wait_for(lambda: (x := scrape(lab)) and sample(x, "sparsegate_xdp_policy_info", version="v2") and x,
-                     "policy v2 live")
+                     what="policy v2 live", timeout_s=30.0, interval_s=0.2)
         assert sample(m, "sparsegate_xdp_policy_generation") == 2
         assert (send(lab, 9000, 10), send(lab, 9001, 10)) == (10, 10)
         m = scrape(lab)
