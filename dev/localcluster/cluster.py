@@ -161,9 +161,8 @@ class LocalCluster:
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         """Runs the built kubectl against this cluster; raises with its stderr when ``check`` fails."""
-        exe = self._bins.get("kubectl") or find_binaries(("kubectl",), directory=self.bin_directory)["kubectl"]
         proc = subprocess.run(
-            [str(exe), f"--kubeconfig={self.kubeconfig}", *args],
+            [*self._kubectl_argv(), *args],
             input=input,
             capture_output=True,
             text=True,
@@ -174,13 +173,17 @@ class LocalCluster:
             raise ClusterError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
         return proc
 
+    def _kubectl_argv(self) -> list[str]:
+        """The built kubectl with this cluster's kubeconfig (``kubectl`` answers text, ``apiserver_profile`` bytes)."""
+        exe = self._bins.get("kubectl") or find_binaries(("kubectl",), directory=self.bin_directory)["kubectl"]
+        return [str(exe), f"--kubeconfig={self.kubeconfig}"]
+
     def apiserver_profile(self, seconds: int) -> bytes:
         """A CPU profile of the API server over the next ``seconds`` (pprof's gzipped protobuf, as
         ``go tool pprof`` reads it). Needs ``profiling=True``."""
         if not self.profiling:
             raise ClusterError("the API server serves /debug/pprof only when the cluster is started with profiling=True")
-        exe = self._bins.get("kubectl") or find_binaries(("kubectl",), directory=self.bin_directory)["kubectl"]
-        proc = subprocess.run([str(exe), f"--kubeconfig={self.kubeconfig}", "get", "--raw",
+        proc = subprocess.run([*self._kubectl_argv(), "get", "--raw",
                                f"/debug/pprof/profile?seconds={int(seconds)}"],
                               capture_output=True, timeout=seconds + 60, check=False)
         if proc.returncode != 0:
