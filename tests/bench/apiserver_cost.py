@@ -8,6 +8,7 @@ write, a profile's sampling), so their runs' CPU figures are reported apart from
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import json
 import re
@@ -120,17 +121,19 @@ def _when(stamp: str) -> datetime.datetime:
     return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
 
 
-def audited_writes(path: Path, *, since: datetime.datetime, until: datetime.datetime) -> dict[str, int]:
-    """Writes the API server answered in [since, until), by "writer verb resource[/subresource]",
-    largest first (from a Metadata-level audit log, one JSON event per line)."""
-    counts: dict[str, int] = {}
+def audited_writes(path: Path, *, edges: list[datetime.datetime]) -> list[dict[str, int]]:
+    """Writes the API server answered in each window [edges[i], edges[i + 1]), by "writer verb
+    resource[/subresource]", largest first (from a Metadata-level audit log, one JSON event per
+    line, read once for all windows)."""
+    windows: list[dict[str, int]] = [{} for _ in edges[1:]]
     with path.open() as f:
         for line in f:
             event = json.loads(line)
-            if not since <= _when(event["stageTimestamp"]) < until:
+            i = bisect.bisect_right(edges, _when(event["stageTimestamp"])) - 1
+            if not 0 <= i < len(windows):
                 continue
             ref = event.get("objectRef") or {}
             resource = ref.get("resource", "?") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
             key = f"{writer(event)} {event['verb']} {resource}"
-            counts[key] = counts.get(key, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+            windows[i][key] = windows[i].get(key, 0) + 1
+    return [dict(sorted(w.items(), key=lambda kv: -kv[1])) for w in windows]

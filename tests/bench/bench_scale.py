@@ -275,14 +275,14 @@ class ApiserverCost:
 
     def result(self, *, changes: int, models: int) -> dict[str, Any]:
         until = datetime.datetime.now(datetime.timezone.utc)
-        # Everything before the phase (the create burst, the idle window, the GateConfig change), per model.
-        before = apiserver_cost.audited_writes(self.cluster.audit_log_path, until=self.since,
-                                               since=datetime.datetime.min.replace(tzinfo=datetime.timezone.utc))
+        # Everything before the phase (the create burst, the idle window, the GateConfig change), then the phase.
+        before, writes = apiserver_cost.audited_writes(
+            self.cluster.audit_log_path,
+            edges=[datetime.datetime.min.replace(tzinfo=datetime.timezone.utc), self.since, until])
         later = self.cluster.kubectl("get", "--raw", "/metrics", timeout=120).stdout
         requests = counter_delta(later, self.metrics, "apiserver_request", ("verb", "resource", "subresource"))
         # Events sent to watchers (each watcher of a kind gets each event: the fan-out).
         events = counter_delta(later, self.metrics, "apiserver_watch_events", ("kind", "resource"))
-        writes = apiserver_cost.audited_writes(self.cluster.audit_log_path, since=self.since, until=until)
         out_dir = REPO / "tests" / "bench" / "results"
         out_dir.mkdir(parents=True, exist_ok=True)
         profile = apiserver_cost.profile_breakdown(self.profile.result(), out_dir / "bench_scale-apiserver.pprof")
