@@ -111,12 +111,14 @@ def _standby_server(liveness: str | None) -> ThreadingHTTPServer | None:
 
 
 def gc_freeze_intervals(args: argparse.Namespace) -> tuple[float, float]:
-    """(freeze, refresh) seconds of ``sparsegate run``; ValueError names the broken rule."""
-    if args.gc_freeze_interval < 0:
-        raise ValueError(f"--gc-freeze-interval must be 0 (off) or positive, not {args.gc_freeze_interval}")
-    if args.gc_freeze_interval and args.gc_refresh_interval < args.gc_freeze_interval:
-        raise ValueError(f"--gc-refresh-interval ({args.gc_refresh_interval}) must be at least "
-                         f"--gc-freeze-interval ({args.gc_freeze_interval})")
+    """(freeze, refresh) seconds of ``sparsegate run``; ValueError names the flags and the broken rule
+    (``gc_freeze.check_intervals``)."""
+    from sparsegate.gc_freeze import check_intervals
+
+    try:
+        check_intervals(args.gc_freeze_interval, args.gc_refresh_interval)
+    except ValueError as e:
+        raise ValueError(f"--gc-freeze-interval / --gc-refresh-interval: {e}") from None
     return args.gc_freeze_interval, args.gc_refresh_interval
 
 

@@ -33,12 +33,21 @@ FROZEN = prometheus_client.Gauge(
 Action = Literal["freeze", "refresh"]
 
 
+def check_intervals(freeze_s: float, refresh_s: float) -> None:
+    """ValueError unless the freeze interval is 0 (off) or positive and at most the refresh interval."""
+    if freeze_s < 0:
+        raise ValueError(f"the freeze interval must be 0 (off) or positive, not {freeze_s}")
+    if freeze_s and refresh_s < freeze_s:
+        raise ValueError(f"the refresh interval ({refresh_s}) must be at least the freeze interval ({freeze_s})")
+
+
 class FreezeSchedule:
     """Which action is due at ``now`` (seconds on a monotonic clock); a refresh restarts both timers."""
 
     def __init__(self, *, freeze_s: float, refresh_s: float, now: float) -> None:
-        if freeze_s <= 0 or refresh_s < freeze_s:
-            raise ValueError(f"need 0 < freeze interval ({freeze_s}) <= refresh interval ({refresh_s})")
+        check_intervals(freeze_s, refresh_s)
+        if freeze_s == 0:
+            raise ValueError("a freeze schedule needs a positive freeze interval (0 is off: start nothing)")
         self.freeze_s, self.refresh_s = freeze_s, refresh_s
         self.next_freeze, self.next_refresh = now + freeze_s, now + refresh_s
 
