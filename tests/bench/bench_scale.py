@@ -299,6 +299,14 @@ class ApiserverCost:
                                               if v / max(models, 1) >= 0.05}}
 
 
+def check_operator(proc: subprocess.Popen, log: Path) -> None:
+    """RuntimeError with the end of its log if the operator has exited: waiting on a dead
+    operator would only run out the bench's timeout."""
+    if proc.poll() is not None:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        raise RuntimeError(f"the operator exited ({proc.returncode}); {log} ends:\n{tail}")
+
+
 def start_operator(cluster: LocalCluster, state: Path,
                    extra_args: Sequence[str] = ()) -> tuple[subprocess.Popen, int]:
     """CRDs, namespace ``NS`` and the operator (``sparsegate run``, standalone, rollout tick 1 s)
@@ -316,6 +324,7 @@ def start_operator(cluster: LocalCluster, state: Path,
                            log_path=state / "operator.log", pid_file=state / "operator.pid", env=env,
                            die_with_parent=True)
     time.sleep(3)
+    check_operator(proc, state / "operator.log")
     return proc, port
 
 
@@ -370,6 +379,7 @@ def main() -> int:
 
         ready_s = None
         while time.monotonic() - t_create < args.timeout:
+            check_operator(op_proc, state / "operator.log")
             out = json.loads(cluster.kubectl("get", "sparsemodels", "-n", NS, "-o", "json", timeout=120).stdout)
             ready = sum(1 for m in out["items"] if any(c["type"] == "Ready" and c["status"] == "True"
                                                        for c in (m.get("status") or {}).get("conditions", [])))
