@@ -36,6 +36,8 @@ Reports, side by side:
   change, the API server's requests by verb and resource, its watch events by kind, its writes by
   writer (an audit log) and a CPU profile sorted by work (``apiserver_cost.py``); the audit log and
   the profile cost the API server CPU themselves, so compare such runs' CPU only with each other.
+  ``--operator-profile`` adds a py-spy profile of the operator over the phase, summed by package
+  and function (``operator_profile.py``).
 Results also go to tests/bench/results/bench_scale.json.
 """
 
@@ -60,6 +62,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "dev"))
 
 import apiserver_cost  # noqa: E402
+import operator_profile  # noqa: E402
 from benchstats import nearest_rank  # noqa: E402
 from localcluster import LocalCluster, nodes, processes  # noqa: E402
 from localcluster.ports import free_port  # noqa: E402
@@ -345,9 +348,14 @@ def main() -> int:
     p.add_argument("--apiserver-cost", action="store_true",
                    help="over the steady phase, also the API server's writes by writer (audit log) and a CPU "
                         "profile of it sorted by work (apiserver_cost.py); both add to its CPU")
+    p.add_argument("--operator-profile", action="store_true",
+                   help="over the steady phase, also a py-spy profile of the operator (samples holding the "
+                        "GIL) summed by package and function (operator_profile.py)")
     p.add_argument("--headless", action="store_true",
                    help="models with spec.service.headless (no virtual IP allocated per model)")
     args = p.parse_args()
+    if args.operator_profile:
+        operator_profile.py_spy()  # missing: fail now, not after the burst
 
     state = Path(tempfile.mkdtemp(prefix="bench-scale-"))
     # A pod CIDR of its own: the default 127.20.0.0/16 may be served by another local cluster.
@@ -437,11 +445,18 @@ def main() -> int:
         changes: dict[str, Any] | None = None
         if args.changes:
             meter = CpuMeter({"operator": op_proc.pid, **cluster.pids()})
-            cost = ApiserverCost(cluster, seconds=args.changes / args.change_rate + 5) if args.apiserver_cost else None
+            phase_s = args.changes / args.change_rate + 5
+            cost = ApiserverCost(cluster, seconds=phase_s) if args.apiserver_cost else None
+            profile_path = REPO / "tests" / "bench" / "results" / "bench_scale-operator.pyspy.txt"
+            if args.operator_profile:
+                profile_path.parent.mkdir(parents=True, exist_ok=True)
+                profiler = operator_profile.start(op_proc.pid, seconds=int(math.ceil(phase_s)), output=profile_path)
             changes = steady_changes(cluster, names=changed_names(args.models, args.gateconfigs, args.changes),
                                      rate=args.change_rate, replicas=args.replicas, timeout=300)
             if cost is not None:
                 changes["apiserver"] = cost.result(changes=args.changes, models=args.models)
+            if args.operator_profile:
+                changes["operatorProfile"] = operator_profile.result(profiler, profile_path)
             later = urllib.request.urlopen(url, timeout=10).read().decode()
             # The operator's CPU over the phase (cores; ~1 means its GIL is the queue), the control
             # plane's, and each kind of request's duration over the phase: where a steady reconcile's
