@@ -50,3 +50,46 @@ def test_a_deleted_objects_essence_is_forgotten() -> None:
     s.forget("u1")
     s.forget("never-stored")
     assert len(s) == 0 and s.fetch(body=b) is None
+
+
+class Uncopyable(dict):
+    """A stanza the essence must not deep-copy (Kopf's own build would)."""
+
+    def __deepcopy__(self, memo: dict) -> None:
+        raise AssertionError("deep-copied")
+
+
+def rich(kind: str = "SparseModel", **extra: object) -> dict:
+    return {"apiVersion": "sparsegate.dev/v1alpha1", "kind": kind, **extra,
+            "metadata": {"name": "m", "namespace": "ns", "uid": "u1", "generation": 4,
+                         "labels": {"app": "m"}, "finalizers": ["x"],
+                         "ownerReferences": [{"kind": "Deployment", "name": "d", "uid": "d1"}],
+                         "managedFields": [{"manager": "kubectl", "fieldsV1": {"f:spec": {}}}],
+                         "annotations": {LEGACY: "{}", "team": "a", "sparsegate.dev/kopf-managed": "yes",
+                                         "other.example/kopf-managed": "yes", "other.example/x": "1",
+                                         "kubectl.kubernetes.io/last-applied-configuration": "{}"}},
+            "spec": {"replicas": 2, "model": {"experts": 4}},
+            "status": {"observedGeneration": 4, "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def test_the_essence_is_kopfs_own() -> None:
+    ours, kopfs = storage(), kopf.AnnotationsDiffBaseStorage(prefix="sparsegate.dev",
+                                                              key="last-handled-configuration")
+    # A ReplicaSet of a Deployment: Kopf names its keys apart (read from ownerReferences).
+    for raw in (rich(), rich(data={"k": "v"}), rich(kind="ReplicaSet")):
+        for extra in (None, [], ["status.observedGeneration"]):
+            assert ours.build(body=kopf.Body(raw), extra_fields=extra) == \
+                kopfs.build(body=kopf.Body(raw), extra_fields=extra), (raw["kind"], extra)
+    assert ours.build(body=kopf.Body(rich())) == {"metadata": {"labels": {"app": "m"}, "annotations": {"team": "a"}},
+                                                  "spec": {"replicas": 2, "model": {"experts": 4}}}
+
+
+def test_status_and_managed_fields_are_not_copied() -> None:
+    raw = rich()
+    raw["status"] = Uncopyable(raw["status"])
+    raw["metadata"]["managedFields"] = [Uncopyable(raw["metadata"]["managedFields"][0])]
+    essence = storage().build(body=kopf.Body(raw))
+    assert essence["spec"] == {"replicas": 2, "model": {"experts": 4}}
+    spec = raw["spec"]
+    spec["replicas"] = 3
+    assert essence["spec"]["replicas"] == 2  # what is kept is still a copy
