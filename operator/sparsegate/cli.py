@@ -29,6 +29,14 @@ from sparsegate.domain.lease import LEASE_DURATION_S, RENEW_DEADLINE_S, RETRY_PE
 # sparsegate.gc_freeze: freeze the long-lived heap every 30 s; unfreeze, collect and refreeze every 10 min.
 GC_FREEZE_S = 30.0
 GC_REFRESH_S = 600.0
+GC_YOUNG_THRESHOLD = 700  # Python's own default
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,6 +87,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--gc-refresh-interval", type=float, default=GC_REFRESH_S, metavar="SECONDS",
                      help="unfreeze, collect everything once and freeze again this often, reclaiming cycles "
                           "that died while frozen (default: %(default)s)")
+    run.add_argument("--gc-young-threshold", type=_at_least_one, default=GC_YOUNG_THRESHOLD, metavar="N",
+                     help="collect Python's youngest generation after this many net container allocations: "
+                          "higher means fewer, longer young collections, fewer full ones, and more memory "
+                          "held by garbage cycles until collected (bench_scale at 1,000 models, 700 vs "
+                          "10,000: garbage collection in the create burst 7.4 vs 5.1 s, peak RSS 170 vs "
+                          "187 MiB) (default: %(default)s, Python's)")
     run.add_argument("--log-format", choices=["full", "plain", "json"], default="full",
                      help="Kopf's log formats; object-related lines carry [namespace/name]")
     run.add_argument("--verbose", "-v", action="store_true")
@@ -168,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.metrics_port:
         metrics.serve(port=args.metrics_port, addr=args.metrics_address)
     from sparsegate import gc_freeze
+    gc_freeze.set_young_threshold(args.gc_young_threshold)
     gc_freeze.start(freeze_s=freeze_s, refresh_s=refresh_s)
     elector = None
     if args.leader_elect:

@@ -12,6 +12,10 @@ only what was allocated since the last freeze. The price: a reference cycle froz
 not reclaimed when it later becomes garbage (acyclic objects still are, by reference counting).
 So every ``refresh_s`` everything frozen is unfrozen, collected once (one full pause) and frozen
 again, which bounds such leftovers to what one interval leaves.
+
+``set_young_threshold`` (``--gc-young-threshold``) sets how many net container allocations start a
+young collection; the default stays Python's 700 (a larger one trades memory held by garbage
+cycles for fewer collections: see ``sparsegate run --help``).
 """
 
 from __future__ import annotations
@@ -59,6 +63,15 @@ class FreezeSchedule:
             self.next_freeze = now + self.freeze_s
             return "freeze"
         return None
+
+
+def set_young_threshold(threshold0: int) -> None:
+    """Collect generation 0 after ``threshold0`` net container allocations (Python's default: 700);
+    the older generations' thresholds stay as they are."""
+    if threshold0 < 1:
+        raise ValueError(f"the young-generation threshold must be at least 1, not {threshold0}")
+    _, threshold1, threshold2 = gc.get_threshold()
+    gc.set_threshold(threshold0, threshold1, threshold2)
 
 
 def act(action: Action) -> None:

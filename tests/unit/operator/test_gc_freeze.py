@@ -61,3 +61,24 @@ def test_run_flags_default_on_and_refuse_a_refresh_shorter_than_the_freeze() -> 
 
 def test_off_starts_nothing() -> None:
     assert gc_freeze.start(freeze_s=0, refresh_s=600) is None
+
+
+def test_young_threshold_sets_generation_0_only_and_refuses_below_1() -> None:
+    before = gc.get_threshold()
+    try:
+        gc_freeze.set_young_threshold(50_000)
+        assert gc.get_threshold() == (50_000, *before[1:])
+        with pytest.raises(ValueError, match="at least 1"):
+            gc_freeze.set_young_threshold(0)
+        assert gc.get_threshold() == (50_000, *before[1:])  # a refused value changes nothing
+    finally:
+        gc.set_threshold(*before)
+
+
+def test_young_threshold_flag_defaults_to_pythons_and_refuses_below_1(capsys: pytest.CaptureFixture[str]) -> None:
+    parse = cli._parser().parse_args
+    assert parse(["run"]).gc_young_threshold == 700
+    assert parse(["run", "--gc-young-threshold", "10000"]).gc_young_threshold == 10_000
+    with pytest.raises(SystemExit):
+        parse(["run", "--gc-young-threshold", "0"])
+    assert "--gc-young-threshold: must be at least 1, not 0" in capsys.readouterr().err
