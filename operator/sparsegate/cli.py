@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 from sparsegate_contracts.version import version_line
 
+from sparsegate.controllers.applied_objects import DEFAULT_INTERVAL_S as REAPPLY_INTERVAL_S
 from sparsegate.domain.lease import LEASE_DURATION_S, RENEW_DEADLINE_S, RETRY_PERIOD_S, Timing
 
 # sparsegate.gc_freeze: freeze the long-lived heap every 30 s; unfreeze, collect and refreeze every 10 min.
@@ -36,6 +37,13 @@ def _at_least_one(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _zero_or_more(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
     return value
 
 
@@ -80,6 +88,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--retry-period", type=float, default=RETRY_PERIOD_S, metavar="SECONDS",
                      help="pause between renewals and between acquisition attempts "
                           "(default: %(default)s)")
+    run.add_argument("--reapply-interval", type=_zero_or_more, default=REAPPLY_INTERVAL_S, metavar="SECONDS",
+                     help="a reconcile skips a model's ConfigMap, Service and admin-Secret check while what "
+                          "it would apply is what this process applied less than this long ago; an edit to "
+                          "them by someone else is undone by the first reconcile after it; 0: apply them "
+                          "every time (default: %(default)s)")
     run.add_argument("--gc-freeze-interval", type=float, default=GC_FREEZE_S, metavar="SECONDS",
                      help="move the objects alive into Python's permanent generation this often, so full "
                           "garbage collections skip the long-lived heap (sparsegate.gc_freeze); 0: off "
@@ -210,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         namespaces=args.namespace,
         standalone=args.standalone or None,
         liveness_endpoint=args.liveness,
-        memo=OperatorMemo(),  # per-object copies that share its keys (sparsegate.memo)
+        # Per-object copies that share its keys (sparsegate.memo); startup fills the rest.
+        memo=OperatorMemo(reapply_interval_s=args.reapply_interval),
     )
     if elector is not None:
         # Kopf has stopped (clean shutdown): nothing acts any more, so hand the Lease over.

@@ -24,6 +24,7 @@ from sparsegate_contracts.names import FINALIZER, KOPF_ANNOTATION_PREFIX
 
 import sparsegate.handlers  # noqa: F401  (registers handlers)
 from sparsegate.clients.kube import Kube
+from sparsegate.controllers.applied_objects import DEFAULT_INTERVAL_S, AppliedObjects
 from sparsegate.controllers.deferred_refresh import DeferredRefreshes
 from sparsegate.controllers.status_inputs import StatusInputs
 from sparsegate.handlers import accesssync, diffbase, gateconfig, sparsemodel
@@ -50,6 +51,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.status_pool = concurrent.futures.ThreadPoolExecutor(max_workers=STATUS_POOL_THREADS,
                                                              thread_name_prefix="sparsegate-status")
     memo.status_inputs = StatusInputs()  # what each model's status was last written from
+    # What each model's reconcile last applied (`sparsegate run --reapply-interval` sets the interval).
+    memo.applied_objects = AppliedObjects(interval_s=memo.get("reapply_interval_s", DEFAULT_INTERVAL_S))
     memo.deferred_refreshes = DeferredRefreshes(delay_s=sparsemodel.STATUS_SETTLE_S)
     # One controller each, shared by every object's loop (each object's memo reads through to this one:
     # sparsegate.memo).

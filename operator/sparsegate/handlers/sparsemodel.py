@@ -1,6 +1,8 @@
 """Kopf wiring for SparseModel: each handler is a thin call into handlers.modelsync.
 
-- create/update/resume → render and server-side apply the owned objects, write status.
+- create/update/resume → render and server-side apply the owned objects (the ConfigMap, Service
+  and admin-Secret check only when changed since this process last applied them:
+  ``controllers.applied_objects``), write status.
 - any event of an owned Deployment → refresh replica counts and Ready/Progressing; no request at
   all when the status was last written from the same Deployment counts and pod problems
   (``controllers.status_inputs``). While the Deployment is still rolling out, the refresh waits
@@ -76,7 +78,7 @@ def reconcile(memo: kopf.Memo, model: Mapping[str, Any], *, pods: list[Mapping[s
     with metrics.observe("SparseModel") as outcome:
         outcome.value = modelsync.reconcile(memo.kube, model, events=post_event, logger=logger, pods=pods,
                                             watched_deployment=watched, watched_gate=gates,
-                                            status_inputs=memo.status_inputs)
+                                            status_inputs=memo.status_inputs, applied_objects=memo.applied_objects)
 
 
 # How long a Deployment that is still rolling out may move on before its model's status is refreshed
@@ -145,6 +147,7 @@ def _deployment_changed(memo: kopf.Memo, *, type: str, deployment: Mapping[str, 
     with metrics.observe("Deployment") as outcome:
         if type == "DELETED":
             memo.status_inputs.forget(namespace, model)
+            memo.applied_objects.forget((namespace, model))  # the model is gone, or all is applied again
             # Deleted by someone else while its model lives on: put it back (self-healing).
             owner = modelsync.live_owner(kube, namespace=namespace, name=model,
                                          owner_refs=deployment["metadata"].get("ownerReferences") or [])
@@ -152,7 +155,7 @@ def _deployment_changed(memo: kopf.Memo, *, type: str, deployment: Mapping[str, 
                 logger.warning("Deployment %s was deleted; re-creating it", model)
                 modelsync.reconcile(kube, owner, events=post_event, logger=logger, pods=pods,
                                     watched_deployment=watched, watched_gate=gates,
-                                    status_inputs=memo.status_inputs)
+                                    status_inputs=memo.status_inputs, applied_objects=memo.applied_objects)
                 return
         if not modelsync.refresh_from_deployment(
                 kube, namespace=namespace, name=model, deployment=None if type == "DELETED" else deployment,

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from sparsegate.clients.kube import KubeError
+from sparsegate.controllers.applied_objects import AppliedObjects
 from sparsegate.controllers.status_inputs import StatusInputs
 from sparsegate.domain import admin_tls, fleet_view, model_status
 from sparsegate.handlers import modelsync
@@ -114,10 +115,11 @@ def watched_gates(k):
     return read
 
 
-def reconcile(k, model, *, events=None, inputs=None, pods=()):
+def reconcile(k, model, *, events=None, inputs=None, pods=(), applied=None):
     return modelsync.reconcile(k, model, events=(lambda *a: events.append(a)) if events is not None else (lambda *a: None),
                                logger=LOG, watched_deployment=watched(k), watched_gate=watched_gates(k),
-                               status_inputs=StatusInputs() if inputs is None else inputs, pods=pods)
+                               status_inputs=StatusInputs() if inputs is None else inputs, pods=pods,
+                               applied_objects=applied)
 
 
 def model_of(k):
@@ -450,3 +452,69 @@ def test_a_deferred_refresh_reads_its_inputs_under_the_guard_so_it_never_writes_
     assert modelsync.refresh_from_watched(kube, namespace="ns", name="moe-small", deployment=lambda: None,
                                           pods=lambda: [], events=lambda *a: None, status_inputs=inputs) is False
     assert kube.calls == []
+
+
+def scaled(k, replicas):
+    model = model_of(k)
+    model["spec"]["replicas"] = replicas
+    model["metadata"]["generation"] += 1
+    return k.put(model)
+
+
+def test_unchanged_objects_are_not_applied_again_while_recorded(kube):
+    gateconfig(kube)
+    applied = AppliedObjects(interval_s=600)
+    reconcile(kube, model_of(kube), applied=applied)
+    assert sorted(kube.applied) == ["ConfigMap", "Deployment", "Service"]
+    kube.applied.clear(), kube.calls.clear()
+    # A replica change renders the same ConfigMap and Service and the same admin-Secret check.
+    reconcile(kube, scaled(kube, 3), applied=applied)
+    assert kube.applied == ["Deployment"]
+    assert [c for c in kube.calls if c[1] == "Secret"] == []
+    assert model_of(kube)["status"]["observedGeneration"] == 2
+    # A gate change renders a new ConfigMap: it (and the Deployment) are applied, the Service not.
+    kube.applied.clear()
+    gateconfig(kube, toolGateThreshold=0.7)
+    reconcile(kube, model_of(kube), applied=applied)
+    assert sorted(kube.applied) == ["ConfigMap", "Deployment"]
+
+
+def test_without_records_or_once_forgotten_or_expired_everything_is_applied(kube):
+    gateconfig(kube)
+    for applied in (None, AppliedObjects(interval_s=0), AppliedObjects(interval_s=1e-9)):
+        reconcile(kube, model_of(kube), applied=applied)
+        kube.applied.clear(), kube.calls.clear()
+        reconcile(kube, model_of(kube), applied=applied)
+        assert sorted(kube.applied) == ["ConfigMap", "Deployment", "Service"], applied
+        assert ("get", "Secret") in kube.calls
+    applied = AppliedObjects(interval_s=600)
+    reconcile(kube, model_of(kube), applied=applied)
+    applied.forget(("ns", "moe-small"))  # its Deployment was deleted
+    kube.applied.clear()
+    reconcile(kube, model_of(kube), applied=applied)
+    assert sorted(kube.applied) == ["ConfigMap", "Deployment", "Service"]
+
+
+def test_a_failed_apply_is_not_recorded_so_the_retry_applies_it(kube):
+    gateconfig(kube)
+    applied = AppliedObjects(interval_s=600)
+    kube.fail_apply = "Service"
+    with pytest.raises(KubeError):
+        reconcile(kube, model_of(kube), applied=applied)
+    kube.fail_apply = None
+    kube.applied.clear()
+    reconcile(kube, model_of(kube), applied=applied)
+    assert sorted(kube.applied) == ["Deployment", "Service"]  # the ConfigMap had landed
+
+
+def test_a_recreated_model_under_the_same_name_is_applied_in_full(kube):
+    gateconfig(kube)
+    applied = AppliedObjects(interval_s=600)
+    reconcile(kube, model_of(kube), applied=applied)
+    model = model_of(kube)
+    model["metadata"]["uid"] = "uid-2"  # owner references (and the Secret check) name the new uid
+    kube.put(model)
+    kube.applied.clear(), kube.calls.clear()
+    reconcile(kube, model_of(kube), applied=applied)
+    assert sorted(kube.applied) == ["ConfigMap", "Deployment", "Service"]
+    assert ("get", "Secret") in kube.calls

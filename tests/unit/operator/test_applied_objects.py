@@ -1,0 +1,54 @@
+"""controllers.applied_objects: what a model's reconcile last applied, by digest and age."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparsegate import cli
+from sparsegate.controllers.applied_objects import AppliedObjects, digest
+
+MODEL = ("ns", "m")
+
+
+def cm(data: dict) -> dict:
+    return {"kind": "ConfigMap", "metadata": {"name": "m", "namespace": "ns"}, "data": data}
+
+
+def test_unchanged_until_the_rendering_changes_or_the_record_ages() -> None:
+    a = AppliedObjects(interval_s=600)
+    assert not a.unchanged(MODEL, cm({"k": "1"}), now=0)
+    a.record(MODEL, cm({"k": "1"}), now=0)
+    assert a.unchanged(MODEL, cm({"k": "1"}), now=599)
+    assert not a.unchanged(MODEL, cm({"k": "2"}), now=1)
+    assert not a.unchanged(MODEL, cm({"k": "1"}), now=600)  # an edit by someone else is undone from here
+    assert not a.unchanged(("ns", "other"), cm({"k": "1"}), now=1)
+    service = {"kind": "Service", "metadata": {"name": "m", "namespace": "ns"}}
+    assert not a.unchanged(MODEL, service, now=1)  # per kind and name
+
+
+def test_key_order_does_not_matter_but_values_do() -> None:
+    assert digest({"a": 1, "b": {"c": 2, "d": 3}}) == digest({"b": {"d": 3, "c": 2}, "a": 1})
+    assert digest({"a": 1}) != digest({"a": "1"})
+
+
+def test_forget_drops_a_models_records_and_zero_keeps_none() -> None:
+    a = AppliedObjects(interval_s=600)
+    a.record(MODEL, cm({}), now=0)
+    a.record(("ns", "other"), cm({}), now=0)
+    a.forget(MODEL)
+    assert not a.unchanged(MODEL, cm({}), now=1) and a.unchanged(("ns", "other"), cm({}), now=1)
+    assert len(a) == 1
+    off = AppliedObjects(interval_s=0)
+    off.record(MODEL, cm({}), now=0)
+    assert len(off) == 0 and not off.unchanged(MODEL, cm({}), now=0)
+    with pytest.raises(ValueError, match="0 \\(off\\) or positive"):
+        AppliedObjects(interval_s=-1)
+
+
+def test_run_flag_defaults_to_ten_minutes_and_refuses_negative(capsys: pytest.CaptureFixture[str]) -> None:
+    parse = cli._parser().parse_args
+    assert parse(["run"]).reapply_interval == 600.0
+    assert parse(["run", "--reapply-interval", "0"]).reapply_interval == 0.0
+    with pytest.raises(SystemExit):
+        parse(["run", "--reapply-interval", "-5"])
+    assert "--reapply-interval: must be 0 or more, not -5" in capsys.readouterr().err
