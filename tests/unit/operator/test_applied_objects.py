@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from sparsegate import cli
 from sparsegate.controllers.applied_objects import AppliedObjects, digest
 
 MODEL = ("ns", "m")
@@ -43,12 +42,3 @@ def test_forget_drops_a_models_records_and_zero_keeps_none() -> None:
     assert len(off) == 0 and not off.unchanged(MODEL, cm({}), now=0)
     with pytest.raises(ValueError, match="0 \\(off\\) or positive"):
         AppliedObjects(interval_s=-1)
-
-
-def test_run_flag_defaults_to_ten_minutes_and_refuses_negative(capsys: pytest.CaptureFixture[str]) -> None:
-    parse = cli._parser().parse_args
-    assert parse(["run"]).reapply_interval == 600.0
-    assert parse(["run", "--reapply-interval", "0"]).reapply_interval == 0.0
-    with pytest.raises(SystemExit):
-        parse(["run", "--reapply-interval", "-5"])
-    assert "--reapply-interval: must be 0 or more, not -5" in capsys.readouterr().err

@@ -73,12 +73,3 @@ def test_young_threshold_sets_generation_0_only_and_refuses_below_1() -> None:
         assert gc.get_threshold() == (50_000, *before[1:])  # a refused value changes nothing
     finally:
         gc.set_threshold(*before)
-
-
-def test_young_threshold_flag_defaults_to_pythons_and_refuses_below_1(capsys: pytest.CaptureFixture[str]) -> None:
-    parse = cli._parser().parse_args
-    assert parse(["run"]).gc_young_threshold == 700
-    assert parse(["run", "--gc-young-threshold", "10000"]).gc_young_threshold == 10_000
-    with pytest.raises(SystemExit):
-        parse(["run", "--gc-young-threshold", "0"])
-    assert "--gc-young-threshold: must be at least 1, not 0" in capsys.readouterr().err

@@ -56,6 +56,21 @@ def test_cli_scope_flags():
     assert (args.metrics_port, args.lease_name, args.leader_elect) == (9090, "x", True)
 
 
+@pytest.mark.parametrize("flag, default, good, bad, message", [
+    ("--reapply-interval", 600.0, ("0", 0.0), "-5", "must be 0 or more, not -5"),
+    ("--gc-young-threshold", 700, ("10000", 10_000), "0", "must be at least 1, not 0"),
+])
+def test_tuning_flags_default_and_refuse_out_of_range(capsys: pytest.CaptureFixture[str], flag: str, default: float,
+                                                       good: tuple[str, float], bad: str, message: str) -> None:
+    parse = cli._parser().parse_args
+    dest = flag.removeprefix("--").replace("-", "_")
+    assert getattr(parse(["run"]), dest) == default
+    assert getattr(parse(["run", flag, good[0]]), dest) == good[1]
+    with pytest.raises(SystemExit):
+        parse(["run", flag, bad])
+    assert f"{flag}: {message}" in capsys.readouterr().err
+
+
 def test_metrics_and_liveness_bind_the_given_address():
     """The chart passes the pod IP: pods sharing a network namespace never collide on a port."""
     parse = cli._parser().parse_args
