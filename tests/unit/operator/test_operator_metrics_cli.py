@@ -57,7 +57,7 @@ def test_cli_scope_flags():
 
 
 @pytest.mark.parametrize("flag, default, good, bad, message", [
-    ("--reapply-interval", 600.0, ("0", 0.0), "-5", "must be 0 or more, not -5"),
+    ("--reapply-interval", 3600.0, ("0", 0.0), "-5", "must be 0 or more, not -5"),
     ("--gc-young-threshold", 700, ("10000", 10_000), "0", "must be at least 1, not 0"),
 ])
 def test_tuning_flags_default_and_refuse_out_of_range(capsys: pytest.CaptureFixture[str], flag: str, default: float,

@@ -41,7 +41,7 @@ def test_a_memo_without_startup_still_gets_its_controllers() -> None:
 
 def test_startup_keeps_one_applied_objects_record_with_the_run_flags_interval(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Kube, "from_environment", classmethod(lambda cls: object.__new__(Kube)))
-    for memo, interval in ((OperatorMemo(reapply_interval_s=30.0), 30.0), (OperatorMemo(), 600.0)):
+    for memo, interval in ((OperatorMemo(reapply_interval_s=30.0), 30.0), (OperatorMemo(), 3600.0)):
         main.configure(settings=kopf.OperatorSettings(), memo=memo)
         assert memo.applied_objects.interval_s == interval
         assert copy.copy(memo).applied_objects is memo.applied_objects  # shared by every model's handler
