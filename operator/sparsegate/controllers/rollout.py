@@ -33,6 +33,8 @@ and otherwise every ``SPARSEGATE_ROLLOUT_RESTING_CHECK_S`` (default 300) as a sa
 pod, or one back from a restart, is a Ready event, so the check that pushes it the stable gate
 follows within a tick instead of a 30 s timer (at 2,000 GateConfigs that timer was ~70 GETs/s
 and a /healthz per pod, finding nothing to do).
+Between those checks its loop sleeps (:meth:`RolloutLoop.next_tick_in`) rather than ticking to
+find nothing to do.
 
 With ``spec.rollout.strategy: requests`` the same loop pushes every pod the stable + canary set
 at the step's weight (``domain.request_canary``) and the builtin analysis compares the canary
@@ -345,6 +347,15 @@ class RolloutLoop:
             raise
         finally:
             TICK_SECONDS.observe(time.perf_counter() - started)
+
+    def next_tick_in(self, seen: Mapping[str, Any], *, cache: RolloutCache, interval_s: float) -> float | None:
+        """How long a GateConfig's loop may sleep after a tick (None: ``interval_s``). A resting one
+        (``seen``: its :meth:`quiet_view`) has nothing to do before its safety-net check,
+        ``RESTING_CHECK_S`` after its last full check; a pod change or an event of the object
+        brings its next tick within ``interval_s`` again (``handlers.periodic``)."""
+        if seen.get("resting") is not True or cache.read_fresh:
+            return None
+        return max(interval_s, RESTING_CHECK_S - (self.clock() - cache.last_full_check))
 
     @staticmethod
     def quiet_view(body: Mapping[str, Any]) -> dict[str, Any]:

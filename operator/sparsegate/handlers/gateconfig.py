@@ -3,9 +3,11 @@
 The controller itself (observe → decide → persist → act) is ``controllers.rollout.RolloutLoop``;
 this module only builds it from the environment, feeds it the models of the Kopf index
 ``models_by_gate`` and the fleet's watched objects (``handlers.fleetindex``) every
-``SPARSEGATE_ROLLOUT_TICK_S`` (default 5) seconds (a resting GateConfig's tick checks its pods
-when one of its models' pods was seen Ready since its last check), and turns a conflict or an
-API error of one tick into a log line (the next tick starts from a fresh read).
+``SPARSEGATE_ROLLOUT_TICK_S`` (default 5) seconds, and turns a conflict or an API error of one
+tick into a log line (the next tick starts from a fresh read). A resting GateConfig's loop sleeps
+until its safety-net check (``SPARSEGATE_ROLLOUT_RESTING_CHECK_S``, default 300); an event of the
+GateConfig, or one of its models' pods seen Ready, brings its next tick within the tick interval
+(that tick checks the pods).
 ``SPARSEGATE_PROMETHEUS_URL`` makes the builtin analysis use Prometheus' HTTP API instead of
 scraping pods directly, and is the address of declared ``prometheus`` checks that name none.
 """
@@ -60,13 +62,14 @@ _pod_changes: dict[tuple[str, str], int] = {}
 @kopf.on.event(GROUP, VERSION, names.GATECONFIGS)
 async def gateconfig_rollout_loop(type: str | None, body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
                                   models_by_gate: kopf.Index, logger: logging.Logger, **kwargs: Any) -> None:
-    """Runs the GateConfig's rollout tick every TICK_S (a loop, not a Kopf timer: no finalizer, so
-    deleting a GateConfig never waits for the operator; its rollout state lives in the object)."""
+    """Runs the GateConfig's rollout tick every TICK_S, a resting one's only when something may
+    have changed (a loop, not a Kopf timer: no finalizer, so deleting a GateConfig never waits for
+    the operator; its rollout state lives in the object)."""
     inventory = Inventory.from_kopf(kwargs)
 
-    async def tick(seen: Mapping[str, Any]) -> None:
-        await rollout_tick(seen=seen, namespace=namespace, name=name, memo=memo, models_by_gate=models_by_gate,
-                           inventory=inventory, logger=logger)
+    async def tick(seen: Mapping[str, Any]) -> float | None:
+        return await rollout_tick(seen=seen, namespace=namespace, name=name, memo=memo,
+                                  models_by_gate=models_by_gate, inventory=inventory, logger=logger)
 
     if not _loops.seen(key=(namespace, name), event_type=type, body=RolloutLoop.quiet_view(body), tick=tick,
                        logger=logger):
@@ -77,19 +80,21 @@ async def gateconfig_rollout_loop(type: str | None, body: kopf.Body, namespace: 
 async def model_pod_changed_rollout(body: kopf.Body, namespace: str, sparsegate_model_views: kopf.Index,
                                     **_: Any) -> None:
     """A model pod is serving (new, back from a restart, or changed while Ready): its GateConfig's
-    next tick (within TICK_S) checks the pods even when resting. Not a wake: a burst of pods
-    becoming Ready costs each GateConfig at most one check per tick."""
+    next tick (within TICK_S) checks the pods even when resting. A nudge, not a wake: a burst of
+    pods becoming Ready costs each GateConfig at most one check per tick."""
     model = (body.get("metadata", {}).get("labels") or {}).get(names.MODEL_LABEL)
     if not model or not fleet_view.pod_serving(body):
         return
     gates = {modelsync.gate_ref(view) for view in sparsegate_model_views.get((namespace, model), ())}
-    for gate in gates - {None}:
-        key = (namespace, gate)
+    keys = [(namespace, gate) for gate in gates if gate is not None]
+    for key in keys:
         _pod_changes[key] = _pod_changes.get(key, 0) + 1
+    _loops.nudge(keys)
 
 
 async def rollout_tick(*, seen: Mapping[str, Any], namespace: str, name: str, memo: kopf.Memo,
-                       models_by_gate: kopf.Index, inventory: Inventory, logger: logging.Logger) -> None:
+                       models_by_gate: kopf.Index, inventory: Inventory, logger: logging.Logger) -> float | None:
+    """One tick; returns how long the loop may sleep before the next (None: TICK_S)."""
     cache = getattr(memo, "rollout_cache", None)
     if cache is None:
         cache = memo.rollout_cache = RolloutCache()
@@ -101,6 +106,8 @@ async def rollout_tick(*, seen: Mapping[str, Any], namespace: str, name: str, me
         logger.debug("GateConfig %s/%s changed during the tick; next tick retries", namespace, name)
     except KubeError as e:
         logger.warning("rollout tick for %s/%s: %s", namespace, name, e)
+        return None
+    return _loop(memo).next_tick_in(seen, cache=cache, interval_s=TICK_S)
 
 
 @kopf.on.cleanup()

@@ -10,6 +10,12 @@ deletionTimestamp) cancels it, and each event hands the loop the latest body.
 `kopf.on.event` handlers run only after Kopf has populated every index, as timers do, and they
 also see the initial listing, so a restarted operator resumes every loop. Kopf removes the
 finalizer left on objects by earlier operator versions once no handler requires it.
+
+A round may say when the next one is needed (its tick returns seconds; None: ``interval_s``): a
+resting GateConfig sleeps until its safety-net check instead of waking every interval to find
+nothing to do (2,000 of them at a 1 s tick were a fifth of the operator's CPU samples). An event
+of the object, or :meth:`ObjectLoops.nudge`, brings its next round within ``interval_s`` again;
+:meth:`ObjectLoops.wake` runs it at once.
 """
 
 from __future__ import annotations
@@ -17,13 +23,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (namespace, name)
-Tick = Callable[[Mapping[str, Any]], Awaitable[None]]
+# A round: the object's latest body → seconds until the next round is needed (None: the interval).
+Tick = Callable[[Mapping[str, Any]], Awaitable[float | None]]
 
 
 @dataclasses.dataclass
@@ -32,7 +40,9 @@ class _Entry:
     tick: Tick
     logger: logging.Logger | logging.LoggerAdapter
     task: asyncio.Task[None] | None = None
-    woken: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    due: float = math.inf  # event-loop time of the next round (inf while a round runs)
+    woken: bool = False  # run the next round at once
+    signal: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # `due` or `woken` moved
 
 
 def _gone(event_type: str | None, body: Mapping[str, Any]) -> bool:
@@ -40,7 +50,8 @@ def _gone(event_type: str | None, body: Mapping[str, Any]) -> bool:
 
 
 class ObjectLoops:
-    """One asyncio task per live object, calling the latest ``tick`` every ``interval_s``."""
+    """One asyncio task per live object, calling the latest ``tick`` every ``interval_s`` (or
+    later, when a round says so)."""
 
     def __init__(self, *, kind: str, interval_s: float, initial_delay_s: float = 0.0) -> None:
         self.kind = kind
@@ -66,6 +77,7 @@ class ObjectLoops:
         entry = self._entries.get(key)
         if entry is not None:
             entry.body, entry.tick, entry.logger = body, tick, logger
+            self._soon(entry)
             return True
         entry = self._entries[key] = _Entry(body=body, tick=tick, logger=logger)
         entry.task = asyncio.create_task(self._run(key, entry), name=f"{self.kind} {key[0]}/{key[1]}")
@@ -89,24 +101,52 @@ class ObjectLoops:
         entries = list(self._entries.values()) if keys is None else \
             [e for e in map(self._entries.get, dict.fromkeys(keys)) if e is not None]
         for entry in entries:
-            entry.woken.set()
+            entry.woken = True
+            entry.signal.set()
         return len(entries)
 
+    def nudge(self, keys: list[Key]) -> int:
+        """Run these objects' next round within ``interval_s`` (sooner if it was due sooner): unlike
+        :meth:`wake`, a burst of nudges costs an object at most one round per interval. Returns how
+        many loops were nudged."""
+        entries = [e for e in map(self._entries.get, dict.fromkeys(keys)) if e is not None]
+        for entry in entries:
+            self._soon(entry)
+        return len(entries)
+
+    def _soon(self, entry: _Entry) -> None:
+        due = asyncio.get_running_loop().time() + self.interval_s
+        if due < entry.due:  # a round in progress (due inf) takes it as its next round's bound
+            entry.due = due
+            entry.signal.set()
+
     async def _run(self, key: Key, entry: _Entry) -> None:
+        loop = asyncio.get_running_loop()
         await asyncio.sleep(self.initial_delay_s)
         while self._entries.get(key) is entry:
-            entry.woken.clear()
+            entry.woken, entry.due = False, math.inf
+            after: float | None = None
             try:
-                await entry.tick(entry.body)
+                after = await entry.tick(entry.body)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 (one bad round must not end the object's loop)
                 entry.logger.exception("periodic %s work for %s/%s failed; next round in %.1fs",
                                        self.kind, key[0], key[1], self.interval_s)
+            wait = self.interval_s if after is None else max(0.0, after)
+            entry.due = min(entry.due, loop.time() + wait)  # an event during the round may have set it
+            await self._until_due(entry, loop)
+
+    @staticmethod
+    async def _until_due(entry: _Entry, loop: asyncio.AbstractEventLoop) -> None:
+        # One timer handle per wait, no task (asyncio.wait_for made one per round per object).
+        while not entry.woken and entry.due - loop.time() > 0.001:
+            entry.signal.clear()
+            timer = loop.call_at(entry.due, entry.signal.set)
             try:
-                await asyncio.wait_for(entry.woken.wait(), self.interval_s)
-            except asyncio.TimeoutError:
-                pass
+                await entry.signal.wait()
+            finally:
+                timer.cancel()
 
     async def stop(self) -> None:
         """Cancel every loop and wait for them (operator shutdown)."""

@@ -125,3 +125,76 @@ async def test_discard_ends_a_live_objects_loop_and_the_next_event_starts_one() 
     await loops.stop()
     assert calls > before
 
+
+
+
+async def until(condition: Any, timeout_s: float = 10.0) -> None:
+    """Poll: a loaded CI machine may run a due round late, never early."""
+    for _ in range(int(timeout_s / 0.005)):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not met in time")
+
+
+async def test_a_round_may_put_off_the_next_and_an_event_brings_it_within_the_interval() -> None:
+    loops = ObjectLoops(kind="GateConfig", interval_s=0.05)
+    rounds: list[int] = []
+
+    async def tick(b: Any) -> float:
+        rounds.append(b["metadata"]["generation"])
+        return 60.0  # resting: nothing to do for a minute
+
+    loops.seen(key=("ns", "g"), event_type=None, body=body(generation=1), tick=tick)
+    await until(lambda: rounds == [1])
+    await asyncio.sleep(0.2)
+    assert rounds == [1]  # four intervals passed, one round
+    loops.seen(key=("ns", "g"), event_type="MODIFIED", body=body(generation=2), tick=tick)
+    await asyncio.sleep(0.01)
+    assert rounds == [1]  # not at once: within the interval
+    await until(lambda: rounds == [1, 2])
+    await loops.stop()
+
+
+async def test_a_burst_of_nudges_costs_one_round_per_interval() -> None:
+    loops = ObjectLoops(kind="GateConfig", interval_s=0.3)
+    rounds = 0
+
+    async def tick(_: Any) -> float:
+        nonlocal rounds
+        rounds += 1
+        return 60.0
+
+    loops.seen(key=("ns", "g"), event_type=None, body=body(), tick=tick)
+    await until(lambda: rounds == 1)
+    for _ in range(50):
+        assert loops.nudge([("ns", "g"), ("ns", "gone")]) == 1
+        await asyncio.sleep(0)
+    await until(lambda: rounds == 2)
+    await asyncio.sleep(0.4)
+    assert rounds == 2
+    await loops.stop()
+
+
+async def test_an_event_during_a_round_bounds_the_next_one() -> None:
+    loops = ObjectLoops(kind="GateConfig", interval_s=0.05)
+    rounds = 0
+    release = asyncio.Event()
+
+    async def tick(_: Any) -> float:
+        nonlocal rounds
+        rounds += 1
+        if rounds == 1:
+            await release.wait()
+        return 60.0
+
+    loops.seen(key=("ns", "g"), event_type=None, body=body(), tick=tick)
+    await until(lambda: rounds == 1)
+    loops.nudge([("ns", "g")])  # arrives while the first round runs: its result is not final
+    release.set()
+    await until(lambda: rounds == 2)
+    await asyncio.sleep(0.1)
+    assert rounds == 2
+    loops.wake([("ns", "g")])  # wake: at once, not within the interval
+    await until(lambda: rounds == 3, timeout_s=5.0)  # vs a minute unwoken
+    await loops.stop()

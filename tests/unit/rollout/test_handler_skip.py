@@ -92,3 +92,19 @@ def test_a_resting_view_keeps_the_object_as_compact_json_without_what_no_tick_re
     assert kept["metadata"] == {"name": "g", "namespace": "ns", "resourceVersion": "7", "annotations": {"team": "a"}}
     assert (kept["spec"], kept["status"]) == (full["spec"], full["status"])
     assert "managedFields" in full["metadata"]  # the delivered body is left as it was
+
+
+def test_a_resting_loop_sleeps_until_its_safety_net_check() -> None:
+    now = [1000.0]
+    loop = RolloutLoop(kube=None, clock=lambda: now[0])  # type: ignore[arg-type]  (no API call here)
+    resting = RolloutLoop.quiet_view(body(spec_params=V1))
+    checked = RolloutCache(last_full_check=now[0] - 10)
+    assert loop.next_tick_in(resting, cache=checked, interval_s=5) == RESTING_CHECK_S - 10
+    # Overdue (a failed check never recorded one): the next tick comes after the interval, not at once.
+    assert loop.next_tick_in(resting, cache=RolloutCache(last_full_check=0.0), interval_s=5) == 5
+    # Anything else ticks at the interval: a rollout in flight, a spec edit, a lost race (409).
+    assert loop.next_tick_in(RolloutLoop.quiet_view(body(spec_params=V2)), cache=checked, interval_s=5) is None
+    assert loop.next_tick_in(RolloutLoop.quiet_view(body(spec_params=V1, phase="Analysing")), cache=checked,
+                             interval_s=5) is None
+    assert loop.next_tick_in(resting, cache=RolloutCache(last_full_check=now[0] - 10, read_fresh=True),
+                             interval_s=5) is None
