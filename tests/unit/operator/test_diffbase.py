@@ -93,3 +93,34 @@ def test_status_and_managed_fields_are_not_copied() -> None:
     spec = raw["spec"]
     spec["replicas"] = 3
     assert essence["spec"]["replicas"] == 2  # what is kept is still a copy
+
+
+def test_kinds_whose_essence_nothing_reads_get_an_empty_one_without_a_copy() -> None:
+    s = InProcessDiffBaseStorage(prefix="sparsegate.dev", key="last-handled-configuration", kinds={"SparseModel"})
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "uid": "p1"},
+           "spec": Uncopyable({"containers": []}), "status": Uncopyable({})}
+    assert s.build(body=kopf.Body(pod)) == {}
+    gate = rich(kind="GateConfig")
+    gate["spec"] = Uncopyable(gate["spec"])
+    assert s.build(body=kopf.Body(gate)) == {}
+    other_group = rich(apiVersion="example.com/v1")  # a SparseModel kind of another group: not ours
+    other_group["spec"] = Uncopyable(other_group["spec"])
+    assert s.build(body=kopf.Body(other_group)) == {}
+    assert s.build(body=kopf.Body(rich()))["spec"] == {"replicas": 2, "model": {"experts": 4}}
+    unnamed = {k: v for k, v in rich().items() if k not in ("apiVersion", "kind")}  # no kind: built, to be safe
+    assert s.build(body=kopf.Body(unnamed))["spec"] == {"replicas": 2, "model": {"experts": 4}}
+    # What Kopf does with it next: clear progress, diff against the (absent) stored essence.
+    progress = kopf.AnnotationsProgressStorage(prefix="sparsegate.dev")
+    assert progress.clear(essence=s.build(body=kopf.Body(pod))) == {}
+
+
+def test_the_essence_kinds_are_the_kinds_kopf_reads_essences_of() -> None:
+    import sparsegate.main  # noqa: F401  (registers every handler)
+    from sparsegate.handlers.diffbase import ESSENCE_KINDS, STORAGE
+    from sparsegate_contracts import names
+
+    registry = kopf.get_default_registry()
+    handlers = [*registry._changing.get_all_handlers(), *registry._spawning.get_all_handlers()]
+    read = {(h.selector.group, h.selector.plural or h.selector.any_name) for h in handlers}
+    assert read == {(names.GROUP, names.PLURALS[kind]) for kind in ESSENCE_KINDS}
+    assert STORAGE._kinds == ESSENCE_KINDS
