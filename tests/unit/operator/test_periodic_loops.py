@@ -8,6 +8,17 @@ from typing import Any
 from sparsegate.handlers.periodic import ObjectLoops
 
 
+class Rounds:
+    """A tick that counts its rounds and answers ``after`` (None: the interval)."""
+
+    def __init__(self, after: float | None = None) -> None:
+        self.n, self.after = 0, after
+
+    async def __call__(self, _: Any) -> float | None:
+        self.n += 1
+        return self.after
+
+
 def body(*, deleting: bool = False, generation: int = 1) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": "g", "namespace": "ns", "generation": generation}
     if deleting:
@@ -33,21 +44,16 @@ async def test_first_event_starts_a_loop_that_ticks_with_the_latest_body() -> No
 
 async def test_deleted_or_deleting_objects_stop_their_loop() -> None:
     loops = ObjectLoops(kind="RoutingPolicy", interval_s=0.01)
-    calls = 0
-
-    async def tick(_: Any) -> None:
-        nonlocal calls
-        calls += 1
-
+    tick = Rounds()
     loops.seen(key=("ns", "a"), event_type="ADDED", body=body(), tick=tick)
     loops.seen(key=("ns", "b"), event_type="ADDED", body=body(), tick=tick)
     await asyncio.sleep(0.03)
     assert not loops.seen(key=("ns", "a"), event_type="DELETED", body=body(), tick=tick)
     assert not loops.seen(key=("ns", "b"), event_type="MODIFIED", body=body(deleting=True), tick=tick)
     assert len(loops) == 0
-    before = calls
+    before = tick.n
     await asyncio.sleep(0.05)
-    assert calls == before  # cancelled: no tick after the deletion was seen
+    assert tick.n == before  # cancelled: no tick after the deletion was seen
     await loops.stop()
 
 
@@ -106,24 +112,19 @@ async def test_wake_runs_the_next_round_at_once_for_the_named_objects_only() -> 
 
 async def test_discard_ends_a_live_objects_loop_and_the_next_event_starts_one() -> None:
     loops = ObjectLoops(kind="SparseModel access", interval_s=0.01)
-    calls = 0
-
-    async def tick(_: Any) -> None:
-        nonlocal calls
-        calls += 1
-
+    tick = Rounds()
     loops.seen(key=("ns", "m"), event_type="ADDED", body=body(), tick=tick)
     await asyncio.sleep(0.03)
     loops.discard(("ns", "m"))
     loops.discard(("ns", "never-seen"))  # no loop: nothing to do
     assert len(loops) == 0 and loops.wake([("ns", "m")]) == 0
-    before = calls
+    before = tick.n
     await asyncio.sleep(0.03)
-    assert calls == before
+    assert tick.n == before
     assert loops.seen(key=("ns", "m"), event_type="MODIFIED", body=body(), tick=tick)
     await asyncio.sleep(0.03)
     await loops.stop()
-    assert calls > before
+    assert tick.n > before
 
 
 
@@ -158,21 +159,15 @@ async def test_a_round_may_put_off_the_next_and_an_event_brings_it_within_the_in
 
 async def test_a_burst_of_nudges_costs_one_round_per_interval() -> None:
     loops = ObjectLoops(kind="GateConfig", interval_s=0.3)
-    rounds = 0
-
-    async def tick(_: Any) -> float:
-        nonlocal rounds
-        rounds += 1
-        return 60.0
-
+    tick = Rounds(after=60.0)
     loops.seen(key=("ns", "g"), event_type=None, body=body(), tick=tick)
-    await until(lambda: rounds == 1)
+    await until(lambda: tick.n == 1)
     for _ in range(50):
         assert loops.nudge([("ns", "g"), ("ns", "gone")]) == 1
         await asyncio.sleep(0)
-    await until(lambda: rounds == 2)
+    await until(lambda: tick.n == 2)
     await asyncio.sleep(0.4)
-    assert rounds == 2
+    assert tick.n == 2
     await loops.stop()
 
 
