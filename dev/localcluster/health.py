@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import ssl
 import subprocess
@@ -93,3 +94,16 @@ def wait_for(check: Callable[[], object], *, what: str, timeout_s: float = 60.0,
             return result
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(interval_s)
+
+
+async def wait_for_async(check: Callable[[], object], *, what: str, timeout_s: float = 60.0,
+                         interval_s: float = 0.25) -> object:
+    """:func:`wait_for` for a test running on an event loop: it sleeps with asyncio, so the loop's
+    tasks run while it waits."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(interval_s)

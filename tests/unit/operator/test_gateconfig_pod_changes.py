@@ -49,6 +49,7 @@ async def test_serving_pod_events_count_per_gate(monkeypatch) -> None:
 async def test_a_serving_pod_brings_its_resting_gates_next_tick_within_the_interval(monkeypatch) -> None:
     import asyncio
 
+    from localcluster.health import wait_for_async
     from sparsegate.handlers.periodic import ObjectLoops
 
     loops = ObjectLoops(kind="GateConfig", interval_s=0.05)
@@ -63,16 +64,11 @@ async def test_a_serving_pod_brings_its_resting_gates_next_tick_within_the_inter
         return 300.0  # resting
 
     loops.seen(key=("ns", "gate-1"), event_type=None, body={"metadata": {"name": "gate-1"}}, tick=tick)
-    for _ in range(2000):
-        if rounds:
-            break
-        await asyncio.sleep(0.005)
+    await wait_for_async(lambda: rounds, what="the first tick", timeout_s=10, interval_s=0.005)
     await gateconfig.model_pod_changed_rollout(body=pod("m-a"), namespace="ns", sparsegate_model_views=index)
     await gateconfig.model_pod_changed_rollout(body=pod("m-a"), namespace="ns", sparsegate_model_views=index)
-    for _ in range(2000):  # within the 0.05 s interval; a loaded machine may run it late
-        if len(rounds) > 1:
-            break
-        await asyncio.sleep(0.005)
+    # Within the 0.05 s interval; a loaded machine may run it late.
+    await wait_for_async(lambda: len(rounds) > 1, what="the nudged tick", timeout_s=10, interval_s=0.005)
     await asyncio.sleep(0.1)
     await loops.stop()
     assert rounds == [0, 2]  # one more tick (not two), which sees both events

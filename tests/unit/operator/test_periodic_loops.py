@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from localcluster.health import wait_for_async
 from sparsegate.handlers.periodic import ObjectLoops
 
 
@@ -131,11 +132,7 @@ async def test_discard_ends_a_live_objects_loop_and_the_next_event_starts_one() 
 
 async def until(condition: Any, timeout_s: float = 10.0) -> None:
     """Poll: a loaded CI machine may run a due round late, never early."""
-    for _ in range(int(timeout_s / 0.005)):
-        if condition():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition not met in time")
+    await wait_for_async(condition, what="the rounds expected", timeout_s=timeout_s, interval_s=0.005)
 
 
 async def test_a_round_may_put_off_the_next_and_an_event_brings_it_within_the_interval() -> None:
