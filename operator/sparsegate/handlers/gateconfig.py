@@ -99,15 +99,16 @@ async def rollout_tick(*, seen: Mapping[str, Any], namespace: str, name: str, me
     if cache is None:
         cache = memo.rollout_cache = RolloutCache()
     models = sorted(set(models_by_gate.get((namespace, name), [])))
+    loop = _loop(memo)
     try:
-        await _loop(memo).tick(namespace=namespace, name=name, models=models, cache=cache, inventory=inventory,
+        await loop.tick(namespace=namespace, name=name, models=models, cache=cache, inventory=inventory,
                                seen=seen, pod_changes=_pod_changes.get((namespace, name), 0), logger=logger)
     except Conflict:
         logger.debug("GateConfig %s/%s changed during the tick; next tick retries", namespace, name)
     except KubeError as e:
         logger.warning("rollout tick for %s/%s: %s", namespace, name, e)
         return None
-    return _loop(memo).next_tick_in(seen, cache=cache, interval_s=TICK_S)
+    return loop.next_tick_in(seen, cache=cache, interval_s=TICK_S)
 
 
 @kopf.on.cleanup()

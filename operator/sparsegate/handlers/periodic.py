@@ -97,9 +97,7 @@ class ObjectLoops:
         """Run these objects' next round now rather than at the end of their interval (None: every
         object's); returns how many loops were woken. A round in progress finishes first and the
         next one follows at once."""
-        # By key, not by scanning every loop: a model pod's event wakes one model of thousands.
-        entries = list(self._entries.values()) if keys is None else \
-            [e for e in map(self._entries.get, dict.fromkeys(keys)) if e is not None]
+        entries = list(self._entries.values()) if keys is None else self._live(keys)
         for entry in entries:
             entry.woken = True
             entry.signal.set()
@@ -109,10 +107,14 @@ class ObjectLoops:
         """Run these objects' next round within ``interval_s`` (sooner if it was due sooner): unlike
         :meth:`wake`, a burst of nudges costs an object at most one round per interval. Returns how
         many loops were nudged."""
-        entries = [e for e in map(self._entries.get, dict.fromkeys(keys)) if e is not None]
+        entries = self._live(keys)
         for entry in entries:
             self._soon(entry)
         return len(entries)
+
+    def _live(self, keys: list[Key]) -> list[_Entry]:
+        # By key, not by scanning every loop: a model pod's event wakes one model of thousands.
+        return [e for e in map(self._entries.get, dict.fromkeys(keys)) if e is not None]
 
     def _soon(self, entry: _Entry) -> None:
         due = asyncio.get_running_loop().time() + self.interval_s
