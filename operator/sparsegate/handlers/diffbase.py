@@ -102,8 +102,10 @@ def _deleted(type: str | None, **_: Any) -> bool:
     return type == "DELETED"
 
 
-@kopf.on.event(names.GROUP, names.VERSION, names.SPARSEMODELS, when=_deleted)
-@kopf.on.event(names.GROUP, names.VERSION, names.ROUTINGPOLICIES, when=_deleted)
 async def forget_deleted(uid: str | None, **_: Any) -> None:
-    """Every kind with create/update handlers (``sparsemodel``, ``routingpolicy``)."""
+    """Registered for every kind whose essence is kept (ESSENCE_KINDS)."""
     STORAGE.forget(uid)
+
+
+for _kind in sorted(ESSENCE_KINDS):
+    kopf.on.event(names.GROUP, names.VERSION, names.PLURALS[_kind], when=_deleted)(forget_deleted)
