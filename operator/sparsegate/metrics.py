@@ -37,7 +37,7 @@ ERRORS = prometheus_client.Counter(
 # duration it tells a slow reconcile from a long queue.
 POOL_WAIT = prometheus_client.Histogram(
     "sparsegate_operator_model_pool_wait_seconds",
-    "Time model work (reconciles, status refreshes) waited for a thread of its pool, by pool and work.",
+    "Time model work (reconciles, status refreshes, Service applies) waited for a thread of its pool, by pool and work.",
     ["pool", "work"], buckets=(0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200))
 DURATION = prometheus_client.Histogram(
     "sparsegate_operator_reconcile_duration_seconds", "Reconcile wall time by kind.", ["kind"],

@@ -476,6 +476,8 @@ def main() -> int:
                 if not key.endswith(" 200")}
             changes["reconcileSparseModel"] = rounded(histogram_quantiles(
                 later, "sparsegate_operator_reconcile_duration_seconds", ("kind", "SparseModel"), since=metrics))
+            changes["reconcileService"] = rounded(histogram_quantiles(
+                later, "sparsegate_operator_reconcile_duration_seconds", ("kind", "Service"), since=metrics))
             changes["modelPoolWait"] = rounded(histogram_quantiles(
                 later, "sparsegate_operator_model_pool_wait_seconds", ("work", "reconcile"), since=metrics))
             changes["operatorGcPauses"] = gc_pauses(later, since=metrics)
@@ -491,6 +493,10 @@ def main() -> int:
             "readiness": lag,
             "reconcileSparseModel": histogram_quantiles(metrics, "sparsegate_operator_reconcile_duration_seconds",
                                                         ("kind", "SparseModel")),
+            # The models' Service applies, which a reconcile starts and does not wait for
+            # (modelsync.PendingService); their wait for a thread is modelPoolWait's service_apply.
+            "reconcileService": histogram_quantiles(metrics, "sparsegate_operator_reconcile_duration_seconds",
+                                                    ("kind", "Service")),
             "reconcileGateConfig": histogram_quantiles(metrics, "sparsegate_operator_reconcile_duration_seconds",
                                                        ("kind", "GateConfig")),
             "rolloutTick": histogram_quantiles(metrics, "sparsegate_rollout_tick_duration_seconds", None),
@@ -498,7 +504,8 @@ def main() -> int:
             # short work means the pool (not the API server) is the queue.
             "modelPoolWait": {work: histogram_quantiles(metrics, "sparsegate_operator_model_pool_wait_seconds",
                                                         ("work", work))
-                              for work in ("reconcile", "deployment_changed", "pod_stuck", "read_and_reconcile")},
+                              for work in ("reconcile", "deployment_changed", "pod_stuck", "read_and_reconcile",
+                                           "service_apply")},
             "firstStepRecordedSeconds": None if first_step_s is None else round(first_step_s, 2),
             "canaryInstances": ro.get("canaryInstances"),
             "operatorPeakRssMiB": round(hwm / 1024, 1), "operatorRssMiB": round(rss / 1024, 1),

@@ -11,6 +11,11 @@ a reconcile skips the ones whose rendering has not changed since.
 The operator does not watch these objects, so an edit or a deletion by someone else is undone by
 the first reconcile after ``interval_s`` (``--reapply-interval``, an hour by default) instead of
 by the next one: a record older than that no longer counts. 0 keeps no record (every reconcile applies everything).
+An object whose apply failed has no record (the next reconcile applies it) and keeps the error's
+message until an apply of it lands (``failure``): a reconcile that does not wait for that object's
+apply (the Service, ``handlers.modelsync``) reports the last one meanwhile. Such an apply is also
+tracked while in flight (``begin``), so status written meanwhile can hold Ready back (``hold``) and
+be written again once it lands (``take_held``).
 A model's records are dropped when its Deployment is deleted (the model itself deleted, or the
 Deployment deleted from under it and re-created: everything is applied again), and a restarted
 operator starts with none.
@@ -48,6 +53,9 @@ class AppliedObjects:
         self.interval_s = interval_s
         self._lock = threading.Lock()
         self._records: dict[ModelKey, dict[ObjectKey, tuple[bytes, float]]] = {}
+        self._failures: dict[ModelKey, dict[ObjectKey, str]] = {}
+        self._in_flight: set[tuple[ModelKey, ObjectKey]] = set()
+        self._held: set[tuple[ModelKey, ObjectKey]] = set()
 
     def unchanged(self, model: ModelKey, obj: Mapping[str, Any], *, now: float) -> bool:
         """True if ``obj`` (rendered for ``model``) is what this process last applied, less than
@@ -58,15 +66,63 @@ class AppliedObjects:
 
     def record(self, model: ModelKey, obj: Mapping[str, Any], *, now: float) -> None:
         """``obj`` was applied (or found as rendered) at ``now``."""
-        if self.interval_s == 0:
-            return
         entry = (digest(obj), now)
         with self._lock:
-            self._records.setdefault(model, {})[_key(obj)] = entry
+            self._in_flight.discard((model, _key(obj)))
+            _drop(self._failures, model, _key(obj))
+            if self.interval_s:
+                self._records.setdefault(model, {})[_key(obj)] = entry
+
+    def record_failure(self, model: ModelKey, obj: Mapping[str, Any], message: str) -> None:
+        """Applying ``obj`` failed with ``message``: it is applied again next time."""
+        with self._lock:
+            self._in_flight.discard((model, _key(obj)))
+            _drop(self._records, model, _key(obj))
+            self._failures.setdefault(model, {})[_key(obj)] = message
+
+    def begin(self, model: ModelKey, obj: Mapping[str, Any]) -> None:
+        """An apply of ``obj`` is in flight, until ``record`` or ``record_failure``."""
+        with self._lock:
+            self._in_flight.add((model, _key(obj)))
+
+    def unapplied(self, model: ModelKey, obj: Mapping[str, Any]) -> bool:
+        """True while an apply of ``obj``'s kind and name is in flight or the last one failed."""
+        with self._lock:
+            return self._unapplied(model, _key(obj))
+
+    def hold(self, model: ModelKey, obj: Mapping[str, Any]) -> bool:
+        """Status is about to be written with Ready held back for ``obj``: True (and remembered for
+        ``take_held``) if it is still unapplied, False if it landed meanwhile (write it as applied)."""
+        with self._lock:
+            if not self._unapplied(model, _key(obj)):
+                return False
+            self._held.add((model, _key(obj)))
+            return True
+
+    def _unapplied(self, model: ModelKey, key: ObjectKey) -> bool:
+        """In flight or failed last time; the caller holds the lock."""
+        return (model, key) in self._in_flight or key in self._failures.get(model, {})
+
+    def take_held(self, model: ModelKey, obj: Mapping[str, Any]) -> bool:
+        """True once if status was written with Ready held back for ``obj`` since the last call."""
+        key = (model, _key(obj))
+        with self._lock:
+            if key not in self._held:
+                return False
+            self._held.discard(key)
+            return True
+
+    def failure(self, model: ModelKey, obj: Mapping[str, Any]) -> str | None:
+        """The error of the last apply of ``obj``'s kind and name for ``model`` if it failed, else None."""
+        with self._lock:
+            return self._failures.get(model, {}).get(_key(obj))
 
     def forget(self, model: ModelKey) -> None:
         with self._lock:
             self._records.pop(model, None)
+            self._failures.pop(model, None)
+            self._in_flight = {k for k in self._in_flight if k[0] != model}
+            self._held = {k for k in self._held if k[0] != model}
 
     def __len__(self) -> int:
         """Models with records."""
@@ -75,3 +131,11 @@ class AppliedObjects:
 
 def _key(obj: Mapping[str, Any]) -> ObjectKey:
     return obj["kind"], obj["metadata"]["name"]
+
+
+def _drop(table: dict[ModelKey, dict[ObjectKey, Any]], model: ModelKey, key: ObjectKey) -> None:
+    entries = table.get(model)
+    if entries is not None:
+        entries.pop(key, None)
+        if not entries:
+            del table[model]

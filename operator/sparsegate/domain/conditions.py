@@ -41,6 +41,9 @@ class Reason(str, enum.Enum):
     CONTAINERS_WAITING = "ContainersWaiting"
     """Ready=False: pods cannot start their containers (missing image, crash loop, ...); the
     message names the pod, the container and the kubelet's reason."""
+    SERVICE_NOT_APPLIED = "ServiceNotApplied"
+    """Ready=False: the replicas are ready, but the model's Service is not applied yet (its apply is
+    in flight) or the API server refused it (Degraded says why)."""
     ROLLOUT_COMPLETE = "RolloutComplete"
     """Progressing=False: the Deployment reached its desired state."""
     AS_EXPECTED = "AsExpected"
@@ -139,9 +142,11 @@ def container_problems(pods: Iterable[Mapping[str, Any]], *, limit: int = 3) -> 
 
 
 def workload_conditions(*, desired: int, deployment: Mapping[str, Any] | None,
-                        degraded: bool, problems: Sequence[str] = ()) -> list[Condition]:
+                        degraded: bool, problems: Sequence[str] = (),
+                        service_applied: bool = True) -> list[Condition]:
     """Ready and Progressing from the Deployment (None when it does not exist) and, while it is
-    not done, the ``problems`` of its pods (:func:`container_problems`)."""
+    not done, the ``problems`` of its pods (:func:`container_problems`). A done Deployment is not
+    Ready while ``service_applied`` is False: callers find the model through its Service."""
     if deployment is None:
         reason = Reason.GATE_UNAVAILABLE if degraded else Reason.DEPLOYMENT_MISSING
         return [Condition(ConditionType.READY, Status.FALSE, reason, "no Deployment"),
@@ -154,6 +159,10 @@ def workload_conditions(*, desired: int, deployment: Mapping[str, Any] | None,
     total = st.get("replicas", 0) or 0
     done = observed and ready >= desired and updated >= desired and total == desired
     counts = f"{ready}/{desired} ready, {updated} updated"
+    if done and not service_applied:
+        message = f"{counts}; the model's Service is not applied yet"
+        return [Condition(ConditionType.READY, Status.FALSE, Reason.SERVICE_NOT_APPLIED, message),
+                Condition(ConditionType.PROGRESSING, Status.TRUE, Reason.SERVICE_NOT_APPLIED, message)]
     if done:
         reason = Reason.SCALED_TO_ZERO if desired == 0 else Reason.ALL_REPLICAS_READY
         return [Condition(ConditionType.READY, Status.TRUE, reason, counts),

@@ -60,13 +60,15 @@ def _replica_counts(deployment: Mapping[str, Any] | None) -> dict[str, int]:
 
 def after_reconcile(*, model: Mapping[str, Any], generation: int | None, gate: GateResolution,
                     deployment: Mapping[str, Any] | None, apply_error: str | None,
-                    now: str, problems: Sequence[str] = ()) -> dict[str, Any]:
-    """Full status after a reconcile that rendered ``generation`` of the (now current) ``model``."""
+                    now: str, problems: Sequence[str] = (), service_applied: bool = True) -> dict[str, Any]:
+    """Full status after a reconcile that rendered ``generation`` of the (now current) ``model``;
+    ``service_applied``: whether the model's Service is applied (``c.workload_conditions``)."""
     previous = (model.get("status") or {})
     degraded = c.degraded_condition(gate_error=gate.error, gate_source=gate.source,
                                     apply_error=apply_error)
     workload = c.workload_conditions(desired=desired_replicas(model), deployment=deployment,
-                                     degraded=degraded.status is c.Status.TRUE, problems=problems)
+                                     degraded=degraded.status is c.Status.TRUE, problems=problems,
+                                     service_applied=service_applied)
     status: dict[str, Any] = {
         "observedGeneration": generation,
         **_replica_counts(deployment),
@@ -83,13 +85,14 @@ def after_reconcile(*, model: Mapping[str, Any], generation: int | None, gate: G
 
 
 def after_deployment_event(*, model: Mapping[str, Any], deployment: Mapping[str, Any] | None,
-                           now: str, problems: Sequence[str] = ()) -> dict[str, Any] | None:
+                           now: str, problems: Sequence[str] = (),
+                           service_applied: bool = True) -> dict[str, Any] | None:
     """Status patch after the model's Deployment changed; None when nothing would change."""
     previous = model.get("status") or {}
     prev_conditions = previous.get("conditions") or []
     degraded = c.is_degraded(prev_conditions)
     workload = c.workload_conditions(desired=desired_replicas(model), deployment=deployment,
-                                     degraded=degraded, problems=problems)
+                                     degraded=degraded, problems=problems, service_applied=service_applied)
     observed = previous.get("observedGeneration")
     # Stalled is the reconcile's (it mirrors Degraded, which only the reconcile decides).
     merged = c.set_conditions(prev_conditions,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextvars
+import dataclasses
 import datetime
 import functools
 import logging
@@ -13,6 +14,7 @@ import os
 import time
 from typing import Any, Callable, Iterable, Mapping
 
+from sparsegate import metrics
 from sparsegate.clients.kube import Kube, KubeError
 from sparsegate.controllers.applied_objects import AppliedObjects
 from sparsegate.controllers.status_inputs import StatusInputs
@@ -24,6 +26,9 @@ EventSink = Callable[[Mapping[str, Any], str, str, str], None]
 # Threads for the applies of one reconcile that run at once (``apply_owned``): three for each of
 # the model pool's threads (``sparsegate.main`` gives it 8).
 _APPLY_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=24, thread_name_prefix="sparsegate-apply")
+# Threads for models' Service applies, which no reconcile waits for (``reconcile``, ``PendingService``):
+# their own pool, so Services slow to create cannot take the threads the other applies need.
+_SERVICE_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="sparsegate-service")
 # The model's Deployment as the operator's watch last delivered it (``handlers.pools.loop_reader``
 # over the fleet index), or None if it has not seen one.
 WatchedDeployment = Callable[[], Mapping[str, Any] | None]
@@ -84,11 +89,11 @@ def admin_secret_check(model: Mapping[str, Any]) -> dict[str, Any]:
 def apply_owned(kube: Kube, model: Mapping[str, Any], objects: Iterable[Mapping[str, Any]], *,
                 events: EventSink, logger: logging.Logger,
                 applied_objects: AppliedObjects | None = None) -> Mapping[str, Any] | None:
-    """The admin Secret and every rendered object but the Deployment at once, then the Deployment
-    (its pods mount the Secret and the ConfigMap); returns the Deployment as applied. Raises the
-    first KubeError (the Deployment is then not applied). At once because a reconcile is a chain
-    of API calls and the first three do not depend on each other (bench_scale at 1,000 models:
-    a Service apply alone took p50 0.19 s, p99 0.9 s).
+    """The admin Secret and every object of ``objects`` but the Deployment (the ConfigMap: the
+    Service is applied beside, ``start_service_apply``) at once, then the Deployment (its pods
+    mount the Secret and the ConfigMap); returns the Deployment as applied. Raises the first
+    KubeError (the Deployment is then not applied). At once because a reconcile is a chain of API
+    calls and these do not depend on each other.
 
     With ``applied_objects``, the Secret check and the objects other than the Deployment are
     skipped while unchanged since this process last did them (``controllers.applied_objects``);
@@ -118,12 +123,114 @@ def apply_owned(kube: Kube, model: Mapping[str, Any], objects: Iterable[Mapping[
     return deployment
 
 
+@dataclasses.dataclass(frozen=True)
+class PendingService:
+    """The model's Service apply, started by ``reconcile`` and not waited for there.
+
+    Nothing a reconcile does depends on the Service (the pods mount the ConfigMap and the admin
+    Secret; status reads the Deployment), and a ClusterIP Service is the slowest apply of all: the
+    API server allocates virtual IPs one at a time under one lock, taking longer the more Services
+    exist (``bench_service_create.py``; bench_scale at 10,000 models, creating: Service apply p99
+    4.2 s, every other request p99 under 0.45 s). So the reconcile applies the rest and writes
+    status assuming the Service ends as its last apply did (``assumed``: that apply's error, None
+    when it landed or there was none); ``finish`` then waits for it, writes status again only if
+    it ended otherwise, and raises a failure so the handler is retried, as any failed apply is.
+    Until it lands, status does not say Ready (``with_service``); a write that held Ready back for
+    it is written again by ``finish``."""
+
+    future: concurrent.futures.Future[str | None]  # the apply's error message; None once it landed
+    assumed: str | None  # the Service error the reconcile's status write reported
+    rewrite: Callable[[str | None], None]  # status again, with the given Service error (None: none)
+    held: Callable[[], bool]  # True once if status held Ready back for the Service meanwhile (``with_service``)
+
+    def outcome(self) -> tuple[str | None, bool]:
+        """(the apply's error, whether status must be written again: it ended otherwise than
+        assumed, or a write held Ready back meanwhile). Blocks until the apply ends; no request."""
+        error = self.future.result()
+        return error, self.held() or error != self.assumed
+
+    def finish(self) -> None:
+        """Blocks until the apply ends; status again if ``outcome`` says so; raises KubeError if it failed."""
+        error, rewrite = self.outcome()
+        if rewrite:
+            self.rewrite(error)
+        raise_failed(error)
+
+
+def raise_failed(service_error: str | None) -> None:
+    """A failed Service apply fails the handler, so Kopf retries it as any failed apply."""
+    if service_error is not None:
+        raise KubeError(500, "ApplyFailed", service_error)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reconciled:
+    outcome: str  # "success" | "degraded" (no usable gate: nothing applied)
+    service: PendingService | None = None  # None: the Service was not applied (unchanged, or no gate)
+
+
+def start_service_apply(kube: Kube, key: tuple[str, str], service: Mapping[str, Any],
+                        applied_objects: AppliedObjects | None) -> concurrent.futures.Future[str | None] | None:
+    """The model's Service applied in the Service pool, unless unchanged since this process last
+    applied it; the future holds the apply's error message (None: it landed). The outcome is
+    recorded in ``applied_objects`` by the apply itself, so it counts even if nobody waits."""
+    started = time.monotonic()
+    if applied_objects is not None:
+        if applied_objects.unchanged(key, service, now=started):
+            return None
+        applied_objects.begin(key, service)  # status written meanwhile holds Ready back
+    wait = metrics.POOL_WAIT.labels(pool="service", work="service_apply")
+
+    def apply() -> str | None:
+        wait.observe(time.monotonic() - started)
+        with metrics.observe("Service") as outcome:
+            try:
+                kube.apply(service)
+            except Exception as e:  # noqa: BLE001 - any failure is the model's to report, and ends the in-flight mark
+                outcome.value = "failed"
+                error = str(e) if isinstance(e, KubeError) else f"{type(e).__name__}: {e}"
+                if applied_objects is not None:
+                    applied_objects.record_failure(key, service, error)
+                return error
+            if applied_objects is not None:
+                applied_objects.record(key, service, now=started)
+            return None
+
+    return _SERVICE_POOL.submit(apply)
+
+
+def service_ref(name: str) -> dict[str, Any]:
+    """The kind and name ``controllers.applied_objects`` knows model ``name``'s Service by (``render.render_service``)."""
+    return {"kind": "Service", "metadata": {"name": name}}
+
+
+StatusCompute = Callable[[bool], dict[str, Any] | None]  # service_applied → the status patch (None: no change)
+
+
+def with_service(applied_objects: AppliedObjects | None, key: tuple[str, str], compute: StatusCompute) -> dict[str, Any] | None:
+    """``compute`` told whether the model's Service is applied. While its apply is in flight or the
+    last one failed, Ready is held back (callers find the model through its Service): such a
+    write is remembered (``AppliedObjects.hold``) so ``PendingService.finish`` writes status again
+    once it lands; one that landed between the check and the hold is written as applied."""
+    ref = service_ref(key[1])
+    if applied_objects is None or not applied_objects.unapplied(key, ref):
+        return compute(True)
+    patch = compute(False)
+    held = any(cond.get("type") == conditions.ConditionType.READY.value
+               and cond.get("reason") == conditions.Reason.SERVICE_NOT_APPLIED.value
+               for cond in (patch or {}).get("conditions") or [])
+    if not held or applied_objects.hold(key, ref):
+        return patch
+    return compute(True)
+
+
 def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink, logger: logging.Logger,
               watched_deployment: WatchedDeployment, watched_gate: WatchedGate, status_inputs: StatusInputs,
               pods: Iterable[Mapping[str, Any]] = (), default_image: render.DefaultImage | None = None,
-              applied_objects: AppliedObjects | None = None) -> str:
+              applied_objects: AppliedObjects | None = None) -> Reconciled:
     """Bring the owned objects and status in line with ``model`` (as the event delivered it or as
-    just read); returns the outcome label.
+    just read); returns the outcome and the Service apply still in flight (``PendingService``: the
+    caller finishes it).
 
     ``watched_deployment``: the model's Deployment as the operator's watch last delivered it
     (``domain.fleet_view.deployment_view``), read again at each status write attempt.
@@ -133,14 +240,20 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink, logger
     _PULL_POLICY, set by the chart from modelServer.image). ``applied_objects``: what this process
     last applied (``apply_owned``); None applies everything."""
     meta = model["metadata"]
+    key = (meta["namespace"], meta["name"])
     default_image = default_image or render.DefaultImage.from_env(os.environ)
     resolution = resolve_gate(model, watched_gate)
     applied: Mapping[str, Any] | None = None
     apply_error: str | None = None
+    service_apply: concurrent.futures.Future[str | None] | None = None
+    assumed: str | None = None
     if resolution.document is not None:
+        objects = render.render_applied(model, resolution.document, default_image=default_image)
+        service = next(obj for obj in objects if obj["kind"] == "Service")
+        assumed = applied_objects.failure(key, service) if applied_objects is not None else None
+        service_apply = start_service_apply(kube, key, service, applied_objects)
         try:
-            applied = apply_owned(kube, model, render.render_applied(model, resolution.document,
-                                                                     default_image=default_image),
+            applied = apply_owned(kube, model, [obj for obj in objects if obj is not service],
                                   events=events, logger=logger, applied_objects=applied_objects)
         except KubeError as e:
             apply_error = str(e)
@@ -154,14 +267,31 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink, logger
         # stale "not observed yet". Read as late as possible, at each attempt.
         return newest_deployment(applied, watched_deployment()) if applied is not None else None
 
-    with status_inputs.guard(meta["namespace"], meta["name"]):
-        _write_status(kube, model, events=events, status_inputs=status_inputs, pods=pods, deployment=deployment_now,
-                      compute=lambda current, deployment, problems: model_status.after_reconcile(
-                          model=current, generation=meta.get("generation"), gate=resolution, deployment=deployment,
-                          apply_error=apply_error, now=now(), problems=problems))
+    def write_status(current: Mapping[str, Any], service_error: str | None) -> None:
+        error = apply_error or service_error
+        with status_inputs.guard(meta["namespace"], meta["name"]):
+            _write_status(kube, current, events=events, status_inputs=status_inputs, pods=pods,
+                          deployment=deployment_now,
+                          compute=lambda current, deployment, problems: with_service(
+                              applied_objects, key, lambda service_applied: model_status.after_reconcile(
+                                  model=current, generation=meta.get("generation"), gate=resolution,
+                                  deployment=deployment, apply_error=error, now=now(), problems=problems,
+                                  service_applied=service_applied)))
+
+    def rewrite_status(service_error: str | None) -> None:
+        current = kube.get("SparseModel", namespace=meta["namespace"], name=meta["name"])
+        if current is not None:
+            write_status(current, service_error)
+
+    write_status(model, assumed)
     if apply_error:
         raise KubeError(500, "ApplyFailed", apply_error)
-    return "degraded" if resolution.document is None else "success"
+    if resolution.document is None:
+        return Reconciled("degraded")
+    held = (lambda: applied_objects.take_held(key, service_ref(meta["name"]))) if applied_objects is not None \
+        else (lambda: False)
+    pending = PendingService(service_apply, assumed, rewrite_status, held) if service_apply is not None else None
+    return Reconciled("success", pending)
 
 
 def ensure_admin_secret(kube: Kube, model: Mapping[str, Any], *, events: EventSink,
@@ -221,18 +351,19 @@ def model_uid(deployment: Mapping[str, Any] | None) -> str | None:
 
 def refresh_from_deployment(kube: Kube, *, namespace: str, name: str, deployment: Mapping[str, Any] | None,
                             pods: Iterable[Mapping[str, Any]], events: EventSink,
-                            status_inputs: StatusInputs) -> bool:
+                            status_inputs: StatusInputs, applied_objects: AppliedObjects | None = None) -> bool:
     """The model's Deployment (or one of its pods) changed: refresh replica counts, Ready and
     Progressing. ``deployment``: the object or its watched view; None when it is gone. Returns
-    False when the status was already written from these very inputs (no request sent)."""
+    False when the status was already written from these very inputs (no request sent).
+    ``applied_objects``: whether the model's Service is applied (``with_service``)."""
     with status_inputs.guard(namespace, name):
         return _refresh(kube, namespace=namespace, name=name, deployment=deployment, pods=list(pods),
-                        events=events, status_inputs=status_inputs)
+                        events=events, status_inputs=status_inputs, applied_objects=applied_objects)
 
 
 def refresh_from_watched(kube: Kube, *, namespace: str, name: str, deployment: WatchedDeployment,
                          pods: Callable[[], Iterable[Mapping[str, Any]]], events: EventSink,
-                         status_inputs: StatusInputs) -> bool:
+                         status_inputs: StatusInputs, applied_objects: AppliedObjects | None = None) -> bool:
     """A deferred refresh (``controllers.deferred_refresh``): as :func:`refresh_from_deployment`,
     with the Deployment view and the pods read under the model's guard. A deferred refresh runs
     beside the Deployment's own event handling, so inputs read before taking the guard could be
@@ -244,11 +375,12 @@ def refresh_from_watched(kube: Kube, *, namespace: str, name: str, deployment: W
         if current is None:
             return False
         return _refresh(kube, namespace=namespace, name=name, deployment=current, pods=list(pods()),
-                        events=events, status_inputs=status_inputs)
+                        events=events, status_inputs=status_inputs, applied_objects=applied_objects)
 
 
 def _refresh(kube: Kube, *, namespace: str, name: str, deployment: Mapping[str, Any] | None,
-             pods: list[Mapping[str, Any]], events: EventSink, status_inputs: StatusInputs) -> bool:
+             pods: list[Mapping[str, Any]], events: EventSink, status_inputs: StatusInputs,
+             applied_objects: AppliedObjects | None = None) -> bool:
     """The refresh itself; the caller holds the model's guard."""
     inputs = model_status.workload_inputs(deployment, pods)
     if status_inputs.matches(namespace, name, uid=model_uid(deployment), inputs=inputs):
@@ -258,8 +390,9 @@ def _refresh(kube: Kube, *, namespace: str, name: str, deployment: Mapping[str, 
         return True
     _write_status(kube, current, events=events, status_inputs=status_inputs, pods=pods,
                   deployment=lambda: deployment,
-                  compute=lambda m, d, problems: model_status.after_deployment_event(
-                      model=m, deployment=d, now=now(), problems=problems))
+                  compute=lambda m, d, problems: with_service(
+                      applied_objects, (namespace, name), lambda service_applied: model_status.after_deployment_event(
+                          model=m, deployment=d, now=now(), problems=problems, service_applied=service_applied)))
     return True
 
 

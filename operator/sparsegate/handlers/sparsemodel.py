@@ -2,7 +2,9 @@
 
 - create/update/resume → render and server-side apply the owned objects (the ConfigMap, Service
   and admin-Secret check only when changed since this process last applied them:
-  ``controllers.applied_objects``), write status.
+  ``controllers.applied_objects``), write status. The Service is applied beside the rest and the
+  status write does not wait for it (``modelsync.PendingService``); the handler waits for it,
+  holding no thread, and writes status again only if it ended otherwise than assumed.
 - any event of an owned Deployment → refresh replica counts and Ready/Progressing; no request at
   all when the status was last written from the same Deployment counts and pod problems
   (``controllers.status_inputs``). While the Deployment is still rolling out, the refresh waits
@@ -22,6 +24,7 @@ SparseModel must stay deletable while the operator is down.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -58,8 +61,22 @@ async def reconcile_model(body: kopf.Body, namespace: str, name: str, memo: kopf
                           **kwargs: Any) -> None:
     inventory = Inventory.from_kopf(kwargs)
     pods = inventory.pods(namespace, name)  # read on the event loop, where Kopf writes it
-    await run_model_work(memo, reconcile, memo, dict(body), pods=pods, logger=logger,
-                         watched=watched_deployment(inventory, namespace, name), gates=watched_gates(inventory))
+    reconciled = await run_model_work(memo, reconcile, memo, dict(body), pods=pods, logger=logger,
+                                      watched=watched_deployment(inventory, namespace, name),
+                                      gates=watched_gates(inventory))
+    if reconciled.service is not None:
+        await finish_service(memo, reconciled.service)
+
+
+async def finish_service(memo: kopf.Memo, pending: modelsync.PendingService) -> None:
+    """Waits for the model's Service apply holding no thread (the model pool's threads go on with
+    other models); status again, in the status pool, only if it ended otherwise than the reconcile
+    assumed or a write held Ready back for it meanwhile; a failure fails the handler, which Kopf retries."""
+    await asyncio.wrap_future(pending.future)
+    error, rewrite = pending.outcome()  # the apply is done: no wait, no request
+    if rewrite:
+        await run_status_work(memo, pending.rewrite, error)
+    modelsync.raise_failed(error)
 
 
 def watched_deployment(inventory: Inventory, namespace: str, name: str) -> modelsync.WatchedDeployment:
@@ -73,12 +90,15 @@ def watched_gates(inventory: Inventory) -> modelsync.WatchedGate:
 
 
 def reconcile(memo: kopf.Memo, model: Mapping[str, Any], *, pods: list[Mapping[str, Any]], logger: logging.Logger,
-              watched: modelsync.WatchedDeployment, gates: modelsync.WatchedGate) -> None:
-    """One reconcile of ``model`` (as delivered or just read), timed and counted; in the model pool."""
+              watched: modelsync.WatchedDeployment, gates: modelsync.WatchedGate) -> modelsync.Reconciled:
+    """One reconcile of ``model`` (as delivered or just read), timed and counted; in the model pool.
+    Its Service apply is timed apart (kind Service) and finished by the caller."""
     with metrics.observe("SparseModel") as outcome:
-        outcome.value = modelsync.reconcile(memo.kube, model, events=post_event, logger=logger, pods=pods,
-                                            watched_deployment=watched, watched_gate=gates,
-                                            status_inputs=memo.status_inputs, applied_objects=memo.applied_objects)
+        reconciled = modelsync.reconcile(memo.kube, model, events=post_event, logger=logger, pods=pods,
+                                         watched_deployment=watched, watched_gate=gates,
+                                         status_inputs=memo.status_inputs, applied_objects=memo.applied_objects)
+        outcome.value = reconciled.outcome
+    return reconciled
 
 
 # How long a Deployment that is still rolling out may move on before its model's status is refreshed
@@ -135,7 +155,8 @@ def _deferred_refresh(memo: kopf.Memo, *, namespace: str, model: str, watched: m
     """In the status pool: the Deployment and pods are read under the model's guard (modelsync.refresh_from_watched)."""
     with metrics.observe("Deployment") as outcome:
         if not modelsync.refresh_from_watched(memo.kube, namespace=namespace, name=model, deployment=watched,
-                                              pods=pods, events=post_event, status_inputs=memo.status_inputs):
+                                              pods=pods, events=post_event, status_inputs=memo.status_inputs,
+                                              applied_objects=memo.applied_objects):
             outcome.value = "unchanged"
 
 
@@ -153,13 +174,17 @@ def _deployment_changed(memo: kopf.Memo, *, type: str, deployment: Mapping[str, 
                                          owner_refs=deployment["metadata"].get("ownerReferences") or [])
             if owner is not None:
                 logger.warning("Deployment %s was deleted; re-creating it", model)
-                modelsync.reconcile(kube, owner, events=post_event, logger=logger, pods=pods,
-                                    watched_deployment=watched, watched_gate=gates,
-                                    status_inputs=memo.status_inputs, applied_objects=memo.applied_objects)
+                reconciled = modelsync.reconcile(kube, owner, events=post_event, logger=logger, pods=pods,
+                                                 watched_deployment=watched, watched_gate=gates,
+                                                 status_inputs=memo.status_inputs,
+                                                 applied_objects=memo.applied_objects)
+                if reconciled.service is not None:
+                    reconciled.service.finish()
                 return
         if not modelsync.refresh_from_deployment(
                 kube, namespace=namespace, name=model, deployment=None if type == "DELETED" else deployment,
-                pods=pods, events=post_event, status_inputs=memo.status_inputs):
+                pods=pods, events=post_event, status_inputs=memo.status_inputs,
+                applied_objects=memo.applied_objects):
             outcome.value = "unchanged"
 
 
@@ -191,5 +216,6 @@ def _pod_stuck(memo: kopf.Memo, *, namespace: str, model: str, pods: list[Mappin
     """``deployment``: its watched view."""
     with metrics.observe("Pod") as outcome:
         if not modelsync.refresh_from_deployment(memo.kube, namespace=namespace, name=model, deployment=deployment,
-                                                 pods=pods, events=post_event, status_inputs=memo.status_inputs):
+                                                 pods=pods, events=post_event, status_inputs=memo.status_inputs,
+                                                 applied_objects=memo.applied_objects):
             outcome.value = "unchanged"

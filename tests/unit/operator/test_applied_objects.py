@@ -42,3 +42,34 @@ def test_forget_drops_a_models_records_and_zero_keeps_none() -> None:
     assert len(off) == 0 and not off.unchanged(MODEL, cm({}), now=0)
     with pytest.raises(ValueError, match="0 \\(off\\) or positive"):
         AppliedObjects(interval_s=-1)
+
+
+@pytest.mark.parametrize("interval_s", [600, 0])
+def test_a_failure_is_kept_until_an_apply_lands_and_drops_the_record(interval_s: float) -> None:
+    a = AppliedObjects(interval_s=interval_s)
+    a.record(MODEL, cm({"k": "1"}), now=0)
+    a.record_failure(MODEL, cm({"k": "2"}), "422 Invalid")
+    assert a.failure(MODEL, cm({"k": "3"})) == "422 Invalid"  # by kind and name, whatever the rendering
+    assert not a.unchanged(MODEL, cm({"k": "1"}), now=1)  # the next reconcile applies it, even unchanged
+    assert a.failure(("ns", "other"), cm({})) is None
+    a.record(MODEL, cm({"k": "2"}), now=2)
+    assert a.failure(MODEL, cm({"k": "2"})) is None
+    a.record_failure(MODEL, cm({}), "timed out")
+    a.forget(MODEL)
+    assert a.failure(MODEL, cm({})) is None
+
+
+def test_in_flight_until_it_lands_or_fails_and_a_hold_is_taken_once() -> None:
+    a = AppliedObjects(interval_s=600)
+    svc = {"kind": "Service", "metadata": {"name": "m"}}
+    assert not a.unapplied(MODEL, svc) and not a.hold(MODEL, svc)  # applied or never tried: nothing to hold
+    a.begin(MODEL, svc)
+    assert a.unapplied(MODEL, svc) and a.hold(MODEL, svc)
+    a.record(MODEL, svc, now=0)
+    assert not a.unapplied(MODEL, svc) and not a.hold(MODEL, svc)  # landed: a write holds nothing back now
+    assert a.take_held(MODEL, svc) and not a.take_held(MODEL, svc)  # the earlier hold, once
+    a.begin(MODEL, svc)
+    a.record_failure(MODEL, svc, "refused")
+    assert a.unapplied(MODEL, svc) and a.hold(MODEL, svc)  # failed: still not applied
+    a.forget(MODEL)
+    assert not a.unapplied(MODEL, svc) and not a.take_held(MODEL, svc)

@@ -109,3 +109,14 @@ def test_container_problems_name_stuck_containers_only():
     # Problems do not matter once every replica is ready.
     ready, _ = c.workload_conditions(desired=2, deployment=deployment(ready=2), degraded=False, problems=problems)
     assert ready.status is c.Status.TRUE
+
+
+def test_a_ready_deployment_is_not_ready_while_the_service_is_not_applied():
+    ready, progressing = c.workload_conditions(desired=2, deployment=deployment(ready=2), degraded=False,
+                                               service_applied=False)
+    assert (ready.status, ready.reason) == (c.Status.FALSE, c.Reason.SERVICE_NOT_APPLIED)
+    assert (progressing.status, progressing.reason) == (c.Status.TRUE, c.Reason.SERVICE_NOT_APPLIED)
+    assert "2/2 ready" in ready.message and "Service is not applied yet" in ready.message
+    # Not done yet: the replicas are what Ready waits for, as before.
+    ready, _ = c.workload_conditions(desired=2, deployment=deployment(ready=1), degraded=False, service_applied=False)
+    assert ready.reason == c.Reason.REPLICAS_NOT_READY

@@ -115,11 +115,20 @@ def watched_gates(k):
     return read
 
 
-def reconcile(k, model, *, events=None, inputs=None, pods=(), applied=None):
+def start(k, model, *, events=None, inputs=None, pods=(), applied=None) -> modelsync.Reconciled:
+    """The reconcile up to its status write; its Service apply may still be in flight."""
     return modelsync.reconcile(k, model, events=(lambda *a: events.append(a)) if events is not None else (lambda *a: None),
                                logger=LOG, watched_deployment=watched(k), watched_gate=watched_gates(k),
                                status_inputs=StatusInputs() if inputs is None else inputs, pods=pods,
                                applied_objects=applied)
+
+
+def reconcile(k, model, **kwargs) -> str:
+    """The reconcile with its Service apply finished, as the handler runs it."""
+    reconciled = start(k, model, **kwargs)
+    if reconciled.service is not None:
+        reconciled.service.finish()
+    return reconciled.outcome
 
 
 def model_of(k):
@@ -149,8 +158,9 @@ def test_reconcile_renders_everything_once_and_records_the_gate(kube):
     gateconfig(kube)
     events = []
     assert reconcile(kube, model_of(kube), events=events) == "success"
-    # ConfigMap and Service at once (either may answer first), then the Deployment
-    assert sorted(kube.applied[:2]) == ["ConfigMap", "Service"] and kube.applied[2:] == ["Deployment"]
+    # the ConfigMap before the Deployment (its pods mount it); the Service beside them, in any order
+    assert sorted(kube.applied) == ["ConfigMap", "Deployment", "Service"]
+    assert kube.applied.index("ConfigMap") < kube.applied.index("Deployment")
     secret = kube.get("Secret", namespace="ns", name="moe-small-admin")
     assert sorted(secret["data"]) == ["tls.crt", "tls.key", "token"]
     assert admin_tls.certificate_names(admin_tls.material_from_secret(secret).cert_pem) == [
@@ -180,9 +190,110 @@ def test_no_deployment_is_applied_when_what_its_pods_mount_failed(kube):
     kube.fail_apply = "ConfigMap"
     with pytest.raises(KubeError):
         reconcile(kube, model_of(kube))
-    assert "Deployment" not in kube.applied and sorted(kube.applied) == ["Service"]
+    assert "Deployment" not in kube.applied and "ConfigMap" not in kube.applied
     assert kube.get("Secret", namespace="ns", name="moe-small-admin") is not None
     assert "ConfigMap refused" in conditions(kube)["Degraded"]["message"]
+
+
+class GatedServiceKube(MemoryKube):
+    """Its Service apply waits until the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.service_gate = threading.Event()
+
+    def apply(self, obj):
+        if obj["kind"] == "Service":
+            assert self.service_gate.wait(10), "the test never opened the gate"
+        return super().apply(obj)
+
+
+def test_the_deployment_and_status_do_not_wait_for_the_service(kube):
+    slow = GatedServiceKube()
+    slow.objects = kube.objects
+    gateconfig(slow)
+    reconciled = start(slow, model_of(slow))
+    # Returned with the Service apply still in flight: the Deployment is applied and status written.
+    assert reconciled.outcome == "success" and not reconciled.service.future.done()
+    assert sorted(slow.applied) == ["ConfigMap", "Deployment"]
+    st = model_of(slow)["status"]
+    assert st["observedGeneration"] == 1 and conditions(slow)["Degraded"]["status"] == "False"
+    writes = slow.calls.count(("status", "SparseModel"))
+    slow.service_gate.set()
+    reconciled.service.finish()
+    assert "Service" in slow.applied
+    assert slow.calls.count(("status", "SparseModel")) == writes  # it landed as assumed: no second write
+
+
+def available(k) -> dict:
+    """The model's Deployment with every replica ready, stored (and so watched) as its controller would report it."""
+    deployment = k.get("Deployment", namespace="ns", name="moe-small")
+    deployment["metadata"]["generation"] = 1
+    deployment["status"] = {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "observedGeneration": 1}
+    return k.put(deployment)
+
+
+def test_ready_waits_for_the_service_and_is_written_once_it_lands(kube):
+    slow = GatedServiceKube()
+    slow.objects = kube.objects
+    gateconfig(slow)
+    applied = AppliedObjects(interval_s=600)
+    reconciled = start(slow, model_of(slow), applied=applied)
+    # Every replica became ready while the Service apply is still in flight: not Ready yet, and why.
+    modelsync.refresh_from_deployment(slow, namespace="ns", name="moe-small", deployment=available(slow), pods=[],
+                                      events=lambda *a: None, status_inputs=StatusInputs(), applied_objects=applied)
+    ready = conditions(slow)["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "ServiceNotApplied"), ready
+    assert "Service is not applied yet" in ready["message"] and conditions(slow)["Progressing"]["status"] == "True"
+    slow.service_gate.set()
+    reconciled.service.finish()  # it landed: status again, now Ready
+    assert conditions(slow)["Ready"]["reason"] == "AllReplicasReady"
+    # Later writes see it applied; a later reconcile applies no Service and holds nothing back.
+    assert not applied.unapplied(("ns", "moe-small"), modelsync.service_ref("moe-small"))
+    assert start(slow, model_of(slow), applied=applied).service is None
+
+
+def test_a_service_that_lands_between_the_check_and_the_write_is_written_as_applied(kube):
+    applied = AppliedObjects(interval_s=600)
+    key, ref = ("ns", "moe-small"), modelsync.service_ref("moe-small")
+    applied.begin(key, ref)
+
+    def compute(service_applied: bool) -> dict:
+        if not service_applied:
+            applied.record(key, ref, now=0)  # lands while this write is being computed
+        ready = "True" if service_applied else "False"
+        reason = "AllReplicasReady" if service_applied else "ServiceNotApplied"
+        return {"conditions": [{"type": "Ready", "status": ready, "reason": reason}]}
+    assert modelsync.with_service(applied, key, compute)["conditions"][0]["status"] == "True"
+    assert not applied.take_held(key, ref)  # nothing was held back, so nothing to write again
+
+
+def test_a_service_failure_is_written_then_kept_until_an_apply_lands(kube):
+    gateconfig(kube)
+    applied = AppliedObjects(interval_s=600)
+    events = []
+    kube.fail_apply = "Service"
+    reconciled = start(kube, model_of(kube), events=events, applied=applied)
+    assert "Deployment" in kube.applied  # nothing waits for the Service
+    with pytest.raises(KubeError, match="ApplyFailed"):
+        reconciled.service.finish()  # status again with the failure, then raised for Kopf's retry
+    assert conditions(kube)["Degraded"]["reason"] == "ApplyFailed"
+    assert "Service refused" in conditions(kube)["Degraded"]["message"]
+    assert [e[2] for e in events].count("DegradedTrue") == 1
+    # A retry that fails again writes status once, already with the failure: no flapping condition.
+    kube.calls.clear()
+    with pytest.raises(KubeError):
+        reconcile(kube, model_of(kube), events=events, applied=applied)
+    assert kube.calls.count(("status", "SparseModel")) == 1  # the reconcile's own: finish had nothing to correct
+    assert conditions(kube)["Degraded"]["reason"] == "ApplyFailed"
+    assert [e[2] for e in events].count("DegradedTrue") == 1
+    # Once an apply lands, the retry's second write clears it.
+    kube.fail_apply = None
+    events.clear()
+    assert reconcile(kube, model_of(kube), events=events, applied=applied) == "success"
+    assert conditions(kube)["Degraded"]["status"] == "False"
+    assert [e[2] for e in events] == ["DegradedFalse"]
+    assert applied.failure(("ns", "moe-small"), {"kind": "Service", "metadata": {"name": "moe-small"}}) is None
 
 
 def test_gate_too_wide_for_the_model_is_invalid(kube):
