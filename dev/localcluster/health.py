@@ -88,12 +88,9 @@ def wait_for(check: Callable[[], object], *, what: str, timeout_s: float = 60.0,
     """Polls ``check`` until it returns something truthy and returns that (tests' Given/Then waits);
     fails the calling test with ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+    while not (result := _poll(check, deadline=deadline, what=what)):
         time.sleep(interval_s)
+    return result
 
 
 async def wait_for_async(check: Callable[[], object], *, what: str, timeout_s: float = 60.0,
@@ -101,9 +98,14 @@ async def wait_for_async(check: Callable[[], object], *, what: str, timeout_s: f
     """:func:`wait_for` for a test running on an event loop: it sleeps with asyncio, so the loop's
     tasks run while it waits."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+    while not (result := _poll(check, deadline=deadline, what=what)):
         await asyncio.sleep(interval_s)
+    return result
+
+
+def _poll(check: Callable[[], object], *, deadline: float, what: str) -> object:
+    """One try of :func:`wait_for` / :func:`wait_for_async`: ``check``'s result, or the test fails
+    when it is falsy past ``deadline``."""
+    result = check()
+    assert result or time.monotonic() < deadline, f"timed out waiting for {what}"
+    return result
