@@ -4,8 +4,9 @@ Given the dev stack (the chart installed with helm; the operator running in-clus
 as the chart's ServiceAccount; pods' containers run from their images), when the example GateConfig
 and SparseModel are applied, then the model's pods run the model-server image on GPU kwok nodes,
 status reaches Ready for the current generation, re-applying changes nothing, a missing GateConfig
-degrades instead of crashing, a new stable gate re-renders the ConfigMap, and deleting the model
-removes everything it owned.
+degrades instead of crashing, a Service the API server refuses degrades the model without holding
+its Deployment back (and clears on the retry once it lands), a new stable gate re-renders the
+ConfigMap, and deleting the model removes everything it owned.
 """
 
 from __future__ import annotations
@@ -277,3 +278,45 @@ def test_headless_service_is_chosen_at_creation(stack, operator, stack_namespace
     assert proc.returncode != 0 and "spec.service.headless" in proc.stderr, proc.stderr
     assert service("svc-headless")()["metadata"]["uid"] == headless["metadata"]["uid"]
     assert service("svc-default")()["metadata"]["uid"] == default["metadata"]["uid"]
+
+
+def test_a_failed_service_apply_degrades_the_model_without_holding_its_deployment(stack, operator, stack_namespace):
+    """The Service is applied beside the reconcile (``modelsync.PendingService``): when it fails, the
+    Deployment is applied anyway, status says why (and the model is not Ready), and the handler's
+    retry clears it once it lands."""
+    ns = stack_namespace
+    name = "svc-taken"
+    restarts = operator_restarts(stack)
+    # Someone else's ClusterIP Service already has the model's name; the model asks for a headless
+    # one, and a Service's clusterIP cannot change in place, so the API server refuses the apply.
+    taken = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
+             "spec": {"selector": {"app": "elsewhere"}, "ports": [{"port": 80}]}}
+    stack.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(taken))
+    model = yaml.safe_load((EXAMPLES / "sparsemodel.yaml").read_text())
+    model["metadata"]["name"] = name
+    model["spec"].update(replicas=0, resources={"gpus": 0}, service={"headless": True})
+    model["spec"].pop("gateConfigRef", None)  # the built-in gate: nothing else to wait for
+    stack.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(model))
+
+    def degraded():
+        m = get_json(stack, "sparsemodel", name, "-n", ns)
+        # Zero replicas: the Deployment is done at once, so only the Service keeps the model from Ready.
+        return m if condition(m, "Degraded").get("reason") == "ApplyFailed" and \
+            condition(m, "Ready").get("reason") == "ServiceNotApplied" else None
+    m = wait_for(degraded, what="Degraded=ApplyFailed and Ready=False for the Service", timeout_s=90)
+    assert condition(m, "Ready")["status"] == "False"
+    message = condition(m, "Degraded")["message"]
+    assert f'Service "{name}" is invalid' in message and "may not change once set" in message, message
+    assert m["status"]["observedGeneration"] == m["metadata"]["generation"]
+    assert get_json(stack, "deployment", name, "-n", ns)["metadata"]["labels"][render.MODEL_LABEL] == name
+    assert operator_restarts(stack) == restarts
+
+    # Once the name is free, Kopf's retry of the handler creates the headless Service and status clears.
+    stack.kubectl("delete", "service", name, "-n", ns)
+
+    def recovered():
+        m = get_json(stack, "sparsemodel", name, "-n", ns)
+        return m if condition(m, "Degraded").get("status") == "False" else None
+    m = wait_for(recovered, what="Degraded=False after the retry", timeout_s=150, interval_s=1)
+    assert (condition(m, "Ready")["status"], condition(m, "Ready")["reason"]) == ("True", "ScaledToZero")
+    assert get_json(stack, "service", name, "-n", ns)["spec"]["clusterIP"] == render.HEADLESS
