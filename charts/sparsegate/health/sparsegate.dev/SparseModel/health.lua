@@ -1,8 +1,9 @@
 -- Argo CD health check for sparsegate.dev/SparseModel (register as
 -- resource.customizations.health.sparsegate.dev_SparseModel in argocd-cm).
 --   Stalled=True or Degraded=True (GateConfig missing or invalid, apply refused) -> Degraded
---   Reconciling=True (instances starting or rolling; the message names pods whose
---     containers wait on ImagePullBackOff, CrashLoopBackOff, ...)               -> Progressing
+--   Reconciling=True (instances starting or rolling, or the model's Service not
+--     applied yet; the message names pods whose containers wait on
+--     ImagePullBackOff, CrashLoopBackOff, ...)                                  -> Progressing
 --   Ready=True (every desired instance ready and updated)                       -> Healthy
 local hs = {}
 local function condition(kind)
