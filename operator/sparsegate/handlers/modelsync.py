@@ -280,7 +280,9 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink, logger
 
     def rewrite_status(service_error: str | None) -> None:
         current = kube.get("SparseModel", namespace=meta["namespace"], name=meta["name"])
-        if current is not None:
+        # Only the model this reconcile was for: ``_write_status`` checks the uid of the object it
+        # is given, and this one was just read, so a model re-created under the name would pass.
+        if current is not None and current["metadata"].get("uid") == meta.get("uid"):
             write_status(current, service_error)
 
     write_status(model, assumed)

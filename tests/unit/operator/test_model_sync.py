@@ -253,6 +253,24 @@ def test_ready_waits_for_the_service_and_is_written_once_it_lands(kube):
     assert start(slow, model_of(slow), applied=applied).service is None
 
 
+def test_a_status_rewrite_leaves_a_model_re_created_under_the_same_name_alone(kube):
+    slow = GatedServiceKube()
+    slow.objects = kube.objects
+    slow.fail_apply = "Service"  # it ends otherwise than assumed: status would be written again
+    gateconfig(slow)
+    reconciled = start(slow, model_of(slow), applied=AppliedObjects(interval_s=600))
+    recreated = model_of(slow)
+    recreated["metadata"]["uid"] = "uid-2"
+    recreated.pop("status")
+    slow.put(recreated)  # deleted and created again while the Service apply was in flight
+    writes = slow.calls.count(("status", "SparseModel"))
+    slow.service_gate.set()
+    with pytest.raises(KubeError):
+        reconciled.service.finish()
+    assert slow.calls.count(("status", "SparseModel")) == writes
+    assert "status" not in model_of(slow)
+
+
 def test_a_service_that_lands_between_the_check_and_the_write_is_written_as_applied(kube):
     applied = AppliedObjects(interval_s=600)
     key, ref = ("ns", "moe-small"), modelsync.service_ref("moe-small")
