@@ -88,6 +88,9 @@ class _Track:
     liveness: _ProbeState = dataclasses.field(default_factory=_ProbeState)
     startup: _ProbeState = dataclasses.field(default_factory=_ProbeState)
     busy: bool = False
+    # When its last podman action ended (monotonic): a listing taken before that is stale for it
+    # (a create that ends between the listing and the pass must not be started a second time).
+    acted_at: float = 0.0
 
 
 def probe_once(probe: Probe) -> bool:
@@ -288,6 +291,7 @@ class ContainerPodRunner:
                             message="the dev pod runner does not implement: " + ", ".join(plan.unsupported))
             desired[plan.uid] = (plan, pod)
             self.plans[plan.uid] = plan
+        listed_at = time.monotonic()
         existing = podman.list_containers(self.runner_id)
         wanted_names = {container_name(p, c.name) for p, _ in desired.values() for c in p.containers}
         for name, state in existing.items():
@@ -306,17 +310,19 @@ class ContainerPodRunner:
                     self._write_volume(root, vol)
         now = time.time()
         for plan, pod in desired.values():
-            observed = {c.name: self._drive(plan, pod, c, existing.get(container_name(plan, c.name)), now)
+            observed = {c.name: self._drive(plan, pod, c, existing.get(container_name(plan, c.name)), now,
+                                            listed_at=listed_at)
                         for c in plan.containers}
             self._write_status(plan, pod, observed)
 
     def _drive(self, plan: PodPlan, pod: Mapping[str, Any], c: ContainerPlan,
-               state: podman.ContainerState | None, now: float) -> Observed:
-        """Moves one container toward running and returns what the status should say about it."""
+               state: podman.ContainerState | None, now: float, *, listed_at: float = 0.0) -> Observed:
+        """Moves one container toward running and returns what the status should say about it.
+        ``state`` is what a listing begun at ``listed_at`` (monotonic) saw."""
         name = container_name(plan, c.name)
         track = self.tracks.setdefault(name, _Track())
         base = dict(restart_count=track.restarts, last_terminated=track.last_terminated)
-        if track.busy:
+        if track.busy or track.acted_at > listed_at:  # acting, or acted since the listing: wait a pass
             return Observed("waiting", *track.waiting, **base)
         if state is None:
             if not self._image_present(c.image):
@@ -405,6 +411,7 @@ class ContainerPodRunner:
                 track.waiting = ("CreateContainerError", str(exc)[-500:])
                 track.backoff_until = time.time() + backoff_s(max(track.restarts, 1))
             finally:
+                track.acted_at = time.monotonic()
                 track.busy = False
                 self._changed.set()
 
