@@ -5,7 +5,7 @@
         [--enforcement off|audit|enforce] [--allow-sources IP,..] [--node-addresses auto|none] \
         [--initial-policy-timeout 30] [--on-exit detach|keep|daemonset --daemonset NS/NAME]
         [--probe-configmap NS/NAME | --probe-file F] [--probe-report-configmap NS/NAME | --probe-report-file F] \
-        [--node-name NODE]
+        [--node-name NODE] [--bpffs-dir /sys/fs/bpf/sparsegate]
     python -m sparsegate_ebpf.agent --version
 
 Interfaces: --interfaces, unless a probe source is given and TelemetryProbes select this node
@@ -24,9 +24,10 @@ a policy document is applied.
 
 A restart widens nothing (handover.py): the first valid policy is written into the new program's
 maps before it is attached, and the program replaces the one a previous agent left attached in one
-step. If no valid policy arrives within --initial-policy-timeout, the policy that program still
-enforces is carried over (inherit.py); with no such program (or one without a policy) the program
-is attached anyway and passes everything until a policy arrives (counted as `no_policy`, logged,
+step (known by its pins under --bpffs-dir, pins.py; by its name only with CAP_SYS_ADMIN). If no
+valid policy arrives within --initial-policy-timeout, the policy that program still enforces is
+carried over (inherit.py); with no such program (or one without a policy) the program is attached
+anyway and passes everything until a policy arrives (counted as `no_policy`, logged,
 and exported as `sparsegate_agent_attached_without_policy 1`): a node must not stay without
 telemetry for ever.
 On exit the program is detached (`--on-exit detach`, the default), left attached for a successor
@@ -59,12 +60,13 @@ from sparsegate_contracts.version import version_line
 
 from sparsegate_contracts.probes import NodeConfig
 
-from . import handover, inherit, policysource, probesource, programs, xdp
+from . import handover, inherit, pins, policysource, probesource, programs, xdp
 from .attachments import Attachments
 from .handover import ExitAction, OnExit, StartCollector, StartState
 from .metrics import AgentState, XdpCollector
 from .policy import PolicyError, parse_policy
 from .policyswap import PolicySwapper
+from .verdicts import POOL
 
 log = logging.getLogger("sparsegate_ebpf.agent")
 ENFORCEMENT_MODES = ("off", "audit", "enforce")
@@ -139,6 +141,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--daemonset", metavar="NS/NAME", default=os.environ.get("SPARSEGATE_AGENT_DAEMONSET", ""),
                     help="the agent's DaemonSet, for --on-exit daemonset (env SPARSEGATE_AGENT_DAEMONSET); "
                          "needs RBAC get on daemonsets")
+    ap.add_argument("--bpffs-dir", type=Path, default=None, metavar="DIR",
+                    help="pin the program and its policy maps under DIR/<prog id> on bpffs (e.g. "
+                         "/sys/fs/bpf/sparsegate), and recognise a predecessor's program left attached by "
+                         "its pins there: without CAP_SYS_ADMIN that is the only way a restarted agent can "
+                         "replace it and carry over its policy")
     args = ap.parse_args(argv)
     args.interfaces = [i for i in args.interfaces.split(",") if i]
     args.probes = bool(args.probe_configmap or args.probe_file)
@@ -296,6 +303,7 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
     state.program = prog
     state.swapper = PolicySwapper(bpf=prog.bpf)
     state.bpf_available = True
+    agent_pins = _open_pins(args, prog)
 
     # The policy source starts before the program is attached: the first policy goes into the
     # maps of a program no packet reaches yet, so the program is never live without it.
@@ -313,6 +321,8 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
     _start_policy_source(args, on_document=handler, stop=stop)
     follower = _start_probe_source(args, stop=stop) if args.probes else None
     if not _wait_first_policy(args, first_policy=first_policy, start=start, stop=stop):
+        if agent_pins:
+            agent_pins.release()
         prog.close()  # stopped before attaching: whatever a predecessor left stays as it is
         return 0
     if follower is not None and not follower.read.wait(args.initial_probe_timeout):
@@ -326,14 +336,19 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
 
     if args.enforcement == "enforce" and not first_policy.is_set():
         # Set, then re-check: a document applied meanwhile clears it (applied() sets the event first).
-        start.inherited_policy = _inherit(list(desired()), state=state)
+        start.inherited_policy = _inherit(list(desired()), state=state,
+                                          pinned=agent_pins.found if agent_pins else {})
         if first_policy.is_set():
             start.inherited_policy = False
 
-    attachments = Attachments(state=state, bpf=prog.bpf, fn=prog.fn)
+    def attach(**kw: object) -> xdp.XdpMode:
+        return xdp.attach(**kw, known=agent_pins.known() if agent_pins else {})  # type: ignore[arg-type]
+
+    attachments = Attachments(state=state, bpf=prog.bpf, fn=prog.fn, attach=attach,
+                              after_apply=agent_pins.sweep if agent_pins else None)
     errors = attachments.apply(desired())
     if errors and follower is None:
-        _exit(args, state=state, reader=exit_reader)
+        _exit(args, state=state, reader=exit_reader, agent_pins=agent_pins)
         prog.close()
         return 1
     if args.enforcement == "enforce" and not start.inherited_policy:
@@ -347,7 +362,7 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
         _follow_probes(args, follower=follower, attachments=attachments, desired=desired, prog_fd=prog.prog_fd,
                        stop=stop)
     log.info("stopping (signal received)")  # logged here, not in the handler: logging takes locks
-    _exit(args, state=state, reader=exit_reader)
+    _exit(args, state=state, reader=exit_reader, agent_pins=agent_pins)
     prog.close()
     log.info("bye")
     return 0
@@ -446,16 +461,36 @@ def _wait_first_policy(args: argparse.Namespace, *, first_policy: threading.Even
     return True
 
 
-def _inherit(interfaces: list[str], *, state: AgentState) -> bool:
+def _open_pins(args: argparse.Namespace, prog: programs.LoadedProgram) -> pins.AgentPins | None:
+    """Pin the program and its policy maps under --bpffs-dir, opening the predecessors' pins first;
+    None (logged) without --bpffs-dir or when bpffs refuses: then a predecessor's program is
+    recognised only by its name, which needs CAP_SYS_ADMIN."""
+    if args.bpffs_dir is None:
+        return None
+    maps = {name: prog.table(name).map_fd for name in (inherit.OUTER.decode(), *POOL)}
+    try:
+        return pins.AgentPins.open(args.bpffs_dir, prog_id=inherit.program_id(prog.prog_fd), prog_fd=prog.prog_fd,
+                                   maps=maps)
+    except OSError as exc:
+        log.error("cannot pin under --bpffs-dir %s (%s): a predecessor's program is recognised by name only, "
+                  "which needs CAP_SYS_ADMIN", args.bpffs_dir, exc)
+        return None
+
+
+def _inherit(interfaces: list[str], *, state: AgentState, pinned: dict[int, pins.Pinned]) -> bool:
     """No document in time: carry over the policy our predecessor's program still enforces (if one
     is attached to one of `interfaces`), so replacing it widens nothing. True when that policy is now
-    in our maps."""
+    in our maps. The predecessor is known by its pins (`pinned`, by prog id) or by its name."""
     for ifname in interfaces:
         try:
             current = xdp.attached_program(ifname)
-            if not current or current.get("prog", {}).get("name") != programs.FUNCTION:
+            prog_id = ((current or {}).get("prog") or {}).get("id")
+            if prog_id in pinned:
+                records = inherit.live_policy_pinned(pinned[prog_id])
+            elif current and current.get("prog", {}).get("name") == programs.FUNCTION:
+                records = inherit.live_policy(current["prog"]["id"])
+            else:
                 continue
-            records = inherit.live_policy(current["prog"]["id"])
         except Exception as exc:  # unreadable: attach without it, as if there were none
             log.warning("cannot read the policy of the program on %s: %s", ifname, exc)
             continue
@@ -478,9 +513,12 @@ def _inherit(interfaces: list[str], *, state: AgentState) -> bool:
     return False
 
 
-def _exit(args: argparse.Namespace, *, state: AgentState, reader: handover.DaemonSetReader | None = None) -> None:
-    """Detach or keep the program, as --on-exit decides."""
+def _exit(args: argparse.Namespace, *, state: AgentState, reader: handover.DaemonSetReader | None = None,
+          agent_pins: pins.AgentPins | None = None) -> None:
+    """Detach or keep the program, as --on-exit decides; the pins go with a program detached."""
     if not state.attached:
+        if agent_pins:
+            agent_pins.release()
         return
     daemonset = tuple(args.daemonset.split("/")) if args.daemonset else None
     decision = handover.decide_on_exit(OnExit(args.on_exit), daemonset=daemonset,
@@ -492,6 +530,8 @@ def _exit(args: argparse.Namespace, *, state: AgentState, reader: handover.Daemo
         return
     log.info("detaching XDP: %s", decision.reason)
     _detach_all(state)
+    if agent_pins:
+        agent_pins.release()
 
 
 def _detach_all(state: AgentState) -> None:

@@ -30,10 +30,12 @@ Detach = Callable[..., None]
 
 class Attachments:
     def __init__(self, *, state: AgentState, bpf: Any, fn: Any, attach: Attach = xdp.attach,
-                 detach: Detach = xdp.detach_own) -> None:
+                 detach: Detach = xdp.detach_own, after_apply: Callable[[], object] | None = None) -> None:
         self.state = state
         self.bpf, self.fn = bpf, fn
         self._attach, self._detach = attach, detach
+        # Called after an apply that left no error (the agent forgets its predecessors' pins then).
+        self._after_apply = after_apply
         self.errors: dict[str, str] = {}  # interface -> why it is not attached
         self.lock = threading.Lock()
 
@@ -71,6 +73,8 @@ class Attachments:
                 log.info("XDP attached to %s in %s mode", ifname, used.value)
             self.state.attached = attached
             self.errors = errors
+            if not errors and self._after_apply is not None:
+                self._after_apply()
             return dict(errors)
 
     def report(self, *, node: str, config_version: str | None, program_id: int | None,

@@ -4,8 +4,9 @@ When a restarted agent gets no policy document within --initial-policy-timeout (
 while the kubelet restarts a crashed agent, say), attaching a program with empty maps would pass
 everything a moment after the predecessor's program had still been denying it. The predecessor's
 program is still attached, and its maps with it; this module reads its live inner policy map
-(program id -> its maps -> `policy_outer[0]` -> the inner map -> every record) through libbpf's
-id-based calls, which `libbcc.so` links, so the new program can start from the same records.
+(program -> its maps -> `policy_outer[0]` -> the inner map -> every record), through the
+predecessor's pins (`pins.py`) or, for a program without pins, libbpf's id-based calls (CAP_SYS_ADMIN
+only), so the new program can start from the same records.
 A predecessor from before IPv6 keyed its records with one __u32 per address (12-byte keys, told
 by the inner map's key size): its records are read in that layout and widened (maps.upgrade_key).
 """
@@ -13,9 +14,12 @@ from __future__ import annotations
 
 import ctypes as ct
 import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .maps import PolicyKey, PolicyKeyV4, PolicyVal, upgrade_key
+from .pins import Pinned
+from .verdicts import POOL
 
 OUTER = b"policy_outer"
 _MAX_MAPS = 64
@@ -63,7 +67,9 @@ def _info(lib: Any, fd: int, info: ct.Structure) -> None:
 
 def live_policy(prog_id: int) -> list[tuple[PolicyKey, PolicyVal]] | None:
     """Every record of the inner policy map live in program `prog_id` (meta record included),
-    or None when that program has no policy installed. Raises OSError when it cannot be read."""
+    or None when that program has no policy installed. Raises OSError when it cannot be read.
+    Opens the program and its maps by id, which the kernel allows only to CAP_SYS_ADMIN: an agent
+    without it reads its predecessor's policy through pins (`live_policy_pinned`)."""
     lib = _lib()
     fds: list[int] = []
     try:
@@ -82,33 +88,62 @@ def live_policy(prog_id: int) -> list[tuple[PolicyKey, PolicyVal]] | None:
                 outer_fd = fd
         if outer_fd is None:
             raise OSError(0, f"prog id {prog_id} has no {OUTER.decode()} map")
-        # From user space a map-in-map slot reads as the inner map's id.
-        zero, inner_id = ct.c_uint32(0), ct.c_uint32(0)
-        if lib.bpf_map_lookup_elem(outer_fd, ct.byref(zero), ct.byref(inner_id)) < 0:
-            return None  # empty slot: the predecessor never had a policy
-        inner_fd = _check(lib.bpf_map_get_fd_by_id(inner_id.value), f"inner map id {inner_id.value}")
-        fds.append(inner_fd)
-        inner_info = _MapInfo()
-        _info(lib, inner_fd, inner_info)
-        layouts = {ct.sizeof(PolicyKey): PolicyKey, ct.sizeof(PolicyKeyV4): PolicyKeyV4}
-        key_type = layouts.get(inner_info.key_size)
-        if key_type is None or inner_info.value_size != ct.sizeof(PolicyVal):
-            raise OSError(0, f"prog id {prog_id}: inner policy map has {inner_info.key_size}-byte keys and "
-                             f"{inner_info.value_size}-byte values, a layout this agent cannot read")
-        records: list[tuple[PolicyKey, PolicyVal]] = []
-        key, nxt = key_type(), key_type()
-        prev = None  # NULL: the first key
-        while lib.bpf_map_get_next_key(inner_fd, prev, ct.byref(nxt)) == 0:
-            val = PolicyVal()
-            if lib.bpf_map_lookup_elem(inner_fd, ct.byref(nxt), ct.byref(val)) == 0:
-                got = key_type.from_buffer_copy(nxt)
-                records.append((got if key_type is PolicyKey else upgrade_key(got), val))
-            ct.memmove(ct.byref(key), ct.byref(nxt), ct.sizeof(key))
-            prev = ct.byref(key)
-        return records
+
+        def inner_by_id(inner_id: int) -> int:
+            fd = _check(lib.bpf_map_get_fd_by_id(inner_id), f"inner map id {inner_id}")
+            fds.append(fd)
+            return fd
+
+        return _read_live(lib, outer_fd, inner_by_id, what=f"prog id {prog_id}")
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def live_policy_pinned(pinned: Pinned, *, pool: Sequence[str] = POOL) -> list[tuple[PolicyKey, PolicyVal]] | None:
+    """`live_policy` of a predecessor's program through its pins (no CAP_SYS_ADMIN needed): the
+    outer map and each inner map of the A/B `pool` are pinned by name; the live one is the pool map
+    whose id the outer slot holds."""
+    lib = _lib()
+
+    def inner_by_id(inner_id: int) -> int:
+        for name in pool:
+            fd = pinned.map_fd(name)
+            minfo = _MapInfo()
+            _info(lib, fd, minfo)
+            if minfo.id == inner_id:
+                return fd
+        raise OSError(0, f"prog id {pinned.prog_id}: the live inner map (id {inner_id}) is not one of its pins")
+
+    return _read_live(lib, pinned.map_fd(OUTER.decode()), inner_by_id, what=f"prog id {pinned.prog_id}")
+
+
+def _read_live(lib: Any, outer_fd: int, inner_fd: Callable[[int], int],
+               *, what: str) -> list[tuple[PolicyKey, PolicyVal]] | None:
+    """Every record of the inner map `policy_outer[0]` points at; None when the slot is empty."""
+    # From user space a map-in-map slot reads as the inner map's id.
+    zero, inner_id = ct.c_uint32(0), ct.c_uint32(0)
+    if lib.bpf_map_lookup_elem(outer_fd, ct.byref(zero), ct.byref(inner_id)) < 0:
+        return None  # empty slot: the predecessor never had a policy
+    fd = inner_fd(inner_id.value)
+    inner_info = _MapInfo()
+    _info(lib, fd, inner_info)
+    layouts = {ct.sizeof(PolicyKey): PolicyKey, ct.sizeof(PolicyKeyV4): PolicyKeyV4}
+    key_type = layouts.get(inner_info.key_size)
+    if key_type is None or inner_info.value_size != ct.sizeof(PolicyVal):
+        raise OSError(0, f"{what}: inner policy map has {inner_info.key_size}-byte keys and "
+                         f"{inner_info.value_size}-byte values, a layout this agent cannot read")
+    records: list[tuple[PolicyKey, PolicyVal]] = []
+    key, nxt = key_type(), key_type()
+    prev = None  # NULL: the first key
+    while lib.bpf_map_get_next_key(fd, prev, ct.byref(nxt)) == 0:
+        val = PolicyVal()
+        if lib.bpf_map_lookup_elem(fd, ct.byref(nxt), ct.byref(val)) == 0:
+            got = key_type.from_buffer_copy(nxt)
+            records.append((got if key_type is PolicyKey else upgrade_key(got), val))
+        ct.memmove(ct.byref(key), ct.byref(nxt), ct.sizeof(key))
+        prev = ct.byref(key)
+    return records
 
 
 def program_id(prog_fd: int) -> int:

@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import subprocess
+from collections.abc import Mapping
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -84,12 +85,17 @@ def _xdp_cas(*, ifname: str, new_fd: int, expected_fd: int, mode: XdpMode) -> No
         raise OSError(-rc, f"bpf_xdp_attach({ifname}): {os.strerror(-rc)}")
 
 
-def replace(*, prog_fd: int, ifname: str, mode: XdpMode, expected_id: int) -> None:
+def replace(*, prog_fd: int, ifname: str, mode: XdpMode, expected_id: int, expected_fd: int | None = None) -> None:
     """Swap the attached program `expected_id` for `prog_fd` in one step: at no instant is the
-    interface without a program. Raises NotOurs when `expected_id` is no longer attached."""
+    interface without a program. Raises NotOurs when `expected_id` is no longer attached.
+    `expected_fd`: a descriptor of that program already held (from its pin); without one it is
+    opened by id, which the kernel allows only to CAP_SYS_ADMIN."""
+    if expected_fd is not None:
+        _xdp_cas(ifname=ifname, new_fd=prog_fd, expected_fd=expected_fd, mode=mode)
+        return
     old_fd = _libbpf().bpf_prog_get_fd_by_id(expected_id)
     if old_fd < 0:
-        raise NotOurs(f"prog id {expected_id} on {ifname} is gone: {os.strerror(-old_fd)}")
+        raise NotOurs(f"prog id {expected_id} on {ifname} cannot be opened by id: {os.strerror(-old_fd)}")
     try:
         _xdp_cas(ifname=ifname, new_fd=prog_fd, expected_fd=old_fd, mode=mode)
     finally:
@@ -102,12 +108,19 @@ def detach_own(*, prog_fd: int, ifname: str, mode: XdpMode) -> None:
     _xdp_cas(ifname=ifname, new_fd=-1, expected_fd=prog_fd, mode=mode)
 
 
-def remove_stale(*, bpf: Any, ifname: str, prog_name: str) -> bool:
-    """Remove our program left by a previous agent, if (and only if) it carries our program's
-    name; someone else's program is never touched. Used only where it cannot be replaced in one
+def _ours(current: dict[str, Any] | None, *, prog_name: str, known: Mapping[int, int]) -> bool:
+    """Whether the attached program is a previous agent's: one whose pin we opened (its id is in
+    `known`), or, where the name is visible (CAP_SYS_ADMIN), one carrying our program's name."""
+    prog = (current or {}).get("prog") or {}
+    return prog.get("id") in known or (prog.get("name") is not None and prog.get("name") == prog_name)
+
+
+def remove_stale(*, bpf: Any, ifname: str, prog_name: str, known: Mapping[int, int] | None = None) -> bool:
+    """Remove our program left by a previous agent, if (and only if) it is ours (`_ours`);
+    someone else's program is never touched. Used only where it cannot be replaced in one
     step (a different mode was asked for): the interface runs without a program in between."""
     current = attached_program(ifname)
-    if not current or current.get("prog", {}).get("name") != prog_name:
+    if not _ours(current, prog_name=prog_name, known=known or {}):
         return False
     flags = _ATTACHED_FLAGS.get(current.get("mode"))
     if flags is None:
@@ -118,19 +131,24 @@ def remove_stale(*, bpf: Any, ifname: str, prog_name: str) -> bool:
     return True
 
 
-def attach(*, bpf: Any, fn: Any, ifname: str, mode: XdpMode, prog_name: str = "xdp_flow") -> XdpMode:
+def attach(*, bpf: Any, fn: Any, ifname: str, mode: XdpMode, prog_name: str = "xdp_flow",
+           known: Mapping[int, int] | None = None) -> XdpMode:
     """Attach and return the mode actually used.
 
     Our own program left by a previous agent (restart, crash, SIGKILL: netlink attachments outlive
     their process) is replaced atomically in the mode it runs in, when that mode is the one asked
-    for (or `auto`); a different mode needs remove-then-attach. A foreign program is never touched:
-    AttachError."""
+    for (or `auto`); a different mode needs remove-then-attach. `known`: prog id -> descriptor of
+    the previous agents' programs opened through their pins (`pins.py`). A foreign program is never
+    touched: AttachError, naming the program attached."""
+    known = known or {}
     current = attached_program(ifname)
-    if current and current.get("prog", {}).get("name") == prog_name:
+    if _ours(current, prog_name=prog_name, known=known):
+        assert current is not None
         running = _ATTACHED_MODES.get(current.get("mode"))
         if running is not None and mode in (XdpMode.AUTO, running):
+            pid = current["prog"]["id"]
             try:
-                replace(prog_fd=fn.fd, ifname=ifname, mode=running, expected_id=current["prog"]["id"])
+                replace(prog_fd=fn.fd, ifname=ifname, mode=running, expected_id=pid, expected_fd=known.get(pid))
                 log.info("replaced %s (prog id %s) on %s in one step", prog_name, current["prog"]["id"], ifname)
                 return running
             except NotOurs as exc:  # it changed under us: start over with what is there now
@@ -140,7 +158,7 @@ def attach(*, bpf: Any, fn: Any, ifname: str, mode: XdpMode, prog_name: str = "x
         else:
             log.warning("%s runs on %s in mode %s, %s asked: removing it first (no program in between)",
                         prog_name, ifname, running, mode.value)
-        remove_stale(bpf=bpf, ifname=ifname, prog_name=prog_name)
+        remove_stale(bpf=bpf, ifname=ifname, prog_name=prog_name, known=known)
     order = [XdpMode.NATIVE, XdpMode.GENERIC] if mode == XdpMode.AUTO else [mode]
     errors = []
     for m in order:
@@ -150,7 +168,21 @@ def attach(*, bpf: Any, fn: Any, ifname: str, mode: XdpMode, prog_name: str = "x
         except Exception as exc:  # bcc raises bare Exception with the netlink error
             errors.append(f"{m.value}: {exc}")
             log.info("XDP %s attach on %s failed: %s", m.value, ifname, exc)
-    raise AttachError(f"cannot attach XDP to {ifname}: " + "; ".join(errors))
+    raise AttachError(f"cannot attach XDP to {ifname}{_holder(ifname)}: " + "; ".join(errors))
+
+
+def _holder(ifname: str) -> str:
+    """Who holds the interface now, for an error message (the name only where it is visible)."""
+    try:
+        current = attached_program(ifname)
+    except Exception:  # the message is what matters; the interface may be gone
+        return ""
+    prog = (current or {}).get("prog") or {}
+    if not prog:
+        return ""
+    mode = {1: "native", 2: "generic", 3: "offloaded"}.get((current or {}).get("mode"), "?")
+    return f" (prog id {prog.get('id')} {prog.get('name') or '(name not visible without CAP_SYS_ADMIN)'} " \
+           f"attached {mode}, not one this agent knows as its predecessor's)"
 
 
 def detach(*, bpf: Any, ifname: str, mode: XdpMode) -> None:

@@ -90,12 +90,13 @@ class Agents:
     def __init__(self, lab: VethLab, policy: Path, tmp_path: Path) -> None:
         self.lab, self.policy, self.tmp = lab, policy, tmp_path
         self.procs: list[subprocess.Popen[str]] = []
+        self.prefix: tuple[str, ...] = ()  # e.g. NO_SYS_ADMIN
 
     def start(self, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         log = self.tmp / f"agent{len(self.procs)}.log"
         with log.open("w") as log_f:
             proc = self.lab.popen(self.lab.server_ns, [
-                PY, "-m", "sparsegate_ebpf.agent", "--interfaces", self.lab.server_if,
+                *self.prefix, PY, "-m", "sparsegate_ebpf.agent", "--interfaces", self.lab.server_if,
                 "--metrics-port", str(PORT), "--metrics-addr", "127.0.0.1",
                 "--policy-file", str(self.policy), "--poll-interval", "0.2", *extra],
                 stdout=log_f, stderr=subprocess.STDOUT, env=env)
@@ -194,6 +195,88 @@ def test_no_document_after_a_crash_carries_over_the_policy_the_old_program_enfor
         time.sleep(0.1)
     assert sample(m, "sparsegate_agent_inherited_policy") == 0
     assert sample(m, "sparsegate_xdp_policy_generation") == 2
+
+
+# As the chart runs the agent: root without CAP_SYS_ADMIN (it has CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON).
+# Dropped from the bounding set, so the exec'd agent's permitted and effective sets lack it.
+NO_SYS_ADMIN = ("setpriv", "--bounding-set", "-sys_admin", "--")
+
+
+@pytest.fixture
+def bpffs(tmp_path: Path) -> Iterator[Path]:
+    """A bpffs instance of this test's own (`ip netns exec` remounts /sys, hiding /sys/fs/bpf)."""
+    path = tmp_path / "bpffs"
+    path.mkdir()
+    subprocess.run(["mount", "-t", "bpf", "bpf", str(path)], check=True, capture_output=True, timeout=10)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=10)
+
+
+def test_without_cap_sys_admin_the_agent_runs_as_the_chart_runs_it(lab: VethLab, agents: Agents) -> None:
+    agents.prefix = NO_SYS_ADMIN
+    proc = agents.start("--on-exit", "keep")
+    wait_ready(lab, proc, "v1")
+    status = Path(f"/proc/{proc.pid}/status")  # `ip netns exec` execs the agent in place: the same pid
+    cap_eff = int(next(line.split()[1] for line in status.read_text().splitlines() if line.startswith("CapEff")), 16)
+    assert not cap_eff & (1 << 21), f"the agent holds CAP_SYS_ADMIN: CapEff {cap_eff:#x}"
+
+
+def test_without_cap_sys_admin_or_pins_a_restarted_agent_cannot_tell_its_predecessor_from_a_foreign_program(
+        lab: VethLab, agents: Agents) -> None:
+    """The control for the next test: by name alone, the kernel shows such an agent only an id."""
+    agents.prefix = NO_SYS_ADMIN
+    first = agents.start("--on-exit", "keep")
+    wait_ready(lab, first, "v1")
+    kept = xdp_prog_id(lab)
+    first.kill()
+    first.wait(30)
+    second = agents.start("--on-exit", "keep")
+    assert second.wait(120) == 1, agents.log(1)
+    assert xdp_prog_id(lab) == kept  # untouched: it might be someone else's
+    assert f"prog id {kept} (name not visible without CAP_SYS_ADMIN)" in agents.log(1), agents.log(1)
+    lab.run(lab.server_ns, ["ip", "link", "set", "dev", lab.server_if, "xdp", "off"])
+
+
+def test_without_cap_sys_admin_a_crashed_agents_successor_replaces_its_program_by_its_pins_and_keeps_its_policy(
+        lab: VethLab, agents: Agents, tmp_path: Path, policy: Path, bpffs: Path) -> None:
+    """SIGKILL, and the policy source unavailable when the agent comes back: the successor opens
+    its predecessor's pins, carries over the policy its maps hold, and swaps programs in one step."""
+    agents.prefix = NO_SYS_ADMIN
+    hidden = tmp_path / "policy.hidden"
+    flags = (*RESTART_FLAGS, "--bpffs-dir", str(bpffs / "sparsegate"))
+    ids: list[int | None] = []
+
+    def between() -> None:
+        ids.append(xdp_prog_id(lab))
+        policy.rename(hidden)
+
+    sent, received, _ = restart_under_traffic(
+        lab, agents, tmp_path, sig=signal.SIGKILL, extra=flags, then=("--initial-policy-timeout", "1"),
+        then_version="inherited", between=between)
+    assert sent[DENIED] > 1000 and received[DENIED] == 0, (sent, received)
+    assert sent[ALLOWED] - received[ALLOWED] == 0
+    m = scrape(lab)
+    assert sample(m, "sparsegate_agent_inherited_policy") == 1
+    assert sample(m, "sparsegate_xdp_policy_verdicts_total", rule="gen1/rule2", action="deny") > 0
+    second = agents.log(1)
+    assert f"replaced xdp_flow (prog id {ids[0]})" in second and "carried over the policy" in second, second
+    now = xdp_prog_id(lab)
+    assert now not in (None, ids[0])
+    # The predecessor's pins are gone (its program is attached nowhere); the successor's are there.
+    assert sorted(p.name for p in (bpffs / "sparsegate").iterdir()) == [str(now)], second
+    assert sorted(p.name for p in (bpffs / "sparsegate" / str(now)).iterdir()) == \
+        ["policy_a", "policy_b", "policy_outer", "prog"]
+    # An agent that detaches on exit takes its pins with it.
+    agents.procs[1].kill()
+    agents.procs[1].wait(30)
+    hidden.rename(policy)
+    third = agents.start("--on-exit", "detach", "--bpffs-dir", str(bpffs / "sparsegate"))
+    wait_ready(lab, third, "v1")
+    third.send_signal(signal.SIGTERM)
+    assert third.wait(30) == 0, agents.log(2)
+    assert xdp_prog_id(lab) is None and list((bpffs / "sparsegate").iterdir()) == [], agents.log(2)
 
 
 def test_no_document_and_no_predecessor_attaches_anyway_and_says_so(

@@ -30,6 +30,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import yaml
@@ -270,8 +271,48 @@ def test_agent_enforces_the_published_policy_on_veth_packets(stack: Stack, agent
              what="the agent back on the operator's policy", timeout_s=60, interval_s=0.2)
 
 
+PINS = Path("/sys/fs/bpf/sparsegate")  # the chart's agent.bpffs + "/sparsegate", on this host
+
+
+def test_a_deleted_agent_pod_is_followed_by_one_that_replaces_its_program_in_one_step(
+        stack: Stack, agent: Agent, veth: HostVeth) -> None:
+    """A restart as a rolling update or an evicted pod makes one: the old pod, told by SIGTERM while
+    its DaemonSet stays, leaves its program attached (still enforcing); the new pod, without
+    CAP_SYS_ADMIN, knows that program only by the pins under agent.bpffs and swaps it for its own."""
+    old = veth.xdp()
+    assert old and old["prog"]["name"] == "xdp_flow", old
+    old_id = old["prog"]["id"]
+    assert (PINS / str(old_id) / "prog").exists(), sorted(p.name for p in PINS.iterdir())
+    old_pod = agent.pod["metadata"]["name"]
+    t0 = time.monotonic()
+    stack.kubectl("delete", "pod", old_pod, "-n", RELEASE_NS, "--wait=true", "--timeout=90s")
+    assert veth.xdp()["prog"]["id"] == old_id  # kept through the restart: the policy never lapses
+    try:
+        pod = wait_for(lambda: next((p for p in agent_pods(stack) if ready(p) and p["metadata"]["name"] != old_pod),
+                                    None), what="a new agent pod Ready", timeout_s=180, interval_s=0.5)
+        wait_for(lambda: (veth.xdp() or {}).get("prog", {}).get("id") not in (None, old_id) and any(
+            d.get("interface") == veth.host_if for d in labelled(try_scrape(agent.metrics_url) or {},
+                                                                 "sparsegate_xdp_attached")),
+            what="the new agent's program attached in place of the old one", timeout_s=180, interval_s=0.5)
+    except AssertionError as exc:
+        tails = "\n".join(f"--- {p['metadata']['name']}:\n{stack.logs(p, 'agent')}"
+                          for p in stack.pods(RELEASE_NS, AGENT_LABELS))
+        raise AssertionError(f"{exc}\n{tails}") from None
+    new_id = veth.xdp()["prog"]["id"]
+    agent_log = stack.logs(pod, "agent", lines=400)
+    assert f"replaced xdp_flow (prog id {old_id}) on {veth.host_if} in one step" in agent_log, agent_log
+    assert "XDP not attached to" not in agent_log, agent_log
+    # The old program is attached nowhere now: its pins went with it; the new one's are there.
+    wait_for(lambda: not (PINS / str(old_id)).exists(), what="the old program's pins removed", timeout_s=30,
+             interval_s=0.5)
+    assert (PINS / str(new_id) / "prog").exists()
+    agent.pod = pod
+    log(f"agent pod deleted -> new pod's program in place of the old one {time.monotonic() - t0:.1f}s")
+
+
 def test_uninstalling_the_daemonset_detaches_xdp(stack: Stack, agent: Agent, veth: HostVeth) -> None:
     assert veth.xdp(), "the agent's program should be attached before the DaemonSet goes"
+    prog_id = veth.xdp()["prog"]["id"]
     # The chart's RBAC lets the agent follow its own DaemonSet (list + watch by name): without it
     # the agent cannot tell an uninstall from a restart and keeps XDP attached.
     wait_for(lambda: sample(try_scrape(agent.metrics_url) or {}, "sparsegate_agent_daemonset_followed") == 1,
@@ -304,4 +345,5 @@ def test_uninstalling_the_daemonset_detaches_xdp(stack: Stack, agent: Agent, vet
                          + "\n".join(runner[-10:]) + "\n")
     assert "xdp" not in link, link
     assert f"XDP detached from {veth.host_if}" in agent_log and "bye" in agent_log, agent_log[-3000:]
+    assert not (PINS / str(prog_id)).exists(), "a detaching agent removes its pins"
     log(f"helm upgrade with agent.enabled=false -> container gone, XDP detached {t_gone - t0:.1f}s")

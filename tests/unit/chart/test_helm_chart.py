@@ -302,6 +302,11 @@ def test_agent_is_not_privileged_and_gets_only_the_bpf_capabilities():
     mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
     assert mounts["/lib/modules"]["readOnly"] and mounts["/usr/src"]["readOnly"]
     host_paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
-    assert host_paths == {"/lib/modules", "/usr/src"}  # no bpffs, no debugfs
+    assert host_paths == {"/lib/modules", "/usr/src", "/sys/fs/bpf"}  # no debugfs
+    assert not mounts["/sys/fs/bpf"].get("readOnly") and "--bpffs-dir=/sys/fs/bpf/sparsegate" in agent["command"]
+    docs = render("agent-values.yaml", "--set", "agent.bpffs=")
+    agent = containers(docs, "DaemonSet")["agent"]
+    assert not any(a.startswith("--bpffs-dir") for a in agent["command"])
+    assert "/sys/fs/bpf" not in {m["mountPath"] for m in agent["volumeMounts"]}
     docs = render("agent-values.yaml", "--set", "agent.capabilities={BPF,NET_ADMIN,PERFMON,SYS_RESOURCE}")
     assert containers(docs, "DaemonSet")["agent"]["securityContext"]["capabilities"]["add"][-1] == "SYS_RESOURCE"
