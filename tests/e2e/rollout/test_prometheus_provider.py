@@ -48,6 +48,7 @@ HEALTHY = ("m-a", "m-b")
 FAULTY = ("m-c",)
 SCRAPE_INTERVAL_S = 1.0
 ERROR_RATE = 0.5
+WARM_COUNT = 20  # errors and successes m-c has counted before the window (see the warm-up)
 BIN = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache" / "sparsegate" / "bin"))
 
 
@@ -183,10 +184,17 @@ async def test_prometheus_group_metrics_agree_with_direct_scrape(
     everyone = lambda: [f"{t.ip}:{t.port}" for t in servers.values()]  # noqa: E731
 
     # Warm-up: every series the window needs (incl. m-c's code="503") exists before the window,
-    # so increase() sees it from a sample inside the window rather than from its first value.
-    deadline = time.monotonic() + 15
-    while not all(c.errors > 0 for n, c in (await _snapshot(admin, servers)).items() if n in FAULTY):
-        assert time.monotonic() < deadline, "no injected errors on the faulty server during warm-up"
+    # so increase() sees it from a sample inside the window rather than from its first value; and
+    # each of m-c's series already counts WARM_COUNT, so that increase() extrapolates both by the
+    # same factor and the error rate is not skewed. Prometheus stops a counter's extrapolation
+    # toward the window start where the counter would reach zero (sampled interval × first value /
+    # increase): with the 503 series warmed by a single error that cut shortened the errors'
+    # extrapolation only (CI: error rate off by 0.024). Here first / increase ≥ 20/~60 leaves it
+    # beyond the at most ~1.1 intervals / ~6 s sampled that extrapolation covers.
+    deadline = time.monotonic() + 30
+    while not all(min(c.errors, c.requests - c.errors) >= WARM_COUNT
+                  for n, c in (await _snapshot(admin, servers)).items() if n in FAULTY):
+        assert time.monotonic() < deadline, f"fewer than {WARM_COUNT} errors and successes on the faulty server"
         await LoadGen(targets=everyone, qps=30).run(duration_s=0.5)
     await _caught_up(prometheus, admin, servers)
     await asyncio.sleep(1.5 * SCRAPE_INTERVAL_S)  # samples just before the window start are quiet too
