@@ -21,6 +21,11 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0)
 
 
+# The codes an inference request ends with besides client errors: 200, and the 5xx the server
+# answers (500 an internal error, 503 loading / overloaded / injected fault). See `serving`.
+INITIALISED_CODES = ("200", "500", "503")
+
+
 class ServerMetrics:
     def __init__(self, *, n_layers: int, num_experts: int, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -143,6 +148,20 @@ class ServerMetrics:
     def set_gate(self, *, version: str, checksum: str) -> None:
         self.gate_info.clear()
         self.gate_info.labels(version=version, checksum=checksum).set(1)
+        self.serving(version)
+
+    def serving(self, version: str) -> None:
+        """Create ``version``'s request series at 0 as it starts serving (stable or canary).
+
+        Prometheus's ``increase()`` over a window counts a series from its first sample: a series
+        born inside the window (a canary's first errors) loses the requests its first sample
+        already holds, and one sampled once counts nothing. Existing at 0 from the moment the
+        version is served, its first requests and errors are all counted, and every series of the
+        version starts from the same value, so the window's extrapolation treats them alike.
+        Client errors (4xx) are left to appear when they happen: they do not count as errors."""
+        for code in INITIALISED_CODES:
+            self.requests.labels(code=code, gate_version=version)
+        self.duration.labels(gate_version=version)
 
     def observe_batch(self, result: InferenceResult, *, gate_version: str | None) -> None:
         self.observe_routing(num_tokens=result.num_tokens, expert_counts=result.expert_counts,

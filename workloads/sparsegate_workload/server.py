@@ -442,6 +442,8 @@ async def put_gate(request: web.Request) -> web.Response:
         state.metrics.gate_applies.labels(result="rejected").inc()
         raise ApiError(422, f"{e} (this model has {num_experts} experts)") from None
     state.metrics.set_gate(version=doc.version, checksum=doc.checksum)
+    if canary is not None:
+        state.metrics.serving(canary.gate.doc.version)
     state.metrics.gate_applies.labels(result="applied").inc()
     _publish_controller(state, new)
     if canary is not None:

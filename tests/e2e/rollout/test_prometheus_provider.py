@@ -160,7 +160,9 @@ async def _caught_up(url: str, admin: PodAdmin, servers: dict[str, PodTarget], *
         while True:
             direct = await _snapshot(admin, servers)
             prom_req = await _instant(session, url, f"sum by (pod) (sparsegate_requests_total{sel})")
-            prom_err = await _instant(session, url, f"sum by (pod) (sparsegate_requests_total{errors_sel})")
+            # A server's error series exist at 0 before its first error (ServerMetrics.serving).
+            prom_err = {pod: v for pod, v in (await _instant(
+                session, url, f"sum by (pod) (sparsegate_requests_total{errors_sel})")).items() if v}
             want_req = {n: c.requests for n, c in direct.items()}
             want_err = {n: c.errors for n, c in direct.items() if c.errors}
             if prom_req == want_req and prom_err == want_err:
@@ -413,3 +415,53 @@ async def test_request_level_canary_groups_split_by_gate_version(
         assert ps.mean_active_experts is not None and 1.0 <= ps.mean_active_experts <= 4.0
     finally:
         assert (await admin.push([(target, stable)]))[name].ok
+
+
+async def test_a_canary_s_first_few_errors_in_the_window_are_all_counted(
+        servers: dict[str, PodTarget], prometheus: str) -> None:
+    """A version's request series exist at 0 from the moment it starts serving
+    (``ServerMetrics.serving``), so ``increase()`` over a step's window counts a new canary's very
+    first requests and errors. A series born inside the window is counted from its first sample:
+    a short burst of errors that one scrape sees whole would leave every sample equal and count 0."""
+    from sparsegate_contracts.canary import gate_set_document
+
+    admin, target = PodAdmin(timeout_s=5), servers["m-a"]
+    stable = gateparams.make_document({}).to_json()
+    # A version no server has served yet (the request-canary test above served errorRate 1.0).
+    canary = gateparams.make_document({"faultInjection": {"errorRate": 1.0, "addedLatencyMs": 1}}).to_json()
+    pushed = await admin.push([(target, gate_set_document(stable, canary, weight=0.5))])
+    assert all(r.ok for r in pushed.values()), pushed
+    try:
+        born = (f'sparsegate_requests_total{{namespace="{NAMESPACE}",pod="m-a",'
+                f'gate_version="{canary["version"]}",code="503"}}')
+        deadline = time.monotonic() + 15
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            while (await _instant(session, prometheus, born)) != {"m-a": 0.0}:
+                assert time.monotonic() < deadline, (
+                    "the canary's 503 series was not scraped at 0 before its first error: "
+                    + "\n".join(line for line in (await admin.scrape([target]))["m-a"].splitlines()
+                                 if line.startswith("sparsegate_requests_total")))
+                await asyncio.sleep(0.2)
+        await asyncio.sleep(1.5 * SCRAPE_INTERVAL_S)
+
+        t0 = time.time()
+        await asyncio.sleep(SCRAPE_INTERVAL_S)
+        # A burst shorter than a scrape interval, then quiet: the canary's first and only errors.
+        stats = await LoadGen(targets=lambda: [f"{target.ip}:{target.port}"], qps=40, seed=11).run(duration_s=0.3)
+        await _caught_up(prometheus, admin, servers)
+        await asyncio.sleep(1.5 * SCRAPE_INTERVAL_S)
+        window_s = time.time() - t0 + 0.5
+        prom = await PrometheusAPI(prometheus).group(namespace=NAMESPACE, pods=["m-a"], window_s=window_s,
+                                                     gate_version=canary["version"])
+        sys.stderr.write(f"\n[prom] canary: load {dict(stats)}, prometheus req={prom and prom.requests} "
+                         f"err={prom and prom.errors}\n")
+        served_by_canary = stats.get("503", 0)  # every canary request fails; the stable's succeed
+        assert served_by_canary >= 2, stats
+        # ≈1: increase() extrapolates the two sums separately (error_rate clamps at 1).
+        assert prom is not None and prom.error_rate is not None and abs(prom.error_rate - 1.0) < 0.01
+        window = max(1, math.ceil(window_s))
+        bound = window / (window - 2 * 1.1 * SCRAPE_INTERVAL_S - 0.5)
+        _check_count(what="canary errors", prom=prom.errors, direct=served_by_canary, bound=bound)
+        _check_count(what="canary requests", prom=prom.requests, direct=served_by_canary, bound=bound)
+    finally:
+        assert all(r.ok for r in (await admin.push([(target, stable)])).values())

@@ -118,7 +118,21 @@ async def test_a_faulty_canary_fails_only_its_own_requests(server):
     samples = _samples(await (await client.get("/metrics")).text())
     assert samples[f'sparsegate_requests_total{{code="503",gate_version="{faulty.version}"}}'] \
         == list(codes.values()).count(503) > 0
-    assert f'sparsegate_requests_total{{code="503",gate_version="{STABLE.version}"}}' not in samples
+    assert samples[f'sparsegate_requests_total{{code="503",gate_version="{STABLE.version}"}}'] == 0
+
+
+async def test_a_version_s_request_series_exist_at_zero_from_the_moment_it_is_served(server):
+    """So that Prometheus's increase() counts a canary's first requests and errors: a series born
+    inside an analysis window loses what its first sample holds (metrics.ServerMetrics.serving)."""
+    client, admin = server
+    canary = make_document({**DEFAULT_PARAMS, "faultInjection": {"errorRate": 1.0, "addedLatencyMs": 0}})
+    await _put(admin, gate_set_document(STABLE.to_json(), canary.to_json(), weight=0.5, sticky_header="x-user"))
+    samples = _samples(await (await client.get("/metrics")).text())  # no request served yet
+    for version in (STABLE.version, canary.version):
+        for code in ("200", "500", "503"):
+            assert samples[f'sparsegate_requests_total{{code="{code}",gate_version="{version}"}}'] == 0
+        assert samples[f'sparsegate_request_duration_seconds_count{{gate_version="{version}"}}'] == 0
+    assert not [k for k in samples if k.startswith("sparsegate_requests_total") and 'code="4' in k]
 
 
 async def test_promotion_rollback_and_swaps_under_load_drop_nothing(server):
