@@ -156,12 +156,16 @@ class ServerMetrics:
         Prometheus's ``increase()`` over a window counts a series from its first sample: a series
         born inside the window (a canary's first errors) loses the requests its first sample
         already holds, and one sampled once counts nothing. Existing at 0 from the moment the
-        version is served, its first requests and errors are all counted, and every series of the
-        version starts from the same value, so the window's extrapolation treats them alike.
+        version is served, its first requests, errors, tokens and scores are all counted, and
+        every series of the version starts from the same value, so the window's extrapolation
+        treats them alike.
         Client errors (4xx) are left to appear when they happen: they do not count as errors."""
         for code in INITIALISED_CODES:
             self.requests.labels(code=code, gate_version=version)
-        self.duration.labels(gate_version=version)
+        # The other per-version sums the analysis divides (experts per token, its spread, quality).
+        for family in (self.duration, self.tokens, self.assignments, self.request_experts,
+                       self.request_experts_squares, self.quality.nll, self.quality.tokens):
+            family.labels(gate_version=version)
 
     def observe_batch(self, result: InferenceResult, *, gate_version: str | None) -> None:
         self.observe_routing(num_tokens=result.num_tokens, expert_counts=result.expert_counts,

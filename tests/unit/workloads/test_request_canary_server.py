@@ -132,6 +132,10 @@ async def test_a_version_s_request_series_exist_at_zero_from_the_moment_it_is_se
         for code in ("200", "500", "503"):
             assert samples[f'sparsegate_requests_total{{code="{code}",gate_version="{version}"}}'] == 0
         assert samples[f'sparsegate_request_duration_seconds_count{{gate_version="{version}"}}'] == 0
+        for name in ("sparsegate_tokens_total", "sparsegate_expert_assignments_total",
+                     "sparsegate_request_experts_per_token_count", "sparsegate_request_experts_per_token_squares_total",
+                     "sparsegate_quality_nll_total", "sparsegate_quality_tokens_total"):
+            assert samples[f'{name}{{gate_version="{version}"}}'] == 0, name
     assert not [k for k in samples if k.startswith("sparsegate_requests_total") and 'code="4' in k]
 
 
