@@ -304,6 +304,7 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
     state.swapper = PolicySwapper(bpf=prog.bpf)
     state.bpf_available = True
     agent_pins = _open_pins(args, prog)
+    start.pinned = agent_pins is not None
 
     # The policy source starts before the program is attached: the first policy goes into the
     # maps of a program no packet reaches yet, so the program is never live without it.

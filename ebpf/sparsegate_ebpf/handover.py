@@ -228,6 +228,7 @@ class StartState:
     attached_without_policy: bool = False
     inherited_policy: bool = False
     daemonset_watch: DaemonSetWatch | None = None  # --on-exit daemonset only
+    pinned: bool = False  # this agent's program and maps pinned under --bpffs-dir (pins.py)
 
 
 class StartCollector:
@@ -254,6 +255,13 @@ class StartCollector:
             "(no document within --initial-policy-timeout)")
         inherited.add_metric([], 1.0 if self._state.inherited_policy else 0.0)
         yield inherited
+        pinned = GaugeMetricFamily(
+            "sparsegate_agent_pinned",
+            "1 when this agent's program and policy maps are pinned under --bpffs-dir, so its successor "
+            "can replace the program and carry over its policy; 0 without --bpffs-dir or when pinning "
+            "failed (a successor without CAP_SYS_ADMIN then cannot attach where this program runs)")
+        pinned.add_metric([], 1.0 if self._state.pinned else 0.0)
+        yield pinned
         watch = self._state.daemonset_watch
         if watch is not None:
             followed = GaugeMetricFamily(

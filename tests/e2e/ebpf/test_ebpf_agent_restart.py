@@ -217,7 +217,7 @@ def bpffs(tmp_path: Path) -> Iterator[Path]:
 def test_without_cap_sys_admin_the_agent_runs_as_the_chart_runs_it(lab: VethLab, agents: Agents) -> None:
     agents.prefix = NO_SYS_ADMIN
     proc = agents.start("--on-exit", "keep")
-    wait_ready(lab, proc, "v1")
+    assert sample(wait_ready(lab, proc, "v1"), "sparsegate_agent_pinned") == 0  # no --bpffs-dir
     status = Path(f"/proc/{proc.pid}/status")  # `ip netns exec` execs the agent in place: the same pid
     cap_eff = int(next(line.split()[1] for line in status.read_text().splitlines() if line.startswith("CapEff")), 16)
     assert not cap_eff & (1 << 21), f"the agent holds CAP_SYS_ADMIN: CapEff {cap_eff:#x}"
@@ -258,7 +258,7 @@ def test_without_cap_sys_admin_a_crashed_agents_successor_replaces_its_program_b
     assert sent[DENIED] > 1000 and received[DENIED] == 0, (sent, received)
     assert sent[ALLOWED] - received[ALLOWED] == 0
     m = scrape(lab)
-    assert sample(m, "sparsegate_agent_inherited_policy") == 1
+    assert sample(m, "sparsegate_agent_inherited_policy") == 1 and sample(m, "sparsegate_agent_pinned") == 1
     assert sample(m, "sparsegate_xdp_policy_verdicts_total", rule="gen1/rule2", action="deny") > 0
     second = agents.log(1)
     assert f"replaced xdp_flow (prog id {ids[0]})" in second and "carried over the policy" in second, second

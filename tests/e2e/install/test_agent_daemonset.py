@@ -204,6 +204,7 @@ def test_agent_pod_runs_the_agent_image_with_bpf_capabilities_only(stack: Stack,
 
     m = scrape(agent.metrics_url)
     assert sample(m, "sparsegate_agent_bpf_available") == 1
+    assert sample(m, "sparsegate_agent_pinned") == 1  # the chart's agent.bpffs is mounted and pinned on
     attached = labelled(m, "sparsegate_xdp_attached")
     prog = veth.xdp()
     assert prog and prog["prog"]["name"] == "xdp_flow", prog  # the kernel agrees with the metrics

@@ -183,6 +183,9 @@ def test_start_metrics() -> None:
     state.attached_without_policy = False
     assert "sparsegate_agent_attached_without_policy 0.0" in generate_latest(registry).decode()
     assert "sparsegate_agent_daemonset_followed" not in text  # only with --on-exit daemonset
+    assert "sparsegate_agent_pinned 0.0" in text
+    state.pinned = True
+    assert "sparsegate_agent_pinned 1.0" in generate_latest(registry).decode()
 
 
 def test_on_applied_runs_only_after_a_valid_policy_is_swapped_in() -> None:
