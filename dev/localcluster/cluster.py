@@ -318,10 +318,12 @@ class LocalCluster:
         ]
 
     def _stages_file(self) -> Path:
-        """kwok's stages; in container mode pod-ready gives way to pod-start (readiness is the runner's)."""
+        """kwok's stages; in container mode pod-ready gives way to pod-start (readiness is the runner's)
+        and pod-delete is left out (the runner deletes a pod's object once its containers stopped)."""
         if not self.containers:
             return STAGES_FILE
-        docs = [d for d in yaml.safe_load_all(STAGES_FILE.read_text()) if d and d["metadata"]["name"] != "pod-ready"]
+        docs = [d for d in yaml.safe_load_all(STAGES_FILE.read_text())
+                if d and d["metadata"]["name"] not in ("pod-ready", "pod-delete")]
         docs.append(yaml.safe_load(POD_START_STAGE.read_text()))
         path = self.layout.work_dir("kwok") / "stages.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,11 @@ waits with ``ErrImageNeverPull`` (pull policy Never) or ``ErrImagePull`` (no reg
 nothing is pulled). Fields it cannot honour are named in a Warning event on the pod.
 
 kwok's ``pod-start`` stage (see ``cluster.py``) leaves such pods Running but not Ready: readiness is
-the runner's to report, as it is the kubelet's.
+the runner's to report, as it is the kubelet's. Deletion is the runner's to finish too (cluster.py
+leaves kwok's ``pod-delete`` stage out in this mode): a deleted pod's containers get SIGTERM and
+the pod's grace period (capped), and only once none of them is left does the runner delete the
+pod object (grace 0, on its uid), as a kubelet does, so a stopping container's ServiceAccount token
+stays valid while it stops.
 """
 
 from __future__ import annotations
@@ -183,6 +187,7 @@ class ContainerPodRunner:
         self._changed = threading.Event()
         self._images: set[str] = set()
         self._removing: set[str] = set()  # containers being stopped and removed (one removal each)
+        self._finished: set[str] = set()  # uids of deleted pods whose object this runner has deleted
 
     # -- API lookups ------------------------------------------------------------------------
 
@@ -274,9 +279,13 @@ class ContainerPodRunner:
                 return read[(kind, ns, name)]
             return get
 
+        deleting: dict[str, dict[str, Any]] = {}  # uid -> metadata of a pod being deleted
         for obj in pods.items:
             pod = client.sanitize_for_serialization(obj)
             meta = pod["metadata"]
+            if meta.get("deletionTimestamp"):
+                deleting[meta["uid"]] = meta
+                continue
             try:
                 plan = plan_pod(pod, secrets=lookup("secret"), configmaps=lookup("configmap"),
                                 tokens=self.tokens, service_env=self.service_env)
@@ -296,8 +305,15 @@ class ContainerPodRunner:
         wanted_names = {container_name(p, c.name) for p, _ in desired.values() for c in p.containers}
         for name, state in existing.items():
             if name not in wanted_names:
-                self._remove(name, grace_s=int(state.labels.get(podman.LABEL_GRACE, STOP_GRACE_CAP_S)))
-        for uid in [u for u in self.plans if u not in desired]:
+                grace = int(state.labels.get(podman.LABEL_GRACE, STOP_GRACE_CAP_S))
+                pod_meta = deleting.get(state.labels.get(podman.LABEL_POD_UID, ""))
+                if pod_meta is not None and pod_meta.get("deletionGracePeriodSeconds") is not None:
+                    grace = min(grace, int(pod_meta["deletionGracePeriodSeconds"]))  # kubectl delete --grace-period
+                self._remove(name, grace_s=grace)
+        self._finish_deletions(deleting, existing, listed_at=listed_at)
+        # A deleted pod's plan (its container names, its volumes) is kept until its object is gone:
+        # a stopping container still reads its volumes, as under a kubelet.
+        for uid in [u for u in self.plans if u not in desired and (u not in deleting or u in self._finished)]:
             self._forget_pod(uid)
         # As a kubelet syncs ConfigMap/Secret volumes of running pods: rewrite files whose source
         # changed (unchanged files are left alone), so a running container sees a changed Secret
@@ -459,6 +475,38 @@ class ContainerPodRunner:
         finally:
             with self._lock:
                 self._removing.discard(name)
+            self._changed.set()  # its pod's deletion may now be finished
+
+    def _finish_deletions(self, deleting: Mapping[str, Mapping[str, Any]],
+                          existing: Mapping[str, podman.ContainerState], *, listed_at: float) -> None:
+        """Deletes the object of each pod being deleted none of whose containers is left (listed,
+        being removed, or acted on since the listing began), as a kubelet ends a pod's deletion."""
+        with self._lock:
+            removing = set(self._removing)
+        live = {s.labels.get(podman.LABEL_POD_UID) for n, s in existing.items()}
+        for uid, meta in deleting.items():
+            if uid in self._finished or uid in live:
+                continue
+            plan = self.plans.get(uid)
+            names = {container_name(plan, c.name) for c in plan.containers} if plan else set()
+            if names & removing or any(t.busy or t.acted_at > listed_at
+                                       for t in (self.tracks.get(n) for n in names) if t is not None):
+                continue
+            self._delete_pod(meta)
+        self._finished &= set(deleting)  # a uid whose object is gone need not be remembered
+
+    def _delete_pod(self, meta: Mapping[str, Any]) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        body = {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}}
+        try:
+            self.api.delete_namespaced_pod(meta["name"], meta["namespace"], body=body, grace_period_seconds=0)
+        except ApiException as exc:
+            if exc.status not in (404, 409):  # gone already, or a new pod of that name (uid precondition)
+                raise
+        self._finished.add(meta["uid"])
+        LOG.info("deleted pod %s/%s (%s): its containers have stopped", meta["namespace"], meta["name"],
+                 meta["uid"][:8])
 
     def _forget_pod(self, uid: str) -> None:
         plan = self.plans.pop(uid)

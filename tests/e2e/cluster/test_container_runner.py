@@ -180,3 +180,36 @@ def test_liveness_failure_restarts_and_deletion_removes_the_container(ccluster: 
         return out.stdout.strip() == ""
 
     assert wait_for(gone, what="container removed with its pod", timeout_s=60)
+
+
+def test_a_deleted_pod_s_object_outlives_its_stopping_container(ccluster: LocalCluster, ns: str,
+                                                                   busybox_image: str) -> None:
+    """As under a kubelet, the object of a deleted pod stays (with its deletionTimestamp) until its
+    containers have stopped, so a stopping process's ServiceAccount token still authenticates."""
+    spec = pod("slowstop", busybox_image, ["/bin/busybox", "sleep", "3600"])  # pid 1 ignores SIGTERM
+    spec["spec"]["terminationGracePeriodSeconds"] = 3
+    apply(ccluster, ns, spec)
+    wait_for(lambda: container_status(ccluster, ns, "slowstop").get("ready"), what="slowstop running", timeout_s=60)
+    uid = get_pod(ccluster, ns, "slowstop")["metadata"]["uid"]
+
+    def container_listed() -> bool:
+        out = podman.podman("ps", "-a", "--filter", f"label={podman.LABEL_POD_UID}={uid}", "--format", "{{.Names}}")
+        return out.stdout.strip() != ""
+
+    t0 = time.monotonic()
+    ccluster.kubectl("delete", "pod", "slowstop", "-n", ns, "--wait=false")
+    object_gone_s = None
+    while object_gone_s is None and time.monotonic() - t0 < 60:
+        found = ccluster.kubectl("get", "pod", "slowstop", "-n", ns, "-o", "json", check=False)
+        listed = container_listed()  # after the object's read: listed here means listed when it was gone
+        if found.returncode == 0:
+            assert json.loads(found.stdout)["metadata"].get("deletionTimestamp")
+        else:
+            object_gone_s = time.monotonic() - t0
+            assert not listed, "the pod's object went while its container was still there"
+        time.sleep(0.1)
+    assert object_gone_s is not None, "the deleted pod's object was never removed"
+    # Its grace is 3 s and sleep ignores SIGTERM: the object lived through the SIGKILL.
+    assert object_gone_s >= 2.5, f"object gone {object_gone_s:.1f}s after the delete, before the grace ran out"
+    log = ccluster.layout.log("podrunner").read_text()
+    assert f"deleted pod {ns}/slowstop ({uid[:8]}): its containers have stopped" in log

@@ -21,9 +21,6 @@ from operator_e2e_support import (LEASE, LIVENESS_PORT, RELEASE_NS, get_json, ht
                                   operator_restarts)
 
 
-HOLD = "sparsegate.dev/e2e-hold"  # the test's own finalizer on the leader's pod (see its use)
-
-
 def ready_pods(stack) -> list[dict]:
     return [p for p in stack.operator_pods()
             if any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])]
@@ -101,26 +98,19 @@ def test_standby_takes_over_when_the_leader_goes(stack, tmp_path):
             # The old leader's last words (how long its stop took), readable after its pod is gone.
             stopping_log = tmp_path / "old-leader.log"
             follower = stack.follow_logs(first, "operator", stopping_log)
-            # A kubelet keeps a deleted pod's object until its containers have stopped; the dev
-            # cluster's kwok stage removes it at once, and the pod's bound ServiceAccount token then
-            # stops authenticating (once the API server's 10-s token cache re-checks it), so the
-            # stopping leader's Lease release could fail with 401. A finalizer of the test's own
-            # holds the object through the stop, as a kubelet would.
+            # The pod's object stays until its operator has stopped (the dev pod runner deletes it
+            # then, as a kubelet does), so the stopping leader's ServiceAccount token still
+            # authenticates its Lease release.
             pod_ref = ("pod", first["metadata"]["name"], "-n", RELEASE_NS)
-            stack.kubectl("patch", *pod_ref, "--type=merge", "-p", json.dumps({"metadata": {"finalizers": [HOLD]}}))
+            t0 = time.monotonic()
+            stack.kubectl("delete", *pod_ref, "--wait=false")
+            wait_for(lambda: lease_holder(stack) == standby["metadata"]["name"], what="the standby to take over",
+                     timeout_s=30, interval_s=0.2)
+            takeover_s = time.monotonic() - t0
             try:
-                t0 = time.monotonic()
-                stack.kubectl("delete", *pod_ref, "--wait=false")
-                wait_for(lambda: lease_holder(stack) == standby["metadata"]["name"], what="the standby to take over",
-                         timeout_s=30, interval_s=0.2)
-                takeover_s = time.monotonic() - t0
-                try:
-                    follower.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    follower.kill()
-            finally:
-                stack.kubectl("patch", *pod_ref, "--type=json", "-p",
-                              json.dumps([{"op": "remove", "path": "/metadata/finalizers"}]), check=False)
+                follower.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                follower.kill()
             last_words = stopping_log.read_text(errors="replace")[-6000:]
             sys.stderr.write(f"\n[e2e] old leader's stop: {stop_timeline(last_words)}\n")
             # Every change of the Lease since, from the API server's watch: the old leader released it

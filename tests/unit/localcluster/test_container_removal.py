@@ -71,3 +71,89 @@ def test_a_create_that_ends_after_the_listing_is_not_started_again(monkeypatch, 
         assert len(created) == 2
     finally:
         runner.pool.shutdown(wait=True)
+
+
+class _FakeCoreApi:
+    """The pod-list and pod-delete calls of a CoreV1Api, over plain dicts."""
+
+    def __init__(self, pods: list[dict]) -> None:
+        self.pods = pods
+        self.deleted: list[tuple[str, str, dict]] = []
+        self.api_client = SimpleNamespace(sanitize_for_serialization=lambda obj: obj)
+
+    def list_pod_for_all_namespaces(self) -> SimpleNamespace:
+        return SimpleNamespace(items=self.pods)
+
+    def delete_namespaced_pod(self, name: str, namespace: str, *, body: dict, grace_period_seconds: int) -> None:
+        self.deleted.append((namespace, name, body))
+
+
+def test_a_deleted_pod_s_object_goes_only_once_its_containers_have_stopped(monkeypatch, tmp_path: Path) -> None:
+    """As a kubelet: the runner stops a deleted pod's containers within the pod's deletion grace,
+    keeps its volumes meanwhile, and then deletes the object (grace 0, on its uid), once."""
+    from localcluster.podplan import ContainerPlan, PodPlan
+
+    uid = "0123456789abcdef"
+    pod = {"metadata": {"name": "leader", "namespace": "ns", "uid": uid, "deletionTimestamp": "2026-12-06T00:00:00Z",
+                        "deletionGracePeriodSeconds": 3}}
+    api = _FakeCoreApi([pod])
+    runner = ContainerPodRunner(core_api=api, work_dir=tmp_path, api_host="127.0.0.1", api_port=6443, runner_id="t")
+    c = ContainerPlan(name="operator", image="img", pull_policy="Never", entrypoint=None, args=None, env=(), mounts=())
+    plan = PodPlan(namespace="ns", name="leader", uid=uid, pod_ip="127.0.0.2", containers=(c,), volumes=(),
+                   unsupported=())
+    runner.plans[uid] = plan  # it ran this pod before the deletion
+    runner._pod_dir(plan).mkdir(parents=True)
+    name = containerrunner.container_name(plan, "operator")
+    listed = {name: containerrunner.podman.ContainerState(
+        name=name, id="c0ffee", state="running", exit_code=0, started_at=1, exited_at=0,
+        labels={containerrunner.podman.LABEL_POD_UID: uid, containerrunner.podman.LABEL_GRACE: "10"})}
+    removals: list[tuple[str, int]] = []
+    monkeypatch.setattr(containerrunner.podman, "list_containers", lambda runner_id: dict(listed))
+    monkeypatch.setattr(ContainerPodRunner, "_remove", lambda self, n, grace_s: removals.append((n, grace_s)))
+    try:
+        runner.reconcile()  # the container is still there (stopping)
+        assert removals == [(name, 3)], "stopped within the deletion's grace, not the pod spec's 10 s"
+        assert api.deleted == [], "the object must outlive its running containers"
+        assert runner._pod_dir(plan).is_dir(), "a stopping container still reads its volumes"
+        runner._removing.add(name)
+        listed.clear()  # a listing that no longer shows it, while its removal is still under way
+        runner.reconcile()
+        assert api.deleted == []
+        runner._removing.clear()
+        runner.reconcile()
+        assert api.deleted == [("ns", "leader", {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}})]
+        assert not runner._pod_dir(plan).exists() and uid not in runner.plans
+        runner.reconcile()  # still listed (another finalizer holds it): not deleted again
+        assert len(api.deleted) == 1
+        api.pods.clear()
+        runner.reconcile()
+        assert runner._finished == set()
+    finally:
+        runner.pool.shutdown(wait=True)
+
+
+def test_a_deleted_pod_whose_container_is_being_created_waits_for_it(monkeypatch, tmp_path: Path) -> None:
+    from localcluster.podplan import ContainerPlan, PodPlan
+
+    uid = "fedcba9876543210"
+    api = _FakeCoreApi([{"metadata": {"name": "p", "namespace": "ns", "uid": uid,
+                                      "deletionTimestamp": "2026-12-06T00:00:00Z"}}])
+    runner = ContainerPodRunner(core_api=api, work_dir=tmp_path, api_host="127.0.0.1", api_port=6443, runner_id="t")
+    c = ContainerPlan(name="m", image="img", pull_policy="Never", entrypoint=None, args=None, env=(), mounts=())
+    plan = PodPlan(namespace="ns", name="p", uid=uid, pod_ip="127.0.0.2", containers=(c,), volumes=(), unsupported=())
+    runner.plans[uid] = plan
+    monkeypatch.setattr(containerrunner.podman, "list_containers", lambda runner_id: {})
+    track = runner.tracks.setdefault(containerrunner.container_name(plan, "m"), containerrunner._Track())
+    track.busy = True  # its create is under way: the listing cannot show it yet
+    try:
+        runner.reconcile()
+        assert api.deleted == []
+        track.busy = False
+        track.acted_at = time.monotonic() + 60  # it ended after this pass's listing began
+        runner.reconcile()
+        assert api.deleted == [], "a listing older than the create cannot tell the container is gone"
+        track.acted_at = time.monotonic()
+        runner.reconcile()  # a listing begun after the create ended, showing no container
+        assert len(api.deleted) == 1
+    finally:
+        runner.pool.shutdown(wait=True)
