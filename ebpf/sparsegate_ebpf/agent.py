@@ -341,6 +341,9 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
                                           pinned=agent_pins.found if agent_pins else {})
         if first_policy.is_set():
             start.inherited_policy = False
+        elif not start.inherited_policy:
+            log.warning("no predecessor's policy to carry over: the program passes everything (counted no_policy) "
+                        "until a policy arrives")
 
     def attach(**kw: object) -> xdp.XdpMode:
         return xdp.attach(**kw, known=agent_pins.known() if agent_pins else {})  # type: ignore[arg-type]
@@ -456,9 +459,8 @@ def _wait_first_policy(args: argparse.Namespace, *, first_policy: threading.Even
     if first_policy.is_set():
         log.info("first policy in the maps after %.2fs; attaching", start.initial_policy_wait_seconds)
     else:
-        log.warning("no valid policy within --initial-policy-timeout %.0fs: attaching XDP anyway; it passes "
-                    "everything (counted no_policy) until a policy arrives, so telemetry is not lost for ever",
-                    args.initial_policy_timeout)
+        log.warning("no valid policy within --initial-policy-timeout %.0fs: attaching XDP anyway, so telemetry "
+                    "is not lost for ever", args.initial_policy_timeout)
     return True
 
 
