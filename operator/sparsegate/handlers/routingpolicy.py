@@ -39,7 +39,7 @@ from typing import Any
 
 import kopf
 
-from sparsegate_contracts import names, rego
+from sparsegate_contracts import flowpolicy, names, rego
 from sparsegate_contracts.canonical import sha256_of
 
 from sparsegate.clients.flow_policy import FlowPolicyConfigMap
@@ -92,6 +92,9 @@ class Settings:
     own_ips: tuple[str, ...] = ()
     # Limits a compiled allow-list must fit before it is published (lowered for tests by env).
     capacity: Capacity = Capacity()
+    # The allow-list's head ConfigMap (its shards are named after it): the chart passes the name
+    # its agents read (agent.policyConfigMap).
+    flow_policy_configmap: str = flowpolicy.CONFIGMAP_NAME
 
     @property
     def allowed_sources(self) -> list[str]:
@@ -108,6 +111,7 @@ class Settings:
             rego_path=Path(p) if (p := os.environ.get(rego.OVERRIDE_ENV)) else None,
             own_ip=os.environ.get("POD_IP") or None,
             own_ips=listed_addresses(os.environ.get("POD_IPS", ""), where="POD_IPS"),
+            flow_policy_configmap=os.environ.get("SPARSEGATE_FLOW_POLICY_CONFIGMAP") or flowpolicy.CONFIGMAP_NAME,
             capacity=Capacity.from_env(os.environ),
         )
 
@@ -241,7 +245,8 @@ def _state() -> PolicySync:
         settings = Settings.from_env()
         _sync = PolicySync(
             settings=settings, opa=RoutingOpa(url=settings.opa_url, token=settings.opa_token),
-            store=FlowPolicyConfigMap(namespace=settings.namespace, max_bytes=settings.capacity.max_bytes),
+            store=FlowPolicyConfigMap(namespace=settings.namespace, name=settings.flow_policy_configmap,
+                                      max_bytes=settings.capacity.max_bytes),
             kube=Kube.from_environment(),
         )
     return _sync

@@ -77,9 +77,36 @@ def test_one_policy_map_size_reaches_the_agents_and_the_operator() -> None:
         assert Capacity.from_env(env).max_records == records - flowpolicy.AGENT_RESERVED_RECORDS
 
 
+def test_one_flow_policy_configmap_name_reaches_the_agents_the_operator_and_their_rbac(monkeypatch) -> None:
+    """agent.policyConfigMap is where the operator publishes the allow-list and where the agents
+    read it: a renamed ConfigMap that only one side knew would leave enforcement on nothing."""
+    from sparsegate.handlers.routingpolicy import Settings
+    from sparsegate_contracts import flowpolicy
+
+    for value, name in ((None, flowpolicy.CONFIGMAP_NAME), ("team-a-flows", "team-a-flows")):
+        proc = helm_template(*(("--set", f"agent.policyConfigMap={value}") if value else ()))
+        assert proc.returncode == 0, proc.stderr
+        docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+        (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+        assert agent.parse_args(agent_args(ds)).policy_configmap == f"sg-system/{name}"
+        (deploy,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("operator")]
+        env = {e["name"]: e.get("value") for c in deploy["spec"]["template"]["spec"]["containers"]
+               for e in c.get("env") or () if "value" in e}
+        for key, val in env.items():
+            monkeypatch.setenv(key, val)
+        assert Settings.from_env().flow_policy_configmap == name
+        # Both sides may read (the operator also write) that ConfigMap and its shards, none other.
+        granted = {n for d in docs if d["kind"] == "Role" for r in d["rules"] if "configmaps" in r["resources"]
+                   for n in r.get("resourceNames") or ()}
+        assert name in granted and f"{name}-0" in granted
+        if value:
+            assert flowpolicy.CONFIGMAP_NAME not in granted
+
+
 @pytest.mark.parametrize(("values", "field"), [
     (("--set", "agent.enforcement=on"), "/agent/enforcement"),
     (("--set", "agent.policyMapRecords=100"), "/agent/policyMapRecords"),
+    (("--set", "agent.policyConfigMap=Flows_A"), "/agent/policyConfigMap"),
     (("--set", "agent.allowSources={not-an-ip}"), "/agent/allowSources/0"),
 ])
 def test_bad_values_are_refused_naming_the_field(values: tuple[str, ...], field: str) -> None:
