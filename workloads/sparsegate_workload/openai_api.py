@@ -231,6 +231,7 @@ class _Call:
         self.created = int(time.time())
         self.started = time.perf_counter()
         self.first_token: float | None = None
+        self.gate_version: str | None = None  # the version its prefill really ran under, once known
 
     def chunk(self, *, text: str | None, finish: str | None, first: bool = False
               ) -> dict[str, Any]:
@@ -256,6 +257,7 @@ class _Call:
                 "usage": usage(gen, tool_calls, self.scope)}
 
     def observe(self, gen: Generation) -> None:
+        self.gate_version = gen.gate_version
         m = self.state.metrics
         assert m is not None
         m.e2e.observe(time.perf_counter() - self.started)
@@ -293,7 +295,10 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
             keep()  # the engine frees the slot when the request leaves its queue or batch
         if plan.stream:
             code = 200  # the status is sent before the tokens; a later failure is an event
-            return await _stream(request, call, plan, handle)
+            try:
+                return await _stream(request, call, plan, handle)
+            finally:
+                served = call.gate_version or served  # a version installed after admission may have served it
         try:
             gen = await asyncio.shield(handle.done)
         except asyncio.CancelledError:  # the client went away: leave the batch
@@ -301,7 +306,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
             raise
         call.first_token = handle.first_token_at
         call.observe(gen)
-        served = gen.gate_version or served  # the version its prefill really ran under
+        served = call.gate_version or served  # a version installed after admission may have served it
         code = 200
         return web.json_response(call.full(gen, handle.tool_calls))
     except ApiError as e:
@@ -358,7 +363,6 @@ async def _send_events(request: web.Request, call: _Call, plan: Plan,
             await send(call.chunk(text=text[len(sent):], finish=None))
         call.first_token = handle.first_token_at
         call.observe(gen)
-        served = gen.gate_version or served  # the version its prefill really ran under
         await send(call.chunk(text=None if call.chat else "", finish=gen.finish_reason))
         if plan.include_usage:
             await send({**call.chunk(text=None, finish=None), "choices": [],

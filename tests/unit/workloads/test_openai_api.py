@@ -237,6 +237,30 @@ async def test_metrics_use_vllm_names_and_keep_sparsegate_ones(client):
     assert "sparsegate_active_experts_per_token 1.0" in text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_is_counted_under_the_version_its_prefill_ran_under(client, monkeypatch, stream):
+    """A gate installed between a request's admission and its prefill serves it: the request
+    series name that version, streamed or not (the admission-time choice is a guess)."""
+    import dataclasses
+
+    from sparsegate_workload import openai_api
+
+    real = openai_api.choose_gate
+
+    def admitted_under_an_older_version(state, request):
+        gate = real(state, request)  # the installed gate (hf_gate None: prefill reads what is installed)
+        return dataclasses.replace(gate, doc=dataclasses.replace(gate.doc, version="g-admitted"))
+
+    monkeypatch.setattr(openai_api, "choose_gate", admitted_under_an_older_version)
+    resp = await _complete(client, stream=stream)
+    assert resp.status == 200
+    if stream:
+        await _sse(resp)
+    text = await (await client.get("/metrics")).text()
+    assert f'sparsegate_requests_total{{code="200",gate_version="{ONE_EXPERT.version}"}} 1.0' in text
+    assert 'gate_version="g-admitted"' not in text.split("sparsegate_requests_total", 1)[1].split("# HELP", 1)[0]
+
+
 async def test_the_builtin_model_serves_no_text_api():
     app = create_app()
     c = await _serve(app)
