@@ -42,8 +42,8 @@ from . import request_guard
 from .hf_serving import Generation, HFServedModel
 from .batch_engine import GenerationHandle
 from .generation_tools import MAX_TOOL_CALLS_PER_REQUEST
-from .server_state import (STATE, ApiError, ServerState, admission, choose_gate, free_slot, inject_fault,
-                           read_json)
+from .server_state import (OPENAI_CHAT_COMPLETIONS, OPENAI_COMPLETIONS, STATE, ApiError, ServerState, admission,
+                           choose_gate, free_slot, inject_fault, openai_error, read_json)
 
 log = logging.getLogger("sparsegate.workload.openai")
 
@@ -67,14 +67,6 @@ class Plan:
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
 
 
-def _openai_error(status: int, message: str, *, param: str | None = None) -> web.Response:
-    kind = ("invalid_request_error" if status < 429 else "rate_limit_error" if status == 429
-            else "server_error")
-    code = "model_not_found" if status == 404 else None
-    return web.json_response({"error": {"message": message, "type": kind, "param": param,
-                                        "code": code}}, status=status)
-
-
 class OpenAIError(ApiError):
     def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
         super().__init__(status, message)
@@ -91,10 +83,10 @@ def _openai_errors(handler: Handler) -> Handler:
         try:
             return await handler(request)
         except ApiError as e:
-            return _openai_error(e.status, e.message, param=getattr(e, "param", None))
+            return openai_error(e.status, e.message, param=getattr(e, "param", None))
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
-            return _openai_error(500, "internal server error")
+            return openai_error(500, "internal server error")
     return wrapped
 
 
@@ -399,5 +391,5 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", list_models)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post(OPENAI_COMPLETIONS, completions)
+    app.router.add_post(OPENAI_CHAT_COMPLETIONS, chat_completions)

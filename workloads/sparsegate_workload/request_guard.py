@@ -30,14 +30,18 @@ from sparsegate_contracts.request_access import (EXPERT_GROUP_HEADER, AccessDocu
                                                  parse_access_document)
 
 from .caller_auth import ReviewUnavailable
-from .server_state import STATE, ApiError, ServerState, read_json
+from .server_state import OPENAI_ROUTES, STATE, ApiError, ServerState, openai_error, read_json
 
 SCOPE = web.RequestKey("sparsegate_scope", Scope)  # the Scope a guarded request runs under
-MASKABLE_ROUTES = frozenset({"/v1/infer", "/v1/completions", "/v1/chat/completions"})
+MASKABLE_ROUTES = frozenset({"/v1/infer", *OPENAI_ROUTES})
 _MASKABLE_TEXT = ", ".join(sorted(MASKABLE_ROUTES))
 
 
-def _deny(status: int, message: str, **extra: Any) -> web.Response:
+def _deny(request: web.Request, status: int, message: str, **extra: Any) -> web.Response:
+    """The refusal in the route's own error shape: OpenAI's on the OpenAI routes (the details
+    inside its error object), the server's ``{"error", "status"}`` elsewhere."""
+    if request.path in OPENAI_ROUTES:
+        return openai_error(status, message, **extra)
     return web.json_response({"error": message, "status": status, **extra}, status=status)
 
 
@@ -73,42 +77,42 @@ async def access_guard(request: web.Request,
     table = state.access
     if state.reviewer is not None and table is None:
         _count(state, "no_rules", None)
-        return _deny(503, "no access rules received yet: requests are refused until the operator sends them")
+        return _deny(request, 503, "no access rules received yet: requests are refused until the operator sends them")
     try:
         group = _group(request, state)
-    except ApiError:
+    except ApiError as e:
         _count(state, "bad_group", None)
-        raise
+        return _deny(request, e.status, e.message)
     if state.reviewer is None or table is None or not table.enforced:
         # Nobody to check: a named group still narrows the request to its experts.
         if group is not None:
             if not _maskable(request):
                 _count(state, "bad_group", group)
-                return _deny(400, f"header {EXPERT_GROUP_HEADER}: only {_MASKABLE_TEXT} can restrict experts")
+                return _deny(request, 400, f"header {EXPERT_GROUP_HEADER}: only {_MASKABLE_TEXT} can restrict experts")
             request[SCOPE] = Scope(Decision(True, "", "callers not checked"), group, state.expert_groups[group])
             _count(state, "narrowed", group)
         return await handler(request)
     auth = request.headers.get("Authorization", "")
     if not auth.startswith("Bearer ") or not auth[len("Bearer "):].strip():
         _count(state, "unauthenticated", group)
-        return _deny(401, "missing Bearer token: send a ServiceAccount token for audience sparsegate")
+        return _deny(request, 401, "missing Bearer token: send a ServiceAccount token for audience sparsegate")
     try:
         caller = await state.reviewer.review(auth[len("Bearer "):].strip())
     except ReviewUnavailable as e:
         _count(state, "unavailable", group)
-        return _deny(503, f"cannot verify the caller now ({e}); refusing rather than serving unverified")
+        return _deny(request, 503, f"cannot verify the caller now ({e}); refusing rather than serving unverified")
     if caller is None:
         _count(state, "unauthenticated", group)
-        return _deny(401, "invalid token: not a ServiceAccount token for audience sparsegate")
+        return _deny(request, 401, "invalid token: not a ServiceAccount token for audience sparsegate")
     scope = table.scope(namespace=caller.namespace, service_account=caller.service_account, route=request.path,
                         group=group, groups=state.expert_groups, num_experts=_num_experts(state))
     who = f"{caller.namespace}/{caller.service_account}"
     if not scope.decision.allow:
         _count(state, "forbidden", group)
-        return _deny(403, scope.decision.reason, rule=scope.decision.rule, caller=who, expertGroup=group)
+        return _deny(request, 403, scope.decision.reason, rule=scope.decision.rule, caller=who, expertGroup=group)
     if scope.experts is not None and len(scope.experts) < _num_experts(state) and not _maskable(request):
         _count(state, "forbidden", group)
-        return _deny(403, f"this request may use only experts {list(scope.experts)}, and only "
+        return _deny(request, 403, f"this request may use only experts {list(scope.experts)}, and only "
                           f"{_MASKABLE_TEXT} can restrict experts", rule=scope.decision.rule, caller=who)
     request[SCOPE] = scope
     _count(state, "allowed", group)

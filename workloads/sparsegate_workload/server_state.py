@@ -159,6 +159,22 @@ def choose_gate(state: ServerState, request: web.Request) -> AppliedGate | None:
     return gate
 
 
+# The OpenAI-compatible routes (`openai_api`): every answer they give, errors included, is in
+# OpenAI's shape, also when the access guard refuses a request before its handler runs.
+OPENAI_COMPLETIONS = "/v1/completions"
+OPENAI_CHAT_COMPLETIONS = "/v1/chat/completions"
+OPENAI_ROUTES = frozenset({OPENAI_COMPLETIONS, OPENAI_CHAT_COMPLETIONS})
+
+
+def openai_error(status: int, message: str, *, param: str | None = None, **extra: Any) -> web.Response:
+    """An error in OpenAI's shape, ``{"error": {"message", "type", "param", "code", ...extra}}``."""
+    kind = ("invalid_request_error" if status < 429 else "rate_limit_error" if status == 429
+            else "server_error")
+    code = "model_not_found" if status == 404 else None
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code, **extra}},
+                             status=status)
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)

@@ -201,7 +201,8 @@ async def test_openai_routes_narrow_a_named_group_in_a_shared_batch(checkpoint):
         assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1] if c["choices"])
         # An unknown group is refused naming the header, as on /v1/infer.
         resp = await client.post("/v1/completions", json=body, headers={EXPERT_GROUP_HEADER: "c"})
-        assert resp.status == 400 and EXPERT_GROUP_HEADER in (await resp.json())["error"]
+        err = (await resp.json())["error"]  # in OpenAI's shape on its routes
+        assert resp.status == 400 and err["type"] == "invalid_request_error" and EXPERT_GROUP_HEADER in err["message"]
         scrape = await (await client.get("/metrics")).text()
         assert 'sparsegate_request_access_total{expert_group="a",result="narrowed"} 1.0' in scrape
         assert 'sparsegate_request_access_total{expert_group="b",result="narrowed"} 2.0' in scrape
@@ -211,3 +212,65 @@ async def test_openai_routes_narrow_a_named_group_in_a_shared_batch(checkpoint):
 
 def app_engine(client: TestClient):
     return client.server.app[STATE].engine
+
+
+class _Reviewer:
+    """TokenReview stand-in: one token authenticates ns/caller-a, "down" cannot be reviewed."""
+
+    async def review(self, token: str):
+        from sparsegate_workload.caller_auth import Caller, ReviewUnavailable
+
+        if token == "down":
+            raise ReviewUnavailable("API server unreachable")
+        return Caller("ns", "caller-a") if token == "token-a" else None
+
+
+async def test_access_refusals_on_the_openai_routes_answer_in_openai_s_error_shape(checkpoint):
+    """The access guard refuses before any handler runs; on the OpenAI routes its refusals are
+    still OpenAI errors (details inside the error object), elsewhere the server's own shape."""
+    from sparsegate.domain.policy import rules_from_spec
+    from sparsegate.domain.request_access import access_document
+    from sparsegate_workload.admin import StaticToken
+    from sparsegate_workload.server import create_admin_app
+
+    app = create_app(gate_doc=DYNAMIC, model_path=str(checkpoint), expert_groups=GROUPS, reviewer=_Reviewer())
+    client = await _serve(app)
+    admin = TestClient(TestServer(create_admin_app(app, auth=StaticToken("adm")), host="127.0.0.1"))
+    await admin.start_server()
+    body = {"prompt": "the gate keeps", "temperature": 0, "max_tokens": 4}
+    chat = {"messages": [{"role": "user", "content": "route this"}], "temperature": 0, "max_tokens": 4}
+
+    async def post(path: str, payload: dict, token: str | None = None, group: str | None = None):
+        headers = {**({"Authorization": f"Bearer {token}"} if token else {}),
+                   **({EXPERT_GROUP_HEADER: group} if group else {})}
+        resp = await client.post(path, json=payload, headers=headers)
+        return resp.status, await resp.json()
+
+    try:
+        status, out = await post("/v1/completions", body, "token-a", "a")
+        assert status == 503 and out["error"]["type"] == "server_error" and "no access rules" in out["error"]["message"]
+        rules = rules_from_spec(namespace="ns", name="allow-a", spec={
+            "action": "Allow", "sources": [{"serviceAccount": "caller-a"}],
+            "targets": [{"sparseModel": "moe", "expertGroups": ["a"]}]})
+        doc = access_document(rules, namespace="ns", model="moe", serving_port=8080, trust_domain="cluster.local")
+        resp = await admin.put("/admin/access", json=doc, headers={"Authorization": "Bearer adm"})
+        assert resp.status == 200 and (await resp.json())["enforced"] is True
+
+        status, out = await post("/v1/completions", body)
+        assert status == 401 and out["error"]["type"] == "invalid_request_error"
+        assert "missing Bearer token" in out["error"]["message"] and out["error"]["param"] is None
+        status, out = await post("/v1/chat/completions", chat, "down", "a")
+        assert status == 503 and "cannot verify the caller" in out["error"]["message"]
+        status, out = await post("/v1/chat/completions", chat, "token-a", "b")
+        assert status == 403 and out["error"]["caller"] == "ns/caller-a" and out["error"]["expertGroup"] == "b"
+        assert out["error"]["type"] == "invalid_request_error" and "default deny" in out["error"]["message"]
+        status, out = await post("/v1/completions", body, "token-a", "nope")
+        assert status == 400 and EXPERT_GROUP_HEADER in out["error"]["message"]
+        status, out = await post("/v1/completions", body, "token-a", "a")
+        assert status == 200 and out["usage"]["sparsegate"]["expert_group"] == "a"
+        # /v1/infer keeps the server's shape.
+        status, out = await post("/v1/infer", {"tokens": [[1, 2, 3]]})
+        assert status == 401 and out["status"] == 401 and "missing Bearer token" in out["error"]
+    finally:
+        await admin.close()
+        await client.close()
