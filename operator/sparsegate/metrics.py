@@ -117,7 +117,8 @@ _ROLLOUT_FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "sparsegate_rollout_step": ("Current rollout step, 1-based; 0 when no canary is in flight.", ()),
     "sparsegate_rollout_steps": ("Number of steps in spec.rollout.steps, as status records it.", ()),
     "sparsegate_rollout_canary_percent": (
-        "Percent of instances the current step puts on the canary version; 0 without a canary.", ()),
+        "Percent of requests (strategy requests) or of instances (strategy instances) the current step "
+        "puts on the canary version; 0 without a canary.", ()),
     "sparsegate_rollout_canary_instances": ("Instances assigned the canary version at this step; 0 without a canary.", ()),
     "sparsegate_rollout_instances": ("Instances of the GateConfig's models at the last check.", ()),
     "sparsegate_rollout_pods": (
