@@ -8,8 +8,8 @@ RoutingPolicies and pods, then writes only its own object's status:
    (a restarted OPA has none, so it gets everything again without anyone re-applying);
 2. ask OPA, in one evaluation, about every (identity class, model, port) worth asking
    (`flow_decisions`; questions and answers in `domain.policy_compile`);
-3. publish the IP-level allow-list ConfigMap (sharded over several when it is large) when its
-   version changed, with the decision basis (which policy specs it was decided from) as an
+3. publish the allow-list ConfigMap (identities and identity rules, `domain.policy_compile`;
+   sharded over several when it is large) when its version changed, with the decision basis (which policy specs it was decided from) as an
    annotation; unless it does not fit the agents' policy map or the ConfigMaps
    (`domain.policy_capacity`): then the published one is kept and every
    policy reports Ready=False/Stalled=True reason PolicyTooLarge with needed vs capacity;
@@ -17,8 +17,8 @@ RoutingPolicies and pods, then writes only its own object's status:
 
 A loop per RoutingPolicy (``handlers.periodic``, driven by watch events: no finalizer, so deleting
 a policy never waits for the operator or OPA) repeats this every
-`SPARSEGATE_POLICY_RESYNC_SECONDS`; it costs one GET when neither the policies, the pods nor OPA
-changed. Fail closed: when OPA is unreachable the allow-list is only ever narrowed (deleted
+`SPARSEGATE_POLICY_RESYNC_SECONDS`; when neither the policies, the pods nor OPA changed it costs
+one GET to OPA (its revision) and no API request (the status is compared with the watched object). Fail closed: when OPA is unreachable the allow-list is only ever narrowed (deleted
 policies, departed pods, and what a policy changed or created since OPA last decided might take
 away: `narrow_undecided`, against the decision basis recorded on the ConfigMap, so a restarted
 operator knows it too), the object gets Degraded=True, and create/update handlers retry with
@@ -33,7 +33,7 @@ import dataclasses
 import datetime
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -177,7 +177,10 @@ class PolicySync:
                             log.warning(too_large.message)
                         self.too_large = too_large.message
                     self.fingerprint = fingerprint
-                self.loaded = await self.opa.loaded_policies()
+                # What OPA holds follows from the data it was given: read it back only when that
+                # data changed (a push, or another revision than the last read), not every resync.
+                if pushed or self.revision != data["revision"]:
+                    self.loaded = await self.opa.loaded_policies()
                 self.revision = data["revision"]
             except (OpaUnavailable, OpaRejected):
                 self.fingerprint = None  # decide afresh once OPA answers
@@ -291,7 +294,9 @@ async def sparsegate_flow_pods(body: kopf.Body, **_: Any) -> dict:
 async def _sync_and_status(
     *, name: str, namespace: str, meta: kopf.Meta,
     sparsegate_routing_policies: kopf.Index, sparsegate_flow_pods: kopf.Index, exclude_self: bool = False,
+    body: Mapping[str, Any] | None = None,
 ) -> Exception | None:
+    """``body``: the policy as last watched, compared with first instead of reading it (None: read)."""
     sync = _state()
     key = f"{namespace}/{name}"
     policies = sorted(
@@ -305,18 +310,20 @@ async def _sync_and_status(
         error = e
     if not exclude_self:
         await _write_status(sync, key=key, namespace=namespace, name=name, generation=meta.get("generation", 1),
-                            error=error)
+                            error=error, current=body)
     return error
 
 
 async def _write_status(sync: PolicySync, *, key: str, namespace: str, name: str, generation: int,
-                        error: Exception | None) -> None:
+                        error: Exception | None, current: Mapping[str, Any] | None = None) -> None:
     """Status from the latest shared sync state, computed and written under one lock.
 
     The create/update handlers and the resync timer of one policy run concurrently; through Kopf's
     patch each would write a status computed from its own, possibly older, snapshot in whatever order
     the patches land. Here the last write is always computed from the latest sync (read-modify-write
-    of the current status, optimistic concurrency in ``Kube.update_status``).
+    of the current status, optimistic concurrency in ``Kube.update_status``). ``current``: the
+    object as watched, for the first attempt (no write when its status is already right; a stale
+    copy that needs one meets a 409 and the object is read again).
     """
     if sync.kube is None:
         raise RuntimeError("PolicySync needs a Kube client to write RoutingPolicy status")
@@ -328,7 +335,7 @@ async def _write_status(sync: PolicySync, *, key: str, namespace: str, name: str
             new = status_patch(outcome=outcome, previous=previous, now=_now())
             return new if status_changed(previous=previous, patch=new) else None
         await asyncio.to_thread(sync.kube.update_status, "RoutingPolicy", namespace=namespace, name=name,
-                                mutate=mutate)
+                                mutate=mutate, current=copy.deepcopy(dict(current)) if current else None)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -358,8 +365,8 @@ async def routing_policy_event(type: str | None, logger: kopf.Logger, **kwargs: 
     picked = _pick(kwargs)
     key = (picked["namespace"], picked["name"])
 
-    async def resync(_: Any) -> None:
-        await resync_routing_policy(logger=logger, **picked)
+    async def resync(body: Mapping[str, Any]) -> None:
+        await resync_routing_policy(logger=logger, body=body, **picked)
 
     if _loops.seen(key=key, event_type=type, body=kwargs["body"], tick=resync, logger=logger):
         return
@@ -369,9 +376,10 @@ async def routing_policy_event(type: str | None, logger: kopf.Logger, **kwargs: 
                        f"from the allow-list; OPA drops it at the next successful sync ({error})")
 
 
-async def resync_routing_policy(logger: kopf.Logger | logging.Logger, **picked: Any) -> None:
+async def resync_routing_policy(logger: kopf.Logger | logging.Logger, body: Mapping[str, Any] | None = None,
+                                **picked: Any) -> None:
     """Notices OPA restarts (revision gone) and pod churn; Degraded while OPA is unreachable."""
-    error = await _sync_and_status(**picked)
+    error = await _sync_and_status(**picked, body=body)
     if error is not None:
         logger.warning(f"OPA not usable, allow-list kept (fail closed): {error}")
 

@@ -399,3 +399,75 @@ async def test_operator_restart_while_opa_is_down_widens_nothing(opa_server, rou
     store.document, store.basis = good, None
     bare = await restarted(policies)
     assert _allows(bare) == set() and len(_allows(good)) > 0
+
+
+class _StatusKube:
+    """Kube's status read-modify-write over one in-memory RoutingPolicy, counting API requests."""
+
+    def __init__(self, obj: dict[str, Any]) -> None:
+        from sparsegate.clients.kube import Kube
+
+        self.obj, self.gets, self.patches = obj, 0, 0
+        self._update = Kube.update_status
+
+    def get(self, kind: str, *, namespace: str, name: str) -> dict[str, Any]:
+        import copy
+
+        self.gets += 1
+        return copy.deepcopy(self.obj)
+
+    def patch_status(self, kind: str, *, namespace: str, name: str, status: dict[str, Any],
+                     resource_version: str) -> None:
+        from sparsegate.clients.kube import Conflict
+
+        if resource_version != self.obj["metadata"]["resourceVersion"]:
+            raise Conflict(409, "Conflict", "stale")
+        self.patches += 1
+        self.obj["status"] = {**self.obj.get("status", {}), **status}
+        self.obj["metadata"]["resourceVersion"] = str(int(resource_version) + 1)
+
+    def update_status(self, *args: Any, **kwargs: Any) -> Any:
+        return self._update(self, *args, **kwargs)
+
+
+async def test_a_resting_resync_asks_opa_its_revision_and_the_api_server_nothing(opa_server, monkeypatch) -> None:
+    """Nothing changed (policies, pods, OPA): a policy's periodic resync costs one GET to OPA (its
+    revision; no decisions, no read-back of the loaded policies) and no API request (its status
+    is compared with the watched object); a stale watched copy costs a 409 and one read."""
+    import copy
+
+    from sparsegate.handlers import routingpolicy
+
+    sync, store = _sync(opa_server.url)
+    obj = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "RoutingPolicy",
+           "metadata": {"namespace": "models", "name": "allow-web", "generation": 1, "resourceVersion": "1"},
+           "spec": ALLOW_WEB.spec}
+    sync.kube = kube = _StatusKube(obj)  # type: ignore[assignment]
+    monkeypatch.setattr(routingpolicy, "_sync", sync)
+    calls: dict[str, int] = {}
+    for method in ("revision", "loaded_policies", "flow_decisions", "push"):
+        real = getattr(sync.opa, method)
+
+        async def counted(*a: Any, _real: Any = real, _m: str = method, **kw: Any) -> Any:
+            calls[_m] = calls.get(_m, 0) + 1
+            return await _real(*a, **kw)
+        monkeypatch.setattr(sync.opa, method, counted)
+    picked = {"name": "allow-web", "namespace": "models", "meta": obj["metadata"],
+              "sparsegate_routing_policies": {("models", "allow-web"): [ALLOW_WEB]},
+              "sparsegate_flow_pods": {"models": PODS}}
+    try:
+        await routingpolicy.resync_routing_policy(logger=routingpolicy.log, **picked)  # first: decide, write
+        assert calls == {"revision": 1, "push": 1, "flow_decisions": 1, "loaded_policies": 1}
+        assert kube.patches == 1 and obj["status"]["loadedInOPA"] is True and obj["status"]["observedGeneration"] == 1
+        first = dict(calls)
+        gets = kube.gets
+        await routingpolicy.resync_routing_policy(logger=routingpolicy.log, body=copy.deepcopy(obj), **picked)
+        assert calls == {**first, "revision": 2}, calls
+        assert (kube.gets, kube.patches) == (gets, 1), "a resting resync read or wrote the policy"
+        # A stale watched copy (before the first write): one 409, one read, no write.
+        stale = {**copy.deepcopy(obj), "status": {}, "metadata": {**obj["metadata"], "resourceVersion": "1"}}
+        await routingpolicy.resync_routing_policy(logger=routingpolicy.log, body=stale, **picked)
+        assert (kube.gets, kube.patches) == (gets + 1, 1)
+        assert store.writes == 1
+    finally:
+        sync.opa.close()
