@@ -7,8 +7,9 @@ Settings chosen here:
   (``handlers.diffbase``), so a handled change costs no write of Kopf's own;
 - scanning disabled: the CRDs come from the chart before the operator starts, so the operator
   needs no cluster-wide CRD/namespace watch permissions (least privilege);
-- peering: standalone by default (``sparsegate run --standalone``); a single active replica is
-  kept by the chart (replicas 1, Recreate) or, for HA, by the Lease in ``sparsegate.leader``;
+- peering: off with ``sparsegate run --standalone`` (the chart always passes it); a single active
+  replica is kept by the chart (replicas 1, Recreate) or, for HA, by the Lease in
+  ``sparsegate.clients.leader``;
 - events from logs only at WARNING+ (explicit transition events are posted by the handlers).
 """
 

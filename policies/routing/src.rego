@@ -18,8 +18,9 @@
 #          "expertGroups": [], "routes": []}
 #
 #   Why this shape: OPA's rule indexing does not reach into iterations over arrays
-#   (`rules[i].target == x` is a scan), so the operator pre-indexes. A decision is two or four map
-#   lookups with ground keys plus a check of the few rules in the selected buckets: its cost follows
+#   (`rules[i].target == x` is a scan), so the operator pre-indexes. A decision is at most six map
+#   lookups with ground keys (two target keys × up to three identity keys: SPIFFE ID, ns:<ns>, *)
+#   plus a check of the few rules in the selected buckets: its cost follows
 #   the rules for one (target, identity), not the total count.
 package sparsegate.routing
 

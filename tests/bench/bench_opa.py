@@ -8,8 +8,9 @@ Side by side, per rule count N:
   one keep-alive HTTP connection (client-observed latency, and OPA's own eval time from ?metrics);
 - naive: the same rules as a flat array scanned by a Rego rule (what OPA cannot index), the shape
   that makes decision time grow with N;
-- compiled: the published flow allow-list (OPA's decisions for the current pods, expanded to IPs)
-  looked up in-process, as the data plane does per flow.
+- compiled: the published flow allow-list (OPA's decisions for the current pods, as identities and
+  identity rules) looked up in-process, source and destination IP → identity → rule, as the data
+  plane does per flow.
 - allow-list build (what the operator's sync does once rules or pods change), old vs new in the same
   run, alternating, median of --build-repeats: old = `candidate_queries` asked through
   `batch_decisions` in batches of 25 (`RoutingOpa.decide_many`); new = one POST of

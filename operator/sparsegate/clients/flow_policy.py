@@ -1,7 +1,8 @@
 """The flow allow-list ConfigMaps (`sparsegate-flow-policy`, key `policy.json`, and its shards) the
 eBPF agents read.
 
-Written only by the routing-policy sync; create-or-replace, skipped when the version is unchanged.
+Written only by the routing-policy sync, which skips a publish when the version and the decision
+basis are unchanged; here each publish is create-or-replace.
 A document larger than `max_bytes` is sharded (`sparsegate_contracts.flowpolicy_shards`): the
 shard ConfigMaps `sparsegate-flow-policy-<k>` are written first, the head last, then the shards the
 previous head named and the new one does not are emptied (`flowpolicy_shards.publish_steps`; the

@@ -2,8 +2,9 @@
 
 Conditions (a list keyed by `type`):
 - Ready: OPA holds this generation of the policy and its decisions are published.
-- Degraded: the operator cannot reach OPA; the published allow-list is the last good one (or
-  narrower), never wider, until OPA answers again.
+- Degraded: the operator cannot reach OPA (the published allow-list is the last good one, or
+  narrower, never wider, until OPA answers again), OPA refused the input, or the compiled
+  allow-list does not fit (``PolicyTooLarge``).
 - Reconciling (kstatus): not Ready yet and not Stalled: OPA does not hold this generation yet or
   cannot be reached (the sync retries on its own).
 - Stalled (kstatus): OPA refused the policy or its data, or the allow-list compiled from all
@@ -26,11 +27,13 @@ class ConditionType(str, enum.Enum):
     READY = "Ready"
     """OPA holds this generation and the allow-list from its decisions is published."""
     DEGRADED = "Degraded"
-    """OPA is unreachable: the operator fails closed and retries."""
+    """OPA is unreachable (the operator fails closed and retries), refused the input, or the
+    allow-list does not fit."""
     RECONCILING = "Reconciling"
     """kstatus: not Ready and not Stalled; the next sync may get there without a spec change."""
     STALLED = "Stalled"
-    """kstatus: OPA rejected this generation's input; only a spec change can fix it."""
+    """kstatus: OPA rejected this generation's input, or the allow-list does not fit
+    (PolicyTooLarge); retrying the same input cannot help."""
 
 
 class Reason(str, enum.Enum):
