@@ -22,7 +22,8 @@ drops what the policy denies. Always allowed to policed destinations: --allow-so
 own network namespace (in a hostNetwork pod: the node's, so kubelet probes pass), re-read whenever
 a policy document is applied.
 
-A restart widens nothing (handover.py): the first valid policy is written into the new program's
+A restart widens nothing (handover.py). With --enforcement enforce (in audit and off the program is
+attached at once: it drops nothing): the first valid policy is written into the new program's
 maps before it is attached, and the program replaces the one a previous agent left attached in one
 step (known by its pins under --bpffs-dir, pins.py; by its name only with CAP_SYS_ADMIN). If no
 valid policy arrives within --initial-policy-timeout, the policy that program still enforces is
@@ -131,16 +132,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--policy-liveness-namespaces", default="",
                     help="comma-separated namespaces whose RoutingPolicies are watched (default: all)")
     ap.add_argument("--initial-policy-timeout", type=float, default=30.0, metavar="SECONDS",
-                    help="wait this long for the first valid policy before attaching XDP; then attach "
-                         "anyway, passing everything until a policy arrives (logged, and exported as "
-                         "sparsegate_agent_attached_without_policy)")
+                    help="with --enforcement enforce: wait this long for the first valid policy before "
+                         "attaching XDP; then carry over the policy a predecessor's program still enforces, "
+                         "or else attach anyway, passing everything until a policy arrives (logged, and "
+                         "exported as sparsegate_agent_attached_without_policy). audit and off attach at "
+                         "once")
     ap.add_argument("--on-exit", choices=[m.value for m in OnExit], default=OnExit.DETACH.value,
                     help="on SIGTERM: detach XDP; keep it attached (a restarted agent replaces it, and "
                          "the policy in force stays enforced meanwhile); or daemonset: keep it unless "
-                         "the --daemonset is gone or being deleted (asked at exit; unreachable -> keep)")
+                         "the --daemonset is gone or being deleted, or the API server refuses (401/403) the "
+                         "agent after it read it once (followed by a list+watch from start, no API call "
+                         "at exit; never read -> keep)")
     ap.add_argument("--daemonset", metavar="NS/NAME", default=os.environ.get("SPARSEGATE_AGENT_DAEMONSET", ""),
                     help="the agent's DaemonSet, for --on-exit daemonset (env SPARSEGATE_AGENT_DAEMONSET); "
-                         "needs RBAC get on daemonsets")
+                         "needs RBAC list and watch on daemonsets")
     ap.add_argument("--bpffs-dir", type=Path, default=None, metavar="DIR",
                     help="pin the program and its policy maps under DIR/<prog id> on bpffs (e.g. "
                          "/sys/fs/bpf/sparsegate), and recognise a predecessor's program left attached by "

@@ -3,25 +3,28 @@
 An agent restart (DaemonSet rolling update, crash, OOM kill) must not open a window in which a
 flow the policy denies passes. Two rules close it:
 
-* **Start**: the new program gets the first valid policy in its maps *before* it is attached,
-  then replaces its predecessor in one netlink call (xdp.attach). The wait is bounded
-  (--initial-policy-timeout), because a node must not stay without telemetry for ever. When it
-  expires, the policy the predecessor's program still enforces is copied into the new program
-  (inherit.py; `sparsegate_agent_inherited_policy`); with no predecessor (or one without a
-  policy) the program is attached with none and passes everything (counted `no_policy`), logged
-  and exported (`sparsegate_agent_attached_without_policy`).
+* **Start** (``--enforcement enforce`` only: in ``audit`` and ``off`` the program drops nothing, so
+  it is attached at once, with no wait, no carry-over and
+  `sparsegate_agent_attached_without_policy` 0): the new program gets the first
+  valid policy in its maps *before* it is attached, then replaces its predecessor in one netlink
+  call (xdp.attach). The wait is bounded (--initial-policy-timeout), because a node must not stay
+  without telemetry for ever. When it expires, the policy the predecessor's program still
+  enforces is copied into the new program (inherit.py; `sparsegate_agent_inherited_policy`); with
+  no predecessor (or one without a policy) the program is attached with none and passes
+  everything (counted `no_policy`), logged and exported (`sparsegate_agent_attached_without_policy`).
 * **Exit**: an agent being restarted leaves its program attached. The attachment holds the
   program and the program its maps, so the policy in force stays enforced until the successor
   replaces it; a SIGKILLed agent leaves it the same way. Only an agent being *removed* detaches.
 
-SIGTERM looks the same in both cases, so in Kubernetes the agent asks the API server, at exit,
-whether its DaemonSet still exists and is not being deleted. An uninstall also takes away the
-agent's ServiceAccount and RBAC, often before its pod stops: a 401 or 403 after the agent has
-read its DaemonSet once counts as removal (detach), else the program would enforce its last policy
-on the node for ever. When it cannot
-tell (API server unreachable, timeouts, other errors) it keeps the program: a kept program
-enforces the last policy it had, while detaching on a mere restart would let everything through
-until the successor attaches.
+SIGTERM looks the same in both cases, so in Kubernetes the agent follows its own DaemonSet (a list,
+then a watch: :class:`DaemonSetWatch`) from start, and at exit decides from what that watch has
+seen, with no API call then: detach when the DaemonSet is gone or being deleted. An uninstall also
+takes away the agent's ServiceAccount and RBAC, often before its pod stops: a 401 or 403 after the
+agent has read its DaemonSet once counts as removal (detach), else the program would enforce its
+last policy on the node for ever. When it cannot tell (the watch never read the DaemonSet: API
+server unreachable or refusing since start) it keeps the program: a kept program enforces the last
+policy it had, while detaching on a mere restart would let everything through until the successor
+attaches.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ class OnExit(str, enum.Enum):
     DETACH = "detach"
     # remove the program (stand-alone use, tests)
     DAEMONSET = "daemonset"
-    # keep unless the agent's DaemonSet is gone or being deleted (asked at exit)
+    # keep unless the agent's DaemonSet is gone or being deleted (as its DaemonSetWatch saw it)
 
 
 class ExitAction(str, enum.Enum):
@@ -61,7 +64,8 @@ class ExitDecision:
 
 
 def decide_from_daemonset(body: Mapping[str, Any] | None, error: BaseException | None) -> ExitDecision:
-    """Keep or detach, given the DaemonSet as read at exit (None: NotFound) or the read's error."""
+    """Keep or detach, given the DaemonSet as a :data:`DaemonSetReader` reports it at exit (None:
+    NotFound) or its error."""
     if getattr(error, "status", None) in (401, 403):
         return ExitDecision(ExitAction.DETACH, f"the agent's credentials or RBAC are gone ({getattr(error, 'status')}): "
                                                "removed with its release")
@@ -80,8 +84,9 @@ DaemonSetReader = Callable[[str, str], tuple[Mapping[str, Any] | None, BaseExcep
 
 def read_daemonset(namespace: str, name: str, *, timeout: float = 3.0,
                    api_client: Any = None) -> tuple[Mapping[str, Any] | None, BaseException | None]:
-    """(body, None), (None, None) when NotFound, or (None, error). Bounded: it runs inside the pod's
-    termination grace period (one retry, `timeout` seconds per attempt)."""
+    """(body, None), (None, None) when NotFound, or (None, error): one read, made when called
+    (:func:`decide_on_exit`'s default reader; the agent passes its :class:`DaemonSetWatch` instead).
+    Bounded, to fit a termination grace period (one retry, `timeout` seconds per attempt)."""
     try:
         from kubernetes import client, config
         from kubernetes.client.rest import ApiException
@@ -267,6 +272,7 @@ class StartCollector:
             followed = GaugeMetricFamily(
                 "sparsegate_agent_daemonset_followed",
                 "1 while the agent reads its own DaemonSet (--on-exit daemonset); 0 before the first read "
-                "or after an error: at exit it then keeps XDP attached (RBAC missing: it can never detach)")
+                "or after an error. At exit, never read keeps XDP attached (RBAC missing: it can never "
+                "detach); credentials refused after a read count as the release being removed (detach)")
             followed.add_metric([], 1.0 if watch.read_once and watch.error is None else 0.0)
             yield followed

@@ -1,6 +1,6 @@
 """ctypes mirrors of the structs in ``sparsegate_flow.h`` (the XDP program's map layouts).
 
-The header is the source of truth; ``tests/unit/ebpf/test_maps.py`` parses it and checks
+The header is the source of truth; ``tests/unit/ebpf/test_ebpf_maps.py`` parses it and checks
 these classes and the counter enum agree field by field, so the two cannot drift silently.
 Addresses and ports are kept in network byte order, exactly as the program stores them; an
 address of either family is 16 bytes (``Addr``), an IPv4 one as its IPv4-mapped IPv6 form

@@ -1,4 +1,5 @@
-"""The model server's admin channel: ``GET``/``PUT /admin/gate`` on a TLS listener of its own.
+"""The model server's admin channel: ``GET``/``PUT /admin/gate`` and ``/admin/access`` on a TLS
+listener of its own.
 
 Why apart from the inference port: the Bearer token must never cross the network in clear, and
 the inference port is plain HTTP that anything in the cluster may call (through the Service). The

@@ -54,9 +54,10 @@ addedLatencyMs sleeps (asyncio) before answering. It exists so tests and demos c
 deliberately bad version and watch the rollout controller's analysis catch it.
 
 Two listeners: inference, probes and metrics on ``--port`` (plain HTTP); ``GET``/``PUT /admin/gate``
-only on ``--admin-port``, TLS with the Secret volume's certificate and Bearer token (see
-``admin.py``: why, and how a changed Secret rotates both without a restart). Both share one
-:class:`ServerState`, so a PUT on the admin listener swaps the gate the inference requests read.
+and ``/admin/access`` (the per-request access rules, `request_guard`) only on ``--admin-port``,
+TLS with the Secret volume's certificate and Bearer token (see ``admin.py``: why, and how a
+changed Secret rotates both without a restart). Both share one :class:`ServerState`, so a PUT on
+the admin listener swaps the gate (or the access rules) the inference requests read.
 """
 
 from __future__ import annotations
@@ -715,8 +716,9 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
 
 
 def create_admin_app(app: web.Application, *, auth: AdminAuth) -> web.Application:
-    """``GET``/``PUT /admin/gate`` over the same state as ``app`` (the inference app); every
-    request needs ``auth``'s Bearer token. TLS is the listener's (:class:`AdminListener`)."""
+    """``GET``/``PUT /admin/gate`` and ``/admin/access`` over the same state as ``app`` (the
+    inference app); every request needs ``auth``'s Bearer token. TLS is the listener's
+    (:class:`AdminListener`)."""
     admin = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
     admin[STATE] = app[STATE]
     admin[AUTH] = auth
@@ -782,6 +784,28 @@ def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
                        max_experts_per_token=args.max_experts_per_token)
 
 
+THREADS_ENV = "SPARSEGATE_TORCH_THREADS"
+
+
+def torch_threads(flag: int | None, environ: Mapping[str, str] = os.environ) -> int:
+    """``--threads``, else ``$SPARSEGATE_TORCH_THREADS`` (empty counts as unset), else 1.
+    Raises ValueError naming the flag or the variable when the value is not an integer >= 1."""
+    if flag is not None:
+        if flag < 1:
+            raise ValueError(f"--threads must be at least 1, got {flag}")
+        return flag
+    raw = environ.get(THREADS_ENV, "").strip()
+    if not raw:
+        return 1
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"${THREADS_ENV} must be an integer of at least 1, got {raw!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of ``python -m sparsegate_workload.server`` (what the operator renders into pods)."""
     p = argparse.ArgumentParser(prog="python -m sparsegate_workload.server")
@@ -790,13 +814,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--gate-config", help="gate document JSON (the <model>-gate ConfigMap)")
     p.add_argument("--admin-port", type=int, default=DEFAULT_ADMIN_PORT,
-                   help="TLS port of GET/PUT /admin/gate (bound on --host)")
+                   help="TLS port of GET/PUT /admin/gate and /admin/access (bound on --host)")
     p.add_argument("--admin-token-file", help="file holding the admin Bearer token")
     p.add_argument("--admin-tls-cert", help="PEM certificate the admin listener presents")
     p.add_argument("--admin-tls-key", help="PEM private key of --admin-tls-cert")
-    p.add_argument("--threads", type=int,
-                   default=int(os.environ.get("SPARSEGATE_TORCH_THREADS", "1")),
-                   help="torch intra-op threads (default 1: many servers share a machine)")
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"torch intra-op threads (default: ${THREADS_ENV} when set and not empty, "
+                        "else 1: many servers share a machine)")
     p.add_argument("--seed", type=int, default=0, help="model init seed")
     p.add_argument("--model-path", metavar="DIR",
                    help="serve this local Hugging Face MoE checkpoint (config.json, safetensors, "
@@ -845,6 +869,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     p = build_parser()
     args = p.parse_args(argv)
+    try:
+        args.threads = torch_threads(args.threads)
+    except ValueError as e:
+        p.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
     # Fail before serving, with the reason: a pod that cannot serve its gate should crash-loop
