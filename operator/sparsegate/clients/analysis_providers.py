@@ -18,8 +18,10 @@ builtin providers split the same pods' series by their ``gate_version`` label in
 * :class:`WebRequest` (``web`` checks): an HTTP GET/POST answering JSON; ``jsonPath`` picks
   the number.
 
-Every call is bounded by a timeout and a cap on the body read; a failure is an answer
-(``Measured(error=...)``), never an exception out of ``measure``.
+Every call is bounded by a timeout; a declared check's failure becomes an answer
+(``Measured(error=...)``) through :func:`measure_safely`, and a builtin provider's failure (Prometheus
+unreachable or refusing) leaves the tick without builtin data, the step's message saying why
+(``controllers.rollout``). Bodies read from pods, web checks and instant queries are capped.
 """
 
 from __future__ import annotations

@@ -298,7 +298,10 @@ class RolloutLoop:
         if spec.builtin is None or status.phase not in (Phase.PROGRESSING, Phase.ANALYSING) or status.canary is None:
             cache.builtin.reset()
             return {}
-        answer = await cache.builtin.measure(spec.builtin, request)
+        try:
+            answer = await cache.builtin.measure(spec.builtin, request)
+        except Exception as e:  # noqa: BLE001 - Prometheus down or refusing: no data this tick, said in status
+            return {"builtin_error": f"{type(e).__name__}: {e}"[:300]}
         return answer.observations() if isinstance(answer, BuiltinWindow) else {}
 
     async def _declared(self, *, spec: RolloutSpec, request: MeasureRequest, status: RolloutStatus, name: str,

@@ -142,6 +142,9 @@ class Observations:
     window_from: float | None = None
     # Declared checks measured this tick (check name → provider answer), see analysis_run.due_checks.
     measurements: Mapping[str, Measured] = field(default_factory=dict)
+    # Why the builtin check's provider answered nothing this tick (e.g. Prometheus unreachable):
+    # the step waits for metrics and its message says why.
+    builtin_error: str | None = None
 
 
 def annotation_requests(annotations: Mapping[str, str] | None) -> dict[str, bool]:
@@ -782,7 +785,8 @@ def _judge_step(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: 
     verdict, why = runs.run_phase(data.run, spec.checks)
     if verdict == RunPhase.RUNNING:
         if spec.builtin is not None:
-            verdict_text = "waiting for metrics" if data.result is None else data.result.message
+            verdict_text = data.result.message if data.result is not None else (
+                f"waiting for metrics ({obs.builtin_error})" if obs.builtin_error else "waiting for metrics")
             progress = f"analysing {data.covered_s:.0f}/{spec.analysis_interval_s:g}s: {verdict_text}"
         else:
             progress = f"analysing: {why}"

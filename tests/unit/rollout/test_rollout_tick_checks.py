@@ -278,3 +278,28 @@ async def test_a_resting_pod_check_starts_from_the_watched_copy_unless_it_is_sta
     assert cache.read_fresh and pods.versions["m-1"] == "something-else" and kube.gets == 2
     await check(stale, 4)
     assert kube.gets == 3 and not cache.read_fresh and pods.versions["m-1"] == stable
+
+
+async def test_an_unreachable_prometheus_leaves_the_step_waiting_and_says_why() -> None:
+    """With SPARSEGATE_PROMETHEUS_URL set, the builtin check reads Prometheus; when it cannot be
+    reached the tick still records the step (no exception out of the tick), waits for metrics, and
+    the step's message names the failure; nothing is promoted on missing data."""
+    from localcluster.ports import free_port
+
+    from sparsegate.clients.metrics_source import PrometheusAPI
+
+    clock = [1000.0]
+    kube = FakeKube(spec(V1))
+    pods = FakePods(clock)
+    down = PrometheusAPI(f"http://127.0.0.1:{free_port()}", timeout_s=1.0)  # nothing listens there
+    loop = Loop(kube=kube, admin=pods, clock=lambda: clock[0], prometheus=down)  # type: ignore[arg-type]
+    cache = RolloutCache()
+    await tick(loop, cache, clock, 1)
+    kube.set_spec(spec(V2))
+    st = await tick(loop, cache, clock, 1)
+    assert st["rollout"]["phase"] == "Analysing"
+    for _ in range(4):  # well past analysisInterval (10 s)
+        st = await tick(loop, cache, clock, 5)
+    assert st["rollout"]["phase"] == "Analysing" and st["rollout"]["step"] == 1, st["rollout"]
+    message = st["rollout"]["message"]
+    assert "waiting for metrics (" in message and "ClientConnectorError" in message, message
