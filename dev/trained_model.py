@@ -2,7 +2,8 @@
 
 ``trained_checkpoint()`` runs ``python -m sparsegate_workload.training`` (``sparsegate-train``)
 with the given arguments into ``~/.cache/sparsegate/trained/<key>``, where the key hashes the
-arguments and the training package's source, so a changed recipe or trainer trains again. The
+arguments and the source of the training package and of every project module it imports
+(:func:`trainer_sources`), so a changed recipe, trainer or model code it uses trains again. The
 default arguments are the demo recipe (a tiny Mixtral, top-p 0.6 over 1-4 of 8 experts, 400
 steps, seed 0: about a minute on one CPU core). Training writes into a temporary directory and
 renames it into place, so a killed run never leaves a half-written cache entry.
@@ -23,12 +24,63 @@ CACHE = Path(os.environ.get("SPARSEGATE_CACHE", Path.home() / ".cache" / "sparse
 DEMO_ARGS: tuple[str, ...] = ("--steps", "400", "--seed", "0", "--threads", "1")
 
 
-def _key(args: Sequence[str]) -> str:
+def trainer_sources() -> list[Path]:
+    """The training package's modules and every module of ``sparsegate_workload`` or
+    ``sparsegate_contracts`` they import, transitively (found by reading their import statements,
+    so the answer does not depend on what this process happens to have imported)."""
+    import ast
+    import importlib
+
     import sparsegate_workload.training as training
 
+    roots = {name: Path(importlib.import_module(name).__file__).parent  # type: ignore[arg-type]
+             for name in ("sparsegate_workload", "sparsegate_contracts")}
+
+    def module_file(top: str, parts: list[str]) -> Path | None:
+        base = roots[top].joinpath(*parts)
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+        return None
+
+    def imported(path: Path) -> set[Path]:
+        top = next(name for name, root in roots.items() if path.is_relative_to(root))
+        package = list(path.relative_to(roots[top]).parent.parts)
+        found: set[Path] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[tuple[str, list[str]]] = []
+            if isinstance(node, ast.ImportFrom):
+                named = node.module.split(".") if node.module else []
+                if node.level:
+                    mod = (top, package[:len(package) - node.level + 1] + named)
+                elif named and named[0] in roots:
+                    mod = (named[0], named[1:])
+                else:
+                    continue
+                targets += [mod] + [(mod[0], mod[1] + [a.name]) for a in node.names]  # `from . import submodule`
+            elif isinstance(node, ast.Import):
+                targets += [(n[0], n[1:]) for n in (a.name.split(".") for a in node.names) if n[0] in roots]
+            for pkg, parts in targets:
+                for depth in range(len(parts) + 1):  # a module's parent packages run their __init__ too
+                    f = module_file(pkg, parts[:depth])
+                    if f is not None:
+                        found.add(f)
+        return found
+
+    todo = sorted(Path(training.__file__).parent.glob("*.py"))
+    seen: set[Path] = set(todo)
+    while todo:
+        for f in imported(todo.pop()):
+            if f not in seen:
+                seen.add(f)
+                todo.append(f)
+    return sorted(seen)
+
+
+def _key(args: Sequence[str]) -> str:
     h = hashlib.sha256("\0".join(args).encode())
-    for f in sorted(Path(training.__file__).parent.glob("*.py")):
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    for f in trainer_sources():
+        h.update(f"{f.parent.name}/{f.name}".encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 
 
