@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One-time (then cached) set-up of everything the demo and the tests need on this machine:
 # Debian packages (openssl, iproute2, BCC, kernel headers), the Python virtualenv, and the Go-built
-# binaries (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, opa, helm),
+# binaries (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, opa, helm,
+# prometheus),
 # and the container images (operator, model server, node agent, OPA; podman/buildah, dev/imagebuild).
-# Safe to run again: each step checks a stamp and does nothing when up to date.
+# Safe to run again: the Go binaries and images are stamped and skipped when up to date; the apt and
+# BCC steps check what is installed; the virtualenv re-runs its (quick) editable install.
 set -euo pipefail
 # One function, called on the last line: bash reads a script as it runs, so an edit to this file
 # during a long first run (the Go builds) must not change what the running copy executes.

@@ -1,7 +1,8 @@
 """Fake nodes kwok manages: pure manifests.
 
-Node i gets InternalIP 127.10.<i // 254>.<i % 254 + 1> and podCIDR 127.20.<i>.0/24 (inside the
-contract's 127.20.0.0/16), so pod IPs are loopback addresses a real process can bind.
+Node i gets InternalIP 127.10.<i // 254>.<i % 254 + 1> and the i-th /24 of the cluster's pod CIDR
+as its podCIDR (127.20.<i>.0/24 with the default 127.20.0.0/16; benches and tests pass other loopback
+ranges), so pod IPs are loopback addresses a real process can bind.
 """
 
 from __future__ import annotations

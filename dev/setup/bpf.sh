@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# BCC for the eBPF agent and its tests (run as root by dev/setup.sh).
+# BCC for the eBPF agent and its tests (run by dev/setup.sh; installing packages needs root).
 # Idempotent: installs Debian's BCC and kernel headers once, then makes only the `bcc`
 # package importable from the project virtualenv (never PyPI's unrelated `bcc`, and never
 # all of Debian's dist-packages, whose versions would shadow the venv's), and points BCC at

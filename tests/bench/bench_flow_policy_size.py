@@ -14,7 +14,8 @@ headroom per ConfigMap: shard ConfigMaps, 0 = one ConfigMap; bytes written, head
 fits the map (65,536 less the agent's reserve) and the shard limit, the operator's build time (entries
 form: the identity build plus its expansion, which stands in for the old operator's build), the
 split time (operator) and rebuild time (`flowpolicy_shards.join`, agent) when sharded, and the agent's
-parse + compile time where it fits.
+parse + compile time where it fits. The entries form (never published now) is sized only: rows,
+records and bytes, not sharded, judged for fit or parsed (its "fits" column reads "-").
 `--identity-only-pods`: sizes measured in the identity form only (the entries form there has tens of
 millions of entries). `--map-records N`: the agents' policy map size (chart `agent.policyMapRecords`;
 default 65,536): what fits, and what the agent parses and compiles against. `--load` (root, BCC):

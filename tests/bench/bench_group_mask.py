@@ -12,8 +12,9 @@ sequences alternate between group a (experts 0-3) and group b (4-7). tokens/s = 
 steps / wall time of the steps. Ratio = scoped tokens/s over unscoped tokens/s, the median of
 per-run ratios (the configurations run interleaved, in an order rotated each run, so machine
 noise hits all alike); "none-again" times the unscoped batch a second time as an A/A control.
-Two gates: the family's own top-2 (fixed k: an unmasked batch takes the fixed-k fast path of
-the gated block, a masked one the general `assign`), and a dynamic one (threshold, 1-3 experts).
+Two gates: the family's own top-2 (fixed k: the gated block's fixed-k fast path, which a masked
+batch takes too while every top-k pick is allowed, as with groups of 4 here; the general `assign`
+otherwise), and a dynamic one (threshold, 1-3 experts).
 Writes tests/bench/results/bench_group_mask.json.
 """
 

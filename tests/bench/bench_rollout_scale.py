@@ -20,8 +20,10 @@ Then, with ``--qps`` of inference load on the first 10 pod addresses, one GateCo
 rolled out by the default request-level strategy (steps 5 → 20 → 100 %) and the bench reports:
 - seconds from the change to each step and to Succeeded (the new version stable);
 - the rollout tick p50/p99 and the operator's API requests during the rollout;
-- admin pushes the server received (``sparsegate_gate_config_applies_total``), per pod;
-- the operator's peak RSS and CPU (cores) during the rollout;
+- admin pushes the operator sent (``sparsegate_rollout_gate_pushes``, in all and per pod) and the
+  server received (``sparsegate_gate_config_applies_total``, in all: every pod address reaches it);
+- the operator's CPU (cores) during the rollout, and its peak RSS over the whole run (VmHWM: the
+  fleet's creation included) and RSS at the end;
 - the load's answers (every request answered 200: a hot reload drops nothing).
 Needs ports 8443 (the admin port every pod declares) and ``--serving-port`` free on 0.0.0.0.
 Results also go to tests/bench/results/bench_rollout_scale.json.
@@ -199,7 +201,8 @@ def main() -> int:
             "pods": args.pods, "podsReady": len(ips), "nodes": n_nodes, "podsReadySeconds": round(ready_s, 1),
             "qps": args.qps, "analysisInterval": args.analysis_interval,
             "outcome": outcome, "message": ro.get("message"), "rolloutSeconds": round(rollout_s, 1), "timeline": timeline,
-            "rolloutTick": histogram_quantiles(after_ops, "sparsegate_rollout_tick_duration_seconds", None),
+            "rolloutTick": histogram_quantiles(after_ops, "sparsegate_rollout_tick_duration_seconds", None,
+                                               since=before_ops),
             # PUT /admin/gate: what the operator sent (by its result) and what the server received
             # (applied, or unchanged: already held — every pod address reaches the same process).
             "pushesSent": operator_pushes, "pushesReceived": pushed,

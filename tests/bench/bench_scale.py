@@ -32,7 +32,8 @@ Reports, side by side:
   just those changes (the histogram's difference over the phase), each kind of request's duration
   and the CPU of the operator and of each control-plane process over the phase, and per model, from
   a watch, seconds from the PATCH until its status shows the new generation and until it is Ready
-  with the new count. Everything above is from before this phase. ``--apiserver-cost`` adds, per
+  with the new count. Everything above is from before this phase, but for the operator's memory
+  (peak and end RSS are read after it). ``--apiserver-cost`` adds, per
   change, the API server's requests by verb and resource, its watch events by kind, its writes by
   writer (an audit log) and a CPU profile sorted by work (``apiserver_cost.py``); the audit log and
   the profile cost the API server CPU themselves, so compare such runs' CPU only with each other.
