@@ -1,8 +1,10 @@
 """A small JSON-in, JSON-out Kubernetes client for the operator's own writes.
 
 Rendered objects are plain dicts, so this wraps the official client's transport (auth, TLS,
-kubeconfig or in-cluster config) rather than its typed models. All writes of rendered objects
-use server-side apply with field manager ``sparsegate`` and ``force``: the operator owns exactly
+kubeconfig or in-cluster config) rather than its typed models. Rendered workload objects
+(ConfigMap, Service, Deployment) are written with server-side apply, field manager ``sparsegate``
+and ``force`` (the admin Secret and the probe ConfigMaps are created and replaced whole): the
+operator owns exactly
 the fields it renders, re-applying identical input is a no-op (no resourceVersion bump), and
 fields set by others (e.g. an HPA's replicas if one is added later) are never clobbered
 unless we render them.
@@ -38,7 +40,8 @@ WRITTEN_KINDS: dict[str, tuple[str, str]] = {
     **{kind: (names.API_VERSION, plural) for kind, plural in names.PLURALS.items()},
     "Lease": ("coordination.k8s.io/v1", "leases"),
 }
-# Kinds only read (the rollout controller's pod list and owner check).
+# Kinds only read (the rollout controller's ReplicaSet owner check; Pod: none today, pods come
+# from the operator's watch indexes).
 READ_KINDS: dict[str, tuple[str, str]] = {
     "Pod": ("v1", "pods"),
     "ReplicaSet": ("apps/v1", "replicasets"),

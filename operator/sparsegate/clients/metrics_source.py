@@ -1,7 +1,7 @@
 """Where canary analysis reads live metrics from: two providers, one shape.
 
-* :class:`DirectScrape` (default): ``GET /metrics`` on every pod IP, parsed with
-  prometheus_client's text parser into cumulative :class:`PodCounters`; windows are the
+* :class:`DirectScrape` (default): ``GET /metrics`` on every pod IP, parsed by this module's line
+  parser (:func:`parse_samples`) into cumulative :class:`PodCounters`; windows are the
   difference of two snapshots (``domain.analysis.window_delta``). Needs no Prometheus.
 * :class:`PrometheusAPI`: PromQL over the HTTP API (``/api/v1/query``) for clusters that
   already scrape the model pods; windows are computed server-side with ``increase()``.

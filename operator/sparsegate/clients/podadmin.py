@@ -272,7 +272,8 @@ class PodAdmin:
 
     async def push_access(self, pushes: list[tuple[PodTarget, Mapping[str, Any]]]) -> dict[str, AccessAnswer]:
         """``PUT /admin/access`` of each (pod, access document); the answer's revision is what the
-        pod holds now (a 422 keeps its old rules and reports the error)."""
+        pod holds now. A refused push (a 422 keeps the pod's old rules) answers the error and no
+        revision: the pod is asked again (GET) before it counts as holding anything."""
         return await self._access([(t, doc) for t, doc in pushes])
 
     async def scrape(self, targets: Iterable[PodTarget], *, names: Sequence[str] = ()) -> dict[str, str]:

@@ -451,10 +451,15 @@ class RolloutLoop:
         fleet = await self._fleet(namespace=namespace, models=models, inventory=inventory)
         self._report_withheld(body, fleet, cache=cache, logger=logger)
         decision: Decision | None = None
-        for _ in range(3):
+        for attempt in range(3):
             pods = await self._observe_pods(fleet)
             request = self._request(namespace=namespace, fleet=fleet, status=status, now=now)
             metrics = await self._metrics(spec=spec, request=request, status=status, cache=cache)
+            if attempt:
+                # One calibration sample per tick: a second look's rates span only the moment since
+                # the first (a direct scrape's fleet qps over a sub-second gap is noise).
+                metrics.pop("fleet_qps", None)
+                metrics.pop("stable_error_rate", None)
             measured = await self._declared(spec=spec, request=request, status=status, name=name, models=models,
                                             now=now)
             obs = Observations(pods=pods, **requests, **metrics, measurements=measured)

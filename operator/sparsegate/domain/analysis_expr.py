@@ -17,8 +17,10 @@ parser into a tree of tuples and evaluated by walking it; nothing is ever handed
              | ('abs' | 'min' | 'max') '(' expr (',' expr)* ')'
 
 Examples: ``result < 0.05``, ``result >= 0.9 && result <= 1``, ``abs(result - 1) < 0.1``.
-An expression must yield a boolean; type errors (``result + true``, ``!result``) and division by
-zero raise :class:`ExprError` at evaluation, which the caller records as a measurement error.
+An expression must yield a boolean; type errors (``result + true``, ``!result``) are found when the
+condition is parsed (:func:`parse_condition` raises :class:`ExprError`, so the spec is refused as
+invalid), while division by zero raises it at evaluation, which the caller records as a
+measurement error.
 
 JSON selection (``web`` checks' ``jsonPath``) is a path of field names and list indexes:
 ``$.data.score``, ``data.items[0].value``, ``{$.data['p99']}`` (the braces of kubectl's JSONPath

@@ -309,6 +309,8 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
 
 def render_applied(model: Mapping[str, Any], document: GateDocument, *,
                    default_image: DefaultImage = DefaultImage()) -> list[dict[str, Any]]:
-    """Objects re-applied on every reconcile, in dependency order (config before pods)."""
+    """The objects each reconcile applies, in dependency order (config before pods); the caller
+    skips the ConfigMap and Service while unchanged within --reapply-interval
+    (``controllers.applied_objects``), the Deployment is applied every time."""
     return [render_configmap(model, document), render_service(model),
             render_deployment(model, document, default_image=default_image)]

@@ -46,13 +46,15 @@ class Phase(str, enum.Enum):
     ANALYSING = "Analysing"
     # Every pod of the step runs the canary version; live metrics are judged for the window.
     PAUSED = "Paused"
-    # spec.rollout.paused: the current step is held as is, nothing pushed or promoted.
+    # spec.rollout.paused, or an inconclusive analysis (analysisPaused): the current step is held as
+    # is, nothing pushed or promoted.
     SUCCEEDED = "Succeeded"
     # Resting: every pod runs status.stable (the new version was promoted, or the first one).
     ROLLING_BACK = "RollingBack"
     # Pushing the stable version back to canary pods (analysis failed, abort or spec reverted).
     ROLLED_BACK = "RolledBack"
-    # Resting after an automatic rollback; the failed version is not retried until spec changes.
+    # Resting after an automatic rollback; the failed version is not retried until spec changes or
+    # the retry annotation asks for it.
     ABORTED = "Aborted"
     # Resting after a user abort (annotation); like RolledBack but requested.
     FAILED = "Failed"

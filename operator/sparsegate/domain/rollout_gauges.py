@@ -31,7 +31,7 @@ class RolloutGauges:
     phase: str | None  # status.rollout.phase; None before the operator first wrote it
     step: int  # current step, 1-based; 0 when no canary is in flight
     steps: int  # number of steps in the spec (0 when not recorded)
-    canary_percent: int  # percent of instances the current step targets; 0 without a canary
+    canary_percent: int  # percent of requests (strategy requests) or of instances (strategy instances) the current step targets; 0 without a canary
     canary_instances: int  # pods assigned the canary at this step (from "a/b"); 0 without a canary
     instances: int | None  # all instances at the last check (from "a/b"); None when not recorded
     versions: dict[str, str] = field(default_factory=dict)  # role -> gate version

@@ -303,3 +303,27 @@ async def test_an_unreachable_prometheus_leaves_the_step_waiting_and_says_why() 
     assert st["rollout"]["phase"] == "Analysing" and st["rollout"]["step"] == 1, st["rollout"]
     message = st["rollout"]["message"]
     assert "waiting for metrics (" in message and "ClientConnectorError" in message, message
+
+
+async def test_a_tick_whose_push_lands_records_one_calibration_sample(no_kopf_events: list) -> None:
+    """A tick looks again right after a push lands (to record the verified pods), but it takes one
+    calibration sample: the second look's rates would span only the moment since the first."""
+    clock = [1000.0]
+
+    def now() -> float:  # each read of the clock is a little later, as in a real tick
+        clock[0] += 0.25
+        return clock[0]
+
+    kube = FakeKube(spec(V1))
+    pods = FakePods(clock)
+    loop, cache = Loop(kube=kube, admin=pods, clock=now), RolloutCache()  # type: ignore[arg-type]
+    await tick(loop, cache, clock, 1)
+    kube.set_spec(spec(V2))
+    st = await tick(loop, cache, clock, 1)
+    counts, steps = [], []
+    for _ in range(5):  # through step 1's analysis and the push of step 2
+        st = await tick(loop, cache, clock, 5)
+        counts.append(len(st["rollout"]["calibration"]["qps"]))
+        steps.append(st["rollout"].get("step"))
+    assert 2 in steps, steps  # a step was promoted (pushed) within these ticks
+    assert all(b - a <= 1 for a, b in zip(counts, counts[1:])), (counts, steps)
