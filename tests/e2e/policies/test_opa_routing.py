@@ -371,6 +371,8 @@ async def test_operator_restart_while_opa_is_down_widens_nothing(opa_server, rou
     specs it keeps the allow-list; a policy changed meanwhile is narrowed; without a record, no
     allow entry of a live policy survives."""
     policies = [ALLOW_WEB, DENY_BATCH, ALLOW_ALL_NS]
+    changed = [ALLOW_WEB_NARROWED, DENY_BATCH, ALLOW_ALL_NS]
+    truth_changed = await _truth(opa_server.url, routing_rego, changed)
     first, store = _sync(opa_server.url)
     try:
         await first.sync(policies=policies, pods=PODS)
@@ -392,6 +394,12 @@ async def test_operator_restart_while_opa_is_down_widens_nothing(opa_server, rou
 
     # Unchanged specs: the recorded basis proves the allow-list still matches them
     assert await restarted(policies) == good
+    # allow-web changed while no operator ran (8080 → 9090): its entries go, nothing is wider than
+    # what OPA decides for the changed specs
+    after_change = await restarted(changed)
+    assert not any(e["rule"].startswith("models/allow-web#") for e in ip_entries(after_change))
+    assert _allows(after_change) <= truth_changed and _allows(after_change) < _allows(good)
+    store.document, store.basis = good, basis
     # A Deny added while no operator ran (and OPA is down): its targets' entries go
     after_deny = await restarted([*policies, DENY_MIXTRAL])
     assert _allows(after_deny) == {f for f in _allows(good) if f[1] not in ("127.20.0.10", "127.20.0.11")}

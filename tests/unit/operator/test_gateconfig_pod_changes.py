@@ -58,13 +58,17 @@ async def test_a_serving_pod_brings_its_resting_gates_next_tick_within_the_inter
     index = {("ns", "m-a"): [model_view({"metadata": {"name": "m-a", "namespace": "ns"},
                                          "spec": {"gateConfigRef": {"name": "gate-1"}}})]}
     rounds: list[int] = []
+    at: list[float] = []
+    clock = asyncio.get_running_loop().time
 
     async def tick(_: Any) -> float:
         rounds.append(gateconfig._pod_changes.get(("ns", "gate-1"), 0))
+        at.append(clock())
         return 300.0  # resting
 
     loops.seen(key=("ns", "gate-1"), event_type=None, body={"metadata": {"name": "gate-1"}}, tick=tick)
     await wait_for_async(lambda: rounds, what="the first tick", timeout_s=10, interval_s=0.005)
+    event_at = clock()
     await gateconfig.model_pod_changed_rollout(body=pod("m-a"), namespace="ns", sparsegate_model_views=index)
     await gateconfig.model_pod_changed_rollout(body=pod("m-a"), namespace="ns", sparsegate_model_views=index)
     # Within the 0.05 s interval; a loaded machine may run it late.
@@ -72,3 +76,4 @@ async def test_a_serving_pod_brings_its_resting_gates_next_tick_within_the_inter
     await asyncio.sleep(0.1)
     await loops.stop()
     assert rounds == [0, 2]  # one more tick (not two), which sees both events
+    assert at[1] - event_at < 2.0, at[1] - event_at  # loosely bounded, far under the 300 s rest

@@ -138,19 +138,25 @@ async def until(condition: Any, timeout_s: float = 10.0) -> None:
 async def test_a_round_may_put_off_the_next_and_an_event_brings_it_within_the_interval() -> None:
     loops = ObjectLoops(kind="GateConfig", interval_s=0.05)
     rounds: list[int] = []
+    at: list[float] = []
+    clock = asyncio.get_running_loop().time
 
     async def tick(b: Any) -> float:
         rounds.append(b["metadata"]["generation"])
+        at.append(clock())
         return 60.0  # resting: nothing to do for a minute
 
     loops.seen(key=("ns", "g"), event_type=None, body=body(generation=1), tick=tick)
     await until(lambda: rounds == [1])
     await asyncio.sleep(0.2)
     assert rounds == [1]  # four intervals passed, one round
+    event_at = clock()
     loops.seen(key=("ns", "g"), event_type="MODIFIED", body=body(generation=2), tick=tick)
     await asyncio.sleep(0.01)
     assert rounds == [1]  # not at once: within the interval
     await until(lambda: rounds == [1, 2])
+    # Within the 0.05 s interval; bounded loosely (a loaded machine runs it late), far under the 60 s rest.
+    assert at[1] - event_at < 2.0, at[1] - event_at
     await loops.stop()
 
 

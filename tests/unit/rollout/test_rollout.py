@@ -224,6 +224,9 @@ def test_latency_over_sla_rolls_back() -> None:
     d.until(Phase.ANALYSING)
     st = d.tick(canary=healthy(latency_s=2.0), stable=healthy(1000))
     assert st.phase == Phase.ROLLING_BACK and "p99LatencyMs" in st.message
+    assert d.fleet.count(v(V1)) == 20 and d.fleet.count(v(V2)) == 0  # every pod back on stable
+    st = d.tick()
+    assert st.phase == Phase.ROLLED_BACK and st.stable.version == v(V1) and st.rejected_version == v(V2)
 
 
 def test_auto_rollback_off_leaves_canary_and_fails() -> None:

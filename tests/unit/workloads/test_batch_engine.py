@@ -140,21 +140,30 @@ async def test_a_timed_out_request_answers_503_and_frees_its_slot(serve):
 
 async def test_gate_swaps_land_between_steps_without_dropping_a_request(serve):
     client = await serve()
+    state = client.server.app[STATE]
     experts = {ONE.version: 1.0, TWO.version: 2.0}
+    loop = asyncio.get_running_loop()
+    swapped: list[float] = []
     async with TestClient(TestServer(create_admin_app(client.server.app, auth=StaticToken(TOKEN)),
                                      host="127.0.0.1")) as admin:
         async def swap_midway():
-            await asyncio.sleep(0.15)  # requests are decoding by now
+            for _ in range(1000):  # until requests are decoding (not a guess of how long that takes)
+                if state.engine.running:
+                    break
+                await asyncio.sleep(0.005)
             resp = await admin.put("/admin/gate", json=TWO.to_json(), headers=AUTH)
+            swapped.append(loop.time())
             assert resp.status == 200
 
         async def request(i):
             await asyncio.sleep(0.05 * i)
             resp = await client.post("/v1/completions", json=_body(i, max_tokens=60))
             assert resp.status == 200
-            return (await resp.json())["usage"]["sparsegate"]
+            return (await resp.json())["usage"]["sparsegate"], loop.time()
         results = await asyncio.gather(swap_midway(), *[request(i) for i in range(8)])
-    usages = results[1:]
+    usages = [u for u, _ in results[1:]]
+    # The swap landed while a request was still decoding (answered after it), and none was dropped.
+    assert any(done > swapped[0] for _, done in results[1:]) and usages[0]["gate_version"] == ONE.version
     for u in usages:  # each request ran wholly under the version it reports
         assert u["mean_experts_per_token"] == experts[u["gate_version"]]
     versions = [u["gate_version"] for u in usages]

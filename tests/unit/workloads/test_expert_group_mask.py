@@ -76,7 +76,6 @@ async def test_the_server_narrows_a_request_to_its_named_group():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    pytest.importorskip("transformers")
     from sparsegate_workload.hf import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("olmoe"), family="olmoe", seed=1, tokenizer=False)
