@@ -38,6 +38,10 @@ from typing import Any
 __all__ = ["ExprError", "Condition", "parse_condition", "JsonPath", "parse_json_path", "MAX_EXPRESSION_LENGTH"]
 
 MAX_EXPRESSION_LENGTH = 256
+# Parentheses, calls and unary operators nest at most this deep: the parser, the type check and
+# the evaluation recurse once per level, and a 256-character text could otherwise nest ~128 deep,
+# past Python's recursion limit inside the operator's own call stack.
+MAX_NESTING = 32
 
 _TOKEN = re.compile(r"""
     \s*(?:
@@ -75,6 +79,12 @@ class _Parser:
     def __init__(self, text: str) -> None:
         self.toks = _tokens(text)
         self.i = 0
+        self.depth = 0
+
+    def nest(self) -> None:
+        self.depth += 1
+        if self.depth > MAX_NESTING:
+            raise ExprError(f"nested more than {MAX_NESTING} levels deep (parentheses, calls, ! and unary -)")
 
     def peek(self) -> str | None:
         return self.toks[self.i][1] if self.i < len(self.toks) else None
@@ -103,7 +113,10 @@ class _Parser:
 
     def neg(self) -> tuple[Any, ...]:
         if self.take("!", "not"):
-            return ("not", self.neg())
+            self.nest()
+            node = ("not", self.neg())
+            self.depth -= 1
+            return node
         return self.compare()
 
     def compare(self) -> tuple[Any, ...]:
@@ -130,7 +143,10 @@ class _Parser:
 
     def unary(self) -> tuple[Any, ...]:
         if self.take("-"):
-            return ("neg", self.unary())
+            self.nest()
+            node = ("neg", self.unary())
+            self.depth -= 1
+            return node
         return self.atom()
 
     def atom(self) -> tuple[Any, ...]:
@@ -148,15 +164,19 @@ class _Parser:
         if value in ("true", "false"):
             return ("bool", value == "true")
         if value == "(":
+            self.nest()
             inner = self.expr()
             self.expect(")")
+            self.depth -= 1
             return inner
         if value in _FUNCTIONS:
             self.expect("(")
+            self.nest()
             args = [self.expr()]
             while self.take(","):
                 args.append(self.expr())
             self.expect(")")
+            self.depth -= 1
             lo, hi = _FUNCTIONS[value]
             if not lo <= len(args) <= hi:
                 raise ExprError(f"{value}() takes {lo}" + (f" to {hi}" if hi != lo else "") + " arguments")
@@ -220,7 +240,10 @@ class Condition:
     tree: tuple[Any, ...]
 
     def evaluate(self, result: float) -> bool:
-        value = _eval(self.tree, result)
+        try:
+            value = _eval(self.tree, result)
+        except RecursionError:  # a long chain evaluated deep in the caller's stack
+            raise ExprError(f"{self.text!r} is too deeply nested to evaluate") from None
         if not isinstance(value, bool):
             raise ExprError(f"{self.text!r} is a number, not a condition (compare it, e.g. result < 0.05)")
         return value
@@ -232,13 +255,17 @@ def parse_condition(text: str) -> Condition:
         raise ExprError("empty expression")
     if len(text) > MAX_EXPRESSION_LENGTH:
         raise ExprError(f"longer than {MAX_EXPRESSION_LENGTH} characters")
-    p = _Parser(text)
-    tree = p.expr()
-    if p.peek() is not None:
-        raise ExprError(f"unexpected {p.peek()!r} after a complete expression")
-    if not _mentions_result(tree):
-        raise ExprError("the condition never reads result")
-    if _type(tree) != "bool":
+    try:
+        p = _Parser(text)
+        tree = p.expr()
+        if p.peek() is not None:
+            raise ExprError(f"unexpected {p.peek()!r} after a complete expression")
+        if not _mentions_result(tree):
+            raise ExprError("the condition never reads result")
+        kind = _type(tree)
+    except RecursionError:  # a long operator chain parsed deep in the caller's stack
+        raise ExprError("too deeply nested") from None
+    if kind != "bool":
         raise ExprError("the expression is a number, not a condition (compare it, e.g. result < 0.05)")
     return Condition(text=text, tree=tree)
 

@@ -466,6 +466,16 @@ CEL_CASES: dict[tuple[str, str, str], list[CelCase]] = {
     # A transition rule: a create never breaks it (there is no old object), so no create case
     # can; tests/e2e/operator/test_sparsemodel_lifecycle.py checks that an update is refused.
     ("SparseModel", "spec.service.headless", "self == oldSelf"): [],
+    ("SparseModel", "spec.servingPort", "self != 8443"): [
+        ("out_of_range", "spec.servingPort", "the admin port 8443", _set("spec.servingPort", 8443)),
+    ],
+    ("SparseModel", "spec.model.persistentVolumeClaim.mountPath",
+     "!['/etc/sparsegate', '/etc/sparsegate-admin'].exists(p, self == p || self.startsWith(p + '/') || "
+     "p.startsWith(self.endsWith('/') ? self : self + '/'))"): [
+        ("bad_format", "spec.model.persistentVolumeClaim.mountPath", f"mountPath {bad!r} (the gate or admin mounts)",
+         _set("spec.model.persistentVolumeClaim.mountPath", bad))
+        for bad in ("/etc/sparsegate", "/etc/sparsegate-admin/", "/etc/sparsegate/weights", "/etc", "/")
+    ],
     ("SparseModel", "spec.tools", "self.all(t, t.name != 'calculator')"): [
         ("cross_field", "spec.tools", "a tool named calculator (the built-in's name)",
          _set("spec.tools[0].name", "calculator")),

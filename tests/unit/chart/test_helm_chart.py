@@ -310,3 +310,39 @@ def test_agent_is_not_privileged_and_gets_only_the_bpf_capabilities():
     assert "/sys/fs/bpf" not in {m["mountPath"] for m in agent["volumeMounts"]}
     docs = render("agent-values.yaml", "--set", "agent.capabilities={BPF,NET_ADMIN,PERFMON,SYS_RESOURCE}")
     assert containers(docs, "DaemonSet")["agent"]["securityContext"]["capabilities"]["add"][-1] == "SYS_RESOURCE"
+
+
+@pytest.mark.parametrize(("release", "values", "words"), [
+    ("production-inference-platform-eu-west-1", (), "must fit in 63"),
+    ("r" * 35, (), "at most 34 characters"),
+    ("rel", ("--set", "fullnameOverride=Sparse_Gate"), "/fullnameOverride"),
+    ("rel", ("--set", "nameOverride=" + "b" * 50), "/nameOverride"),
+    ("rel", ("--set", "operator.leaderElection.leaseDuration=5"), "must be shorter than leaseDuration"),
+    ("rel", ("--set", "operator.leaderElection.retryPeriod=9"), "1.2 x retryPeriod"),
+    ("rel", ("--set", "operator.metrics.port=8181"), "must differ"),
+    ("rel", ("--set", "operator.liveness.port=9090"), "must differ"),
+])
+def test_values_the_operator_pod_could_not_run_with_are_refused_at_install(release: str, values: tuple[str, ...],
+                                                                           words: str) -> None:
+    """Names Kubernetes would refuse (over 63 characters, not a DNS label), Lease timings the
+    operator refuses at start (it would crash-loop), and two of the pod's servers on one port fail
+    the render with the reason, instead of an install that cannot run."""
+    exe = BIN / "helm"
+    proc = subprocess.run([str(exe), "template", release, str(CHART), "--namespace", "sg", *values],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and words in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("values", SCENARIOS)
+def test_the_longest_accepted_release_name_renders_names_kubernetes_accepts(values: str | None) -> None:
+    args = ["template", "r" * 34, str(CHART), "--namespace", "sg"] + (["-f", str(CHART / "ci" / values)] if values else [])
+    docs = [d for d in yaml.safe_load_all(helm(*args)) if d]
+    assert max(len(d["metadata"]["name"]) for d in docs) <= 63
+    # The Lease timings the chart lets through are ones the operator starts with.
+    from sparsegate.domain.lease import Timing
+
+    for lease, renew, retry in ((15, 10, 2), (60, 59, 49)):
+        helm("template", "rel", str(CHART), "--namespace", "sg", "--set", f"operator.leaderElection.leaseDuration={lease}",
+             "--set", f"operator.leaderElection.renewDeadline={renew}",
+             "--set", f"operator.leaderElection.retryPeriod={retry}")
+        Timing(lease_duration_s=lease, renew_deadline_s=renew, retry_period_s=retry)

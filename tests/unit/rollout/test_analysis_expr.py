@@ -62,6 +62,10 @@ def test_conditions_evaluate(text: str, result: float, expected: bool) -> None:
     ("abs(result > 1) > 0", "abs() needs a number"),
     ("result > 1e999", "out of range"),
     ("result > " + "1" * MAX_EXPRESSION_LENGTH, "longer than"),
+    # Within the schema's 256 characters: deep nesting is refused by name, never a RecursionError.
+    ("(" * 123 + "result<1" + ")" * 123, "nested more than 32 levels"),
+    ("!" * 200 + "(result < 1)", "nested more than 32 levels"),
+    ("-" * 200 + "result < 1", "nested more than 32 levels"),
 ])
 def test_rejected_conditions_say_why(text: str, why: str) -> None:
     with pytest.raises(ExprError, match=re.escape(why)):
@@ -102,3 +106,20 @@ def test_json_path_errors_name_the_missing_step() -> None:
     for bad in ("$.a[*]", "$..a", "$.a[?(@.b)]", "a b"):
         with pytest.raises(ExprError, match="cannot parse jsonPath"):
             parse_json_path(bad)
+
+
+def test_the_longest_operator_chain_parses_and_evaluates_deep_in_a_call_stack() -> None:
+    """A left-deep chain as long as the schema allows, parsed where the operator's tick runs (a few
+    hundred frames deep): an answer or an ExprError, never a RecursionError out of the tick."""
+    text = "1+" * 124 + "result<1"
+    assert len(text) == MAX_EXPRESSION_LENGTH
+
+    def deep(n: int) -> bool:
+        return deep(n - 1) if n else parse_condition(text).evaluate(-200.0)
+
+    for frames in (100, 400):
+        assert deep(frames) is True
+    try:
+        deep(900)
+    except ExprError as e:
+        assert "too deeply nested" in str(e)
