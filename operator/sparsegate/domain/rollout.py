@@ -105,7 +105,8 @@ __all__ = [
     "RETRY_ANNOTATION", "Action", "ClearAnnotation", "Decision", "EmitEvent", "GateSetTarget", "GateVersion",
     "Observations", "Phase", "PodObservation", "PushGate", "RecordOutcome", "RecordStep", "Revision",
     "RolloutSpec", "RolloutStatus", "SpecError", "Strategy", "annotation_requests", "canary_gate", "conditions",
-    "desired_versions", "instances_for", "invalid_spec", "kstatus_conditions", "next_action", "parse_spec",
+    "desired_versions", "in_flight", "instances_for", "invalid_spec", "kstatus_conditions", "next_action",
+    "parse_spec",
     "record_stable", "select_canary_pods",
 ]
 
@@ -417,7 +418,7 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
                     actions=tuple(acts))
 
 
-def _in_flight(s: RolloutStatus) -> bool:
+def in_flight(s: RolloutStatus) -> bool:
     """A canary version is out (being pushed, analysed, held, or failed with autoRollback off)."""
     return s.canary is not None and (s.phase in ACTIVE_PHASES or s.phase == Phase.FAILED)
 
@@ -483,9 +484,9 @@ def _follow_version(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, n
                     retried: bool) -> RolloutStatus:
     """The spec names stable again (revert), a third version (supersede), or a new one (start)."""
     target = spec.target
-    if _in_flight(s) or s.phase == Phase.ROLLING_BACK:
+    if in_flight(s) or s.phase == Phase.ROLLING_BACK:
         assert s.canary is not None and s.stable is not None
-        if target.version == s.stable.version and _in_flight(s):
+        if target.version == s.stable.version and in_flight(s):
             msg = f"spec reverted to stable {s.stable.version}: rolling back {s.canary.version}"
             acts += [EmitEvent("Normal", "Reverted", msg), RecordOutcome("reverted")]
             return _rollback(s, after=Phase.SUCCEEDED, reason="Reverted", message=msg, reject=False)
@@ -504,7 +505,7 @@ def _follow_version(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, n
 def _requests(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float,
               acts: list[Action]) -> RolloutStatus:
     """Abort and promote (one-shot annotations), for a rollout in flight."""
-    if not _in_flight(s):
+    if not in_flight(s):
         return s
     assert s.canary is not None and s.stable is not None
     last = len(spec.steps) - 1

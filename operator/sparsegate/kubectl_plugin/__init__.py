@@ -123,6 +123,7 @@ def run(argv: Sequence[str], *, client_factory: Callable[..., Client] = Client,
         return 0
     if cmd == "status":
         if args.watch:
+            client.get(namespace, args.name)  # a clear "not found" rather than a silent wait
             _watch_status(client, namespace, args.name, out)
         else:
             out(view.status_view(client.get(namespace, args.name)))
@@ -132,9 +133,9 @@ def run(argv: Sequence[str], *, client_factory: Callable[..., Client] = Client,
         body: Any = view.pause_patch(True) if cmd == "pause" else view.resume_patch(obj)
         done = "paused" if cmd == "pause" else "resumed"
     elif cmd == "promote":
-        body, done = view.promote_patch(full=args.full), "promote requested" + (" (full)" if args.full else "")
+        body, done = view.promote_patch(obj, full=args.full), "promote requested" + (" (full)" if args.full else "")
     elif cmd == "abort":
-        body, done = view.abort_patch(), "abort requested"
+        body, done = view.abort_patch(obj), "abort requested"
     elif cmd == "retry":
         body, done = view.retry_patch(obj), "retry requested"
     else:

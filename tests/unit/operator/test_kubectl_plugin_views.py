@@ -42,6 +42,7 @@ def gateconfig(name: str = "gate", namespace: str = "ns", **rollout: Any) -> dic
             "history": [revision(1, V1), revision(2, V2)],
             "rollout": {"phase": "Analysing", "reason": "Analysing", "message": "step 2/3: analysing",
                         "step": 2, "steps": 3, "canaryPercent": 50, "canaryVersion": doc(V3)["version"],
+                        "canary": doc(V3),
                         "canaryInstances": "5/10", "versionCounts": {doc(V3)["version"]: 5, doc(V2)["version"]: 5},
                         "analysis": {"verdict": "Pass", "canaryRequests": 120.0, "canaryQps": 12.0, "checks": [
                             {"name": "errorRate", "value": 0.01, "threshold": 0.02, "passed": True},
@@ -121,6 +122,35 @@ def test_patches_are_what_the_operator_reads() -> None:
     assert annotation_requests(view.retry_patch(rolled_back)["metadata"]["annotations"])["retry"]
     assert {PROMOTE_ANNOTATION, ABORT_ANNOTATION, RETRY_ANNOTATION} == {
         *full, *view.abort_patch()["metadata"]["annotations"], *view.retry_patch(rolled_back)["metadata"]["annotations"]}
+
+
+def test_promote_and_abort_refused_without_a_canary_in_flight() -> None:
+    """The operator clears promote and abort unused when no canary is out: the plugin refuses
+    them with the phase instead of printing "requested"."""
+    analysing = gateconfig()
+    assert view.promote_patch(analysing, full=False) and view.abort_patch(analysing)
+    for phase in ("Succeeded", "RolledBack", "Aborted"):
+        resting = gateconfig(phase=phase, canary=None)
+        with pytest.raises(view.PluginError, match=f"nothing to promote: no canary version is in flight \\(phase {phase}\\)"):
+            view.promote_patch(resting, full=True)
+        with pytest.raises(view.PluginError, match="nothing to abort"):
+            view.abort_patch(resting)
+
+
+def test_status_watch_of_a_missing_gateconfig_says_not_found() -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    class Missing:
+        default_namespace = "ns"
+
+        def get(self, namespace: str, name: str) -> dict:
+            raise ApiException(status=404, reason="Not Found")
+
+        def watch(self, namespace: str, name: str):  # pragma: no cover - must not be reached
+            raise AssertionError("watched a GateConfig that does not exist")
+
+    with pytest.raises(ApiException):
+        run(["status", "nope", "--watch"], client_factory=lambda **_: Missing(), out=lambda _: None)
 
 
 def test_retry_refused_when_nothing_was_rejected() -> None:
