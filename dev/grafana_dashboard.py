@@ -225,7 +225,7 @@ def agent_panels() -> list[dict[str, Any]]:
     # Packet types of ebpf/sparsegate_ebpf/maps.py Counter that say how the flow policy treated a
     # packet (ebpf/README.md: scoped, stateful policy).
     verdict_types = ("policy_allow|policy_deny|audit_deny|allowed_source|dns|ct_reply|tcp_untracked|"
-                     "unpoliced|no_policy")
+                     "unpoliced|no_policy|overlay")
     verdict = panel(
         "XDP policy: allowed vs dropped packets", "timeseries",
         [target(f'sum by (type) (rate(sparsegate_xdp_packets_total{{type=~"{verdict_types}"}}[{RATE}]))',
@@ -234,7 +234,8 @@ def agent_panels() -> list[dict[str, Any]]:
                                 "(policy_allow), dropped (policy_deny), denied but passed in audit mode "
                                 "(audit_deny), passed before the allow-list (allowed_source, dns, ct_reply "
                                 "for replies of tracked flows, tcp_untracked), to destinations no policy "
-                                "names (unpoliced), or with no policy loaded (no_policy).",
+                                "names (unpoliced), with no policy loaded (no_policy), or overlay "
+                                "(VXLAN/Geneve) UDP passed with its inner packet not policed (overlay).",
     )
     rules = panel(
         "XDP verdicts by rule", "timeseries",
@@ -249,7 +250,7 @@ def agent_panels() -> list[dict[str, Any]]:
         "Top dropped flows", "bargauge",
         [target("topk(10, sum by (src, dst, dport, proto) (sparsegate_xdp_flow_dropped_packets_total) > 0)",
                 "{{src}} → {{dst}}:{{dport}}/{{proto}}", instant=True)],
-        description="The 10 IPv4 flows in the agents' flow tables with the most packets dropped by "
+        description="The 10 flows (IPv4 or IPv6) in the agents' flow tables with the most packets dropped by "
                     "policy, since each flow entered the table.", options=flows,
     )
     allowed = panel(
@@ -257,7 +258,7 @@ def agent_panels() -> list[dict[str, Any]]:
         [target("topk(10, sum by (src, dst, dport, proto) (\n"
                 "  sparsegate_xdp_flow_packets_total - sparsegate_xdp_flow_dropped_packets_total\n) > 0)",
                 "{{src}} → {{dst}}:{{dport}}/{{proto}}", instant=True)],
-        description="The 10 IPv4 flows in the agents' flow tables with the most packets passed, since "
+        description="The 10 flows (IPv4 or IPv6) in the agents' flow tables with the most packets passed, since "
                     "each flow entered the table.", options=flows,
     )
     state = panel(

@@ -95,6 +95,16 @@ def probe_status(stack: Stack, name: str) -> dict[str, Any]:
     return stack.get("telemetryprobe", name, RELEASE_NS).get("status") or {}
 
 
+def argo_health(stack: Stack, name: str) -> tuple[str, str]:
+    """The chart's Argo CD health check (Lua, as Argo CD runs it) on the live probe."""
+    import lupa
+
+    lua = lupa.LuaRuntime(unpack_returned_tuples=True)
+    lua.globals().obj = lua.table_from(stack.get("telemetryprobe", name, RELEASE_NS), recursive=True)
+    hs = lua.execute((CHART / "health" / "sparsegate.dev" / "TelemetryProbe" / "health.lua").read_text())
+    return hs["status"], hs["message"]
+
+
 def condition(status: dict, type_: str) -> tuple[str | None, str | None, str]:
     c = next((c for c in status.get("conditions") or [] if c["type"] == type_), {})
     return c.get("status"), c.get("reason"), c.get("message", "")
@@ -128,6 +138,7 @@ def test_probe_attaches_moves_reports_conflicts_and_detaches(stack: Stack, agent
                                       "programId": prog["prog"]["id"]}]
     assert status["observedGeneration"] == 1
     assert condition(status, "Reconciling")[0] == "False" and condition(status, "Stalled")[0] == "False"
+    assert argo_health(stack, "veths") == ("Healthy", condition(status, "Ready")[2])  # "attached on 1 node(s)"
     config = json.loads(stack.get("configmap", contract.CONFIG_CONFIGMAP_NAME, RELEASE_NS)["data"][NODE])
     assert contract.parse_node_config(json.dumps(config)).modes() == {first.host_if: "auto"}
 
@@ -148,6 +159,7 @@ def test_probe_attaches_moves_reports_conflicts_and_detaches(stack: Stack, agent
                            lambda st: condition(st, "Stalled")[0] == "True", agent)
     st, reason, message = condition(conflict, "Stalled")
     assert reason == "XdpModeConflict" and NODE in message and second.host_if in message
+    assert argo_health(stack, "conflicting") == ("Degraded", message)
     assert f"{RELEASE_NS}/veths" in message
     assert condition(probe_status(stack, "veths"), "Ready")[0] == "True" and second.xdp()
     stack.kubectl("delete", "telemetryprobe", "conflicting", "-n", RELEASE_NS)

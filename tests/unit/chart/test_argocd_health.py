@@ -1,8 +1,9 @@
 """The chart's Argo CD health checks (charts/sparsegate/health/<group>/<Kind>/health.lua), run with
 lupa the way Argo CD runs them: the resource as the global ``obj``, a table with ``status`` and
 ``message`` returned. Each kind's ``health_test.yaml`` (Argo CD's own test format) lists the
-expected result per testdata object; the testdata statuses were produced by the operator's pure
-status functions (rollout state machine, model_status, policy_status). The rollout's phases are
+expected result per testdata object; the GateConfig, SparseModel and RoutingPolicy testdata
+statuses were produced by the operator's pure status functions (rollout state machine,
+model_status, policy_status), the TelemetryProbe ones are written by hand in its status shape. The rollout's phases are
 also checked live in tests/unit/rollout/test_rollout_argocd_health.py, and on a real cluster in
 tests/e2e/operator/test_kubectl_plugin.py.
 """

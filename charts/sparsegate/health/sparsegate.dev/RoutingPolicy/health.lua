@@ -1,6 +1,7 @@
 -- Argo CD health check for sparsegate.dev/RoutingPolicy (register as
 -- resource.customizations.health.sparsegate.dev_RoutingPolicy in argocd-cm).
---   Stalled=True (OPA refused the policy or its data)                  -> Degraded
+--   Stalled=True (OPA refused the policy or its data, or the compiled
+--     allow-list does not fit: PolicyTooLarge)                         -> Degraded
 --   Degraded=True (OPA unreachable: the last good allow-list is kept,
 --     fail closed, retried without a spec change)                      -> Degraded
 --   Ready=True (OPA holds this generation, decisions published)        -> Healthy

@@ -35,5 +35,8 @@ for _, c in ipairs(obj.status.conditions) do
     hs.status = "Progressing"
     hs.message = c.message
   end
+  if c.type == "Ready" and c.status == "True" and hs.message == "" then
+    hs.message = c.message or ""  -- "attached on N node(s)", as the other kinds report Ready's message
+  end
 end
 return hs
