@@ -318,7 +318,9 @@ def _type(node: tuple[Any, ...]) -> str:
 
 # ---------------------------------------------------------------- JSON selection
 
-_SEGMENT = re.compile(r"""\.(?P<name>[A-Za-z_][A-Za-z0-9_-]*)|\[(?P<index>[0-9]+)\]|\[['"](?P<key>[^'"\]]+)['"]\]""")
+# The CRD's jsonPath pattern (gateconfigs.yaml) admits exactly these segments: a quoted key may hold
+# any character but its own quote (`]` and the other quote included).
+_SEGMENT = re.compile(r"""\.(?P<name>[A-Za-z_][A-Za-z0-9_-]*)|\[(?P<index>[0-9]+)\]|\['(?P<key>[^']+)'\]|\["(?P<dkey>[^"]+)"\]""")
 
 
 @dataclass(frozen=True)
@@ -359,6 +361,7 @@ def parse_json_path(text: str) -> JsonPath:
         m = _SEGMENT.match(raw, pos)
         if m is None:
             raise ExprError(f"cannot parse jsonPath {text!r} at {raw[pos:]!r} (e.g. $.data.score or $.items[0].value)")
-        steps.append(int(m.group("index")) if m.group("index") is not None else (m.group("name") or m.group("key")))
+        steps.append(int(m.group("index")) if m.group("index") is not None
+                     else (m.group("name") or m.group("key") or m.group("dkey")))
         pos = m.end()
     return JsonPath(text=text, steps=tuple(steps))

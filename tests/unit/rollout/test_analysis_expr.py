@@ -123,3 +123,33 @@ def test_the_longest_operator_chain_parses_and_evaluates_deep_in_a_call_stack() 
         deep(900)
     except ExprError as e:
         assert "too deeply nested" in str(e)
+
+
+def test_json_paths_the_crd_accepts_are_the_ones_the_operator_parses() -> None:
+    """What the schema accepts, the operator accepts: the CRD's jsonPath pattern and
+    parse_json_path agree on paths at and around the grammar's edges."""
+    from pathlib import Path
+
+    import yaml
+
+    from sparsegate.domain.analysis_expr import parse_json_path
+
+    crd = yaml.safe_load((Path(__file__).resolve().parents[3] / "charts" / "sparsegate" / "crds" /
+                          "gateconfigs.yaml").read_text())
+    pattern = re.compile(_jsonpath_pattern(crd))
+    paths = ["$.data.score", "data.items[0].value", "{$.data['p99']}", "$['p99]']", "$['say\"hi']", '$["it\'s"]',
+             "{$.score", "$.score}", "{$.score}", "$", "", "$.a-b", "$.1a", "$[01]", "$['']", "$..a", "$.a b",
+             "$['a'].b[2][\"c d\"]", "{data}"]
+    for path in paths:
+        try:
+            parse_json_path(path)
+            parsed = True
+        except ExprError:
+            parsed = False
+        assert bool(pattern.fullmatch(path)) == parsed, (path, parsed)
+
+
+def _jsonpath_pattern(crd: dict) -> str:
+    props = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    checks = props["rollout"]["properties"]["analysis"]["properties"]["checks"]["items"]["properties"]
+    return checks["provider"]["properties"]["web"]["properties"]["jsonPath"]["pattern"]
