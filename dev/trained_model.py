@@ -26,55 +26,20 @@ DEMO_ARGS: tuple[str, ...] = ("--steps", "400", "--seed", "0", "--threads", "1")
 
 def trainer_sources() -> list[Path]:
     """The training package's modules and every module of ``sparsegate_workload`` or
-    ``sparsegate_contracts`` they import, transitively (found by reading their import statements,
-    so the answer does not depend on what this process happens to have imported)."""
-    import ast
-    import importlib
+    ``sparsegate_contracts`` they import, transitively, with their parent packages (whose
+    ``__init__`` runs too). The import graph is grimp's (import-linter's), built from the sources'
+    import statements, so the answer does not depend on what this process happens to have imported."""
+    import importlib.util
 
-    import sparsegate_workload.training as training
+    import grimp
 
-    roots = {name: Path(importlib.import_module(name).__file__).parent  # type: ignore[arg-type]
-             for name in ("sparsegate_workload", "sparsegate_contracts")}
-
-    def module_file(top: str, parts: list[str]) -> Path | None:
-        base = roots[top].joinpath(*parts)
-        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-            if candidate.is_file():
-                return candidate
-        return None
-
-    def imported(path: Path) -> set[Path]:
-        top = next(name for name, root in roots.items() if path.is_relative_to(root))
-        package = list(path.relative_to(roots[top]).parent.parts)
-        found: set[Path] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            targets: list[tuple[str, list[str]]] = []
-            if isinstance(node, ast.ImportFrom):
-                named = node.module.split(".") if node.module else []
-                if node.level:
-                    mod = (top, package[:len(package) - node.level + 1] + named)
-                elif named and named[0] in roots:
-                    mod = (named[0], named[1:])
-                else:
-                    continue
-                targets += [mod] + [(mod[0], mod[1] + [a.name]) for a in node.names]  # `from . import submodule`
-            elif isinstance(node, ast.Import):
-                targets += [(n[0], n[1:]) for n in (a.name.split(".") for a in node.names) if n[0] in roots]
-            for pkg, parts in targets:
-                for depth in range(len(parts) + 1):  # a module's parent packages run their __init__ too
-                    f = module_file(pkg, parts[:depth])
-                    if f is not None:
-                        found.add(f)
-        return found
-
-    todo = sorted(Path(training.__file__).parent.glob("*.py"))
-    seen: set[Path] = set(todo)
-    while todo:
-        for f in imported(todo.pop()):
-            if f not in seen:
-                seen.add(f)
-                todo.append(f)
-    return sorted(seen)
+    graph = grimp.build_graph("sparsegate_workload", "sparsegate_contracts")
+    training = "sparsegate_workload.training"
+    modules = {training, *graph.find_descendants(training)}
+    for module in list(modules):
+        modules |= graph.find_upstream_modules(module)
+    with_parents = {".".join(m.split(".")[:i]) for m in modules for i in range(1, m.count(".") + 2)}
+    return sorted(Path(importlib.util.find_spec(m).origin) for m in with_parents)  # type: ignore[union-attr, arg-type]
 
 
 def _key(args: Sequence[str]) -> str:
