@@ -29,9 +29,10 @@ are accepted and ignored). No filters, wildcards or recursion.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,10 +82,14 @@ class _Parser:
         self.i = 0
         self.depth = 0
 
-    def nest(self) -> None:
+    @contextlib.contextmanager
+    def nested(self) -> Iterator[None]:
+        """One level deeper for what is parsed inside (refused past MAX_NESTING)."""
         self.depth += 1
         if self.depth > MAX_NESTING:
             raise ExprError(f"nested more than {MAX_NESTING} levels deep (parentheses, calls, ! and unary -)")
+        yield
+        self.depth -= 1
 
     def peek(self) -> str | None:
         return self.toks[self.i][1] if self.i < len(self.toks) else None
@@ -113,10 +118,8 @@ class _Parser:
 
     def neg(self) -> tuple[Any, ...]:
         if self.take("!", "not"):
-            self.nest()
-            node = ("not", self.neg())
-            self.depth -= 1
-            return node
+            with self.nested():
+                return ("not", self.neg())
         return self.compare()
 
     def compare(self) -> tuple[Any, ...]:
@@ -143,10 +146,8 @@ class _Parser:
 
     def unary(self) -> tuple[Any, ...]:
         if self.take("-"):
-            self.nest()
-            node = ("neg", self.unary())
-            self.depth -= 1
-            return node
+            with self.nested():
+                return ("neg", self.unary())
         return self.atom()
 
     def atom(self) -> tuple[Any, ...]:
@@ -164,19 +165,17 @@ class _Parser:
         if value in ("true", "false"):
             return ("bool", value == "true")
         if value == "(":
-            self.nest()
-            inner = self.expr()
-            self.expect(")")
-            self.depth -= 1
+            with self.nested():
+                inner = self.expr()
+                self.expect(")")
             return inner
         if value in _FUNCTIONS:
             self.expect("(")
-            self.nest()
-            args = [self.expr()]
-            while self.take(","):
-                args.append(self.expr())
-            self.expect(")")
-            self.depth -= 1
+            with self.nested():
+                args = [self.expr()]
+                while self.take(","):
+                    args.append(self.expr())
+                self.expect(")")
             lo, hi = _FUNCTIONS[value]
             if not lo <= len(args) <= hi:
                 raise ExprError(f"{value}() takes {lo}" + (f" to {hi}" if hi != lo else "") + " arguments")
