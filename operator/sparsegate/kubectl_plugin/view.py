@@ -249,24 +249,22 @@ def annotation_patch(name: str, value: str) -> dict[str, Any]:
     return {"metadata": {"annotations": {name: value}}}
 
 
-def _needs_canary(obj: Mapping[str, Any] | None, what: str) -> None:
+def _needs_canary(obj: Mapping[str, Any], what: str) -> None:
     """Promote and abort act on a canary in flight; the operator clears them unused otherwise, so
-    they are refused here with the phase instead of reported as requested. ``obj`` None: unchecked."""
-    if obj is None:
-        return
+    they are refused here with the phase instead of reported as requested."""
     if not in_flight(RolloutStatus.from_status(obj.get("status"))):
         phase = _rollout(obj).get("phase") or "Pending"
         raise PluginError(f"nothing to {what}: no canary version is in flight (phase {phase})")
 
 
-def promote_patch(obj: Mapping[str, Any] | None = None, *, full: bool) -> dict[str, Any]:
+def promote_patch(obj: Mapping[str, Any], *, full: bool) -> dict[str, Any]:
     """The one-shot promote request: the next step (analysis of this one skipped) or, ``full``,
     every remaining step at once; refused for ``obj`` without a canary in flight."""
     _needs_canary(obj, "promote")
     return annotation_patch(PROMOTE_ANNOTATION, PROMOTE_FULL_VALUE if full else PROMOTE_STEP_VALUE)
 
 
-def abort_patch(obj: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def abort_patch(obj: Mapping[str, Any]) -> dict[str, Any]:
     """The one-shot abort request; refused for ``obj`` without a canary in flight."""
     _needs_canary(obj, "abort")
     return annotation_patch(ABORT_ANNOTATION, "kubectl-sparsegate")

@@ -113,15 +113,16 @@ def test_status_view_of_a_fresh_object() -> None:
 def test_patches_are_what_the_operator_reads() -> None:
     assert view.pause_patch(True) == {"spec": {"rollout": {"paused": True}}}
     # The operator's own parser turns each annotation into the intended request.
-    full = view.promote_patch(full=True)["metadata"]["annotations"]
-    step = view.promote_patch(full=False)["metadata"]["annotations"]
+    analysing = gateconfig()  # a canary in flight: promote and abort apply
+    full = view.promote_patch(analysing, full=True)["metadata"]["annotations"]
+    step = view.promote_patch(analysing, full=False)["metadata"]["annotations"]
     assert annotation_requests(full)["promote"] and not annotation_requests(full)["promote_step"]
     assert annotation_requests(step)["promote_step"] and not annotation_requests(step)["promote"]
-    assert annotation_requests(view.abort_patch()["metadata"]["annotations"])["abort"]
+    assert annotation_requests(view.abort_patch(analysing)["metadata"]["annotations"])["abort"]
     rolled_back = gateconfig(phase="RolledBack")
     assert annotation_requests(view.retry_patch(rolled_back)["metadata"]["annotations"])["retry"]
     assert {PROMOTE_ANNOTATION, ABORT_ANNOTATION, RETRY_ANNOTATION} == {
-        *full, *view.abort_patch()["metadata"]["annotations"], *view.retry_patch(rolled_back)["metadata"]["annotations"]}
+        *full, *view.abort_patch(analysing)["metadata"]["annotations"], *view.retry_patch(rolled_back)["metadata"]["annotations"]}
 
 
 def test_promote_and_abort_refused_without_a_canary_in_flight() -> None:
