@@ -483,7 +483,7 @@ class ContainerPodRunner:
         being removed, or acted on since the listing began), as a kubelet ends a pod's deletion."""
         with self._lock:
             removing = set(self._removing)
-        live = {s.labels.get(podman.LABEL_POD_UID) for n, s in existing.items()}
+        live = {s.labels.get(podman.LABEL_POD_UID) for s in existing.values()}
         for uid, meta in deleting.items():
             if uid in self._finished or uid in live:
                 continue

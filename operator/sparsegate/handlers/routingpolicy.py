@@ -335,7 +335,7 @@ async def _write_status(sync: PolicySync, *, key: str, namespace: str, name: str
             new = status_patch(outcome=outcome, previous=previous, now=_now())
             return new if status_changed(previous=previous, patch=new) else None
         await asyncio.to_thread(sync.kube.update_status, "RoutingPolicy", namespace=namespace, name=name,
-                                mutate=mutate, current=copy.deepcopy(dict(current)) if current else None)
+                                mutate=mutate, current=dict(current) if current else None)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
