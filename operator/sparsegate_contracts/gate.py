@@ -46,6 +46,13 @@ MAX_EXPERTS_LIMIT = 64
 MAX_HARDWARE_COST_LAMBDA = 100.0
 
 
+def default_max_experts(num_experts: int | None) -> int:
+    """maxExpertsPerToken where a gate's params or a SparseModel's spec.model leave it unset: 4, or
+    every expert of a model that has fewer (so a 2-expert model takes the defaults as they are)."""
+    default = int(DEFAULT_PARAMS["maxExpertsPerToken"])
+    return default if num_experts is None else max(1, min(default, num_experts))
+
+
 class GateParamsError(ValueError):
     """A gate document or its params are invalid; the message is safe to show to clients."""
 
@@ -137,13 +144,15 @@ def _integer(raw: Mapping[str, Any], key: str, *, lo: int, hi: int) -> int:
 
 
 def validate_params(raw: Any, *, num_experts: int | None = None) -> GateParams:
-    """Check types and ranges; missing keys take DEFAULT_PARAMS. Raises GateParamsError."""
+    """Check types and ranges; missing keys take DEFAULT_PARAMS (an unset maxExpertsPerToken:
+    ``default_max_experts(num_experts)``). Raises GateParamsError."""
     if not isinstance(raw, Mapping):
         raise GateParamsError("params must be a JSON object")
     unknown = sorted(set(raw) - set(DEFAULT_PARAMS) - set(OPTIONAL_PARAMS) - {"faultInjection"})
     if unknown:
         raise GateParamsError(f"unknown gate params: {', '.join(unknown)}")
-    merged = {**DEFAULT_PARAMS, **{k: v for k, v in raw.items() if k != "faultInjection"}}
+    merged = {**DEFAULT_PARAMS, "maxExpertsPerToken": default_max_experts(num_experts),
+              **{k: v for k, v in raw.items() if k != "faultInjection"}}
     max_limit = num_experts if num_experts is not None else MAX_EXPERTS_LIMIT
     lo_k = _integer(merged, "minExpertsPerToken", lo=1, hi=max_limit)
     hi_k = _integer(merged, "maxExpertsPerToken", lo=1, hi=max_limit)

@@ -11,7 +11,7 @@ import json
 from typing import Any, Mapping
 
 from sparsegate_contracts import names
-from sparsegate_contracts.gate import GateDocument
+from sparsegate_contracts.gate import GateDocument, default_max_experts
 from sparsegate_contracts.names import (
     ADMIN_PORT_NAME,
     ADMIN_TLS_CERT_KEY,
@@ -163,9 +163,13 @@ MODEL_SHAPE_FLAGS = (("dModel", "--d-model"), ("experts", "--experts"),
 
 
 def model_shape_args(model: Mapping[str, Any]) -> list[str]:
-    """The server flags for ``spec.model``; absent optional fields keep the server's defaults
-    (the API server fills in the CRD defaults, so stored objects carry all four)."""
-    shape = model["spec"]["model"]
+    """The server flags for ``spec.model``. An unset maxExpertsPerToken is the smaller of 4 and
+    experts (``default_max_experts``; the CRD has no default for it, so a 2-expert model is valid
+    as written); other absent optional fields keep the server's defaults (the API server fills in
+    the CRD's)."""
+    shape = dict(model["spec"]["model"])
+    if shape.get("maxExpertsPerToken") is None and shape.get("experts") is not None:
+        shape["maxExpertsPerToken"] = default_max_experts(int(shape["experts"]))
     args: list[str] = []
     for field, flag in MODEL_SHAPE_FLAGS:
         if shape.get(field) is not None:

@@ -456,12 +456,15 @@ CEL_CASES: dict[tuple[str, str, str], list[CelCase]] = {
         for bad in ("1st-model", "moe.small", "moe_small", "moe-", "x" * 64)
     ],
     ("SparseModel", "spec.model",
-     "!has(self.minExpertsPerToken) || !has(self.maxExpertsPerToken) || "
-     "self.minExpertsPerToken <= self.maxExpertsPerToken"): [
+     "!has(self.minExpertsPerToken) || self.minExpertsPerToken <= "
+     "(has(self.maxExpertsPerToken) ? self.maxExpertsPerToken : (self.experts < 4 ? self.experts : 4))"): [
         ("cross_field", "spec.model.minExpertsPerToken", "min 4 > max 2",
          _sets(("spec.model.minExpertsPerToken", 4), ("spec.model.maxExpertsPerToken", 2))),
-        ("cross_field", "spec.model.minExpertsPerToken", "min 5 > defaulted max 4",
+        ("cross_field", "spec.model.minExpertsPerToken", "min 5 > unset max (4 of 8 experts)",
          _drop_then_set("spec.model.maxExpertsPerToken", "spec.model.minExpertsPerToken", 5)),
+        ("cross_field", "spec.model.minExpertsPerToken", "min 3 > unset max (2 of 2 experts)",
+         lambda obj: _sets(("spec.model.experts", 2), ("spec.model.minExpertsPerToken", 3))(
+             delete_at(obj, parse_path("spec.model.maxExpertsPerToken")))),
     ],
     # A transition rule: a create never breaks it (there is no old object), so no create case
     # can; tests/e2e/operator/test_sparsemodel_lifecycle.py checks that an update is refused.
@@ -503,15 +506,13 @@ CEL_CASES: dict[tuple[str, str, str], list[CelCase]] = {
     ("SparseModel", "spec.model", "!has(self.maxExpertsPerToken) || self.maxExpertsPerToken <= self.experts"): [
         ("cross_field", "spec.model.maxExpertsPerToken", "max 9 > experts 8",
          _sets(("spec.model.experts", 8), ("spec.model.maxExpertsPerToken", 9))),
-        ("cross_field", "spec.model.maxExpertsPerToken", "defaulted max 4 > experts 2",
-         _drop_then_set("spec.model.maxExpertsPerToken", "spec.model.experts", 2)),
     ],
     ("GateConfig", "spec.params",
-     "!has(self.minExpertsPerToken) || !has(self.maxExpertsPerToken) || "
-     "self.minExpertsPerToken <= self.maxExpertsPerToken"): [
+     "!has(self.minExpertsPerToken) || self.minExpertsPerToken <= "
+     "(has(self.maxExpertsPerToken) ? self.maxExpertsPerToken : 4)"): [
         ("cross_field", "spec.params.minExpertsPerToken", "min 6 > max 4",
          _sets(("spec.params.minExpertsPerToken", 6), ("spec.params.maxExpertsPerToken", 4))),
-        ("cross_field", "spec.params.minExpertsPerToken", "min 64 > defaulted max 4",
+        ("cross_field", "spec.params.minExpertsPerToken", "min 64 > unset max 4",
          _drop_then_set("spec.params.maxExpertsPerToken", "spec.params.minExpertsPerToken", 64)),
     ],
     ("GateConfig", "spec.params",
@@ -522,7 +523,7 @@ CEL_CASES: dict[tuple[str, str, str], list[CelCase]] = {
          _sets(("spec.params.maxExpertsPerToken", 3), ("spec.params.targetExpertsPerToken", 3.5))),
         ("cross_field", "spec.params.targetExpertsPerToken", "target 1.5 < min 2",
          _sets(("spec.params.minExpertsPerToken", 2), ("spec.params.targetExpertsPerToken", 1.5))),
-        ("cross_field", "spec.params.targetExpertsPerToken", "target 5 > defaulted max 4",
+        ("cross_field", "spec.params.targetExpertsPerToken", "target 5 > unset max 4",
          _drop_then_set("spec.params.maxExpertsPerToken", "spec.params.targetExpertsPerToken", 5)),
     ],
     ("GateConfig", "spec.calibration.qpsThreshold.window", DURATION_RULE):
@@ -733,15 +734,22 @@ def valid_edges(schemas: Mapping[str, Mapping[str, Any]], examples: Mapping[str,
              named("SparseModel", "sm-missing-gate", {
                  "replicas": 0, "model": {"dModel": 8, "experts": 2, "maxExpertsPerToken": 2},
                  "gateConfigRef": {"name": "no-such-gate"}})),
+        Edge("SparseModel", "2 experts, maxExpertsPerToken unset, gate from a GateConfig that leaves it unset",
+             named("SparseModel", "sm-two-experts", {
+                 "replicas": 0, "model": {"dModel": 8, "experts": 2},
+                 "gateConfigRef": {"name": "gc-defaults"}})),
         Edge("SparseModel", "most GPUs per instance (no node has them: Pending), highest port",
              named("SparseModel", "sm-max-gpus", {
                  "replicas": 1, "servingPort": bound("SparseModel", "spec.servingPort", "maximum"),
                  "resources": {"gpus": bound("SparseModel", "spec.resources.gpus", "maximum")},
                  "model": {"dModel": 8, "experts": 2, "maxExpertsPerToken": 2}})),
     ]
-    # GateConfig: no model references them except sm-largest (the 253-char one).
+    # GateConfig: no model references them except sm-largest (the 253-char one) and
+    # sm-two-experts (gc-defaults).
     steps_max = bound("GateConfig", "spec.rollout.steps", "maxItems")
     edges += [
+        Edge("GateConfig", "every field unset (the API server's defaults; maxExpertsPerToken has none)",
+             named("GateConfig", "gc-defaults", {})),
         Edge("GateConfig", "253-char name, every gate parameter at its upper bound, longest durations",
              named("GateConfig", "g" * 253, {
                  "params": {"toolGateThreshold": 0.999999, "entropyBeta": bound("GateConfig", "spec.params.entropyBeta", "maximum"),

@@ -160,6 +160,8 @@ def test_valid_edges_get_a_condition_and_the_operator_never_crashes(stack: Stack
             # replicas 0, gate resolved (the built-in one; the 253-char GateConfig's)
             f"SparseModel/m{'0' * 61}x": {"Degraded": ("False", "AsExpected"), "Ready": ("True", "ScaledToZero")},
             "SparseModel/sm-largest": {"Degraded": ("False", "AsExpected"), "Ready": ("True", "ScaledToZero")},
+            # unset maxExpertsPerToken: 2 of its 2 experts, for the model and its GateConfig's gate
+            "SparseModel/sm-two-experts": {"Degraded": ("False", "AsExpected"), "Ready": ("True", "ScaledToZero")},
             # OPA took them, the fullest one included
             "RoutingPolicy/rp-fullest": {"Ready": ("True", "LoadedInOPA")},
             "RoutingPolicy/rp-emptiest": {"Ready": ("True", "LoadedInOPA")},

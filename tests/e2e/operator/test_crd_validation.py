@@ -82,8 +82,7 @@ def test_examples_are_valid_and_defaults_are_filled(stack, stack_namespace):
                           input=json.dumps(minimal)).stdout
     spec = json.loads(out)["spec"]
     assert spec["params"] == {"toolGateThreshold": 0.85, "entropyBeta": 0.1, "confidenceThreshold": 0.6,
-                              "capacityFactor": 1.25, "minExpertsPerToken": 1, "maxExpertsPerToken": 4,
-                              "precisionPolicy": "auto"}
+                              "capacityFactor": 1.25, "minExpertsPerToken": 1, "precisionPolicy": "auto"}
     assert spec["rollout"]["steps"] == [5, 20, 100] and spec["rollout"]["autoRollback"] is True
     assert spec["calibration"]["errorRateCap"] == {"initial": 0.02, "decay": 0.95, "window": "60s"}
     # Compound durations are one grammar for the API server and the operator's parser.

@@ -42,6 +42,21 @@ def test_gate_wider_than_the_model_is_invalid():
     assert r.document is None and "maxExpertsPerToken" in r.error
 
 
+def test_an_unset_max_fits_a_model_with_fewer_than_4_experts():
+    """A GateConfig that leaves maxExpertsPerToken unset (the CRD has no default for it) resolves
+    for a 2-expert model as max 2, and for an 8-expert one as max 4; one document for both."""
+    params = {k: v for k, v in PARAMS.items() if k != "maxExpertsPerToken"}
+    stable = gate.stable_from_params(params)
+    small = gate.resolve(gc(stable=stable), referenced=True, num_experts=2)
+    large = gate.resolve(gc(stable=stable), referenced=True, num_experts=8)
+    assert small.error is None and small.document.params.max_experts_per_token == 2
+    assert large.error is None and large.document.params.max_experts_per_token == 4
+    assert small.document.version == large.document.version
+    # Written out, 4 is still wider than a 2-expert model.
+    explicit = gate.resolve(gc(params={**PARAMS, "maxExpertsPerToken": 4}), referenced=True, num_experts=2)
+    assert explicit.document is None and "maxExpertsPerToken must be in [1, 2]" in explicit.error
+
+
 def test_tampered_stable_fails_its_checksum():
     stable = gate.stable_from_params(gateparams.DEFAULT_PARAMS)
     stable["params"] = {**stable["params"], "entropyBeta": 0.5}

@@ -155,10 +155,14 @@ def test_model_shape_becomes_server_flags():
         "--max-experts-per-token": "4"}
 
 
-def test_absent_optional_shape_fields_leave_the_server_defaults():
-    args = _args(model(model={"dModel": 128, "experts": 4}))
-    assert (_flag(args, "--d-model"), _flag(args, "--experts")) == ("128", "4")
-    assert "--min-experts-per-token" not in args and "--max-experts-per-token" not in args
+def test_absent_min_leaves_the_server_default_and_absent_max_is_at_most_4():
+    """The CRD defaults min (1) but not max: an unset max is the smaller of 4 and experts, so a
+    model with fewer than 4 experts is valid without one."""
+    args = _args(model(model={"dModel": 128, "experts": 8}))
+    assert (_flag(args, "--d-model"), _flag(args, "--experts")) == ("128", "8")
+    assert "--min-experts-per-token" not in args and _flag(args, "--max-experts-per-token") == "4"
+    assert _flag(_args(model(model={"dModel": 128, "experts": 2})), "--max-experts-per-token") == "2"
+    assert _flag(_args(model(model={"dModel": 128, "experts": 1})), "--max-experts-per-token") == "1"
 
 
 def test_shape_flags_parse_with_the_servers_own_parser():

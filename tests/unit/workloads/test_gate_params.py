@@ -30,6 +30,19 @@ def test_defaults_fill_missing_params_and_match_the_contract():
     assert DEFAULT_DOCUMENT.raw_params == DEFAULT_PARAMS
 
 
+def test_an_unset_max_is_4_or_every_expert_of_a_smaller_model():
+    assert validate_params({}).max_experts_per_token == 4
+    assert [validate_params({}, num_experts=n).max_experts_per_token for n in (1, 2, 3, 4, 8)] == [1, 2, 3, 4, 4]
+    # The document is the same for every model: only the value a model reads from it differs.
+    doc = make_document({"toolGateThreshold": 0.9}).to_json()
+    assert parse_document(doc, num_experts=2).params.max_experts_per_token == 2
+    # min is still checked against it, and a written-out max is never lowered.
+    with pytest.raises(GateParamsError, match=r"minExpertsPerToken must be in \[1, 2\], got 3"):
+        validate_params({"minExpertsPerToken": 3}, num_experts=2)
+    with pytest.raises(GateParamsError, match=r"maxExpertsPerToken must be in \[1, 2\], got 4"):
+        validate_params({"maxExpertsPerToken": 4}, num_experts=2)
+
+
 @pytest.mark.parametrize("params, message", [
     ({"confidenceThreshold": 0}, "confidenceThreshold"),
     ({"confidenceThreshold": 1.5}, "confidenceThreshold"),
