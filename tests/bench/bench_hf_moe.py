@@ -2,7 +2,7 @@
 block vs a dense SwiGLU of equal active FLOPs, CPU, side by side.
 
     python tests/bench/bench_hf_moe.py [--tokens 256,1024,4096] [--dtypes fp32,bf16] [--runs 10]
-                                       [--threads 1] [--d-model 512] [--d-ff 1024]
+                                       [--threads 1] [--d-model 512] [--d-ff 1024] [--roof 2048]
 
 A one-layer Mixtral checkpoint (8 experts, top-2, random weights, router drawn wider so its
 confidences spread) is built in code, saved, and loaded twice from disk: unpatched through
@@ -18,6 +18,13 @@ largest difference is printed and recorded for each size; nothing fails on it). 
   dense FFN runs its own (printed with the goal): how much of the goal dispatch overhead can reach.
 - route ms: the patched block's routing alone (gate matmul, softmax, top-k, grouping, the one
   host sync), timed in the same runs, to show where its time goes.
+- of roof = our block's FLOP/s / the machine's dense GEMM roof in the same dtype (one square
+  ``--roof``-sized matmul, timed in the same interleaved runs). Goal: bf16 >= 0.5 at >= 1024
+  tokens. The roof is this CPU's: bf16 runs on AMX or AVX512-BF16 where the CPU has them
+  (printed), and is emulated through fp32 where it has neither.
+- quality of each dtype against fp32, on the whole one-layer model loaded both ways (seeded
+  token ids, the family's top-2 gate): next-token top-1 agreement, mean KL(fp32 || dtype) and the
+  relative L2 error of the logits.
 Writes tests/bench/results/bench_hf_moe.json.
 """
 
@@ -44,6 +51,7 @@ from sparsegate_workload.moe import dense_equivalent_width  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_hf_moe.json"
 GOAL_VS_UPSTREAM, GOAL_UPSTREAM_MIN_TOKENS = 0.8, 1024
 GOAL_VS_DENSE, GOAL_DENSE_TOKENS = 1.3, 256
+GOAL_OF_ROOF, GOAL_ROOF_DTYPE, GOAL_ROOF_MIN_TOKENS = 0.5, "bf16", 1024
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -75,6 +83,9 @@ def bench(n_tokens: int, dtype_name: str, blocks: dict, args: argparse.Namespace
     dense.reset_parameters(torch.Generator().manual_seed(1))
     dense = dense.to(dtype).requires_grad_(False)
     flat = x.reshape(-1, d)
+    gen = torch.Generator().manual_seed(2)
+    roof_a = torch.randn(args.roof, args.roof, generator=gen).to(dtype)
+    roof_b = torch.randn(args.roof, args.roof, generator=gen).to(dtype)
 
     def run_patched() -> None:
         with lm.pinned_gate():  # the server's path: one pinned gate, stats recorded
@@ -82,7 +93,7 @@ def bench(n_tokens: int, dtype_name: str, blocks: dict, args: argparse.Namespace
 
     fns = {"upstream": lambda: blocks["upstream"](x), "eager": lambda: blocks["eager"](x),
            "patched": run_patched, "dense": lambda: dense(flat),
-           "route": lambda: patched.route(flat, lm.gate)}
+           "route": lambda: patched.route(flat, lm.gate), "roof": lambda: roof_a @ roof_b}
     with torch.inference_mode():
         y_up, y_eager = blocks["upstream"](x), blocks["eager"](x)
         with lm.pinned_gate() as call:
@@ -97,6 +108,7 @@ def bench(n_tokens: int, dtype_name: str, blocks: dict, args: argparse.Namespace
     stats = call.layers[0]
     moe_flops = sum(stats.counts) * 6 * d * f
     dense_flops = n_tokens * 6 * d * width
+    roof_flops = 2 * args.roof ** 3
     med = {k: statistics.median(v) for k, v in times.items()}
 
     def r_dense(name: str) -> list[float]:
@@ -104,6 +116,7 @@ def bench(n_tokens: int, dtype_name: str, blocks: dict, args: argparse.Namespace
                 for tm, td in zip(times[name], times["dense"])]
 
     vs_up = [tp / tu for tp, tu in zip(times["patched"], times["upstream"])]
+    of_roof = [(moe_flops / tp) / (roof_flops / tr) for tp, tr in zip(times["patched"], times["roof"])]
     # What R vs upstream would be if our block ran its FLOPs as fast as the dense FFN runs its own
     # (one big GEMM pair, no routing): a mark for how much of the goal dispatch overhead can reach.
     at_dense = [(td * moe_flops / dense_flops) / tu for td, tu in zip(times["dense"], times["upstream"])]
@@ -116,6 +129,7 @@ def bench(n_tokens: int, dtype_name: str, blocks: dict, args: argparse.Namespace
         patched_gflops=moe_flops / med["patched"] / 1e9,
         upstream_gflops=moe_flops / med["upstream"] / 1e9,
         dense_gflops=dense_flops / med["dense"] / 1e9,
+        roof_gflops=roof_flops / med["roof"] / 1e9, of_roof=statistics.median(of_roof),
         ratio_vs_upstream=statistics.median(vs_up), ratio_vs_upstream_min=min(vs_up),
         ratio_vs_upstream_max=max(vs_up),
         ratio_vs_upstream_at_dense_speed=statistics.median(at_dense),
@@ -123,6 +137,32 @@ def bench(n_tokens: int, dtype_name: str, blocks: dict, args: argparse.Namespace
                                                                    times["eager"])),
         ratio_vs_dense=statistics.median(r_dense("patched")),
         upstream_ratio_vs_dense=statistics.median(r_dense("upstream")))
+
+
+def quality(path: Path, dtype_name: str, *, batch: int = 4, seq: int = 128) -> dict:
+    """Whole-model logits in ``dtype_name`` vs fp32, both loaded from the same checkpoint."""
+    ref = load_moe_checkpoint(path, dtype=torch.float32)
+    low = load_moe_checkpoint(path, dtype=DTYPES[dtype_name])
+    ids = torch.randint(0, ref.model.config.vocab_size, (batch, seq),
+                        generator=torch.Generator().manual_seed(12345))
+    a = ref.forward(ids).logits.float()
+    b = low.forward(ids).logits.float()
+    kl = torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True,
+                                    reduction="none").sum(-1)
+    return dict(dtype=dtype_name, tokens=batch * seq,
+                top1_agreement=(a.argmax(-1) == b.argmax(-1)).float().mean().item(),
+                mean_kl=kl.mean().item(),
+                logits_rel_l2=((a - b).norm() / a.norm()).item())
+
+
+def cpu_flags() -> list[str]:
+    """The matrix/bf16 features that decide the bf16 roof (Linux /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    return sorted(f for f in flags if f.startswith("amx") or f in ("avx512_bf16", "avx512f", "avx2"))
 
 
 def main() -> None:
@@ -134,6 +174,7 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--d-ff", type=int, default=1024)
     p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--roof", type=int, default=2048, help="side of the square roof GEMM")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     if args.runs < 10:
@@ -141,7 +182,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     started = time.time()
-    results = []
+    results, qualities = [], []
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_checkpoint(Path(tmp) / "mixtral", family="mixtral", layers=1,
                                      hidden_size=args.d_model, heads=8,
@@ -151,6 +192,8 @@ def main() -> None:
             blocks = load_blocks(path, DTYPES[dtype_name])
             for n in (int(t) for t in args.tokens.split(",")):
                 results.append(bench(n, dtype_name, blocks, args))
+            if dtype_name != "fp32":
+                qualities.append(quality(path, dtype_name))
     load_after = os.getloadavg()
 
     print(f"HF Mixtral MoE block (d_model {args.d_model}, d_ff {args.d_ff}, {args.experts} "
@@ -160,7 +203,8 @@ def main() -> None:
           f"{load_after[0]:.1f} on {os.cpu_count()} CPUs (shared machine: ~25% run-to-run noise)")
     hdr = (f"{'tokens':>6} {'dtype':<5} {'upstream ms':>11} {'eager ms':>8} {'ours ms':>8} "
            f"{'route ms':>8} {'dense ms':>8} {'ours GF/s':>9} {'R vs up':>7} {'R range':>11} "
-           f"{'R vs eager':>10} {'R vs dense':>10} {'up vs dense':>11} {'max |diff|':>10}")
+           f"{'R vs eager':>10} {'R vs dense':>10} {'up vs dense':>11} {'roof GF/s':>9} "
+           f"{'of roof':>7} {'max |diff|':>10}")
     print(hdr)
     print("-" * len(hdr))
     for r in results:
@@ -169,8 +213,15 @@ def main() -> None:
               f"{r['patched_gflops']:>9.1f} {r['ratio_vs_upstream']:>7.2f} "
               f"{r['ratio_vs_upstream_min']:>5.2f}-{r['ratio_vs_upstream_max']:<5.2f} "
               f"{r['ratio_vs_eager']:>10.2f} {r['ratio_vs_dense']:>10.2f} "
-              f"{r['upstream_ratio_vs_dense']:>11.2f} {r['max_abs_diff_vs_upstream']:>10.2e}")
+              f"{r['upstream_ratio_vs_dense']:>11.2f} {r['roof_gflops']:>9.1f} {r['of_roof']:>7.2f} "
+              f"{r['max_abs_diff_vs_upstream']:>10.2e}")
     print(f"upstream default experts implementation: {results[0]['upstream_impl']}")
+    flags = cpu_flags()
+    print(f"roof: one {args.roof}^3 matmul per dtype; CPU flags {' '.join(flags) or '(unknown)'} "
+          f"({'bf16 in hardware' if any(f.startswith('amx') or f == 'avx512_bf16' for f in flags) else 'no AMX or AVX512-BF16: bf16 is emulated'})")
+    for q in qualities:
+        print(f"quality {q['dtype']} vs fp32 (whole model, {q['tokens']} tokens): top-1 agreement "
+              f"{q['top1_agreement']:.4f}, mean KL {q['mean_kl']:.2e}, logits rel. L2 {q['logits_rel_l2']:.2e}")
     verdicts = []
     for r in results:
         if r["tokens"] >= GOAL_UPSTREAM_MIN_TOKENS:
@@ -178,6 +229,10 @@ def main() -> None:
                                  dtype=r["dtype"], ratio=r["ratio_vs_upstream"],
                                  at_dense_speed=r["ratio_vs_upstream_at_dense_speed"],
                                  met=r["ratio_vs_upstream"] <= GOAL_VS_UPSTREAM))
+        if r["tokens"] >= GOAL_ROOF_MIN_TOKENS and r["dtype"] == GOAL_ROOF_DTYPE:
+            verdicts.append(dict(goal=f"of the {r['dtype']} roof >= {GOAL_OF_ROOF}", tokens=r["tokens"],
+                                 dtype=r["dtype"], ratio=r["of_roof"], roof_gflops=r["roof_gflops"],
+                                 met=r["of_roof"] >= GOAL_OF_ROOF))
         if r["tokens"] == GOAL_DENSE_TOKENS:
             verdicts.append(dict(goal=f"R vs dense <= {GOAL_VS_DENSE}", tokens=r["tokens"],
                                  dtype=r["dtype"], ratio=r["ratio_vs_dense"],
@@ -185,7 +240,7 @@ def main() -> None:
     for v in verdicts:
         mark = (f" (at the dense FFN's speed per FLOP it would be {v['at_dense_speed']:.2f})"
                 if "at_dense_speed" in v else "")
-        print(f"goal {v['goal']} at {v['tokens']} tokens, {v['dtype']}: R = {v['ratio']:.2f} -> "
+        print(f"goal {v['goal']} at {v['tokens']} tokens, {v['dtype']}: {v['ratio']:.2f} -> "
               f"{'met' if v['met'] else 'NOT met'}{mark}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(
@@ -193,9 +248,11 @@ def main() -> None:
         seconds=time.time() - started, torch=torch.__version__,
         transformers=__import__("transformers").__version__,
         python=platform.python_version(), cpus=os.cpu_count(), threads=args.threads,
+        cpu_flags=flags, quality=qualities,
         loadavg_before=load_before, loadavg_after=load_after,
         config=dict(family="mixtral", d_model=args.d_model, d_ff=args.d_ff,
-                    experts=args.experts, top_k=2, runs=args.runs, dtypes=args.dtypes),
+                    experts=args.experts, top_k=2, runs=args.runs, dtypes=args.dtypes,
+                    roof=args.roof),
         goals=verdicts, results=results), indent=2))
     print(f"wrote {args.out}")
 
