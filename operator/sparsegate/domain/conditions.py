@@ -141,14 +141,24 @@ def container_problems(pods: Iterable[Mapping[str, Any]], *, limit: int = 3) -> 
     return sorted(found)[:limit]
 
 
+GATE_REASONS = frozenset({Reason.GATE_CONFIG_NOT_FOUND.value, Reason.GATE_CONFIG_INVALID.value})
+
+
+def gate_unavailable(conditions: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether Degraded is True because the model has no usable gate (not, e.g., ApplyFailed)."""
+    return any(cond.get("type") == ConditionType.DEGRADED.value and cond.get("status") == Status.TRUE.value
+               and cond.get("reason") in GATE_REASONS for cond in conditions)
+
+
 def workload_conditions(*, desired: int, deployment: Mapping[str, Any] | None,
-                        degraded: bool, problems: Sequence[str] = (),
+                        gate_unavailable: bool, problems: Sequence[str] = (),
                         service_applied: bool = True) -> list[Condition]:
     """Ready and Progressing from the Deployment (None when it does not exist) and, while it is
     not done, the ``problems`` of its pods (:func:`container_problems`). A done Deployment is not
-    Ready while ``service_applied`` is False: callers find the model through its Service."""
+    Ready while ``service_applied`` is False: callers find the model through its Service.
+    ``gate_unavailable``: no usable gate, so a missing Deployment was never rendered."""
     if deployment is None:
-        reason = Reason.GATE_UNAVAILABLE if degraded else Reason.DEPLOYMENT_MISSING
+        reason = Reason.GATE_UNAVAILABLE if gate_unavailable else Reason.DEPLOYMENT_MISSING
         return [Condition(ConditionType.READY, Status.FALSE, reason, "no Deployment"),
                 Condition(ConditionType.PROGRESSING, Status.FALSE, reason, "no Deployment")]
     meta = deployment.get("metadata") or {}

@@ -67,7 +67,7 @@ def after_reconcile(*, model: Mapping[str, Any], generation: int | None, gate: G
     degraded = c.degraded_condition(gate_error=gate.error, gate_source=gate.source,
                                     apply_error=apply_error)
     workload = c.workload_conditions(desired=desired_replicas(model), deployment=deployment,
-                                     degraded=degraded.status is c.Status.TRUE, problems=problems,
+                                     gate_unavailable=gate.document is None, problems=problems,
                                      service_applied=service_applied)
     status: dict[str, Any] = {
         "observedGeneration": generation,
@@ -92,7 +92,8 @@ def after_deployment_event(*, model: Mapping[str, Any], deployment: Mapping[str,
     prev_conditions = previous.get("conditions") or []
     degraded = c.is_degraded(prev_conditions)
     workload = c.workload_conditions(desired=desired_replicas(model), deployment=deployment,
-                                     degraded=degraded, problems=problems, service_applied=service_applied)
+                                     gate_unavailable=c.gate_unavailable(prev_conditions), problems=problems,
+                                     service_applied=service_applied)
     observed = previous.get("observedGeneration")
     # Stalled is the reconcile's (it mirrors Degraded, which only the reconcile decides).
     merged = c.set_conditions(prev_conditions,

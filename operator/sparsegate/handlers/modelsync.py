@@ -264,8 +264,9 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink, logger
             return watched_deployment()
         # The Deployment controller may have observed our apply already, and the Deployment event
         # handler written Ready from it: the apply's response alone would overwrite that with a
-        # stale "not observed yet". Read as late as possible, at each attempt.
-        return newest_deployment(applied, watched_deployment()) if applied is not None else None
+        # stale "not observed yet". Read as late as possible, at each attempt. A refused apply
+        # (``applied`` None) leaves the Deployment as it was: report it as watched.
+        return newest_deployment(applied, watched_deployment())
 
     def write_status(current: Mapping[str, Any], service_error: str | None) -> None:
         error = apply_error or service_error

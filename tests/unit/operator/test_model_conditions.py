@@ -30,7 +30,7 @@ def test_enums_are_strings():
 
 
 def test_ready_when_all_replicas_ready_and_updated():
-    ready, progressing = c.workload_conditions(desired=2, deployment=deployment(ready=2), degraded=False)
+    ready, progressing = c.workload_conditions(desired=2, deployment=deployment(ready=2), gate_unavailable=False)
     assert (ready.status, ready.reason) == (c.Status.TRUE, c.Reason.ALL_REPLICAS_READY)
     assert progressing.status is c.Status.FALSE
 
@@ -38,12 +38,12 @@ def test_ready_when_all_replicas_ready_and_updated():
 def test_not_ready_while_rolling_or_deployment_not_observed():
     for dep in (deployment(ready=1), deployment(ready=2, updated=1),
                 deployment(ready=2, generation=2, observed=1)):
-        ready, progressing = c.workload_conditions(desired=2, deployment=dep, degraded=False)
+        ready, progressing = c.workload_conditions(desired=2, deployment=dep, gate_unavailable=False)
         assert ready.status is c.Status.FALSE and progressing.status is c.Status.TRUE
 
 
 def test_scaled_to_zero_is_ready():
-    ready, _ = c.workload_conditions(desired=0, deployment=deployment(ready=0), degraded=False)
+    ready, _ = c.workload_conditions(desired=0, deployment=deployment(ready=0), gate_unavailable=False)
     assert ready.reason is c.Reason.SCALED_TO_ZERO and ready.status is c.Status.TRUE
 
 
@@ -102,21 +102,21 @@ def test_container_problems_name_stuck_containers_only():
     assert [p.split(":")[0] for p in problems] == ["p0/server", "p2/server"]
     assert all(len(p) < 260 for p in problems)  # messages are cut
     assert c.is_stuck(pods[0]) and not c.is_stuck(pods[1])
-    ready, progressing = c.workload_conditions(desired=2, deployment=deployment(ready=0), degraded=False,
+    ready, progressing = c.workload_conditions(desired=2, deployment=deployment(ready=0), gate_unavailable=False,
                                                problems=problems)
     assert (ready.status, ready.reason) == (c.Status.FALSE, c.Reason.CONTAINERS_WAITING)
     assert "p0/server: CrashLoopBackOff" in ready.message and progressing.status is c.Status.TRUE
     # Problems do not matter once every replica is ready.
-    ready, _ = c.workload_conditions(desired=2, deployment=deployment(ready=2), degraded=False, problems=problems)
+    ready, _ = c.workload_conditions(desired=2, deployment=deployment(ready=2), gate_unavailable=False, problems=problems)
     assert ready.status is c.Status.TRUE
 
 
 def test_a_ready_deployment_is_not_ready_while_the_service_is_not_applied():
-    ready, progressing = c.workload_conditions(desired=2, deployment=deployment(ready=2), degraded=False,
+    ready, progressing = c.workload_conditions(desired=2, deployment=deployment(ready=2), gate_unavailable=False,
                                                service_applied=False)
     assert (ready.status, ready.reason) == (c.Status.FALSE, c.Reason.SERVICE_NOT_APPLIED)
     assert (progressing.status, progressing.reason) == (c.Status.TRUE, c.Reason.SERVICE_NOT_APPLIED)
     assert "2/2 ready" in ready.message and "Service is not applied yet" in ready.message
     # Not done yet: the replicas are what Ready waits for, as before.
-    ready, _ = c.workload_conditions(desired=2, deployment=deployment(ready=1), degraded=False, service_applied=False)
+    ready, _ = c.workload_conditions(desired=2, deployment=deployment(ready=1), gate_unavailable=False, service_applied=False)
     assert ready.reason == c.Reason.REPLICAS_NOT_READY

@@ -195,6 +195,38 @@ def test_no_deployment_is_applied_when_what_its_pods_mount_failed(kube):
     assert "ConfigMap refused" in conditions(kube)["Degraded"]["message"]
 
 
+@pytest.mark.parametrize("refused", ["Deployment", "ConfigMap"])
+def test_a_refused_apply_reports_the_deployment_that_still_runs(kube, refused):
+    """Generation 2 refused by the API server: the Deployment of generation 1 keeps running and
+    status says so (2 replicas, Ready from it), with Degraded ApplyFailed; not "no Deployment"
+    and 0 replicas, which a refused apply never caused."""
+    gateconfig(kube)
+    reconcile(kube, model_of(kube))
+    available(kube)
+    m = model_of(kube)
+    m["metadata"]["generation"] = 2
+    m["spec"]["image"] = "registry.example/model:2"
+    kube.put(m)
+    kube.fail_apply = refused
+    with pytest.raises(KubeError):
+        reconcile(kube, model_of(kube))
+    status, cond = model_of(kube)["status"], conditions(kube)
+    assert (status["replicas"], status["readyReplicas"]) == (2, 2)
+    assert (cond["Ready"]["status"], cond["Ready"]["reason"]) == ("True", "AllReplicasReady")
+    assert (cond["Degraded"]["reason"], cond["Stalled"]["reason"]) == ("ApplyFailed", "ApplyFailed")
+    assert f"{refused} refused" in cond["Degraded"]["message"]
+
+
+def test_a_first_apply_refused_says_the_deployment_is_missing_not_the_gate(kube):
+    gateconfig(kube)
+    kube.fail_apply = "Deployment"
+    with pytest.raises(KubeError):
+        reconcile(kube, model_of(kube))
+    cond = conditions(kube)
+    assert (cond["Ready"]["status"], cond["Ready"]["reason"]) == ("False", "DeploymentMissing")
+    assert cond["Degraded"]["reason"] == "ApplyFailed"
+
+
 class GatedServiceKube(MemoryKube):
     """Its Service apply waits until the test opens the gate."""
 
