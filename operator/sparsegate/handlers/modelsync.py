@@ -302,9 +302,11 @@ def ensure_admin_secret(kube: Kube, model: Mapping[str, Any], *, events: EventSi
     """Secret ``<model>-admin`` exists and holds a token and a certificate for this model.
 
     Created once with fresh material (random: never re-applied). An existing Secret is replaced
-    (PUT, carrying its resourceVersion) only when ``admin_tls.secret_problem`` finds it unusable:
-    made by an operator before the TLS admin channel (token only), a certificate for another name,
-    or one ending within 30 days. Running pods pick the new files up without a restart."""
+    (PUT, carrying its resourceVersion) only when it is not this model's (``secret_owner_problem``:
+    left by a deleted model of the same name, which the garbage collector would then remove from
+    under this one, or orphaned) or ``admin_tls.secret_problem`` finds it unusable: made by an
+    operator before the TLS admin channel (token only), a certificate for another name, or one
+    ending within 30 days. Running pods pick the new files up without a restart."""
     name = render.admin_secret_name(model["metadata"]["name"])
     server_name = render.admin_server_name(model)
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -326,7 +328,8 @@ def ensure_admin_secret(kube: Kube, model: Mapping[str, Any], *, events: EventSi
     if existing is None:
         create()
         return
-    problem = admin_tls.secret_problem(existing, server_name=server_name, now=now)
+    problem = (secret_owner_problem(existing, model)
+               or admin_tls.secret_problem(existing, server_name=server_name, now=now))
     if problem is None:
         return
     secret = fresh_secret()
@@ -334,6 +337,17 @@ def ensure_admin_secret(kube: Kube, model: Mapping[str, Any], *, events: EventSi
     kube.replace(secret)
     events(model, "Normal", "AdminSecretReplaced", f"Secret {name} replaced with a new token and certificate: {problem}")
     logger.info("replaced admin Secret %s: %s", name, problem)
+
+
+def secret_owner_problem(secret: Mapping[str, Any], model: Mapping[str, Any]) -> str | None:
+    """Why ``secret`` is not this model's own (None: its controller is this model, by uid)."""
+    refs = (secret.get("metadata") or {}).get("ownerReferences") or []
+    controller = next((ref for ref in refs if ref.get("controller")), None)
+    if controller is None:
+        return "it has no owner"
+    if controller.get("uid") != model["metadata"].get("uid"):
+        return f"it belongs to {controller.get('kind')} uid {controller.get('uid')}, not this one"
+    return None
 
 
 def live_owner(kube: Kube, *, namespace: str, name: str,

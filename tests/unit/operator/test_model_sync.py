@@ -440,10 +440,12 @@ def test_ready_comes_from_the_deployment_as_it_is_when_status_is_written(kube):
     assert conditions(kube)["Ready"]["status"] == "True"
 
 
-@pytest.mark.parametrize("case", ["token-only", "other-model", "expiring"])
+@pytest.mark.parametrize("case", ["token-only", "other-model", "expiring", "deleted-owner", "orphaned"])
 def test_an_unusable_admin_secret_is_replaced_with_a_complete_one(kube, case):
     """A Secret from an operator before the TLS admin channel (token only), one whose certificate
-    names another model, or one ending within 30 days, is replaced (PUT with its resourceVersion)."""
+    names another model, or one ending within 30 days, is replaced (PUT with its resourceVersion);
+    so is a complete one that is not this model's: left by a deleted model of the same name (the
+    garbage collector would remove it from under this one) or orphaned."""
     import base64
     import datetime
 
@@ -456,8 +458,11 @@ def test_an_unusable_admin_secret_is_replaced_with_a_complete_one(kube, case):
         cert, key = admin_tls.issue(server_name=name, now=now,
                                     validity=datetime.timedelta(days=10 if case == "expiring" else 365))
         data = admin_tls.AdminMaterial(token="old-token", cert_pem=cert, key_pem=key).secret_data()
+    owner = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "SparseModel", "name": "moe-small",
+             "uid": "uid-0" if case == "deleted-owner" else "uid-1", "controller": True}
     kube.put({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-              "metadata": {"name": "moe-small-admin", "namespace": "ns"}, "data": data})
+              "metadata": {"name": "moe-small-admin", "namespace": "ns",
+                           "ownerReferences": [] if case == "orphaned" else [owner]}, "data": data})
     events = []
     assert reconcile(kube, model_of(kube), events=events) == "success"
     assert kube.replaced == ["Secret"]
@@ -465,10 +470,28 @@ def test_an_unusable_admin_secret_is_replaced_with_a_complete_one(kube, case):
     assert admin_tls.secret_problem(secret, server_name="moe-small.ns.admin.sparsegate.dev", now=now) is None
     assert admin_tls.material_from_secret(secret).token != "old-token"
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
-    assert any(e[2] == "AdminSecretReplaced" for e in events)
+    replaced = [e[3] for e in events if e[2] == "AdminSecretReplaced"]
+    assert len(replaced) == 1
+    if case in ("deleted-owner", "orphaned"):
+        assert ("uid-0" if case == "deleted-owner" else "no owner") in replaced[0]
     # Complete now: the next reconcile leaves it alone.
     reconcile(kube, model_of(kube))
     assert kube.replaced == ["Secret"]
+
+
+def test_a_model_recreated_under_its_name_takes_its_admin_secret_over(kube):
+    """Deleted and created again (a new uid) before the garbage collector removed the old
+    dependents: the Secret the old model left is replaced with one this model owns, as the applied
+    objects are re-owned, so the collector does not delete it from under the new model."""
+    gateconfig(kube)
+    reconcile(kube, model_of(kube))
+    m = model_of(kube)
+    m["metadata"]["uid"] = "uid-2"
+    m.pop("status")
+    kube.put(m)
+    reconcile(kube, model_of(kube), applied=AppliedObjects(interval_s=3600))
+    for kind, name in [("Deployment", "moe-small"), ("ConfigMap", "moe-small-gate"), ("Secret", "moe-small-admin")]:
+        assert [r["uid"] for r in kube.get(kind, namespace="ns", name=name)["metadata"]["ownerReferences"]] == ["uid-2"]
 
 
 def test_a_new_model_costs_no_secret_deployment_or_gateconfig_read(kube):
