@@ -135,11 +135,16 @@ def _in_window(samples: Iterable[Sequence[float]], *, now: float, window_s: floa
 def windowed_estimate(
     *, samples: Iterable[Sequence[float]], now: float, params: DecayParams
 ) -> float | None:
-    """Decay-weighted mean of the samples inside the window; None without samples."""
+    """Decay-weighted mean of the samples inside the window; None without samples.
+
+    Weights ``decay ** (now - t)`` share the factor ``decay ** (now - newest)``, which cancels in
+    the mean, so ages are taken from the newest sample: its weight is 1 however old it is (a small
+    decay over a long window would otherwise underflow every weight to 0)."""
     kept = _in_window(samples, now=now, window_s=params.window_s)
     if not kept:
         return None
-    weights = [params.decay ** (now - t) for t, _ in kept]
+    newest = max(t for t, _ in kept)
+    weights = [params.decay ** (newest - t) for t, _ in kept]
     total = sum(weights)
     return sum(w * x for w, (_, x) in zip(weights, kept, strict=True)) / total
 

@@ -51,6 +51,19 @@ def test_estimate_weights_recent_samples_more() -> None:
     assert est == pytest.approx(10 * 0.5 / 1.5)
 
 
+def test_estimate_of_old_samples_with_a_small_decay_is_their_weighted_mean() -> None:
+    """decay 0.1 over a 10-minute window: 400 s after the newest sample every decay ** age
+    underflows to 0.0 (this once divided by zero and stopped every rollout tick); the weights are
+    relative to the newest sample, so the estimate is the same as at the time of that sample."""
+    params = DecayParams(initial=0.02, decay=0.1, window_s=600)
+    samples = [(0.0, 0.5), (1.0, 0.1)]
+    at_sample = windowed_estimate(samples=samples, now=1.0, params=params)
+    assert at_sample == pytest.approx((0.5 * 0.1 + 0.1) / 1.1)
+    assert windowed_estimate(samples=samples, now=401.0, params=params) == pytest.approx(at_sample)
+    assert thresholds(calibration=parse_calibration({"errorRateCap": {"decay": 0.1, "window": "10m"}}),
+                      qps_samples=[], error_samples=samples, now=401.0).error_rate_cap > 0
+
+
 def test_estimate_forgets_samples_outside_the_window() -> None:
     params = DecayParams(initial=0, decay=1.0, window_s=30)
     samples = [(0.0, 1000.0), (80.0, 10.0), (90.0, 20.0)]
