@@ -178,9 +178,14 @@ class AccessTable:
                 d = Decision(False, d.rule, f"scoped to expert groups {', '.join(allowed)}: name one in "
                                             f"header {EXPERT_GROUP_HEADER}")
             return Scope(d, None, ())
-        denied = {e for g, experts in groups.items() if not self.decide(**ask, group=g).allow
-                  for e in experts}
-        return Scope(d, None, tuple(e for e in range(num_experts) if e not in denied))
+        denied_groups = sorted(g for g in groups if not self.decide(**ask, group=g).allow)
+        denied = {e for g in denied_groups for e in groups[g]}
+        left = tuple(e for e in range(num_experts) if e not in denied)
+        if not left:
+            # Nothing left to route to: a refusal, not a forward with every expert masked.
+            return Scope(Decision(False, d.rule, f"every expert is in a group denied to this caller "
+                                                 f"({', '.join(denied_groups)})"), None, ())
+        return Scope(d, None, left)
 
 
 def _str_list(value: Any, where: str) -> frozenset[str]:

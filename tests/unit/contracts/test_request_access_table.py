@@ -59,6 +59,22 @@ def test_whole_model_less_denied_groups_and_deny_wins():
     assert not _scope(table, "a", None, route="/v1/chat/completions").decision.allow
 
 
+def test_an_allowed_caller_denied_every_group_covering_the_model_is_refused():
+    """Groups that cover every expert, each denied: nothing is left to route to, so the request is
+    refused (403 in the server) rather than run with every expert masked (or a 500)."""
+    deny = {"action": "Deny", "priority": -5, "sources": [{"namespace": "web"}],
+            "targets": [{"sparseModel": "*", "expertGroups": ["low", "high"]}]}
+    table = _table(_allow("a"), deny)
+    scope = table.scope(namespace="web", service_account="a", route="/v1/infer", group=None,
+                        groups={"low": (0, 1, 2, 3), "high": (4, 5, 6, 7)}, num_experts=8)
+    assert not scope.decision.allow and scope.experts == ()
+    assert scope.decision.reason == "every expert is in a group denied to this caller (high, low)"
+    # One expert outside the groups: that one is left, and the request is allowed with it.
+    scope = table.scope(namespace="web", service_account="a", route="/v1/infer", group=None,
+                        groups={"low": (0, 1, 2, 3), "high": (4, 5, 6)}, num_experts=8)
+    assert scope.decision.allow and scope.experts == (7,)
+
+
 def test_rules_on_other_ports_do_not_admit_the_serving_port():
     table = _table(_allow("a") | {"ports": [{"port": 9090}]})
     assert table.enforced and table.rules == () and not _scope(table, "a", None).decision.allow

@@ -233,7 +233,8 @@ async def test_access_refusals_on_the_openai_routes_answer_in_openai_s_error_sha
     from sparsegate_workload.admin import StaticToken
     from sparsegate_workload.server import create_admin_app
 
-    app = create_app(gate_doc=DYNAMIC, model_path=str(checkpoint), expert_groups=GROUPS, reviewer=_Reviewer())
+    groups = {"a": (0, 1, 2, 3), "b": (4, 5, 6, 7)}  # every expert in a group
+    app = create_app(gate_doc=DYNAMIC, model_path=str(checkpoint), expert_groups=groups, reviewer=_Reviewer())
     client = await _serve(app)
     admin = TestClient(TestServer(create_admin_app(app, auth=StaticToken("adm")), host="127.0.0.1"))
     await admin.start_server()
@@ -271,6 +272,22 @@ async def test_access_refusals_on_the_openai_routes_answer_in_openai_s_error_sha
         # /v1/infer keeps the server's shape.
         status, out = await post("/v1/infer", {"tokens": [[1, 2, 3]]})
         assert status == 401 and out["status"] == 401 and "missing Bearer token" in out["error"]
+        # The whole model allowed, but both groups (every expert) denied: a refusal on every route,
+        # not a 500 from the engine (OpenAI routes) or a forward with no expert (/v1/infer).
+        assert sorted(e for g in groups.values() for e in g) == list(range(app[STATE].hf.num_experts))
+        rules = [*rules_from_spec(namespace="ns", name="allow-all", spec={
+                     "action": "Allow", "sources": [{"serviceAccount": "caller-a"}],
+                     "targets": [{"sparseModel": "moe"}]}),
+                 *rules_from_spec(namespace="ns", name="deny-groups", spec={
+                     "action": "Deny", "sources": [{"serviceAccount": "caller-a"}],
+                     "targets": [{"sparseModel": "moe", "expertGroups": ["a", "b"]}]})]
+        doc = access_document(rules, namespace="ns", model="moe", serving_port=8080, trust_domain="cluster.local")
+        assert (await admin.put("/admin/access", json=doc, headers={"Authorization": "Bearer adm"})).status == 200
+        for path, payload in (("/v1/completions", body), ("/v1/chat/completions", chat),
+                              ("/v1/infer", {"tokens": [[1, 2, 3]]})):
+            status, out = await post(path, payload, "token-a")
+            message = out["error"]["message"] if path != "/v1/infer" else out["error"]
+            assert status == 403 and "every expert is in a group denied to this caller (a, b)" in message, (path, out)
     finally:
         await admin.close()
         await client.close()
