@@ -156,7 +156,8 @@ def parse_request(body: Any, *, chat: bool, hf: HFServedModel) -> Plan:
     if unknown:
         raise OpenAIError(400, f"unsupported fields: {', '.join(unknown)}", param=unknown[0])
     for name, neutral in _NEUTRAL.items():
-        if body.get(name) not in (None, neutral):
+        # Chat's logprobs is a boolean (default false); the completions' one a count (default null).
+        if body.get(name) not in (None, neutral) and not (chat and name == "logprobs" and body[name] is False):
             raise OpenAIError(400, f"{name} is only supported as {json.dumps(neutral)}",
                               param=name)
     model = body.get("model")

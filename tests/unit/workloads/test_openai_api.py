@@ -184,6 +184,19 @@ async def test_bad_requests_name_the_parameter(client, body, status, param):
     assert (await resp.json())["error"]["param"] == param
 
 
+async def test_default_valued_fields_clients_send_are_accepted(client):
+    """Chat's logprobs is a boolean whose default, false, clients send explicitly; the completions'
+    logprobs is a count whose default is null. Anything else is refused naming it."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    resp = await client.post("/v1/chat/completions", json={**chat, "logprobs": False, "n": 1, "top_p": 1})
+    assert resp.status == 200, await resp.text()
+    resp = await client.post("/v1/chat/completions", json={**chat, "logprobs": True})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "logprobs"
+    assert (await _complete(client, logprobs=None, echo=False)).status == 200
+    resp = await _complete(client, logprobs=False)  # not a count
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "logprobs"
+
+
 async def test_infer_keeps_its_shape_on_a_checkpoint(client):
     hf = client.server.app[STATE].hf
     prompt = hf.tokenizer("the gate keeps")["input_ids"]
