@@ -49,6 +49,7 @@ log = logging.getLogger("sparsegate.workload.openai")
 
 MAX_TOKENS_LIMIT = 512           # most tokens one request may generate (CPU-sized)
 DEFAULT_COMPLETION_TOKENS = 16   # OpenAI's default max_tokens for /v1/completions
+CLIENT_CLOSED = 499              # the code a request its client abandoned is counted under (nginx's)
 # Fields accepted only at their no-op value: clients send them by default.
 _NEUTRAL = {"n": 1, "top_p": 1, "stop": None, "logprobs": None, "echo": False,
             "presence_penalty": 0, "frequency_penalty": 0, "suffix": None, "best_of": 1}
@@ -84,6 +85,8 @@ def _openai_errors(handler: Handler) -> Handler:
             return await handler(request)
         except ApiError as e:
             return openai_error(e.status, e.message, param=getattr(e, "param", None))
+        except ConnectionError:
+            raise  # the client went away (mid-stream): nobody to answer, nothing went wrong here
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
             return openai_error(500, "internal server error")
@@ -225,6 +228,9 @@ class _Call:
         self.started = time.perf_counter()
         self.first_token: float | None = None
         self.gate_version: str | None = None  # the version its prefill really ran under, once known
+        # A stream's outcome for the metrics: its HTTP status (200) went out before the tokens, so
+        # a generation that fails after it (a timeout, 503) ends as an event, counted as that code.
+        self.stream_code = 200
 
     def chunk(self, *, text: str | None, finish: str | None, first: bool = False
               ) -> dict[str, Any]:
@@ -287,15 +293,20 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
                 request_id=request.headers.get("X-Request-Id", "")[:64] or call.id)
             keep()  # the engine frees the slot when the request leaves its queue or batch
         if plan.stream:
-            code = 200  # the status is sent before the tokens; a later failure is an event
             try:
-                return await _stream(request, call, plan, handle)
+                resp = await _stream(request, call, plan, handle)
+            except (asyncio.CancelledError, ConnectionError):
+                code = CLIENT_CLOSED  # the client went away mid-stream
+                raise
             finally:
                 served = call.gate_version or served  # a version installed after admission may have served it
+            code = call.stream_code
+            return resp
         try:
             gen = await asyncio.shield(handle.done)
         except asyncio.CancelledError:  # the client went away: leave the batch
             state.engine.cancel(handle)
+            code = CLIENT_CLOSED
             raise
         call.first_token = handle.first_token_at
         call.observe(gen)
@@ -346,6 +357,7 @@ async def _send_events(request: web.Request, call: _Call, plan: Plan,
     try:
         gen = task.result()
     except ApiError as e:
+        call.stream_code = e.status
         await send({"error": {"message": e.message, "type": "server_error", "param": None,
                               "code": None}})
     else:

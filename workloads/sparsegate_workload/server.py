@@ -948,7 +948,10 @@ def main(argv: list[str] | None = None) -> None:
     log.info("serving on %s:%d gate %s model %s; admin %s", args.host, args.port, doc.version,
              json.dumps(app[STATE].shape(), sort_keys=True),
              f"TLS on {args.host}:{args.admin_port}" if listener else "disabled (no --admin-token-file)")
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    # handler_cancellation: a client that disconnects cancels its handler, so its generation
+    # leaves the batch and frees its slot (aiohttp's default since 3.8 is not to).
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None,
+                handler_cancellation=True)
     if app[STATE].load_error is not None:
         print(app[STATE].load_error, file=sys.stderr)
         sys.exit(1)

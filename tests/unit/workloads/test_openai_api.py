@@ -345,6 +345,93 @@ async def test_a_client_leaving_mid_stream_frees_its_slot(client):
     assert (await _complete(client)).status == 200
 
 
+def _requests_total(scrape: str) -> dict[str, float]:
+    """sparsegate_requests_total by code (summed over gate versions), non-zero ones only."""
+    out: dict[str, float] = {}
+    for line in scrape.splitlines():
+        if line.startswith("sparsegate_requests_total{"):
+            code = line.split('code="', 1)[1].split('"', 1)[0]
+            out[code] = out.get(code, 0.0) + float(line.rsplit(" ", 1)[1])
+    return {k: v for k, v in out.items() if v}
+
+
+async def test_a_stream_that_fails_after_its_status_counts_under_its_failure(checkpoint):
+    """A stream's 200 goes out before the tokens, so a timeout arrives as an error event; the
+    request series (what canary analysis reads) counts it as 503, as the same non-streamed request."""
+    client = await _serve(create_app(gate_doc=ONE_EXPERT, model_path=str(checkpoint), request_timeout_s=0.02))
+    try:
+        events = await _sse(await _complete(client, stream=True, max_tokens=200, prompt="a"))
+        assert "no result within" in events[-1]["error"]["message"]
+        assert (await _complete(client, max_tokens=200, prompt="a")).status == 503
+        assert _requests_total(await (await client.get("/metrics")).text()) == {"503": 2.0}
+    finally:
+        await client.close()
+
+
+async def test_a_client_leaving_before_its_answer_is_counted_499_not_a_server_error(client):
+    state = client.server.app[STATE]
+    with pytest.raises(asyncio.TimeoutError):
+        await client.post("/v1/completions", json={"prompt": "a", "temperature": 0, "max_tokens": 250},
+                          timeout=aiohttp.ClientTimeout(total=0.05))
+    for _ in range(200):
+        if state.inflight == 0 and "499" in _requests_total(await (await client.get("/metrics")).text()):
+            break
+        await asyncio.sleep(0.05)
+    assert _requests_total(await (await client.get("/metrics")).text()) == {"499": 1.0}
+
+
+def test_the_entry_point_stops_generating_for_a_client_that_left(tmp_path):
+    """``python -m sparsegate_workload.server`` (web.run_app, whose default is not to cancel a
+    handler whose client disconnects): a non-streamed request abandoned after 0.5 s leaves the
+    batch then, frees its slot, and is counted 499, instead of decoding all its tokens for nobody."""
+    slow = build_tiny_checkpoint(tmp_path / "slow", family="mixtral", hidden_size=512, layers=6,
+                                 expert_ffn=1024, max_positions=512, tokenizer=True)
+    port = free_port()
+    env = {**os.environ, "SPARSEGATE_TORCH_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "sparsegate_workload.server", "--host", "127.0.0.1",
+                             "--port", str(port), "--model-path", str(slow), "--max-inflight", "1",
+                             "--request-timeout", "120"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+
+    async def scenario() -> tuple[dict[str, float], float, float]:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(600):
+                try:
+                    async with s.get(base + "/readyz") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the server did not become ready")
+            with pytest.raises(asyncio.TimeoutError):
+                await s.post(base + "/v1/completions", json={"prompt": "a", "temperature": 0, "max_tokens": 480},
+                             timeout=aiohttp.ClientTimeout(total=0.5))
+            for _ in range(100):
+                async with s.get(base + "/metrics") as r:
+                    scrape = await r.text()
+                running = next(float(ln.rsplit(" ", 1)[1]) for ln in scrape.splitlines()
+                               if ln.startswith("vllm:num_requests_running{"))
+                if running == 0:
+                    break
+                await asyncio.sleep(0.1)
+            tokens = next(float(ln.rsplit(" ", 1)[1]) for ln in scrape.splitlines()
+                          if ln.startswith("vllm:generation_tokens_total{"))
+            async with s.post(base + "/v1/completions", json={"prompt": "b", "max_tokens": 2}) as r:
+                assert r.status == 200  # the slot (--max-inflight 1) is free again
+            return _requests_total(scrape), running, tokens
+
+    try:
+        codes, running, tokens = asyncio.run(scenario())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert running == 0 and codes == {"499": 1.0}, (codes, running, proc.stderr.read()[-2000:])
+    assert tokens < 480
+
+
 async def test_each_concurrent_request_reports_the_gate_that_routed_all_of_it(client):
     """Completions in flight while gates swap: every one ran wholly under the version it reports
     (one expert per token under ONE_EXPERT, two under TWO_EXPERTS; never a mix)."""
