@@ -42,14 +42,13 @@ from . import request_guard
 from .hf_serving import Generation, HFServedModel
 from .batch_engine import GenerationHandle
 from .generation_tools import MAX_TOOL_CALLS_PER_REQUEST
-from .server_state import (OPENAI_CHAT_COMPLETIONS, OPENAI_COMPLETIONS, STATE, ApiError, ServerState, admission,
+from .server_state import (CLIENT_CLOSED, OPENAI_CHAT_COMPLETIONS, OPENAI_COMPLETIONS, STATE, ApiError, ServerState, admission,
                            choose_gate, free_slot, inject_fault, openai_error, read_json)
 
 log = logging.getLogger("sparsegate.workload.openai")
 
 MAX_TOKENS_LIMIT = 512           # most tokens one request may generate (CPU-sized)
 DEFAULT_COMPLETION_TOKENS = 16   # OpenAI's default max_tokens for /v1/completions
-CLIENT_CLOSED = 499              # the code a request its client abandoned is counted under (nginx's)
 # Fields accepted only at their no-op value: clients send them by default.
 _NEUTRAL = {"n": 1, "top_p": 1, "stop": None, "logprobs": None, "echo": False,
             "presence_penalty": 0, "frequency_penalty": 0, "suffix": None, "best_of": 1}

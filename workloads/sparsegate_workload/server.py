@@ -98,7 +98,7 @@ from .inference import InferenceResult, run_batch
 from .metrics import ServerMetrics
 from .model import ModelConfig, TinyMoELM, build_model, default_heads, effective_gate
 from .model_thread import ModelThread
-from .server_state import (BUILTIN_MODEL_NAME, DEFAULT_MAX_INFLIGHT, DEFAULT_REQUEST_TIMEOUT_S,
+from .server_state import (BUILTIN_MODEL_NAME, CLIENT_CLOSED, DEFAULT_MAX_INFLIGHT, DEFAULT_REQUEST_TIMEOUT_S,
                            MAX_BODY_BYTES, STATE, ApiError, AppliedGate, CanaryGate, ServerState,
                            admission, choose_gate, inject_fault, read_json, run_on_model,
                            threshold_controller)
@@ -266,6 +266,9 @@ async def infer(request: web.Request) -> web.Response:
         return web.json_response({**_result_json(result, gate, calls), **request_guard.scope_json(request)})
     except ApiError as e:
         code = e.status
+        raise
+    except asyncio.CancelledError:  # the client went away
+        code = CLIENT_CLOSED
         raise
     finally:
         if state.metrics is not None:

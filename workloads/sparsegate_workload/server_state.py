@@ -164,6 +164,7 @@ def choose_gate(state: ServerState, request: web.Request) -> AppliedGate | None:
 OPENAI_COMPLETIONS = "/v1/completions"
 OPENAI_CHAT_COMPLETIONS = "/v1/chat/completions"
 OPENAI_ROUTES = frozenset({OPENAI_COMPLETIONS, OPENAI_CHAT_COMPLETIONS})
+CLIENT_CLOSED = 499  # the code a request whose client went away is counted under (nginx's)
 
 
 def openai_error(status: int, message: str, *, param: str | None = None, **extra: Any) -> web.Response:
