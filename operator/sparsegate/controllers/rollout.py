@@ -98,6 +98,7 @@ from sparsegate.domain.rollout import (
     SpecError,
     Strategy,
     annotation_requests,
+    rejection_holds,
     invalid_spec,
     next_action,
     parse_spec,
@@ -422,7 +423,7 @@ class RolloutLoop:
             target = parse_spec(body.get("spec") or {}).target.version
         except SpecError:
             return False
-        return target in (status.stable.version, status.rejected_version)
+        return target == status.stable.version or rejection_holds(status, target)
 
     async def _tick(self, *, namespace: str, name: str, models: Sequence[str], cache: RolloutCache,
                     inventory: Inventory, pod_changes: int, logger: logging.Logger,

@@ -482,8 +482,14 @@ def _retry(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float
 
 def _follow_version(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float, acts: list[Action],
                     retried: bool) -> RolloutStatus:
-    """The spec names stable again (revert), a third version (supersede), or a new one (start)."""
+    """The spec names stable again (revert), a third version (supersede), or a new one (start).
+
+    A rejected (rolled back or aborted) version is not rolled out again while the spec still asks
+    for it: once the spec names another, the rejection is forgotten, and it holds only at rest in
+    RolledBack or Aborted (a status from before this rule may carry a stale one elsewhere)."""
     target = spec.target
+    if s.rejected_version is not None and target.version != s.rejected_version:
+        s = dataclasses.replace(s, rejected_version=None)
     if in_flight(s) or s.phase == Phase.ROLLING_BACK:
         assert s.canary is not None and s.stable is not None
         if target.version == s.stable.version and in_flight(s):
@@ -496,10 +502,15 @@ def _follow_version(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, n
             acts += [EmitEvent("Normal", "Superseded", f"{old} superseded by {target.version}; {s.message}"),
                      RecordOutcome("superseded")]
         return s
-    if s.stable is not None and target.version not in (s.stable.version, s.rejected_version):
+    if s.stable is not None and target.version != s.stable.version and not rejection_holds(s, target.version):
         s = _start(s, spec=spec, obs=obs, now=now, reason="Retried" if retried else "RolloutStarted")
         acts.append(EmitEvent("Normal", s.reason, s.message))
     return s
+
+
+def rejection_holds(s: RolloutStatus, target_version: str) -> bool:
+    """The spec's version was rolled back or aborted and the rollout rests there."""
+    return s.rejected_version == target_version and s.phase in (Phase.ROLLED_BACK, Phase.ABORTED)
 
 
 def _requests(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float,

@@ -18,7 +18,10 @@ from sparsegate.domain.rollout import (
     PROMOTE_STEP_VALUE,
     RETRY_ANNOTATION,
     RolloutStatus,
+    SpecError,
     in_flight,
+    parse_spec,
+    rejection_holds,
 )
 
 PROMOTE_FULL_VALUE = "full"  # any value but PROMOTE_STEP_VALUE promotes fully; this one says so
@@ -277,6 +280,19 @@ def retry_patch(obj: Mapping[str, Any]) -> dict[str, Any]:
     if phase not in ("RolledBack", "Aborted", "Failed") and not (phase == "Paused" and ro.get("analysisPaused")):
         raise PluginError(f"nothing to retry: phase is {phase or 'Pending'} (retry follows a rollback, an abort, "
                           f"a failed analysis or an inconclusive one)")
+    status = RolloutStatus.from_status(obj.get("status"))
+    if phase in ("RolledBack", "Aborted"):
+        # The operator retries only the rejected version the spec still names.
+        try:
+            target: str | None = parse_spec(obj.get("spec") or {}).target.version
+        except SpecError:
+            target = None
+        if target is None or not rejection_holds(status, target):
+            raise PluginError(f"nothing to retry: the spec no longer names the {phase.lower()} version "
+                              f"{status.rejected_version or '(none recorded)'}")
+    if phase == "Failed" and not in_flight(status):
+        raise PluginError(f"nothing to retry: no canary version is in flight ({ro.get('reason') or 'Failed'}: "
+                          f"{ro.get('message') or ''})")
     return annotation_patch(RETRY_ANNOTATION, "kubectl-sparsegate")
 
 

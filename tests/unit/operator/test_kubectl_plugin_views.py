@@ -119,7 +119,7 @@ def test_patches_are_what_the_operator_reads() -> None:
     assert annotation_requests(full)["promote"] and not annotation_requests(full)["promote_step"]
     assert annotation_requests(step)["promote_step"] and not annotation_requests(step)["promote"]
     assert annotation_requests(view.abort_patch(analysing)["metadata"]["annotations"])["abort"]
-    rolled_back = gateconfig(phase="RolledBack")
+    rolled_back = gateconfig(phase="RolledBack", rejectedVersion=doc(V3)["version"])  # the spec still names it
     assert annotation_requests(view.retry_patch(rolled_back)["metadata"]["annotations"])["retry"]
     assert {PROMOTE_ANNOTATION, ABORT_ANNOTATION, RETRY_ANNOTATION} == {
         *full, *view.abort_patch(analysing)["metadata"]["annotations"], *view.retry_patch(rolled_back)["metadata"]["annotations"]}
@@ -157,6 +157,22 @@ def test_status_watch_of_a_missing_gateconfig_says_not_found() -> None:
 def test_retry_refused_when_nothing_was_rejected() -> None:
     with pytest.raises(view.PluginError, match="nothing to retry: phase is Analysing"):
         view.retry_patch(gateconfig())
+
+
+def test_retry_refused_where_the_operator_would_discard_it() -> None:
+    """Rolled back, then the spec moved back to the stable version: nothing rejected is asked for.
+    Failed with no canary (an invalid spec at rest): nothing to analyse again."""
+    rolled_back = gateconfig(phase="RolledBack", reason="AnalysisFailed", canary=None, canaryVersion=None,
+                             step=None, rejectedVersion=doc(V3)["version"])
+    assert view.retry_patch(rolled_back)  # the spec names V3, the rejected version
+    rolled_back["spec"]["params"] = V2
+    with pytest.raises(view.PluginError, match=f"the spec no longer names the rolledback version {doc(V3)['version']}"):
+        view.retry_patch(rolled_back)
+    invalid = gateconfig(phase="Failed", reason="InvalidSpec", message="steps must end at 100", canary=None,
+                         canaryVersion=None, step=None)
+    with pytest.raises(view.PluginError, match="no canary version is in flight"):
+        view.retry_patch(invalid)
+    assert view.retry_patch(gateconfig(phase="Failed", reason="AnalysisFailed"))  # canary kept: re-analysed
 
 
 def test_undo_targets() -> None:

@@ -219,6 +219,43 @@ def test_failing_analysis_rolls_back_at_first_step_with_reason_and_numbers() -> 
     assert d.tick().phase == Phase.PROGRESSING
 
 
+def test_a_rejection_is_forgotten_once_the_spec_names_another_version() -> None:
+    """V2 rolled back, then V3 promoted, then the spec names V2 again: a new request, rolled out
+    (the rejection held only while the spec still asked for V2; it once outlived V3 and left the
+    spec ignored while Ready said the spec's version was served)."""
+    d = started()
+    d.until(Phase.ANALYSING)
+    d.tick(canary=healthy(errors=50), stable=healthy(1000))
+    assert d.until(Phase.ROLLED_BACK).rejected_version == v(V2)
+    d.raw_spec = spec(V3)
+    st = d.tick()
+    assert st.phase == Phase.PROGRESSING and st.rejected_version is None
+    st = d.until(Phase.SUCCEEDED, promote=True)
+    assert st.stable.version == v(V3) and d.fleet.count(v(V3)) == 20
+    d.raw_spec = spec(V2)
+    st = d.tick()
+    assert st.phase == Phase.PROGRESSING and st.canary.version == v(V2) and d.fleet.count(v(V2)) == 1
+
+
+def test_a_stale_rejection_left_by_an_older_operator_does_not_hold_the_spec() -> None:
+    """A status written before rejections were forgotten: Succeeded on V3 with V2 still recorded as
+    rejected. The spec naming V2 is ticked (not resting) and rolled out."""
+    from sparsegate.controllers.rollout import RolloutLoop
+
+    d = Driver(Fleet.of(20, v(V3)), spec(V2))
+    d.status = replace(RolloutStatus(), phase=Phase.SUCCEEDED, stable=GateVersion.from_params(V3),
+                       rejected_version=v(V2))
+    body = {"metadata": {"generation": 3}, "spec": spec(V2),
+            "status": {**d.status.to_status(steps=(5, 20, 100)), "observedGeneration": 3}}
+    assert not RolloutLoop.resting(body)
+    st = d.tick()
+    assert st.phase == Phase.PROGRESSING and st.canary.version == v(V2)
+    # A rejection the rollout rests on still holds, and rests.
+    held = replace(d.status, phase=Phase.ROLLED_BACK, canary=None, step=None, stable=GateVersion.from_params(V3),
+                   rejected_version=v(V2))
+    assert RolloutLoop.resting({**body, "status": {**held.to_status(steps=(5, 20, 100)), "observedGeneration": 3}})
+
+
 def test_latency_over_sla_rolls_back() -> None:
     d = started()
     d.until(Phase.ANALYSING)
