@@ -451,7 +451,19 @@ def _follow_spec(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now:
                  acts: list[Action]) -> RolloutStatus:
     """Steps edited mid-rollout, a spec valid again, retry, then the spec's version itself."""
     if s.step is not None and s.step >= len(spec.steps):
-        s = dataclasses.replace(s, step=len(spec.steps) - 1, step_percent=spec.steps[-1])
+        s = dataclasses.replace(s, step=len(spec.steps) - 1)
+    if s.step is not None and s.step_percent is not None and s.step_percent != spec.steps[s.step]:
+        # The steps were edited: the current step now targets what the spec says (instances
+        # chosen, or the weight pushed, anew); an analysis under way judged the old share, so the
+        # step is verified again from its start.
+        old, percent = s.step_percent, spec.steps[s.step]
+        s = dataclasses.replace(s, step_percent=percent)
+        if s.phase == Phase.ANALYSING:
+            s = dataclasses.replace(s, phase=Phase.PROGRESSING, step_started_at=now, analysis_started_at=None,
+                                    window_from=None, window_samples=0, reason="StepsEdited",
+                                    message=f"step {s.step + 1}/{len(spec.steps)} now {percent}% (was {old}%)")
+        acts.append(EmitEvent("Normal", "StepsEdited", f"step {s.step + 1}/{len(spec.steps)} now targets "
+                                                       f"{percent}% (was {old}%)"))
     # A once-invalid spec that is valid again resumes the step it interrupted.
     if s.phase == Phase.FAILED and s.reason == "InvalidSpec":
         if s.canary is not None and s.step is not None:

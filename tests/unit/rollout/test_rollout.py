@@ -28,6 +28,7 @@ from sparsegate.domain.rollout import (
     RecordStep,
     RolloutStatus,
     SpecError,
+    canary_gate,
     desired_versions,
     instances_for,
     invalid_spec,
@@ -254,6 +255,30 @@ def test_a_stale_rejection_left_by_an_older_operator_does_not_hold_the_spec() ->
     held = replace(d.status, phase=Phase.ROLLED_BACK, canary=None, step=None, stable=GateVersion.from_params(V3),
                    rejected_version=v(V2))
     assert RolloutLoop.resting({**body, "status": {**held.to_status(steps=(5, 20, 100)), "observedGeneration": 3}})
+
+
+@pytest.mark.parametrize("strategy", ["instances", "requests"])
+def test_steps_edited_mid_step_retarget_the_current_step_and_verify_it_again(strategy: str) -> None:
+    """At step 2 of [5, 20, 100] (20 %, analysing), the steps become [5, 50, 100]: step 2 is now 50 %:
+    status says so, the canary share follows (10 of 20 instances, or weight 0.5 on every pod), and
+    the analysis that judged 20 % starts again."""
+    d = started(strategy=strategy)
+    d.until(Phase.ANALYSING)
+    d.tick(dt=11, canary=healthy(), stable=healthy(1000))
+    st = d.until(Phase.ANALYSING)
+    assert (st.step, st.step_percent) == (1, 20)
+    d.raw_spec = spec(V2, strategy=strategy, steps=[5, 50, 100])
+    st = d.tick()
+    assert (st.phase, st.step, st.step_percent, st.reason) == (Phase.PROGRESSING, 1, 50, "StepsEdited")
+    assert "StepsEdited" in d.events()
+    st = d.until(Phase.ANALYSING)
+    assert st.step_percent == 50
+    if strategy == "instances":
+        assert d.fleet.count(v(V2)) == 10
+    else:
+        target = canary_gate(st)
+        assert target is not None and target.weight == 0.5
+        assert set(d.fleet.versions.values()) == {target.version}  # every pod holds the 0.5 set
 
 
 def test_latency_over_sla_rolls_back() -> None:
