@@ -385,8 +385,13 @@ def _fail(
 
 
 def invalid_spec(*, status: RolloutStatus, error: str, now: float) -> Decision:
-    """A spec that cannot be parsed: Failed, nothing pushed (pods keep what they run)."""
-    s = dataclasses.replace(status, phase=Phase.FAILED, reason="InvalidSpec", message=error)
+    """A spec that cannot be parsed: Failed, nothing pushed (pods keep what they run); the phase it
+    interrupted is kept in status for when the spec is valid again."""
+    before = status.before_invalid_spec
+    if not (status.phase == Phase.FAILED and status.reason == "InvalidSpec"):
+        before = (status.phase, status.reason, status.message)
+    s = dataclasses.replace(status, phase=Phase.FAILED, reason="InvalidSpec", message=error,
+                            before_invalid_spec=before)
     s = dataclasses.replace(
         s, conditions=conditions(status=s, target_version=None, previous=status.conditions, now=now)
     )
@@ -464,8 +469,15 @@ def _follow_spec(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now:
                                     message=f"step {s.step + 1}/{len(spec.steps)} now {percent}% (was {old}%)")
         acts.append(EmitEvent("Normal", "StepsEdited", f"step {s.step + 1}/{len(spec.steps)} now targets "
                                                        f"{percent}% (was {old}%)"))
-    # A once-invalid spec that is valid again resumes the step it interrupted.
-    if s.phase == Phase.FAILED and s.reason == "InvalidSpec":
+    # A once-invalid spec that is valid again returns to the phase it interrupted (a step under
+    # way is verified again from its start; an abort, rejection, pause or failure stands).
+    if s.phase == Phase.FAILED and s.reason == "InvalidSpec" and s.before_invalid_spec is not None:
+        phase, reason, message = s.before_invalid_spec
+        s = dataclasses.replace(s, phase=phase, reason=reason, message=message, before_invalid_spec=None)
+        if phase in (Phase.PROGRESSING, Phase.ANALYSING):
+            s = dataclasses.replace(s, phase=Phase.PROGRESSING, step_started_at=now, analysis_started_at=None,
+                                    window_from=None, window_samples=0, reason="SpecValid")
+    elif s.phase == Phase.FAILED and s.reason == "InvalidSpec":  # a status from before it was kept
         if s.canary is not None and s.step is not None:
             s = dataclasses.replace(s, phase=Phase.PROGRESSING, step_started_at=now, reason="SpecValid")
         else:

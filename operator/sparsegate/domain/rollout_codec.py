@@ -264,6 +264,9 @@ class RolloutStatus:
     # spec.rollout.strategy when the rollout in flight started (None: instances, e.g. status
     # written before strategies existed); under requests status shows canaryWeight = percent / 100.
     strategy: Strategy | None = None
+    # (phase, reason, message) an invalid spec interrupted: restored once the spec is valid again,
+    # so an abort, a rejection, a pause or a failed analysis is not forgotten on the way.
+    before_invalid_spec: tuple[Phase, str, str] | None = None
 
     @classmethod
     def from_status(cls, raw: Mapping[str, Any] | None) -> RolloutStatus:
@@ -299,6 +302,7 @@ class RolloutStatus:
             window_from=epoch_time((ro.get("analysisWindow") or {}).get("from")),
             window_samples=int((ro.get("analysisWindow") or {}).get("samples") or 0),
             strategy=Strategy(ro["strategy"]) if ro.get("strategy") in Strategy._value2member_map_ else None,
+            before_invalid_spec=_interrupted(ro.get("beforeInvalidSpec")),
         )
 
     def to_status(self, *, steps: Sequence[int]) -> dict[str, Any]:
@@ -334,6 +338,8 @@ class RolloutStatus:
             "analysisStartedAt": iso_time(self.analysis_started_at),
             "afterRollback": self.after_rollback.value if self.after_rollback else None,
             "rejectedVersion": self.rejected_version,
+            "beforeInvalidSpec": {"phase": self.before_invalid_spec[0].value, "reason": self.before_invalid_spec[1],
+                                  "message": self.before_invalid_spec[2]} if self.before_invalid_spec else None,
             "promote": self.promote,
             "analysisPaused": self.analysis_paused or None,
             "analysisWindow": {"from": iso_time(self.window_from), "samples": self.window_samples}
@@ -354,3 +360,9 @@ class RolloutStatus:
         if self.analysis_runs:
             out["analysisRuns"] = [r.to_status() for r in self.analysis_runs]
         return out
+
+
+def _interrupted(raw: Any) -> tuple[Phase, str, str] | None:
+    if not isinstance(raw, Mapping) or raw.get("phase") not in Phase._value2member_map_:
+        return None
+    return Phase(raw["phase"]), str(raw.get("reason") or ""), str(raw.get("message") or "")

@@ -452,6 +452,44 @@ def test_invalid_spec_fails_then_recovers() -> None:
     assert st.phase in (Phase.PROGRESSING, Phase.ANALYSING) and st.step == 0
 
 
+def _invalid_then_valid(d: Driver) -> RolloutStatus:
+    """The spec made invalid (the handler calls invalid_spec), then valid again: one tick each."""
+    bad = invalid_spec(status=d.status, error="steps must end at 100", now=d.now)
+    d.status = RolloutStatus.from_status(bad.status.to_status(steps=(100,)))
+    assert d.status.phase == Phase.FAILED and d.status.reason == "InvalidSpec"
+    return d.tick()
+
+
+def test_an_invalid_spec_fixed_after_an_abort_keeps_the_abort() -> None:
+    """Abort, then a spec invalid for a while and fixed: the rollback goes on and rests in Aborted;
+    the aborted version is not pushed again (it once resumed the rollout of it)."""
+    d = started()
+    d.until(Phase.ANALYSING)
+    assert d.tick(abort=True).phase == Phase.ROLLING_BACK
+    pushes = [p for p in d.fleet.pushes if p[1] == v(V2)]
+    st = _invalid_then_valid(d)
+    assert st.phase in (Phase.ROLLING_BACK, Phase.ABORTED) and st.rejected_version == v(V2)
+    assert d.until(Phase.ABORTED).rejected_version == v(V2)
+    for _ in range(5):
+        d.tick()
+    assert d.status.phase == Phase.ABORTED and [p for p in d.fleet.pushes if p[1] == v(V2)] == pushes
+
+
+def test_an_invalid_spec_fixed_after_a_rollback_or_a_failed_analysis_keeps_them() -> None:
+    d = started()
+    d.until(Phase.ANALYSING)
+    d.tick(canary=healthy(errors=50), stable=healthy(1000))
+    d.until(Phase.ROLLED_BACK)
+    st = _invalid_then_valid(d)
+    assert st.phase == Phase.ROLLED_BACK and st.reason == "AnalysisFailed" and st.rejected_version == v(V2)
+    assert {c["type"]: c["status"] for c in st.conditions}["Stalled"] == "True"  # still asks for V2
+    kept = started(autoRollback=False)
+    kept.until(Phase.ANALYSING)
+    assert kept.tick(canary=healthy(errors=50), stable=healthy(1000)).phase == Phase.FAILED
+    st = _invalid_then_valid(kept)
+    assert (st.phase, st.reason) == (Phase.FAILED, "AnalysisFailed")  # not analysed again without a retry
+
+
 def test_desired_versions_hold_when_paused() -> None:
     d = started()
     d.tick()
