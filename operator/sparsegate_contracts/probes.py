@@ -36,6 +36,9 @@ from sparsegate_contracts.canonical import canonical_json, sha256_of
 
 CONFIG_CONFIGMAP_NAME = "sparsegate-probe-config"
 REPORT_CONFIGMAP_NAME = "sparsegate-probe-reports"
+# The configuration ConfigMap holds every node's document: its data must stay under the API
+# server's 1 MiB object limit, less headroom for the object's metadata.
+CONFIG_MAX_BYTES = 1024 * 1024 - 64 * 1024
 XDP_MODES = ("auto", "native", "generic")
 ATTACHED_MODES = ("native", "generic")
 # The interface-name rule of the TelemetryProbe CRD (and of the kernel: IFNAMSIZ - 1 characters).

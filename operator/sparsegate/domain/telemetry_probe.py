@@ -23,7 +23,7 @@ import enum
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from sparsegate_contracts.probes import InterfaceConfig, NodeReport, build_node_config
+from sparsegate_contracts.probes import CONFIG_MAX_BYTES, InterfaceConfig, NodeReport, build_node_config, document_text
 
 from sparsegate.domain.conditions import merge_conditions
 
@@ -92,6 +92,16 @@ class Plan:
     configs: dict[str, dict[str, Any]]  # node -> configuration document (contracts.probes)
     selected: dict[str, dict[str, tuple[str, ...]]]  # probe key -> node -> its interfaces attached there
     conflicts: dict[str, list[Conflict]]  # probe key -> conflicts (it lost)
+    config_bytes: int = 0  # the configuration ConfigMap's data: node names and documents
+
+    @property
+    def too_large(self) -> str | None:
+        """Why the configuration cannot be published (None: it fits one ConfigMap)."""
+        if self.config_bytes <= CONFIG_MAX_BYTES:
+            return None
+        return (f"the per-node configuration of every probe is {self.config_bytes} bytes for {len(self.configs)} "
+                f"node(s), over the {CONFIG_MAX_BYTES} a ConfigMap holds: not published (agents keep the last "
+                f"one); select fewer nodes or interfaces")
 
 
 def _order(probes: Iterable[ProbeSource]) -> list[ProbeSource]:
@@ -123,7 +133,8 @@ def plan(*, probes: Iterable[ProbeSource], nodes: Iterable[NodeInfo]) -> Plan:
         if held:
             configs[node.name] = build_node_config(
                 InterfaceConfig(name=i, xdp_mode=m, probes=tuple(ps)) for i, (m, ps) in held.items())
-    return Plan(configs=configs, selected=selected, conflicts=conflicts)
+    size = sum(len(node.encode()) + len(document_text(doc).encode()) for node, doc in configs.items())
+    return Plan(configs=configs, selected=selected, conflicts=conflicts, config_bytes=size)
 
 
 class ConditionType(str, enum.Enum):
@@ -146,6 +157,9 @@ class Reason(str, enum.Enum):
     """Stalled=True: an older probe holds one of its interfaces on a node with another xdpMode."""
     ATTACH_FAILED = "AttachFailed"
     """Stalled=True: an agent reported an error attaching one of its interfaces."""
+    CONFIGURATION_TOO_LARGE = "ConfigurationTooLarge"
+    """Stalled=True: the configuration of every probe on every node would not fit its ConfigMap, so
+    nothing is published until it shrinks."""
     AS_EXPECTED = "AsExpected"
     """Stalled=False / Reconciling=False."""
 
@@ -158,6 +172,7 @@ class ProbeObservation:
     errors: tuple[str, ...]  # "node n: eth7: <error>"
     conflicts: tuple[Conflict, ...]
     selected_nodes: int = 0  # nodes its nodeSelector matches
+    too_large: str | None = None  # Plan.too_large: nothing is published
 
 
 def observe(*, probe: ProbeSource, plan: Plan, reports: Mapping[str, NodeReport]) -> ProbeObservation:
@@ -184,7 +199,7 @@ def observe(*, probe: ProbeSource, plan: Plan, reports: Mapping[str, NodeReport]
         attached_nodes += ok
     return ProbeObservation(attachments=tuple(attachments), attached_nodes=attached_nodes, pending=tuple(pending),
                             errors=tuple(errors), conflicts=tuple(plan.conflicts.get(probe.key, ())),
-                            selected_nodes=len(plan.selected.get(probe.key, {})))
+                            selected_nodes=len(plan.selected.get(probe.key, {})), too_large=plan.too_large)
 
 
 def _listed(items: list[str], what: str) -> str:
@@ -201,13 +216,16 @@ def status_patch(*, probe: ProbeSource, observation: ProbeObservation, previous:
     """The `status` to write; lastTransitionTime moves only when a condition's status changes."""
     previous = previous or {}
     o = observation
-    stalled_msgs = [c.message() for c in o.conflicts] + list(o.errors)
+    stalled_msgs = [*([o.too_large] if o.too_large else []), *(c.message() for c in o.conflicts), *o.errors]
     if stalled_msgs:
-        reason = Reason.XDP_MODE_CONFLICT if o.conflicts else Reason.ATTACH_FAILED
+        reason = (Reason.CONFIGURATION_TOO_LARGE if o.too_large else
+                  Reason.XDP_MODE_CONFLICT if o.conflicts else Reason.ATTACH_FAILED)
         stalled = _condition(ConditionType.STALLED, True, reason, _listed(stalled_msgs, "problems"))
     else:
         stalled = _condition(ConditionType.STALLED, False, Reason.AS_EXPECTED, "no conflict or attach error")
-    if o.pending:
+    if o.too_large:
+        ready = _condition(ConditionType.READY, False, Reason.CONFIGURATION_TOO_LARGE, stalled["message"])
+    elif o.pending:
         msg = f"waiting for the agents of {len(o.pending)} node(s) to report: {_listed(list(o.pending), 'nodes')}"
         ready = _condition(ConditionType.READY, False, Reason.AWAITING_AGENTS, msg)
     elif stalled_msgs:

@@ -64,6 +64,11 @@ class ProbeSync:
     async def sync(self, *, probes: list[ProbeSource], nodes: list[NodeInfo]) -> Plan:
         async with self.lock:
             current = plan(probes=probes, nodes=nodes)
+            if current.too_large:
+                # Not publishable: the agents keep the last configuration; every probe's status says why.
+                if current.configs != self.published:
+                    log.warning("not publishing the probe configuration: %s", current.too_large)
+                return current
             if current.configs != self.published:
                 # A few quick retries: after the last probe goes no loop is left to try again (until
                 # the next node event), and a 409 from a concurrent write clears on a re-read.

@@ -95,3 +95,28 @@ def test_status_is_written_from_reports_and_not_rewritten_when_unchanged() -> No
                                                   "programId": 11}]
     ready = next(c for c in kube.obj["status"]["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "True"
+
+
+def test_a_configuration_too_large_for_its_configmap_is_not_published_and_stalls_every_probe() -> None:
+    """16 interfaces (the CRD's most) on 1,000 nodes: over a ConfigMap's 1 MiB. It is not published
+    (the API server would refuse it, and the sync raised with no condition written); the agents keep
+    the last configuration and the probe says why, with the numbers. Shrunk, it is published."""
+    from sparsegate.domain.telemetry_probe import NodeInfo
+
+    big = probe_source({"metadata": {"namespace": "ns", "name": "p", "generation": 1,
+                                     "creationTimestamp": "2026-01-01T00:00:00Z"},
+                        "spec": {"interfaces": [f"ens{i}f{j}" for i in range(4) for j in range(4)],
+                                 "xdpMode": "native"}})
+    nodes = [NodeInfo(name=f"ip-10-0-{i // 250}-{i % 250}.eu-west-1.compute.internal") for i in range(1000)]
+    store, kube = FakeStore(), FakeKube()
+    sync = telemetryprobe.ProbeSync(store=store, kube=kube)  # type: ignore[arg-type]
+    current = run(sync.sync(probes=[big], nodes=nodes))
+    assert current.config_bytes > contract.CONFIG_MAX_BYTES and store.published == []
+    run(sync.write_status(probe=big, current=current))
+    conds = {c["type"]: c for c in kube.obj["status"]["conditions"]}
+    assert (conds["Stalled"]["status"], conds["Stalled"]["reason"]) == ("True", "ConfigurationTooLarge")
+    assert (conds["Ready"]["status"], conds["Ready"]["reason"]) == ("False", "ConfigurationTooLarge")
+    assert f"{current.config_bytes} bytes for 1000 node(s)" in conds["Stalled"]["message"]
+    assert conds["Reconciling"]["status"] == "False"
+    current = run(sync.sync(probes=[big], nodes=nodes[:100]))
+    assert current.too_large is None and len(store.published) == 1 and len(store.published[0]) == 100
