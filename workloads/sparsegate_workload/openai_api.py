@@ -7,7 +7,7 @@ a final ``"assistant:"`` line asks for the answer. Concurrent requests decode to
 server's continuous-batching engine (`batch_engine`: one model step per token for all of them,
 a KV cache per sequence, each request under one gate version): greedy at ``temperature`` 0,
 else seeded sampling (``seed``, default 0: the same request gives the same text, batched or
-alone). It ends at the end-of-sequence token or at ``max_tokens``. A full queue answers 429, a
+alone, as long as the gate's capacity cap drops nothing, see `batch_decode`). It ends at the end-of-sequence token or at ``max_tokens``. A full queue answers 429, a
 request past ``--request-timeout`` 503 (in a stream: an error event), and it leaves its batch.
 
 ``usage`` carries OpenAI's token counts plus ``usage.sparsegate``: ``mean_experts_per_token``
