@@ -748,8 +748,6 @@ def valid_edges(schemas: Mapping[str, Mapping[str, Any]], examples: Mapping[str,
     # sm-two-experts (gc-defaults).
     steps_max = bound("GateConfig", "spec.rollout.steps", "maxItems")
     edges += [
-        Edge("GateConfig", "every field unset (the API server's defaults; maxExpertsPerToken has none)",
-             named("GateConfig", "gc-defaults", {})),
         Edge("GateConfig", "253-char name, every gate parameter at its upper bound, longest durations",
              named("GateConfig", "g" * 253, {
                  "params": {"toolGateThreshold": 0.999999, "entropyBeta": bound("GateConfig", "spec.params.entropyBeta", "maximum"),
@@ -778,7 +776,8 @@ def valid_edges(schemas: Mapping[str, Mapping[str, Any]], examples: Mapping[str,
         Edge("GateConfig", f"{steps_max} steps, paused",
              named("GateConfig", "gc-most-steps", {
                  "rollout": {"steps": list(range(100 - 5 * (steps_max - 1), 101, 5)), "paused": True}})),
-        Edge("GateConfig", "empty spec (every default)", named("GateConfig", "gc-defaults", {})),
+        Edge("GateConfig", "empty spec (every default; maxExpertsPerToken has none)",
+             named("GateConfig", "gc-defaults", {})),
     ]
     # RoutingPolicy: the fullest and the emptiest. Sources x targets is capped by a CEL rule (256
     # pairs): 16 x 16, every other list full.
