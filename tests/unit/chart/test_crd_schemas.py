@@ -77,7 +77,8 @@ def test_gateconfig_rules_present():
     assert any("== 100" in r for r in rules(steps))  # ends at 100
     assert steps["items"]["minimum"] == 1 and steps["items"]["maximum"] == 100
     params = spec["params"]
-    assert any("minExpertsPerToken <= self.maxExpertsPerToken" in r for r in rules(params))
+    assert any("self.minExpertsPerToken <=" in r and "has(self.maxExpertsPerToken) ? self.maxExpertsPerToken : 4" in r
+               for r in rules(params))
     for key in ("toolGateThreshold", "confidenceThreshold"):
         p = params["properties"][key]
         assert p["exclusiveMinimum"] and p["exclusiveMaximum"] and (p["minimum"], p["maximum"]) == (0, 1)

@@ -131,9 +131,10 @@ async def test_a_timed_out_request_answers_503_and_frees_its_slot(serve):
     text = await (await client.get("/metrics")).text()
     assert 'vllm:num_requests_running{model_name="tiny-mixtral-batch"} 0.0' in text
     assert 'vllm:num_requests_waiting{model_name="tiny-mixtral-batch"} 0.0' in text
-    # The stream had answered 200 before its error event.
+    # The stream had answered 200 before its error event: counted under the failure, as the others.
     served = state.gate.doc.version
-    assert f'sparsegate_requests_total{{code="503",gate_version="{served}"}} 3.0' in text
+    assert f'sparsegate_requests_total{{code="503",gate_version="{served}"}} 4.0' in text
+    assert f'sparsegate_requests_total{{code="200",gate_version="{served}"}} 0.0' in text
     resp = await client.post("/v1/completions", json=_body(9, max_tokens=2))
     assert resp.status == 200
 
