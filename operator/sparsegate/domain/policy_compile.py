@@ -84,9 +84,13 @@ def listed_addresses(text: str, *, where: str) -> tuple[str, ...]:
 
 
 def pod_info(pod: Mapping[str, Any]) -> PodInfo | None:
-    """A pod that can take part in a flow: it has an IP and is not finished. Its addresses:
-    ``status.podIPs`` (dual-stack: an IPv4 and an IPv6 one), else ``status.podIP``."""
+    """A pod that can take part in a flow: it has an IP of its own and is not finished. Its
+    addresses: ``status.podIPs`` (dual-stack: an IPv4 and an IPv6 one), else ``status.podIP``.
+    A ``hostNetwork`` pod takes none: its address is its node's, shared with every other such pod
+    there (one address, one identity), and the data plane always passes the node's traffic."""
     meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
+    if spec.get("hostNetwork"):
+        return None
     listed = [p.get("ip") for p in status.get("podIPs") or () if isinstance(p, Mapping)]
     ips = _canonical_ips([status.get("podIP"), *listed])
     if not ips or status.get("phase") in ("Succeeded", "Failed") or meta.get("deletionTimestamp"):
@@ -95,8 +99,8 @@ def pod_info(pod: Mapping[str, Any]) -> PodInfo | None:
         _port(int(p["containerPort"]), str(p.get("protocol") or "TCP").lower())
         for c in spec.get("containers") or ()
         for p in c.get("ports") or ()
-        if p.get("containerPort")
-    }
+        if p.get("containerPort") and str(p.get("protocol") or "TCP").lower() in flowpolicy.PROTOCOLS
+    }  # the data plane polices TCP and UDP only (SCTP passes it), and the allow-list names no other
     # Kept in the operator's index of every pod for as long as the pod exists: strings interned.
     return PodInfo(
         namespace=interned.text(meta.get("namespace", "default")),
@@ -289,9 +293,12 @@ def flow_question(
         for tkey, ikey in buckets:
             for identity in by_key.get(ikey, ()):
                 per_class.setdefault(identity, []).append((tkey, ikey))
+        if buckets:
+            # Targeted: policed whether or not a running pod can match a source yet (default deny;
+            # a model left out would pass every caller until one could).
+            models.append((ns, model))
         if not per_class:
             continue
-        models.append((ns, model))
         candidates = sorted(_candidate_ports(targets, buckets, model_pods), key=lambda p: (p.port, p.protocol))
         ports = tuple((p.port, p.protocol) for p in candidates)
         j = None  # this model's row in input.models, added when a `many` pair needs it
@@ -365,7 +372,16 @@ def flow_document(
     # Numbered first, then sorted as plain tuples: the same order as sorting by (numbers, rest).
     numbered = sorted([(number[s], number[d], p, proto, a, r) for s, d, p, proto, a, r in found])
     rows = [flowpolicy.identity_rule_json(*row) for row in numbered]
-    identities = [{"identity": number[c], "ips": [ip for pod in by_identity[c] for ip in pod.addresses]}
+    # An address is one identity's (the agents refuse a document that gives one two): an address
+    # pods of several classes report at once (a reused IP seen twice) belongs to none of them, so
+    # traffic from it takes the default action rather than freezing every agent on its last policy.
+    owners: dict[str, set[Identity]] = {}
+    for c in classes:
+        for pod in by_identity[c]:
+            for ip in pod.addresses:
+                owners.setdefault(ip, set()).add(c)
+    identities = [{"identity": number[c], "ips": list(dict.fromkeys(
+                      ip for pod in by_identity[c] for ip in pod.addresses if len(owners[ip]) == 1))}
                   for c in classes]
     policed = None
     if policed_models is not None:
