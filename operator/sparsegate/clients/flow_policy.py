@@ -8,8 +8,9 @@ shard ConfigMaps `sparsegate-flow-policy-<k>` are written first, the head last, 
 previous head named and the new one does not are emptied (`flowpolicy_shards.publish_steps`; the
 operator's RBAC grants no delete). A small document stays one ConfigMap in the layout of before.
 Reading a sharded head whose shards do not match it (an operator stopped mid-publish) yields no
-document, as if none were published: the operator starts as on an empty cluster (an empty deny-all
-allow-list until OPA has decided), failing closed. The sync Kubernetes client runs in a worker thread so
+document and sets ``half_published``: the operator then leaves the ConfigMaps as they are (the
+agents keep enforcing the last whole document they read) until OPA has decided and the sync
+republishes the whole set. The sync Kubernetes client runs in a worker thread so
 Kopf's event loop never blocks.
 
 Beside the document, annotation `sparsegate.dev/flow-policy-basis` records what its allow entries
@@ -63,6 +64,7 @@ class FlowPolicyConfigMap:
         self.name = name
         self.max_bytes = max_bytes  # per ConfigMap; a larger document is sharded
         self.shards: list[str] = []  # the shards the published head names
+        self.half_published = False  # the last read found a head whose shards do not match it
 
     def _core(self) -> kubernetes.client.CoreV1Api:
         return kubernetes.client.CoreV1Api(self._api_client) if self._api_client is not None else _core_api()
@@ -76,6 +78,7 @@ class FlowPolicyConfigMap:
             raise
 
     def _read(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        self.half_published = False
         cm = self._get(self.name)
         if cm is None:
             return None, None
@@ -91,6 +94,7 @@ class FlowPolicyConfigMap:
             try:
                 document = flowpolicy_shards.join(document, texts, head_name=self.name)
             except flowpolicy.FlowPolicyError:
+                self.half_published = True
                 return None, None  # a half-published set: republish whole on the next sync
         return document, basis
 

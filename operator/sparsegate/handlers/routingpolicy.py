@@ -388,7 +388,10 @@ async def resync_routing_policy(logger: kopf.Logger | logging.Logger, body: Mapp
 async def check_allow_list_at_startup(logger: kopf.Logger, **_: Any) -> None:
     """Zero trust from the first moment, and nothing kept for policies deleted while we were down.
 
-    With no allow-list yet, publish an empty (deny-all) one. An existing one is kept until OPA has
+    With no allow-list yet, publish an empty one (it polices nothing: no policy has been compiled;
+    the first sync publishes what OPA decides). A half-published set (an operator stopped
+    mid-publish) is left as it is: the agents keep the last whole document they read, and the first
+    sync OPA answers republishes the set. An existing one is kept until OPA has
     been asked (it may be the last good one), minus the entries of policies that no longer exist
     (and, at the first sync if OPA is down, of policies changed since the recorded decision basis):
     policies go without a finalizer, so one may have been deleted while no operator ran, and if it
@@ -398,6 +401,10 @@ async def check_allow_list_at_startup(logger: kopf.Logger, **_: Any) -> None:
     sync = _state()
     try:
         document, basis = await sync.store.read_published()
+        if document is None and getattr(sync.store, "half_published", False):
+            logger.warning("the flow allow-list's shards do not match its head (a publish was cut short): "
+                           "left as it is, the agents keep their last whole policy until OPA decides")
+            return
         if document is None:
             await sync.store.publish(flow_document(decisions={}, pods=[], policed_models=(),
                                                    allowed_sources=sync.settings.allowed_sources))

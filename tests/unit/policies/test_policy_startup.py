@@ -1,0 +1,80 @@
+"""The allow-list at operator start: a set of shards whose head does not match them (a publish cut
+short) is left as it is, so the agents keep the last whole policy they read; only with nothing
+published at all is an (empty) document written."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from sparsegate_contracts import flowpolicy, flowpolicy_shards
+
+from sparsegate.clients.flow_policy import KEY, FlowPolicyConfigMap
+from sparsegate.domain.policy import Port
+from sparsegate.domain.policy_compile import PodInfo, flow_document
+from sparsegate.handlers import routingpolicy
+
+
+def _document(models: int) -> dict[str, Any]:
+    pods = [PodInfo(namespace="models", name=f"m-{i}", ip=f"127.21.{i // 250}.{i % 250 + 1}", service_account="default",
+                    labels=(("sparsegate.dev/model", "mixtral"),), ports=(Port(8080),)) for i in range(models)]
+    return flow_document(decisions={}, pods=pods, policed_models=[("models", "mixtral")], allowed_sources=[])
+
+
+class ShardedStore(FlowPolicyConfigMap):
+    """The ConfigMaps as a dict (name -> data) instead of the API server."""
+
+    def __init__(self, maps: dict[str, dict[str, str]]) -> None:
+        super().__init__(namespace="sparsegate-system", max_bytes=4096)
+        self.maps = maps
+
+    def _get(self, name: str) -> Any:
+        data = self.maps.get(name)
+        return None if data is None else SimpleNamespace(data=data, metadata=SimpleNamespace(annotations={}))
+
+
+def _published(document: dict[str, Any]) -> dict[str, dict[str, str]]:
+    layout = flowpolicy_shards.split(document, max_bytes=4096)
+    assert layout.shards, "the test document must be sharded"
+    maps = {name: {flowpolicy_shards.SHARD_KEY: text} for name, text in layout.shards}
+    maps[flowpolicy.CONFIGMAP_NAME] = {KEY: layout.head}
+    return maps
+
+
+def test_a_head_whose_shards_do_not_match_is_read_as_half_published() -> None:
+    maps = _published(_document(600))
+    store = ShardedStore(maps)
+    document, _ = asyncio.run(store.read_published())
+    assert document is not None and not store.half_published
+    assert len(flowpolicy.parse_document(document).policed_destinations) == 600
+    first = flowpolicy_shards.shard_name(flowpolicy.CONFIGMAP_NAME, 0)
+    maps[first] = {flowpolicy_shards.SHARD_KEY: "{}"}  # rewritten by a publish that then stopped
+    document, _ = asyncio.run(store.read_published())
+    assert document is None and store.half_published
+
+
+@pytest.mark.parametrize("half", [True, False])
+def test_startup_leaves_a_half_published_set_and_publishes_only_when_nothing_is(monkeypatch, half: bool) -> None:
+    class Store:
+        half_published = half
+
+        def __init__(self) -> None:
+            self.writes: list[dict[str, Any]] = []
+
+        async def read_published(self) -> tuple[None, None]:
+            return None, None
+
+        async def publish(self, document: dict[str, Any], *, basis: Any = None) -> None:
+            self.writes.append(document)
+
+    store = Store()
+    monkeypatch.setattr(routingpolicy, "_state",
+                        lambda: SimpleNamespace(store=store, settings=SimpleNamespace(allowed_sources=["10.0.0.2"])))
+    asyncio.run(routingpolicy.check_allow_list_at_startup(logger=logging.getLogger("test")))
+    if half:
+        assert store.writes == []  # the agents keep the last whole policy; the first sync republishes
+    else:
+        assert len(store.writes) == 1 and store.writes[0]["rules"] == []
