@@ -59,14 +59,21 @@ def test_enforcement_is_an_explicit_value(mode: str) -> None:
     assert parsed.allow_sources == ["10.0.0.7", "10.9.0.1", "10.9.0.2"]
 
 
-def test_one_policy_map_size_reaches_the_agents_and_the_operator() -> None:
+def test_one_policy_map_size_reaches_the_agents_and_the_operator(tmp_path) -> None:
     """agent.policyMapRecords becomes the agents' --policy-map-records and the operator's capacity,
     so the operator never publishes an allow-list the agents cannot load."""
     from sparsegate.domain.policy_capacity import Capacity
     from sparsegate_contracts import flowpolicy
 
-    for value, records in ((None, flowpolicy.MAP_MAX_ENTRIES), ("262144", 262144)):
-        proc = helm_template(*(("--set", f"agent.policyMapRecords={value}") if value else ()))
+    for value, records in ((None, flowpolicy.MAP_MAX_ENTRIES), ("262144", 262144), ("file:1048576", 1048576)):
+        if value and value.startswith("file:"):
+            # A values file: YAML numbers reach the templates as float64 (1048576 once rendered as
+            # 1.048576e+06, which neither the agent nor the operator parses); --set gives int64.
+            values = tmp_path / "records.yaml"
+            values.write_text(f"agent:\n  policyMapRecords: {value[5:]}\n")
+            proc = helm_template("-f", str(values))
+        else:
+            proc = helm_template(*(("--set", f"agent.policyMapRecords={value}") if value else ()))
         assert proc.returncode == 0, proc.stderr
         docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
         (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]

@@ -346,3 +346,15 @@ def test_the_longest_accepted_release_name_renders_names_kubernetes_accepts(valu
              "--set", f"operator.leaderElection.renewDeadline={renew}",
              "--set", f"operator.leaderElection.retryPeriod={retry}")
         Timing(lease_duration_s=lease, renew_deadline_s=renew, retry_period_s=retry)
+
+
+def test_large_integers_from_a_values_file_render_as_integers(tmp_path):
+    """YAML numbers in a values file reach the templates as float64: a lease of 1,000,000 s once
+    rendered as --lease-duration=1e+06, which the CLI refuses."""
+    values = tmp_path / "big.yaml"
+    values.write_text("operator:\n  leaderElection:\n    leaseDuration: 1000000\n")
+    (container,) = [c for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-f", str(values))) if d
+                    and d["kind"] == "Deployment" for c in d["spec"]["template"]["spec"]["containers"]
+                    if c["name"] == "operator"]
+    assert "--lease-duration=1000000" in container["args"]
+    assert cli._parser().parse_args(container["args"]).lease_duration == 1000000
