@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import threading
 import time
 from typing import Callable, Literal
@@ -39,6 +40,8 @@ Action = Literal["freeze", "refresh"]
 
 def check_intervals(freeze_s: float, refresh_s: float) -> None:
     """ValueError unless the freeze interval is 0 (off) or positive and at most the refresh interval."""
+    if not (math.isfinite(freeze_s) and math.isfinite(refresh_s)):
+        raise ValueError(f"the freeze and refresh intervals must be finite numbers, not {freeze_s}, {refresh_s}")
     if freeze_s < 0:
         raise ValueError(f"the freeze interval must be 0 (off) or positive, not {freeze_s}")
     if freeze_s and refresh_s < freeze_s:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 from typing import Any, Mapping
 
 MICROTIME = "%Y-%m-%dT%H:%M:%S.%fZ"
@@ -54,7 +55,10 @@ class Timing:
     retry_period_s: float = RETRY_PERIOD_S
 
     def __post_init__(self) -> None:
-        # Same rules as client-go's NewLeaderElector.
+        # Same rules as client-go's NewLeaderElector; a NaN passes every comparison, so first finite.
+        if not all(math.isfinite(x) for x in (self.lease_duration_s, self.renew_deadline_s, self.retry_period_s)):
+            raise ValueError(f"lease duration, renew deadline and retry period must be finite numbers, got "
+                             f"{self.lease_duration_s}, {self.renew_deadline_s}, {self.retry_period_s}")
         if int(self.lease_duration_s) != self.lease_duration_s or self.lease_duration_s < 1:
             raise ValueError(f"lease duration must be a whole number of seconds >= 1 "
                              f"(Lease.spec.leaseDurationSeconds), got {self.lease_duration_s}")

@@ -17,7 +17,7 @@ def test_schedule_freezes_every_interval_and_refreshes_less_often() -> None:
     assert [s.due(t) for t in (110, 130, 200)] == [None, "freeze", "refresh"]
 
 
-@pytest.mark.parametrize("freeze_s, refresh_s", [(0, 600), (-1, 600), (60, 30)])
+@pytest.mark.parametrize("freeze_s, refresh_s", [(0, 600), (-1, 600), (60, 30), (float("nan"), 600), (60, float("nan"))])
 def test_schedule_refuses_intervals_that_cannot_work(freeze_s: float, refresh_s: float) -> None:
     with pytest.raises(ValueError):
         gc_freeze.FreezeSchedule(freeze_s=freeze_s, refresh_s=refresh_s, now=0)

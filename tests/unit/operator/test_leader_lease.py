@@ -87,6 +87,10 @@ def test_claim_counts_transitions_keeps_resource_version_and_always_changes_the_
     ({"retry_period_s": 0}, "positive"),
     ({"lease_duration_s": 0}, "whole number"),
     ({"lease_duration_s": 15.5}, "whole number"),
+    # NaN passes every comparison: a leader that never gives up, a standby that never waits.
+    ({"renew_deadline_s": float("nan")}, "finite"),
+    ({"retry_period_s": float("nan")}, "finite"),
+    ({"retry_period_s": float("inf")}, "finite"),
 ])
 def test_timing_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
