@@ -150,11 +150,19 @@ def run(argv: Sequence[str], *, client_factory: Callable[..., Client] = Client,
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point (``kubectl-sparsegate``, so kubectl finds it as ``kubectl sparsegate``)."""
     from kubernetes.client.exceptions import ApiException
+    from kubernetes.config.config_exception import ConfigException
+    from urllib3.exceptions import HTTPError
 
     try:
         return run(sys.argv[1:] if argv is None else argv)
     except view.PluginError as e:
         sys.stderr.write(f"error: {e}\n")
+        return 1
+    except ConfigException as e:  # no kubeconfig, or no such context
+        sys.stderr.write(f"error: kubeconfig: {e}\n")
+        return 1
+    except (HTTPError, OSError) as e:  # the API server cannot be reached
+        sys.stderr.write(f"error: cannot reach the API server: {e}\n")
         return 1
     except ApiException as e:
         try:

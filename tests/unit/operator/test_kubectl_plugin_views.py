@@ -261,3 +261,20 @@ def test_status_watch_prints_every_change_until_deleted() -> None:
     _, printed = cli(["status", "gate", "--watch"], [gateconfig()])
     assert printed.count("Name:       ns/gate") == 2
     assert "Phase:      Succeeded" in printed and printed.endswith("GateConfig ns/gate deleted\n")
+
+
+def test_kubeconfig_and_connection_errors_are_one_line_not_a_traceback(tmp_path, capsys) -> None:
+    """A missing kubeconfig, an unknown context, an unreachable API server: `error: ...` on stderr
+    and exit 1, as the plugin's other refusals."""
+    from sparsegate.kubectl_plugin import main
+
+    assert main(["--kubeconfig", str(tmp_path / "missing"), "get"]) == 1
+    assert capsys.readouterr().err.startswith("error: kubeconfig: ")
+    config = tmp_path / "config"
+    config.write_text("apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+                      "clusters: [{name: x, cluster: {server: 'http://127.0.0.1:1'}}]\n"
+                      "contexts: [{name: c, context: {cluster: x, user: u}}]\nusers: [{name: u, user: {}}]\n")
+    assert main(["--kubeconfig", str(config), "--context", "nope", "get"]) == 1
+    assert capsys.readouterr().err.startswith("error: kubeconfig: ")
+    assert main(["--kubeconfig", str(config), "get"]) == 1  # port 1: connection refused
+    assert capsys.readouterr().err.startswith("error: cannot reach the API server: ")
