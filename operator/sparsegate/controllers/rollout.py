@@ -64,6 +64,7 @@ import prometheus_client
 
 from sparsegate_contracts import names
 
+from sparsegate import envvars
 from sparsegate.clients.admin_credentials import AdminCredentialStore, ModelCredentials
 from sparsegate.clients.analysis_providers import (
     BuiltinProvider,
@@ -104,7 +105,7 @@ from sparsegate.domain.rollout import (
     parse_spec,
 )
 
-RESTING_CHECK_S = float(os.environ.get("SPARSEGATE_ROLLOUT_RESTING_CHECK_S", "300"))
+RESTING_CHECK_S = envvars.seconds("SPARSEGATE_ROLLOUT_RESTING_CHECK_S", 300.0)
 _LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 
 ROLLOUTS = prometheus_client.Counter(

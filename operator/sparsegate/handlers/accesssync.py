@@ -28,6 +28,7 @@ import prometheus_client
 
 from sparsegate_contracts import names
 
+from sparsegate import envvars
 from sparsegate.clients.kube import Kube, KubeError
 from sparsegate.clients.podadmin import PodAdmin
 from sparsegate.domain import access_sync
@@ -37,7 +38,7 @@ from sparsegate.controllers.rollout import FleetCache, RolloutLoop
 from sparsegate.handlers.periodic import ObjectLoops
 
 GROUP, VERSION = names.GROUP, names.VERSION
-TICK_S = float(os.environ.get("SPARSEGATE_ACCESS_RESYNC_S", "5"))
+TICK_S = envvars.seconds("SPARSEGATE_ACCESS_RESYNC_S", 5.0)
 
 PUSHES = prometheus_client.Counter(
     "sparsegate_access_pushes_total", "PUT /admin/access calls by result (ok, error).", ["result"])

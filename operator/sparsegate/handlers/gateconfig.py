@@ -23,6 +23,7 @@ import kopf
 
 from sparsegate_contracts import names
 
+from sparsegate import envvars
 from sparsegate.clients.kube import Conflict, Kube, KubeError
 from sparsegate.clients.metrics_source import PrometheusAPI
 from sparsegate.controllers.inventory import Inventory
@@ -34,7 +35,7 @@ from sparsegate.handlers.periodic import ObjectLoops
 __all__ = ["FleetCache", "RolloutLoop", "new_rollout_loop"]  # handlers.accesssync builds its fleets with the same loop
 
 GROUP, VERSION = names.GROUP, names.VERSION
-TICK_S = float(os.environ.get("SPARSEGATE_ROLLOUT_TICK_S", "5"))
+TICK_S = envvars.seconds("SPARSEGATE_ROLLOUT_TICK_S", 5.0)
 PROMETHEUS_URL = os.environ.get("SPARSEGATE_PROMETHEUS_URL") or None
 
 

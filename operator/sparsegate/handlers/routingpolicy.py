@@ -42,6 +42,7 @@ import kopf
 from sparsegate_contracts import flowpolicy, names, rego
 from sparsegate_contracts.canonical import sha256_of
 
+from sparsegate import envvars
 from sparsegate.clients.flow_policy import FlowPolicyConfigMap
 from sparsegate.clients.kube import Kube
 from sparsegate import policy_metrics
@@ -107,7 +108,7 @@ class Settings:
             opa_token=os.environ.get("SPARSEGATE_OPA_TOKEN") or None,
             namespace=os.environ.get("SPARSEGATE_NAMESPACE", "sparsegate-system"),
             trust_domain=os.environ.get("SPARSEGATE_TRUST_DOMAIN", DEFAULT_TRUST_DOMAIN),
-            resync_seconds=float(os.environ.get("SPARSEGATE_POLICY_RESYNC_SECONDS", "10")),
+            resync_seconds=envvars.seconds("SPARSEGATE_POLICY_RESYNC_SECONDS", 10.0),
             rego_path=Path(p) if (p := os.environ.get(rego.OVERRIDE_ENV)) else None,
             own_ip=os.environ.get("POD_IP") or None,
             own_ips=listed_addresses(os.environ.get("POD_IPS", ""), where="POD_IPS"),

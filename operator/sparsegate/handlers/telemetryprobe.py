@@ -23,6 +23,7 @@ import kopf
 
 from sparsegate_contracts import names
 
+from sparsegate import envvars
 from sparsegate.clients.kube import Kube
 from sparsegate.clients.probe_config import ProbeConfigMaps
 from sparsegate.domain.telemetry_probe import (
@@ -51,7 +52,7 @@ class Settings:
     @classmethod
     def from_env(cls) -> Settings:
         return cls(namespace=os.environ.get("SPARSEGATE_NAMESPACE", "sparsegate-system"),
-                   resync_seconds=float(os.environ.get("SPARSEGATE_PROBE_RESYNC_SECONDS", "5")))
+                   resync_seconds=envvars.seconds("SPARSEGATE_PROBE_RESYNC_SECONDS", 5.0))
 
 
 class ProbeSync:
