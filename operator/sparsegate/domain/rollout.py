@@ -457,7 +457,7 @@ def _follow_spec(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now:
     """Steps edited mid-rollout, a spec valid again, retry, then the spec's version itself."""
     if s.step is not None and s.step >= len(spec.steps):
         s = dataclasses.replace(s, step=len(spec.steps) - 1)
-    if s.step is not None and s.step_percent is not None and s.step_percent != spec.steps[s.step]:
+    if in_flight(s) and s.step is not None and s.step_percent is not None and s.step_percent != spec.steps[s.step]:
         # The steps were edited: the current step now targets what the spec says (instances
         # chosen, or the weight pushed, anew); an analysis under way judged the old share, so the
         # step is verified again from its start.
