@@ -260,6 +260,11 @@ def make_policy_handler(*, state: AgentState, on_applied: Callable[[], None] | N
             state.policy_errors += 1
             log.error("rejected policy document (keeping version %s): %s", state.policy_version or "none", exc)
             return
+        except Exception as exc:  # a map write failed (ENOMEM, a full table): the source retries it
+            state.policy_errors += 1
+            log.error("applying policy %s failed (keeping version %s, retried at the next read): %s",
+                      policy.version, state.policy_version or "none", exc)
+            raise
         state.policy_version = policy.version
         state.policy_swaps += 1
         state.last_swap_seconds = result.swap_seconds

@@ -62,7 +62,8 @@ def assemble(head_text: str, get_shard: Callable[[str], str | None], *, head_nam
 
 
 class _Dedup:
-    """Forward a document only when its content changed (watches and polls repeat)."""
+    """Forward a document only when its content changed (watches and polls repeat). A document
+    whose handling raised is not recorded, so the source's next read or retry forwards it again."""
 
     def __init__(self, on_document: OnDocument) -> None:
         self._on_document = on_document
@@ -71,8 +72,8 @@ class _Dedup:
     def __call__(self, text: str) -> None:
         digest = hashlib.sha256(text.encode()).hexdigest()
         if digest != self._last:
-            self._last = digest
             self._on_document(text)
+            self._last = digest
 
 
 def watch_file(*, path: Path, on_document: OnDocument, stop: threading.Event, interval: float = 1.0) -> None:

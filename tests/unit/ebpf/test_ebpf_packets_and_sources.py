@@ -36,6 +36,31 @@ def test_configmap_document_from_dict_and_model() -> None:
     assert document_from_configmap(SimpleNamespace(data=None)) is None
 
 
+def test_a_document_whose_apply_raised_is_forwarded_again(tmp_path: Path) -> None:
+    """A map write that fails (ENOMEM, a full table) is not "seen": the next poll forwards the same
+    document again (it was recorded before the apply and never retried)."""
+    path = tmp_path / "policy.json"
+    path.write_text("one")
+    calls: list[str] = []
+
+    def on_document(text: str) -> None:
+        calls.append(text)
+        if len(calls) == 1:
+            raise Exception("Could not update table: Cannot allocate memory")  # as bcc raises it
+
+    stop = threading.Event()
+    t = threading.Thread(target=watch_file, kwargs={"path": path, "on_document": on_document,
+                                                    "stop": stop, "interval": 0.02})
+    t.start()
+    try:
+        _wait(lambda: len(calls) >= 2)
+        time.sleep(0.1)  # applied now: not forwarded again
+        assert calls == ["one", "one"]
+    finally:
+        stop.set()
+        t.join()
+
+
 def test_watch_file_emits_each_content_change_once(tmp_path: Path) -> None:
     path = tmp_path / "policy.json"
     seen: list[str] = []
