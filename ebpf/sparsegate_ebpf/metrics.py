@@ -234,9 +234,7 @@ class XdpCollector:
         verdicts = CounterMetricFamily("sparsegate_xdp_policy_verdicts", "Packets judged, by rule and action",
                                        labels=["rule", "action"])
         totals: dict[tuple[str, str], int] = {}
-        names = dict(s.swapper.rule_names)
-        for (generation, rule_id, action), (packets, _) in s.swapper.verdict_totals().items():
-            rule = names.get(generation, {}).get(rule_id, f"gen{generation}/rule{rule_id}")
+        for (rule, action), (packets, _) in s.swapper.verdict_totals_by_rule().items():
             key = (rule, ACTION_NAMES.get(action, str(action)))
             totals[key] = totals.get(key, 0) + packets
         for (rule, action), packets in sorted(totals.items()):

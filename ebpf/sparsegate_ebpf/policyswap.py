@@ -48,6 +48,10 @@ class PolicySwapper:
         self.generation = 0
         self.policy: FlowPolicy | None = None
         self.rule_names: dict[int, dict[int, str]] = {}  # generation -> rule_id -> rule
+        # Verdicts of generations older than the last one retired, by (rule name, action): folded
+        # out of the `verdicts` hash at each swap, so the hash holds at most one generation's rules
+        # (it grew by one generation a swap until updates failed) and a rule's total never drops.
+        self.retired_by_rule: dict[tuple[str, int], tuple[int, int]] = {}
         # Sources always allowed to policed destinations besides the document's (node addresses).
         self.extra_sources: tuple[str, ...] = ()
 
@@ -86,13 +90,15 @@ class PolicySwapper:
             raise PolicyError(f"{len(records)} records exceed the map capacity {self.max_records}")
         target = 1 if self._active == 0 else 0
         inner = self._pool[target]
-        previous = self.slots.pop(target, None)
+        previous = self.slots.get(target)
         if previous is not None:
             if self._active is not None:
                 # Barrier: a map-in-map update waits for running programs, so none still counts
                 # for the generation that used this slot (read from policy_live before its change).
                 self._outer[ct.c_int(0)] = ct.c_int(self._pool[self._active].get_fd())
             verdicts.retire_slot(self._bpf, target, previous)
+            self._fold_retired(before=previous.generation)
+            del self.slots[target]  # only once its counters are safe: a failed retire is retried
         records = [(k, PolicyVal(action=v.action, rule_id=v.rule_id, generation=v.generation, slot=target,
                                  identity=v.identity)) for k, v in records]
         t0 = time.perf_counter()
@@ -116,7 +122,27 @@ class PolicySwapper:
             del self.rule_names[old]
         return SwapResult(generation, POOL[target], len(records), t1 - t0, t2 - t1)
 
-    def verdict_totals(self) -> verdicts.Totals:
-        """(generation, rule_id, action) -> (packets, bytes) of every generation (consistent with swaps)."""
+    def rule_name(self, generation: int, rule_id: int) -> str:
+        """The rule a generation's rule id stands for (``gen<N>/rule<M>`` when its name is unknown)."""
+        return self.rule_names.get(generation, {}).get(rule_id, f"gen{generation}/rule{rule_id}")
+
+    def _fold_retired(self, *, before: int) -> None:
+        """Move the `verdicts` hash entries of generations older than ``before`` into
+        ``retired_by_rule`` (under their rule names, known for the last 256 generations)."""
+        table = self._bpf[b"verdicts"]
+        for key, val in list(table.items()):
+            if key.generation < before:
+                name = (self.rule_name(key.generation, key.rule_id), key.action)
+                packets, bytes_ = self.retired_by_rule.get(name, (0, 0))
+                self.retired_by_rule[name] = (packets + val.packets, bytes_ + val.bytes)
+                del table[key]
+
+    def verdict_totals_by_rule(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """(rule name, action) -> (packets, bytes) over every generation (consistent with swaps)."""
         with self._lock:
-            return verdicts.totals(self._bpf, dict(self.slots))
+            out = dict(self.retired_by_rule)
+            for (generation, rule_id, action), (packets, bytes_) in verdicts.totals(self._bpf, dict(self.slots)).items():
+                key = (self.rule_name(generation, rule_id), action)
+                p, b = out.get(key, (0, 0))
+                out[key] = (p + packets, b + bytes_)
+            return out

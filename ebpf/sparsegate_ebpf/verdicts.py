@@ -5,6 +5,8 @@ where `slot` is the pool map (policy_a = 0, policy_b = 1) holding the generation
 an array index instead of a hash update per packet. A slot's range belongs to one generation at a
 time; before the pool map is refilled, its counters are folded into the `verdicts` hash under
 (generation, rule, action) and zeroed (`retire_slot`), so the totals of every generation survive.
+The swapper then moves older generations' entries out of the hash into totals by rule name
+(`PolicySwapper.retired_by_rule`), so the hash holds one generation, not one per swap.
 """
 from __future__ import annotations
 

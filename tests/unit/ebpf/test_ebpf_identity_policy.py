@@ -92,6 +92,26 @@ def test_the_program_judges_by_identity(enforce_prog: LoadedProgram) -> None:
 
 
 @pytest.mark.bpf
+def test_verdicts_of_many_swaps_keep_their_totals_in_a_bounded_table(enforce_prog: LoadedProgram) -> None:
+    """Every swap retires a slot's counters; generations before the last retired one leave the
+    `verdicts` hash for totals by rule name, so the hash holds one generation (it grew by one a swap
+    until updates failed, E2BIG) and a rule's exported total only grows."""
+    swapper = PolicySwapper(bpf=enforce_prog.bpf)
+    seen = []
+    for n in range(6):
+        swapper.apply(parse_policy(document()))
+        frame = P.tcp_frame(src=WEB_IPS[0], dst=MODEL_IPS[0], sport=42000 + n, dport=8080, flags=P.TCP_SYN)
+        assert run_xdp(prog_fd=enforce_prog.prog_fd, data=frame).verdict == "pass"
+        seen.append(swapper.verdict_totals_by_rule()[("m/p#0", 1)][0])
+    assert seen == [1, 2, 3, 4, 5, 6]
+    generations = {key.generation for key, _ in enforce_prog.bpf[b"verdicts"].items()}
+    # The live generation and the one before are in the two pool slots; the one before them, the
+    # last retired, is the only one left in the hash.
+    assert generations == {swapper.generation - 2}
+    assert not any(name.startswith("gen") for name, _ in swapper.verdict_totals_by_rule())
+
+
+@pytest.mark.bpf
 def test_a_class_without_a_rule_to_a_destination_class_is_denied_by_default(enforce_prog: LoadedProgram) -> None:
     # web may reach batch (not policed here: no rule names it as a destination, none listed)
     doc = flowpolicy.build_document(identities=[{"identity": WEB, "ips": WEB_IPS}, {"identity": MODEL, "ips": MODEL_IPS}],
