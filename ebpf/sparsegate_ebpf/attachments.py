@@ -5,7 +5,9 @@ attached is still ours: ``xdp.detach_own``), re-attaches where the asked mode ch
 generic asked, the other in use; ``auto`` keeps whatever runs), and attaches to the new ones
 (``xdp.attach``, which replaces our own program a previous agent left there in one step). An
 interface that cannot be attached (missing, a foreign program on it, a driver without native XDP)
-is recorded with its error and retried at the next ``apply``; the others are unaffected. The
+is recorded with its error and retried at the next ``apply``; the others are unaffected. An
+attached interface that is gone, or came back under its name as a new interface (a re-created
+veth: its program went with the old one), is attached again at the next ``apply``. The
 policy maps belong to the program, not to an interface, so attaching to one more interface
 enforces the policy already in force there at once.
 """
@@ -37,6 +39,7 @@ class Attachments:
         # Called after an apply that left no error (the agent forgets its predecessors' pins then).
         self._after_apply = after_apply
         self.errors: dict[str, str] = {}  # interface -> why it is not attached
+        self.ifindex: dict[str, int] = {}  # interface -> its index when we attached to it
         self.lock = threading.Lock()
 
     def apply(self, desired: Mapping[str, xdp.XdpMode]) -> dict[str, str]:
@@ -45,6 +48,12 @@ class Attachments:
             # A new dict each time, swapped in whole: the metrics collector reads it from its own thread.
             attached = dict(self.state.attached)
             errors: dict[str, str] = {}
+            for ifname in list(attached):
+                if _index(ifname) != self.ifindex.get(ifname, _index(ifname)):
+                    # Gone, or a new interface under the name: the program went with the old one.
+                    log.warning("%s is gone or was re-created since XDP was attached: attaching again", ifname)
+                    del attached[ifname]
+                    self.ifindex.pop(ifname, None)
             for ifname, mode in list(attached.items()):
                 want = desired.get(ifname)
                 if want is not None and want in (xdp.XdpMode.AUTO, xdp.XdpMode(mode)):
@@ -58,6 +67,7 @@ class Attachments:
                 except Exception as exc:  # the interface may be gone with its program
                     log.warning("detaching XDP from %s: %s", ifname, exc)
                 del attached[ifname]
+                self.ifindex.pop(ifname, None)
             for ifname, mode in sorted(desired.items()):
                 if ifname in attached:
                     continue
@@ -70,6 +80,9 @@ class Attachments:
                         log.error("XDP not attached to %s: %s", ifname, exc)
                     continue
                 attached[ifname] = used.value
+                index = _index(ifname)
+                if index is not None:
+                    self.ifindex[ifname] = index
                 log.info("XDP attached to %s in %s mode", ifname, used.value)
             self.state.attached = attached
             self.errors = errors
@@ -86,6 +99,13 @@ class Attachments:
                                  error=None if i in attached else errors.get(i, "not attached yet"))
                  for i in sorted(set(desired) | set(attached))]
         return NodeReport(node=node, config_version=config_version, program_id=program_id, interfaces=tuple(items))
+
+
+def _index(ifname: str) -> int | None:
+    try:
+        return socket.if_nametoindex(ifname)
+    except OSError:
+        return None
 
 
 def _exists(ifname: str) -> None:

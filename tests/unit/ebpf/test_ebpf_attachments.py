@@ -123,3 +123,30 @@ def test_probe_source_forwards_changes_none_when_absent_and_drops_invalid(tmp_pa
     step(None)  # no file: no configuration for this node
     step(json.dumps({"n1": doc}))
     assert [c.modes() if c else None for c in seen] == [None, {"eth0": "native"}]
+
+
+def test_an_interface_re_created_under_its_name_is_attached_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A veth deleted (its program goes with it) and re-created under the same name (a pod restart
+    under a CNI with stable names): the next apply attaches again instead of reporting the old
+    attachment; while it is gone, it is reported with the error and retried."""
+    index = {"veth-a": 7}
+
+    def nametoindex(name: str) -> int:
+        if name not in index:
+            raise OSError(19, "No such device")
+        return index[name]
+
+    monkeypatch.setattr(socket, "if_nametoindex", nametoindex)
+    fake, state = FakeXdp(), AgentState(enforcement="off")
+    att = Attachments(state=state, bpf=None, fn=SimpleNamespace(fd=3), attach=fake.attach, detach=fake.detach)
+    want = {"veth-a": xdp.XdpMode.NATIVE}
+    assert att.apply(want) == {} and fake.calls == [("attach", "veth-a", "native")]
+    assert att.apply(want) == {} and len(fake.calls) == 1  # unchanged: nothing to do
+    del index["veth-a"]
+    errors = att.apply(want)
+    assert errors == {"veth-a": "interface veth-a does not exist on this node"} and state.attached == {}
+    index["veth-a"] = 9  # back, as a new interface
+    assert att.apply(want) == {} and fake.calls[-1] == ("attach", "veth-a", "native")
+    assert state.attached == {"veth-a": "native"}
+    index["veth-a"] = 11  # re-created between two applies: attached again, not reported as it was
+    assert att.apply(want) == {} and fake.calls[-1] == ("attach", "veth-a", "native") and len(fake.calls) == 3
