@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 import re
 from collections.abc import Mapping
 from typing import Any
 
-from .gate import DOCUMENT_FIELDS, GateDocument, GateParamsError, parse_document
+from .gate import DOCUMENT_FIELDS, GateDocument, GateParamsError, finite_number, parse_document, shown_value
 
 CANARY_FIELDS = ("canary", "canaryWeight", "stickyHeader")
 DEFAULT_STICKY_HEADER = "x-session-id"
@@ -115,9 +114,8 @@ def parse_gate_set(body: Any, *, num_experts: int | None = None) -> GateSet:
     except GateParamsError as e:
         raise GateParamsError(f"canary: {e}") from None
     weight = body.get("canaryWeight")
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) \
-            or not 0.0 <= weight <= 1.0:
-        raise GateParamsError(f"canaryWeight must be a number in [0, 1], got {weight!r}")
+    if not finite_number(weight) or not 0.0 <= weight <= 1.0:
+        raise GateParamsError(f"canaryWeight must be a number in [0, 1], got {shown_value(weight)}")
     header = body.get("stickyHeader", DEFAULT_STICKY_HEADER)
     if not valid_header_name(header):
         raise GateParamsError(f"stickyHeader must be a lower-case HTTP header name (token characters, "

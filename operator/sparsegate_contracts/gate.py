@@ -122,12 +122,28 @@ def version_matches_checksum(version: Any, checksum: Any) -> bool:
     )
 
 
+def finite_number(value: Any) -> bool:
+    """A JSON number that fits a float (bool is an int subclass and never one; an integer past
+    float range, e.g. 10**400, is not finite either: math.isfinite would raise OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def shown_value(value: Any) -> str:
+    """``repr(value)`` for an error message, cut short when long (a 400-digit integer)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
 def _number(raw: Mapping[str, Any], key: str, *, lo: float, hi: float,
             lo_open: bool = False) -> float:
     value = raw[key]
-    # bool is an int subclass; `true` is never a valid threshold.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise GateParamsError(f"{key} must be a finite number, got {value!r}")
+    if not finite_number(value):
+        raise GateParamsError(f"{key} must be a finite number, got {shown_value(value)}")
     if value < lo or value > hi or (lo_open and value == lo):
         bracket = "(" if lo_open else "["
         raise GateParamsError(f"{key} must be in {bracket}{lo}, {hi}], got {value!r}")

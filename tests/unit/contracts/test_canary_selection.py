@@ -72,6 +72,7 @@ def test_two_version_document_round_trips():
     ({"canaryWeight": 1.5}, "canaryWeight"),
     ({"canaryWeight": True}, "canaryWeight"),
     ({"canaryWeight": "0.1"}, "canaryWeight"),
+    ({"canaryWeight": 10**400}, r"canaryWeight must be a number in \[0, 1\], got 1000000000000000"),  # past float range
     ({"stickyHeader": "X Session"}, "stickyHeader"),
     ({"stickyHeader": ""}, "stickyHeader"),
     ({"canary": {"version": "g-000000000000", "checksum": "sha256:00", "params": DEFAULT_PARAMS}}, "canary"),

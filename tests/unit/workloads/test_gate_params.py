@@ -54,6 +54,7 @@ def test_an_unset_max_is_4_or_every_expert_of_a_smaller_model():
     ({"precisionPolicy": "fp8"}, "precisionPolicy"),
     ({"capacityFactor": -1}, "capacityFactor"),
     ({"entropyBeta": float("nan")}, "finite"),
+    ({"confidenceThreshold": 10**400}, r"finite number, got 10000000000000000000\.\.\.\(401 characters\)"),
     ({"bogus": 1}, "unknown gate params: bogus"),
     ({"faultInjection": {"errorRate": 2}}, "errorRate"),
     ({"faultInjection": {"addedLatencyMs": -5}}, "addedLatencyMs"),
