@@ -140,5 +140,7 @@ def check_bearer(authorization: str, expected: str | None) -> None:
         raise AdminDenied(403, "admin API disabled: no admin token configured on this server")
     if not authorization.startswith("Bearer "):
         raise AdminDenied(401, "missing Bearer token")
-    if not hmac.compare_digest(authorization[len("Bearer "):].encode(), expected.encode()):
+    # surrogateescape: header bytes that are not UTF-8 reach us as lone surrogates; they compare
+    # unequal (403) rather than failing to encode (500).
+    if not hmac.compare_digest(authorization[len("Bearer "):].encode(errors="surrogateescape"), expected.encode()):
         raise AdminDenied(403, "invalid admin token")

@@ -115,6 +115,8 @@ class CachedReviewer:
         self.reviews = 0  # calls to the API server (for tests and metrics)
 
     async def review(self, token: str) -> Caller | None:
+        if not token.isascii():
+            return None  # a ServiceAccount token (a JWT) is ASCII: this one cannot authenticate
         key = hashlib.sha256(token.encode()).digest()
         now = self.clock()
         hit = self._cache.get(key)

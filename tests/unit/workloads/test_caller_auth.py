@@ -55,6 +55,20 @@ async def test_cache_reuses_answers_for_the_ttl_and_stays_bounded():
     assert inner.calls[-1] == "good1" and len(cache._cache) == 2
 
 
+async def test_header_bytes_that_are_not_utf8_refuse_and_never_crash():
+    """aiohttp hands non-UTF-8 header bytes over as lone surrogates: encoding them raised
+    UnicodeEncodeError (500). A caller's such token cannot be a ServiceAccount JWT (401, no
+    TokenReview); an admin's compares unequal (403)."""
+    from sparsegate_workload.admin import AdminDenied, check_bearer
+
+    token = b"\xff\xfe".decode(errors="surrogateescape")
+    inner = Reviews()
+    assert await CachedReviewer(inner).review(token) is None and inner.calls == []
+    with pytest.raises(AdminDenied) as denied:
+        check_bearer("Bearer " + token, "admin-token")
+    assert denied.value.status == 403
+
+
 async def test_outage_is_not_cached():
     inner = Reviews()
     cache = CachedReviewer(inner)
