@@ -125,7 +125,10 @@ class _Parser:
                 raise CalculatorError(f"exponent {exp} exceeds {MAX_EXPONENT}")
             if base == 0 and exp < 0:
                 raise CalculatorError("division by zero")
-            result = base ** exp
+            try:
+                result = base ** exp
+            except OverflowError:  # a float power past float range (an int one stays exact, then checked)
+                raise CalculatorError(f"a value exceeds {MAX_MAGNITUDE:g}") from None
             if isinstance(result, complex):
                 raise CalculatorError("result is not a real number")
             return _checked(result)

@@ -31,6 +31,7 @@ def test_calculator_evaluates_arithmetic(expr, value):
     ("1" + "0" * 120, "exceeds 1e\\+100"),
     ("1+" * 200 + "1", "longer than 256"),
     ("(-8)**0.5", "not a real number"),
+    ("1" + "0" * 99 + ".0**4", "exceeds 1e\\+100"),  # a float power past float range (OverflowError: a 500)
 ])
 def test_calculator_refuses_what_is_not_bounded_arithmetic(expr, reason):
     with pytest.raises(CalculatorError, match=reason):
