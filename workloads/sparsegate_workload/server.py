@@ -307,7 +307,7 @@ def _hf_batch(state: ServerState, tokens: list[list[int]], return_logits: bool, 
                                        allowed_experts=allowed_experts)
         _publish_controller(state, chosen)
         return result, chosen
-    gate = state.gate
+    gate = state.installed or state.gate
     assert state.hf is not None and gate is not None
     result, _ = state.hf.run_batch(tokens, return_logits=return_logits, allowed_experts=allowed_experts)
     _publish_controller(state, gate)
@@ -429,7 +429,7 @@ async def put_gate(request: web.Request) -> web.Response:
             new = state.gate
         elif state.hf is not None:
             # A checkpoint swaps on the model thread, between batches: set_gate may re-store
-            # weights, which must not overlap a forward. It also sets state.gate there. A
+            # weights, which must not overlap a forward (it records state.installed there). A
             # promoted canary keeps its threshold controller.
             controller = (state.canary.gate.controller if state.canary is not None
                           and state.canary.gate.doc.version == doc.version
@@ -488,9 +488,14 @@ async def _canary_for(state: ServerState, wanted: GateSet, *, stable_changes: bo
         gate = held.gate
     elif state.hf is not None:
         hf, beside = state.hf, wanted.stable if stable_changes else None
-        # Re-prepared beside a new stable, a held canary keeps its controller's state.
-        controller = (held.gate.controller if held is not None and held.gate.doc.version == doc.version
-                      else threshold_controller(doc.params))
+        # Re-prepared beside a new stable, a held canary keeps its controller's state, and so does
+        # a stable that becomes the canary.
+        if held is not None and held.gate.doc.version == doc.version:
+            controller = held.gate.controller
+        elif state.gate is not None and state.gate.doc.version == doc.version:
+            controller = state.gate.controller
+        else:
+            controller = threshold_controller(doc.params)
         active = await asyncio.get_running_loop().run_in_executor(
             state.executor, lambda: hf.prepare_gate(doc, beside=beside, controller=controller))
         gate = AppliedGate(doc=doc, precisions=active.precisions, applied_at=time.time(), params=doc.params,
@@ -510,9 +515,9 @@ def _swap_checkpoint_gate(state: ServerState, doc: GateDocument,
     beyond its expert count, so params are the document's)."""
     assert state.hf is not None
     active = state.hf.set_gate(doc, controller=controller)
-    state.gate = AppliedGate(doc=doc, precisions=active.precisions, applied_at=time.time(),
-                             params=doc.params, controller=active.controller)
-    return state.gate
+    state.installed = AppliedGate(doc=doc, precisions=active.precisions, applied_at=time.time(),
+                                  params=doc.params, controller=active.controller)
+    return state.installed  # state.gate is assigned on the event loop, together with the canary
 
 
 async def _load_model(app: web.Application) -> None:
@@ -645,9 +650,9 @@ def _load_checkpoint(state: ServerState) -> hf_serving.HFServedModel:
                               f"checkpoint {state.model_path}: {e}") from e
     controller = threshold_controller(state.pending_doc.params)
     active = hf.set_gate(state.pending_doc, controller=controller) if controller is not None else hf.lm.gate
-    state.gate = AppliedGate(doc=state.pending_doc, precisions=active.precisions,
-                             applied_at=time.time(), params=state.pending_doc.params,
-                             controller=active.controller)
+    state.gate = state.installed = AppliedGate(doc=state.pending_doc, precisions=active.precisions,
+                                               applied_at=time.time(), params=state.pending_doc.params,
+                                               controller=active.controller)
     return hf
 
 

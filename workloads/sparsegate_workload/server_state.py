@@ -93,6 +93,9 @@ class ServerState:
     # assigned together on the event loop with no await between, so a request never reads half
     # of a change.
     canary: CanaryGate | None = None
+    # A checkpoint's installed gate: set on the model thread where it is installed, read there by
+    # a batch that runs the stable (``gate`` follows on the event loop, with ``canary``).
+    installed: AppliedGate | None = None
     pending_doc: GateDocument = DEFAULT_DOCUMENT
     model: TinyMoELM | None = None        # the built-in model (None with a checkpoint)
     model_path: str | None = None         # a Hugging Face checkpoint directory instead of it

@@ -318,3 +318,13 @@ async def test_a_checkpoints_controlled_canary_runs_its_own_loop_and_keeps_it_wh
             status, _ = await _put(a, controlled.to_json())  # promote: the loop goes on where it was
             assert status == 200
             assert state.gate.controller is controller and state.hf.lm.gate.controller is controller
+            # Demoted: the promoted version becomes the canary of another stable and keeps its loop
+            # (it was replaced by a fresh controller at confidenceThreshold).
+            updates, threshold = controller.updates, controller.threshold
+            status, _ = await _put(a, gate_set_document(stable.to_json(), controlled.to_json(), weight=0.5))
+            assert status == 200
+            assert state.canary.gate.controller is controller and state.canary.gate.hf_gate.controller is controller
+            assert (controller.updates, controller.threshold) == (updates, threshold)
+            # What /healthz says and what a request runs under are one set, assigned together.
+            health = await (await c.get("/healthz")).json()
+            assert (health["gateVersion"], health["canary"]["version"]) == (stable.version, controlled.version)
