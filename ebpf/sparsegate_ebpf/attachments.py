@@ -49,7 +49,7 @@ class Attachments:
             attached = dict(self.state.attached)
             errors: dict[str, str] = {}
             for ifname in list(attached):
-                if _index(ifname) != self.ifindex.get(ifname, _index(ifname)):
+                if ifname in self.ifindex and _index(ifname) != self.ifindex[ifname]:
                     # Gone, or a new interface under the name: the program went with the old one.
                     log.warning("%s is gone or was re-created since XDP was attached: attaching again", ifname)
                     del attached[ifname]

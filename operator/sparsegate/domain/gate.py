@@ -55,8 +55,8 @@ def resolve(gateconfig: Mapping[str, Any] | None, *, referenced: bool,
 def default_document(num_experts: int) -> gatedoc.GateDocument:
     """The built-in gate for a model of ``num_experts`` experts (unchanged when it already fits)."""
     params = gatedoc.DEFAULT_PARAMS
-    cap = max(num_experts, 1)
-    if params["maxExpertsPerToken"] <= cap:
+    cap = gatedoc.default_max_experts(num_experts)
+    if cap == params["maxExpertsPerToken"]:
         return gatedoc.DEFAULT_DOCUMENT
     return gatedoc.make_document({**params, "maxExpertsPerToken": cap,
                                   "minExpertsPerToken": min(params["minExpertsPerToken"], cap)})

@@ -402,7 +402,7 @@ async def check_allow_list_at_startup(logger: kopf.Logger, **_: Any) -> None:
     sync = _state()
     try:
         document, basis = await sync.store.read_published()
-        if document is None and getattr(sync.store, "half_published", False):
+        if document is None and sync.store.half_published:
             logger.warning("the flow allow-list's shards do not match its head (a publish was cut short): "
                            "left as it is, the agents keep their last whole policy until OPA decides")
             return

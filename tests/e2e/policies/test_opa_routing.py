@@ -61,6 +61,8 @@ PODS = [
 
 
 class MemoryStore:
+    half_published = False  # FlowPolicyConfigMap's: a read never finds a half-published set here
+
     def __init__(self) -> None:
         self.document: dict[str, Any] | None = None
         self.basis: dict[str, Any] | None = None

@@ -185,6 +185,8 @@ ROUTING_SYNC = """
 
 
     class MemoryStore:  # the allow-list ConfigMap, at our own wrapper's interface (no cluster here)
+        half_published = False
+
         def __init__(self):
             self.document = None
 
