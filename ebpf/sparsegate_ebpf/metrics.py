@@ -5,7 +5,10 @@ yields fresh metric families. Flow series are capped (largest by bytes) to bound
 Per-port totals are folded from the flow table at scrape time (the program keeps no per-port map:
 one hash update less per packet); a flow that leaves the table (LRU eviction) keeps its last
 scraped counts in its port's total, so the totals never go down, but packets it got between
-that scrape and its eviction are not counted.
+that scrape and its eviction are not counted. Port series are capped too (largest totals by
+bytes): every reply to a connection the node opened arrives at an ephemeral destination port, so
+uncapped they would grow towards one series per port and protocol ever seen (2 x 65,536). A port
+cut off keeps its total, so its series, when it comes back, is still monotonic.
 """
 from __future__ import annotations
 
@@ -102,9 +105,10 @@ def _proto(num: int) -> str:
 
 
 class XdpCollector:
-    def __init__(self, *, state: AgentState, max_flows: int = 1000) -> None:
+    def __init__(self, *, state: AgentState, max_flows: int = 1000, max_ports: int = 1000) -> None:
         self._state = state
         self._max_flows = max_flows
+        self._max_ports = max_ports
 
     def describe(self) -> Sequence[Metric]:
         return []  # no scrape at registration time
@@ -186,7 +190,9 @@ class XdpCollector:
         totals = self._state.ports.fold(
             ((flow_addr_bytes(k.saddr), flow_addr_bytes(k.daddr), k.sport, k.dport, k.proto), t.packets, t.bytes, (be16_to_port(k.dport), k.proto))
             for k, t in flows)
-        for (port, proto), (packets, bytes_) in sorted(totals.items()):
+        # Largest first (ties by port, so a scrape is deterministic), then exported in port order.
+        kept = sorted(totals.items(), key=lambda kv: (-kv[1][1], -kv[1][0], kv[0]))[: self._max_ports]
+        for (port, proto), (packets, bytes_) in sorted(kept):
             pp.add_metric([str(port), _proto(proto)], packets)
             pb.add_metric([str(port), _proto(proto)], bytes_)
         yield pp
