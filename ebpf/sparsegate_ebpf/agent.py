@@ -493,34 +493,42 @@ def _open_pins(args: argparse.Namespace, prog: programs.LoadedProgram) -> pins.A
 def _inherit(interfaces: list[str], *, state: AgentState, pinned: dict[int, pins.Pinned]) -> bool:
     """No document in time: carry over the policy our predecessor's program still enforces (if one
     is attached to one of `interfaces`), so replacing it widens nothing. True when that policy is now
-    in our maps. The predecessor is known by its pins (`pinned`, by prog id) or by its name."""
+    in our maps. The predecessor is known by its pins (`pinned`, by prog id) or by its name.
+    Programs of ours on different interfaces (one kept where a later agent no longer attached) are
+    tried newest first (the kernel's program ids only grow): the attach replaces every one of them,
+    so one without a policy, or too large for our maps, must not hide another's policy."""
+    found: dict[int, str] = {}  # prog id -> the first interface it is attached to
     for ifname in interfaces:
         try:
-            current = xdp.attached_program(ifname)
-            prog_id = ((current or {}).get("prog") or {}).get("id")
-            if prog_id in pinned:
-                records = inherit.live_policy_pinned(pinned[prog_id])
-            elif current and current.get("prog", {}).get("name") == programs.FUNCTION:
-                records = inherit.live_policy(current["prog"]["id"])
-            else:
-                continue
+            prog = (xdp.attached_program(ifname) or {}).get("prog") or {}
         except Exception as exc:  # unreadable: attach without it, as if there were none
-            log.warning("cannot read the policy of the program on %s: %s", ifname, exc)
+            log.warning("cannot read the program on %s: %s", ifname, exc)
+            continue
+        prog_id = prog.get("id")
+        if prog_id is not None and (prog_id in pinned or prog.get("name") == programs.FUNCTION):
+            found.setdefault(prog_id, ifname)
+    for prog_id in sorted(found, reverse=True):
+        ifname = found[prog_id]
+        try:
+            records = (inherit.live_policy_pinned(pinned[prog_id]) if prog_id in pinned
+                       else inherit.live_policy(prog_id))
+        except Exception as exc:  # unreadable: as if it had none
+            log.warning("cannot read the policy of the program on %s (prog id %s): %s", ifname, prog_id, exc)
             continue
         if records is None:
-            log.info("the program left on %s had no policy either", ifname)
-            return False
+            log.info("the program left on %s (prog id %s) has no policy", ifname, prog_id)
+            continue
         try:
             result = state.swapper.apply_records_if_empty(records)
         except PolicyError as exc:  # more records than this agent's --policy-map-records
-            log.error("cannot carry over the policy of the program on %s: %s", ifname, exc)
-            return False
+            log.error("cannot carry over the policy of the program on %s (prog id %s): %s", ifname, prog_id, exc)
+            continue
         if result is None:
             return False  # a document arrived meanwhile
         state.policy_version = INHERITED
         state.policy_swaps += 1
         log.warning("carried over the policy still enforced on %s by the previous agent's program (prog id %s, "
-                    "generation %d, %d records) until a document arrives", ifname, current["prog"]["id"],
+                    "generation %d, %d records) until a document arrives", ifname, prog_id,
                     result.generation, result.entries)
         return True
     return False
