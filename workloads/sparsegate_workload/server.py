@@ -406,12 +406,22 @@ async def get_gate(request: web.Request) -> web.Response:
 async def put_gate(request: web.Request) -> web.Response:
     """Apply a gate document, or a stable + canary set (contracts ``canary``). Versions already
     held are kept as they are (a canary's threshold controller keeps its state when only the
-    weight moves); the new pair is assigned together, between requests."""
+    weight moves); the new pair is assigned together, between requests. PUTs apply one at a
+    time, in the order their bodies arrived."""
     _check_admin(request)
     state = request.app[STATE]
     if state.gate is None or not state.loaded or state.metrics is None:
         raise ApiError(503, "model is still loading")
     body = await read_json(request)
+    # Serialised (state.gate_lock): the operator may push the next set while a PUT it gave up on
+    # still runs here; the later one must be applied last and compared with what the earlier left.
+    async with state.gate_lock:
+        return await _apply_gate_set(state, body)
+
+
+async def _apply_gate_set(state: ServerState, body: Any) -> web.Response:
+    """``PUT /admin/gate``'s work once it holds ``state.gate_lock``: apply ``body`` and answer."""
+    assert state.gate is not None and state.metrics is not None
     num_experts = state.hf.num_experts if state.hf is not None else state.model_config.num_experts
     try:
         wanted = parse_gate_set(body, num_experts=num_experts)

@@ -96,6 +96,10 @@ class ServerState:
     # A checkpoint's installed gate: set on the model thread where it is installed, read there by
     # a batch that runs the stable (``gate`` follows on the event loop, with ``canary``).
     installed: AppliedGate | None = None
+    # Held by PUT /admin/gate from its body read to its answer: one PUT at a time, in arrival
+    # order. A checkpoint's swap awaits the model thread, so two interleaved PUTs could leave the
+    # older set in force after the newer was answered (documents carry no order to compare).
+    gate_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     pending_doc: GateDocument = DEFAULT_DOCUMENT
     model: TinyMoELM | None = None        # the built-in model (None with a checkpoint)
     model_path: str | None = None         # a Hugging Face checkpoint directory instead of it
