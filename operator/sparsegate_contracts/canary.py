@@ -37,13 +37,15 @@ REQUEST_ID_HEADER = "x-request-id"
 # RFC 9110 field-name token characters; lower case, as HTTP/2 sends them and aiohttp matches
 # headers case-insensitively anyway. 64 characters is ample for a header name.
 _HEADER_NAME = re.compile(r"^[a-z0-9!#$%&'*+.^_`|~-]{1,64}$")
-_SCALE = float(1 << 64)
+_POINT_BITS = 53  # a float's mantissa: every point below is exact
 
 
 def canary_point(key: str) -> float:
-    """``key``'s place in [0, 1): the first 8 bytes of BLAKE2b(key) as a fraction of 2**64."""
+    """``key``'s place in [0, 1): the top 53 bits of BLAKE2b(key)'s 8-byte digest as a fraction
+    of 2**53. All 64 bits over 2**64 rounded the top 1,024 digests to 1.0, which is not below
+    weight 1, so such a key stayed on the stable version at 100 %."""
     digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / _SCALE
+    return (int.from_bytes(digest, "big") >> (64 - _POINT_BITS)) / float(1 << _POINT_BITS)
 
 
 def routes_to_canary(key: str, weight: float) -> bool:
