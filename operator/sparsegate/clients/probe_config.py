@@ -4,14 +4,15 @@ The operator writes ``sparsegate-probe-config`` whole (PUT, only when its data c
 creates ``sparsegate-probe-reports`` empty if it is missing, so each agent can merge-patch its own
 key into it with RBAC on that one name (no create). With no probe and no configuration published
 yet it writes neither. Reports that do not parse are skipped and
-logged: one bad agent must not hide the others.
+logged: one bad agent must not hide the others. The operator also drops the report keys of nodes
+that no longer exist (``prune_reports``), the only thing that ever removes a key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from sparsegate_contracts import names
@@ -24,7 +25,8 @@ from sparsegate_contracts.probes import (
     parse_report,
 )
 
-from sparsegate.clients.kube import Kube
+from sparsegate.clients.kube import Conflict, Kube
+from sparsegate.domain.telemetry_probe import stale_report_keys
 
 log = logging.getLogger(__name__)
 COMPONENT = "probe-config"
@@ -77,6 +79,26 @@ class ProbeConfigMaps:
                 continue
             out[node] = report
         return out
+
+    def _prune_reports(self, nodes: Collection[str]) -> list[str] | None:
+        cm = self.kube.get("ConfigMap", namespace=self.namespace, name=REPORT_CONFIGMAP_NAME)
+        data = (cm or {}).get("data") or {}
+        stale = stale_report_keys(report_keys=data, nodes=nodes)
+        if cm is None or not stale:
+            return []
+        # PUT of what was read (its resourceVersion): an agent's patch since makes it 409, so a key
+        # just written is never lost; the operator's RBAC on this ConfigMap is get and update.
+        drop = set(stale)
+        try:
+            self.kube.replace({**cm, "data": {k: v for k, v in data.items() if k not in drop}})
+        except Conflict:
+            return None
+        return stale
+
+    async def prune_reports(self, nodes: Collection[str]) -> list[str] | None:
+        """Drop the report keys of nodes not in ``nodes`` (the node list just read); the keys
+        dropped, or None when an agent wrote meanwhile (nothing dropped: try again later)."""
+        return await asyncio.to_thread(self._prune_reports, nodes)
 
     async def publish(self, configs: Mapping[str, Mapping[str, Any]]) -> bool:
         """Make the configuration ConfigMap hold exactly ``configs``; True when it was written."""

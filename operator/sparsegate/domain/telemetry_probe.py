@@ -137,6 +137,18 @@ def plan(*, probes: Iterable[ProbeSource], nodes: Iterable[NodeInfo]) -> Plan:
     return Plan(configs=configs, selected=selected, conflicts=conflicts, config_bytes=size)
 
 
+def stale_report_keys(*, report_keys: Iterable[str], nodes: Iterable[str]) -> list[str]:
+    """Report keys (node names) of nodes not in ``nodes``, sorted: the ones to drop.
+
+    Agents only ever add their own key, so without this the report ConfigMap keeps every node name a
+    cluster has had and, with autoscaler churn, reaches the 1 MiB object limit, after which no new
+    node's agent can report. ``nodes`` must be the node list read just now: a node it holds keeps its
+    key (even with no probe on it), so a new node is never dropped once the operator has seen it.
+    """
+    known = set(nodes)
+    return sorted({key for key in report_keys if key not in known})
+
+
 class ConditionType(str, enum.Enum):
     READY = "Ready"
     """Every selected node's agent reports this probe's interfaces attached for its current configuration."""

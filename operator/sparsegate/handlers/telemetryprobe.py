@@ -6,7 +6,8 @@ indexes and publishes it when it changed; node events (added, relabelled, remove
 events both trigger it, and a node event also arrives for every node when the operator starts,
 so a probe deleted while the operator was down leaves the configuration then. A loop per probe
 (``handlers.periodic``, no finalizer: deleting a probe never waits for the operator) reads the
-agents' reports every ``SPARSEGATE_PROBE_RESYNC_SECONDS`` and writes that probe's status.
+agents' reports every ``SPARSEGATE_PROBE_RESYNC_SECONDS`` and writes that probe's status. Node
+events also drop the reports of nodes that left (agents only add their own key).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import dataclasses
 import datetime
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import kopf
@@ -61,6 +62,7 @@ class ProbeSync:
         self.kube = kube
         self.lock = asyncio.Lock()
         self.published: dict[str, Any] | None = None  # configs last written or found unchanged
+        self.reports_pruned_for: frozenset[str] | None = None  # node names at the last prune
 
     async def sync(self, *, probes: list[ProbeSource], nodes: list[NodeInfo]) -> Plan:
         async with self.lock:
@@ -85,6 +87,21 @@ class ProbeSync:
                         await asyncio.sleep(1.0 + attempt)
                 self.published = current.configs
             return current
+
+    async def prune_reports(self, node_names: Callable[[], Iterable[str]]) -> None:
+        """Drop the report keys of nodes that left; reads the reports only when a node left since the
+        last prune (or on the first call: nodes deleted while the operator was down)."""
+        async with self.lock:
+            names = frozenset(node_names())  # read under the lock, just before the reports
+            if self.reports_pruned_for is not None and self.reports_pruned_for <= names:
+                self.reports_pruned_for = names  # only additions: nothing to drop
+                return
+            dropped = await self.store.prune_reports(names)
+            if dropped is None:
+                return  # an agent wrote meanwhile: the next node event tries again
+            if dropped:
+                log.info("dropped the probe reports of %d node(s) that left", len(dropped))
+            self.reports_pruned_for = names
 
     async def write_status(self, *, probe: ProbeSource, current: Plan) -> None:
         reports = await self.store.reports()
@@ -137,9 +154,11 @@ async def sparsegate_probe_nodes(name: str, body: kopf.Body, **_: Any) -> dict:
 
 @kopf.on.event("", "v1", "nodes")
 async def probe_node_event(**kwargs: Any) -> None:
-    """A node came, went or changed labels: re-plan (writes only when the configuration changed)."""
+    """A node came, went or changed labels: re-plan (writes only when the configuration changed),
+    and drop the reports of nodes that left."""
     probes, nodes = _inputs(kwargs)
     await _state().sync(probes=probes, nodes=nodes)
+    await _state().prune_reports(lambda: (n.name for n in _values(kwargs["sparsegate_probe_nodes"])))
 
 
 _loops = ObjectLoops(kind="TelemetryProbe", interval_s=_settings.resync_seconds, initial_delay_s=0.5)

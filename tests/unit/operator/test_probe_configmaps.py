@@ -7,6 +7,7 @@ from typing import Any
 
 from sparsegate_contracts import probes as contract
 
+from sparsegate.clients.kube import Conflict
 from sparsegate.clients.probe_config import ProbeConfigMaps
 
 CONFIG = {"n1": {"interfaces": ["eth0"]}}
@@ -19,6 +20,7 @@ class FakeKube:
         self.objects: dict[str, dict[str, Any]] = {}
         self.writes: list[tuple[str, str]] = []
         self.gets = 0
+        self.conflict = False  # replace answers 409 (someone wrote since the read)
 
     def get(self, kind: str, *, namespace: str, name: str) -> dict[str, Any] | None:
         self.gets += 1
@@ -38,6 +40,8 @@ class FakeKube:
         return obj
 
     def replace(self, obj: dict[str, Any]) -> dict[str, Any]:
+        if self.conflict:
+            raise Conflict(409, "Conflict", {})
         self.writes.append(("replace", obj["metadata"]["name"]))
         self.objects[obj["metadata"]["name"]] = obj
         return obj
@@ -70,3 +74,29 @@ def test_the_last_probe_gone_empties_the_published_configuration() -> None:
     assert publish(kube, {}) is True
     assert kube.writes[-1] == ("replace", contract.CONFIG_CONFIGMAP_NAME)
     assert kube.objects[contract.CONFIG_CONFIGMAP_NAME]["data"] == {}
+
+
+def test_reports_of_nodes_that_left_are_dropped_and_the_others_kept() -> None:
+    kube = FakeKube()
+    store = ProbeConfigMaps(kube=kube, namespace="sg")  # type: ignore[arg-type]
+    publish(kube, CONFIG)
+    reports = kube.objects[contract.REPORT_CONFIGMAP_NAME]
+    reports["data"] = {"n1": "{}", "gone-0": "{}", "gone-1": "{}"}
+    assert asyncio.run(store.prune_reports({"n1", "n2"})) == ["gone-0", "gone-1"]
+    kept = kube.objects[contract.REPORT_CONFIGMAP_NAME]
+    assert kept["data"] == {"n1": "{}"}
+    # The object as read goes back (its resourceVersion: an agent's patch since makes the PUT 409).
+    assert kept["metadata"]["resourceVersion"] == "1" and kept["metadata"]["labels"] == reports["metadata"]["labels"]
+    writes = len(kube.writes)
+    assert asyncio.run(store.prune_reports({"n1"})) == [] and len(kube.writes) == writes  # nothing stale
+
+
+def test_a_prune_that_conflicts_drops_nothing_and_says_so() -> None:
+    kube = FakeKube()
+    store = ProbeConfigMaps(kube=kube, namespace="sg")  # type: ignore[arg-type]
+    assert asyncio.run(store.prune_reports({"n1"})) == []  # no reports ConfigMap: nothing to do
+    publish(kube, CONFIG)
+    kube.objects[contract.REPORT_CONFIGMAP_NAME]["data"] = {"gone": "{}"}
+    kube.conflict = True
+    assert asyncio.run(store.prune_reports({"n1"})) is None
+    assert kube.objects[contract.REPORT_CONFIGMAP_NAME]["data"] == {"gone": "{}"}

@@ -15,6 +15,7 @@ from sparsegate.domain.telemetry_probe import (
     plan,
     probe_source,
     selects,
+    stale_report_keys,
     status_patch,
 )
 
@@ -167,3 +168,12 @@ def test_report_round_trips() -> None:
     assert contract.parse_report(contract.report_text(r)) == contract.NodeReport(
         node="n", config_version="sha256:x", program_id=7,
         interfaces=(contract.InterfaceReport("eth0", None, "boom"), contract.InterfaceReport("eth1", "generic")))
+
+
+def test_stale_report_keys_are_those_of_nodes_not_in_the_list_just_read() -> None:
+    """Agents only add their own key: the operator drops the keys of nodes that left (else the
+    ConfigMap grows with every node name ever seen, up to the 1 MiB object limit)."""
+    keys = ["gone-1", "cpu-0", "gone-0", "new-0"]
+    assert stale_report_keys(report_keys=keys, nodes=["cpu-0", "new-0", "no-report"]) == ["gone-0", "gone-1"]
+    assert stale_report_keys(report_keys=keys, nodes=keys) == []
+    assert stale_report_keys(report_keys=[], nodes=[]) == []

@@ -22,6 +22,8 @@ class FakeStore:
         self.fail = fail
         self.published: list[dict[str, Any]] = []
         self.report: dict[str, contract.NodeReport] = {}
+        self.pruned: list[set[str]] = []  # the node lists prune_reports was called with
+        self.prune_conflicts = 0
 
     async def publish(self, configs: dict[str, Any]) -> bool:
         if self.fail:
@@ -32,6 +34,13 @@ class FakeStore:
 
     async def reports(self) -> dict[str, contract.NodeReport]:
         return dict(self.report)
+
+    async def prune_reports(self, nodes: Any) -> list[str] | None:
+        self.pruned.append(set(nodes))
+        if self.prune_conflicts:
+            self.prune_conflicts -= 1
+            return None
+        return []
 
 
 class FakeKube:
@@ -120,3 +129,35 @@ def test_a_configuration_too_large_for_its_configmap_is_not_published_and_stalls
     assert conds["Reconciling"]["status"] == "False"
     current = run(sync.sync(probes=[big], nodes=nodes[:100]))
     assert current.too_large is None and len(store.published) == 1 and len(store.published[0]) == 100
+
+
+def test_node_events_prune_the_reports_on_start_and_when_a_node_left() -> None:
+    """The first node event prunes (nodes deleted while the operator was down); later ones read the
+    reports again only once a node left, with the node list read then; a conflict is retried."""
+    store = FakeStore()
+    sync = telemetryprobe.ProbeSync(store=store, kube=FakeKube())  # type: ignore[arg-type]
+    nodes = {"n1", "n2"}
+
+    def prune() -> None:
+        run(sync.prune_reports(lambda: iter(sorted(nodes))))
+
+    prune()
+    assert store.pruned == [{"n1", "n2"}]
+    prune()
+    nodes.add("n3")  # a node came: nothing to drop, no read
+    prune()
+    assert len(store.pruned) == 1
+    nodes.discard("n1")
+    store.prune_conflicts = 1
+    prune()  # an agent wrote meanwhile: tried again on the next event
+    prune()
+    prune()
+    assert store.pruned[1:] == [{"n2", "n3"}, {"n2", "n3"}]
+
+
+def test_a_node_event_prunes_with_the_node_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = FakeStore()
+    monkeypatch.setattr(telemetryprobe, "_sync", telemetryprobe.ProbeSync(store=store, kube=FakeKube()))  # type: ignore[arg-type]
+    index = {"n1": [NODE], "n2": [node_info({"metadata": {"name": "n2"}})]}  # a kopf.Index's shape
+    run(telemetryprobe.probe_node_event(sparsegate_telemetry_probes={}, sparsegate_probe_nodes=index))
+    assert store.pruned == [{"n1", "n2"}]
