@@ -18,9 +18,9 @@ interface that cannot be attached is reported (--probe-report-*) and retried eve
 Enforcement: `off` counts only (telemetry); `audit` judges every packet to a policed destination
 and counts would-be drops (`sparsegate_xdp_policy_audit_drops_total`) without dropping; `enforce`
 drops what the policy denies. Always allowed to policed destinations: --allow-sources, and with
---node-addresses auto the IPv4 and IPv6 addresses (IPv6 link-local ones excepted) of the agent's
-own network namespace (in a hostNetwork pod: the node's, so kubelet probes pass), re-read whenever
-a policy document is applied.
+--node-addresses auto the IPv4 and IPv6 addresses (IPv6 link-local ones and those of kube-proxy's
+kube-ipvs0 excepted) of the agent's own network namespace (in a hostNetwork pod: the node's, so
+kubelet probes pass), re-read whenever a policy document is applied.
 
 A restart widens nothing (handover.py). With --enforcement enforce (in audit and off the program is
 attached at once: it drops nothing): the first valid policy is written into the new program's
@@ -124,7 +124,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="comma-separated IPv4/IPv6 sources always allowed to policed destinations (e.g. the node IP)")
     ap.add_argument("--node-addresses", choices=["auto", "none"], default="auto",
                     help="auto: also always allow the IPv4 and IPv6 (not link-local) addresses of this network "
-                         "namespace's interfaces "
+                         "namespace's interfaces but kube-ipvs0 "
                          "(the node's, in a hostNetwork pod), read when each policy document is applied")
     ap.add_argument("--policy-liveness", choices=["watch", "off"], default="watch",
                     help="with --policy-configmap: also watch RoutingPolicies and drop the allow entries of "
@@ -182,6 +182,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+IPVS_DUMMY_INTERFACE = "kube-ipvs0"
+# The records the operator leaves to the agent (AGENT_RESERVED_RECORDS) hold the meta record and
+# the agent's own always-allowed sources: more sources than this and a document near the operator's
+# capacity no longer fits the map here (refused, the node keeps its older policy).
+NODE_SOURCES_RESERVED = flowpolicy.AGENT_RESERVED_RECORDS - 1
+
+
 def local_addresses() -> list[str]:
     """The addresses of every interface of this network namespace (`ip -j addr`): see node_addresses."""
     out = subprocess.run(["ip", "-j", "addr", "show"], capture_output=True, text=True, timeout=10,
@@ -192,9 +199,13 @@ def local_addresses() -> list[str]:
 def node_addresses(links: list[dict]) -> list[str]:
     """IPv4 and IPv6 addresses of `ip -j addr` output, in canonical text. IPv6 link-local ones
     (fe80::/10) are left out: every veth of a node has one (they would crowd the records the
-    operator leaves to the agent), and traffic to a pod's routable address comes from a routable one."""
+    operator leaves to the agent), and traffic to a pod's routable address comes from a routable one.
+    So are those of kube-proxy's IPVS dummy interface: it holds every Service ClusterIP (hundreds
+    or thousands of addresses), which is never a packet's source (IPVS masquerades with the node IP)."""
     out = set()
     for link in links:
+        if link.get("ifname") == IPVS_DUMMY_INTERFACE:
+            continue
         for a in link.get("addr_info", ()):
             try:
                 ip = ipaddress.ip_address(str(a.get("local", "")).split("%")[0])
@@ -203,6 +214,28 @@ def node_addresses(links: list[dict]) -> list[str]:
             if not (ip.version == 6 and ip.is_link_local):
                 out.add(str(ip))
     return sorted(out)
+
+
+class NodeSources:
+    """The agent's own always-allowed sources: --allow-sources, and with --node-addresses auto the
+    addresses of this network namespace (``read``), asked at each policy document. Warns once when
+    they outnumber the records reserved for them; never truncated (kubelet probes need them all)."""
+
+    def __init__(self, *, allow_sources: list[str], auto: bool,
+                 read: Callable[[], list[str]] | None = None) -> None:
+        self.allow_sources = list(allow_sources)
+        self.read = (read or local_addresses) if auto else None
+        self.warned = False
+
+    def __call__(self) -> list[str]:
+        out = sorted(set(self.allow_sources) | set(self.read() if self.read else ()))
+        if len(out) > NODE_SOURCES_RESERVED and not self.warned:
+            self.warned = True
+            log.warning("%d always-allowed node sources (--allow-sources and --node-addresses) exceed the %d "
+                        "records the operator reserves for them (AGENT_RESERVED_RECORDS %d, less the meta "
+                        "record): a policy document near the map's capacity will be refused on this node",
+                        len(out), NODE_SOURCES_RESERVED, flowpolicy.AGENT_RESERVED_RECORDS)
+        return out
 
 
 def desired_interfaces(config: NodeConfig | None, *, default: list[str],
@@ -324,9 +357,7 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
         first_policy.set()
         start.attached_without_policy = start.inherited_policy = False
 
-    def sources() -> list[str]:
-        return sorted(set(args.allow_sources) | set(local_addresses() if args.node_addresses == "auto" else ()))
-
+    sources = NodeSources(allow_sources=args.allow_sources, auto=args.node_addresses == "auto")
     log.info("enforcement %s; always allowed to policed destinations: %s", args.enforcement, ", ".join(sources()))
     handler = make_policy_handler(state=state, on_applied=applied, sources=sources)
     _start_policy_source(args, on_document=handler, stop=stop)
