@@ -175,11 +175,16 @@ class RoutingOpa:
                 return response.json()
 
         body = await self._call(post)
-        answers = body.get("result")
-        if not (isinstance(answers, dict) and isinstance(answers.get("one"), list)
-                and isinstance(answers.get("many"), list)):
+        answers = body.get("result") if isinstance(body, dict) else None
+        if answers is None:
             # undefined: the policy is gone (OPA restarted between push and query)
             raise OpaUnavailable(f"OPA at {self.url}: flow_decisions undefined")
+        if not (isinstance(answers, dict) and isinstance(answers.get("one"), list)
+                and isinstance(answers.get("many"), list)):
+            # Only a broken Rego answers so: not used, failed closed as when OPA is down.
+            shown = repr(answers)
+            raise OpaUnavailable(f"OPA at {self.url}: malformed flow_decisions answer: expected "
+                                 f"{{'one': [...], 'many': [...]}}, got {shown[:80]}")
         return answers
 
     async def decide_many(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -245,20 +245,77 @@ class FlowQuestion:
     input: dict[str, Any]
 
     def decisions(self, answers: Mapping[str, Iterable[Sequence[Any]]]) -> dict[QueryKey, dict[str, Any]]:
+        """OPA's answer as decisions per `QueryKey`. Raises `MalformedAnswer`, naming the first entry
+        not shaped as the Rego defines (only a broken Rego answers so), and none of it is used:
+        coerced, a string "false" would read as allow and an index -1 as another bucket's pairs."""
+        one, many = _answer_list(answers, "one"), _answer_list(answers, "many")
         out: dict[QueryKey, dict[str, Any]] = {}
-        for k, allow, rule, ports in answers.get("one") or ():
-            decision = {"allow": bool(allow), "rule": str(rule)}
-            named = tuple((int(p["port"]), str(p["protocol"])) for p in ports)
-            for (ns, sa, labels), (target_ns, model), candidates in self.one_pairs[int(k)]:
+        for n, entry in enumerate(one):
+            if not (isinstance(entry, list) and len(entry) == 4):
+                raise _malformed(f"one[{n}]", entry, "expected [index, allow, rule, ports]")
+            k, allow, rule, ports = entry
+            if type(k) is not int or not 0 <= k < len(self.one_pairs):
+                raise _malformed(f"one[{n}][0]", k, f"expected an index below {len(self.one_pairs)}")
+            decision = _answer_decision(allow, rule, f"one[{n}]")
+            if not isinstance(ports, list):
+                raise _malformed(f"one[{n}][3]", ports, "expected a list of ports")
+            named = tuple(_answer_port(p, f"one[{n}][3]") for p in ports)
+            for (ns, sa, labels), (target_ns, model), candidates in self.one_pairs[k]:
                 # A rule that names no port covers every candidate port of the model (the Rego's port_ok).
                 for port, protocol in named or candidates:
                     out[QueryKey(ns, sa, labels, target_ns, model, port, protocol)] = decision
-        for class_index, model_index, port, protocol, allow, rule in answers.get("many") or ():
-            ns, sa, labels = self.many_classes[int(class_index)]
-            target_ns, model = self.many_models[int(model_index)]
-            out[QueryKey(ns, sa, labels, target_ns, model, int(port), str(protocol))] = {
-                "allow": bool(allow), "rule": str(rule)}
+        classes, models = self.many_classes, self.many_models
+        for n, entry in enumerate(many):
+            if not (isinstance(entry, list) and len(entry) == 6):
+                raise _malformed(f"many[{n}]", entry, "expected [class, model, port, protocol, allow, rule]")
+            class_index, model_index, port, protocol, allow, rule = entry
+            if type(class_index) is not int or not 0 <= class_index < len(classes) \
+                    or type(model_index) is not int or not 0 <= model_index < len(models):
+                raise _malformed(f"many[{n}]", entry, f"expected a class index below {len(classes)} and a model "
+                                                      f"index below {len(models)}")
+            if type(port) is not int or type(protocol) is not str:
+                raise _malformed(f"many[{n}]", entry, "expected an integer port and a string protocol")
+            if type(allow) is not bool or type(rule) is not str:  # inline: ~10^5 entries at 10,000 rules
+                raise _malformed(f"many[{n}]", entry, "expected a boolean allow and a string rule id")
+            ns, sa, labels = classes[class_index]
+            target_ns, model = models[model_index]
+            out[QueryKey(ns, sa, labels, target_ns, model, port, protocol)] = {"allow": allow, "rule": rule}
         return out
+
+
+class MalformedAnswer(ValueError):
+    """OPA's `flow_decisions` answer is not shaped as the Rego defines; the message names the part."""
+
+
+def _malformed(part: str, value: Any, expected: str) -> MalformedAnswer:
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else f"{shown[:77]}..."
+    return MalformedAnswer(f"flow_decisions{'.' if part else ''}{part}: {expected}, got {shown}")
+
+
+def _answer_list(answers: Any, part: str) -> list[Any]:
+    if not isinstance(answers, Mapping):
+        raise _malformed("", answers, "expected an object {one, many}")
+    value = answers.get(part)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _malformed(part, value, "expected a list")
+    return value
+
+
+def _answer_decision(allow: Any, rule: Any, part: str) -> dict[str, Any]:
+    if type(allow) is not bool or type(rule) is not str:
+        raise _malformed(part, [allow, rule], "expected a boolean allow and a string rule id")
+    return {"allow": allow, "rule": rule}
+
+
+def _answer_port(p: Any, part: str) -> tuple[int, str]:
+    port = p.get("port") if isinstance(p, Mapping) else None
+    protocol = p.get("protocol") if isinstance(p, Mapping) else None
+    if type(port) is not int or type(protocol) is not str:
+        raise _malformed(part, p, "expected ports as {port: integer, protocol: string}")
+    return port, protocol
 
 
 def flow_question(

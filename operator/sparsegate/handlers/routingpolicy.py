@@ -18,7 +18,9 @@ RoutingPolicies and pods, then writes only its own object's status:
 A loop per RoutingPolicy (``handlers.periodic``, driven by watch events: no finalizer, so deleting
 a policy never waits for the operator or OPA) repeats this every
 `SPARSEGATE_POLICY_RESYNC_SECONDS`; when neither the policies, the pods nor OPA changed it costs
-one GET to OPA (its revision) and no API request (the status is compared with the watched object). Fail closed: when OPA is unreachable the allow-list is only ever narrowed (deleted
+one GET to OPA (its revision) and no API request (the status is compared with the watched object).
+Fail closed: when OPA is unreachable, or answers `flow_decisions` in a shape the Rego does not
+define (a broken Rego; the error names the entry), the allow-list is only ever narrowed (deleted
 policies, departed pods, and what a policy changed or created since OPA last decided might take
 away: `narrow_undecided`, against the decision basis recorded on the ConfigMap, so a restarted
 operator knows it too), the object gets Degraded=True, and create/update handlers retry with
@@ -57,6 +59,7 @@ from sparsegate.domain.policy import (
 )
 from sparsegate.domain.policy_capacity import Capacity, check
 from sparsegate.domain.policy_compile import (
+    MalformedAnswer,
     PodInfo,
     decision_counts,
     flow_document,
@@ -160,7 +163,12 @@ class PolicySync:
                                                  trust_domain=self.settings.trust_domain)
                     answers = await self.opa.flow_decisions(question.input)
                     with gc_paused():
-                        document = flow_document(decisions=question.decisions(answers), pods=pods,
+                        try:
+                            decisions = question.decisions(answers)
+                        except MalformedAnswer as e:
+                            # Only a broken Rego answers so: fail closed as when OPA is down.
+                            raise OpaUnavailable(f"OPA at {self.opa.url}: malformed answer, not used: {e}") from e
+                        document = flow_document(decisions=decisions, pods=pods,
                                                  policed_models=question.models,
                                                  allowed_sources=self.settings.allowed_sources)
                     needed, too_large = check(document, self.settings.capacity)

@@ -50,7 +50,7 @@ class _RecordingOpa:
     like OPA: 401 `{"code": "unauthorized"}` (OPA's answer when system.authz denies) unless the
     bearer token matches, else minimal well-formed bodies."""
 
-    def __init__(self, *, token: str) -> None:
+    def __init__(self, *, token: str, flow_body: dict | None = None) -> None:
         import http.server
         import json
         import threading
@@ -72,7 +72,7 @@ class _RecordingOpa:
                 elif self.command == "POST" and isinstance(body, dict) and "batch" in body["input"]:
                     status, reply = 200, {"result": [{"allow": False}] * len(body["input"]["batch"])}
                 elif self.command == "POST" and self.path.endswith("/flow_decisions"):
-                    status, reply = 200, {"result": {"one": [], "many": []}}
+                    status, reply = 200, {"result": {"one": [], "many": []}} if flow_body is None else flow_body
                 else:
                     status, reply = 200, {"result": "rev-1" if self.path.endswith("data_revision") else {}}
                 data = b"" if reply is None else json.dumps(reply).encode()
@@ -134,6 +134,24 @@ async def test_a_refused_token_is_opa_unavailable_not_a_rejected_policy(token: s
         opa.close()
         fake.close()
     assert {auth for _, _, auth in fake.seen} == {None if token is None else f"Bearer {token}"}
+
+
+@pytest.mark.parametrize(("body", "said"), [
+    ({}, "flow_decisions undefined"),  # the policy is gone (OPA restarted between push and query)
+    ({"result": [[], []]}, "malformed flow_decisions answer: expected {'one': [...], 'many': [...]}, got [[], []]"),
+    ({"result": {"one": [], "many": {}}}, "malformed flow_decisions answer"),
+])
+async def test_flow_decisions_undefined_or_malformed_is_opa_unavailable(body: dict, said: str) -> None:
+    """Either way nothing is decided: fail closed and retry; the message says which it was."""
+    fake = _RecordingOpa(token="s3cret", flow_body=body)
+    opa = RoutingOpa(url=fake.url, token="s3cret", retries=0)
+    try:
+        with pytest.raises(OpaUnavailable) as raised:
+            await opa.flow_decisions({"one": [], "classes": [], "models": [], "many": []})
+    finally:
+        opa.close()
+        fake.close()
+    assert said in str(raised.value)
 
 
 def test_settings_read_the_token_from_env_and_never_print_it(monkeypatch) -> None:
