@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from sparsegate_contracts import gate as gatedoc
+
 from sparsegate.domain.rollout import (
     ABORT_ANNOTATION,
     DEFAULT_STEPS,
@@ -318,4 +320,12 @@ def undo_patch(obj: Mapping[str, Any], *, to_revision: int | None = None) -> lis
     target = undo_target(obj, to_revision=to_revision)
     if not isinstance(target.get("params"), Mapping):
         raise PluginError(f"revision {target.get('revision')} has no params recorded")
+    try:
+        # The operator's check (parse_spec → the shared contract): params it would report as
+        # InvalidSpec are refused here, before anything is written.
+        gatedoc.validate_params(target["params"])
+    except gatedoc.GateParamsError as e:
+        why = " ".join(str(e).split())  # one line: the key names come from status
+        raise PluginError(f"revision {target.get('revision')} ({target.get('version')}) has invalid params: {why}; "
+                          f"spec.params left unchanged") from e
     return [{"op": "replace", "path": "/spec/params", "value": dict(target["params"])}]

@@ -4,6 +4,7 @@ boundary (``Client``); the real API server round trip is tests/e2e/operator/test
 from __future__ import annotations
 
 import copy
+import functools
 from datetime import UTC, datetime
 from typing import Any
 
@@ -188,6 +189,29 @@ def test_undo_targets() -> None:
         view.undo_target(only_stable)
     # The params written back hash to the recorded version: the rollout that follows targets it.
     assert GateVersion.from_params(view.undo_patch(obj)[0]["value"]).version == doc(V1)["version"]
+
+
+@pytest.mark.parametrize(("params", "problem"), [
+    ({**V1, "toolGateThreshold": 1.5}, "toolGateThreshold must be in [0.0, 1.0], got 1.5"),
+    ({**V1, "bogus\nkey": 1}, "unknown gate params: bogus key"),
+    ({**V1, "minExpertsPerToken": 3, "maxExpertsPerToken": 2},
+     "minExpertsPerToken (3) must not exceed maxExpertsPerToken (2)"),
+])
+def test_undo_to_invalid_params_is_refused_in_one_line_and_writes_nothing(monkeypatch, capsys, params: dict,
+                                                                          problem: str) -> None:
+    """A revision whose params the operator would report as InvalidSpec (e.g. a hand-edited history,
+    or one recorded under an older contract) is refused before the write, as the operator's check
+    (the shared sparsegate_contracts.gate contract) would refuse it."""
+    import sparsegate.kubectl_plugin as plugin
+
+    obj = gateconfig()
+    obj["status"]["history"][0]["params"] = params
+    client = FakeClient([obj])
+    monkeypatch.setattr(plugin, "run", functools.partial(run, client_factory=lambda **_: client))
+    assert plugin.main(["undo", "gate", "--to-revision", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: revision 1 ({doc(V1)['version']}) has invalid params: ")
+    assert problem in err and client.patches == []
 
 
 # ---------------------------------------------------------------- commands
