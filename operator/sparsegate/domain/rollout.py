@@ -418,6 +418,10 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
     work = _PHASE_WORK.get(s.phase)
     if work is not None:
         s = work(s, spec=spec, obs=obs, now=now, acts=acts)
+    unusable = next((a.message for a in acts if isinstance(a, EmitEvent) and a.reason == "InvalidStatus"), None)
+    if unusable and not s.message.startswith(unusable):
+        # Started over in the same tick: this tick's conditions still say why.
+        s = dataclasses.replace(s, reason="InvalidStatus", message=f"{unusable}; {s.message}")
     acts += _pushes(s, spec=spec, obs=obs)
     return Decision(status=_bookkeeping(s, previous=status, target=spec.target, obs=obs, now=now),
                     actions=tuple(acts))
@@ -452,6 +456,34 @@ def _initialize(s: RolloutStatus, *, target: GateVersion, acts: list[Action]) ->
     return s
 
 
+def _recover_unusable(s: RolloutStatus, *, acts: list[Action]) -> RolloutStatus:
+    """A status whose phase needs a canary (and, in flight, a step) that it does not record, e.g.
+    edited by hand, cannot be continued: the operator never crashes on it (the transitions below
+    rely on both). As for a status whose phase is unknown (read as Pending, then adopted from
+    stable), it starts over from stable: an in-flight phase rests in Succeeded (a spec naming
+    another version rolls out again from step 1 this tick); a rollback, which needs only the stable
+    version, rests where it was headed, so an abort or rejection still holds. Pods follow from the
+    new phase (level-based pushes: stable everywhere, or step 1's canary pods). A Warning event
+    (reason InvalidStatus) names the missing status field."""
+    if s.phase in ACTIVE_PHASES and s.canary is None:
+        missing = "status.rollout.canary"
+    elif s.phase in ACTIVE_PHASES and s.step is None:
+        missing = "status.rollout.stepIndex"
+    elif s.phase == Phase.ROLLING_BACK and s.canary is None:
+        missing = "status.rollout.canary"
+    else:
+        return s
+    rest = (s.after_rollback or Phase.ROLLED_BACK) if s.phase == Phase.ROLLING_BACK else Phase.SUCCEEDED
+    stable = s.stable.version if s.stable else "-"  # _initialize has adopted one
+    problem = (f"status unusable: {missing} is missing in phase {s.phase.value}; every instance goes back to "
+               f"stable {stable}")
+    acts.append(EmitEvent("Warning", "InvalidStatus", problem))
+    return dataclasses.replace(
+        s, phase=rest, canary=None, strategy=None, step=None, step_percent=None, canary_pods=(), step_started_at=None,
+        analysis_started_at=None, after_rollback=None, promote=False, analysis_paused=False, window_from=None,
+        window_samples=0, reason="InvalidStatus", message=problem)
+
+
 def _follow_spec(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float,
                  acts: list[Action]) -> RolloutStatus:
     """Steps edited mid-rollout, a spec valid again, retry, then the spec's version itself."""
@@ -482,6 +514,7 @@ def _follow_spec(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now:
             s = dataclasses.replace(s, phase=Phase.PROGRESSING, step_started_at=now, reason="SpecValid")
         else:
             s = dataclasses.replace(s, phase=Phase.SUCCEEDED, reason="SpecValid")
+    s = _recover_unusable(s, acts=acts)  # as read, or as restored above
     s, retried = _retry(s, spec=spec, obs=obs, now=now, acts=acts)
     return _follow_version(s, spec=spec, obs=obs, now=now, acts=acts, retried=retried)
 

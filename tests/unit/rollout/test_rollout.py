@@ -490,6 +490,76 @@ def test_an_invalid_spec_fixed_after_a_rollback_or_a_failed_analysis_keeps_them(
     assert (st.phase, st.reason) == (Phase.FAILED, "AnalysisFailed")  # not analysed again without a retry
 
 
+def _hand_edited(d: Driver, *, drop: str, **rollout: object) -> None:
+    """d's status as persisted, with `status.rollout.<drop>` removed and other fields overwritten."""
+    raw = d.status.to_status(steps=(5, 20, 100))
+    raw["rollout"].pop(drop)
+    raw["rollout"].update(rollout)
+    d.status = RolloutStatus.from_status(raw)
+
+
+@pytest.mark.parametrize(("phase", "drop", "field_name"), [
+    ("Analysing", "canary", "status.rollout.canary"),
+    ("Progressing", "canary", "status.rollout.canary"),
+    ("Paused", "canary", "status.rollout.canary"),
+    ("Analysing", "stepIndex", "status.rollout.stepIndex"),
+])
+def test_an_in_flight_status_without_its_canary_starts_over_from_stable(phase: str, drop: str,
+                                                                        field_name: str) -> None:
+    """A hand-edited status (an active phase, no canary or step recorded) once hit an assert: now a
+    Warning and a condition name the field, and the rollout starts over from step 1 over stable."""
+    d = started()
+    d.until(Phase.ANALYSING)
+    d.tick(dt=11, canary=healthy(), stable=healthy(1000))  # step 2: 4 pods run V2
+    _hand_edited(d, drop=drop, phase=phase, analysisPaused=phase == "Paused")
+    st = d.tick()
+    warning = [a for a in d.actions if isinstance(a, EmitEvent) and a.reason == "InvalidStatus"]
+    assert len(warning) == 1 and warning[0].type == "Warning" and field_name in warning[0].message
+    assert st.phase == Phase.PROGRESSING and st.step == 0 and st.canary.version == v(V2)
+    assert st.stable.version == v(V1) and d.fleet.count(v(V2)) == 1  # step 1 again; the others back on stable
+    ready = {c["type"]: c for c in st.conditions}["Ready"]
+    assert ready["reason"] == "InvalidStatus" and field_name in ready["message"]
+    d.until(Phase.ANALYSING)
+    assert d.tick(dt=11, canary=healthy(), stable=healthy(1000)).step == 1  # and it goes on as usual
+
+
+def test_an_in_flight_status_without_its_canary_rests_on_stable_when_the_spec_names_it() -> None:
+    d = started()
+    d.until(Phase.ANALYSING)
+    d.raw_spec = spec(V1)
+    _hand_edited(d, drop="canary")
+    st = d.tick()
+    assert st.phase == Phase.SUCCEEDED and st.reason == "InvalidStatus" and "status.rollout.canary" in st.message
+    assert d.fleet.count(v(V1)) == 20 and st.canary is None and st.step is None
+    assert {c["type"]: c for c in st.conditions}["Progressing"]["reason"] == "InvalidStatus"
+
+
+def test_a_step_restored_after_an_invalid_spec_without_its_canary_starts_over() -> None:
+    d = started()
+    d.until(Phase.ANALYSING)
+    d.status = invalid_spec(status=d.status, error="steps must end at 100", now=d.now).status
+    _hand_edited(d, drop="canary")  # Failed (InvalidSpec), the step it interrupted kept, no canary
+    st = d.tick()
+    assert "InvalidStatus" in d.events() and st.step == 0 and st.canary.version == v(V2)
+    assert st.reason == "InvalidStatus" and "status.rollout.canary" in st.message
+
+
+def test_a_rollback_without_its_canary_comes_to_rest_and_keeps_the_rejection() -> None:
+    """RollingBack needs no canary (every pod goes to stable): it comes to rest where it was headed,
+    and an aborted version the spec still names is not rolled out again."""
+    d = started()
+    d.until(Phase.ANALYSING)
+    d.tick(dt=11, canary=healthy(), stable=healthy(1000))
+    _hand_edited(d, drop="canary", phase="RollingBack", afterRollback="Aborted", rejectedVersion=v(V2))
+    pushed = [p for p in d.fleet.pushes if p[1] == v(V2)]
+    st = d.tick()
+    assert (st.phase, st.rejected_version) == (Phase.ABORTED, v(V2)) and "status.rollout.canary" in st.message
+    assert d.fleet.count(v(V1)) == 20
+    for _ in range(3):
+        assert d.tick().phase == Phase.ABORTED
+    assert [p for p in d.fleet.pushes if p[1] == v(V2)] == pushed
+
+
 def test_desired_versions_hold_when_paused() -> None:
     d = started()
     d.tick()
