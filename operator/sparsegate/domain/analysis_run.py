@@ -28,7 +28,10 @@ errors came in a row, Successful after ``count`` measurements otherwise. The ste
 fails when a check that is not ``dryRun`` failed, is Inconclusive (the rollout pauses, it
 neither promotes nor rolls back) when one is inconclusive, and is Successful when every check
 has finished and every check that is not ``dryRun`` succeeded. Dry-run checks are measured and
-recorded like the others and never decide.
+recorded like the others and never decide; nor do they hold a step with nothing to record: one
+measured without any value (no data, provider errors) is closed Inconclusive once every deciding
+check has finished (:func:`release_dry_runs`), and a dry-run builtin check without data by the end
+of ``analysisInterval`` records Inconclusive (no data). One with values is waited for, as Argo does.
 
 Runs live in GateConfig ``status.analysisRuns`` (the last :data:`RUN_HISTORY` steps, at most
 :data:`MEASUREMENT_HISTORY` measurements per check), readable with kubectl.
@@ -51,7 +54,8 @@ from sparsegate.domain.calibration import parse_duration
 __all__ = [
     "ARG_NAMES", "RUN_HISTORY", "MEASUREMENT_HISTORY", "Provider", "MeasurementPhase", "RunPhase",
     "PrometheusCheck", "WebCheck", "CheckSpec", "BUILTIN_CHECK", "parse_checks", "Measured", "Measurement",
-    "CheckRun", "AnalysisRun", "judge", "record", "due_checks", "new_run", "run_phase", "render_args", "finish",
+    "CheckRun", "AnalysisRun", "judge", "record", "due_checks", "new_run", "release_dry_runs", "run_phase",
+    "render_args", "finish",
     "set_check_phase", "measure_args", "pods_regex",
 ]
 
@@ -493,6 +497,25 @@ def due_checks(checks: Sequence[CheckSpec], run: AnalysisRun | None, *, now: flo
         if now - since >= (check.interval_s or default_interval_s):
             due.append(check)
     return tuple(due)
+
+
+def release_dry_runs(run: AnalysisRun, checks: Sequence[CheckSpec]) -> AnalysisRun:
+    """Dry-run checks are recorded and never decide, so one must not hold a step whose deciding
+    checks have all finished while it has nothing to record: measured, but no measurement with a
+    value (no data, provider errors), it is closed Inconclusive here instead of being measured until
+    its limits run out. One that has values is waited for (as Argo waits for dry-run metrics)."""
+    by_name = {c.name: c for c in run.checks}
+    if any(by_name.get(c.name) is None or by_name[c.name].phase == RunPhase.RUNNING
+           for c in checks if not c.dry_run):
+        return run
+    for check in checks:
+        cur = by_name.get(check.name)
+        if not check.dry_run or cur is None or cur.phase != RunPhase.RUNNING or cur.taken == 0 \
+                or cur.successful or cur.failed or any(m.value is not None for m in cur.measurements):
+            continue
+        why = f"no result when the deciding checks finished, recorded only (latest: {cur.message})"
+        run = set_check_phase(run, check.name, RunPhase.INCONCLUSIVE, why)
+    return run
 
 
 def run_phase(run: AnalysisRun, checks: Sequence[CheckSpec]) -> tuple[RunPhase, str]:

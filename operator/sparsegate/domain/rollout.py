@@ -793,13 +793,22 @@ def _track_window(s: RolloutStatus, *, obs: Observations) -> tuple[RolloutStatus
 
 
 def _builtin(run: AnalysisRun, check: CheckSpec, *, result: AnalysisResult | None, covered_s: float,
-             spec: RolloutSpec, now: float) -> AnalysisRun:
+             spec: RolloutSpec, now: float, error: str | None = None) -> AnalysisRun:
     """The builtin check as before runs existed: fail fast; pass on a full window that passes;
-    thin traffic keeps observing. A dry-run builtin records whatever the full window says."""
+    thin traffic keeps observing. A dry-run builtin records whatever the full window says, and
+    no data when it has none by then (``error``: why the provider answered nothing)."""
     cur = run.check(check.name)
-    if result is None or (cur is not None and cur.phase != RunPhase.RUNNING):
+    if cur is not None and cur.phase != RunPhase.RUNNING:
         return run
     full = covered_s >= spec.analysis_interval_s
+    if result is None:
+        if not (check.dry_run and full):
+            return run  # a deciding builtin waits for metrics: never passed on missing data
+        # Recorded, never deciding: it must not hold the step (which waits for every check) forever.
+        why = "no data by the end of the analysis interval" + (f" ({error})" if error else "")
+        run = runs.record(run, check, Measurement(phase=MeasurementPhase.INCONCLUSIVE, at=now, message=why),
+                          decide=False)
+        return runs.set_check_phase(run, check.name, RunPhase.INCONCLUSIVE, why)
     if result.verdict == Verdict.FAIL:
         phase = MeasurementPhase.FAILED
     elif full and result.verdict == Verdict.PASS:
@@ -842,7 +851,7 @@ def _measure_step(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations,
     result = _analyse(s, spec=spec, obs=obs, now=now)
     if result is not None:
         s = dataclasses.replace(s, last_analysis=result.to_status())
-    run = _builtin(run, builtin, result=result, covered_s=covered, spec=spec, now=now)
+    run = _builtin(run, builtin, result=result, covered_s=covered, spec=spec, now=now, error=obs.builtin_error)
     return s, _StepData(run=run, result=result, covered_s=covered, note=note)
 
 
@@ -851,6 +860,7 @@ def _judge_step(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: 
     """Analysing, pods in place: record this tick's measurements and decide the step by its run."""
     assert s.canary is not None and s.step is not None
     s, data = _measure_step(s, spec=spec, obs=obs, now=now)
+    data = dataclasses.replace(data, run=runs.release_dry_runs(data.run, spec.checks))
     verdict, why = runs.run_phase(data.run, spec.checks)
     if verdict == RunPhase.RUNNING:
         if spec.builtin is not None:

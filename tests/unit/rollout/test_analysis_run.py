@@ -20,6 +20,7 @@ from sparsegate.domain.analysis_run import (
     new_run,
     parse_checks,
     record,
+    release_dry_runs,
     render_args,
     run_phase,
 )
@@ -212,6 +213,26 @@ def test_dry_run_checks_are_waited_for() -> None:
     deciding, dry = parse_checks({"checks": [check(), check(name="shadow", dryRun=True, count=2)]})
     run = feed(feed(run_of(deciding, dry), deciding, [0.01]), dry, [0.01])
     assert run_phase(run, [deciding, dry]) == (RunPhase.RUNNING, "measuring shadow")
+
+
+def test_a_dry_run_check_without_a_result_does_not_hold_the_step() -> None:
+    """Measured, but only no data or provider errors: once every deciding check has finished it is
+    closed Inconclusive (it once held the step until its limits ran out, a step per measurement)."""
+    deciding, dry = parse_checks({"checks": [check(), check(name="shadow", dryRun=True, count=3, inconclusiveLimit=5)]})
+    run = feed(run_of(deciding, dry), dry, [None, "HTTP 503"])
+    assert release_dry_runs(run, [deciding, dry]) == run  # the deciding check is still measuring
+    run = feed(run, deciding, [0.01])
+    assert run_phase(run, [deciding, dry]) == (RunPhase.RUNNING, "measuring shadow")
+    released = release_dry_runs(run, [deciding, dry])
+    shadow = released.check("shadow")
+    assert shadow.phase == RunPhase.INCONCLUSIVE and shadow.taken == 2 and "no result" in shadow.message
+    assert run_phase(released, [deciding, dry]) == (
+        RunPhase.SUCCESSFUL, "every check passed (dry-run checks recorded, not deciding)")
+    # Not yet measured, or with a value to record: waited for.
+    fresh = feed(run_of(deciding, dry), deciding, [0.01])
+    assert release_dry_runs(fresh, [deciding, dry]) == fresh
+    valued = feed(feed(run_of(deciding, dry), deciding, [0.01]), dry, [None, 0.01])  # 1 of 3 successful
+    assert release_dry_runs(valued, [deciding, dry]) == valued
 
 
 def test_due_checks_schedule_from_the_recorded_times() -> None:

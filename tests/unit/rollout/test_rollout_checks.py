@@ -200,6 +200,47 @@ def test_failing_dry_run_check_does_not_roll_back() -> None:
     assert shadow.measurements[-1].value == 0.1 and "dry-run" in run.message
 
 
+BUILTIN = {"name": "builtin", "provider": {"builtin": {}}}
+
+
+def test_a_dry_run_builtin_check_without_data_does_not_hold_the_step() -> None:
+    """Recorded only, the builtin check gets no data (e.g. Prometheus down): at the end of the step's
+    analysisInterval it is recorded Inconclusive (no data) and the step goes on. It once kept the
+    step analysing forever, as a step waits until every check, dry-run ones too, has finished."""
+    sim = Sim(gc(V1, [prom(), {**BUILTIN, "dryRun": True}]), answers={"errors": 0.01})
+    sim.start()
+    st = sim.tick(5, builtin_error="ClientConnectorError: prometheus down")
+    assert st.phase == Phase.ANALYSING  # errors passed; the interval (10 s) is not over
+    assert st.analysis_runs[-1].check("builtin").phase == RunPhase.RUNNING
+    st = sim.tick(5, builtin_error="ClientConnectorError: prometheus down")
+    assert st.phase == Phase.PROGRESSING and st.step == 1, st.message
+    run = st.analysis_runs[0]
+    builtin = run.check("builtin")
+    assert run.phase == RunPhase.SUCCESSFUL and builtin.phase == RunPhase.INCONCLUSIVE and builtin.dry_run
+    assert builtin.measurements[-1].message == "no data by the end of the analysis interval " \
+                                               "(ClientConnectorError: prometheus down)"
+
+
+def test_a_dry_run_check_whose_provider_fails_does_not_hold_the_step() -> None:
+    """The judge behind a dry-run web check is down: the step goes on when the deciding check
+    passes, not after consecutiveErrorLimit (4) more intervals of errors."""
+    sim = Sim(gc(V1, [prom(), web(dryRun=True)]), answers={"errors": 0.01, "quality": "HTTP 503"})
+    sim.start()
+    st = sim.tick(5)
+    assert st.phase == Phase.PROGRESSING and st.step == 1, st.message
+    shadow = st.analysis_runs[0].check("quality")
+    assert shadow.phase == RunPhase.INCONCLUSIVE and shadow.errors == 1 and "HTTP 503" in shadow.message
+
+
+def test_a_deciding_builtin_check_without_data_still_waits() -> None:
+    """Only a dry-run check is let go: a deciding one is never passed on missing data."""
+    sim = Sim(gc(V1, [prom(), BUILTIN]), answers={"errors": 0.01})
+    sim.start()
+    for _ in range(10):
+        st = sim.tick(10)
+    assert st.phase == Phase.ANALYSING and st.analysis_runs[-1].check("builtin").phase == RunPhase.RUNNING
+
+
 def test_builtin_declared_beside_a_query() -> None:
     sim = Sim(gc(V1, [{"name": "builtin", "provider": {"builtin": {}}}, prom()]), answers={"errors": 0.01})
     sim.start()
