@@ -28,13 +28,16 @@ import kopf
 from sparsegate_contracts import names
 
 from sparsegate import metrics
+from sparsegate.clients.kube import KubeError
 from sparsegate.controllers.inventory import Inventory
 from sparsegate.handlers import modelsync
 from sparsegate.handlers.pools import run_model_work
-from sparsegate.handlers.sparsemodel import GROUP, VERSION, reconcile, watched_deployment, watched_gates
+from sparsegate.handlers.sparsemodel import GROUP, VERSION, finish_service, reconcile, watched_deployment, watched_gates
 
 # (namespace, model) → the re-reconcile queued here and not started yet (a token): on the event loop.
 _queued: dict[tuple[str, str], object] = {}
+# Re-reconciles' Service applies being finished (``_finish``), referenced until done.
+_finishing: set[asyncio.Task[None]] = set()
 
 
 @kopf.on.event(GROUP, VERSION, names.GATECONFIGS)
@@ -79,18 +82,35 @@ async def rereconcile(memo: kopf.Memo, inventory: Inventory, *, namespace: str, 
             del _queued[key]
 
     try:
-        await run_model_work(memo, _read_and_reconcile, memo, namespace=namespace, name=name, logger=logger,
-                             pods=inventory.pods(namespace, name),
-                             watched=watched_deployment(inventory, namespace, name),
-                             gates=watched_gates(inventory), started=lambda: loop.call_soon_threadsafe(forget))
+        reconciled = await run_model_work(
+            memo, _read_and_reconcile, memo, namespace=namespace, name=name, logger=logger,
+            pods=inventory.pods(namespace, name), watched=watched_deployment(inventory, namespace, name),
+            gates=watched_gates(inventory), started=lambda: loop.call_soon_threadsafe(forget))
     finally:
         forget()
+    if reconciled is not None and reconciled.service is not None:
+        # Status written while the Service apply was in flight held Ready back (ServiceNotApplied,
+        # Reconciling=True) or assumed its outcome: finished as the Kopf handler finishes it, or it
+        # stays so (kstatus InProgress) until something else writes the model's status. In a task:
+        # the GateConfig's loop over its stale models does not wait for each Service.
+        task = asyncio.create_task(_finish(memo, reconciled.service, namespace=namespace, name=name, logger=logger))
+        _finishing.add(task)
+        task.add_done_callback(_finishing.discard)
+
+
+async def _finish(memo: kopf.Memo, service: modelsync.PendingService, *, namespace: str, name: str,
+                  logger: logging.Logger) -> None:
+    try:
+        await finish_service(memo, service)
+    except KubeError as e:  # failed: the rewrite reported it (Degraded, ApplyFailed)
+        logger.warning("Service of SparseModel %s/%s not applied: %s", namespace, name, e)
 
 
 def _read_and_reconcile(memo: kopf.Memo, *, namespace: str, name: str, logger: logging.Logger,
                         pods: list[Mapping[str, Any]], watched: modelsync.WatchedDeployment,
-                        gates: modelsync.WatchedGate, started: Callable[[], object]) -> None:
+                        gates: modelsync.WatchedGate, started: Callable[[], object]) -> modelsync.Reconciled | None:
     started()  # from here on, a newer change needs a reconcile of its own
     model = memo.kube.get("SparseModel", namespace=namespace, name=name)
-    if model is not None:
-        reconcile(memo, model, pods=pods, logger=logger, watched=watched, gates=gates)
+    if model is None:
+        return None
+    return reconcile(memo, model, pods=pods, logger=logger, watched=watched, gates=gates)

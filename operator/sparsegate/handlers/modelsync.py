@@ -283,7 +283,11 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink, logger
         current = kube.get("SparseModel", namespace=meta["namespace"], name=meta["name"])
         # Only the model this reconcile was for: ``_write_status`` checks the uid of the object it
         # is given, and this one was just read, so a model re-created under the name would pass.
-        if current is not None and current["metadata"].get("uid") == meta.get("uid"):
+        # Nor once its spec moved on: that generation's reconcile writes status (a re-render from
+        # handlers.gatebinding runs beside Kopf's handler, which may have written it already), and
+        # this one's would set observedGeneration back (kstatus InProgress for good).
+        if current is not None and current["metadata"].get("uid") == meta.get("uid") \
+                and current["metadata"].get("generation") == meta.get("generation"):
             write_status(current, service_error)
 
     write_status(model, assumed)

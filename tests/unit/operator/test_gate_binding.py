@@ -1,7 +1,8 @@
 """handlers.gatebinding: a model whose status was written from a GateConfig that has changed since
 is reconciled again from its own event (the race the GateConfig's event alone misses: a new model's
 first reconcile read the old GateConfig, and the GateConfig's event came while the model had no
-status yet, so it was skipped as never reconciled); a model already queued is not queued twice."""
+status yet, so it was skipped as never reconciled); a model already queued is not queued twice; a
+re-render's Service apply is finished as the Kopf handler finishes it (status written again)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,13 @@ import kopf
 import pytest
 import yaml
 
+from sparsegate.controllers.applied_objects import AppliedObjects
+from sparsegate.controllers.status_inputs import StatusInputs
 from sparsegate.domain import fleet_view, gate
 from sparsegate.handlers import gatebinding
+from test_model_sync import GatedServiceKube, available
+from test_model_sync import conditions as sync_conditions, gateconfig as store_gateconfig, model_of as sync_model_of
+from test_model_sync import start as sync_start
 
 ROOT = Path(__file__).resolve().parents[3]
 LOG = logging.getLogger("test")
@@ -160,3 +166,53 @@ def test_a_finished_reconcile_does_not_forget_one_queued_after_it_started(harnes
 
     asyncio.run(main())
     assert len(h.reconciled) == 2
+
+
+def test_a_re_render_finishes_its_service_apply_so_ready_is_not_held_back_for_good() -> None:
+    """A re-render (here from the model's own event) may apply the model's Service again (its record
+    expired: --reapply-interval). Written while that apply is in flight, status holds Ready back
+    (ServiceNotApplied, Reconciling=True: kstatus InProgress, Argo CD Progressing); the apply must be
+    finished as the Kopf handler finishes it, so status is written again once it lands. Nothing else
+    writes it while the Deployment and pods stay as they are."""
+    k = GatedServiceKube()
+    m = yaml.safe_load((ROOT / "examples" / "sparsemodel.yaml").read_text())
+    m["metadata"].update(namespace="ns", uid="uid-1", generation=1)
+    k.put(m)
+    store_gateconfig(k)
+    k.service_gate.set()
+    first = sync_start(k, sync_model_of(k))  # the first reconcile, Service landed, every replica ready
+    first.service.finish()
+    deployment = available(k)
+    store_gateconfig(k, entropyBeta=0.3)  # a new stable gate: the model is re-rendered
+    k.service_gate = threading.Event()  # this time its Service apply stays in flight until opened
+    gc = k.get("GateConfig", namespace="ns", name=gateconfig()["metadata"]["name"])
+    memo = kopf.Memo()
+    memo.kube, memo.status_inputs = k, StatusInputs()
+    memo.applied_objects = AppliedObjects(interval_s=600)  # no record: applied again
+    memo.model_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    memo.status_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    kwargs = dict(sparsegate_model_views={}, sparsegate_model_pod_views={}, sparsegate_model_replicaset_views={},
+                  sparsegate_model_deployment_views={("ns", "moe-small"): [fleet_view.deployment_view(deployment)]},
+                  sparsegate_gate_views={("ns", gc["metadata"]["name"]): [fleet_view.gate_view(gc)]})
+
+    def ready() -> dict:
+        return sync_conditions(k)["Ready"]
+
+    async def until(check: Any) -> bool:
+        for _ in range(300):
+            if check():
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    async def main() -> None:
+        event = asyncio.create_task(gatebinding.model_gate_check(
+            type="MODIFIED", body=kopf.Body(sync_model_of(k)), namespace="ns", name="moe-small", memo=memo,
+            logger=LOG, **kwargs))
+        assert await until(lambda: ready()["reason"] == "ServiceNotApplied"), ready()
+        k.service_gate.set()
+        await event
+        assert await until(lambda: ready()["status"] == "True"), ready()
+
+    asyncio.run(main())
+    assert ready()["reason"] == "AllReplicasReady" and sync_conditions(k)["Reconciling"]["status"] == "False"

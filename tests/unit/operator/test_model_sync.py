@@ -303,6 +303,25 @@ def test_a_status_rewrite_leaves_a_model_re_created_under_the_same_name_alone(ku
     assert "status" not in model_of(slow)
 
 
+def test_a_status_rewrite_leaves_a_newer_generations_status_alone(kube):
+    """A re-render (handlers.gatebinding) runs beside Kopf's handler: when the Service apply of the
+    one for generation 1 ends after the handler reconciled generation 2, its status rewrite must not
+    set observedGeneration back to 1 (kstatus and the Argo CD check would read InProgress for good)."""
+    slow = GatedServiceKube()
+    slow.objects = kube.objects
+    slow.fail_apply = "Service"  # it ends otherwise than assumed: status would be written again
+    gateconfig(slow)
+    reconciled = start(slow, model_of(slow), applied=AppliedObjects(interval_s=600))
+    newer = model_of(slow)
+    newer["metadata"]["generation"] = 2
+    newer["status"]["observedGeneration"] = 2  # generation 2 reconciled (and its status written) meanwhile
+    slow.put(newer)
+    slow.service_gate.set()
+    with pytest.raises(KubeError):
+        reconciled.service.finish()
+    assert model_of(slow)["status"]["observedGeneration"] == 2
+
+
 def test_a_service_that_lands_between_the_check_and_the_write_is_written_as_applied(kube):
     applied = AppliedObjects(interval_s=600)
     key, ref = ("ns", "moe-small"), modelsync.service_ref("moe-small")
