@@ -30,7 +30,7 @@ import asyncio
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import aiohttp
@@ -109,6 +109,10 @@ async def measure_safely(provider: AnalysisProvider, check: CheckSpec, request: 
         return Measured(error=f"{type(e).__name__}: {e}"[:512], at=request.now)
     if not isinstance(answer, Measured):
         return Measured(error=f"provider answered {type(answer).__name__}, not a number", at=request.now)
+    if answer.value is not None and math.isnan(answer.value):
+        # NaN is no data (judge's rule): e.g. scalar() of an empty vector, or a web answer "NaN";
+        # answered as the value NaN, it was counted answer="value" in the measurements metric.
+        return replace(answer, value=None)
     return answer
 
 
@@ -257,8 +261,10 @@ class WebRequest:
         url = render_args(web.url, request.args)
         body = render_args(web.body, request.args) if web.body is not None else None
         headers = dict(web.headers)
-        if body is not None:
-            headers.setdefault("Content-Type", "application/json")
+        # Header names are case-insensitive: a declared "content-type" must not gain a second,
+        # JSON one (only the JSON one reached the server: the user's type was lost).
+        if body is not None and not any(k.lower() == "content-type" for k in headers):
+            headers["Content-Type"] = "application/json"
         timeout = aiohttp.ClientTimeout(total=web.timeout_s)
         try:
             async with aiohttp.ClientSession(timeout=timeout) as session:

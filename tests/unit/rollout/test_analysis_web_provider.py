@@ -80,6 +80,15 @@ async def test_post_sends_the_rendered_body(server) -> None:
     assert seen[-1]["type"] == "application/json"
 
 
+async def test_a_declared_content_type_is_kept_whatever_its_case(server) -> None:
+    """Header names are case-insensitive: a lowercase content-type was replaced by application/json."""
+    base, seen = server
+    c = web_check(base + "/score", method="POST", body="v={{args.canaryVersion}}", jsonPath="data.ok",
+                  headers=[{"name": "content-type", "value": "application/x-www-form-urlencoded"}])
+    assert (await measure(c)).value == 1.0
+    assert seen[-1]["type"] == "application/x-www-form-urlencoded" and seen[-1]["body"] == "v=g-new"
+
+
 @pytest.mark.parametrize(("path", "json_path", "value", "error"), [
     ("/score", "$.data.text", 0.5, None),  # numeric strings are numbers
     ("/score", "$.data.none", None, None),  # null: no data (inconclusive)
