@@ -321,7 +321,9 @@ class RolloutLoop:
             assert status.canary is not None and status.stable is not None and status.step is not None
             return analysis_run.measure_args(
                 namespace=request.namespace, gate_config=name, models=models, canary_pods=status.canary_pods,
-                stable_pods=[p for p in request.targets if p not in set(status.canary_pods)],
+                # The builtin's stable group: every pod under `requests` (each serves both versions;
+                # this was "_", no pod), the others under `instances`.
+                stable_pods=request.stable,
                 canary_version=status.canary.version, stable_version=status.stable.version, step=status.step + 1,
                 percent=spec.steps[min(status.step, len(spec.steps) - 1)],
                 window_s=check.interval_s or spec.analysis_interval_s)

@@ -19,6 +19,7 @@ from sparsegate.clients.podadmin import PodAdmin, PodHealth, PodTarget, PushResu
 from sparsegate.domain.rollout import GateVersion
 from sparsegate.clients.kube import Conflict
 from sparsegate.controllers.rollout import RolloutLoop, RolloutCache, Fleet
+from sparsegate_contracts.canary import document_key
 
 V1 = {"toolGateThreshold": 0.85}
 V2 = {"toolGateThreshold": 0.8}
@@ -106,10 +107,11 @@ def no_kopf_events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
 
 @pytest.fixture
 async def judge() -> AsyncIterator[dict[str, Any]]:
-    state: dict[str, Any] = {"score": 0.95, "asked": []}
+    state: dict[str, Any] = {"score": 0.95, "asked": [], "queries": []}
 
     async def score(request: web.Request) -> web.Response:
         state["asked"].append(request.query.get("v"))
+        state["queries"].append(dict(request.query))
         return web.json_response({"score": state["score"]})
 
     app = web.Application()
@@ -163,6 +165,33 @@ async def test_web_check_measured_when_due_and_recorded(judge: dict[str, Any]) -
     # Promoted to step 2: pushed, and in the same tick observed again, every pod in place.
     assert st["rollout"]["phase"] == "Analysing" and st["rollout"]["step"] == 2 and st["rollout"]["reason"] == "Analysing"
     assert st["analysisRuns"][0]["phase"] == "Successful" and st["analysisRuns"][0]["checks"][0]["count"] == 2
+
+
+async def test_pod_placeholders_under_the_requests_strategy(judge: dict[str, Any]) -> None:
+    """Under `requests` every pod serves both versions: {{args.stablePods}} names them all, as the
+    builtin's stable group (it was `_`, no pod, so a canary-vs-stable query had no stable data)."""
+    class SetPods(FakePods):  # pods that take a stable + canary set and report its key
+        async def health(self, targets: Any) -> dict[str, PodHealth]:
+            return {t.name: PodHealth(name=t.name, version=self.versions[t.name].split("+")[0],
+                                      served=self.versions[t.name]) for t in targets}
+
+        async def push(self, pushes: Any) -> dict[str, PushResult]:
+            for target, doc in pushes:
+                self.versions[target.name] = document_key(doc)
+            return {t.name: PushResult(name=t.name, ok=True, version=document_key(d)) for t, d in pushes}
+
+    clock = [1000.0]
+    kube = FakeKube(spec(V1))
+    loop, cache = Loop(kube=kube, admin=SetPods(clock), clock=lambda: clock[0]), RolloutCache()  # type: ignore[arg-type]
+    await tick(loop, cache, clock, 1)
+    requests = spec(V2, checks=[{"name": "q", "provider": {"web": {
+        "url": judge["url"] + "/score?c={{args.canaryPods}}&s={{args.stablePods}}", "jsonPath": "score"}},
+        "successCondition": "result >= 0.9", "interval": "5s"}])
+    requests["rollout"]["strategy"] = "requests"
+    kube.set_spec(requests)
+    assert (await tick(loop, cache, clock, 1))["rollout"]["phase"] == "Analysing"
+    await tick(loop, cache, clock, 5)
+    assert judge["queries"] == [{"c": "|".join(PODS), "s": "|".join(PODS)}]
 
 
 async def test_inconclusive_web_check_pauses(judge: dict[str, Any], no_kopf_events: list) -> None:
