@@ -31,7 +31,7 @@ from sparsegate import metrics
 from sparsegate.clients.kube import KubeError
 from sparsegate.controllers.inventory import Inventory
 from sparsegate.handlers import modelsync
-from sparsegate.handlers.pools import run_model_work
+from sparsegate.handlers.pools import model_turn, run_model_work
 from sparsegate.handlers.sparsemodel import GROUP, VERSION, finish_service, reconcile, watched_deployment, watched_gates
 
 # (namespace, model) → the re-reconcile queued here and not started yet (a token): on the event loop.
@@ -82,10 +82,12 @@ async def rereconcile(memo: kopf.Memo, inventory: Inventory, *, namespace: str, 
             del _queued[key]
 
     try:
-        reconciled = await run_model_work(
-            memo, _read_and_reconcile, memo, namespace=namespace, name=name, logger=logger,
-            pods=inventory.pods(namespace, name), watched=watched_deployment(inventory, namespace, name),
-            gates=watched_gates(inventory), started=lambda: loop.call_soon_threadsafe(forget))
+        # Not beside Kopf's handler of this model: the one that read it last must apply last.
+        async with model_turn(namespace, name):
+            reconciled = await run_model_work(
+                memo, _read_and_reconcile, memo, namespace=namespace, name=name, logger=logger,
+                pods=inventory.pods(namespace, name), watched=watched_deployment(inventory, namespace, name),
+                gates=watched_gates(inventory), started=lambda: loop.call_soon_threadsafe(forget))
     finally:
         forget()
     if reconciled is not None and reconciled.service is not None:

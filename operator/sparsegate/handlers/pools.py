@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, ParamSpec, TypeVar
 
 import kopf
@@ -36,6 +37,30 @@ async def run_model_work(memo: kopf.Memo, func: Callable[..., T], /, *args: Any,
     Events through them); the time it waited for a thread is observed in
     ``sparsegate_operator_model_pool_wait_seconds{pool="model",work=<func's name>}``."""
     return await _run_in(memo.model_pool, "model", func, args, kwargs)
+
+
+# (namespace, model) -> its lock and how many hold or wait for it (the entry goes with the last).
+_model_turns: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}
+
+
+@contextlib.asynccontextmanager
+async def model_turn(namespace: str, name: str) -> AsyncIterator[None]:
+    """One reconcile of a model at a time. Kopf serialises its own handlers per object, but a
+    re-render (``handlers.gatebinding``) runs beside them: each reads the model, renders and applies
+    it, so interleaved, the older read could be applied last (a Deployment from the previous spec)."""
+    key = (namespace, name)
+    lock, users = _model_turns.get(key, (None, 0))
+    lock = lock or asyncio.Lock()
+    _model_turns[key] = (lock, users + 1)
+    try:
+        async with lock:
+            yield
+    finally:
+        lock, users = _model_turns[key]
+        if users == 1:
+            del _model_turns[key]
+        else:
+            _model_turns[key] = (lock, users - 1)
 
 
 async def run_status_work(memo: kopf.Memo, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:

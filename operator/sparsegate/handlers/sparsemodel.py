@@ -38,7 +38,7 @@ from sparsegate.clients.kube import Kube
 from sparsegate.controllers.inventory import Inventory
 from sparsegate.domain import conditions, interned, model_status
 from sparsegate.handlers import modelsync
-from sparsegate.handlers.pools import loop_reader, run_model_work, run_status_work
+from sparsegate.handlers.pools import loop_reader, model_turn, run_model_work, run_status_work
 
 GROUP, VERSION = names.GROUP, names.VERSION
 
@@ -61,9 +61,10 @@ async def reconcile_model(body: kopf.Body, namespace: str, name: str, memo: kopf
                           **kwargs: Any) -> None:
     inventory = Inventory.from_kopf(kwargs)
     pods = inventory.pods(namespace, name)  # read on the event loop, where Kopf writes it
-    reconciled = await run_model_work(memo, reconcile, memo, dict(body), pods=pods, logger=logger,
-                                      watched=watched_deployment(inventory, namespace, name),
-                                      gates=watched_gates(inventory))
+    async with model_turn(namespace, name):  # not beside a re-render (handlers.gatebinding)
+        reconciled = await run_model_work(memo, reconcile, memo, dict(body), pods=pods, logger=logger,
+                                          watched=watched_deployment(inventory, namespace, name),
+                                          gates=watched_gates(inventory))
     if reconciled.service is not None:
         await finish_service(memo, reconciled.service)
 

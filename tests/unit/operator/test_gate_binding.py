@@ -12,6 +12,7 @@ import copy
 import logging
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import kopf
@@ -21,7 +22,7 @@ import yaml
 from sparsegate.controllers.applied_objects import AppliedObjects
 from sparsegate.controllers.status_inputs import StatusInputs
 from sparsegate.domain import fleet_view, gate
-from sparsegate.handlers import gatebinding
+from sparsegate.handlers import gatebinding, pools, sparsemodel
 from test_model_sync import GatedServiceKube, available
 from test_model_sync import conditions as sync_conditions, gateconfig as store_gateconfig, model_of as sync_model_of
 from test_model_sync import start as sync_start
@@ -216,3 +217,45 @@ def test_a_re_render_finishes_its_service_apply_so_ready_is_not_held_back_for_go
 
     asyncio.run(main())
     assert ready()["reason"] == "AllReplicasReady" and sync_conditions(k)["Reconciling"]["status"] == "False"
+
+
+def test_a_re_render_waits_for_kopfs_reconcile_of_the_same_model(harness, monkeypatch) -> None:
+    """Kopf's handler and a re-render each read, render and apply the model: side by side (two pool
+    threads), the one that read the older spec could apply last."""
+    h = harness(gateconfig(entropyBeta=0.3))
+    h.memo.model_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+    stale = model(gate_version=version(gateconfig()))
+    inside, release = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def kopf_reconcile(memo: kopf.Memo, m: dict, **_: Any) -> SimpleNamespace:
+        order.append("handler")
+        inside.set()
+        release.wait(5)
+        order.append("handler applied")
+        return SimpleNamespace(service=None)
+
+    plain = h.reconcile
+
+    def re_render(memo: kopf.Memo, m: dict, **kw: Any) -> None:
+        order.append("re-render")
+        plain(memo, m, **kw)
+
+    monkeypatch.setattr(sparsemodel, "reconcile", kopf_reconcile)
+    monkeypatch.setattr(gatebinding, "reconcile", re_render)
+
+    async def main() -> None:
+        handler = asyncio.create_task(sparsemodel.reconcile_model(
+            body=kopf.Body(copy.deepcopy(stale)), namespace="ns", name="moe-small", memo=h.memo, logger=LOG,
+            **h.kwargs()))
+        await asyncio.to_thread(inside.wait, 5)
+        other = asyncio.create_task(h.event(stale))
+        await asyncio.sleep(0.2)  # a free pool thread: without the turn it would run now
+        assert order == ["handler"]
+        release.set()
+        await handler
+        await other
+        assert pools._model_turns == {}  # the last one out removes the entry
+
+    asyncio.run(main())
+    assert order == ["handler", "handler applied", "re-render"]
