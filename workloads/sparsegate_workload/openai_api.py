@@ -141,7 +141,17 @@ def _prompt_text(body: dict[str, Any], *, chat: bool, hf: HFServedModel) -> list
                                "with string content", param="messages")
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]
     if getattr(tok, "chat_template", None):
-        ids = tok.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
+        from jinja2 import TemplateError, TemplateSyntaxError  # transformers renders templates with it
+
+        try:
+            ids = tok.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
+        except TemplateSyntaxError:
+            raise  # the checkpoint's template itself is broken: a server fault (500)
+        except TemplateError as e:
+            # The template refused these messages (raise_exception, e.g. Mixtral's "roles must
+            # alternate"): the client's input, not a server fault.
+            raise OpenAIError(400, f"the model's chat template refuses these messages: {e}",
+                              param="messages") from None
         ids = ids["input_ids"] if not isinstance(ids, list) else ids  # v5 may return a mapping
         return list(ids)
     text = "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
@@ -167,11 +177,16 @@ def parse_request(body: Any, *, chat: bool, hf: HFServedModel) -> Plan:
         raise OpenAIError(404, f"the model {model!r} does not exist here (serving {hf.name!r})",
                           param="model")
     prompt_ids = _prompt_text(body, chat=chat, hf=hf)
+    prompt_param = "messages" if chat else "prompt"
+    if not prompt_ids:
+        # A tokenizer may drop every character (e.g. a normalizer that strips whitespace): an
+        # empty prompt fails its prefill alone and, packed with others, reads another's logits.
+        raise OpenAIError(400, "the prompt tokenizes to no tokens", param=prompt_param)
     if any(not 0 <= t < hf.vocab_size for t in prompt_ids):
         # A tokenizer larger than the model's embedding: refused here, since a bad id inside
         # a batched step would fail every request decoding with it.
         raise OpenAIError(400, f"the prompt tokenizes to ids outside the model's vocabulary "
-                               f"[0, {hf.vocab_size})", param="messages" if chat else "prompt")
+                               f"[0, {hf.vocab_size})", param=prompt_param)
     room = hf.context_length - len(prompt_ids)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
         else "max_tokens"
@@ -182,7 +197,8 @@ def parse_request(body: Any, *, chat: bool, hf: HFServedModel) -> Plan:
                                f"tokens. However, you requested {len(prompt_ids) + max_tokens} "
                                f"tokens ({len(prompt_ids)} in the prompt, {max_tokens} in the "
                                "completion). Please reduce the prompt or max_tokens.",
-                          param=key)
+                          # A prompt that alone fills the context is the field to change.
+                          param=key if room > 0 else prompt_param)
     temperature = body.get("temperature")
     temperature = 1.0 if temperature is None else temperature  # OpenAI's default
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \

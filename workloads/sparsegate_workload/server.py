@@ -532,26 +532,11 @@ def _swap_checkpoint_gate(state: ServerState, doc: GateDocument,
 
 async def _load_model(app: web.Application) -> None:
     state = app[STATE]
-    state.executor = ModelThread()
-    loop = asyncio.get_running_loop()
     try:
-        if state.model_path is not None:
-            hf = await loop.run_in_executor(state.executor, lambda: _load_checkpoint(state))
-            # --expert-groups-json was parsed before the checkpoint's expert count was known.
-            request_access.parse_expert_groups(
-                [{"name": n, "experts": list(e)} for n, e in state.expert_groups.items()],
-                num_experts=hf.num_experts)
-            metrics_ = ServerMetrics(n_layers=hf.n_layers, num_experts=hf.num_experts,
-                                     model_name=hf.name)
-        else:
-            model = await loop.run_in_executor(
-                state.executor, lambda: build_model(state.model_config,
-                                                    gate=DEFAULT_DOCUMENT.params))
-            doc = parse_document(state.pending_doc.to_json(), num_experts=model.cfg.num_experts)
-            metrics_ = ServerMetrics(n_layers=model.cfg.n_layers,
-                                     num_experts=model.cfg.num_experts,
-                                     model_name=BUILTIN_MODEL_NAME)
+        await _load_and_install(state)
     except Exception as e:  # the model cannot be served: say so on /healthz and /readyz, and log it
+        # Any step, not only reading the weights: a failure after them (e.g. while wiring the
+        # decoder or reading the probe set) must not leave the pod alive, unready and silent.
         # CheckpointError messages name the offending file.
         state.load_error = f"model failed to load: {type(e).__name__}: {e}"
         log.exception("model failed to load")
@@ -559,7 +544,28 @@ async def _load_model(app: web.Application) -> None:
             # The process entry point: exit (main() turns it into exit code 1) so the pod
             # restarts and shows the reason, rather than lingering unready.
             signal.raise_signal(signal.SIGTERM)
-        return
+
+
+async def _load_and_install(state: ServerState) -> None:
+    """Build or load the model on the model thread, then make it the one the server serves."""
+    state.executor = ModelThread()
+    loop = asyncio.get_running_loop()
+    if state.model_path is not None:
+        hf = await loop.run_in_executor(state.executor, lambda: _load_checkpoint(state))
+        # --expert-groups-json was parsed before the checkpoint's expert count was known.
+        request_access.parse_expert_groups(
+            [{"name": n, "experts": list(e)} for n, e in state.expert_groups.items()],
+            num_experts=hf.num_experts)
+        metrics_ = ServerMetrics(n_layers=hf.n_layers, num_experts=hf.num_experts,
+                                 model_name=hf.name)
+    else:
+        model = await loop.run_in_executor(
+            state.executor, lambda: build_model(state.model_config,
+                                                gate=DEFAULT_DOCUMENT.params))
+        doc = parse_document(state.pending_doc.to_json(), num_experts=model.cfg.num_experts)
+        metrics_ = ServerMetrics(n_layers=model.cfg.n_layers,
+                                 num_experts=model.cfg.num_experts,
+                                 model_name=BUILTIN_MODEL_NAME)
     if state.model_path is not None:
         assert state.gate is not None
         metrics_.set_gate(version=state.gate.doc.version, checksum=state.gate.doc.checksum)
@@ -580,7 +586,8 @@ async def _load_model(app: web.Application) -> None:
             metrics_.quality.probe = quality.checkpoint_probe(
                 state.model_path, hf.tokenizer, vocab_size=hf.vocab_size,
                 context_length=hf.context_length)
-        except ValueError as e:  # e.g. a probe file shorter than one window: serve without it
+        except (ValueError, OSError) as e:  # e.g. a probe file shorter than one window, or
+            # one this user may not read: serve without it (quality is then not reported)
             log.warning("no probe set: %s", e)
         state.metrics, state.hf = metrics_, hf
         await _score_probes(state)

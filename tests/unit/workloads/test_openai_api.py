@@ -132,6 +132,44 @@ async def test_chat_uses_the_tokenizer_template_when_it_has_one(client):
         hf.tokenizer.chat_template = None
 
 
+async def test_a_chat_template_refusing_the_messages_is_a_400(client):
+    """A template's raise_exception (Mixtral-Instruct's: roles must alternate) refuses the
+    client's messages: 400 naming messages, not a 500."""
+    hf = client.server.app[STATE].hf
+    hf.tokenizer.chat_template = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}")
+    try:
+        resp = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+            "max_tokens": 1})
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+        assert error["param"] == "messages" and "roles must alternate" in error["message"]
+    finally:
+        hf.tokenizer.chat_template = None
+
+
+async def test_a_prompt_that_tokenizes_to_nothing_is_a_400(client):
+    """A tokenizer whose normalizer strips whitespace turns "   " into no ids: refused up front
+    (alone its prefill raised, a 500; packed with another prompt it read that one's logits)."""
+    from tokenizers import normalizers
+
+    client.server.app[STATE].hf.tokenizer.backend_tokenizer.normalizer = normalizers.Strip()
+    resp = await _complete(client, prompt="   ")
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "prompt"
+
+
+async def test_a_prompt_alone_over_the_context_names_the_prompt(client):
+    """No max_tokens fits after it: the field to change is the prompt (messages), not max_tokens."""
+    resp = await _complete(client, prompt="experts " * 300, max_tokens=1)
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "prompt"
+    resp = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "experts " * 300}], "max_tokens": 1})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "messages"
+
+
 async def test_streaming_sends_openai_chunks_then_done(client):
     whole = (await (await _complete(client)).json())
     chunks = await _sse(await _complete(client, stream=True,
@@ -329,6 +367,46 @@ def test_the_entry_point_exits_nonzero_naming_the_file(missing_shard):
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 1
     assert f"{shard}: missing shard" in proc.stderr.splitlines()[-1]
+
+
+async def test_a_failure_after_the_weights_loaded_is_unready_naming_it(checkpoint, monkeypatch):
+    """Not only the weights: any step of the load that fails (here wiring the decoder) answers
+    /healthz 500 and /readyz 503 with the reason, and the entry point then exits 1, rather than
+    leaving the server alive, unready ("still loading") and silent."""
+    from sparsegate_workload import server
+
+    def broken(hf):
+        raise RuntimeError("decoder wiring broke")
+
+    monkeypatch.setattr(server, "BatchDecoder", broken)
+    app = create_app(model_path=str(checkpoint))
+    c = await _serve(app)
+    try:
+        health = await c.get("/healthz")
+        assert health.status == 500 and "decoder wiring broke" in (await health.json())["error"]
+        ready = await c.get("/readyz")
+        assert ready.status == 503 and "decoder wiring broke" in (await ready.json())["reason"]
+    finally:
+        await c.close()
+
+
+async def test_a_probe_file_the_server_cannot_read_serves_without_a_probe_set(checkpoint, monkeypatch):
+    """An unreadable sparsegate_probe.txt (an OSError, e.g. a file this user may not read) is
+    treated as a probe file too short to use: served, quality not reported."""
+    from sparsegate_workload import quality
+
+    def unreadable(model_dir, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", f"{model_dir}/{quality.PROBE_FILE}")
+
+    monkeypatch.setattr(quality, "checkpoint_probe", unreadable)
+    app = create_app(gate_doc=ONE_EXPERT, model_path=str(checkpoint))
+    c = await _serve(app)
+    try:
+        assert (await c.get("/readyz")).status == 200
+        assert app[STATE].metrics.quality.probe is None
+        assert (await _complete(c)).status == 200
+    finally:
+        await c.close()
 
 
 async def test_a_client_leaving_mid_stream_frees_its_slot(client):
