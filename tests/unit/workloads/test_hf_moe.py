@@ -208,6 +208,65 @@ def test_weights_file_without_a_tensor_is_refused(tmp_path):
         load_moe_checkpoint(path)
 
 
+def _rewrite_header(weights, edit):
+    """Apply ``edit`` to a safetensors file's parsed header, keeping its length (so only what
+    ``edit`` changed is wrong)."""
+    import struct
+    raw = weights.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    new = json.dumps(header, separators=(",", ":")).encode()
+    assert len(new) <= n
+    weights.write_bytes(raw[:8] + new.ljust(n) + raw[8 + n:])
+
+
+def test_shard_whose_header_offsets_do_not_tile_its_data_names_the_file(tmp_path):
+    """A header that parses but whose byte ranges are wrong: safetensors refuses it naming no
+    file (SafetensorError: "invalid shape, data type, or offset for tensor")."""
+    path = build_tiny_checkpoint(tmp_path / "ck", family="mixtral", tokenizer=False)
+    weights = path / "model.safetensors"
+    first = lambda h: sorted((v["data_offsets"], k) for k, v in h.items() if k != "__metadata__")[0][1]
+    _rewrite_header(weights, lambda h: h[first(h)].update(data_offsets=[0, 4]))
+    with pytest.raises(CheckpointError, match="model.safetensors: corrupt safetensors header") as err:
+        load_moe_checkpoint(path)
+    assert err.value.file == weights
+
+
+def test_shard_with_bytes_past_its_tensors_names_the_file(tmp_path):
+    path = build_tiny_checkpoint(tmp_path / "ck", family="olmoe", tokenizer=False)
+    weights = path / "model.safetensors"
+    with weights.open("ab") as fh:
+        fh.write(b"\0" * 100)
+    with pytest.raises(CheckpointError, match="model.safetensors: corrupt") as err:
+        load_moe_checkpoint(path)
+    assert err.value.file == weights
+
+
+@pytest.mark.parametrize("field, value, match", [
+    # transformers' own field validation (huggingface_hub StrictDataclassFieldValidationError)
+    ("hidden_size", "sixty-four", r"config.json: transformers rejects it .*'hidden_size'"),
+    # a value the model cannot be built with (ZeroDivisionError in the attention layer)
+    ("num_attention_heads", 0, r"transformers could not build the model from config.json"),
+])
+def test_config_value_transformers_cannot_use_is_a_checkpoint_error(tmp_path, field, value, match):
+    path = build_tiny_checkpoint(tmp_path / "ck", family="mixtral", tokenizer=False)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(CheckpointError, match=match):
+        load_moe_checkpoint(path)
+
+
+def test_weight_of_the_wrong_shape_is_named(tmp_path):
+    """config.json and the weights disagree (vocab_size): the error names the weight and shard."""
+    path = build_tiny_checkpoint(tmp_path / "ck", family="mixtral", tokenizer=False)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "vocab_size": 500}))
+    with pytest.raises(CheckpointError,
+                       match=r"\(model.safetensors\): has 2 weights of the wrong shape .*lm_head.weight"):
+        load_moe_checkpoint(path)
+
+
 def test_patched_model_saves_a_checkpoint_upstream_transformers_reads(checkpoints, tmp_path):
     """Same parameter names and shapes after patching: save_pretrained round-trips."""
     lm = load_moe_checkpoint(checkpoints["qwen2_moe"])

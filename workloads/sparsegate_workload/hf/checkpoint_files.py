@@ -4,13 +4,15 @@ exception type whose message names the offending file (or field) instead of a de
 What is checked, all without loading a tensor: ``config.json`` exists, is a JSON object and names
 a supported MoE family with a SwiGLU (``silu``) activation; the safetensors weights exist (one
 ``model.safetensors``, or every shard listed in ``model.safetensors.index.json``); every shard's
-header parses, stores only accepted dtypes, and the file holds every byte its header promises
-(a truncated download fails here); every tensor the index maps to a shard is in that shard.
+header parses, stores only accepted dtypes, its tensors' byte ranges tile the data block, and the
+file holds exactly the bytes its header promises (a truncated download fails here); every tensor
+the index maps to a shard is in that shard.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ SINGLE_WEIGHTS = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype codes the loader accepts (floating point weights it can run).
 ACCEPTED_STORED_DTYPES = ("F32", "BF16", "F16")
+_ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2}  # bytes per element of each accepted dtype
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
 
 
@@ -95,12 +98,14 @@ def safetensors_header(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: corrupt safetensors header ({exc})", file=path) from exc
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header", file=path)
-    data_end = 0
+    spans = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         try:
-            dtype, (_, end) = entry["dtype"], entry["data_offsets"]
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            numel = math.prod(int(d) for d in shape)
+            begin, end = int(begin), int(end)
         except (TypeError, KeyError, ValueError) as exc:
             raise CheckpointError(f"{path}: corrupt entry for tensor {name!r}", file=path) \
                 from exc
@@ -108,10 +113,24 @@ def safetensors_header(path: Path) -> dict[str, Any]:
             raise CheckpointError(
                 f"{path}: tensor {name!r} is stored as {dtype}; accepted dtypes are "
                 f"{', '.join(ACCEPTED_STORED_DTYPES)}", file=path)
-        data_end = max(data_end, int(end))
+        spans.append((begin, end, name, numel * _ITEMSIZE[dtype]))
+    # The format's own rule, which safetensors enforces when transformers opens the file (with a
+    # message that names no file): the tensors' byte ranges tile the data block in order, each
+    # as long as its shape and dtype say, and the data block ends where the file does.
+    data_end = 0
+    for begin, end, name, nbytes in sorted(spans):
+        if begin != data_end or end - begin != nbytes:
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header (tensor {name!r} at bytes [{begin}, {end}) "
+                f"of the data block: expected [{data_end}, {data_end + nbytes}))", file=path)
+        data_end = end
     if 8 + header_len + data_end > size:
         raise CheckpointError(
             f"{path}: truncated ({size} bytes, its header describes "
+            f"{8 + header_len + data_end})", file=path)
+    if 8 + header_len + data_end < size:
+        raise CheckpointError(
+            f"{path}: corrupt ({size} bytes, but its header describes only "
             f"{8 + header_len + data_end})", file=path)
     return header
 

@@ -336,21 +336,33 @@ def load_moe_checkpoint(path: str | Path, *, gate: GateParams | GateDocument | N
     Raises CheckpointError (message names the file or field) for unusable input and
     GateParamsError for a gate the model cannot route with.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     directory = Path(path)
+    config_path = directory / "config.json"
     config = read_config(directory)
-    family = family_of(config, config_path=directory / "config.json")
+    family = family_of(config, config_path=config_path)
     if dtype not in ACCEPTED_DTYPES:
         raise CheckpointError(
             f"dtype {dtype} is not accepted (one of "
             f"{', '.join(str(d) for d in ACCEPTED_DTYPES)})", file=None)
     shards = check_weight_files(directory)
+    # Whatever transformers raises (its field validation raises its own types, a field it
+    # divides by raises ZeroDivisionError) becomes a CheckpointError naming the file.
     try:
+        AutoConfig.from_pretrained(directory, local_files_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{config_path}: transformers rejects it "
+                              f"({type(exc).__name__}: {exc})", file=config_path) from exc
+    try:
+        # ignore_mismatched_sizes: report a weight of the wrong shape in the loading info
+        # (refused below, naming it) rather than as an error that names no weight.
         model, info = AutoModelForCausalLM.from_pretrained(
-            directory, local_files_only=True, dtype=dtype, output_loading_info=True)
-    except (OSError, ValueError, RuntimeError, KeyError) as exc:
-        raise CheckpointError(f"{directory}: transformers could not load it ({exc})",
+            directory, local_files_only=True, dtype=dtype,
+            output_loading_info=True, ignore_mismatched_sizes=True)
+    except Exception as exc:
+        raise CheckpointError(f"{directory}: transformers could not build the model from "
+                              f"{config_path.name} and its weights ({type(exc).__name__}: {exc})",
                               file=directory) from exc
     missing = sorted(info.get("missing_keys") or [])
     mismatched = sorted(str(k) for k in (info.get("mismatched_keys") or []))
