@@ -196,7 +196,14 @@ def model_args(model: Mapping[str, Any]) -> list[str]:
     if path is None:
         return model_shape_args(model)
     device = ["--device", "cuda"] if gpus(model) > 0 else []
-    return ["--model-path", path, "--served-model-name", model["metadata"]["name"], *device]
+    return ["--model-path", literal_arg(path), "--served-model-name", model["metadata"]["name"],
+            *device]
+
+
+def literal_arg(value: str) -> str:
+    """``value`` as a container arg the kubelet passes through unchanged: it expands ``$(VAR)``
+    in args and turns ``$$`` into ``$``, so every ``$`` of user data is doubled."""
+    return value.replace("$", "$$")
 
 
 def tool_args(model: Mapping[str, Any]) -> list[str]:
@@ -205,8 +212,9 @@ def tool_args(model: Mapping[str, Any]) -> list[str]:
     tools = model["spec"].get("tools") or []
     if not tools:
         return []
-    return ["--tools-json", json.dumps([{k: t[k] for k in ("name", "url", "timeoutMs") if k in t}
-                                        for t in tools], separators=(",", ":"))]
+    return ["--tools-json", literal_arg(json.dumps(
+        [{k: t[k] for k in ("name", "url", "timeoutMs") if k in t} for t in tools],
+        separators=(",", ":")))]
 
 
 def expert_group_args(model: Mapping[str, Any]) -> list[str]:

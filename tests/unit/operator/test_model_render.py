@@ -239,6 +239,23 @@ def test_checkpoint_source_renders_the_path_not_the_shape_and_mounts_the_claim_r
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
 
 
+@pytest.mark.parametrize("source", ["/models/$(POD_IP)/ckpt", "/models/a$$b/ckpt",
+                                    "/models/o'brien;`x`|$HOME&\"q\"*?/é/ckpt"])
+def test_a_checkpoint_path_with_odd_characters_reaches_the_server_verbatim(source):
+    """The kubelet expands $(VAR) in container args and turns $$ into $ (no shell is involved:
+    quotes, ;, `, | pass as they are); the server must still get the path the user wrote."""
+    from localcluster.podplan import expand  # the pod runner's copy of the kubelet's rule
+
+    from sparsegate_workload.server import build_parser
+
+    m = model()
+    m["spec"]["model"].update(source=source,
+                              persistentVolumeClaim={"claimName": "weights", "mountPath": "/models"})
+    (c,) = render.render_deployment(m, DOC)["spec"]["template"]["spec"]["containers"]
+    argv = [expand(a, {"POD_IP": "10.1.2.3"}) for a in c["args"]]
+    assert build_parser().parse_args(argv).model_path == source
+
+
 def test_builtin_source_and_no_source_render_the_same_builtin_model():
     plain = render.render_deployment(model(), DOC)
     m = model()

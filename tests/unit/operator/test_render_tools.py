@@ -44,3 +44,13 @@ def test_declared_tools_become_the_tools_json_flag_the_server_parses():
 def test_no_tools_no_flag():
     assert "--tools-json" not in _args(_model())
     assert "--tools-json" not in _args(_model(tools=[]))
+
+
+def test_a_tool_url_with_dollar_signs_reaches_the_server_verbatim():
+    """The kubelet expands $(VAR) in container args and turns $$ into $: the rendered flag
+    escapes every $ so the server parses the URLs the user declared."""
+    from localcluster.podplan import expand  # the pod runner's copy of the kubelet's rule
+
+    declared = [{"name": "search", "url": "http://search.tools:8080/q?a=$(POD_IP)&b=$$c", "timeoutMs": 500}]
+    argv = [expand(a, {"POD_IP": "10.1.2.3"}) for a in _args(_model(tools=declared))]
+    assert json.loads(build_parser().parse_args(argv).tools_json) == declared
