@@ -3,8 +3,8 @@ of it costs no API request.
 
 Two writers share a model's status (``handlers.modelsync``): the reconcile and the Deployment
 watcher. Both derive Ready, Progressing, Reconciling and the replica counts from the same inputs
-(``domain.model_status.workload_inputs``: the Deployment's generation and replica counts, the
-pods' container problems) and from the model's own status, which only these writers change. At
+(``domain.model_status.workload_inputs``: the Deployment's generation, replica counts and
+progress deadline, the pods' container problems) and from the model's own status, which only these writers change. At
 scale most Deployment events change none of the inputs: in a 1,000-model create, about half of
 ~5,000 Deployment events read the SparseModel and then wrote nothing. This keeps, per model, the
 inputs its status was last written from (or found to match already); a refresh with the same

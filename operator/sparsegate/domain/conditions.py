@@ -24,7 +24,9 @@ class ConditionType(str, enum.Enum):
     RECONCILING = "Reconciling"
     """kstatus: True while the model is not Ready and not Stalled (instances starting, rolling)."""
     STALLED = "Stalled"
-    """kstatus: True while Degraded is True: nothing moves until the spec or its GateConfig changes."""
+    """kstatus: True while Degraded is True (nothing moves until the spec or its GateConfig changes),
+    or while Ready is False for a reason in :data:`WORKLOAD_STALLS` (pods that cannot run, the
+    Deployment past its progress deadline)."""
 
 
 class Reason(str, enum.Enum):
@@ -38,9 +40,12 @@ class Reason(str, enum.Enum):
     """Ready=False: the Deployment has not been created (yet)."""
     GATE_UNAVAILABLE = "GateUnavailable"
     """Ready=False: no usable gate, so nothing was rendered for this generation."""
-    CONTAINERS_WAITING = "ContainersWaiting"
-    """Ready=False: pods cannot start their containers (missing image, crash loop, ...); the
-    message names the pod, the container and the kubelet's reason."""
+    CONTAINERS_FAILING = "ContainersFailing"
+    """Ready=False and Stalled=True: pods cannot run their containers (missing image, crash loop,
+    ...; :func:`failing_container`); the message names the pod, the container and the kubelet's reason."""
+    PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
+    """Ready=False, Progressing=False and Stalled=True: the Deployment says its rollout has made no
+    progress within its progressDeadlineSeconds (kstatus reads such a Deployment as Failed)."""
     SERVICE_NOT_APPLIED = "ServiceNotApplied"
     """Ready=False: the replicas are ready, but the model's Service is not applied yet (its apply is
     in flight) or the API server refused it (Degraded says why)."""
@@ -66,12 +71,13 @@ class Status(str, enum.Enum):
 class Condition:
     type: ConditionType
     status: Status
-    reason: Reason
+    reason: Reason | str  # a str only as read back from a status (``observed_condition``)
     message: str = ""
 
     def to_json(self, *, now: str, observed_generation: int | None) -> dict[str, Any]:
+        reason = self.reason.value if isinstance(self.reason, Reason) else self.reason
         out: dict[str, Any] = {"type": self.type.value, "status": self.status.value,
-                               "reason": self.reason.value, "message": self.message,
+                               "reason": reason, "message": self.message,
                                "lastTransitionTime": now}
         if observed_generation is not None:
             out["observedGeneration"] = observed_generation
@@ -116,29 +122,68 @@ def degraded_condition(*, gate_error: str | None, gate_source: str,
                      f"gate from {gate_source}")
 
 
-# Waiting reasons a kubelet reports when a container cannot start by itself: worth naming in
-# the model's Ready condition (ContainerCreating and PodInitializing just take time).
+# Waiting reasons a kubelet reports when a container cannot start by itself: they stall the model
+# (ContainerCreating and PodInitializing just take time).
 STUCK_REASONS = frozenset({
     "ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName", "CrashLoopBackOff",
     "CreateContainerError", "CreateContainerConfigError", "RunContainerError",
 })
 
 
+def failing_container(pod: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The first container status of ``pod`` (the object or its ``fleet_view.pod_view``) whose
+    container cannot run by itself, cut to what :func:`container_problems` reads; None normally.
+
+    Failing: waiting with a :data:`STUCK_REASONS` reason, or terminated with a non-zero exit code
+    after at least one restart (it failed before too). A container running again between two
+    crashes is not: it may be the run that works, and the kubelet's CrashLoopBackOff follows the
+    next crash within moments."""
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        state = cs.get("state") or {}
+        waiting, terminated = state.get("waiting") or {}, state.get("terminated") or {}
+        if waiting.get("reason") in STUCK_REASONS:
+            return {"name": cs.get("name"), "state": {"waiting": {
+                "reason": waiting["reason"], "message": str(waiting.get("message") or "")[:200]}}}
+        if (terminated.get("exitCode") or 0) != 0 and (cs.get("restartCount") or 0) >= 1:
+            return {"name": cs.get("name"), "restartCount": cs["restartCount"], "state": {"terminated": {
+                "exitCode": terminated["exitCode"], "reason": str(terminated.get("reason") or "Error")[:64]}}}
+    return None
+
+
 def is_stuck(pod: Mapping[str, Any]) -> bool:
-    return bool(container_problems([pod]))
+    """Whether a container of ``pod`` is failing (:func:`failing_container`); a pod being deleted
+    counts too, so its last events still refresh the model (whose problems then leave it out)."""
+    return failing_container(pod) is not None
 
 
 def container_problems(pods: Iterable[Mapping[str, Any]], *, limit: int = 3) -> list[str]:
-    """``pod/container: Reason: message`` for containers waiting with a :data:`STUCK_REASONS` reason."""
+    """``pod/container: Reason: message`` for each pod's :func:`failing_container`; pods being
+    deleted are left out (a rollback or a fixed spec replaces them: they stall nothing)."""
     found = []
     for pod in pods:
-        name = (pod.get("metadata") or {}).get("name")
-        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-            waiting = (cs.get("state") or {}).get("waiting") or {}
-            if waiting.get("reason") in STUCK_REASONS:
-                message = str(waiting.get("message") or "")[:200]
-                found.append(f"{name}/{cs.get('name')}: {waiting['reason']}" + (f": {message}" if message else ""))
+        meta = pod.get("metadata") or {}
+        failing = None if meta.get("deletionTimestamp") else failing_container(pod)
+        if failing is None:
+            continue
+        state = failing["state"]
+        if "waiting" in state:
+            reason, message = state["waiting"]["reason"], state["waiting"]["message"]
+        else:
+            reason, message = state["terminated"]["reason"], f"exit code {state['terminated']['exitCode']}"
+        found.append(f"{meta.get('name')}/{failing['name']}: {reason}" + (f": {message}" if message else ""))
     return sorted(found)[:limit]
+
+
+DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"  # the Deployment controller's reason, as kstatus reads it
+
+
+def progress_deadline(deployment: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The Deployment's ``Progressing`` condition (the object or its ``fleet_view.deployment_view``)
+    when its reason is ProgressDeadlineExceeded, else None."""
+    for cond in ((deployment or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Progressing" and cond.get("reason") == DEADLINE_EXCEEDED:
+            return cond
+    return None
 
 
 GATE_REASONS = frozenset({Reason.GATE_CONFIG_NOT_FOUND.value, Reason.GATE_CONFIG_INVALID.value})
@@ -154,9 +199,11 @@ def workload_conditions(*, desired: int, deployment: Mapping[str, Any] | None,
                         gate_unavailable: bool, problems: Sequence[str] = (),
                         service_applied: bool = True) -> list[Condition]:
     """Ready and Progressing from the Deployment (None when it does not exist) and, while it is
-    not done, the ``problems`` of its pods (:func:`container_problems`). A done Deployment is not
-    Ready while ``service_applied`` is False: callers find the model through its Service.
-    ``gate_unavailable``: no usable gate, so a missing Deployment was never rendered."""
+    not done, the ``problems`` of its pods (:func:`container_problems`) and its progress deadline:
+    either makes Ready's reason one of :data:`WORKLOAD_STALLS` (the model is Stalled,
+    :func:`kstatus_conditions`). A done Deployment is not Ready while ``service_applied`` is
+    False: callers find the model through its Service. ``gate_unavailable``: no usable gate, so a
+    missing Deployment was never rendered."""
     if deployment is None:
         reason = Reason.GATE_UNAVAILABLE if gate_unavailable else Reason.DEPLOYMENT_MISSING
         return [Condition(ConditionType.READY, Status.FALSE, reason, "no Deployment"),
@@ -177,30 +224,69 @@ def workload_conditions(*, desired: int, deployment: Mapping[str, Any] | None,
         reason = Reason.SCALED_TO_ZERO if desired == 0 else Reason.ALL_REPLICAS_READY
         return [Condition(ConditionType.READY, Status.TRUE, reason, counts),
                 Condition(ConditionType.PROGRESSING, Status.FALSE, Reason.ROLLOUT_COMPLETE, counts)]
-    if problems:
-        return [Condition(ConditionType.READY, Status.FALSE, Reason.CONTAINERS_WAITING,
-                          f"{counts}; {'; '.join(problems)}"),
-                Condition(ConditionType.PROGRESSING, Status.TRUE, Reason.REPLICAS_NOT_READY, counts)]
+    # A deadline the controller set for an earlier spec is not this one's (kstatus checks
+    # observedGeneration first too).
+    deadline = progress_deadline(deployment) if observed else None
+    if problems or deadline is not None:
+        details = [*problems, *([str(deadline.get("message") or DEADLINE_EXCEEDED)] if deadline is not None else [])]
+        # The pods name the cause; the deadline only says the controller gave up waiting.
+        reason = Reason.CONTAINERS_FAILING if problems else Reason.PROGRESS_DEADLINE_EXCEEDED
+        progressing = (Condition(ConditionType.PROGRESSING, Status.FALSE, Reason.PROGRESS_DEADLINE_EXCEEDED, counts)
+                       if deadline is not None else
+                       Condition(ConditionType.PROGRESSING, Status.TRUE, Reason.REPLICAS_NOT_READY, counts))
+        return [Condition(ConditionType.READY, Status.FALSE, reason, f"{counts}; {'; '.join(details)}"), progressing]
     return [Condition(ConditionType.READY, Status.FALSE, Reason.REPLICAS_NOT_READY, counts),
             Condition(ConditionType.PROGRESSING, Status.TRUE, Reason.REPLICAS_NOT_READY, counts)]
 
 
-def kstatus_conditions(workload: Sequence[Condition], *, degraded: Condition | None,
-                       stalled: bool) -> list[Condition]:
-    """Reconciling (from :func:`workload_conditions`' Ready) and, when ``degraded`` is this
-    writer's to give, Stalled (mirroring it). ``stalled``: whether the model is Stalled now (the
-    Deployment watcher passes the last reconcile's Degraded, which it does not recompute)."""
+# Ready reasons that stall the model: the pods or the Deployment controller will not get further
+# without a change (a fixed spec, image or Secret; a rollback), so kstatus reads Failed, not
+# InProgress (a kubelet's CrashLoopBackOff makes kstatus call the Pod itself Failed too).
+WORKLOAD_STALLS = frozenset({Reason.CONTAINERS_FAILING, Reason.PROGRESS_DEADLINE_EXCEEDED})
+
+
+def kstatus_conditions(workload: Sequence[Condition], *, degraded: Condition | None) -> list[Condition]:
+    """Reconciling and Stalled from :func:`workload_conditions`' Ready and ``degraded`` (the
+    reconcile's own; the Deployment watcher passes the last one written, :func:`observed_condition`,
+    None if there is none). Stalled mirrors Degraded while it is True, else Ready while its reason
+    is a :data:`WORKLOAD_STALLS`, else Degraded (False); Reconciling is True while neither Ready
+    nor Stalled is. Both writers derive Stalled alike, so neither undoes the other's."""
     ready = next(cond for cond in workload if cond.type is ConditionType.READY)
-    reconciling = ready.status is not Status.TRUE and not stalled
-    out = [Condition(ConditionType.RECONCILING, Status.TRUE if reconciling else Status.FALSE,
-                     ready.reason, ready.message)]
-    if degraded is not None:
-        out.append(Condition(ConditionType.STALLED, degraded.status, degraded.reason, degraded.message))
-    return out
+    if degraded is not None and degraded.status is Status.TRUE:
+        stalled = Condition(ConditionType.STALLED, Status.TRUE, degraded.reason, degraded.message)
+    elif ready.reason in WORKLOAD_STALLS:
+        stalled = Condition(ConditionType.STALLED, Status.TRUE, ready.reason, ready.message)
+    elif degraded is not None:
+        stalled = Condition(ConditionType.STALLED, Status.FALSE, degraded.reason, degraded.message)
+    else:
+        stalled = Condition(ConditionType.STALLED, Status.FALSE, ready.reason, ready.message)
+    reconciling = ready.status is not Status.TRUE and stalled.status is not Status.TRUE
+    return [Condition(ConditionType.RECONCILING, Status.TRUE if reconciling else Status.FALSE,
+                      ready.reason, ready.message), stalled]
+
+
+def observed_condition(conditions: Iterable[Mapping[str, Any]], type_: ConditionType) -> Condition | None:
+    """The condition of ``type_`` as written in a status, or None. A reason this version does not
+    know is kept as its string (``Condition.to_json`` writes it back unchanged)."""
+    for cond in conditions:
+        if cond.get("type") != type_.value:
+            continue
+        reason: Reason | str = str(cond.get("reason") or "")
+        try:
+            reason = Reason(reason)
+        except ValueError:
+            pass
+        try:
+            status = Status(cond.get("status"))
+        except ValueError:
+            status = Status.UNKNOWN
+        return Condition(type_, status, reason, str(cond.get("message") or ""))
+    return None
 
 
 # Conditions that restate others for kstatus: their transitions are not posted as Events twice.
 KSTATUS_MIRRORS = frozenset({ConditionType.RECONCILING.value, ConditionType.STALLED.value})
+_WORKLOAD_STALL_VALUES = frozenset(r.value for r in WORKLOAD_STALLS)
 
 
 def is_degraded(conditions: Iterable[Mapping[str, Any]]) -> bool:
@@ -211,7 +297,14 @@ def is_degraded(conditions: Iterable[Mapping[str, Any]]) -> bool:
 def transitions(previous: Iterable[Mapping[str, Any]],
                 current: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """Conditions whose status changed (or appeared): these become Kubernetes Events (the
-    :data:`KSTATUS_MIRRORS` left out: their change is the Ready/Degraded change already listed)."""
+    :data:`KSTATUS_MIRRORS` left out: their change is the Ready/Degraded change already listed).
+    Except Stalled turning True on the workload while Ready does not change: Ready is False
+    already while pods start, so nothing else would say that they now cannot."""
+    current = list(current)
     before = {c.get("type"): c.get("status") for c in previous}
-    return [c for c in current
-            if before.get(c.get("type")) != c.get("status") and c.get("type") not in KSTATUS_MIRRORS]
+    changed = [c for c in current if before.get(c.get("type")) != c.get("status")]
+    ready_changed = any(c.get("type") == ConditionType.READY.value for c in changed)
+    return [c for c in changed
+            if c.get("type") not in KSTATUS_MIRRORS
+            or (c.get("type") == ConditionType.STALLED.value and c.get("status") == Status.TRUE.value
+                and c.get("reason") in _WORKLOAD_STALL_VALUES and not ready_changed)]

@@ -8,10 +8,11 @@ requests a minute). The Kopf indexes in ``handlers.fleetindex`` keep these proje
 watched objects instead, so a tick reads its fleet from memory.
 
 A projection keeps the object's shape (``metadata``/``spec``/``status``) with only the fields read
-by ``domain.pod_ownership``, ``controllers.rollout``, ``domain.conditions.container_problems``,
-the gate binding (``handlers.modelsync.stale_models``), for a Deployment the model's status
-(``domain.model_status``: generation and replica counts), and for a GateConfig the model's gate
-(``domain.gate.resolve``),
+by ``domain.pod_ownership``, ``controllers.rollout``, ``domain.conditions.container_problems``
+(a pod's first failing container, kept only while it fails), the gate binding
+(``handlers.modelsync.stale_models``), for a Deployment the model's status (``domain.model_status``:
+generation, replica counts, a ProgressDeadlineExceeded condition), and for a GateConfig the model's
+gate (``domain.gate.resolve``),
 so those read a projection exactly as they read the full object; and it is small (a pod's is a
 few hundred bytes where the object is several KiB), its strings interned (``domain.interned``).
 """
@@ -24,7 +25,7 @@ from typing import Any
 from sparsegate_contracts import names
 
 from sparsegate.domain import interned, render
-from sparsegate.domain.conditions import STUCK_REASONS, ConditionType
+from sparsegate.domain.conditions import ConditionType, failing_container, progress_deadline
 from sparsegate.domain.pod_ownership import controller_ref
 
 _REF_FIELDS = ("apiVersion", "kind", "name", "uid", "controller")
@@ -45,17 +46,14 @@ def _meta(obj: Mapping[str, Any], *, labels: tuple[str, ...] = ()) -> dict[str, 
 
 def pod_view(pod: Mapping[str, Any]) -> dict[str, Any]:
     """A model pod: owner chain, model label, phase and IP, the server container's admin port, and
-    containers waiting for a reason that means they cannot start (for the model's status)."""
+    its first failing container (``conditions.failing_container``: none normally) for the
+    model's status."""
     status = pod.get("status") or {}
     view: dict[str, Any] = {"metadata": _meta(pod, labels=(names.MODEL_LABEL,)),
                             "status": {k: status[k] for k in ("phase", "podIP") if status.get(k)}}
-    stuck = [{"name": cs.get("name"), "state": {"waiting": {"reason": waiting["reason"],
-                                                            "message": str(waiting.get("message") or "")[:200]}}}
-             for cs in status.get("containerStatuses") or []
-             for waiting in [((cs.get("state") or {}).get("waiting") or {})]
-             if waiting.get("reason") in STUCK_REASONS]
-    if stuck:
-        view["status"]["containerStatuses"] = stuck
+    failing = failing_container(pod)
+    if failing is not None:
+        view["status"]["containerStatuses"] = [failing]
     for c in (pod.get("spec") or {}).get("containers") or []:
         if c.get("name") != render.CONTAINER_NAME:
             continue
@@ -71,7 +69,9 @@ def owner_view(obj: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # What a model's status reads of its Deployment (``domain.conditions.workload_conditions`` and the
-# replica counts): the spec generation the controller has observed and three counts.
+# replica counts): the spec generation the controller has observed and three counts, and the
+# Progressing condition only while it says ProgressDeadlineExceeded (its other reasons change
+# with every rollout step and decide nothing, so keeping them would cost memory and refreshes).
 DEPLOYMENT_STATUS_FIELDS = ("observedGeneration", "replicas", "readyReplicas", "updatedReplicas")
 
 
@@ -84,6 +84,10 @@ def deployment_view(deployment: Mapping[str, Any]) -> dict[str, Any]:
         view["metadata"]["generation"] = generation
     status = deployment.get("status") or {}
     view["status"] = {k: status[k] for k in DEPLOYMENT_STATUS_FIELDS if status.get(k) is not None}
+    deadline = progress_deadline(deployment)
+    if deadline is not None:
+        view["status"]["conditions"] = [interned.deep(
+            {k: deadline[k] for k in ("type", "status", "reason", "message") if deadline.get(k) is not None})]
     return view
 
 

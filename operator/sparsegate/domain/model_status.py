@@ -1,9 +1,10 @@
 """SparseModel ``status`` as a pure function of what one reconcile or one Deployment event saw.
 
 Two writers share one shape: the reconcile (after rendering and applying) owns observedGeneration,
-the gate fields, Degraded and its kstatus mirror Stalled; the Deployment watcher refreshes replica
-counts, Ready, Progressing and Reconciling and carries the rest over. Both go through
-``workload_conditions`` so Ready means the same thing whichever wrote last.
+the gate fields and Degraded; the Deployment watcher refreshes replica counts, Ready, Progressing,
+Reconciling and Stalled and carries the rest over. Both go through ``workload_conditions`` and
+``kstatus_conditions`` (Stalled: Degraded, or pods that cannot run, or the Deployment's progress
+deadline) so Ready and Stalled mean the same thing whichever wrote last.
 """
 
 from __future__ import annotations
@@ -24,15 +25,17 @@ WorkloadInputs = tuple[Any, ...]
 
 
 def workload_inputs(deployment: Mapping[str, Any] | None, pods: Iterable[Mapping[str, Any]]) -> WorkloadInputs:
-    """The Deployment's uid, generation and replica counts (as ``c.workload_conditions`` and
-    ``_replica_counts`` read them) and the pods' container problems; the Deployment may be the
-    object or its ``domain.fleet_view.deployment_view``."""
+    """The Deployment's uid, generation, replica counts and progress deadline (as
+    ``c.workload_conditions`` and ``_replica_counts`` read them) and the pods' container problems;
+    the Deployment may be the object or its ``domain.fleet_view.deployment_view``."""
     problems = tuple(c.container_problems(pods))
     if deployment is None:
         return (None, problems)
     meta, st = deployment.get("metadata") or {}, deployment.get("status") or {}
+    deadline = c.progress_deadline(deployment)
     return ((meta.get("uid"), meta.get("generation"), st.get("observedGeneration", 0),
-             st.get("replicas") or 0, st.get("readyReplicas") or 0, st.get("updatedReplicas") or 0), problems)
+             st.get("replicas") or 0, st.get("readyReplicas") or 0, st.get("updatedReplicas") or 0,
+             None if deadline is None else str(deadline.get("message") or "")), problems)
 
 
 def workload_settled(deployment: Mapping[str, Any] | None) -> bool:
@@ -74,8 +77,7 @@ def after_reconcile(*, model: Mapping[str, Any], generation: int | None, gate: G
         **_replica_counts(deployment),
         "conditions": c.set_conditions(
             previous.get("conditions") or [],
-            [*workload, degraded, *c.kstatus_conditions(workload, degraded=degraded,
-                                                        stalled=degraded.status is c.Status.TRUE)],
+            [*workload, degraded, *c.kstatus_conditions(workload, degraded=degraded)],
             now=now, observed_generation=generation),
     }
     if gate.document is not None and apply_error is None:
@@ -90,14 +92,13 @@ def after_deployment_event(*, model: Mapping[str, Any], deployment: Mapping[str,
     """Status patch after the model's Deployment changed; None when nothing would change."""
     previous = model.get("status") or {}
     prev_conditions = previous.get("conditions") or []
-    degraded = c.is_degraded(prev_conditions)
     workload = c.workload_conditions(desired=desired_replicas(model), deployment=deployment,
                                      gate_unavailable=c.gate_unavailable(prev_conditions), problems=problems,
                                      service_applied=service_applied)
     observed = previous.get("observedGeneration")
-    # Stalled is the reconcile's (it mirrors Degraded, which only the reconcile decides).
-    merged = c.set_conditions(prev_conditions,
-                              [*workload, *c.kstatus_conditions(workload, degraded=None, stalled=degraded)],
+    # Degraded is the reconcile's to decide: Stalled is derived from the one it last wrote.
+    degraded = c.observed_condition(prev_conditions, c.ConditionType.DEGRADED)
+    merged = c.set_conditions(prev_conditions, [*workload, *c.kstatus_conditions(workload, degraded=degraded)],
                               now=now, observed_generation=observed)
     patch = {**_replica_counts(deployment), "conditions": merged}
     if all(previous.get(k) == v for k, v in patch.items() if k != "conditions") and \

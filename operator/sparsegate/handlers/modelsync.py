@@ -55,12 +55,14 @@ def resolve_gate(model: Mapping[str, Any], watched_gate: WatchedGate) -> gate.Ga
     return gate.resolve(body, referenced=ref is not None, num_experts=experts)
 
 
-def container_problems(pods: Iterable[Mapping[str, Any]], *, deployment: Mapping[str, Any] | None,
-                       desired: int) -> list[str]:
-    """Why the model's pods cannot start, while some are not ready. ``pods``: the model's pods as
-    the operator watches them (``handlers.fleetindex``; no LIST per reconcile)."""
-    ready = int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0)
-    if deployment is None or ready >= desired:
+def container_problems(pods: Iterable[Mapping[str, Any]], *, deployment: Mapping[str, Any] | None) -> list[str]:
+    """Why the model's pods cannot run (``conditions.container_problems``); none without a
+    Deployment. ``pods``: the model's pods as the operator watches them (``handlers.fleetindex``;
+    no LIST per reconcile). They count whenever the Deployment is not done
+    (``conditions.workload_conditions``), even while the old pods of a rollout still serve every
+    replica: a new revision whose pods cannot run stalls the rollout, and waiting for the
+    Deployment's progress deadline (600 s by default) would only say so later and say less."""
+    if deployment is None:
         return []
     return conditions.container_problems(pods)
 
@@ -373,8 +375,8 @@ def model_uid(deployment: Mapping[str, Any] | None) -> str | None:
 def refresh_from_deployment(kube: Kube, *, namespace: str, name: str, deployment: Mapping[str, Any] | None,
                             pods: Iterable[Mapping[str, Any]], events: EventSink,
                             status_inputs: StatusInputs, applied_objects: AppliedObjects | None = None) -> bool:
-    """The model's Deployment (or one of its pods) changed: refresh replica counts, Ready and
-    Progressing. ``deployment``: the object or its watched view; None when it is gone. Returns
+    """The model's Deployment (or one of its pods) changed: refresh replica counts, Ready,
+    Progressing, Reconciling and Stalled. ``deployment``: the object or its watched view; None when it is gone. Returns
     False when the status was already written from these very inputs (no request sent).
     ``applied_objects``: whether the model's Service is applied (``with_service``)."""
     with status_inputs.guard(namespace, name):
@@ -435,7 +437,7 @@ def _write_status(kube: Kube, model: Mapping[str, Any], *, events: EventSink, st
         if current["metadata"].get("uid") != meta.get("uid"):
             return None  # deleted and re-created under the same name: not ours to write
         dep = deployment()
-        problems = container_problems(pods, deployment=dep, desired=model_status.desired_replicas(current))
+        problems = container_problems(pods, deployment=dep)
         patch = compute(current, dep, problems)
         seen["inputs"] = model_status.workload_inputs(dep, pods)
         seen["before"] = (current.get("status") or {}).get("conditions") or []
@@ -448,7 +450,8 @@ def _write_status(kube: Kube, model: Mapping[str, Any], *, events: EventSink, st
         return
     status_inputs.record(meta["namespace"], meta["name"], uid=meta.get("uid"), inputs=seen["inputs"])
     for cond in conditions.transitions(seen["before"], seen["after"]):
-        warn = (cond["type"] == conditions.ConditionType.DEGRADED.value and cond["status"] == "True") \
+        warn = (cond["type"] in (conditions.ConditionType.DEGRADED.value, conditions.ConditionType.STALLED.value)
+                and cond["status"] == "True") \
             or (cond["type"] == conditions.ConditionType.READY.value and cond["status"] != "True"
                 and cond.get("reason") != conditions.Reason.REPLICAS_NOT_READY.value)
         events(written, "Warning" if warn else "Normal", f"{cond['type']}{cond['status']}",

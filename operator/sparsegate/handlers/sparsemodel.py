@@ -10,8 +10,11 @@
   (``controllers.status_inputs``). While the Deployment is still rolling out, the refresh waits
   ``STATUS_SETTLE_S`` and reads the newest watched state, one per model however many events
   arrive meanwhile (``controllers.deferred_refresh``).
-- a model pod whose container cannot start (missing image, crash loop) → the same refresh, so
-  Ready=False names the pod, container and reason (ContainersWaiting).
+- a model pod whose container cannot run (missing image, crash loop, repeated non-zero exits:
+  ``conditions.failing_container``) → the same refresh, so Ready=False and Stalled=True name the
+  pod, container and reason (ContainersFailing; kstatus Failed). A Deployment past its progress
+  deadline stalls the model too (ProgressDeadlineExceeded), through the Deployment refresh. Both
+  clear on the refresh that finds the pods running again (the Deployment's ready count moves).
 - GateConfig events → re-reconcile models whose rendered gate no longer matches (see
   handlers.gatebinding).
 - A Deployment deleted while its model lives is re-created.

@@ -209,12 +209,16 @@ def test_models_whose_containers_cannot_start_say_why(stack: Stack) -> None:
     try:
         for name, reason in (("no-image", "ErrImagePull"), ("crasher", "CrashLoopBackOff")):
             def why(name: str = name, reason: str = reason) -> dict | None:
-                ready = {c["type"]: c for c in stack.get("sparsemodel", name, NS).get("status", {})
-                         .get("conditions") or []}.get("Ready") or {}
-                return ready if ready.get("reason") == "ContainersWaiting" and reason in ready["message"] else None
+                conds = {c["type"]: c for c in stack.get("sparsemodel", name, NS).get("status", {})
+                         .get("conditions") or []}
+                ready = conds.get("Ready") or {}
+                return conds if ready.get("reason") == "ContainersFailing" and reason in ready["message"] else None
 
-            ready = wait_for(why, what=f"{name}: Ready=False naming {reason}", timeout_s=120, interval_s=1.0)
-            assert ready["status"] == "False" and f"{name}-" in ready["message"]
+            conds = wait_for(why, what=f"{name}: Ready=False naming {reason}", timeout_s=120, interval_s=1.0)
+            assert conds["Ready"]["status"] == "False" and f"{name}-" in conds["Ready"]["message"]
+            # Written with Ready in the same status write: kstatus reads Failed, Argo CD Degraded.
+            assert (conds["Stalled"]["status"], conds["Stalled"]["reason"]) == ("True", "ContainersFailing")
+            assert conds["Reconciling"]["status"] == "False"
         pod = stack.pods(NS, "sparsegate.dev/model=crasher")[0]
         assert pod["status"]["containerStatuses"][0]["restartCount"] >= 1
     finally:

@@ -104,7 +104,7 @@ def test_container_problems_name_stuck_containers_only():
     assert c.is_stuck(pods[0]) and not c.is_stuck(pods[1])
     ready, progressing = c.workload_conditions(desired=2, deployment=deployment(ready=0), gate_unavailable=False,
                                                problems=problems)
-    assert (ready.status, ready.reason) == (c.Status.FALSE, c.Reason.CONTAINERS_WAITING)
+    assert (ready.status, ready.reason) == (c.Status.FALSE, c.Reason.CONTAINERS_FAILING)
     assert "p0/server: CrashLoopBackOff" in ready.message and progressing.status is c.Status.TRUE
     # Problems do not matter once every replica is ready.
     ready, _ = c.workload_conditions(desired=2, deployment=deployment(ready=2), gate_unavailable=False, problems=problems)
@@ -120,3 +120,108 @@ def test_a_ready_deployment_is_not_ready_while_the_service_is_not_applied():
     # Not done yet: the replicas are what Ready waits for, as before.
     ready, _ = c.workload_conditions(desired=2, deployment=deployment(ready=1), gate_unavailable=False, service_applied=False)
     assert ready.reason == c.Reason.REPLICAS_NOT_READY
+
+
+def pod(name, *, waiting=None, terminated=None, restarts=0, deleting=False):
+    state = {"waiting": waiting} if waiting else {"terminated": terminated} if terminated else {"running": {}}
+    meta = {"name": name, **({"deletionTimestamp": T0} if deleting else {})}
+    return {"metadata": meta, "status": {"containerStatuses": [{"name": "server", "restartCount": restarts,
+                                                                "state": state}]}}
+
+
+def past_deadline(*, ready=1, updated=2, replicas=2, generation=1, observed=1):
+    dep = deployment(ready=ready, updated=updated, replicas=replicas, generation=generation, observed=observed)
+    dep["status"]["conditions"] = [
+        {"type": "Available", "status": "False", "reason": "MinimumReplicasUnavailable"},
+        {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+         "message": 'ReplicaSet "m-7d9f" has timed out progressing.'}]
+    return dep
+
+
+OK_GATE = gate.resolve(None, referenced=False, num_experts=8)
+
+
+def test_pods_that_cannot_run_stall_the_model_instead_of_reconciling_it():
+    problems = c.container_problems([pod("m-abc", waiting={"reason": "CrashLoopBackOff",
+                                                          "message": "back-off 10s restarting failed container"})])
+    workload = c.workload_conditions(desired=2, deployment=deployment(ready=1, updated=2), gate_unavailable=False,
+                                     problems=problems)
+    ready, progressing = workload
+    assert (ready.status, ready.reason) == (c.Status.FALSE, c.Reason.CONTAINERS_FAILING)
+    assert ready.message == \
+        "1/2 ready, 2 updated; m-abc/server: CrashLoopBackOff: back-off 10s restarting failed container"
+    assert progressing.status is c.Status.TRUE  # the Deployment controller has not given up (yet)
+    ok = c.degraded_condition(gate_error=None, gate_source="default", apply_error=None)
+    reconciling, stalled = c.kstatus_conditions(workload, degraded=ok)
+    assert (stalled.status, stalled.reason, stalled.message) == (c.Status.TRUE, c.Reason.CONTAINERS_FAILING, ready.message)
+    assert reconciling.status is c.Status.FALSE
+    # A missing gate still says why first.
+    missing = c.degraded_condition(gate_error="GateConfig ns/g not found", gate_source="missing", apply_error=None)
+    assert c.kstatus_conditions(workload, degraded=missing)[1].reason is c.Reason.GATE_CONFIG_NOT_FOUND
+
+
+def test_a_deployment_past_its_progress_deadline_stalls_the_model():
+    ready, progressing = c.workload_conditions(desired=2, deployment=past_deadline(), gate_unavailable=False)
+    assert (ready.status, ready.reason) == (c.Status.FALSE, c.Reason.PROGRESS_DEADLINE_EXCEEDED)
+    assert ready.message == '1/2 ready, 2 updated; ReplicaSet "m-7d9f" has timed out progressing.'
+    assert (progressing.status, progressing.reason) == (c.Status.FALSE, c.Reason.PROGRESS_DEADLINE_EXCEEDED)
+    assert c.kstatus_conditions([ready, progressing], degraded=None)[1].status is c.Status.TRUE
+    # With failing pods too, they name the cause; the deadline is added to the message.
+    ready, _ = c.workload_conditions(desired=2, deployment=past_deadline(), gate_unavailable=False,
+                                     problems=["m-abc/server: ImagePullBackOff"])
+    assert ready.reason is c.Reason.CONTAINERS_FAILING and ready.message.endswith("has timed out progressing.")
+    # The deadline of a spec the controller has not observed is not this spec's; a done one is over.
+    for dep in (past_deadline(generation=2, observed=1), past_deadline(ready=2, updated=2)):
+        ready, _ = c.workload_conditions(desired=2, deployment=dep, gate_unavailable=False)
+        assert ready.reason not in c.WORKLOAD_STALLS
+
+
+def test_failing_containers_are_stuck_waits_and_repeated_non_zero_exits_not_transient_ones():
+    pods = [pod("a", waiting={"reason": "CreateContainerConfigError", "message": 'secret "s" not found'}),
+            pod("b", terminated={"exitCode": 137, "reason": "OOMKilled"}, restarts=2),
+            pod("c", waiting={"reason": "ContainerCreating"}), pod("d", waiting={"reason": "PodInitializing"}),
+            pod("e", terminated={"exitCode": 1, "reason": "Error"}),  # the first exit: not repeated yet
+            pod("f", terminated={"exitCode": 0, "reason": "Completed"}, restarts=3),
+            pod("g", restarts=5),  # running again between two crashes
+            pod("h", waiting={"reason": "InvalidImageName"}, deleting=True)]  # going: stalls nothing
+    assert c.container_problems(pods) == ['a/server: CreateContainerConfigError: secret "s" not found',
+                                          "b/server: OOMKilled: exit code 137"]
+    assert [p["metadata"]["name"] for p in pods if c.is_stuck(p)] == ["a", "b", "h"]  # h's events still refresh
+
+
+def test_the_deployment_watcher_stalls_the_model_on_failing_pods_and_clears_it_once_they_run():
+    st = model_status.after_reconcile(model=model(), generation=4, gate=OK_GATE, deployment=deployment(ready=0),
+                                      apply_error=None, now=T0)
+    assert {k: v["status"] for k, v in by_type(st["conditions"]).items() if k in ("Reconciling", "Stalled")} == \
+        {"Reconciling": "True", "Stalled": "False"}
+    crash = ["m-abc/server: CrashLoopBackOff: back-off 10s restarting failed container"]
+    stalled = model_status.after_deployment_event(model=model(status=st), deployment=deployment(ready=1, updated=2),
+                                                  now=T1, problems=crash)
+    conds = by_type(stalled["conditions"])
+    assert (conds["Stalled"]["status"], conds["Stalled"]["reason"]) == ("True", "ContainersFailing")
+    assert crash[0] in conds["Stalled"]["message"] and conds["Stalled"]["lastTransitionTime"] == T1
+    assert (conds["Reconciling"]["status"], conds["Ready"]["status"]) == ("False", "False")
+    assert conds["Degraded"]["status"] == "False"  # the reconcile's, carried over
+    recovered = model_status.after_deployment_event(model=model(status={**st, **stalled}), deployment=deployment(ready=2),
+                                                    now=T1)
+    conds = by_type(recovered["conditions"])
+    assert conds["Ready"]["status"] == "True" and conds["Reconciling"]["status"] == "False"
+    # Back to the Degraded mirror the reconcile writes, so the next reconcile changes nothing.
+    assert (conds["Stalled"]["status"], conds["Stalled"]["reason"], conds["Stalled"]["message"]) == \
+        ("False", "AsExpected", "gate from default")
+    again = model_status.after_reconcile(model=model(status={**st, **stalled, **recovered}), generation=4, gate=OK_GATE,
+                                         deployment=deployment(ready=2), apply_error=None, now=T1)
+    assert again["conditions"] == recovered["conditions"]
+
+
+def test_a_workload_stall_is_posted_as_an_event_when_ready_does_not_change():
+    starting = [{"type": "Ready", "status": "False", "reason": "ReplicasNotReady"},
+                {"type": "Stalled", "status": "False", "reason": "AsExpected"}]
+    failing = [{"type": "Ready", "status": "False", "reason": "ContainersFailing"},
+               {"type": "Stalled", "status": "True", "reason": "ContainersFailing"}]
+    assert [t["type"] for t in c.transitions(starting, failing)] == ["Stalled"]
+    was_ready = [{**starting[0], "status": "True"}, starting[1]]
+    assert [t["type"] for t in c.transitions(was_ready, failing)] == ["Ready"]  # said once, by Ready
+    degraded = [{"type": "Degraded", "status": "True", "reason": "GateConfigNotFound"},
+                {"type": "Stalled", "status": "True", "reason": "GateConfigNotFound"}]
+    assert [t["type"] for t in c.transitions(starting, degraded)] == ["Degraded"]

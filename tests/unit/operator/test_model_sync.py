@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 import threading
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from sparsegate.clients.kube import KubeError
 from sparsegate.controllers.applied_objects import AppliedObjects
 from sparsegate.controllers.status_inputs import StatusInputs
 from sparsegate.domain import admin_tls, fleet_view, model_status
+from sparsegate.domain.conditions import container_problems
 from sparsegate.handlers import modelsync
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -430,7 +432,7 @@ def test_ready_names_pods_whose_containers_cannot_start(kube):
     modelsync.refresh_from_deployment(kube, namespace="ns", name="moe-small", deployment=deployment, pods=pods,
                                       events=lambda *a: None, status_inputs=StatusInputs())
     ready = conditions(kube)["Ready"]
-    assert ready["status"] == "False" and ready["reason"] == "ContainersWaiting"
+    assert ready["status"] == "False" and ready["reason"] == "ContainersFailing"
     assert "moe-small-a/server: ErrImageNeverPull" in ready["message"] and "moe-small-b" not in ready["message"]
     # Once every replica is ready the pods are not looked at, and Ready is True.
     deployment["status"] = {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "observedGeneration": 1}
@@ -600,6 +602,87 @@ def test_the_deployment_view_gives_the_same_inputs_as_the_object(kube):
     assert model_status.workload_inputs(view, []) == model_status.workload_inputs(deployment, [])
     assert view["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     assert len(repr(view)) * 3 < len(repr(deployment))
+
+
+def refresh_with(kube, deployment, pods, inputs, events=None):
+    return modelsync.refresh_from_deployment(kube, namespace="ns", name="moe-small", deployment=deployment, pods=pods,
+                                             events=(lambda *a: events.append(a[1:])) if events is not None
+                                             else (lambda *a: None), status_inputs=inputs)
+
+
+def test_a_progress_deadline_is_kept_in_the_deployment_view_and_its_change_refreshes_the_model(kube):
+    gateconfig(kube)
+    inputs = StatusInputs()
+    reconcile(kube, model_of(kube))
+    deployment = ready_deployment(kube, ready=1)
+    deployment["status"]["conditions"] = [
+        {"type": "Available", "status": "False", "reason": "MinimumReplicasUnavailable", "message": "x" * 100},
+        {"type": "Progressing", "status": "True", "reason": "ReplicaSetUpdated", "message": "y" * 100}]
+    view = fleet_view.deployment_view(deployment)
+    assert "conditions" not in view["status"]  # the usual reasons decide nothing: not kept
+    assert refresh_with(kube, view, [], inputs) is True
+    assert conditions(kube)["Reconciling"]["status"] == "True"
+    assert refresh_with(kube, view, [], inputs) is False  # same inputs: nothing sent
+    deployment["status"]["conditions"][1] = {
+        "type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+        "lastUpdateTime": "2026-01-01T00:10:00Z", "message": 'ReplicaSet "moe-small-7d9f" has timed out progressing.'}
+    view = fleet_view.deployment_view(deployment)
+    assert view["status"]["conditions"] == [{k: deployment["status"]["conditions"][1][k]
+                                             for k in ("type", "status", "reason", "message")}]
+    assert model_status.workload_inputs(view, []) == model_status.workload_inputs(deployment, [])
+    assert refresh_with(kube, view, [], inputs) is True  # the deadline alone changes the inputs
+    conds = conditions(kube)
+    assert (conds["Stalled"]["status"], conds["Stalled"]["reason"]) == ("True", "ProgressDeadlineExceeded")
+    assert "has timed out progressing" in conds["Stalled"]["message"] and conds["Reconciling"]["status"] == "False"
+
+
+def test_the_pod_view_keeps_only_its_first_failing_container():
+    full = {"metadata": {"name": "moe-small-a", "namespace": "ns", "labels": {"sparsegate.dev/model": "moe-small"}},
+            "status": {"phase": "Running", "containerStatuses": [
+                {"name": "server", "ready": False, "restartCount": 4, "image": "i" * 200, "imageID": "j" * 200,
+                 "lastState": {"terminated": {"exitCode": 1, "reason": "Error"}},
+                 "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting"}}},
+                {"name": "side", "restartCount": 0, "state": {"waiting": {"reason": "ImagePullBackOff"}}}]}}
+    view = fleet_view.pod_view(full)
+    assert view["status"]["containerStatuses"] == [
+        {"name": "server", "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting"}}}]
+    assert view["status"]["containerStatuses"][0]["state"]["waiting"]["reason"] is sys.intern("CrashLoopBackOff")
+    assert container_problems([view]) == ["moe-small-a/server: CrashLoopBackOff: back-off 40s restarting"]
+    # A container that exited non-zero again after a restart is failing too; a running one is not kept.
+    full["status"]["containerStatuses"] = [{"name": "server", "restartCount": 2, "state": {
+        "terminated": {"exitCode": 2, "reason": "Error", "startedAt": "t", "finishedAt": "t", "containerID": "c"}}}]
+    view = fleet_view.pod_view(full)
+    assert container_problems([view]) == container_problems([full]) == \
+        ["moe-small-a/server: Error: exit code 2"]
+    full["status"]["containerStatuses"] = [{"name": "server", "ready": True, "restartCount": 2, "state": {"running": {}}}]
+    assert "containerStatuses" not in fleet_view.pod_view(full)["status"]
+
+
+def test_a_new_pod_that_cannot_run_stalls_a_rollout_while_the_old_pods_still_serve(kube):
+    """Default strategy at 2 replicas: one pod of the new revision is added and both old ones keep
+    serving (2 ready, 1 updated, 3 in all). A new pod that cannot run is reported at once, not
+    when the Deployment's progress deadline (600 s) runs out."""
+    gateconfig(kube)
+    inputs = StatusInputs()
+    reconcile(kube, model_of(kube))
+    deployment = ready_deployment(kube, ready=2)
+    deployment["status"].update(replicas=3, updatedReplicas=1)
+    stuck_pod(kube, "moe-small-new", "CrashLoopBackOff", "back-off 10s restarting failed container")
+    pods = [fleet_view.pod_view(kube.objects[("Pod", "ns", "moe-small-new")])]
+    events = []
+    assert refresh_with(kube, deployment, pods, inputs, events) is True
+    conds = conditions(kube)
+    assert (conds["Ready"]["status"], conds["Ready"]["reason"]) == ("False", "ContainersFailing")
+    assert (conds["Stalled"]["status"], conds["Reconciling"]["status"]) == ("True", "False")
+    assert "moe-small-new/server: CrashLoopBackOff" in conds["Stalled"]["message"]
+    assert ("Warning", "StalledTrue") in [e[:2] for e in events]
+    # Rolled back (or fixed): the failing pod is being deleted and the old ones are all there is.
+    pods = [{**pods[0], "metadata": {**pods[0]["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}]
+    deployment["status"].update(replicas=2, updatedReplicas=2)
+    assert refresh_with(kube, deployment, pods, inputs) is True
+    conds = conditions(kube)
+    assert (conds["Ready"]["status"], conds["Stalled"]["status"], conds["Reconciling"]["status"]) == \
+        ("True", "False", "False")
 
 
 def test_a_check_waits_for_a_write_of_the_same_model_in_flight(kube):

@@ -389,6 +389,25 @@ def test_sparsemodel_kstatus_rolling_ready_and_stalled() -> None:
     assert kstatus_port.compute(_model(merged, generation=4))[0] == IN_PROGRESS
 
 
+def test_sparsemodel_kstatus_is_failed_while_pods_cannot_run_or_the_deployment_is_past_its_deadline() -> None:
+    """kstatus computes Failed for a Deployment past its progress deadline and for a pod in a
+    crash loop; a model whose pods cannot run reads Failed too, so Flux stops waiting."""
+    rolling = model_status.after_reconcile(model=_model(), generation=3, gate=GATE_OK,
+                                           deployment=_deployment(0, 2), apply_error=None, now=NOW)
+    assert kstatus_port.compute(_model(rolling))[0] == IN_PROGRESS
+    crash = "m-abc/server: CrashLoopBackOff: back-off 10s restarting failed container"
+    failing = {**rolling, **model_status.after_deployment_event(model=_model(rolling), deployment=_deployment(0, 2),
+                                                               now=NOW, problems=[crash])}
+    assert kstatus_port.compute(_model(failing)) == (FAILED, f"0/2 ready, 2 updated; {crash}")
+    deadline = _deployment(1, 2)
+    deadline["status"]["conditions"] = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+                                         "message": 'ReplicaSet "m-7d9f" has timed out progressing.'}]
+    past = {**failing, **model_status.after_deployment_event(model=_model(failing), deployment=deadline, now=NOW)}
+    assert kstatus_port.compute(_model(past)) == (FAILED, '1/2 ready, 2 updated; ReplicaSet "m-7d9f" has timed out progressing.')
+    recovered = {**past, **model_status.after_deployment_event(model=_model(past), deployment=_deployment(2, 2), now=NOW)}
+    assert kstatus_port.compute(_model(recovered)) == (CURRENT, "Resource is Ready")
+
+
 def test_routingpolicy_kstatus() -> None:
     def rp(outcome: policy_status.SyncOutcome, previous: dict[str, Any] | None = None) -> dict[str, Any]:
         status = policy_status.status_patch(outcome=outcome, previous=previous, now=NOW)

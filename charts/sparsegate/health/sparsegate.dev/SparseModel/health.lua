@@ -1,9 +1,10 @@
 -- Argo CD health check for sparsegate.dev/SparseModel (register as
 -- resource.customizations.health.sparsegate.dev_SparseModel in argocd-cm).
---   Stalled=True or Degraded=True (GateConfig missing or invalid, apply refused) -> Degraded
+--   Stalled=True or Degraded=True (GateConfig missing or invalid, apply refused;
+--     pods that cannot run: CrashLoopBackOff, ImagePullBackOff, ..., named in the
+--     message; the Deployment past its progress deadline)                      -> Degraded
 --   Reconciling=True (instances starting or rolling, or the model's Service not
---     applied yet; the message names pods whose containers wait on
---     ImagePullBackOff, CrashLoopBackOff, ...)                                  -> Progressing
+--     applied yet)                                                              -> Progressing
 --   Ready=True (every desired instance ready and updated)                       -> Healthy
 local hs = {}
 local function condition(kind)
