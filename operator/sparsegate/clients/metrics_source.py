@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -254,8 +255,9 @@ class PrometheusAPI:
             "request_experts_squares": f"sum(increase({REQUEST_EXPERTS_SQUARES}{{{sel}}}[{w}]))",
         }
 
-    async def _scalar(self, session: aiohttp.ClientSession, query: str) -> float | None:
-        async with session.get(f"{self._url}/api/v1/query", params={"query": query}) as resp:
+    async def _scalar(self, session: aiohttp.ClientSession, query: str, *, at: float) -> float | None:
+        params = {"query": query, "time": f"{at:.3f}"}
+        async with session.get(f"{self._url}/api/v1/query", params=params) as resp:
             body: Any = await resp.json(content_type=None)
         if resp.status != 200 or body.get("status") != "success":
             raise PrometheusError(f"query {query!r}: {resp.status} {body.get('error', body)}")
@@ -270,8 +272,12 @@ class PrometheusAPI:
         if not pods:
             return None
         qs = self.queries(namespace=namespace, pods=pods, window_s=window_s, gate_version=gate_version)
+        # One evaluation instant for every query: the group's ratios (error rate, mean experts)
+        # divide two of them, and increase() extrapolates by the samples its window holds, so a
+        # scrape landing between two queries scaled one side only (e-2e: error rate 0.375 vs 0.422).
+        at = time.time()
         async with aiohttp.ClientSession(timeout=self._timeout) as session:
-            values = {k: await self._scalar(session, q) for k, q in qs.items()}
+            values = {k: await self._scalar(session, q, at=at) for k, q in qs.items()}
         if values["requests"] is None:
             return None
         tokens, layers = values["tokens"] or 0.0, values["layers"] or 1.0

@@ -8,6 +8,8 @@ against a real Prometheus in tests/e2e/rollout/test_prometheus_provider.py.
 
 from __future__ import annotations
 
+import asyncio
+
 import dataclasses
 import datetime
 import time
@@ -166,6 +168,30 @@ def test_prometheus_queries() -> None:
     assert prom.selector(namespace="ns1", pods=["m.a"]) == 'namespace="ns1",pod=~"m\\\\.a"'
     with pytest.raises(ValueError):
         prom.selector(namespace="ns1", pods=['x"}) or vector(1'])
+
+
+async def test_a_group_s_queries_are_evaluated_at_one_instant() -> None:
+    """The group's ratios divide two queries' answers (errors / requests, assignments / tokens);
+    increase() extrapolates by the samples in its window, so each query must see the same ones."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    seen: list[dict[str, str]] = []
+
+    async def query(request: web.Request) -> web.Response:
+        seen.append(dict(request.query))
+        await asyncio.sleep(0.01)  # time passes between the queries, as it does against a real server
+        return web.json_response({"status": "success", "data": {
+            "resultType": "vector", "result": [{"metric": {}, "value": [0, "2"]}]}})
+
+    app = web.Application()
+    app.router.add_get("/api/v1/query", query)
+    async with TestServer(app, host="127.0.0.1") as srv:
+        group = await PrometheusAPI(f"http://127.0.0.1:{srv.port}").group(
+            namespace="ns", pods=["m-a", "m-b"], window_s=30)
+    assert group is not None and group.error_rate == 1.0
+    assert len(seen) == len(PrometheusAPI("http://x").queries(namespace="ns", pods=["m-a"], window_s=30))
+    assert len({q.get("time") for q in seen}) == 1 and seen[0].get("time") is not None
 
 
 async def test_oversized_or_odd_answers_are_pod_errors_not_operator_memory(
