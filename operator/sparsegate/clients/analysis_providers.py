@@ -227,8 +227,10 @@ class PrometheusQuery:
                                   "SPARSEGATE_PROMETHEUS_URL", at=request.now)
         query = render_args(check.prometheus.query, request.args)
         async with aiohttp.ClientSession(timeout=self.timeout) as session:
-            async with session.get(f"{address.rstrip('/')}/api/v1/query",
-                                   params={"query": query, "time": f"{request.now:.3f}"}) as resp:
+            # POST (form-encoded), as Argo Rollouts sends it: a query naming ~1,000 pods twice is
+            # ~60 KB, past what proxies in front of Prometheus take in a URL.
+            async with session.post(f"{address.rstrip('/')}/api/v1/query",
+                                    data={"query": query, "time": f"{request.now:.3f}"}) as resp:
                 raw = await read_capped(resp, ANSWER_LIMIT)
                 status = resp.status
         try:

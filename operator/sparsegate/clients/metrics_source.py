@@ -256,8 +256,9 @@ class PrometheusAPI:
         }
 
     async def _scalar(self, session: aiohttp.ClientSession, query: str, *, at: float) -> float | None:
-        params = {"query": query, "time": f"{at:.3f}"}
-        async with session.get(f"{self._url}/api/v1/query", params=params) as resp:
+        form = {"query": query, "time": f"{at:.3f}"}
+        # POST (form-encoded): a group's pod alternation can make a URL too long for a proxy.
+        async with session.post(f"{self._url}/api/v1/query", data=form) as resp:
             body: Any = await resp.json(content_type=None)
         if resp.status != 200 or body.get("status") != "success":
             raise PrometheusError(f"query {query!r}: {resp.status} {body.get('error', body)}")

@@ -31,10 +31,11 @@ ANSWERS: dict[str, dict[str, Any]] = {
 @pytest.fixture
 async def address() -> AsyncIterator[str]:
     async def query(request: web.Request) -> web.Response:
-        return web.json_response(ANSWERS[request.query["query"]])
+        assert request.method == "POST"  # long pod alternations do not fit a URL
+        return web.json_response(ANSWERS[(await request.post())["query"]])
 
     app = web.Application()
-    app.router.add_get("/api/v1/query", query)
+    app.router.add_post("/api/v1/query", query)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -179,13 +179,13 @@ async def test_a_group_s_queries_are_evaluated_at_one_instant() -> None:
     seen: list[dict[str, str]] = []
 
     async def query(request: web.Request) -> web.Response:
-        seen.append(dict(request.query))
+        seen.append(dict(await request.post()))
         await asyncio.sleep(0.01)  # time passes between the queries, as it does against a real server
         return web.json_response({"status": "success", "data": {
             "resultType": "vector", "result": [{"metric": {}, "value": [0, "2"]}]}})
 
     app = web.Application()
-    app.router.add_get("/api/v1/query", query)
+    app.router.add_post("/api/v1/query", query)
     async with TestServer(app, host="127.0.0.1") as srv:
         group = await PrometheusAPI(f"http://127.0.0.1:{srv.port}").group(
             namespace="ns", pods=["m-a", "m-b"], window_s=30)
