@@ -87,7 +87,12 @@ class Stack:
         return proc
 
     def install(self, *values: str) -> None:
-        """``helm upgrade --install`` of the chart with chart defaults plus the local images."""
+        """``helm upgrade --install`` of the chart with chart defaults plus the local images.
+
+        The chart's CRDs are applied first, as the chart README says for every upgrade: helm never
+        upgrades crds/, and the chart's crds check refuses CRDs of another commit (a cluster kept
+        running across commits, as the demo's is)."""
+        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
         self.helm("upgrade", "--install", RELEASE, str(CHART), "-n", RELEASE_NS, "--create-namespace",
                   *image_values(self.images), *self.extra_values, *values)
 

@@ -286,6 +286,39 @@ def test_local_images_are_never_pulled():
     assert containers(docs, "Deployment")["operator"]["image"] == "localhost/sparsegate-operator:abc123"
 
 
+def test_pull_secrets_reach_the_operator_and_the_agent_pods():
+    """Images pushed to a private registry (README "Install on a real cluster"): the agent pods
+    had no pull secret (operator.imagePullSecrets is the operator pod's), so they stayed in
+    ImagePullBackOff."""
+    docs = render("agent-values.yaml", "--set", "operator.imagePullSecrets[0].name=op-pull",
+                  "--set", "agent.imagePullSecrets[0].name=agent-pull")
+    pods = {d["kind"]: d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "DaemonSet")}
+    assert pods["Deployment"]["imagePullSecrets"] == [{"name": "op-pull"}]
+    assert pods["DaemonSet"]["imagePullSecrets"] == [{"name": "agent-pull"}]
+    assert "imagePullSecrets" not in [d for d in render("agent-values.yaml") if d["kind"] == "DaemonSet"][0][
+        "spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("values", SCENARIOS)
+def test_operator_pod_meets_the_restricted_pod_security_profile(values):
+    """What the kube-apiserver's PodSecurity admission checks for `restricted` (checked against it
+    too: a server dry-run in a namespace enforcing restricted answers no warning for the
+    Deployment). The agent needs `privileged` (README "Pod Security admission")."""
+    (dep,) = [d for d in render(values) if d["kind"] == "Deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    assert not {"hostNetwork", "hostPID", "hostIPC"} & set(pod)
+    assert all("hostPath" not in v for v in pod.get("volumes", []))
+    psc = pod.get("securityContext", {})
+    for c in pod["containers"]:
+        sc = c.get("securityContext", {})
+        assert sc.get("allowPrivilegeEscalation") is False, c["name"]
+        assert sc.get("capabilities", {}).get("drop") == ["ALL"] and not sc["capabilities"].get("add"), c["name"]
+        assert sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True, c["name"]
+        assert sc.get("runAsUser", psc.get("runAsUser")) != 0, c["name"]
+        assert sc.get("seccompProfile", psc.get("seccompProfile")) == {"type": "RuntimeDefault"}, c["name"]
+        assert not sc.get("privileged") and not c.get("ports", [{}])[0].get("hostPort"), c["name"]
+
+
 # --- agent least privilege ----------------------------------------------------------------------
 
 
