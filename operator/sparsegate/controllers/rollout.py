@@ -19,8 +19,9 @@ a watch-driven loop, no finalizer). One tick:
    version/checksum double check) and, while a canary is in flight, their ``/metrics``;
 3. decide with ``domain.rollout.next_action`` (pure);
 4. persist the new status (JSON patch replacing the whole status, optimistic concurrency)
-   BEFORE acting, then push gates (the models' admin Secrets are read just before), post Events,
-   clear one-shot annotations, count metrics;
+   BEFORE acting; clear the one-shot annotations it consumed (the status names them until
+   then, ``consumedRequests``, so a clear that fails is not acted on twice); then push gates
+   (the models' admin Secrets are read just before), post Events, count metrics;
 5. when it pushed, observe again at once so verified pods are recorded in the same tick.
 
 Every API path comes from ``clients.kube.path_for``. Crash safety follows from (4) and from
@@ -469,6 +470,7 @@ class RolloutLoop:
             obs = Observations(pods=pods, **requests, **metrics, measurements=measured)
             decision = next_action(spec=spec, status=status, obs=obs, now=now)
             body = await self._persist(body, decision, steps=spec.steps, cache=cache)
+            body = await self._clear_requests(body, decision, steps=spec.steps, cache=cache)
             pushed = await self._act(body, decision, fleet=fleet, cache=cache, logger=logger)
             if not pushed:
                 break  # nothing new landed on a pod: the next tick looks again
@@ -509,9 +511,34 @@ class RolloutLoop:
         cache.superseded.append(body["metadata"]["resourceVersion"])
         return written
 
+    async def _clear_requests(self, body: Mapping[str, Any], decision: Decision, *, steps: Sequence[int],
+                              cache: RolloutCache) -> dict[str, Any]:
+        """Clear the one-shot annotations the decision consumed (its status, which holds their effect
+        and names them in ``consumedRequests``, is written by now), then write that status without
+        that record: from then on such an annotation is a new request. Returns the object as last
+        written, so a later write of this tick carries its resourceVersion (not a 409)."""
+        names = [a.name for a in decision.actions if isinstance(a, ClearAnnotation)]
+        if not names:
+            return dict(body)
+        path = path_for("GateConfig", namespace=body["metadata"]["namespace"], name=body["metadata"]["name"])
+        cleared = await asyncio.to_thread(
+            self.kube.request, "PATCH", path, body={"metadata": {"annotations": dict.fromkeys(names)}},
+            content_type="application/merge-patch+json")
+        body = cleared if (cleared.get("metadata") or {}).get("resourceVersion") else dict(body)
+        if not decision.status.consumed_requests:
+            return body
+        done = dataclasses.replace(decision.status, consumed_requests=())
+        try:
+            return await self._persist(body, dataclasses.replace(decision, status=done), steps=steps, cache=cache)
+        except Conflict:
+            # Written meanwhile (a spec edit): the tick still acts on its persisted decision, and the
+            # next one drops the record, the annotations being gone.
+            return body
+
     async def _act(self, body: Mapping[str, Any], decision: Decision, *, fleet: Fleet | None, cache: RolloutCache,
                    logger: logging.Logger) -> int:
-        """Perform the decision's side effects; returns how many gate pushes succeeded."""
+        """Perform the decision's side effects (its annotation clears are :meth:`_clear_requests`'); returns
+        how many gate pushes succeeded."""
         gates: list[tuple[str, Mapping[str, Any]]] = []
         for action in decision.actions:
             if isinstance(action, PushGate) and fleet is not None and action.pod in fleet.targets:
@@ -519,11 +546,6 @@ class RolloutLoop:
             elif isinstance(action, EmitEvent):
                 kopf.event(dict(body), type=action.type, reason=action.reason, message=action.message[:1024])
                 (logger.warning if action.type == "Warning" else logger.info)("%s: %s", action.reason, action.message)
-            elif isinstance(action, ClearAnnotation):
-                path = path_for("GateConfig", namespace=body["metadata"]["namespace"], name=body["metadata"]["name"])
-                await asyncio.to_thread(
-                    self.kube.request, "PATCH", path, body={"metadata": {"annotations": {action.name: None}}},
-                    content_type="application/merge-patch+json")
             elif isinstance(action, RecordOutcome):
                 ROLLOUTS.labels(outcome=action.outcome).inc()
             elif isinstance(action, RecordStep):

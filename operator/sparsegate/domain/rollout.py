@@ -410,6 +410,10 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
     work of the phase the status is now in (:data:`_PHASE_WORK`); level-based pushes; bookkeeping.
     """
     acts: list[Action] = [ClearAnnotation(name) for name in _consumed(obs)]
+    requested = tuple(r for r in _REQUESTS if getattr(obs, r))
+    # A request this status already acted on whose annotation is still there (its clear did not
+    # land) is cleared again, not acted on again: a step promote would otherwise skip two steps.
+    obs = dataclasses.replace(obs, **{r: False for r in requested if r in status.consumed_requests})
     s = _initialize(status, target=spec.target, acts=acts)
     s = _follow_spec(s, spec=spec, obs=obs, now=now, acts=acts)
     s = _requests(s, spec=spec, obs=obs, now=now, acts=acts)
@@ -423,6 +427,7 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
         # Started over in the same tick: this tick's conditions still say why.
         s = dataclasses.replace(s, reason="InvalidStatus", message=f"{unusable}; {s.message}")
     acts += _pushes(s, spec=spec, obs=obs)
+    s = dataclasses.replace(s, consumed_requests=requested)
     return Decision(status=_bookkeeping(s, previous=status, target=spec.target, obs=obs, now=now),
                     actions=tuple(acts))
 
@@ -430,6 +435,10 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
 def in_flight(s: RolloutStatus) -> bool:
     """A canary version is out (being pushed, analysed, held, or failed with autoRollback off)."""
     return s.canary is not None and (s.phase in ACTIVE_PHASES or s.phase == Phase.FAILED)
+
+
+# The one-shot requests, as Observations fields (status.rollout.consumedRequests names them).
+_REQUESTS = ("abort", "promote", "promote_step", "retry")
 
 
 def _consumed(obs: Observations) -> list[str]:
@@ -682,6 +691,12 @@ def _analysing(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: f
         return dataclasses.replace(s, phase=Phase.PROGRESSING, canary_pods=chosen, step_started_at=now,
                                    analysis_started_at=None, reason="Reverifying",
                                    message="instances changed during analysis: re-verifying the step")
+    if s.analysis_started_at is not None and now < s.analysis_started_at:
+        # The wall clock went back past the analysis start (status keeps wall-clock times): the
+        # window would wait out the whole jump. The step is analysed again from now, a full window.
+        return dataclasses.replace(s, phase=Phase.PROGRESSING, step_started_at=now, analysis_started_at=None,
+                                   reason="ClockMovedBack", message=f"the clock moved back past the analysis start "
+                                   f"{iso_time(s.analysis_started_at)}: analysing the step again")
     return _judge_step(s, spec=spec, obs=obs, now=now, percent=percent, acts=acts)
 
 

@@ -267,6 +267,11 @@ class RolloutStatus:
     # (phase, reason, message) an invalid spec interrupted: restored once the spec is valid again,
     # so an abort, a rejection, a pause or a failed analysis is not forgotten on the way.
     before_invalid_spec: tuple[Phase, str, str] | None = None
+    # One-shot requests (the Observations fields abort, promote, promote_step, retry) whose effect
+    # this status holds while their annotations may still be on the object: status is written
+    # before they are cleared, so a clear that did not land (an API error, a crash or a lost Lease
+    # in between) must not make the next tick act on them a second time (domain.rollout).
+    consumed_requests: tuple[str, ...] = ()
 
     @classmethod
     def from_status(cls, raw: Mapping[str, Any] | None) -> RolloutStatus:
@@ -303,6 +308,7 @@ class RolloutStatus:
             window_samples=int((ro.get("analysisWindow") or {}).get("samples") or 0),
             strategy=Strategy(ro["strategy"]) if ro.get("strategy") in Strategy._value2member_map_ else None,
             before_invalid_spec=_interrupted(ro.get("beforeInvalidSpec")),
+            consumed_requests=tuple(r for r in ro.get("consumedRequests") or () if isinstance(r, str)),
         )
 
     def to_status(self, *, steps: Sequence[int]) -> dict[str, Any]:
@@ -341,6 +347,7 @@ class RolloutStatus:
             "beforeInvalidSpec": {"phase": self.before_invalid_spec[0].value, "reason": self.before_invalid_spec[1],
                                   "message": self.before_invalid_spec[2]} if self.before_invalid_spec else None,
             "promote": self.promote,
+            "consumedRequests": list(self.consumed_requests) or None,
             "analysisPaused": self.analysis_paused or None,
             "analysisWindow": {"from": iso_time(self.window_from), "samples": self.window_samples}
             if self.window_from is not None else None,
