@@ -13,6 +13,7 @@ ETH_P_IP = 0x0800
 ETH_P_IPV6 = 0x86DD
 ETH_P_ARP = 0x0806
 ETH_P_8021Q = 0x8100
+ETH_P_8021AD = 0x88A8
 
 SRC_MAC = bytes.fromhex("020000000001")
 DST_MAC = bytes.fromhex("020000000002")
@@ -23,6 +24,11 @@ TCP_ACK = 0x10
 
 def ethernet(*, ethertype: int, payload: bytes = b"") -> bytes:
     return DST_MAC + SRC_MAC + struct.pack("!H", ethertype) + payload
+
+
+def vlan_tagged(frame: bytes, *tags: tuple[int, int]) -> bytes:
+    """`frame` (an Ethernet frame) with VLAN tags (TPID, VID), outermost first, after its MAC addresses."""
+    return frame[:12] + b"".join(struct.pack("!HH", tpid, vid) for tpid, vid in tags) + frame[12:]
 
 
 def ipv4_checksum(header: bytes) -> int:

@@ -66,6 +66,7 @@ struct sg_ct_val {
 #define SG_CLASS_CT_REPLY 5
 #define SG_CLASS_TCP_UNTRACKED 6
 #define SG_CLASS_UNPOLICED 7
+#define SG_CLASS_OVERLAY 8         /* overlay UDP to a destination that is not policed */
 
 /* TCP SYN -> SYN-ACK handshake time, keyed by the client->server flow. Only measurable
  * when both directions cross an attached interface (XDP sees ingress only). */
@@ -147,15 +148,17 @@ struct sg_verdict_key {
 
 /* Index into the per-CPU packet-type counters. Keep in sync with maps.Counter. */
 enum sg_counter_index {
-    SG_CNT_ETH_TRUNCATED = 0,   /* shorter than an Ethernet header */
+    SG_CNT_ETH_TRUNCATED = 0,   /* shorter than an Ethernet header (or its VLAN tags) */
     SG_CNT_IPV4 = 1,            /* well-formed IPv4 header */
     SG_CNT_IPV6 = 2,            /* well-formed IPv6 fixed header (version 6) */
     SG_CNT_ARP = 3,             /* passed untouched */
-    SG_CNT_VLAN = 4,            /* 802.1Q/802.1ad tagged: passed untouched */
+    SG_CNT_VLAN = 4,            /* 802.1Q/802.1ad tagged: up to 2 tags skipped, the inner frame
+                                   counted and judged as an untagged one; deeper: denied */
     SG_CNT_OTHER_L2 = 5,        /* any other ethertype: passed untouched */
     SG_CNT_IPV4_TRUNCATED = 6,  /* frame ends inside the IPv4 header */
     SG_CNT_IPV4_BAD_HEADER = 7, /* IHL < 5 or version != 4: passed, the stack drops it */
-    SG_CNT_IPV4_FRAGMENT = 8,   /* any fragment; non-first ones have no ports */
+    SG_CNT_IPV4_FRAGMENT = 8,   /* any fragment; non-first ones have no ports; a first one with
+                                   a partial TCP header is judged as a SYN */
     SG_CNT_L4_TRUNCATED = 9,    /* TCP/UDP header cut short */
     SG_CNT_IPV4_OTHER_PROTO = 10, /* ICMP etc.: counted, not policed */
     SG_CNT_TCP = 11,
@@ -167,7 +170,8 @@ enum sg_counter_index {
     SG_CNT_UNPOLICED = 17,      /* TCP/UDP to a destination no policy covers: passed */
     SG_CNT_ALLOWED_SOURCE = 18, /* to a policed destination from a node address / the operator */
     SG_CNT_DNS = 19,            /* to a policed destination, port 53 (either side) */
-    SG_CNT_OVERLAY = 20,        /* VXLAN (4789, 8472) / Geneve (6081) UDP: passed, inner not policed */
+    SG_CNT_OVERLAY = 20,        /* VXLAN (4789, 8472) / Geneve (6081) UDP to a destination not
+                                   policed: passed, inner not policed */
     SG_CNT_CT_REPLY = 21,       /* reply of a tracked flow (the reverse flow was seen allowed/opened) */
     SG_CNT_TCP_UNTRACKED = 22,  /* TCP without SYN to a policed destination, no tracked state: passed */
     SG_CNT_AUDIT_DENY = 23,     /* denied by policy but passed: audit mode (would-be drops) */

@@ -7,8 +7,11 @@
  *
  * Parsing is bounds-checked at every step; anything we cannot parse is counted by type and
  * passed to the kernel stack, which validates (and drops) malformed packets itself. Non-IP frames
- * pass untouched. Non-first IPv4 fragments carry no ports: they are counted and passed; the first
- * fragment carries the ports and is judged, so a denied flow cannot be reassembled.
+ * pass untouched. VLAN tags (up to two: 802.1ad + 802.1Q) are skipped and the frame inside parsed
+ * as an untagged one: the kernel strips priority tags (VID 0), however many, and delivers the packet
+ * as untagged. Non-first IPv4 fragments carry no ports: they are counted and passed; the first
+ * fragment carries the ports and is judged, so a denied flow cannot be reassembled (one too short
+ * for the TCP flags is judged as a SYN).
  *
  * IPv4 and IPv6 share every map: addresses are keyed as 16 bytes, IPv4 ones IPv4-mapped
  * (sparsegate_flow.h). IPv6: Ethernet, the 40-byte fixed header, then TCP or UDP directly after it
@@ -25,8 +28,8 @@
  * allow-list, a packet to a policed destination passes when it comes from an allowed source (node
  * addresses, the operator), is DNS (port 53), is the reply of a tracked flow, or is TCP without SYN
  * that no tracked state covers (a TCP connection can only start with a SYN, which is judged; see
- * ebpf/README.md for what XDP sees in which direction). Overlay UDP (VXLAN, Geneve) passes
- * before anything else: its inner packets are not policed here.
+ * ebpf/README.md for what XDP sees in which direction). Overlay UDP (VXLAN, Geneve) to a destination
+ * that is not policed is counted as such: its inner packets are not policed here.
  *
  * Policy is identity-based (as in Cilium): a policed destination's record and the source address's
  * record carry their identities (the ipcache), and the rule is looked up by (source identity,
@@ -68,6 +71,12 @@
 #define SG_PORT_VXLAN 4789
 #define SG_PORT_VXLAN_LINUX 8472
 #define SG_PORT_GENEVE 6081
+#define SG_VLAN_MAX 2  /* tags parsed: QinQ (802.1ad outer, 802.1Q inner) */
+
+struct sg_vlan_hdr {
+    __be16 tci;
+    __be16 proto;  /* the ethertype (or TPID) that follows */
+};
 
 BPF_PERCPU_ARRAY(counters, struct sg_counter, SG_CNT_MAX);
 /* Per-flow telemetry, one table per family: an IPv4 packet hashes a 16-byte key, not the 40-byte
@@ -228,6 +237,9 @@ static __always_inline int apply_class(__u8 cls, __u8 slot, __u16 rule, __u64 le
     case SG_CLASS_UNPOLICED:
         count(SG_CNT_UNPOLICED, len);
         return XDP_PASS;
+    case SG_CLASS_OVERLAY:
+        count(SG_CNT_OVERLAY, len);
+        return XDP_PASS;
     default:
         count(SG_CNT_TCP_UNTRACKED, len);
         return XDP_PASS;
@@ -261,18 +273,16 @@ static __always_inline int judge(union sg_flow_words *fw, __u32 ports, __u8 tcp_
         count(SG_CNT_NO_POLICY, len);
         return XDP_PASS;
     }
-    if (fk->proto == IPPROTO_UDP && (fk->dport == bpf_htons(SG_PORT_VXLAN_LINUX) ||
-                                     fk->dport == bpf_htons(SG_PORT_VXLAN) || fk->dport == bpf_htons(SG_PORT_GENEVE))) {
-        count(SG_CNT_OVERLAY, len);
-        return XDP_PASS;
-    }
+    int syn_only = fk->proto == IPPROTO_TCP &&
+                   (tcp_flags & (SG_TCP_FLAG_SYN | SG_TCP_FLAG_ACK)) == SG_TCP_FLAG_SYN;
     /* Cached for the live generation: no policy lookup. The flip happens before the generation is
      * written (and waits for running programs), so a program that reads the new generation also
      * sees the new map; one that still reads the old one, just after a flip, may reuse an outcome
-     * of the old generation for that instant. */
+     * of the old generation for that instant. A SYN is judged afresh: what its 5-tuple's earlier
+     * packets were (tcp_untracked, dns from port 53) says nothing about a connection attempt. */
     __u32 *live = policy_live.lookup(&zero);
     __u32 live_gen = live ? *live : 0;
-    if (st && live_gen && st->ct_generation == live_gen)
+    if (st && live_gen && st->ct_generation == live_gen && !syn_only)
         return apply_class(st->ct_class, st->ct_slot, st->ct_rule, len);
 
     union sg_policy_words dk;
@@ -280,7 +290,10 @@ static __always_inline int judge(union sg_flow_words *fw, __u32 ports, __u8 tcp_
     struct sg_policy_val *dst = bpf_map_lookup_elem(inner, &dk.k);
     if (!dst) {
         out->generation = live_gen;
-        out->cls = SG_CLASS_UNPOLICED;
+        /* Overlay UDP is told apart only here: to a policed pod, its port 4789 is judged as any. */
+        out->cls = fk->proto == IPPROTO_UDP && (fk->dport == bpf_htons(SG_PORT_VXLAN_LINUX) ||
+                   fk->dport == bpf_htons(SG_PORT_VXLAN) || fk->dport == bpf_htons(SG_PORT_GENEVE))
+                   ? SG_CLASS_OVERLAY : SG_CLASS_UNPOLICED;
         if (!st)
             track_outbound(inner, fw);
         return apply_class(out->cls, 0, 0, len);
@@ -288,8 +301,6 @@ static __always_inline int judge(union sg_flow_words *fw, __u32 ports, __u8 tcp_
     __u32 generation = dst->generation;  /* the generation of the map that judges this packet */
     out->generation = generation;
     out->slot = dst->slot;
-    int syn_only = fk->proto == IPPROTO_TCP &&
-                   (tcp_flags & (SG_TCP_FLAG_SYN | SG_TCP_FLAG_ACK)) == SG_TCP_FLAG_SYN;
     if (fk->dport == bpf_htons(SG_PORT_DNS) || (fk->sport == bpf_htons(SG_PORT_DNS) && !syn_only)) {
         out->cls = SG_CLASS_DNS;
         return apply_class(out->cls, out->slot, 0, len);
@@ -366,7 +377,31 @@ static __always_inline int judge_portless(union sg_flow_words *fw, __u64 len)
         return apply_class(SG_CLASS_ALLOWED_SOURCE, dst->slot, 0, len);
     return apply_class(dst->action == SG_ACTION_DENY ? SG_CLASS_RULE_DENY : SG_CLASS_RULE_ALLOW, dst->slot, 0, len);
 }
+
+/* A frame whose IP header lies past the VLAN tags we parse: the kernel would still deliver it (it
+ * strips any number of VID-0 tags) and we cannot tell its destination, so with a policy it is
+ * denied (no legitimate sender stacks three tags). */
+static __always_inline int judge_unparsed(__u64 len)
+{
+    int zero = 0;
+    if (!policy_outer.lookup(&zero)) {
+        count(SG_CNT_NO_POLICY, len);
+        return XDP_PASS;
+    }
+    count(SG_CNT_POLICY_DENY, len);
+#if SG_AUDIT
+    count(SG_CNT_AUDIT_DENY, len);
+    return XDP_PASS;
+#else
+    return XDP_DROP;
 #endif
+}
+#endif
+
+static __always_inline int vlan_tpid(__u16 h_proto)
+{
+    return h_proto == bpf_htons(ETH_P_8021Q) || h_proto == bpf_htons(ETH_P_8021AD);
+}
 
 /* IPv6 next-header values that are extension headers (RFC 8200 and the IANA list), not an
  * upper-layer protocol. */
@@ -421,13 +456,35 @@ int xdp_flow(struct xdp_md *ctx)
         return XDP_PASS;
     }
     __u16 h_proto = eth->h_proto;
+    void *l3 = eth + 1;
+    if (vlan_tpid(h_proto)) {
+        count(SG_CNT_VLAN, len);
+#pragma unroll
+        for (int i = 0; i < SG_VLAN_MAX && vlan_tpid(h_proto); i++) {
+            struct sg_vlan_hdr *vh = l3;
+            if ((void *)(vh + 1) > data_end) {
+                count(SG_CNT_ETH_TRUNCATED, len);
+                return XDP_PASS;
+            }
+            h_proto = vh->proto;
+            l3 = vh + 1;
+        }
+        if (vlan_tpid(h_proto)) {
+#if SG_ENFORCE
+            return judge_unparsed(len);
+#else
+            return XDP_PASS;
+#endif
+        }
+    }
     union sg_flow_words fk;     /* IPv6 flows, and IPv4 ones where a shared map needs them (widened) */
     union sg_flow4_words fk4;   /* the IPv4 flow table's key */
     void *l4;
     __u8 proto;
     int v6 = 0;
+    int tiny_tcp = 0;  /* a first fragment whose TCP header ends in the next fragment */
     if (h_proto == bpf_htons(ETH_P_IP)) {
-        struct iphdr *iph = (void *)(eth + 1);
+        struct iphdr *iph = l3;
         if ((void *)(iph + 1) > data_end) {
             count(SG_CNT_IPV4_TRUNCATED, len);
             return XDP_PASS;
@@ -450,6 +507,10 @@ int xdp_flow(struct xdp_md *ctx)
             count(SG_CNT_IPV4_FRAGMENT, len);
             if (frag & SG_IP_OFFSET)
                 return XDP_PASS; /* no L4 header in this fragment */
+            /* RFC 1858 tiny fragment: the kernel keeps what tot_len covers (not the frame) and
+             * takes the rest of the TCP header, SYN flag included, from the next fragment, which
+             * passes unread: judged as a connection attempt, by its ports. */
+            tiny_tcp = iph->protocol == IPPROTO_TCP && bpf_ntohs(iph->tot_len) < ihl_bytes + sizeof(struct tcphdr);
         }
         proto = iph->protocol;
         if (proto != IPPROTO_TCP && proto != IPPROTO_UDP) {
@@ -461,7 +522,7 @@ int xdp_flow(struct xdp_md *ctx)
          * unjudged IPv4 packet pays for no IPv6. */
         fk4.w[0] = *(__u64 *)&iph->saddr;
     } else if (h_proto == bpf_htons(ETH_P_IPV6)) {
-        struct ipv6hdr *ip6h = (void *)(eth + 1);
+        struct ipv6hdr *ip6h = l3;
         if ((void *)(ip6h + 1) > data_end) {
             count(SG_CNT_IPV6_TRUNCATED, len);
             return XDP_PASS;
@@ -497,8 +558,6 @@ int xdp_flow(struct xdp_md *ctx)
     } else {
         if (h_proto == bpf_htons(ETH_P_ARP))
             count(SG_CNT_ARP, len);
-        else if (h_proto == bpf_htons(ETH_P_8021Q) || h_proto == bpf_htons(ETH_P_8021AD))
-            count(SG_CNT_VLAN, len);
         else
             count(SG_CNT_OTHER_L2, len);
         return XDP_PASS;
@@ -509,11 +568,17 @@ int xdp_flow(struct xdp_md *ctx)
     if (proto == IPPROTO_TCP) {
         struct tcphdr *tcp = l4;
         if ((void *)(tcp + 1) > data_end || tcp->doff < 5) {
-            count(SG_CNT_L4_TRUNCATED, len);
-            return XDP_PASS;
+            if (!tiny_tcp || l4 + sizeof(__u32) > data_end) {
+                count(SG_CNT_L4_TRUNCATED, len);
+                return XDP_PASS;
+            }
+            ports = *(__u32 *)l4;
+        } else {
+            ports = *(__u32 *)tcp;
+            tcp_flags = ((__u8 *)tcp)[13];
         }
-        ports = *(__u32 *)tcp;
-        tcp_flags = ((__u8 *)tcp)[13];
+        if (tiny_tcp)
+            tcp_flags = SG_TCP_FLAG_SYN;
         count(SG_CNT_TCP, len);
     } else {
         struct udphdr *udp = l4;

@@ -196,16 +196,17 @@ def test_audit_mode_drops_nothing_and_counts_what_it_would_drop(net: Net, audit_
     assert all(t.dropped == 0 for t in flows(audit_prog).values())
 
 
-def test_overlay_udp_passes_uninspected(net: Net, enforce_prog: LoadedProgram) -> None:
+def test_overlay_udp_passes_uninspected_where_nothing_is_policed(net: Net, enforce_prog: LoadedProgram) -> None:
     lab = net.lab
     PolicySwapper(bpf=enforce_prog.bpf).apply(net.policy(entries=False), extra_sources=(net.node,))
     with attached(lab, enforce_prog, "server"):
         reset_maps(enforce_prog)
-        got = {port: net.udp_round(src=net.other, dst=net.model, port=port, count=50) for port in (4789, 8472, 6081)}
+        got = {port: net.udp_round(src=net.other, dst=net.side, port=port, count=50) for port in (4789, 8472, 6081)}
+        to_model = net.udp_round(src=net.other, dst=net.model, port=4789, count=50)  # the pod's own port
         control = net.udp_round(src=net.other, dst=net.model, port=9000, count=50)
-    assert got == {4789: 50, 8472: 50, 6081: 50} and control == 0
+    assert got == {4789: 50, 8472: 50, 6081: 50} and to_model == 0 and control == 0
     c = counters(enforce_prog)
-    assert (c[Counter.OVERLAY], c[Counter.POLICY_DENY]) == (150, 50)
+    assert (c[Counter.OVERLAY], c[Counter.POLICY_DENY]) == (150, 100)
 
 
 def scrape(lab: VethLab, port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

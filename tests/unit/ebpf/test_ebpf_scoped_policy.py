@@ -1,7 +1,7 @@
 """Scoped, stateful verdicts of the XDP program on synthetic frames (BPF_PROG_TEST_RUN).
 
 Only packets to a policed destination are judged; node addresses / the operator, DNS, replies of
-tracked flows and TCP without SYN pass before the allow-list; overlay UDP passes untouched; audit
+tracked flows and TCP without SYN pass before the allow-list; overlay UDP to a node is counted; audit
 mode counts would-be drops and drops nothing.
 """
 from __future__ import annotations
@@ -82,11 +82,13 @@ def test_dns_passes_both_ways_but_a_syn_from_port_53_is_still_judged(enforce_pro
 
 
 @pytest.mark.parametrize("port", [4789, 8472, 6081], ids=["vxlan", "vxlan-linux", "geneve"])
-def test_overlay_udp_passes_even_to_a_policed_destination(enforce_prog: LoadedProgram, port: int) -> None:
+def test_overlay_udp_to_a_destination_not_policed_is_counted_as_overlay(enforce_prog: LoadedProgram,
+                                                                        port: int) -> None:
     install(enforce_prog, allow_port=None)
-    assert run(enforce_prog, udp(OTHER, MODEL, 40000, port), repeat=3) == "pass"
+    assert run(enforce_prog, udp(OTHER, NODE, 40000, port), repeat=3) == "pass"  # cached after the first
+    assert run(enforce_prog, udp(OTHER, MODEL, 40000, port)) == "drop"  # a policed pod's own port: judged
     c = counters(enforce_prog)
-    assert c[Counter.OVERLAY] == 3 and c[Counter.POLICY_DENY] == 0 and verdicts(enforce_prog) == {}
+    assert (c[Counter.OVERLAY], c[Counter.UNPOLICED], c[Counter.POLICY_DENY]) == (3, 0, 1)
 
 
 def test_replies_to_a_flow_the_model_pod_opened_pass_when_its_outbound_packet_was_seen(
