@@ -192,9 +192,13 @@ def expert_mm(x: torch.Tensor, weight: StoredWeight, e: int, *,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ expert e's weight in x's dtype (into `out` when given). int8: cast the values and
     scale the output columns (x @ (q * s) == (x @ q) * s for a per-column s), so no scaled
-    weight copy is made."""
+    weight copy is made; except in fp16, where the cast copy is scaled before the matmul."""
     if weight.scale is None:
         return torch.mm(x, weight.materialize(x.dtype, e), out=out)
+    if x.dtype == torch.float16:
+        # x @ q is 1/scale times x @ w (|q| up to 127): in fp16 (max 65504) it overflows to inf
+        # where x @ w fits, so fp16 scales the weight first (in fp32 math, one rounding).
+        return torch.mm(x, weight.data[e].to(x.dtype).mul_(weight.scale[e]), out=out)
     y = torch.mm(x, weight.data[e].to(x.dtype), out=out)
     return y.mul_(weight.scale[e].to(x.dtype))
 

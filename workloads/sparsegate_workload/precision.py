@@ -18,6 +18,7 @@ rounding as fake quantisation with a straight-through estimator, so gradients st
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable, Literal
 
 import torch
@@ -32,12 +33,15 @@ _RANK = {"int8": 0, "bf16": 1, "fp32": 2}
 def choose_precision(*, policy: str, sensitivity: float | None,
                      threshold: float = SENSITIVITY_THRESHOLD) -> Precision:
     """Forced policies win; ``auto``: variance above `threshold` -> bf16, otherwise int8 (the
-    article's ``>``); an unmeasured weight (None) stays fp32."""
+    article's ``>``); an unmeasured weight (None) stays fp32, and so does a failed measurement
+    (NaN, e.g. from inf/NaN gradients)."""
     if policy in PRECISIONS:
         return policy  # type: ignore[return-value]
     if policy != "auto":
         raise ValueError(f"unknown precision policy {policy!r}")
-    if sensitivity is None:
+    # NaN compares False with ">", which would pick int8, the fewest bits, for a layer whose
+    # gradients blew up: not measured is not guessed at.
+    if sensitivity is None or math.isnan(sensitivity):
         return "fp32"
     return "bf16" if sensitivity > threshold else "int8"
 

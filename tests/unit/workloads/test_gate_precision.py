@@ -4,6 +4,7 @@ gradients, and the built-in model served from bf16/int8 weights."""
 import pytest
 import torch
 
+from sparsegate_workload.experts import expert_mm
 from sparsegate_workload.gateparams import GateParams
 from sparsegate_workload.gating import DynamicGate
 from sparsegate_workload.model import ModelConfig, build_model
@@ -26,6 +27,16 @@ def test_rule_is_the_articles_bf16_above_the_threshold_int8_otherwise():
         assert choose_precision(policy=forced, sensitivity=0.0) == forced
     with pytest.raises(ValueError):
         choose_precision(policy="fp8", sensitivity=1.0)
+
+
+def test_a_nan_variance_keeps_fp32_instead_of_reading_as_insensitive():
+    # inf/NaN gradients (e.g. fp16 overflow in calibration) give a NaN variance; NaN > 1e-3 is
+    # False, which picked int8, the fewest bits, for the layer whose gradients blew up.
+    blown = gradient_variance([torch.tensor([1.0, float("inf")]), torch.tensor([2.0, 1.0])])
+    assert blown != blown  # NaN
+    assert choose_precision(policy="auto", sensitivity=blown) == "fp32"
+    assert choose_precision(policy="auto", sensitivity=float("inf")) == "bf16"
+    assert choose_precision(policy="int8", sensitivity=blown) == "int8"  # forced still wins
 
 
 def test_gradient_variance_is_the_mean_elementwise_sample_variance():
@@ -55,6 +66,24 @@ def test_int8_round_trip_is_bounded_per_output_channel():
     assert ((dequantize_int8(q3, s3) - stacked).abs() <= s3 / 2 + 1e-7).all()
     bf = stored_weight(w, "bf16")
     assert torch.equal(bf, w.to(torch.bfloat16).float()) and not torch.equal(bf, w)
+
+
+def test_int8_expert_matmul_in_fp16_does_not_overflow():
+    # x @ q is 1/scale (here ~2,000x) larger than x @ w: with fp16 activations (--model-dtype
+    # float16) it went to inf although the true output (~40) fits fp16 easily.
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1, 256, 32, generator=g) * 0.02       # [E, in, out]
+    x = torch.randn(4, 256, generator=g)
+    x[:, 7] = 1000.0                                       # one large activation channel
+    stored = StoredWeight.store(w, "int8", in_dim=1)
+    ref = x @ stored.materialize(torch.float32, 0)         # the dequantised weight, fp32
+    assert float(ref.abs().max()) < 100
+    for dtype, tol in ((torch.float16, 2e-3), (torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
+        out = torch.empty(4, 32, dtype=dtype)
+        y = expert_mm(x.to(dtype), stored, 0, out=out)
+        assert y.data_ptr() == out.data_ptr()
+        assert torch.isfinite(y).all(), dtype
+        assert float((y.float() - ref).abs().max() / ref.abs().max()) <= tol, dtype
 
 
 def test_stored_weight_holds_the_bytes_of_its_dtype():

@@ -82,3 +82,20 @@ def test_calibration_on_tokenized_text_and_the_rule_per_weight_group(mixtral):
     assert [(b.gate_precision, b.expert_precision) for b in lm.weight_bytes()] == [
         ("bf16", "int8"), ("int8", "bf16")]
     assert torch.isfinite(lm.forward(IDS).logits).all()
+
+
+def test_int8_experts_under_a_float16_load_stay_finite(mixtral):
+    # --model-dtype float16 with int8 experts: the matmul against the raw int8 values is
+    # 1/scale times larger than against the weight and overflowed fp16 to inf (every output
+    # here), while the fp16 model itself computes this block at |y| ~ 300.
+    lm = load_moe_checkpoint(mixtral, gate=_gate("fp32"), dropless=True, dtype=torch.float16)
+    block = lm.blocks[0]
+    x = torch.randn(1, 8, block.gate.weight.shape[1],
+                    generator=torch.Generator().manual_seed(0)).half()
+    x[..., 3] = 1500.0  # one large activation channel
+    with torch.inference_mode():
+        ref = block(x).float()
+        lm.set_gate(_gate("int8"), dropless=True)
+        out = block(x).float()
+    assert torch.isfinite(ref).all() and torch.isfinite(out).all()
+    assert float((out - ref).abs().max() / ref.abs().max()) <= 0.02
