@@ -209,6 +209,18 @@ static __always_inline void count_verdict(__u8 slot, __u32 rule_id, __u64 len)
     }
 }
 
+/* What the policy denies: counted, then dropped (audit mode: counted as a would-be drop, passed). */
+static __always_inline int deny(__u64 len)
+{
+    count(SG_CNT_POLICY_DENY, len);
+#if SG_AUDIT
+    count(SG_CNT_AUDIT_DENY, len);
+    return XDP_PASS;
+#else
+    return XDP_DROP;
+#endif
+}
+
 static __always_inline int apply_class(__u8 cls, __u8 slot, __u16 rule, __u64 len)
 {
     switch (cls) {
@@ -218,13 +230,7 @@ static __always_inline int apply_class(__u8 cls, __u8 slot, __u16 rule, __u64 le
         return XDP_PASS;
     case SG_CLASS_RULE_DENY:
         count_verdict(slot, rule, len);
-        count(SG_CNT_POLICY_DENY, len);
-#if SG_AUDIT
-        count(SG_CNT_AUDIT_DENY, len);
-        return XDP_PASS;
-#else
-        return XDP_DROP;
-#endif
+        return deny(len);
     case SG_CLASS_ALLOWED_SOURCE:
         count(SG_CNT_ALLOWED_SOURCE, len);
         return XDP_PASS;
@@ -388,13 +394,7 @@ static __always_inline int judge_unparsed(__u64 len)
         count(SG_CNT_NO_POLICY, len);
         return XDP_PASS;
     }
-    count(SG_CNT_POLICY_DENY, len);
-#if SG_AUDIT
-    count(SG_CNT_AUDIT_DENY, len);
-    return XDP_PASS;
-#else
-    return XDP_DROP;
-#endif
+    return deny(len);
 }
 #endif
 

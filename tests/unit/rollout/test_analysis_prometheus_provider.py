@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from sparsegate.clients.analysis_providers import MeasureRequest, PrometheusQuery, measure_safely
 from sparsegate.domain.analysis_run import MeasurementPhase, judge, parse_checks
@@ -36,15 +37,8 @@ async def address() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/api/v1/query", query)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with TestServer(app, host="127.0.0.1") as srv:
+        yield f"http://127.0.0.1:{srv.port}"
 
 
 @pytest.mark.parametrize(("query", "value", "error", "phase"), [
