@@ -9,6 +9,7 @@ re-store weights) never overlaps a forward.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -63,6 +64,24 @@ class HFServedModel:
                 "vocab": self.vocab_size, "maxSeqLen": self.context_length,
                 "topK": self.lm.top_k, "tokenizer": self.tokenizer is not None,
                 "device": str(self.device)}
+
+    def precision(self) -> dict[str, Any]:
+        """What ``/v1/model`` reports about weight storage: the installed gate's policy, where
+        the variances ``auto`` resolves from came from ("file": the checkpoint's precision file,
+        "measured": calibrated in this process, "unmeasured": none, so auto keeps fp32), and
+        per MoE layer the precisions and bytes as stored now (read from the stored tensors)."""
+        lm = self.lm
+        router, experts = lm.gate_sensitivity, lm.expert_sensitivity
+        layers = [{**b.to_json(),
+                   "routerVariance": _finite(router[i]) if router is not None else None,
+                   "expertVariance": _finite(experts[i]) if experts is not None else None}
+                  for i, b in enumerate(lm.weight_bytes())]
+        return {"policy": lm.gate.params.precision_policy, "source": lm.sensitivity_source,
+                "file": str(lm.precision_file) if lm.precision_file is not None else None,
+                "calibrationData": lm.calibration_data,
+                "bytes": sum(x["gateBytes"] + x["expertBytes"] for x in layers),
+                "fp32Bytes": sum(x["gateFp32Bytes"] + x["expertFp32Bytes"] for x in layers),
+                "layers": layers}
 
     def set_gate(self, doc: GateDocument, *, controller: ThresholdController | None = None) -> ActiveGate:
         """Install ``doc`` (raises GateParamsError), routed by ``controller``'s threshold when
@@ -144,6 +163,10 @@ class HFServedModel:
         return _generation(call.layers, n_blocks=self.n_layers, num_experts=self.num_experts,
                            prompt_tokens=len(prompt), token_ids=generated, finish=finish,
                            gate_version=call.gate.version)
+
+
+def _finite(v: float) -> float | None:
+    return None if math.isnan(v) else v  # NaN (a failed measurement) is not JSON
 
 
 def sampling_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -328,9 +328,13 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def model_info(request: web.Request) -> web.Response:
-    """The model's shape (known before it is built) and whether it is loaded."""
+    """The model's shape (known before it is built) and whether it is loaded; a loaded
+    checkpoint adds its weight storage (`HFServedModel.precision`)."""
     state = request.app[STATE]
-    return web.json_response({"model": state.shape(), "loaded": state.loaded})
+    out: dict[str, Any] = {"model": state.shape(), "loaded": state.loaded}
+    if state.hf is not None:
+        out["precision"] = state.hf.precision()
+    return web.json_response(out)
 
 
 async def readyz(request: web.Request) -> web.Response:

@@ -30,6 +30,7 @@ from .checkpoint_files import CheckpointError, check_weight_files, family_of, re
 from .families import MoEFamily
 from .gated_block import ActiveGate, GateCall, GateSlot, SparseGatedMoEBlock, pin_gate
 from .placement import PlacementSpec, apply_placement, measure_placement_factors
+from .precision_file import MeasuredVariances, read_precision_file
 from .tool_head import ToolHead, final_hidden, load_tool_head
 
 log = logging.getLogger(__name__)
@@ -80,10 +81,14 @@ class SparseGatedCausalLM:
         self.path = path
         self.tokenizer = tokenizer
         self.top_k = int(model.config.num_experts_per_tok)
-        # Unmeasured until `calibrate_gate_precision`; "auto" then keeps every layer fp32.
+        # Unmeasured until `calibrate_gate_precision` or `use_measured`; "auto" then keeps
+        # every layer fp32.
         self.gate_sensitivity: list[float] | None = None
         self.expert_sensitivity: list[float] | None = None
         self.calibration_data: str | None = None  # what the variances were measured on
+        # Where they came from: "unmeasured", "measured" (here) or "file" (`precision_file`).
+        self.sensitivity_source = "unmeasured"
+        self.precision_file: Path | None = None
         # A tool-gate head beside the weights (tool_head.py), set by the loader; None: no tool gate.
         self.tool_head: ToolHead | None = None
         # The checkpoint's MoE tensors per block, read again on demand: what a bf16/int8 block
@@ -226,14 +231,30 @@ class SparseGatedCausalLM:
                 tool_prob = self.tool_head.probs(hidden)
         return GatedForward(logits=out.logits, layers=call.layers, gate=call.gate, tool_prob=tool_prob)
 
+    def use_measured(self, measured: MeasuredVariances) -> None:
+        """Take the variances of a precision file (`precision_file`) and re-resolve "auto";
+        raises CheckpointError naming the file when it measured another layer/expert count."""
+        measured.check_model(layers=len(self.blocks), num_experts=self.num_experts)
+        self.gate_sensitivity, self.expert_sensitivity = list(measured.router), list(measured.experts)
+        self.calibration_data, self.sensitivity_source = measured.data, "file"
+        self.precision_file = measured.path
+        self._reinstall_gate()
+
+    def _reinstall_gate(self) -> None:
+        latest = self._slot.active
+        self.set_gate(latest.document or latest.params, dropless=latest.capacity_factor is None,
+                      controller=latest.controller)
+
     def calibrate_gate_precision(self, *, batches: int = 4, batch_size: int = 2,
-                                 seq_len: int = 16, seed: int = 1) -> list[float]:
+                                 seq_len: int = 16, seed: int = 1, text: str | None = None,
+                                 text_source: str = "CALIBRATION_TEXT") -> list[float]:
         """Measure each block's router and expert gradient variance (as the built-in model
         does: next-token CE + 0.01 balance + entropy terms) and re-resolve "auto". Data: with
-        a tokenizer, seeded windows of `CALIBRATION_TEXT` tokenized by it; without one, seeded
-        random token ids (`calibration_data` says which). Blocks stored below fp32 are restored
-        from the checkpoint first. Costs `batches` forward+backward passes of the whole model
-        and two fp32 accumulators per MoE weight. Returns the router variances."""
+        a tokenizer, seeded windows of ``text`` (default `CALIBRATION_TEXT`; ``text_source``
+        names it) tokenized by it; without one, seeded random token ids (`calibration_data`
+        says which). Blocks stored below fp32 are restored from the checkpoint first. Costs
+        `batches` forward+backward passes of the whole model, a gradient per MoE weight and two
+        fp32 accumulators per MoE weight. Returns the router variances."""
         current = self._slot.active
         n = len(self.blocks)
         self.store_precisions(("fp32",) * n, ("fp32",) * n)
@@ -245,7 +266,8 @@ class SparseGatedCausalLM:
         gate_acc = [RunningVariance() for _ in groups]
         expert_acc = [RunningVariance() for _ in groups]
         device = params[0].device
-        batch_of = self._calibration_batches(batch_size=batch_size, seq_len=seq_len, seed=seed)
+        batch_of = self._calibration_batches(batch_size=batch_size, seq_len=seq_len, seed=seed,
+                                             text=text, text_source=text_source)
         try:
             for p in params:
                 p.requires_grad_(True)
@@ -268,23 +290,26 @@ class SparseGatedCausalLM:
                 p.requires_grad_(False)
         self.gate_sensitivity = [a.variance() for a in gate_acc]
         self.expert_sensitivity = [a.variance() for a in expert_acc]
-        latest = self._slot.active
-        self.set_gate(latest.document or latest.params, dropless=latest.capacity_factor is None,
-                      controller=latest.controller)
+        self.sensitivity_source, self.precision_file = "measured", None
+        self._reinstall_gate()
         return self.gate_sensitivity
 
-    def _calibration_batches(self, *, batch_size: int, seq_len: int, seed: int
-                             ) -> Callable[[], torch.Tensor]:
+    def _calibration_batches(self, *, batch_size: int, seq_len: int, seed: int,
+                             text: str | None, text_source: str) -> Callable[[], torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
         vocab = int(self.model.config.vocab_size)
         if self.tokenizer is None:
             self.calibration_data = "random token ids (no tokenizer)"
             return lambda: torch.randint(0, vocab, (batch_size, seq_len), generator=g)
-        ids = torch.tensor(self.tokenizer(CALIBRATION_TEXT)["input_ids"], dtype=torch.long)
+        if text is None:
+            text, text_source = CALIBRATION_TEXT, "CALIBRATION_TEXT"
+        ids = torch.tensor(self.tokenizer(text)["input_ids"], dtype=torch.long)
+        if ids.numel() == 0:
+            raise ValueError(f"calibration text {text_source} has no tokens")
         ids = ids.clamp(max=vocab - 1)
         if ids.numel() <= seq_len:
-            ids = ids.repeat(seq_len // max(ids.numel(), 1) + 2)
-        self.calibration_data = f"CALIBRATION_TEXT through its tokenizer ({ids.numel()} tokens)"
+            ids = ids.repeat(seq_len // ids.numel() + 2)
+        self.calibration_data = f"{text_source} through its tokenizer ({ids.numel()} tokens)"
 
         def windows() -> torch.Tensor:
             starts = torch.randint(0, ids.numel() - seq_len + 1, (batch_size,), generator=g)
@@ -324,13 +349,16 @@ def _patch_blocks(model: nn.Module, *, family: MoEFamily, slot: GateSlot
 def load_moe_checkpoint(path: str | Path, *, gate: GateParams | GateDocument | None = None,
                         dropless: bool = False, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, calibrate: bool = False,
-                        placement: Mapping[tuple[int | None, int], PlacementSpec] | None = None
-                        ) -> SparseGatedCausalLM:
+                        placement: Mapping[tuple[int | None, int], PlacementSpec] | None = None,
+                        precision_file: bool = True) -> SparseGatedCausalLM:
     """Read a local checkpoint directory and patch its MoE blocks.
 
     ``gate`` None installs the family's own top-k routing (dropless); otherwise that gate
-    (``dropless`` ignores its capacityFactor). ``calibrate`` measures router sensitivity for
-    ``precisionPolicy: auto`` (see `SparseGatedCausalLM.calibrate_gate_precision`).
+    (``dropless`` ignores its capacityFactor). ``precision_file``: take the router and expert
+    variances ``precisionPolicy: auto`` resolves from `PRECISION_FILE` beside the weights when
+    present (written by ``python -m sparsegate_workload.calibrate``; one that does not match the
+    checkpoint raises CheckpointError naming it). ``calibrate`` measures them here instead
+    (see `SparseGatedCausalLM.calibrate_gate_precision`).
     ``placement``: experts stored in their own dtype/device (`SparseGatedCausalLM.place_experts`;
     PlacementError when it does not fit).
     Raises CheckpointError (message names the file or field) for unusable input and
@@ -347,6 +375,8 @@ def load_moe_checkpoint(path: str | Path, *, gate: GateParams | GateDocument | N
             f"dtype {dtype} is not accepted (one of "
             f"{', '.join(str(d) for d in ACCEPTED_DTYPES)})", file=None)
     shards = check_weight_files(directory)
+    # Before transformers loads anything: a stale precision file fails fast.
+    measured = read_precision_file(directory, shards) if precision_file else None
     # Whatever transformers raises (its field validation raises its own types, a field it
     # divides by raises ZeroDivisionError) becomes a CheckpointError naming the file.
     try:
@@ -389,6 +419,8 @@ def load_moe_checkpoint(path: str | Path, *, gate: GateParams | GateDocument | N
                                   has_tokenizer=tokenizer is not None)
     if placement:
         lm.place_experts(placement)
+    if measured is not None:
+        lm.use_measured(measured)
     if calibrate:
         lm.calibrate_gate_precision()
     if gate is not None:

@@ -22,6 +22,7 @@ import torch
 
 from sparsegate_contracts.gate import GateDocument, make_document
 
+from ..cli_types import int_at_least
 from .trainer import TRAINABLE, GateSetting, ModelShape, StepLog, TrainConfig, \
     TrainingConfigError, evaluate, save_checkpoint, train
 
@@ -32,18 +33,6 @@ _FLAG_OF = {"threshold": "--confidence-threshold", "text_file": "--text-file"}
 
 def _flag(field: str) -> str:
     return _FLAG_OF.get(field, "--" + field.replace("_", "-"))
-
-
-def _int_at_least(lo: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
-        return value
-    return parse
 
 
 def _float_in(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[str], float]:
@@ -79,16 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what learns: routers only, MoE layers (routers + experts) or all "
                         "weights (default: all for a new model, routers for --init-from)")
     t = p.add_argument_group("optimisation")
-    t.add_argument("--steps", type=_int_at_least(1), default=d.steps)
-    t.add_argument("--batch-size", type=_int_at_least(1), default=d.batch_size)
-    t.add_argument("--seq-len", type=_int_at_least(2), default=d.seq_len)
+    t.add_argument("--steps", type=int_at_least(1), default=d.steps)
+    t.add_argument("--batch-size", type=int_at_least(1), default=d.batch_size)
+    t.add_argument("--seq-len", type=int_at_least(2), default=d.seq_len)
     t.add_argument("--lr", type=_float_in(0.0, 10.0, lo_open=True), default=d.lr,
                    help="peak AdamW learning rate (linear warm-up, cosine decay to 10%%)")
-    t.add_argument("--warmup-steps", type=_int_at_least(0), default=d.warmup_steps)
+    t.add_argument("--warmup-steps", type=int_at_least(0), default=d.warmup_steps)
     t.add_argument("--grad-clip", type=_float_in(0.0, 1e6, lo_open=True), default=d.grad_clip)
-    t.add_argument("--seed", type=_int_at_least(0), default=d.seed,
+    t.add_argument("--seed", type=int_at_least(0), default=d.seed,
                    help="seeds the init, the corpus and the batches (same seed, same weights)")
-    t.add_argument("--threads", type=_int_at_least(1), default=1,
+    t.add_argument("--threads", type=int_at_least(1), default=1,
                    help="torch CPU threads (results are reproducible for a given count)")
     o = p.add_argument_group("objective")
     o.add_argument("--entropy-beta", type=_float_in(0.0, 100.0), default=d.entropy_beta,
@@ -96,29 +85,29 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--balance-coef", type=_float_in(0.0, 100.0), default=d.balance_coef,
                    help="weight of the load-balance loss")
     r = p.add_argument_group("routing while training")
-    r.add_argument("--top-k", type=_int_at_least(1), default=None,
+    r.add_argument("--top-k", type=int_at_least(1), default=None,
                    help="fixed top-k routing (sets min = max = K; threshold unused)")
     r.add_argument("--confidence-threshold", type=_float_in(0.0, 1.0, lo_open=True),
                    default=g.threshold, help="top-p mass to reach (dynamic routing)")
-    r.add_argument("--min-experts", type=_int_at_least(1), default=g.min_experts)
-    r.add_argument("--max-experts", type=_int_at_least(1), default=g.max_experts)
+    r.add_argument("--min-experts", type=int_at_least(1), default=g.min_experts)
+    r.add_argument("--max-experts", type=int_at_least(1), default=g.max_experts)
     r.add_argument("--capacity-factor", type=_float_in(0.0, 1e3, lo_open=True), default=None,
                    help="per-expert capacity cap while training (default: dropless)")
     m = p.add_argument_group("new model shape (ignored with --init-from)")
     m.add_argument("--family", default=s.family, help="mixtral, qwen2_moe, qwen3_moe or olmoe")
-    m.add_argument("--hidden-size", type=_int_at_least(1), default=s.hidden_size)
-    m.add_argument("--layers", type=_int_at_least(1), default=s.layers)
-    m.add_argument("--heads", type=_int_at_least(1), default=s.heads)
-    m.add_argument("--experts", type=_int_at_least(1), default=s.experts)
-    m.add_argument("--expert-ffn", type=_int_at_least(1), default=s.expert_ffn)
-    m.add_argument("--max-positions", type=_int_at_least(2), default=s.max_positions)
-    m.add_argument("--vocab-size", type=_int_at_least(1), default=s.vocab_size,
+    m.add_argument("--hidden-size", type=int_at_least(1), default=s.hidden_size)
+    m.add_argument("--layers", type=int_at_least(1), default=s.layers)
+    m.add_argument("--heads", type=int_at_least(1), default=s.heads)
+    m.add_argument("--experts", type=int_at_least(1), default=s.experts)
+    m.add_argument("--expert-ffn", type=int_at_least(1), default=s.expert_ffn)
+    m.add_argument("--max-positions", type=int_at_least(2), default=s.max_positions)
+    m.add_argument("--vocab-size", type=int_at_least(1), default=s.vocab_size,
                    help="tokenizer size to train to (>= 260)")
     m.add_argument("--router-scale", type=_float_in(0.0, 100.0, lo_open=True),
                    default=s.router_scale, help="router init std x sqrt(hidden size)")
     c = p.add_argument_group("synthetic corpus")
-    c.add_argument("--corpus-lines", type=_int_at_least(1), default=d.corpus_lines)
-    c.add_argument("--heldout-lines", type=_int_at_least(1), default=d.heldout_lines)
+    c.add_argument("--corpus-lines", type=int_at_least(1), default=d.corpus_lines)
+    c.add_argument("--heldout-lines", type=int_at_least(1), default=d.heldout_lines)
     c.add_argument("--hard-fraction", type=_float_in(0.0, 1.0), default=d.hard_fraction,
                    help="share of hard lines (arithmetic, reversal, sorting)")
     p.add_argument("--tool-gate", choices=("none", "calculator"), default="none",
@@ -126,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "where a synthetic 'add a+b=' line reaches '=', written beside the weights "
                         "as sparsegate_tool_gate.safetensors: the server then calls the calculator "
                         "there on /v1/infer")
-    p.add_argument("--log-every", type=_int_at_least(1), default=50)
+    p.add_argument("--log-every", type=int_at_least(1), default=50)
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
     return p
 

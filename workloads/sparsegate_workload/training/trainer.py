@@ -38,6 +38,7 @@ from sparsegate_contracts.gate import GateParams
 from ..hf.families import SUPPORTED_FAMILIES
 from ..hf.gated_block import ActiveGate, pin_gate
 from ..hf.loader import SparseGatedCausalLM, load_moe_checkpoint
+from ..hf.precision_file import PRECISION_FILE
 from ..hf.tiny import build_tiny_checkpoint
 from ..quality import PROBE_FILE, PROBE_LINES
 from .corpus import TokenClass, TokenStream, build_tokenizer, generate_lines, tokenize_lines, \
@@ -460,6 +461,9 @@ def save_checkpoint(result: TrainResult, out: str | Path, *,
         (staging / PROBE_FILE).write_text("".join(line + "\n" for line in probe_lines(cfg)),
                                           encoding="utf-8")
         out_dir.mkdir(parents=True, exist_ok=True)
+        # Variances measured on the weights replaced here would still match the file's check
+        # (same names, shapes and sizes): remove it, so auto is not resolved from old weights.
+        (out_dir / PRECISION_FILE).unlink(missing_ok=True)
         for item in staging.iterdir():
             target = out_dir / item.name
             if target.is_dir():
