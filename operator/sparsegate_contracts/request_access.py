@@ -13,8 +13,8 @@ nothing matching means deny. Two differences, both towards refusing:
   that needs ``matchLabels`` never matches and a Deny that needs them always does. The table's
   answer is therefore OPA's answer for the caller with no labels AND with every label the rules name.
 - A request that names no group asks for the whole model: only rules without ``expertGroups``
-  count (OPA's answer for a group no rule lists), and the experts of groups a Deny names for the
-  caller are then masked out.
+  count (OPA's answer for a request naming a route and no group), and the experts of groups a Deny
+  names for the caller are then masked out.
 
 Document (``version`` 1)::
 

@@ -121,8 +121,18 @@ scope_ok(rule, list, _) if count(object.get(rule, list, [])) == 0
 scope_ok(rule, list, requested) if requested in rule[list]
 
 # A flow (L4) query names no expert group or route: a scoped Allow admits the connection (the
-# model server narrows it per request), a scoped Deny must not cut the whole flow.
-scope_ok(rule, _, null) if rule.action == "allow"
+# model server narrows it per request), a scoped Deny must not cut the whole flow. A request (L7)
+# names one or both: the one it leaves out means all of them (no group: the whole model), which
+# only an unscoped rule covers, as the model server's table decides it.
+scope_ok(rule, _, null) if {
+	rule.action == "allow"
+	flow_query
+}
+
+flow_query if {
+	object.get(input.target, "expertGroup", null) == null
+	object.get(input.target, "route", null) == null
+}
 
 deny_hits contains rule if {
 	some rule in candidates
@@ -184,18 +194,20 @@ batch_decisions := [d |
 #
 #   input: {"one": [[target key, identity key], ...],
 #           "classes": [{"serviceAccount", "labels"?}],
-#           "models": [{"namespace", "sparseModel", "ports": [{"port", "protocol"}]}],
+#           "models": [{"namespace", "sparseModel", "ports": [{"port", "protocol", "declared"?}]}],
 #           "many": [[class index, model index, [[target key, identity key], ...]], ...]}
 #   flow_decisions: {"one": [[one index, allow, rule id, ports], ...],
 #                    "many": [[class index, model index, port, protocol, allow, rule id], ...]}
 #
 # The same questions as asking `decision` once per candidate (policy_compile.candidate_queries) and
-# the same answers, without a `with` per question. The operator has joined classes and rule buckets
-# by identity key (indexing, not policy: the buckets a class is filed in are the ones `decision`
-# would look up for it). `one`: buckets holding one rule with no service-account or label
-# condition, each the only bucket of some (class, model) pairs: that rule decides those pairs
-# whatever the class, so each bucket is asked once and answered with the ports the rule names
-# (`[]`: every port, as `port_ok`; the operator expands the pairs and the model's candidate ports).
+# the same answers, without a `with` per question, but for one narrowing: a port-less Allow admits
+# only ports the model's pods declare (`declared`), not one that only another rule names. The
+# operator has joined classes and rule buckets by identity key (indexing, not policy: the buckets a
+# class is filed in are the ones `decision` would look up for it). `one`: buckets holding one rule
+# with no service-account or label condition, each the only bucket of some (class, model) pairs:
+# that rule decides those pairs whatever the class, so each bucket is asked once and answered with
+# the ports the rule names (`[]`: the operator expands the pairs and the model's declared ports for
+# an Allow, its candidate ports for a Deny).
 # `many`: every other pair, with its model's candidate ports (those its rules name, plus its pods'
 # ports when a rule names none), gathered and ranked per port. OPA pays microseconds per
 # expression, so the common case does the least. A question no rule decides gets no element
@@ -224,9 +236,21 @@ flow_many contains answer if {
 	count(rules) > 0
 	some p in input.models[j].ports
 	denies := [r.id | some r in rules; r.action == "deny"; port_ok(r, p.port, p.protocol)]
-	allows := [r.id | some r in rules; r.action == "allow"; port_ok(r, p.port, p.protocol)]
+	allows := [r.id | some r in rules; r.action == "allow"; flow_allow_port_ok(r, p)]
 	verdict := flow_verdict(denies, allows, rules)
 	answer := [i, j, p.port, p.protocol, verdict[0], verdict[1]]
+}
+
+# On the allow-list a port-less Allow covers the ports the model's pods declare (`declared`, CRD
+# spec.ports), not one that only another rule names; a port-less Deny covers every port.
+flow_allow_port_ok(r, p) if {
+	count(r.ports) > 0
+	port_ok(r, p.port, p.protocol)
+}
+
+flow_allow_port_ok(r, p) if {
+	count(object.get(r, "ports", [])) == 0
+	p.declared == true
 }
 
 # scope_ok for both lists when the request names neither (a flow): any Allow, an unscoped Deny.

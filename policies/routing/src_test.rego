@@ -122,6 +122,24 @@ test_scoped_deny_does_not_cut_the_flow if {
 	math.rule == "models/no-math#s0t0"
 }
 
+# A request (L7) names its route: naming no group it asks for the whole model, which an Allow
+# scoped to groups does not cover (only a flow, naming neither, is admitted by a scoped Allow).
+test_request_naming_no_group_is_not_admitted_by_a_group_scoped_allow if {
+	target := object.union(to_model("mixtral", 8080), {"route": "/v1/infer"})
+	not decide(req(caller("tools", "agent", {}), target)).allow
+	decide(req(caller("tools", "agent", {}), object.union(target, {"expertGroup": "code"}))).allow
+	decide(req(caller("web", "frontend", {}), target)).allow # an unscoped Allow covers it
+}
+
+test_request_naming_no_route_is_not_admitted_by_a_route_scoped_allow if {
+	p := json.patch(policies, [{"op": "add", "path": "/targets/models~1mixtral/ns:ops", "value": [rule("models/ops-infer#s0t0", "allow", {"routes": ["/v1/infer"]})]}])
+	target := object.union(to_model("mixtral", 8080), {"expertGroup": "code"})
+	not routing.allow with input as req(caller("ops", "bot", {}), target) with data.sparsegate.policies as p
+	routing.allow with input as req(caller("ops", "bot", {}), object.union(target, {"route": "/v1/infer"}))
+		with data.sparsegate.policies as p
+	routing.allow with input as req(caller("ops", "bot", {}), to_model("mixtral", 8080)) with data.sparsegate.policies as p
+}
+
 # --- Deny wins ---------------------------------------------------------------------------------
 
 test_deny_wins_over_higher_priority_allow if {
@@ -158,6 +176,15 @@ test_service_account_residual_for_any_namespace if {
 	not routing.allow with input as req(caller("edge", "other", {}), to_model("mixtral", 8080)) with data.sparsegate.policies as p
 }
 
+# A caller named by namespace alone has no service account: namespace-wide rules apply to it,
+# rules naming a service account do not.
+test_caller_without_service_account if {
+	p := {"trustDomain": td, "targets": {"models/mixtral": {"*": [rule("models/sa#s0t0", "allow", {"serviceAccount": "gateway"})]}}}
+	not routing.allow with input as req({"namespace": "edge"}, to_model("mixtral", 8080)) with data.sparsegate.policies as p
+	d := decide(req({"namespace": "batch"}, to_model("mixtral", 8080)))
+	d.rule == "models/deny-batch#s0t0"
+}
+
 test_revision_visible_only_with_policy_and_data if {
 	routing.data_revision == "sha256:test" with data.sparsegate.policies as policies
 	not routing.data_revision
@@ -186,9 +213,9 @@ test_spiffe_id_alone_gives_namespace_and_service_account if {
 
 # Classes and models as the operator sends them (policy_compile.flow_question): classes with the
 # identity keys they are filed under (`keys`, used here to join them, not read by the policy),
-# models with their candidate ports (named by a rule, or the pods' ports where a rule names none),
-# and the pairs joined by identity key, split into `one` (a single bucket of one unconditional rule)
-# and `many`.
+# models with their candidate ports (named by a rule, or the pods' ports where a rule names none;
+# `declared`: one of the pods' ports), and the pairs joined by identity key, split into `one` (a
+# single bucket of one unconditional rule) and `many`.
 flow_classes := [
 	{"serviceAccount": "frontend", "keys": [frontend_id, "ns:web", "*"]},
 	{"serviceAccount": "job", "labels": {"tier": "trusted"}, "keys": ["spiffe://cluster.local/ns/batch/sa/job", "ns:batch", "*"]},
@@ -198,8 +225,8 @@ flow_classes := [
 ]
 
 flow_models := [
-	{"namespace": "models", "sparseModel": "mixtral", "ports": [{"port": 8080, "protocol": "tcp"}, {"port": 9090, "protocol": "tcp"}]},
-	{"namespace": "models", "sparseModel": "llama", "ports": [{"port": 7070, "protocol": "udp"}, {"port": 8080, "protocol": "tcp"}]},
+	{"namespace": "models", "sparseModel": "mixtral", "ports": [{"port": 8080, "protocol": "tcp", "declared": true}, {"port": 9090, "protocol": "tcp"}]},
+	{"namespace": "models", "sparseModel": "llama", "ports": [{"port": 7070, "protocol": "udp", "declared": true}, {"port": 8080, "protocol": "tcp", "declared": true}]},
 ]
 
 flow_pairs(p) := [[i, j, bs] |
@@ -233,18 +260,20 @@ flow_input_for(p) := {
 }
 
 # flow_decisions as [class, model, port, protocol, allow, rule] rows: each `one` answer expanded
-# over the pairs its bucket decides and, where the rule names no port, the model's candidate ports
-# (what policy_compile.FlowQuestion.decisions does).
+# over the pairs its bucket decides and, where the rule names no port, the model's declared ports
+# (an Allow) or candidate ports (a Deny), as policy_compile.FlowQuestion.decisions does.
 flat(p, inp, fd) := {f | some f in fd.many} | {[i, j, port.port, port.protocol, allow, id] |
 	some [k, allow, id, ports] in fd.one
 	some [i, j, bs] in flow_pairs(p)
 	bs == [inp.one[k]]
-	some port in answer_ports(ports, j)
+	some port in answer_ports(ports, j, allow)
 }
 
-answer_ports(ports, _) := ports if count(ports) > 0
+answer_ports(ports, _, _) := ports if count(ports) > 0
 
-answer_ports(ports, j) := flow_models[j].ports if count(ports) == 0
+answer_ports(ports, j, false) := flow_models[j].ports if count(ports) == 0
+
+answer_ports(ports, j, true) := [q | some q in flow_models[j].ports; q.declared] if count(ports) == 0
 
 flow_input := flow_input_for(policies)
 
@@ -286,6 +315,17 @@ test_flow_decisions_rank_several_hits_and_skip_scoped_deny if {
 	[0, 0, 8080, "tcp", true, "models/high#s0t0"] in fs
 	not [0, 0, 8080, "tcp", true, "models/allow-frontend#s0t0"] in fs
 	[4, 0, 8080, "tcp", true, "models/high#s0t0"] in fs # web/intruder: the namespace-wide allows
+}
+
+# A port-less Allow covers the ports the model's pods declare, not 9090, which only the `trusted`
+# rule names (CRD spec.ports); a port-less Deny covers every candidate port.
+test_flow_portless_allow_covers_declared_ports_only if {
+	p := json.patch(policies, [{"op": "add", "path": "/targets/models~1mixtral/ns:web", "value": [rule("models/web-any#s0t0", "allow", {"ports": []})]}])
+	fs := flat(p, flow_input_for(p), routing.flow_decisions) with input as flow_input_for(p)
+		with data.sparsegate.policies as p
+	[4, 0, 8080, "tcp", true, "models/web-any#s0t0"] in fs
+	not [4, 0, 9090, "tcp", true, "models/web-any#s0t0"] in fs
+	[1, 0, 9090, "tcp", false, "models/deny-batch#s0t0"] in fs
 }
 
 test_flow_decisions_without_data_or_classes_are_empty if {

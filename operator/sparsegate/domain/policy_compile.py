@@ -234,7 +234,9 @@ class FlowQuestion:
     the other pairs with their buckets, indexing `classes` and `models` rows (only the classes and
     models those pairs use). OPA answers `{"one": [[k, allow, rule, ports]], "many": [[i, j, port,
     protocol, allow, rule]]}`; `decisions` maps both back to the `QueryKey`s the per-question path
-    (`candidate_queries`) would have asked, so `flow_document` is unchanged.
+    (`candidate_queries`) would have asked, so `flow_document` is unchanged. One difference from that
+    path: a port-less Allow admits only the ports the model's pods declare (CRD spec.ports), not one
+    that only another rule names.
     """
 
     models: tuple[tuple[str, str], ...]  # every model some pair joins (policed), in name order
@@ -243,6 +245,8 @@ class FlowQuestion:
     # For input.one[k]: the pairs it decides, each with the model's candidate ports (port, protocol).
     one_pairs: tuple[tuple[tuple[Identity, tuple[str, str], tuple[tuple[int, str], ...]], ...], ...]
     input: dict[str, Any]
+    # Per model of `one_pairs`: the candidate ports its pods declare (a port-less Allow's ports).
+    declared: Mapping[tuple[str, str], tuple[tuple[int, str], ...]] = field(default_factory=dict)
 
     def decisions(self, answers: Mapping[str, Iterable[Sequence[Any]]]) -> dict[QueryKey, dict[str, Any]]:
         """OPA's answer as decisions per `QueryKey`. Raises `MalformedAnswer`, naming the first entry
@@ -261,7 +265,10 @@ class FlowQuestion:
                 raise _malformed(f"one[{n}][3]", ports, "expected a list of ports")
             named = tuple(_answer_port(p, f"one[{n}][3]") for p in ports)
             for (ns, sa, labels), (target_ns, model), candidates in self.one_pairs[k]:
-                # A rule that names no port covers every candidate port of the model (the Rego's port_ok).
+                # A rule that names no port: an Allow covers the ports the model's pods declare, not
+                # those only another rule names (CRD spec.ports); a Deny every candidate port.
+                if not named and decision["allow"]:
+                    candidates = self.declared.get((target_ns, model), ())
                 for port, protocol in named or candidates:
                     out[QueryKey(ns, sa, labels, target_ns, model, port, protocol)] = decision
         classes, models = self.many_classes, self.many_models
@@ -343,6 +350,7 @@ def flow_question(
     one_index: dict[tuple[str, str], int] = {}  # bucket -> position in one
     one: list[list[str]] = []
     one_pairs: list[list[tuple[Identity, tuple[str, str], tuple[tuple[int, str], ...]]]] = []
+    declared: dict[tuple[str, str], tuple[tuple[int, str], ...]] = {}
     many: list[list[Any]] = []
     for (ns, model), model_pods in sorted(_models(pods).items()):
         buckets = _model_buckets(targets, namespace=ns, model=model)
@@ -358,6 +366,8 @@ def flow_question(
             continue
         candidates = sorted(_candidate_ports(targets, buckets, model_pods), key=lambda p: (p.port, p.protocol))
         ports = tuple((p.port, p.protocol) for p in candidates)
+        pod_ports = {port for pod in model_pods for port in pod.ports}
+        declared[(ns, model)] = tuple((p.port, p.protocol) for p in candidates if p in pod_ports)
         j = None  # this model's row in input.models, added when a `many` pair needs it
         for identity, pair_buckets in sorted(per_class.items()):
             bucket = pair_buckets[0]
@@ -372,8 +382,10 @@ def flow_question(
             if j is None:
                 j = len(many_models)
                 many_models.append((ns, model))
+                # `declared`: a port the model's pods declare, which a port-less Allow covers.
                 model_rows.append({"namespace": ns, "sparseModel": model,
-                                   "ports": [p.to_json() for p in candidates]})
+                                   "ports": [{**p.to_json(), "declared": True} if p in pod_ports else p.to_json()
+                                             for p in candidates]})
             if identity not in class_index:
                 class_index[identity] = len(many_classes)
                 many_classes.append(identity)
@@ -384,7 +396,7 @@ def flow_question(
                 class_rows.append(row)
             many.append([class_index[identity], j, [list(b) for b in pair_buckets]])
     return FlowQuestion(models=tuple(models), many_classes=tuple(many_classes), many_models=tuple(many_models),
-                        one_pairs=tuple(tuple(pairs) for pairs in one_pairs),
+                        one_pairs=tuple(tuple(pairs) for pairs in one_pairs), declared=declared,
                         input={"classes": class_rows, "models": model_rows, "one": one, "many": many})
 
 

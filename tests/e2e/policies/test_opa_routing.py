@@ -233,15 +233,23 @@ async def test_one_evaluation_decides_exactly_what_the_per_question_path_decides
     """`flow_decisions` (one POST) and `decide_many` over `candidate_queries` (the questions one by
     one through `decision`) give the same allow-list document, entry for entry, on generated policies:
     overlapping ones (every pair gathered: `many`) and sparse ones (mostly decided by one rule:
-    `one`, with buckets that decide several pairs)."""
+    `one`, with buckets that decide several pairs). On a port the model's pods do not declare, the
+    allow-list takes no port-less Allow (CRD spec.ports): `decision`'s answer less those."""
     sources, pods = _generated(seed, sparse=sparse)
-    data, _ = build_opa_data(sources=sources, trust_domain=TD, rego=routing_rego)
+    data, rules = build_opa_data(sources=sources, trust_domain=TD, rego=routing_rego)
+    named = {r.id for r in rules if r.ports}
+    declared: dict[tuple[str, str | None], set[tuple[int, str]]] = {}
+    for p in pods:
+        declared.setdefault((p.namespace, p.model), set()).update((x.port, x.protocol) for x in p.ports)
     opa = RoutingOpa(url=opa_server.url)
     try:
         await opa.push(rego=routing_rego, data=data)
         queries = candidate_queries(targets=data["targets"], pods=pods, trust_domain=TD)
         answers = await opa.decide_many([q.opa_input(trust_domain=TD) for q in queries])
-        per_question = flow_document(decisions=dict(zip(queries, answers)), pods=pods)
+        undeclared = sum((q.port, q.protocol) not in declared[(q.target_namespace, q.model)] for q in queries)
+        per_question = flow_document(decisions={
+            q: a if (q.port, q.protocol) in declared[(q.target_namespace, q.model)] else _named_ports_only(a, named)
+            for q, a in zip(queries, answers)}, pods=pods)
         question = flow_question(targets=data["targets"], pods=pods, trust_domain=TD)
         one = flow_document(decisions=question.decisions(await opa.flow_decisions(question.input)), pods=pods)
     finally:
@@ -250,8 +258,17 @@ async def test_one_evaluation_decides_exactly_what_the_per_question_path_decides
     actions = {e["action"] for e in ip_entries(one)}
     assert actions == {"allow", "deny"}, actions  # the scenario exercises both outcomes
     assert len(ip_entries(one)) > (10 if sparse else 50)
+    assert sparse or undeclared > 0  # ports only a rule names: the port-less Allows left out
     if sparse:  # both paths, and a bucket asked once for several pairs
         assert question.input["many"] and max(len(pairs) for pairs in question.one_pairs) > 1
+
+
+def _named_ports_only(answer: dict[str, Any], named: set[str]) -> dict[str, Any]:
+    """`decision`'s answer without the port-less Allows (a Deny wins as before): ranked as OPA ranks."""
+    if answer["matched"]["deny"]:
+        return answer
+    allows = [rule for rule in answer["matched"]["allow"] if rule in named]
+    return {"allow": bool(allows), "rule": allows[0] if allows else ""}
 
 
 async def test_fail_closed_then_resync_after_restart(opa_server) -> None:

@@ -96,8 +96,10 @@ def test_flow_question_joins_classes_and_buckets_and_asks_what_the_questions_ask
     # (and its candidate ports) the only rows of `classes` and `models`.
     assert q.many_classes == (OTHER.identity,) and q.many_models == (("models", "mixtral"),)
     assert q.input["classes"] == [{"serviceAccount": "other"}]
-    assert q.input["models"] == [{"namespace": "models", "sparseModel": "mixtral",
-                                  "ports": [{"port": 8080, "protocol": "tcp"}, {"port": 9090, "protocol": "tcp"}]}]
+    assert q.input["models"] == [{"namespace": "models", "sparseModel": "mixtral",  # 8080: the pods'
+                                  "ports": [{"port": 8080, "protocol": "tcp", "declared": True},
+                                            {"port": 9090, "protocol": "tcp"}]}]
+    assert q.declared == {("models", "mixtral"): ((8080, "tcp"),)}
     assert q.input["many"] == [[0, 0, [["models/mixtral", other]]]]
     # Every question the per-question path asks names a pair of the one question, on its ports.
     pairs = {(c[:2], m) for pairs in q.one_pairs for c, m, _ in pairs}

@@ -4,7 +4,7 @@ decides as the real OPA does with the shipped Rego, on many generated RoutingPol
 The table cannot see caller labels (a token carries none), so its answer must be OPA's answer for the
 caller with no labels AND with every label the rules name (see sparsegate_contracts.request_access);
 its deciding rule must be the one OPA reports for the side that decides. A request naming no group
-is OPA's question with a group no rule lists.
+is asked of OPA as it is (a route and no group: the whole model).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ PORT = 8080
 GROUPS = ("g1", "g2", "g3")
 ROUTES = ("/v1/infer", "/v1/chat/completions")
 ALL_LABELS = {"app": "x", "tier": "y"}  # one value per key: a caller with all of them meets every rule
-WHOLE_MODEL = "(no group: whole model)"  # a group name no rule lists
 SOURCES: list[dict[str, Any]] = [
     {"namespace": "web"}, {"serviceAccount": "a"}, {"namespace": "*", "serviceAccount": "b"}, {"namespace": "*"},
     {"spiffeID": "spiffe://cluster.local/ns/web/sa/c"}, {"spiffeID": "spiffe://other.td/ns/web/sa/c"},
@@ -62,10 +61,11 @@ def _policies(rng: random.Random) -> list[PolicySource]:
     return out
 
 
-def _question(ns: str, sa: str, route: str, group: str, labels: dict[str, str]) -> dict[str, Any]:
-    return {"source": {"namespace": ns, "serviceAccount": sa, "labels": labels},
-            "target": {"namespace": NS, "sparseModel": MODEL, "port": PORT, "protocol": "TCP",
-                       "route": route, "expertGroup": group}}
+def _question(ns: str, sa: str, route: str, group: str | None, labels: dict[str, str]) -> dict[str, Any]:
+    target = {"namespace": NS, "sparseModel": MODEL, "port": PORT, "protocol": "TCP", "route": route}
+    if group is not None:  # no group: the whole model, as the server asks the table
+        target["expertGroup"] = group
+    return {"source": {"namespace": ns, "serviceAccount": sa, "labels": labels}, "target": target}
 
 
 def _opa_batch(tmp: Path, rego: str, data: dict[str, Any], questions: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -99,7 +99,7 @@ def test_table_decides_as_opa_on_generated_policies(tmp_path: Path) -> None:
         enforced_sets += 1
         asked = [(ns, sa, route, group) for ns, sa in CALLERS for route in (*ROUTES, "/other")
                  for group in (*GROUPS, None)]
-        questions = [_question(ns, sa, route, group or WHOLE_MODEL, labels)
+        questions = [_question(ns, sa, route, group, labels)
                      for ns, sa, route, group in asked for labels in ({}, ALL_LABELS)]
         answers = _opa_batch(tmp_path, rego, data, questions)
         for k, (ns, sa, route, group) in enumerate(asked):
