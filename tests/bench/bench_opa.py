@@ -159,7 +159,10 @@ class Opa:
 
     def put(self, path: str, body: str | bytes, content_type: str) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        conn.request("PUT", path, body=body, headers={"Content-Type": content_type})
+        # http.client sends a str as Latin-1: the Rego's non-ASCII comments would reach OPA as
+        # invalid UTF-8 ("illegal utf-8 character").
+        data = body.encode("utf-8") if isinstance(body, str) else body
+        conn.request("PUT", path, body=data, headers={"Content-Type": content_type})
         r = conn.getresponse()
         payload = r.read()
         assert r.status in (200, 204), payload[:500]
