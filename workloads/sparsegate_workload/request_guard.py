@@ -29,7 +29,7 @@ from aiohttp import web
 from sparsegate_contracts.request_access import (EXPERT_GROUP_HEADER, AccessDocumentError, Decision, Scope,
                                                  parse_access_document)
 
-from .caller_auth import ReviewUnavailable
+from .caller_auth import ReviewUnavailable, bearer_token
 from .server_state import OPENAI_ROUTES, STATE, ApiError, ServerState, openai_error, read_json
 
 SCOPE = web.RequestKey("sparsegate_scope", Scope)  # the Scope a guarded request runs under
@@ -92,12 +92,12 @@ async def access_guard(request: web.Request,
             request[SCOPE] = Scope(Decision(True, "", "callers not checked"), group, state.expert_groups[group])
             _count(state, "narrowed", group)
         return await handler(request)
-    auth = request.headers.get("Authorization", "")
-    if not auth.startswith("Bearer ") or not auth[len("Bearer "):].strip():
+    token = bearer_token(request.headers.get("Authorization", ""))
+    if token is None:
         _count(state, "unauthenticated", group)
         return _deny(request, 401, "missing Bearer token: send a ServiceAccount token for audience sparsegate")
     try:
-        caller = await state.reviewer.review(auth[len("Bearer "):].strip())
+        caller = await state.reviewer.review(token)
     except ReviewUnavailable as e:
         _count(state, "unavailable", group)
         return _deny(request, 503, f"cannot verify the caller now ({e}); refusing rather than serving unverified")

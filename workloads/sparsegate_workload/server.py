@@ -947,6 +947,8 @@ def main(argv: list[str] | None = None) -> None:
             p.error(str(e))
     reviewer = None
     if args.request_auth == "in-cluster":
+        if not 0 < args.token_cache_ttl <= 86400:  # float() takes "inf"/"nan": a refusal cached forever
+            p.error(f"--token-cache-ttl must be in (0, 86400] seconds, got {args.token_cache_ttl}")
         try:
             reviewer = CachedReviewer(KubeTokenReview.in_cluster(), ttl_s=args.token_cache_ttl)
         except ValueError as e:

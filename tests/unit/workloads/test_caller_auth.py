@@ -3,7 +3,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import json
+import time
+
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
 from sparsegate_workload.caller_auth import (CachedReviewer, Caller, KubeTokenReview, ReviewUnavailable,
                                              caller_from_review)
@@ -20,6 +27,9 @@ OK = {"authenticated": True, "audiences": ["sparsegate"], "user": {"username": "
     ({**OK, "user": {"username": "alice"}}, None),
     ({**OK, "user": {"username": "system:serviceaccount:web"}}, None),
     ({**OK, "user": {"username": "system:serviceaccount:web:a:b"}}, None),
+    ({**OK, "user": {"username": "system:node:worker-1"}}, None),
+    ({**OK, "audiences": "not-sparsegate-at-all"}, None),  # a string: no substring match
+    ({**OK, "user": "system:serviceaccount:web:a"}, None),  # malformed: refused, not a 500
     (None, None),
 ])
 def test_only_a_service_account_authenticated_for_our_audience(status, expected):
@@ -95,3 +105,168 @@ def test_server_flags(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["--request-auth", "in-cluster"])
     assert "needs the admin channel" in capsys.readouterr().err
+
+
+def _jwt(exp: float | None) -> str:
+    """A token shaped like a ServiceAccount JWT (unsigned: the fake reviewer decides)."""
+    def part(obj: dict) -> str:
+        return base64.urlsafe_b64encode(json.dumps(obj).encode()).rstrip(b"=").decode()
+    claims = {"sub": "system:serviceaccount:web:a"} | ({"exp": exp} if exp is not None else {})
+    return f"{part({'alg': 'RS256'})}.{part(claims)}.c2ln"
+
+
+class JwtReviews(Reviews):
+    async def review(self, token: str) -> Caller | None:
+        self.calls.append(token)
+        return Caller("web", "a")
+
+
+async def test_an_accepted_token_is_not_cached_past_its_own_exp():
+    """TokenReview's answer has no expiry; with the TTL alone (up to 3600 s from
+    spec.access.tokenCacheSeconds) a token expiring in 5 s was admitted for the whole TTL."""
+    mono = [100.0]
+    inner = JwtReviews()
+    cache = CachedReviewer(inner, ttl_s=3600, clock=lambda: mono[0])  # exp is read on the wall clock
+    token = _jwt(exp=time.time() + 5)
+    assert await cache.review(token) == Caller("web", "a")
+    mono[0] += 2
+    await cache.review(token)
+    assert len(inner.calls) == 1  # still valid: cached
+    mono[0] += 10
+    await cache.review(token)
+    assert len(inner.calls) == 2  # expired: asked again (the API server now refuses it)
+    # Already expired (clock skew): not cached at all; no exp claim: the TTL alone.
+    await cache.review(_jwt(exp=time.time() - 1))
+    await cache.review(_jwt(exp=time.time() - 1))
+    assert len(inner.calls) == 4
+    await cache.review(_jwt(exp=None))
+    mono[0] += 3000
+    await cache.review(_jwt(exp=None))
+    assert len(inner.calls) == 5
+
+
+async def test_concurrent_reviews_of_one_token_share_one_tokenreview():
+    """Before an answer is cached, N concurrent requests with one token cost N TokenReviews
+    (the guard runs before --max-inflight): one flood of a bad token amplified onto the API
+    server. Now they await one review; its outage reaches every waiter and is not cached."""
+    gate = asyncio.Event()
+
+    class Slow(Reviews):
+        async def review(self, token: str) -> Caller | None:
+            await gate.wait()
+            return await super().review(token)
+
+    inner = Slow()
+    cache = CachedReviewer(inner)
+    waiters = [asyncio.ensure_future(cache.review("bad")) for _ in range(50)]
+    await asyncio.sleep(0.01)
+    waiters[0].cancel()  # one caller gone: the others still get the answer
+    gate.set()
+    results = await asyncio.gather(*waiters[1:])
+    assert inner.calls == ["bad"] and results == [None] * 49
+    inner.down, gate = True, asyncio.Event()
+    waiters = [asyncio.ensure_future(cache.review("good1")) for _ in range(5)]
+    await asyncio.sleep(0.01)
+    gate.set()
+    outcomes = await asyncio.gather(*waiters, return_exceptions=True)
+    assert all(isinstance(o, ReviewUnavailable) for o in outcomes) and inner.calls == ["bad", "good1"]
+    inner.down = False
+    assert await cache.review("good1") == Caller("web", "good1") and inner.calls[-1] == "good1"
+
+
+async def _fake_api_server(handler) -> tuple[TestServer, str]:
+    app = web.Application()
+    app.router.add_post("/apis/authentication.k8s.io/v1/tokenreviews", handler)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    return server, str(server.make_url("")).rstrip("/")
+
+
+async def test_kube_token_review_against_a_fake_api_server(tmp_path):
+    """The review asks for audience sparsegate with the pod's own token; a 2xx that is not a
+    TokenReview is an outage (503), not a cached refusal; a slow API server times out into
+    ReviewUnavailable without holding the event loop."""
+    own = tmp_path / "token"
+    own.write_text("own-sa-token\n")
+    seen: list[tuple[str, dict]] = []
+    mode = ["ok"]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        seen.append((request.headers["Authorization"], await request.json()))
+        if mode[0] == "empty":
+            return web.json_response({}, status=200)
+        if mode[0] == "slow":
+            await asyncio.sleep(5)
+        return web.json_response({"kind": "TokenReview", "status": OK}, status=201)
+
+    server, url = await _fake_api_server(handler)
+    try:
+        review = KubeTokenReview(url=url, token_file=str(own), ca_file=None, timeout_s=0.5)
+        assert await review.review("caller-token") == Caller("web", "a")
+        auth, body = seen[-1]
+        assert auth == "Bearer own-sa-token"
+        assert body["spec"] == {"token": "caller-token", "audiences": ["sparsegate"]}
+        mode[0] = "empty"
+        with pytest.raises(ReviewUnavailable):
+            await review.review("caller-token")
+        mode[0] = "slow"
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        t = asyncio.ensure_future(ticker())
+        start = time.monotonic()
+        with pytest.raises(ReviewUnavailable):
+            await review.review("caller-token")
+        t.cancel()
+        assert time.monotonic() - start < 2 and ticks >= 5
+    finally:
+        await server.close()
+
+
+@pytest.mark.parametrize("header, token", [
+    ("Bearer abc", "abc"), ("bearer abc", "abc"), ("BEARER  abc ", "abc"),
+    ("Bearer ", None), ("Basic abc", None), ("Bearerabc", None), ("", None),
+])
+def test_bearer_scheme_is_case_insensitive(header, token):
+    from sparsegate_workload.caller_auth import bearer_token
+
+    assert bearer_token(header) == token
+
+
+async def test_the_guard_accepts_a_lowercase_bearer_scheme():
+    """RFC 9110: the auth scheme is case-insensitive (the API server takes "bearer"); the guard
+    answered such a caller 401."""
+    from sparsegate.domain.policy import rules_from_spec
+    from sparsegate.domain.request_access import access_document
+    from sparsegate_workload.admin import StaticToken
+    from sparsegate_workload.server import create_admin_app, create_app, wait_ready
+
+    class One(Reviews):
+        async def review(self, token: str) -> Caller | None:
+            return Caller("ns", "caller-a") if token == "token-a" else None
+
+    app = create_app(reviewer=One())
+    rules = rules_from_spec(namespace="ns", name="allow", spec={
+        "action": "Allow", "sources": [{"serviceAccount": "caller-a"}], "targets": [{"sparseModel": "moe"}]})
+    doc = access_document(rules, namespace="ns", model="moe", serving_port=8080, trust_domain="cluster.local")
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client, \
+            TestClient(TestServer(create_admin_app(app, auth=StaticToken("adm")), host="127.0.0.1")) as admin:
+        await wait_ready(app)
+        assert (await admin.put("/admin/access", json=doc, headers={"Authorization": "Bearer adm"})).status == 200
+        for header, status in (("bearer token-a", 200), ("Bearer token-a", 200), ("bearer other", 401)):
+            resp = await client.post("/v1/infer", json={"tokens": [[1, 2, 3]]}, headers={"Authorization": header})
+            assert resp.status == status, (header, await resp.text())
+
+
+def test_token_cache_ttl_must_be_finite_and_positive(monkeypatch, capsys):
+    """float() parses "inf" and "nan": inf cached every refusal forever, nan cached nothing."""
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    for ttl in ("inf", "nan", "0", "-5"):
+        with pytest.raises(SystemExit):
+            main(["--request-auth", "in-cluster", "--token-cache-ttl", ttl])
+        assert "--token-cache-ttl must be in (0, 86400]" in capsys.readouterr().err
