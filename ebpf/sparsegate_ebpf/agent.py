@@ -373,12 +373,15 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
 
     mode = xdp.XdpMode(args.xdp_mode)
 
-    def desired() -> dict[str, xdp.XdpMode]:
-        return desired_interfaces(follower.config if follower else None, default=args.interfaces, default_mode=mode)
+    def desired(config: NodeConfig | None) -> dict[str, xdp.XdpMode]:
+        return desired_interfaces(config, default=args.interfaces, default_mode=mode)
+
+    # The configuration applied: each report names its version, never a newer one still unapplied.
+    probe_config = follower.config if follower else None
 
     if args.enforcement == "enforce" and not first_policy.is_set():
         # Set, then re-check: a document applied meanwhile clears it (applied() sets the event first).
-        start.inherited_policy = _inherit(list(desired()), state=state,
+        start.inherited_policy = _inherit(list(desired(probe_config)), state=state,
                                           pinned=agent_pins.found if agent_pins else {})
         if first_policy.is_set():
             start.inherited_policy = False
@@ -391,7 +394,7 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
 
     attachments = Attachments(state=state, bpf=prog.bpf, fn=prog.fn, attach=attach,
                               after_apply=agent_pins.sweep if agent_pins else None)
-    errors = attachments.apply(desired())
+    errors = attachments.apply(desired(probe_config))
     if errors and follower is None:
         _exit(args, state=state, reader=exit_reader, agent_pins=agent_pins)
         prog.close()
@@ -404,8 +407,8 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
     if follower is None:
         stop.wait()
     else:
-        _follow_probes(args, follower=follower, attachments=attachments, desired=desired, prog_fd=prog.prog_fd,
-                       stop=stop)
+        _follow_probes(args, follower=follower, attachments=attachments, desired=desired, applied=probe_config,
+                       prog_fd=prog.prog_fd, stop=stop)
     log.info("stopping (signal received)")  # logged here, not in the handler: logging takes locks
     _exit(args, state=state, reader=exit_reader, agent_pins=agent_pins)
     prog.close()
@@ -453,9 +456,11 @@ def _report_sink(args: argparse.Namespace) -> probesource.ReportSink | None:
 
 
 def _follow_probes(args: argparse.Namespace, *, follower: ProbeFollower, attachments: Attachments,
-                   desired: Callable[[], dict[str, xdp.XdpMode]], prog_fd: int, stop: threading.Event) -> None:
+                   desired: Callable[[NodeConfig | None], dict[str, xdp.XdpMode]], applied: NodeConfig | None,
+                   prog_fd: int, stop: threading.Event) -> None:
     """Until stopped: re-attach on every configuration change (and retry failures every
-    --probe-interval), and send the report whenever it differs from the last one sent."""
+    --probe-interval), and send the report whenever it differs from the last one sent. ``applied``:
+    the configuration the attachments were last made for (the report names its version)."""
     try:
         program_id: int | None = inherit.program_id(prog_fd)
     except Exception as exc:  # reported as unknown rather than not reporting at all
@@ -464,10 +469,10 @@ def _follow_probes(args: argparse.Namespace, *, follower: ProbeFollower, attachm
     sink = _report_sink(args)
     sent = None
     while True:
-        want = desired()
-        config = follower.config
-        report = attachments.report(node=args.node_name, config_version=config.version if config else None,
-                                    program_id=program_id, desired=want)
+        # Not follower.config: one that arrived during the last apply is not attached yet, and a
+        # report naming its version would tell the operator it is (e.g. a mode change as done).
+        report = attachments.report(node=args.node_name, config_version=applied.version if applied else None,
+                                    program_id=program_id, desired=desired(applied))
         if sink is not None and report != sent:
             try:
                 sink(report)
@@ -481,7 +486,8 @@ def _follow_probes(args: argparse.Namespace, *, follower: ProbeFollower, attachm
         if stop.is_set():
             return
         follower.changed.clear()
-        attachments.apply(desired())
+        applied = follower.config  # one read: what is applied is what the next report names
+        attachments.apply(desired(applied))
 
 
 def _wait_first_policy(args: argparse.Namespace, *, first_policy: threading.Event, start: StartState,

@@ -150,3 +150,46 @@ def test_an_interface_re_created_under_its_name_is_attached_again(monkeypatch: p
     assert state.attached == {"veth-a": "native"}
     index["veth-a"] = 11  # re-created between two applies: attached again, not reported as it was
     assert att.apply(want) == {} and fake.calls[-1] == ("attach", "veth-a", "native") and len(fake.calls) == 3
+
+
+def test_a_report_names_the_configuration_applied_not_one_that_arrived_during_the_apply(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe source's thread may deliver a new configuration while the agent applies the last:
+    the report sent next must still name the applied version, else the operator counts the old
+    attachment (here native) as done for the new configuration (generic)."""
+    def config(mode: str) -> probes.NodeConfig:
+        return probes.parse_node_config(json.dumps(probes.build_node_config([probes.InterfaceConfig(LO, mode)])))
+
+    v1, v2 = config("native"), config("generic")
+    follower = agent.ProbeFollower()
+    follower.on_config(v1)
+    fake, state = FakeXdp(), AgentState(enforcement="off")
+
+    def attach(**kw: object) -> xdp.XdpMode:
+        used = fake.attach(**kw)  # type: ignore[arg-type]
+        if follower.config is v1:
+            follower.on_config(v2)  # arrives mid-apply
+        return used
+
+    att = Attachments(state=state, bpf=None, fn=SimpleNamespace(fd=3), attach=attach, detach=fake.detach)
+    sent: list[probes.NodeReport] = []
+    stop = threading.Event()
+
+    def sink(report: probes.NodeReport) -> None:
+        sent.append(report)
+        if len(sent) == 2:
+            stop.set()
+
+    monkeypatch.setattr(agent, "_report_sink", lambda args: sink)
+    monkeypatch.setattr(agent.inherit, "program_id", lambda fd: 42)
+
+    def desired(c: probes.NodeConfig | None) -> dict[str, xdp.XdpMode]:
+        return agent.desired_interfaces(c, default=[], default_mode=xdp.XdpMode.AUTO)
+
+    applied = follower.config
+    att.apply(desired(applied))
+    assert state.attached == {LO: "native"} and follower.config is v2
+    agent._follow_probes(SimpleNamespace(node_name="n1", probe_interval=5.0), follower=follower, attachments=att,
+                         desired=desired, applied=applied, prog_fd=3, stop=stop)
+    assert [(r.config_version, r.interface(LO).mode) for r in sent] == [(v1.version, "native"),
+                                                                        (v2.version, "generic")]
