@@ -5,7 +5,7 @@
         [--enforcement off|audit|enforce] [--allow-sources IP,..] [--node-addresses auto|none] \
         [--initial-policy-timeout 30] [--on-exit detach|keep|daemonset --daemonset NS/NAME]
         [--probe-configmap NS/NAME | --probe-file F] [--probe-report-configmap NS/NAME | --probe-report-file F] \
-        [--node-name NODE] [--bpffs-dir /sys/fs/bpf/sparsegate]
+        [--probe-report-heartbeat 600] [--node-name NODE] [--bpffs-dir /sys/fs/bpf/sparsegate]
     python -m sparsegate_ebpf.agent --version
 
 Interfaces: --interfaces, unless a probe source is given and TelemetryProbes select this node
@@ -46,7 +46,9 @@ import argparse
 import ipaddress
 import json
 import logging
+import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -103,6 +105,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "--interfaces (then follow it when it arrives)")
     ap.add_argument("--probe-interval", type=float, default=5.0, metavar="SECONDS",
                     help="with a probe source: retry failed attaches and re-send an unsent report this often")
+    ap.add_argument("--probe-report-heartbeat", type=float, default=600.0, metavar="SECONDS",
+                    help="re-send an unchanged report after this long (less up to 25%% jitter), so a report "
+                         "key removed meanwhile comes back: one merge patch per node per interval; 0: never")
     ap.add_argument("--metrics-port", type=int, default=9102)
     ap.add_argument("--metrics-addr", default="0.0.0.0")
     src = ap.add_mutually_exclusive_group(required=True)
@@ -459,8 +464,9 @@ def _follow_probes(args: argparse.Namespace, *, follower: ProbeFollower, attachm
                    desired: Callable[[NodeConfig | None], dict[str, xdp.XdpMode]], applied: NodeConfig | None,
                    prog_fd: int, stop: threading.Event) -> None:
     """Until stopped: re-attach on every configuration change (and retry failures every
-    --probe-interval), and send the report whenever it differs from the last one sent. ``applied``:
-    the configuration the attachments were last made for (the report names its version)."""
+    --probe-interval), and send the report whenever it differs from the last one sent, and again
+    every --probe-report-heartbeat while unchanged. ``applied``: the configuration the attachments
+    were last made for (the report names its version)."""
     try:
         program_id: int | None = inherit.program_id(prog_fd)
     except Exception as exc:  # reported as unknown rather than not reporting at all
@@ -468,16 +474,24 @@ def _follow_probes(args: argparse.Namespace, *, follower: ProbeFollower, attachm
         program_id = None
     sink = _report_sink(args)
     sent = None
+    resend_at = math.inf
     while True:
         # Not follower.config: one that arrived during the last apply is not attached yet, and a
         # report naming its version would tell the operator it is (e.g. a mode change as done).
         report = attachments.report(node=args.node_name, config_version=applied.version if applied else None,
                                     program_id=program_id, desired=desired(applied))
-        if sink is not None and report != sent:
+        # Also re-sent when unchanged for a while: the operator drops the keys of nodes it thinks
+        # left (a node re-registered under the same name, a prune racing a new node), and without
+        # it the probe would wait for this node's report for ever.
+        if sink is not None and (report != sent or time.monotonic() >= resend_at):
             try:
                 sink(report)
+                if report != sent:
+                    log.info("reported: %s", probesource.report_text(report))
                 sent = report
-                log.info("reported: %s", probesource.report_text(report))
+                # Jittered so that agents started together (a rollout) do not patch together.
+                beat = args.probe_report_heartbeat
+                resend_at = time.monotonic() + beat * random.uniform(0.75, 1.0) if beat > 0 else math.inf
             except Exception as exc:  # retried at the next round
                 log.warning("cannot send the probe report: %s", exc)
         deadline = time.monotonic() + args.probe_interval

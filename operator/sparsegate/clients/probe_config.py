@@ -1,6 +1,7 @@
 """The probe configuration and report ConfigMaps (contract: ``sparsegate_contracts.probes``).
 
-The operator writes ``sparsegate-probe-config`` whole (PUT, only when its data changed) and
+The operator writes ``sparsegate-probe-config`` whole (PUT, only when its data changed; ``holds``
+lets it notice a deletion or a hand edit and write it again) and
 creates ``sparsegate-probe-reports`` empty if it is missing, so each agent can merge-patch its own
 key into it with RBAC on that one name (no create). With no probe and no configuration published
 yet it writes neither. Reports that do not parse are skipped and
@@ -65,6 +66,11 @@ class ProbeConfigMaps:
         self.kube.replace(body)  # 409 if someone wrote meanwhile: the next sync retries
         return True
 
+    def _holds(self, configs: Mapping[str, Mapping[str, Any]]) -> bool:
+        cm = self.kube.get("ConfigMap", namespace=self.namespace, name=CONFIG_CONFIGMAP_NAME)
+        data = {node: document_text(doc) for node, doc in configs.items()}
+        return not data if cm is None else (cm.get("data") or {}) == data
+
     def _reports(self) -> dict[str, NodeReport]:
         cm = self.kube.get("ConfigMap", namespace=self.namespace, name=REPORT_CONFIGMAP_NAME)
         out: dict[str, NodeReport] = {}
@@ -103,6 +109,11 @@ class ProbeConfigMaps:
     async def publish(self, configs: Mapping[str, Mapping[str, Any]]) -> bool:
         """Make the configuration ConfigMap hold exactly ``configs``; True when it was written."""
         return await asyncio.to_thread(self._publish, configs)
+
+    async def holds(self, configs: Mapping[str, Mapping[str, Any]]) -> bool:
+        """Whether the configuration ConfigMap holds exactly ``configs`` (absent: only when empty);
+        one GET, writes nothing."""
+        return await asyncio.to_thread(self._holds, configs)
 
     async def reports(self) -> dict[str, NodeReport]:
         """Every node's valid report (node name -> report)."""

@@ -6,8 +6,10 @@ indexes and publishes it when it changed; node events (added, relabelled, remove
 events both trigger it, and a node event also arrives for every node when the operator starts,
 so a probe deleted while the operator was down leaves the configuration then. A loop per probe
 (``handlers.periodic``, no finalizer: deleting a probe never waits for the operator) reads the
-agents' reports every ``SPARSEGATE_PROBE_RESYNC_SECONDS`` and writes that probe's status. Node
-events also drop the reports of nodes that left (agents only add their own key).
+agents' reports every ``SPARSEGATE_PROBE_RESYNC_SECONDS`` and writes that probe's status; its
+sync also compares the configuration ConfigMap with the plan once per interval (shared by all
+probes) and publishes again when it was deleted or edited by another writer. Node events also drop
+the reports of nodes that left (agents only add their own key).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -57,12 +60,30 @@ class Settings:
 
 
 class ProbeSync:
-    def __init__(self, *, store: ProbeConfigMaps, kube: Kube) -> None:
+    def __init__(self, *, store: ProbeConfigMaps, kube: Kube, recheck_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.kube = kube
         self.lock = asyncio.Lock()
         self.published: dict[str, Any] | None = None  # configs last written or found unchanged
         self.reports_pruned_for: frozenset[str] | None = None  # node names at the last prune
+        self.recheck_s = recheck_s  # how often an unchanged plan is compared with the ConfigMap
+        self.clock = clock
+        self.checked_at: float | None = None
+
+    async def _drifted(self, configs: dict[str, Any]) -> bool:
+        """Whether the ConfigMap no longer holds what was published (deleted, edited by hand, pruned
+        by a GitOps tool). At most one GET per ``recheck_s`` for all probes together: every probe's
+        loop syncs, so a check per sync would cost a GET per probe per interval."""
+        now = self.clock()
+        if self.checked_at is not None and now - self.checked_at < self.recheck_s:
+            return False
+        self.checked_at = now
+        try:
+            return not await self.store.holds(configs)
+        except Exception:  # the status write still runs; the next interval checks again
+            log.warning("cannot read the probe configuration ConfigMap to check it", exc_info=True)
+            return False
 
     async def sync(self, *, probes: list[ProbeSource], nodes: list[NodeInfo]) -> Plan:
         async with self.lock:
@@ -72,6 +93,11 @@ class ProbeSync:
                 if current.configs != self.published:
                     log.warning("not publishing the probe configuration: %s", current.too_large)
                 return current
+            # Level-triggered: the cache alone would never write again after someone else's write.
+            if current.configs == self.published and await self._drifted(current.configs):
+                log.warning("the probe configuration ConfigMap was deleted or changed by another writer; "
+                            "publishing it again")
+                self.published = None
             if current.configs != self.published:
                 # A few quick retries: after the last probe goes no loop is left to try again (until
                 # the next node event), and a 409 from a concurrent write clears on a re-read.
@@ -86,6 +112,7 @@ class ProbeSync:
                         log.warning("publishing the probe configuration failed; retrying", exc_info=True)
                         await asyncio.sleep(1.0 + attempt)
                 self.published = current.configs
+                self.checked_at = self.clock()  # just written: no need to read it back soon
             return current
 
     async def prune_reports(self, node_names: Callable[[], Iterable[str]]) -> None:
@@ -125,7 +152,8 @@ def _state() -> ProbeSync:
     global _sync
     if _sync is None:
         kube = Kube.from_environment()
-        _sync = ProbeSync(store=ProbeConfigMaps(kube=kube, namespace=_settings.namespace), kube=kube)
+        _sync = ProbeSync(store=ProbeConfigMaps(kube=kube, namespace=_settings.namespace), kube=kube,
+                          recheck_s=_settings.resync_seconds)
     return _sync
 
 

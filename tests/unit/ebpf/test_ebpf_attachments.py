@@ -189,7 +189,34 @@ def test_a_report_names_the_configuration_applied_not_one_that_arrived_during_th
     applied = follower.config
     att.apply(desired(applied))
     assert state.attached == {LO: "native"} and follower.config is v2
-    agent._follow_probes(SimpleNamespace(node_name="n1", probe_interval=5.0), follower=follower, attachments=att,
-                         desired=desired, applied=applied, prog_fd=3, stop=stop)
+    agent._follow_probes(SimpleNamespace(node_name="n1", probe_interval=5.0, probe_report_heartbeat=600.0),
+                         follower=follower, attachments=att, desired=desired, applied=applied, prog_fd=3, stop=stop)
     assert [(r.config_version, r.interface(LO).mode) for r in sent] == [(v1.version, "native"),
                                                                         (v2.version, "generic")]
+
+
+def test_an_unchanged_report_is_sent_again_after_the_heartbeat(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator may drop this node's report key (a node re-registered under the same name, a
+    prune racing a new node): an agent sending only changed reports would leave the probe waiting
+    for it for ever. Unchanged, it is sent again every heartbeat (jittered: at most that long)."""
+    fake, state = FakeXdp(), AgentState(enforcement="off")
+    att = Attachments(state=state, bpf=None, fn=SimpleNamespace(fd=3), attach=fake.attach, detach=fake.detach)
+    sent: list[probes.NodeReport] = []
+    stop = threading.Event()
+
+    def sink(report: probes.NodeReport) -> None:
+        sent.append(report)
+        if len(sent) == 3:
+            stop.set()
+
+    monkeypatch.setattr(agent, "_report_sink", lambda args: sink)
+    monkeypatch.setattr(agent.inherit, "program_id", lambda fd: 42)
+    guard = threading.Timer(3.0, stop.set)  # the old agent never sends again: end the test
+    guard.start()
+    try:
+        agent._follow_probes(SimpleNamespace(node_name="n1", probe_interval=0.01, probe_report_heartbeat=0.05),
+                             follower=agent.ProbeFollower(), attachments=att, desired=lambda c: {}, applied=None,
+                             prog_fd=3, stop=stop)
+    finally:
+        guard.cancel()
+    assert len(sent) == 3 and sent[0] == sent[1] == sent[2]

@@ -100,3 +100,17 @@ def test_a_prune_that_conflicts_drops_nothing_and_says_so() -> None:
     kube.conflict = True
     assert asyncio.run(store.prune_reports({"n1"})) is None
     assert kube.objects[contract.REPORT_CONFIGMAP_NAME]["data"] == {"gone": "{}"}
+
+
+def test_holds_tells_a_deleted_or_edited_configuration_with_one_get_and_no_write() -> None:
+    kube = FakeKube()
+    maps = ProbeConfigMaps(kube=kube, namespace="sg")  # type: ignore[arg-type]
+    assert asyncio.run(maps.holds({})) is True  # absent is what no probe looks like
+    assert asyncio.run(maps.holds(CONFIG)) is False  # deleted
+    publish(kube, CONFIG)
+    kube.writes.clear()
+    gets = kube.gets
+    assert asyncio.run(maps.holds(CONFIG)) is True and kube.gets == gets + 1
+    kube.objects[contract.CONFIG_CONFIGMAP_NAME]["data"] = {"n1": "{}"}  # edited by hand
+    assert asyncio.run(maps.holds(CONFIG)) is False
+    assert kube.writes == []

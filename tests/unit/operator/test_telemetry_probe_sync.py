@@ -24,13 +24,20 @@ class FakeStore:
         self.report: dict[str, contract.NodeReport] = {}
         self.pruned: list[set[str]] = []  # the node lists prune_reports was called with
         self.prune_conflicts = 0
+        self.config: dict[str, Any] | None = None  # what the configuration ConfigMap holds
+        self.checks = 0  # holds() calls: GETs of the configuration ConfigMap
 
     async def publish(self, configs: dict[str, Any]) -> bool:
         if self.fail:
             self.fail -= 1
             raise RuntimeError("409 Conflict")
         self.published.append(dict(configs))
+        self.config = dict(configs)
         return True
+
+    async def holds(self, configs: dict[str, Any]) -> bool:
+        self.checks += 1
+        return self.config == configs
 
     async def reports(self) -> dict[str, contract.NodeReport]:
         return dict(self.report)
@@ -86,6 +93,33 @@ def test_a_failed_publish_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeError):
         run(sync.sync(probes=[], nodes=[NODE]))
     assert sync.published == store.published[0]  # not recorded: the next sync tries again
+
+
+def test_a_configuration_deleted_or_edited_by_another_writer_is_published_again() -> None:
+    """Level-triggered: the cache of what was published must not hide a ConfigMap deleted or edited
+    since (agents would fall back to --interfaces until some probe or node changed). Checked once
+    per interval however many probes' loops sync: one GET, not one per probe."""
+    t = [0.0]
+    store = FakeStore()
+    sync = telemetryprobe.ProbeSync(store=store, kube=FakeKube(), recheck_s=5.0,  # type: ignore[arg-type]
+                                    clock=lambda: t[0])
+    run(sync.sync(probes=[PROBE], nodes=[NODE]))
+    assert len(store.published) == 1
+    store.config = None  # deleted (by hand, or pruned by a GitOps tool)
+    t[0] = 1.0
+    run(sync.sync(probes=[PROBE], nodes=[NODE]))  # just written: not read back yet
+    assert len(store.published) == 1 and store.checks == 0
+    t[0] = 6.0
+    for _ in range(3):  # three probes' loops in the same interval
+        run(sync.sync(probes=[PROBE], nodes=[NODE]))
+    assert len(store.published) == 2 and store.config == store.published[0] and store.checks == 1
+    store.config = {"n1": {"interfaces": []}}  # edited by hand
+    t[0] = 12.0
+    run(sync.sync(probes=[PROBE], nodes=[NODE]))
+    assert len(store.published) == 3 and store.config == store.published[0]
+    t[0] = 18.0
+    run(sync.sync(probes=[PROBE], nodes=[NODE]))  # in place: read, not written
+    assert len(store.published) == 3 and store.checks == 3
 
 
 def test_status_is_written_from_reports_and_not_rewritten_when_unchanged() -> None:
