@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -99,17 +100,44 @@ class Client:
 
 
 def _watch_status(client: Client, namespace: str, name: str, out: Callable[[str], None]) -> None:
+    from kubernetes.client.exceptions import ApiException
+
     clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
-    while True:  # a watch ends when the server closes it (timeouts): start another
-        for event in client.watch(namespace, name):
-            if event["type"] == "DELETED":
-                out(f"GateConfig {namespace}/{name} deleted\n")
+    deleted = f"GateConfig {namespace}/{name} deleted\n"
+    shown = None  # resourceVersion last printed: a new watch opens with the object as it is, maybe already shown
+    while True:
+        try:
+            for event in client.watch(namespace, name):
+                if event["type"] == "DELETED":
+                    out(deleted)
+                    return
+                version = (event["object"].get("metadata") or {}).get("resourceVersion")
+                if version is None or version != shown:
+                    out(clear + view.status_view(event["object"]))
+                shown = version
+        except ApiException as e:
+            # 410 Gone: the resourceVersion the watch resumes from was compacted away (a quiet
+            # object watched for long); the client retries it once, then raises. Start afresh.
+            if e.status != 410:
+                raise
+        try:  # a deletion while no watch was open is never delivered: look before watching again
+            client.get(namespace, name)
+        except ApiException as e:
+            if e.status == 404:
+                out(deleted)
                 return
-            out(clear + view.status_view(event["object"]))
+            raise
+
+
+def _write(text: str) -> None:
+    # Flushed each time: piped (`status --watch | tee`), stdout is block-buffered and each page
+    # would wait for the next several.
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def run(argv: Sequence[str], *, client_factory: Callable[..., Client] = Client,
-        out: Callable[[str], None] = sys.stdout.write) -> int:
+        out: Callable[[str], None] = _write) -> int:
     args = _parser().parse_args(argv)
     client = client_factory(kubeconfig=getattr(args, "kubeconfig", None), context=getattr(args, "context", None))
     namespace = getattr(args, "namespace", None) or client.default_namespace
@@ -161,6 +189,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigException as e:  # no kubeconfig, or no such context
         sys.stderr.write(f"error: kubeconfig: {e}\n")
         return 1
+    except BrokenPipeError:
+        # The reader went away (`... | head`): not an API server problem. End quietly, as a
+        # SIGPIPE'd kubectl does; stdout to /dev/null so the exit-time flush does not fail again.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141
     except (HTTPError, OSError) as e:  # the API server cannot be reached
         sys.stderr.write(f"error: cannot reach the API server: {e}\n")
         return 1

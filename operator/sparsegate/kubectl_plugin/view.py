@@ -46,6 +46,16 @@ def spec_steps(obj: Mapping[str, Any]) -> list[int]:
     return [int(s) for s in steps] if steps else list(DEFAULT_STEPS)
 
 
+def _num(value: Any) -> str:
+    """A status number as printed (``%g``); ``n/a`` for none. ``status.rollout`` keeps unknown fields, so
+    a hand-edited status may hold null or a string there: printed as is rather than crashing the view."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:g}"
+    return str(value)
+
+
 def analysis_summary(analysis: Mapping[str, Any] | None) -> str:
     """``errorRate=0.01/0.02 p99LatencyMs=120/800 ...``: each check's value over its threshold,
     a failed check marked with ``!``, an undecided one (over, within noise) with ``?``; ``-`` when
@@ -54,10 +64,8 @@ def analysis_summary(analysis: Mapping[str, Any] | None) -> str:
         return "-"
     parts = []
     for check in analysis.get("checks") or []:
-        value = check.get("value")
-        shown = "n/a" if value is None else f"{value:g}"
         mark = "!" if check.get("passed") is False else "?" if check.get("undecided") else ""
-        parts.append(f"{mark}{check.get('name')}={shown}/{check.get('threshold', 0):g}")
+        parts.append(f"{mark}{check.get('name')}={_num(check.get('value'))}/{_num(check.get('threshold', 0))}")
     return " ".join(parts) or str(analysis.get("verdict") or "-")
 
 
@@ -82,7 +90,7 @@ def _latest_value(check: Mapping[str, Any]) -> str:
         return "-"
     last = measurements[-1]
     if last.get("value") is not None:
-        return f"{last['value']:g}"
+        return _num(last["value"])
     return "n/a" if last.get("phase") != "Error" else "error"
 
 
@@ -181,10 +189,9 @@ def status_view(obj: Mapping[str, Any], *, now: datetime | None = None) -> str:
     lines += ["", table(_step_marks(obj), ["STEP", "WEIGHT", "STATE"]), ""]
     analysis = ro.get("analysis")
     if analysis:
-        lines.append(f"Analysis:   {analysis.get('verdict', '-')}, {analysis.get('canaryRequests', 0):g} canary "
-                     f"requests at {analysis.get('canaryQps', 0):g} qps")
-        checks = [[str(c.get("name")), "n/a" if c.get("value") is None else f"{c['value']:g}",
-                   f"{c.get('threshold', 0):g}", check_result(c)]
+        lines.append(f"Analysis:   {analysis.get('verdict', '-')}, {_num(analysis.get('canaryRequests', 0))} canary "
+                     f"requests at {_num(analysis.get('canaryQps', 0))} qps")
+        checks = [[str(c.get("name")), _num(c.get("value")), _num(c.get("threshold", 0)), check_result(c)]
                   for c in analysis.get("checks") or []]
         if checks:
             lines += [table(checks, ["CHECK", "VALUE", "THRESHOLD", "RESULT"]), ""]
@@ -211,8 +218,7 @@ def _run_lines(run: Mapping[str, Any]) -> list[str]:
     rows = []
     for c in run.get("checks") or []:
         recent = [m for m in c.get("measurements") or []][-3:]
-        shown = ", ".join(("error" if m.get("phase") == "Error" else
-                           "n/a" if m.get("value") is None else f"{m['value']:g}") + f" {m.get('phase', '')}"
+        shown = ", ".join(("error" if m.get("phase") == "Error" else _num(m.get("value"))) + f" {m.get('phase', '')}"
                           for m in recent) or "-"
         counts = f"{c.get('successful', 0)}/{c.get('failed', 0)}/{c.get('inconclusive', 0)}/{c.get('errors', 0)}"
         rows.append([str(c.get("name")), str(c.get("provider")), str(c.get("phase")), counts,
@@ -225,7 +231,12 @@ def _run_lines(run: Mapping[str, Any]) -> list[str]:
 def _age(stamp: str | None, *, now: datetime | None) -> str:
     if not stamp:
         return "-"
-    when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    try:
+        when = datetime.fromisoformat(str(stamp).replace("Z", "+00:00"))
+    except ValueError:  # a hand-edited promotedAt: no age rather than a crash
+        return "?"
+    if when.tzinfo is None:  # a date or time without an offset: read as UTC, as the operator writes it
+        when = when.replace(tzinfo=UTC)
     seconds = max(0, int(((now or datetime.now(tz=UTC)) - when).total_seconds()))
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:

@@ -302,3 +302,120 @@ def test_kubeconfig_and_connection_errors_are_one_line_not_a_traceback(tmp_path,
     assert capsys.readouterr().err.startswith("error: kubeconfig: ")
     assert main(["--kubeconfig", str(config), "get"]) == 1  # port 1: connection refused
     assert capsys.readouterr().err.startswith("error: cannot reach the API server: ")
+
+
+class ExpiringWatchClient(FakeClient):
+    """Each watch call plays the next script: events, then 410 Gone (the resourceVersion it
+    resumes from was compacted, as the kubernetes client raises after its one retry)."""
+
+    def __init__(self, objs: list[dict[str, Any]], scripts: list[list[Any]], **kw: Any) -> None:
+        super().__init__(objs, **kw)
+        self.scripts = scripts
+
+    def watch(self, namespace: str, name: str) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
+        for item in self.scripts.pop(0):
+            if item == "gone":
+                raise ApiException(status=410, reason="Expired: too old resource version")
+            yield item
+
+
+def at_version(obj: dict[str, Any], resource_version: str, phase: str) -> dict[str, Any]:
+    out = copy.deepcopy(obj)
+    out["metadata"]["resourceVersion"] = resource_version
+    out["status"]["rollout"]["phase"] = phase
+    return out
+
+
+def test_status_watch_restarts_after_410_gone_without_printing_the_same_object_twice() -> None:
+    """An expired watch (410) is watched again, not reported as an error; the new watch opens with
+    the object already shown, which is not printed again."""
+    first, later = at_version(gateconfig(), "7", "Analysing"), at_version(gateconfig(), "9", "Succeeded")
+    client = ExpiringWatchClient([first], [
+        [{"type": "ADDED", "object": first}, "gone"],
+        [{"type": "ADDED", "object": first}, {"type": "MODIFIED", "object": later},
+         {"type": "DELETED", "object": later}]])
+    printed: list[str] = []
+    assert run(["status", "gate", "--watch"], client_factory=lambda **_: client, out=printed.append) == 0
+    text = "".join(printed)
+    assert text.count("Name:       ns/gate") == 2 and text.count("Phase:      Analysing") == 1
+    assert "Phase:      Succeeded" in text and text.endswith("GateConfig ns/gate deleted\n")
+
+
+def test_status_watch_reports_a_deletion_that_happened_while_the_watch_was_expired() -> None:
+    first = at_version(gateconfig(), "7", "Analysing")
+    client = ExpiringWatchClient([first], [[{"type": "ADDED", "object": first}, "gone"]])
+    printed: list[str] = []
+
+    def delete_then_get(namespace: str, name: str) -> dict[str, Any]:
+        from kubernetes.client.exceptions import ApiException
+
+        raise ApiException(status=404, reason="Not Found")
+
+    calls = iter([lambda ns, n: first, delete_then_get])  # found before the watch, gone after it expired
+    client.get = lambda namespace, name: next(calls)(namespace, name)  # type: ignore[method-assign]
+    assert run(["status", "gate", "--watch"], client_factory=lambda **_: client, out=printed.append) == 0
+    assert "".join(printed).endswith("GateConfig ns/gate deleted\n")
+
+
+def test_status_watch_flushes_each_page_when_piped(monkeypatch) -> None:
+    """Piped (`status --watch | tee`), stdout is block-buffered: each page is flushed, not held
+    until several more arrive."""
+    import sys
+
+    class Pipe:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.calls.append("write")
+            return len(text)
+
+        def flush(self) -> None:
+            self.calls.append("flush")
+
+        def isatty(self) -> bool:
+            return False
+
+    pipe = Pipe()
+    monkeypatch.setattr(sys, "stdout", pipe)
+    assert run(["status", "gate", "--watch"], client_factory=lambda **_: FakeClient([gateconfig()])) == 0
+    assert pipe.calls == ["write", "flush"] * 3  # two pages and "deleted", each flushed
+
+
+def test_views_of_a_hand_edited_status_do_not_crash() -> None:
+    """status.rollout keeps unknown fields and history[].promotedAt is any string: null or
+    non-numeric analysis values and an unparseable or offset-less time print as is, not a traceback."""
+    obj = gateconfig()
+    analysis = obj["status"]["rollout"]["analysis"]
+    analysis["canaryRequests"], analysis["canaryQps"] = None, "12"
+    analysis["checks"][0]["threshold"], analysis["checks"][2]["value"] = None, "high"
+    obj["status"]["history"][0]["promotedAt"] = "yesterday"
+    obj["status"]["history"][1]["promotedAt"] = "2027-01-01"
+    obj["status"]["analysisRuns"] = [{"step": 2, "canaryPercent": 50, "canaryVersion": doc(V3)["version"],
+                                      "phase": "Running", "checks": [
+                                          {"name": "q", "provider": "prometheus", "phase": "Running",
+                                           "measurements": [{"phase": "Successful", "value": "0.5"}]}]}]
+    text = view.status_view(obj, now=datetime(2027, 1, 1, 2, 0, tzinfo=UTC))
+    assert "Analysis:   Pass, n/a canary requests at 12 qps" in text
+    assert any(line.split() == ["errorRate", "0.01", "n/a", "pass"] for line in text.splitlines())
+    assert any(line.split() == ["drift", "high", "0.1", "FAIL"] for line in text.splitlines())
+    assert any(line.split()[:4] == ["1", doc(V1)["version"], "Promoted", "?"] for line in text.splitlines())
+    assert any(line.split()[:4] == ["2", doc(V2)["version"], "Promoted", "2h"] for line in text.splitlines())
+    row = view.get_table([obj]).splitlines()[1].split()
+    assert row[-4:] == ["errorRate=0.01/n/a", "p99LatencyMs=n/a/800", "!drift=high/0.1", "q=0.5"]
+
+
+def test_a_closed_pipe_is_not_reported_as_an_unreachable_api_server(monkeypatch, capsys) -> None:
+    """`kubectl sparsegate status NAME --watch | head`: when the reader exits, the next write fails
+    with EPIPE, an OSError; it ends quietly (141, as a SIGPIPE'd kubectl) instead of
+    "error: cannot reach the API server"."""
+    import sparsegate.kubectl_plugin as plugin
+
+    def closed_pipe(argv: list[str]) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(plugin, "run", closed_pipe)
+    assert plugin.main(["get"]) == 141
+    assert capsys.readouterr().err == ""
