@@ -186,10 +186,19 @@ def iso_time(t: float | None) -> str | None:
     return datetime.fromtimestamp(t, tz=UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def epoch_time(s: str | None) -> float | None:
-    if not s:
+def epoch_time(s: object) -> float | None:
+    """An RFC 3339 time of the status as Unix seconds; None when absent or not a time. The status
+    keeps unknown fields and ``promotedAt`` is free text, so a hand edit ("yesterday", a number)
+    must read as missing, not raise on every tick (and in every plugin command)."""
+    if not s or not isinstance(s, str):
         return None
-    return datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
+    try:
+        parsed = datetime.fromisoformat(s.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if parsed.tzinfo is None:  # what the operator writes carries "Z": read one without as UTC
+        parsed = parsed.replace(tzinfo=UTC)
+    return parsed.timestamp()
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from kstatus_port import CURRENT, FAILED, IN_PROGRESS
 from sparsegate.domain import model_status, policy_status
 from sparsegate.domain.analysis import GroupMetrics
 from sparsegate.domain.gate import GateResolution
+from sparsegate.domain.rollout_codec import epoch_time
 from sparsegate.domain.rollout import (
     ABORT_ANNOTATION,
     HISTORY_LIMIT,
@@ -424,3 +425,20 @@ def test_routingpolicy_kstatus() -> None:
                                            error="rego_parse_error", rejected=True))
     assert kstatus_port.compute(refused) == (FAILED, "rego_parse_error")
     assert all(c["observedGeneration"] == 2 for c in refused["status"]["conditions"])
+
+
+def test_a_time_a_hand_edit_made_unreadable_reads_as_missing_and_the_rollout_goes_on() -> None:
+    """status.rollout keeps unknown fields and history[].promotedAt is free text: "yesterday" or a
+    number there raised ValueError on every tick (and in every plugin command reading the status)."""
+    assert epoch_time("2026-12-07T06:00:00Z") == 1796623200.0
+    assert epoch_time("2026-12-07T06:00:00") == epoch_time("2026-12-07T06:00:00Z")  # written with Z: UTC
+    for bad in ("yesterday", "2026-13-40T00:00:00Z", 42, [], {"a": 1}, None, ""):
+        assert epoch_time(bad) is None
+    g = Gate(V1)
+    g.tick()
+    g.edit(V2)
+    g.tick()
+    g.status["history"][0]["promotedAt"] = "yesterday"
+    g.status["rollout"]["stepStartedAt"] = 42
+    g.promote_through()
+    assert g.status["stable"]["version"] == v(V2)
