@@ -143,6 +143,8 @@ def run(argv: Sequence[str], *, client_factory: Callable[..., Client] = Client,
     namespace = getattr(args, "namespace", None) or client.default_namespace
     cmd = args.command
     if cmd == "get":
+        if args.name and args.all_namespaces:  # as kubectl: -A would otherwise be ignored silently
+            raise view.PluginError("a GateConfig cannot be retrieved by name across all namespaces")
         if args.name:
             objs = [client.get(namespace, args.name)]
         else:

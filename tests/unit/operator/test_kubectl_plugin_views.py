@@ -281,6 +281,13 @@ def test_get_and_status_print_without_writing() -> None:
     assert "Analysing" in printed and "REVISION" in printed
 
 
+def test_get_by_name_across_all_namespaces_is_refused_as_kubectl_does() -> None:
+    """`get NAME -A` looked in the default namespace only, as if -A were not there (main prints a
+    PluginError as one `error:` line, exit 1)."""
+    with pytest.raises(view.PluginError, match="cannot be retrieved by name across all namespaces"):
+        run(["get", "gate", "-A"], client_factory=lambda **_: FakeClient([gateconfig()]))
+
+
 def test_status_watch_prints_every_change_until_deleted() -> None:
     _, printed = cli(["status", "gate", "--watch"], [gateconfig()])
     assert printed.count("Name:       ns/gate") == 2
