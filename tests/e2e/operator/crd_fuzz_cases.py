@@ -561,6 +561,10 @@ CEL_CASES: dict[tuple[str, str, str], list[CelCase]] = {
         ("bad_format", "spec.sources[1].spiffeID", "scheme in capitals",
          _set("spec.sources[1].spiffeID", "SPIFFE://cluster.local/ns/web")),
     ],
+    ("RoutingPolicy", "spec.targets[].routes[]", "!self.matches('/[.][.]?(/|$)')"): [
+        ("bad_format", "spec.targets[0].routes[0]", f"dot segment in {bad!r}", _set("spec.targets[0].routes[0]", bad))
+        for bad in ("/v1/../admin/access", "/./v1/infer", "/v1/infer/.", "/v1/..")
+    ],
     ("RoutingPolicy", "spec", "size(self.sources) * size(self.targets) <= 256"): [
         ("cross_field", "spec.sources", "17 sources x 16 targets > 256 pairs",
          _sets(("spec.sources", [{"namespace": f"ns-{i}"} for i in range(17)]),
@@ -636,6 +640,21 @@ CEL_CASES.update({
 # The table keyed by rule text with its whitespace folded, as cel_rules() yields it.
 KNOWN_RULES = {(kind, holder, " ".join(rule.split())): known for (kind, holder, rule), known in CEL_CASES.items()}
 
+# Strings a field's pattern must refuse, besides the PATTERN_PROBES drawn at random: values that
+# can never match (a route is compared exactly with the server's request path, a SPIFFE ID exactly
+# with the caller's ID), so a Deny written with one would silently do nothing.
+PATTERN_CASES: dict[tuple[str, str], list[str]] = {
+    ("RoutingPolicy", "spec.targets[0].routes[0]"): [
+        "/v1/infer/", "/v1//infer", "//v1/infer", "/v1/%69nfer", "/v1/infer;x", "/v1/infer?stream=1",
+        "/V1/Infer", "/v1/*", "/v1/infer*", "/", "v1/infer", "/v1/infer#frag", "/v1/in fer", "/v1/~x"],
+    ("RoutingPolicy", "spec.sources[1].spiffeID"): [
+        "spiffe://Cluster.local/ns/web/sa/frontend", "spiffe://cluster.local/ns/web/sa/frontend/",
+        "spiffe://cluster.local/ns//sa/frontend", "spiffe://cluster.local/ns/web/sa/front%20end",
+        "spiffe://cluster.local/ns/web/sa/front~end", "spiffe://cluster.local/ns/web/sa/a@b",
+        "spiffe://cluster.local:8443/ns/web", "spiffe://user@cluster.local/ns/web", "spiffe://cluster.local",
+        "spiffe://cluster.local/ns/web?x=1", "spiffe:///ns/web", "spiffe://cluster.local/ns/web/sa/fr*"],
+}
+
 # Object names: the API server's own rule for every kind (a DNS-1123 subdomain of at most 253).
 NAME_CASES: list[tuple[str, str, Any]] = [
     ("bad_format", "uppercase name", "Bad-Name"),
@@ -686,6 +705,10 @@ def invalid_cases(schemas: Mapping[str, Mapping[str, Any]], examples: Mapping[st
             raise AssertionError(f"{kind}: the full base has no {', '.join(missing)}; add them to EXTRAS")
         for category, note, name in NAME_CASES:
             walker.add(category, "metadata.name", note, set_at(bases[kind], parse_path("metadata.name"), name))
+        for (case_kind, path), bads in PATTERN_CASES.items():
+            if case_kind == kind:
+                for bad in bads:
+                    walker.add("bad_format", path, f"{bad!r} vs pattern", set_at(bases[kind], parse_path(path), bad))
         for holder, rule in cel_rules(schemas[kind]):
             if holder.startswith("status"):
                 continue
@@ -803,6 +826,14 @@ def valid_edges(schemas: Mapping[str, Mapping[str, Any]], examples: Mapping[str,
                      *({"sparseModel": f"model-{i}"} for i in range(max_targets - 1))],
                  "ports": [{"port": 65535 - i // 2, "protocol": ("TCP", "UDP")[i % 2]} for i in range(max_ports - 1)]
                           + [{"port": 1}]})),
+        Edge("RoutingPolicy", "every route the model server serves, SPIFFE IDs at the spec's character edges",
+             named("RoutingPolicy", "rp-exact-paths", {
+                 "action": "Deny",
+                 "sources": [{"spiffeID": "spiffe://my_td.example-1/ns/Web-1/sa/front_end.v2"},
+                             {"spiffeID": "spiffe://td/.../a..b/.hidden/x."}],
+                 "targets": [{"sparseModel": "m", "routes": [
+                     "/v1/infer", "/v1/model", "/v1/models", "/v1/completions", "/v1/chat/completions", "/healthz",
+                     "/readyz", "/metrics", "/admin/access", "/.well-known/x_y", "/a..b/...", "/-/_/0"]}]})),
         Edge("RoutingPolicy", "one empty-label selector, one target, no ports, lowest priority, Deny",
              named("RoutingPolicy", "rp-emptiest", {
                  "action": "Deny", "priority": bound("RoutingPolicy", "spec.priority", "minimum"),

@@ -60,6 +60,15 @@ INVALID = [
     (variant(MODEL, "spec.model.dModel", 100_000), "spec.model.dModel", "less than or equal to 16384"),
     (variant(ROUTE, "spec.sources", [{"spiffeID": "spiffe://cluster.local/ns/web/../sa/admin"}]),
      "spec.sources[0].spiffeID", "may not be '.' or '..'"),
+    # Routes and SPIFFE IDs are compared exactly: one that can never match is refused, naming the field.
+    (variant(ROUTE, "spec.targets", [{"sparseModel": "moe-small", "routes": ["/v1/infer/"]}]),
+     "spec.targets[0].routes[0]", "should match"),
+    (variant(ROUTE, "spec.targets", [{"sparseModel": "moe-small", "routes": ["/v1/*"]}]),
+     "spec.targets[0].routes[0]", "should match"),
+    (variant(ROUTE, "spec.targets", [{"sparseModel": "moe-small", "routes": ["/v1/./infer"]}]),
+     "spec.targets[0].routes[0]", "may not have '.' or '..' segments"),
+    (variant(ROUTE, "spec.sources", [{"spiffeID": "spiffe://cluster.local/ns/web/sa/front%65nd"}]),
+     "spec.sources[0].spiffeID", "should match"),
 ]
 
 

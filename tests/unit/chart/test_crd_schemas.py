@@ -140,3 +140,49 @@ def test_name_references_are_object_names():
     assert name["maxLength"] == 63
     assert re.match(name["pattern"], "*") and re.match(name["pattern"], "moe-small")
     assert not re.match(name["pattern"], "moe.small") and not re.match(name["pattern"], "1st")
+
+
+def _routing_items() -> tuple[dict, dict]:
+    (policy,) = load("routingpolicies.yaml")["spec"]["versions"]
+    spec = policy["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    return spec["targets"]["items"]["properties"]["routes"]["items"], spec["sources"]["items"]["properties"]["spiffeID"]
+
+
+def _accepts(schema: dict, value: str) -> bool:
+    """The pattern and the dot-segment CEL rule, as the API server applies them (RE2 and Python's re
+    agree on these expressions)."""
+    import re
+
+    rules = [r["rule"] for r in schema.get("x-kubernetes-validations", ())]
+    assert rules == ["!self.matches('/[.][.]?(/|$)')"]
+    return bool(re.search(schema["pattern"], value)) and not re.search("/[.][.]?(/|$)", value)
+
+
+def test_routes_accept_every_served_path_and_refuse_paths_no_request_has():
+    """A route is compared exactly with the model server's request path: every route it serves is
+    accepted, and non-canonical paths (which could never match, so a Deny would do nothing) are not."""
+    import re
+
+    route, _ = _routing_items()
+    workload = ROOT / "workloads" / "sparsegate_workload"
+    source = (workload / "server.py").read_text() + (workload / "openai_api.py").read_text()
+    consts = dict(re.findall(r'^(OPENAI_\w+) = "([^"]+)"', (workload / "server_state.py").read_text(), re.M))
+    served = re.findall(r'router\.add_(?:get|post|put)\("([^"]+)"', source)
+    served += [consts[c] for c in re.findall(r"router\.add_(?:get|post|put)\((OPENAI_\w+)", source)]
+    assert {"/v1/infer", "/v1/chat/completions", "/v1/completions", "/v1/models", "/admin/access"} <= set(served)
+    for path in served:
+        assert _accepts(route, path), path
+    for bad in ("/v1/infer/", "/v1//infer", "/v1/%69nfer", "/v1/infer;x", "/v1/infer?x=1", "/V1/infer", "/v1/*",
+                "/", "v1/infer", "/v1/./infer", "/v1/../admin/access", "/v1/infer/.."):
+        assert not _accepts(route, bad), bad
+
+
+def test_spiffe_ids_follow_the_spiffe_id_spec():
+    _, spiffe = _routing_items()
+    for good in ("spiffe://cluster.local/ns/web/sa/frontend", "spiffe://my_td.example-1/ns/Web/sa/a_b.c-d",
+                 "spiffe://td/.../a..b"):
+        assert _accepts(spiffe, good), good
+    for bad in ("spiffe://Cluster.local/ns/web", "spiffe://cluster.local/ns/web/", "spiffe://cluster.local/ns//web",
+                "spiffe://cluster.local/ns/we%62", "spiffe://cluster.local:8443/ns/web", "spiffe://u@td/ns/web",
+                "spiffe://cluster.local", "spiffe://cluster.local/ns/web/../sa/x", "spiffe://td/ns/a~b"):
+        assert not _accepts(spiffe, bad), bad
