@@ -152,6 +152,22 @@ def test_an_interface_re_created_under_its_name_is_attached_again(monkeypatch: p
     assert att.apply(want) == {} and fake.calls[-1] == ("attach", "veth-a", "native") and len(fake.calls) == 3
 
 
+def _capture_reports(monkeypatch: pytest.MonkeyPatch, *, until: int
+                     ) -> tuple[list[probes.NodeReport], threading.Event]:
+    """The reports the agent sends (its sink replaced), and an event set once ``until`` were sent."""
+    sent: list[probes.NodeReport] = []
+    stop = threading.Event()
+
+    def sink(report: probes.NodeReport) -> None:
+        sent.append(report)
+        if len(sent) == until:
+            stop.set()
+
+    monkeypatch.setattr(agent, "_report_sink", lambda args: sink)
+    monkeypatch.setattr(agent.inherit, "program_id", lambda fd: 42)
+    return sent, stop
+
+
 def test_a_report_names_the_configuration_applied_not_one_that_arrived_during_the_apply(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The probe source's thread may deliver a new configuration while the agent applies the last:
@@ -172,16 +188,7 @@ def test_a_report_names_the_configuration_applied_not_one_that_arrived_during_th
         return used
 
     att = Attachments(state=state, bpf=None, fn=SimpleNamespace(fd=3), attach=attach, detach=fake.detach)
-    sent: list[probes.NodeReport] = []
-    stop = threading.Event()
-
-    def sink(report: probes.NodeReport) -> None:
-        sent.append(report)
-        if len(sent) == 2:
-            stop.set()
-
-    monkeypatch.setattr(agent, "_report_sink", lambda args: sink)
-    monkeypatch.setattr(agent.inherit, "program_id", lambda fd: 42)
+    sent, stop = _capture_reports(monkeypatch, until=2)
 
     def desired(c: probes.NodeConfig | None) -> dict[str, xdp.XdpMode]:
         return agent.desired_interfaces(c, default=[], default_mode=xdp.XdpMode.AUTO)
@@ -201,16 +208,7 @@ def test_an_unchanged_report_is_sent_again_after_the_heartbeat(monkeypatch: pyte
     for it for ever. Unchanged, it is sent again every heartbeat (jittered: at most that long)."""
     fake, state = FakeXdp(), AgentState(enforcement="off")
     att = Attachments(state=state, bpf=None, fn=SimpleNamespace(fd=3), attach=fake.attach, detach=fake.detach)
-    sent: list[probes.NodeReport] = []
-    stop = threading.Event()
-
-    def sink(report: probes.NodeReport) -> None:
-        sent.append(report)
-        if len(sent) == 3:
-            stop.set()
-
-    monkeypatch.setattr(agent, "_report_sink", lambda args: sink)
-    monkeypatch.setattr(agent.inherit, "program_id", lambda fd: 42)
+    sent, stop = _capture_reports(monkeypatch, until=3)
     guard = threading.Timer(3.0, stop.set)  # the old agent never sends again: end the test
     guard.start()
     try:

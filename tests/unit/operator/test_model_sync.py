@@ -11,6 +11,7 @@ import logging
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -287,12 +288,18 @@ def test_ready_waits_for_the_service_and_is_written_once_it_lands(kube):
     assert start(slow, model_of(slow), applied=applied).service is None
 
 
-def test_a_status_rewrite_leaves_a_model_re_created_under_the_same_name_alone(kube):
+def _reconcile_whose_service_apply_fails(kube: Any) -> tuple[GatedServiceKube, Any]:
+    """A reconcile whose Service apply is held (``service_gate``) and then fails: it ends otherwise
+    than the status written meanwhile assumed, so that status would be written again."""
     slow = GatedServiceKube()
     slow.objects = kube.objects
-    slow.fail_apply = "Service"  # it ends otherwise than assumed: status would be written again
+    slow.fail_apply = "Service"
     gateconfig(slow)
-    reconciled = start(slow, model_of(slow), applied=AppliedObjects(interval_s=600))
+    return slow, start(slow, model_of(slow), applied=AppliedObjects(interval_s=600))
+
+
+def test_a_status_rewrite_leaves_a_model_re_created_under_the_same_name_alone(kube):
+    slow, reconciled = _reconcile_whose_service_apply_fails(kube)
     recreated = model_of(slow)
     recreated["metadata"]["uid"] = "uid-2"
     recreated.pop("status")
@@ -309,11 +316,7 @@ def test_a_status_rewrite_leaves_a_newer_generations_status_alone(kube):
     """A re-render (handlers.gatebinding) runs beside Kopf's handler: when the Service apply of the
     one for generation 1 ends after the handler reconciled generation 2, its status rewrite must not
     set observedGeneration back to 1 (kstatus and the Argo CD check would read InProgress for good)."""
-    slow = GatedServiceKube()
-    slow.objects = kube.objects
-    slow.fail_apply = "Service"  # it ends otherwise than assumed: status would be written again
-    gateconfig(slow)
-    reconciled = start(slow, model_of(slow), applied=AppliedObjects(interval_s=600))
+    slow, reconciled = _reconcile_whose_service_apply_fails(kube)
     newer = model_of(slow)
     newer["metadata"]["generation"] = 2
     newer["status"]["observedGeneration"] = 2  # generation 2 reconciled (and its status written) meanwhile
