@@ -64,6 +64,9 @@ class CalculatorError(ValueError):
 
 MAX_EXPONENT = 64          # |b| of a ** b, so no input can make a huge integer
 MAX_MAGNITUDE = 1e100      # any intermediate beyond it is refused
+# Parentheses, signs and exponents nested in each other: the parser recurses per level, and
+# ~200 "(" (inside MAX_ARGUMENT_CHARS) passed Python's recursion limit: a 500 on /v1/infer.
+MAX_NESTING = 64
 _TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d*)?|\.\d+)|(\*\*|//|[-+*/%()]))")
 
 
@@ -84,6 +87,7 @@ def _lex(text: str) -> list[str]:
 class _Parser:
     def __init__(self, tokens: list[str]) -> None:
         self.tokens, self.i = tokens, 0
+        self.depth = 0
 
     def peek(self) -> str | None:
         return self.tokens[self.i] if self.i < len(self.tokens) else None
@@ -112,9 +116,16 @@ class _Parser:
         return value
 
     def unary(self) -> int | float:         # unary := ('+'|'-') unary | power
-        if self.peek() in ("+", "-"):
-            return _checked(-self.unary() if self.take() == "-" else self.unary())
-        return self.power()
+        # Every recursion ('(' expr, a sign, an exponent) passes here: the depth bound.
+        if self.depth >= MAX_NESTING:
+            raise CalculatorError(f"expression nested deeper than {MAX_NESTING} levels")
+        self.depth += 1
+        try:
+            if self.peek() in ("+", "-"):
+                return _checked(-self.unary() if self.take() == "-" else self.unary())
+            return self.power()
+        finally:
+            self.depth -= 1
 
     def power(self) -> int | float:         # power := atom ('**' unary)?
         base = self.atom()

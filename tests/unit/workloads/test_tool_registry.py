@@ -14,7 +14,7 @@ from sparsegate_workload.tools import CalculatorError, ToolRegistry, ToolSpecErr
 @pytest.mark.parametrize("expr, value", [
     ("2+3*4", "14"), ("(2+3)*4", "20"), ("2**10", "1024"), ("-2**2", "-4"), ("7//2", "3"),
     ("7 % 3", "1"), ("1/4", "0.25"), ("10/4*2", "5"), ("0.1+0.2", "0.3"), ("--3", "3"),
-    (" 12 ", "12"), ("2**-1", "0.5"),
+    (" 12 ", "12"), ("2**-1", "0.5"), ("(" * 60 + "7" + ")" * 60, "7"), ("-" * 60 + "5", "5"),
 ])
 def test_calculator_evaluates_arithmetic(expr, value):
     assert tools.calculate(expr) == value
@@ -32,6 +32,9 @@ def test_calculator_evaluates_arithmetic(expr, value):
     ("1+" * 200 + "1", "longer than 256"),
     ("(-8)**0.5", "not a real number"),
     ("1" + "0" * 99 + ".0**4", "exceeds 1e\\+100"),  # a float power past float range (OverflowError: a 500)
+    ("(" * 200 + "1", "nested deeper than 64"),  # RecursionError past Python's limit: a 500
+    ("(-" * 100 + "1", "nested deeper than 64"),
+    ("2**" * 70 + "1", "nested deeper than 64"),
 ])
 def test_calculator_refuses_what_is_not_bounded_arithmetic(expr, reason):
     with pytest.raises(CalculatorError, match=reason):
