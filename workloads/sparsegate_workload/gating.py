@@ -241,4 +241,8 @@ class ToolGate(nn.Module):
 
 
 def tool_fires(prob: torch.Tensor, *, threshold: float) -> torch.Tensor:
-    return prob > threshold
+    """Strictly above ``threshold``, compared in float64 as the server's Python comparisons
+    (``tools.call_fired``, ``batch_decode``) do: a float32 tensor would round the threshold
+    first, and 0.85 rounds up to the float32 0.8500000238, so a probability of exactly that
+    value (above 0.85) was reported as not firing while the tool was called."""
+    return prob.to(torch.float64) > threshold

@@ -17,6 +17,7 @@ import torch
 
 from sparsegate_contracts.gate import GateDocument
 
+from .gating import tool_fires
 from .inference import InferenceResult
 from .moe import MoEStats
 from .quality import score_rows
@@ -115,7 +116,7 @@ class HFServedModel:
         tool_calls: list[list[int]] = [[] for _ in tokens]
         fire_rate, last_tool_prob = 0.0, []
         if out.tool_prob is not None:
-            fired = out.tool_prob > out.gate.params.tool_gate_threshold
+            fired = tool_fires(out.tool_prob, threshold=out.gate.params.tool_gate_threshold)
             tool_calls = [row.nonzero().squeeze(1).tolist() for row in fired]
             fire_rate, last_tool_prob = float(fired.float().mean()), out.tool_prob[:, -1].tolist()
         result = InferenceResult(

@@ -111,3 +111,18 @@ def test_balance_loss_is_one_when_uniform_and_entropy_is_shannon():
     assert r.counts == [2, 2, 2, 2]
     assert r.aux_loss.item() == pytest.approx(1.0)
     assert r.entropy.item() == pytest.approx(math.log(4))
+
+
+@pytest.mark.parametrize("threshold", [0.85, 0.6, 0.3, 0.9])
+def test_tool_gate_fires_strictly_above_its_threshold_as_the_tool_calls_do(threshold):
+    from sparsegate_workload.gating import tool_fires
+
+    f32 = torch.tensor(threshold, dtype=torch.float32)
+    below, above = torch.nextafter(f32, torch.tensor(0.0)), torch.nextafter(f32, torch.tensor(1.0))
+    prob = torch.stack([below, f32, above])
+    fired = tool_fires(prob, threshold=threshold).tolist()
+    # tools.call_fired and batch_decode decide on the Python floats: the report must agree.
+    assert fired == [p > threshold for p in prob.tolist()]
+    assert fired[0] is False and fired[2] is True
+    # default 0.85: float32(0.85) is 0.8500000238..., above 0.85, so it fires (it did not).
+    assert tool_fires(torch.tensor([0.85]), threshold=0.85).tolist() == [True]
