@@ -83,9 +83,28 @@ def cost_biased_top_p(probs: torch.Tensor, logits: torch.Tensor, *, cost: torch.
     return probs.gather(-1, sorted_e), sorted_e, mask
 
 
+def capacity_of(capacity_factor: float, n_assign: int, num_experts: int,
+                available: int | None = None) -> int:
+    """Per-expert cap: capacityFactor times the even share of the assignments over the experts
+    they may go to (``available``: those an expert-group mask leaves; None: all ``num_experts``),
+    so a request scoped to a few experts is not capped as if its tokens spread over all."""
+    share_over = num_experts if available is None else max(1, min(available, num_experts))
+    return max(1, math.ceil(capacity_factor * n_assign / share_over))
+
+
+def available_experts(allowed: torch.Tensor | None, num_experts: int) -> int | None:
+    """Experts an ``allowed`` mask ([E], or [T, E] per token) leaves to at least one token."""
+    if allowed is None:
+        return None
+    return int(allowed.reshape(-1, num_experts).any(dim=0).sum())
+
+
 def assign(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch.Tensor,
-           mask: torch.Tensor, *, capacity_factor: float | None, normalize: bool) -> Routing:
-    """Turn a [T, E] selection mask (sorted by rank) into expert-grouped kept assignments."""
+           mask: torch.Tensor, *, capacity_factor: float | None, normalize: bool,
+           available: int | None = None) -> Routing:
+    """Turn a [T, E] selection mask (sorted by rank) into expert-grouped kept assignments.
+    ``available``: the experts the tokens may be routed to (`available_experts`; None: all),
+    the even share the capacity cap is a multiple of."""
     num_tokens, num_experts = probs.shape
     weights_ranked = sorted_p * mask
     if normalize:
@@ -106,7 +125,7 @@ def assign(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch.Tensor,
     capacity = None
     counts_kept = counts_all
     if capacity_factor is not None:
-        capacity = max(1, math.ceil(capacity_factor * n_assign / num_experts))
+        capacity = capacity_of(capacity_factor, n_assign, num_experts, available)
         starts = counts_all.cumsum(0) - counts_all
         keep = torch.arange(n_assign, device=probs.device) - starts[expert] < capacity
         token, weight = token[keep], weight[keep]
@@ -207,10 +226,13 @@ class DynamicGate(Router):
         sorted_p, sorted_e, mask = cost_biased_top_p(
             probs, logits, cost=cost, cost_lambda=cost_lambda, threshold=confidence_threshold,
             min_k=min_experts, max_k=min(max_experts, self.num_experts))
+        available = None
         if allowed is not None:
             mask = mask & allowed[sorted_e]
+            if capacity_factor is not None:
+                available = available_experts(allowed, self.num_experts)
         return assign(probs, sorted_p, sorted_e, mask, capacity_factor=capacity_factor,
-                      normalize=True)
+                      normalize=True, available=available)
 
 
 class TopKGate(Router):

@@ -35,7 +35,7 @@ def test_unscoped_requests_use_many_experts(model):
 @pytest.mark.parametrize("min_experts", [1, 3])
 def test_scoped_requests_use_only_their_group(model, group, min_experts):
     tokens = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(2)).tolist()
-    # No capacity cap here: with one, a group of few experts overflows and drops assignments.
+    # No capacity cap here (its share is tested below): every token must reach its group.
     gate = dataclasses.replace(GateParams(), min_experts_per_token=min_experts, capacity_factor=None)
     result = run_batch(model, tokens, gate=gate, precisions=FP32, allowed_experts=group)
     assert _used(result) and _used(result) <= set(group)
@@ -43,6 +43,37 @@ def test_scoped_requests_use_only_their_group(model, group, min_experts):
     assert all(sum(layer) >= len(tokens) * 32 for layer in result.expert_counts)
     assert result.selected_experts_per_token <= len(group)
     assert all(isinstance(t, int) for t in result.next_tokens)
+
+
+@pytest.mark.parametrize("group", [[2, 3], [0, 4, 7, 5]])
+def test_the_capacity_cap_of_a_scoped_request_is_its_groups_even_share(model, group):
+    # capacityFactor is a multiple of the even share of a batch's assignments: over the experts
+    # the request may use. Shared over all 8, a 2-expert group kept ~1/3 of its assignments
+    # (default 1.25: 382 of 555 dropped) and most tokens skipped their MoE layers entirely.
+    tokens = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(4)).tolist()
+    result = run_batch(model, tokens, gate=GateParams(), precisions=FP32, allowed_experts=group)
+    assert _used(result) <= set(group)
+    n_assign = round(result.selected_experts_per_token * len(tokens) * 64)
+    cap = -(-1.25 * n_assign // len(group))
+    assert all(n <= cap + 1 for layer in result.expert_counts for n in layer)
+    assert result.dropped_assignments <= 0.1 * n_assign * len(result.expert_counts)
+    assert result.active_experts_per_token > 0.9 * result.selected_experts_per_token
+
+
+def test_the_gate_caps_a_masked_batch_over_its_allowed_experts():
+    from sparsegate_workload.gating import DynamicGate
+
+    gate = DynamicGate(16, 8)
+    gate.reset_parameters(torch.Generator().manual_seed(0))
+    x = torch.randn(40, 16, generator=torch.Generator().manual_seed(1))
+    allowed = torch.zeros(8, dtype=torch.bool)
+    allowed[[1, 6]] = True
+    r = gate(x, confidence_threshold=0.6, min_experts=1, max_experts=1, capacity_factor=1.0,
+             allowed=allowed)
+    # 40 assignments over the 2 allowed experts: 20 each at factor 1 (over all 8 it was 5).
+    assert r.capacity == 20 and set(e for e, n in enumerate(r.counts) if n) <= {1, 6}
+    unmasked = gate(x, confidence_threshold=0.6, min_experts=1, max_experts=1, capacity_factor=1.0)
+    assert unmasked.capacity == 5  # without a mask: the share over every expert, as before
 
 
 async def test_the_server_narrows_a_request_to_its_named_group():
@@ -98,6 +129,26 @@ def test_a_checkpoint_scoped_request_uses_only_its_group(checkpoint, params):
     used = {e for st in scoped.layers for e, n in enumerate(st.counts) if n}
     assert used and used <= {1, 5}
     assert all(sum(st.counts) >= ids.numel() for st in scoped.layers)  # dropless: every token routed
+
+
+@pytest.mark.parametrize("params", [
+    {"confidence_threshold": 0.9, "min_experts_per_token": 1, "max_experts_per_token": 2},
+    {"min_experts_per_token": 2, "max_experts_per_token": 2},  # fixed k: the fast path too
+])
+def test_a_checkpoint_caps_a_scoped_request_over_its_group(checkpoint, params):
+    from sparsegate_contracts.gate import GateParams as Params
+    from sparsegate_workload.hf import load_moe_checkpoint
+
+    lm = load_moe_checkpoint(checkpoint)
+    lm.set_gate(Params(**params, capacity_factor=1.25))
+    ids = torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        scoped = lm.forward(ids, allowed_experts=[1, 5])
+    for st in scoped.layers:
+        assert {e for e, n in enumerate(st.counts) if n} <= {1, 5}
+        n_assign = sum(st.counts) + st.dropped
+        # capacity ceil(1.25 * n / 2) per allowed expert: both together hold every assignment
+        assert st.dropped == 0 and n_assign >= ids.numel(), (st.counts, st.dropped)
 
 
 async def test_a_checkpoint_server_refuses_groups_past_its_experts(checkpoint):

@@ -43,7 +43,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import math
 import time
 from typing import Iterator
 
@@ -55,7 +54,8 @@ from sparsegate_contracts.gate import GateDocument, GateParams
 
 from ..experts import combine, expert_mm
 from ..expert_cost import ExpertCost, biased_selection_probs
-from ..gating import Router, Routing, assign, cost_biased_top_p
+from ..gating import (Router, Routing, assign, available_experts, capacity_of,
+                      cost_biased_top_p)
 from ..moe import routing_stats
 from ..precision import LayerBytes, Precision, StoredWeight, is_lower, layer_bytes
 from ..threshold_control import ThresholdController
@@ -239,6 +239,9 @@ class SparseGatedMoEBlock(nn.Module):
         hi = min(params.max_experts_per_token, self.num_experts)
         cost_lambda = params.hardware_cost_lambda
         cost = self.cost.vector() if cost_lambda > 0 else None
+        # The capacity cap's even share is over the experts the mask leaves, not all of them.
+        available = (available_experts(allowed, self.num_experts)
+                     if gate.capacity_factor is not None else None)
         if lo == hi:
             # Fixed k: top-k picks the same experts in the same (descending) order as the
             # threshold search clamped to k, on a [T, k] instead of a sorted [T, E] selection.
@@ -256,7 +259,7 @@ class SparseGatedMoEBlock(nn.Module):
                     kept_allowed is None or bool(kept_allowed.all())):
                 return _assign_fixed_k(probs, sorted_p, sorted_e,
                                        capacity_factor=gate.capacity_factor,
-                                       normalize=self.renormalize)
+                                       normalize=self.renormalize, available=available)
             mask = torch.ones_like(sorted_p, dtype=torch.bool)
         else:
             sorted_p, sorted_e, mask = cost_biased_top_p(
@@ -266,7 +269,7 @@ class SparseGatedMoEBlock(nn.Module):
             # k (or min_k) may exceed the allowed experts: masked ones are never kept.
             mask = mask & (kept_allowed if kept_allowed is not None else _allowed_at(allowed, sorted_e))
         return assign(probs, sorted_p, sorted_e, mask, capacity_factor=gate.capacity_factor,
-                      normalize=self.renormalize)
+                      normalize=self.renormalize, available=available)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         call = _CURRENT_CALL.get()
@@ -341,7 +344,8 @@ FIXED_K_FAST_TOKENS = 64
 
 
 def _assign_fixed_k(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch.Tensor, *,
-                    capacity_factor: float | None, normalize: bool) -> Routing:
+                    capacity_factor: float | None, normalize: bool,
+                    available: int | None = None) -> Routing:
     """`gating.assign` for every token keeping exactly its top k (inference only): identical
     fields, order and slots. A capacity cap that would drop something takes `assign` itself.
     A single token (decoding one sequence) orders its k picks on the host (k integers) instead of
@@ -365,10 +369,11 @@ def _assign_fixed_k(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch
         counts = counts_all.tolist()  # the block's single host sync, as in assign
     capacity = None
     if capacity_factor is not None:
-        capacity = max(1, math.ceil(capacity_factor * n_assign / num_experts))
+        capacity = capacity_of(capacity_factor, n_assign, num_experts, available)
         if max(counts) > capacity:
             return assign(probs, sorted_p, sorted_e, torch.ones_like(sorted_p, dtype=torch.bool),
-                          capacity_factor=capacity_factor, normalize=normalize)
+                          capacity_factor=capacity_factor, normalize=normalize,
+                          available=available)
     weights = sorted_p / sorted_p.sum(dim=-1, keepdim=True) if normalize else sorted_p
     if num_tokens == 1:
         order = torch.tensor(sorted(range(k), key=picks.__getitem__), device=device)
