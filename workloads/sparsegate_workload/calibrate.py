@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int_at_least(0), default=1, help="picks the text windows")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="dtype the model is loaded and differentiated in")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int_at_least(1), default=1, help="torch CPU threads")
     return p
 
@@ -80,6 +80,30 @@ def calibrate(directory: Path, *, text: str | None, text_source: str, batches: i
                                                       lm.expert_sensitivity))]}
 
 
+def _device_error(name: str) -> str | None:
+    """Why ``--device name`` cannot be used here (None: it can): a bad flag exits 2 with the
+    reason, as the server's --device does, not with torch's traceback halfway through loading."""
+    import torch
+
+    from .devices import DeviceError, resolve_device
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        return f"--device must be cpu, cuda or cuda:N, got {name!r}"
+    if device.type == "cuda":
+        try:
+            resolve_device("cuda")
+        except DeviceError as exc:
+            return str(exc)
+        if (device.index or 0) >= torch.cuda.device_count():
+            return (f"--device {name}: no such CUDA device here "
+                    f"({torch.cuda.device_count()} visible)")
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -100,6 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from .hf.checkpoint_files import CheckpointError
 
+    device_error = _device_error(args.device)
+    if device_error is not None:
+        parser.error(device_error)
     torch.set_num_threads(args.threads)
     try:
         summary = calibrate(directory, text=text, text_source=source, batches=args.batches,

@@ -205,6 +205,23 @@ def test_calibrate_exits_1_naming_a_checkpoint_that_does_not_load(tmp_path: Path
     assert not (tmp_path / "missing").exists()
 
 
+@pytest.mark.parametrize("device, reason", [
+    ("bogus", "--device must be cpu, cuda or cuda:N, got 'bogus'"),
+    ("meta", "--device must be cpu, cuda or cuda:N, got 'meta'"),
+    ("cuda:99", "cuda"),  # no GPU, or not that many: refused either way
+])
+def test_calibrate_refuses_an_unusable_device_as_a_bad_flag(
+        checkpoint: Path, capsys: pytest.CaptureFixture[str], device: str, reason: str) -> None:
+    """A --device this host cannot use exits 2 with the reason (as the server's --device does),
+    before loading anything; it used to raise torch's RuntimeError traceback mid-load."""
+    with pytest.raises(SystemExit) as exc:
+        calibrate_main([str(checkpoint), "--device", device])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert reason in err and "Traceback" not in err
+    assert not (checkpoint / PRECISION_FILE).exists()
+
+
 def test_sparsegate_train_over_a_calibrated_checkpoint_removes_its_precision_file(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from sparsegate_workload.hf.checkpoint_files import check_weight_files
