@@ -54,8 +54,13 @@ class HFServedModel:
         self.n_layers = len(lm.blocks)
         self.num_experts = int(lm.num_experts)
         self.tokenizer = lm.tokenizer
-        eos = cfg.eos_token_id
-        self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        # Where a checkpoint's end-of-sequence ids live: config.json and generation_config.json,
+        # which transformers' generate() stops on (chat checkpoints list their end-of-turn
+        # token there only, e.g. Qwen's <|im_end|> beside config.json's <|endoftext|>).
+        gen_cfg = getattr(lm.model, "generation_config", None)
+        self.eos_ids = frozenset(
+            int(i) for eos in (cfg.eos_token_id, getattr(gen_cfg, "eos_token_id", None))
+            for i in (eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]))
         self.device = next(lm.model.parameters()).device
 
     def shape(self) -> dict[str, Any]:

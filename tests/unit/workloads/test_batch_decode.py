@@ -168,3 +168,24 @@ def test_packed_prefill_splits_into_forwards_of_bounded_size(hf, monkeypatch):
     assert forwards == [2, 2, 1]  # 9-token prompts, at most 20 tokens per forward
     for req, ev in zip(reqs, events):
         assert ev.token == _solo(hf, req).token_ids[0]
+
+
+def test_generation_config_end_of_sequence_ids_stop_a_generation(tmp_path):
+    """Chat checkpoints (Qwen's <|im_end|>) list their end-of-turn id in generation_config.json
+    only, which transformers' generate() stops on; so do the server's decoders (they used to
+    read config.json's eos_token_id alone and generate on to max_tokens)."""
+    import json
+
+    path = build_tiny_checkpoint(tmp_path / "ck", family="mixtral")
+    prompt = [1, 9, 9]
+    first = load(path, gate=TWO, device="cpu").generate(prompt, max_tokens=3).token_ids[0]
+    assert first != 2  # config.json's eos: the one id that used to stop it
+    gen = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, first]}))
+    hf = load(path, gate=TWO, device="cpu")
+    assert hf.eos_ids == {2, first}
+    solo = hf.generate(prompt, max_tokens=3)
+    assert (solo.token_ids, solo.finish_reason) == ([first], "stop")
+    [ev] = BatchDecoder(hf).run([DecodeRequest(key="k", prompt_ids=prompt, max_tokens=3)], [])
+    assert ev.generation is not None
+    assert (ev.generation.token_ids, ev.generation.finish_reason) == ([first], "stop")
