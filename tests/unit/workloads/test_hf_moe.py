@@ -7,6 +7,7 @@ swap, capacity drops, and every malformed-checkpoint case naming its file.
 
 import json
 import os
+import shutil
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
@@ -14,8 +15,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from sparsegate_contracts.gate import GateParams, GateParamsError, make_document  # noqa: E402
+from sparsegate_workload.batch_decode import BatchDecoder, DecodeRequest  # noqa: E402
 from sparsegate_workload.hf import (  # noqa: E402
     CheckpointError, SparseGatedMoEBlock, build_tiny_checkpoint, load_moe_checkpoint)
+from sparsegate_workload.hf_serving import HFServedModel  # noqa: E402
 
 import transformers  # a dependency: missing, this module fails to import (never skips)
 
@@ -63,6 +66,47 @@ def test_explicit_gate_document_with_min_max_k_matches_upstream(checkpoints):
     out = lm.forward(ids)
     torch.testing.assert_close(out.logits, _upstream_logits(path, ids), rtol=1e-5, atol=1e-5)
     assert out.gate.version == doc.version and out.dropped == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_output_router_logits_serves_and_gives_upstream_router_logits_and_aux_loss(
+        checkpoints, family, tmp_path):
+    """A checkpoint saved with ``output_router_logits: true`` (as training with the aux loss
+    saves it) asked every forward for router logits and the load-balancing loss: the patched
+    blocks left the tuple empty, so every forward, the server's included, raised IndexError
+    (and upstream's loss cannot take a batched decode step's cache-wide mask). Served, it is
+    not asked for; asked per call, the patched blocks give upstream's logits and loss."""
+    path = tmp_path / family
+    shutil.copytree(checkpoints[family], path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
+    lm = load_moe_checkpoint(path)
+    ids = _tokens(batch=2, seq=10, seed=6)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    out = lm.forward(ids, attention_mask=mask)  # the server's paths
+    hf = HFServedModel(lm, name=family)
+    hf.generate([1, 5, 6], max_tokens=2)
+    prompts = [[1, *range(3, 3 + n)] for n in (2, 5, 9)]  # left-padded in one decode group
+    dec = BatchDecoder(hf)
+    pending = [DecodeRequest(key=i, prompt_ids=p, max_tokens=3) for i, p in enumerate(prompts)]
+    while pending or dec.running:
+        dec.run(pending, [])
+        pending = []
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    with torch.no_grad():
+        ref = ref_model.eval()(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
+        with lm.pinned_gate():
+            got = lm.model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False,
+                           output_router_logits=True)
+    keep = mask.bool()
+    torch.testing.assert_close(out.logits[keep], ref.logits[keep], rtol=1e-5, atol=1e-5)
+    assert len(got.router_logits) == len(ref.router_logits) == len(lm.blocks)
+    for mine, theirs in zip(got.router_logits, ref.router_logits):
+        assert mine.shape == theirs.shape and mine.dtype == theirs.dtype
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.aux_loss, ref.aux_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
@@ -157,6 +201,55 @@ def test_missing_shard_names_the_file(tmp_path):
     with pytest.raises(CheckpointError, match=f"{shard}: missing shard") as err:
         load_moe_checkpoint(path)
     assert err.value.file == path / shard
+
+
+def test_single_file_saved_over_a_sharded_checkpoint_loads_as_transformers_loads_it(tmp_path):
+    """save_pretrained into a directory that held a sharded save removes the old shards but
+    leaves the old model.safetensors.index.json beside the new model.safetensors; transformers
+    loads model.safetensors. The checks must look at that file too (they used to follow the
+    stale index and refuse the checkpoint: "missing shard")."""
+    path = build_tiny_checkpoint(tmp_path / "ck", family="mixtral", max_shard_size="200KB",
+                                 tokenizer=False)
+    build_tiny_checkpoint(path, family="mixtral", seed=7, tokenizer=False)  # unsharded, over it
+    assert (path / "model.safetensors").is_file()
+    assert (path / "model.safetensors.index.json").is_file()  # the sharded save's, left behind
+    lm = load_moe_checkpoint(path)
+    ids = _tokens(seed=8)
+    torch.testing.assert_close(lm.forward(ids).logits, _upstream_logits(path, ids),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["relative", "absolute"])
+def test_index_naming_a_shard_outside_the_directory_is_refused_naming_the_index(tmp_path, where):
+    """model.safetensors.index.json is input: a shard name that leaves the checkpoint directory
+    (``..`` or an absolute path) is refused before anything reads that file, naming the index
+    (it used to be opened and parsed, and only transformers refused it later, naming no file)."""
+    path = build_tiny_checkpoint(tmp_path / "ck", family="mixtral", max_shard_size="200KB",
+                                 tokenizer=False)
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (path / shard).rename(outside / shard)  # a valid shard, just not in the checkpoint
+    name = f"../elsewhere/{shard}" if where == "relative" else str(outside / shard)
+    index["weight_map"] = {k: name if v == shard else v for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json: tensor .* maps to "
+                                              ".*not a file name inside") as err:
+        load_moe_checkpoint(path)
+    assert err.value.file == index_path
+
+
+def test_unreadable_tokenizer_config_is_a_checkpoint_error(tmp_path):
+    """Any tokenizer file transformers cannot read (here tokenizer_config.json holding a list,
+    which raised AttributeError) fails as a CheckpointError naming the directory and files."""
+    path = build_tiny_checkpoint(tmp_path / "ck", family="olmoe")
+    (path / "tokenizer_config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="tokenizer files present but unreadable "
+                                              r"\(tokenizer.json, tokenizer_config.json: ") as err:
+        load_moe_checkpoint(path)
+    assert err.value.file == path
 
 
 def test_truncated_shard_names_the_file(tmp_path):

@@ -3,10 +3,10 @@ exception type whose message names the offending file (or field) instead of a de
 
 What is checked, all without loading a tensor: ``config.json`` exists, is a JSON object and names
 a supported MoE family with a SwiGLU (``silu``) activation; the safetensors weights exist (one
-``model.safetensors``, or every shard listed in ``model.safetensors.index.json``); every shard's
-header parses, stores only accepted dtypes, its tensors' byte ranges tile the data block, and the
-file holds exactly the bytes its header promises (a truncated download fails here); every tensor
-the index maps to a shard is in that shard.
+``model.safetensors``, else every shard listed in ``model.safetensors.index.json``, as
+transformers picks them); every shard's header parses, stores only accepted dtypes, its tensors'
+byte ranges tile the data block, and the file holds exactly the bytes its header promises (a
+truncated download fails here); every tensor the index maps to a shard is in that shard.
 """
 
 from __future__ import annotations
@@ -136,8 +136,14 @@ def safetensors_header(path: Path) -> dict[str, Any]:
 
 
 def check_weight_files(directory: Path) -> list[Path]:
-    """The checkpoint's safetensors shards, each checked; raises CheckpointError."""
+    """The checkpoint's safetensors shards, each checked; raises CheckpointError. The files
+    transformers loads: ``model.safetensors`` when present, whatever index lies beside it
+    (``save_pretrained`` leaves an earlier save's index there), else the index's shards."""
     index_path = directory / INDEX_FILE
+    single = directory / SINGLE_WEIGHTS
+    if single.is_file():
+        safetensors_header(single)
+        return [single]
     if index_path.is_file():
         try:
             index = json.loads(index_path.read_text())
@@ -149,7 +155,14 @@ def check_weight_files(directory: Path) -> list[Path]:
                                   file=index_path) from exc
         expected: dict[str, set[str]] = {}
         for tensor, shard in weight_map.items():
-            expected.setdefault(str(shard), set()).add(tensor)
+            # A shard is a file of this directory: never read one an index points elsewhere.
+            # Checked on the name, not resolved (Hub cache snapshots are symlinks to blobs).
+            if not isinstance(shard, str) or not shard or Path(shard).anchor or \
+                    ".." in Path(shard).parts:
+                raise CheckpointError(
+                    f"{index_path}: tensor {tensor!r} maps to {shard!r}, which is not a file "
+                    f"name inside {directory}", file=index_path)
+            expected.setdefault(shard, set()).add(tensor)
         shards = []
         for shard, tensors in sorted(expected.items()):
             path = directory / shard
@@ -164,10 +177,6 @@ def check_weight_files(directory: Path) -> list[Path]:
                     f"(first: {absent[0]})", file=path)
             shards.append(path)
         return shards
-    single = directory / SINGLE_WEIGHTS
-    if single.is_file():
-        safetensors_header(single)
-        return [single]
     others = sorted(p.name for p in directory.glob("*.bin")) + \
         sorted(p.name for p in directory.glob("*.pt"))
     hint = f" (found {', '.join(others)}: only safetensors weights are read)" if others else ""

@@ -225,12 +225,15 @@ class SparseGatedMoEBlock(nn.Module):
     def weight_bytes(self) -> LayerBytes:
         return layer_bytes(self.moe_index, self.gate.storage, self.expert_storage)
 
-    def route(self, flat: torch.Tensor, gate: ActiveGate, allowed: torch.Tensor | None = None) -> Routing:
+    def route(self, flat: torch.Tensor, gate: ActiveGate, allowed: torch.Tensor | None = None,
+              *, logits: torch.Tensor | None = None) -> Routing:
         """``allowed``: [E] bool (every token) or [T, E] bool (per token); the other experts get
-        no gate mass and are never selected."""
+        no gate mass and are never selected. ``logits``: the router's fp32 logits of ``flat``,
+        when the caller already computed them."""
         params = gate.routed_params()
         # The router as stored (the loader stores what the gate resolves to); logits in fp32.
-        logits = self.gate.logits(flat)
+        if logits is None:
+            logits = self.gate.logits(flat)
         if allowed is not None:
             logits = logits.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
@@ -275,7 +278,10 @@ class SparseGatedMoEBlock(nn.Module):
         call = _CURRENT_CALL.get()
         gate = call.gate if call is not None else self._slot.active
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        routing = self.route(flat, gate, call.allowed if call is not None else None)
+        logits = self.gate.logits(flat)
+        _record_router_logits(logits, flat.dtype)
+        routing = self.route(flat, gate, call.allowed if call is not None else None,
+                             logits=logits)
         out = self.dispatch(flat, routing)
         if self.has_shared_expert:
             shared = self.shared_expert(flat)
@@ -330,6 +336,34 @@ class SparseGatedMoEBlock(nn.Module):
                 start = end
         ys[:n_assign].mul_(w)
         return combine(ys, routing.slots)
+
+
+@functools.lru_cache(maxsize=1)
+def _output_collector() -> object | None:
+    """transformers' context variable holding what the running forward records (the dict its
+    ``capture_outputs`` fills), None where this transformers has none."""
+    import importlib
+
+    for name in ("transformers.utils.output_capturing", "transformers.utils.generic"):
+        try:
+            collector = getattr(importlib.import_module(name), "_active_collector", None)
+        except ImportError:
+            continue
+        if collector is not None:
+            return collector
+    return None
+
+
+def _record_router_logits(logits: torch.Tensor, dtype: torch.dtype) -> None:
+    """What the upstream router's output recorder does: with ``output_router_logits`` (a call
+    argument or config.json), append this block's [T, E] router logits for the model output's
+    ``router_logits`` and its load-balancing ``aux_loss``. transformers hooks only its own router
+    class, which the patch replaced: without this the tuple is empty and every forward of such
+    a checkpoint raises IndexError in ``load_balancing_loss_func``."""
+    collector = _output_collector()
+    recorded = collector.get() if collector is not None else None  # type: ignore[attr-defined]
+    if isinstance(recorded, dict) and "router_logits" in recorded:
+        recorded["router_logits"].append(logits.to(dtype))
 
 
 def _allowed_at(allowed: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

@@ -404,12 +404,20 @@ def load_moe_checkpoint(path: str | Path, *, gate: GateParams | GateDocument | N
     model.to(device)
     model.eval()
     model.requires_grad_(False)
+    # Served, the dynamic gate reports its own routing stats: upstream's router-logit recording
+    # and load-balancing loss, which a checkpoint saved by a training run asks for on every
+    # forward (config.json output_router_logits), would only cost time, and that loss cannot
+    # take a KV-cached step's attention mask (a padded batched decode raised). A caller can
+    # still ask per call (output_router_logits=True: the patched blocks record their logits).
+    model.config.output_router_logits = False
     tokenizer = None
     if any((directory / name).is_file() for name in TOKENIZER_FILES):
         try:
             tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-        except (OSError, ValueError, KeyError) as exc:
-            raise CheckpointError(f"{directory}: tokenizer files present but unreadable ({exc})",
+        except Exception as exc:  # noqa: BLE001 - transformers and tokenizers raise many types
+            present = ", ".join(n for n in TOKENIZER_FILES if (directory / n).is_file())
+            raise CheckpointError(f"{directory}: tokenizer files present but unreadable "
+                                  f"({present}: {type(exc).__name__}: {exc})",
                                   file=directory) from exc
     lm = SparseGatedCausalLM(
         model, family=family, path=directory, tokenizer=tokenizer,
