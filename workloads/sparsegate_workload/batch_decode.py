@@ -20,7 +20,8 @@ Threshold control: a gate with targetExpertsPerToken carries its PI controller
 threshold of the moment; after an engine job (`run`: its prefills and one step) in which that
 gate's tokens since the last feed reach `CONTROL_FEED_TOKENS`, the controller is fed their mean
 selected experts per token, so prefills and decode steps of all requests under one version
-drive one loop, each token weighing alike.
+drive one loop, each token weighing alike. Forwards holding a token scoped to an expert group
+are not counted (the group bounds its tokens' experts, not the threshold).
 
 Gate versions: a sequence is prefilled under the gate in force then (`SparseGatedCausalLM.gate`)
 and stays in that version's group until it ends, and every step runs under one group's pinned
@@ -516,9 +517,12 @@ class BatchDecoder:
 
     def _measure(self, call: GateCall) -> None:
         """Count the selected assignments and routed tokens of a forward under a controlled
-        gate (targetExpertsPerToken), toward its controller's next update."""
+        gate (targetExpertsPerToken), toward its controller's next update. A forward with a
+        token scoped to an expert group is not counted: a group smaller than the target could
+        never reach it, and the loop would push every request of the version to its threshold
+        bound."""
         controller = call.gate.controller
-        if controller is None:
+        if controller is None or call.allowed is not None:
             return
         entry = self._measured.setdefault(id(controller), [call.gate, 0.0, 0])
         for st in call.layers:

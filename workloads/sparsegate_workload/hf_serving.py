@@ -107,14 +107,16 @@ class HFServedModel:
         """The ``/v1/infer`` result for a checkpoint (under ``gate``, else the installed gate),
         and the gate version that computed it. ``allowed_experts``: the request's expert group.
         A gate with a threshold controller routed with its threshold and is fed this batch's
-        mean selected experts per token (the threshold of the next batch).
+        mean selected experts per token (the threshold of the next batch), unless the batch is
+        scoped to an expert group.
         Tool gate: with a tool-gate head beside the weights (`hf.tool_head`), ``toolCalls`` are
         the positions whose probability exceeds the routing gate's toolGateThreshold and
         ``last_tool_prob`` each row's last one (the server then calls tools); without one,
         ``toolCalls`` are empty and the fire rate 0."""
         batch = torch.tensor(tokens, dtype=torch.long, device=self.device)
         out = self.lm.forward(batch, gate=gate, allowed_experts=allowed_experts)
-        if out.gate.controller is not None:
+        if out.gate.controller is not None and allowed_experts is None:
+            # A scoped batch's experts are bounded by its group, not by the threshold.
             out.gate.controller.update(out.mean_selected_experts)
         last = out.logits[:, -1, :].float()
         n = max(len(out.layers), 1)

@@ -36,7 +36,7 @@ A gate with ``targetExpertsPerToken`` gets its own PI controller (`threshold_con
 applied (stable or canary; a promoted canary keeps its own): each batch routes with the
 controller's threshold and feeds back its mean selected experts per token — a /v1/infer batch
 of either model kind, and on a checkpoint every prefill and decode step of the OpenAI routes
-(`batch_decode`) too; the live threshold is the gauge
+(`batch_decode`) too, except batches holding a request scoped to an expert group; the live threshold is the gauge
 ``sparsegate_gate_controlled_threshold{gate_version}``.
 
 Tools (`tools`): on ``/v1/infer``, a sequence whose tool gate fires above ``toolGateThreshold``
@@ -125,7 +125,9 @@ def _builtin_batch(state: ServerState, gate: AppliedGate, tokens: list[list[int]
     result = run_batch(state.model, tokens, gate=gate.routed_params(),
                        precisions=gate.precisions, return_logits=return_logits,
                        allowed_experts=allowed_experts)
-    if gate.controller is not None:
+    if gate.controller is not None and allowed_experts is None:
+        # A scoped batch's experts are bounded by its group, not by the threshold: a group
+        # smaller than the target would push the threshold to its bound for every request.
         threshold = gate.controller.update(result.selected_experts_per_token)
         state.metrics.controlled_threshold.labels(gate_version=gate.doc.version).set(threshold)
     return result

@@ -189,3 +189,31 @@ async def test_a_checkpoint_approaches_the_target_on_batched_generation(checkpoi
           f"requests {tail_mean:.3f}; threshold -> {gauge}")
     assert abs(tail_mean - CHECKPOINT_TARGET) < 0.25, tail_mean
     assert set(gauge) == {controlled.version} and 0.7 < gauge[controlled.version] < 0.99
+
+
+def test_requests_scoped_to_an_expert_group_do_not_feed_the_controller(checkpoint):
+    """A group of 1 expert can never reach a target of 2.5: fed from its batches, the loop would
+    push the version's threshold to its bound for every request. Scoped /v1/infer batches and
+    scoped batched generation leave the controller alone; unscoped ones move it."""
+    from sparsegate_workload.batch_decode import BatchDecoder, DecodeRequest
+    from sparsegate_workload.hf_serving import load
+    from sparsegate_workload.server_state import threshold_controller
+
+    doc = make_document({**DEFAULT_PARAMS, "capacityFactor": 8,
+                         "targetExpertsPerToken": CHECKPOINT_TARGET})
+    hf = load(checkpoint, gate=doc, device="cpu")
+    controller = threshold_controller(doc.params)
+    hf.set_gate(doc, controller=controller)
+    start = controller.threshold
+    tokens = [[1] + [(7 * j) % 300 + 3 for j in range(40)]]
+    for _ in range(3):
+        hf.run_batch(tokens, allowed_experts=(0,))
+    dec = BatchDecoder(hf)
+    pending = [DecodeRequest(key=i, prompt_ids=tokens[0][:20 + i], max_tokens=6, allowed_experts=(0,))
+               for i in range(3)]
+    while pending or dec.running:
+        dec.run(pending[:1], [])
+        pending = pending[1:]
+    assert controller.threshold == start
+    hf.run_batch(tokens)
+    assert controller.threshold != start
