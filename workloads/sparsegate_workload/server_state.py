@@ -246,6 +246,12 @@ async def run_on_model(state: ServerState, fn: Callable[[], T], *,
     except asyncio.TimeoutError:
         release_when_done(state, future, keep=keep)
         raise ApiError(503, f"no result within {state.request_timeout_s:g} s") from None
+    except asyncio.CancelledError:
+        # The client went away: its batch still runs (or waits) on the model thread, so its slot
+        # stays taken until then, or a client that keeps abandoning requests would queue work
+        # there past --max-inflight.
+        release_when_done(state, future, keep=keep)
+        raise
 
 
 async def inject_fault(state: ServerState, gate: AppliedGate) -> None:

@@ -382,6 +382,39 @@ async def test_admission_is_bounded_and_requests_time_out():
         await c.close()
 
 
+async def test_a_client_that_abandons_its_request_keeps_its_slot_until_its_batch_ran():
+    """A /v1/infer client that disconnects while its batch waits for the model thread: the batch
+    still runs, so its admission slot stays taken until then. Freed at once (as it was), abandoned
+    requests queued batches on the model thread past --max-inflight, never answered 429."""
+    c = await serving(create_app(max_inflight=2))
+    state = c.server.app[STATE]
+    try:
+        busy = asyncio.get_running_loop().run_in_executor(state.executor, time.sleep, 1.0)
+        statuses = []
+        for _ in range(6):
+            try:
+                resp = await c.post("/v1/infer", json={"tokens": [[1, 2, 3]]},
+                                    timeout=aiohttp.ClientTimeout(total=0.1))
+                statuses.append(resp.status)
+            except asyncio.TimeoutError:
+                statuses.append("abandoned")
+        await asyncio.sleep(0.1)  # the abandoned handlers have been cancelled
+        assert statuses == ["abandoned", "abandoned", 429, 429, 429, 429]
+        assert state.inflight == 2 and state.executor.queued == 2
+        await busy
+        for _ in range(100):
+            if state.inflight == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert state.inflight == 0
+        assert (await c.post("/v1/infer", json={"tokens": [[1, 2, 3]]})).status == 200
+        text = await (await c.get("/metrics")).text()
+        assert 'vllm:num_requests_waiting{model_name="builtin"} 0.0' in text
+        assert 'vllm:num_requests_running{model_name="builtin"} 0.0' in text
+    finally:
+        await c.close()
+
+
 async def test_a_model_that_fails_to_load_is_unhealthy_with_the_reason(monkeypatch):
     from sparsegate_workload import server
 
