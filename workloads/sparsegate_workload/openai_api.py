@@ -124,6 +124,17 @@ def _int(body: dict[str, Any], name: str, *, default: int, low: int, high: int) 
     return value
 
 
+def _unicode(text: str, param: str) -> str:
+    """``text`` when it is Unicode a tokenizer can read: JSON's ``\\ud800``-style escapes decode
+    to lone surrogates, which no tokenizer encodes (it raised TypeError: a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise OpenAIError(400, f"{param} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                               "escape): not Unicode text", param=param) from None
+    return text
+
+
 def _prompt_text(body: dict[str, Any], *, chat: bool, hf: HFServedModel) -> list[int]:
     tok = hf.tokenizer
     if not chat:
@@ -132,14 +143,15 @@ def _prompt_text(body: dict[str, Any], *, chat: bool, hf: HFServedModel) -> list
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise OpenAIError(400, "prompt must be one non-empty string", param="prompt")
-        return list(tok(prompt)["input_ids"])
+        return list(tok(_unicode(prompt, "prompt"))["input_ids"])
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
             and isinstance(m.get("content"), str) for m in messages):
         raise OpenAIError(400, "messages must be a non-empty list of {role, content} objects "
                                "with string content", param="messages")
-    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    plain = [{"role": _unicode(m["role"], "messages"), "content": _unicode(m["content"], "messages")}
+             for m in messages]
     if getattr(tok, "chat_template", None):
         from jinja2 import TemplateError, TemplateSyntaxError  # transformers renders templates with it
 
@@ -234,13 +246,15 @@ def usage(gen: Generation, tool_calls: Sequence[Any] = (), scope: Scope | None =
 class _Call:
     """One request's identity, timing and metrics bookkeeping."""
 
-    def __init__(self, state: ServerState, *, chat: bool, hf: HFServedModel,
+    def __init__(self, state: ServerState, *, chat: bool, hf: HFServedModel, started: float,
                  scope: Scope | None = None) -> None:
         self.state, self.chat, self.hf = state, chat, hf
         self.scope = scope  # the access scope the request runs under (None: unguarded)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.started = time.perf_counter()
+        # When the request arrived (perf_counter): vLLM's e2e and TTFT count from arrival, so
+        # its body read, tokenization and any injected fault latency are in them.
+        self.started = started
         self.first_token: float | None = None
         self.gate_version: str | None = None  # the version its prefill really ran under, once known
         # A stream's outcome for the metrics: its HTTP status (200) went out before the tokens, so
@@ -298,7 +312,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         async with admission(state) as keep:
             plan = parse_request(await read_json(request), chat=chat, hf=hf)
             await inject_fault(state, gate)
-            call = _Call(state, chat=chat, hf=hf, scope=request.get(request_guard.SCOPE))
+            call = _Call(state, chat=chat, hf=hf, started=started, scope=request.get(request_guard.SCOPE))
             handle = state.engine.submit(
                 plan.prompt_ids, max_tokens=plan.max_tokens, temperature=plan.temperature,
                 seed=plan.seed, timeout_s=state.request_timeout_s,
@@ -330,6 +344,11 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         return web.json_response(call.full(gen, handle.tool_calls))
     except ApiError as e:
         code = e.status
+        raise
+    except (asyncio.CancelledError, ConnectionError):
+        # The client went away before its generation was submitted (reading its body, waiting
+        # out an injected latency): 499 as later on, not a server error the rollout analysis counts.
+        code = CLIENT_CLOSED
         raise
     finally:
         # The sparsegate series count these requests too: the rollout analysis reads them.
@@ -396,7 +415,14 @@ async def _tokens(queue: asyncio.Queue[int], task: asyncio.Future[Any]) -> Async
     """Tokens as the model thread makes them, until the generation ends (or fails)."""
     while True:
         getter = asyncio.ensure_future(queue.get())
-        done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            # The client went away (the handler is cancelled here): no token will come for this
+            # getter, which would stay pending until garbage-collected ("Task was destroyed but
+            # it is pending!" logged once per stream left).
+            getter.cancel()
+            raise
         if getter in done:
             yield getter.result()
             continue

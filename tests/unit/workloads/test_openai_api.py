@@ -222,6 +222,31 @@ async def test_bad_requests_name_the_parameter(client, body, status, param):
     assert (await resp.json())["error"]["param"] == param
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "the gate \ud800 keeps"}, "prompt"),
+    ("/v1/completions", {"prompt": ["\udfff"]}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud83d"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "us\udc00er", "content": "hi"}]}, "messages"),
+])
+@pytest.mark.parametrize("template", [False, True])
+async def test_a_lone_surrogate_escape_is_a_400_not_a_500(client, path, body, param, template):
+    """JSON may escape half a UTF-16 pair ("\\ud800"): json.loads gives a str no tokenizer encodes
+    (it raised TypeError, answered 500 as a server fault). The client's text: 400 naming it."""
+    hf = client.server.app[STATE].hf
+    if template:
+        hf.tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}{{ m['content'] }}{% endfor %}"
+    try:
+        resp = await client.post(path, json={**body, "max_tokens": 2, "temperature": 0})
+        assert resp.status == 400, await resp.text()
+        error = (await resp.json())["error"]
+        assert error["param"] == param and "surrogate" in error["message"]
+        # A real character outside the BMP (a valid surrogate pair in JSON) is text as any other.
+        resp = await client.post("/v1/completions", json={"prompt": "fox \U0001f98a", "max_tokens": 2})
+        assert resp.status == 200
+    finally:
+        hf.tokenizer.chat_template = None
+
+
 async def test_default_valued_fields_clients_send_are_accepted(client):
     """Chat's logprobs is a boolean whose default, false, clients send explicitly; the completions'
     logprobs is a count whose default is null. Anything else is refused naming it."""
@@ -286,6 +311,28 @@ async def test_metrics_use_vllm_names_and_keep_sparsegate_ones(client):
     prompt = len(client.server.app[STATE].hf.tokenizer("the gate keeps")["input_ids"])
     assert f"vllm:prompt_tokens_total{label} {2 * prompt}.0" in text
     assert "sparsegate_active_experts_per_token 1.0" in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_vllm_latencies_count_from_the_request_s_arrival(checkpoint, stream):
+    """vLLM's e2e latency and TTFT run from arrival (their help says so): a gate's injected
+    latency (and the body read, tokenization) before the request reaches the engine is in them, as
+    in sparsegate_request_duration_seconds. They started after all that (~0.03 s for 0.3 s here)."""
+    slow = make_document({**DEFAULT_PARAMS, "faultInjection": {"errorRate": 0.0, "addedLatencyMs": 300}})
+    c = await _serve(create_app(gate_doc=slow, model_path=str(checkpoint)))
+    try:
+        resp = await _complete(c, stream=stream, max_tokens=2)
+        if stream:
+            await _sse(resp)
+        assert resp.status == 200
+        text = await (await c.get("/metrics")).text()
+
+        def total(name):
+            return float(text.split(f'{name}_sum{{model_name="{NAME}"}} ')[1].split()[0])
+        assert total("vllm:e2e_request_latency_seconds") >= 0.3
+        assert total("vllm:time_to_first_token_seconds") >= 0.3
+    finally:
+        await c.close()
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -423,6 +470,30 @@ async def test_a_client_leaving_mid_stream_frees_its_slot(client):
     assert (await _complete(client)).status == 200
 
 
+async def test_a_stream_left_mid_way_leaves_no_pending_task_behind(client):
+    """The handler, cancelled while it waits for the next token, also cancels its wait on the
+    token queue: left pending, each such wait was collected later with asyncio's ERROR "Task was
+    destroyed but it is pending!", once per client that left a stream."""
+    import gc
+
+    state = client.server.app[STATE]
+    gc.disable()  # the leftover would otherwise vanish at a random collection
+    try:
+        for _ in range(3):
+            resp = await _complete(client, stream=True, max_tokens=200, prompt="a")
+            await resp.content.readline()
+            resp.close()
+        for _ in range(200):
+            if state.inflight == 0:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)
+        pending = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "Queue.get"]
+        assert state.inflight == 0 and pending == []
+    finally:
+        gc.enable()
+
+
 def _requests_total(scrape: str) -> dict[str, float]:
     """sparsegate_requests_total by code (summed over gate versions), non-zero ones only."""
     out: dict[str, float] = {}
@@ -456,6 +527,27 @@ async def test_a_client_leaving_before_its_answer_is_counted_499_not_a_server_er
             break
         await asyncio.sleep(0.05)
     assert _requests_total(await (await client.get("/metrics")).text()) == {"499": 1.0}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_leaving_before_its_generation_started_is_counted_499(checkpoint, stream):
+    """Gone while the gate's injected latency runs (before the engine has its request): 499, as
+    /v1/infer counts it, not a 500 that the rollout analysis would take for the version's error."""
+    slow = make_document({**DEFAULT_PARAMS, "faultInjection": {"errorRate": 0.0, "addedLatencyMs": 300}})
+    c = await _serve(create_app(gate_doc=slow, model_path=str(checkpoint)))
+    state = c.server.app[STATE]
+    try:
+        with pytest.raises(asyncio.TimeoutError):
+            await c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "stream": stream},
+                         timeout=aiohttp.ClientTimeout(total=0.1))
+        for _ in range(100):
+            if _requests_total(await (await c.get("/metrics")).text()):
+                break
+            await asyncio.sleep(0.02)
+        assert _requests_total(await (await c.get("/metrics")).text()) == {"499": 1.0}
+        assert state.inflight == 0
+    finally:
+        await c.close()
 
 
 def test_the_entry_point_stops_generating_for_a_client_that_left(tmp_path):
