@@ -244,6 +244,10 @@ class PrometheusAPI:
             "requests": f"sum(increase({REQUESTS}{{{sel}}}[{w}]))",
             "errors": f'sum(increase({REQUESTS}{{{sel},code=~"5.."}}[{w}]))',
             "p99": f"histogram_quantile(0.99, sum by (le) (increase({DURATION_BUCKET}{{{sel}}}[{w}])))",
+            # The share of observations beyond the largest finite bucket: over 1 %, the p99 above is
+            # that bucket's bound, only a lower bound (domain.analysis.quantile_beyond_buckets).
+            "p99_beyond": (f'1 - max(sum by (le) (increase({DURATION_BUCKET}{{{sel},le!="+Inf"}}[{w}]))) '
+                           f'/ sum(increase({DURATION_BUCKET}{{{sel},le="+Inf"}}[{w}]))'),
             "assignments": f"sum(increase({ASSIGNMENTS}{{{sel}}}[{w}]))",
             "tokens": f"sum(increase({TOKENS}{{{sel}}}[{w}]))",
             "layers": f'count(count by (layer) ({EXPERT_TOKENS}{{{pod_sel}}}))',
@@ -291,6 +295,7 @@ class PrometheusAPI:
             duration_buckets={},
             mean_active_experts=mean,
             p99_seconds=values["p99"],
+            p99_beyond_buckets=(values["p99_beyond"] or 0.0) > 1.0 - 0.99,
             quality_nll=values["quality_nll"] or 0.0,
             quality_tokens=values["quality_tokens"] or 0.0,
             probe_nll=values["probe_nll"],

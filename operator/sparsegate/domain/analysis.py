@@ -11,7 +11,11 @@ Checks on the canary group (each reported with its numbers):
 * ``errorRate`` ≤ calibrated cap (see :mod:`sparsegate.domain.calibration`);
   errors are responses with status ≥ 500.
 * ``p99LatencyMs`` ≤ ``slaP99LatencyMs``, estimated from histogram buckets
-  the way PromQL's ``histogram_quantile`` does (linear within a bucket).
+  the way PromQL's ``histogram_quantile`` does (linear within a bucket). A p99 beyond the
+  largest finite bucket reads as that bucket's bound, which is only a lower bound: it fails
+  when the SLA is below it, as any p99 over the SLA does, and also when it is not, since
+  such a p99 cannot be shown to be within the SLA (the model server's largest latency bucket
+  is 10 s: with ``slaP99LatencyMs`` ≥ 10000 a canary taking a minute per request passed).
 * ``drift``: relative difference of mean active experts per token, canary vs
   stable, ≤ ``maxDrift`` (only when both groups have enough requests; the last
   step has no stable group). Noise-aware when the model servers export the
@@ -53,6 +57,7 @@ __all__ = [
     "window_delta",
     "aggregate",
     "histogram_quantile",
+    "quantile_beyond_buckets",
     "analyse",
     "MIN_QUALITY_TOKENS",
     "DRIFT_Z",
@@ -109,6 +114,9 @@ class GroupMetrics:
     mean_active_experts: float | None
     # Prometheus computes p99 server-side; direct scrapes leave it None (derived from buckets).
     p99_seconds: float | None = None
+    # Prometheus: whether more than 1 % of the window's observations lie beyond the largest finite
+    # bucket, so p99_seconds is that bucket's bound, a lower bound (direct scrapes: from the buckets).
+    p99_beyond_buckets: bool = False
     quality_nll: float = 0.0       # live traffic: summed NLL of scored tokens in the window
     quality_tokens: float = 0.0
     probe_nll: float | None = None  # probe set: mean NLL per token (mean over the group's pods)
@@ -141,6 +149,14 @@ class GroupMetrics:
         # Errors are a subset of requests; Prometheus' increase() extrapolates the two counters
         # separately and can return a ratio a hair above 1 (1.000111 seen), which is clamped.
         return min(1.0, self.errors / self.requests) if self.requests > 0 else None
+
+    @property
+    def p99_is_lower_bound(self) -> bool:
+        """The p99 lies beyond the largest finite bucket (in the +Inf one): :attr:`p99_ms` is then
+        that bucket's bound (PromQL's answer), and the real p99 is anywhere above it."""
+        if self.p99_seconds is not None:
+            return self.p99_beyond_buckets
+        return quantile_beyond_buckets(q=0.99, buckets=self.duration_buckets)
 
     @property
     def p99_ms(self) -> float | None:
@@ -234,6 +250,14 @@ def histogram_quantile(*, q: float, buckets: Mapping[float, float]) -> float | N
     return prev_le
 
 
+def quantile_beyond_buckets(*, q: float, buckets: Mapping[float, float]) -> bool:
+    """Whether the ``q`` quantile of cumulative ``le`` buckets lies in the +Inf bucket, where
+    :func:`histogram_quantile` answers the largest finite bound (0 without one): a lower bound."""
+    total = buckets.get(math.inf, 0.0)
+    finite = [c for le, c in buckets.items() if not math.isinf(le)]
+    return total > 0 and max(finite, default=0.0) < q * total
+
+
 class Verdict(str, enum.Enum):
     PASS = "Pass"
     # Every check passed with enough traffic.
@@ -252,6 +276,8 @@ class Check:
     detail: str = ""  # the numbers behind the value, e.g. both groups' perplexities
     # Over the threshold but within noise: neither passed nor failed, the step keeps observing.
     undecided: bool = False
+    # The value is a lower bound (a quantile beyond the histogram's largest finite bucket).
+    lower_bound: bool = False
 
     def describe(self) -> str:
         if self.passed is None and not self.undecided:  # e.g. drift at 100 %: no stable group left
@@ -260,6 +286,9 @@ class Check:
         detail = f" ({self.detail})" if self.detail else ""
         if self.undecided:
             return f"{self.name} {value} > {self.threshold:.4g} within noise{detail}: more traffic needed"
+        if self.lower_bound and self.value is not None and self.value <= self.threshold:
+            return (f"{self.name} over {value}, the largest finite latency bucket: cannot be shown "
+                    f"≤ {self.threshold:.4g}{detail}")
         return f"{self.name} {value} {'≤' if self.passed else '>'} {self.threshold:.4g}{detail}"
 
 
@@ -318,7 +347,10 @@ def analyse(
         )
     )
     p99 = canary.p99_ms
-    checks.append(Check(name="p99LatencyMs", value=p99, threshold=sla_p99_ms, passed=None if p99 is None else p99 <= sla_p99_ms))
+    # Beyond the largest finite bucket the p99 reads as that bound: a lower bound never passes.
+    beyond = p99 is not None and canary.p99_is_lower_bound
+    checks.append(Check(name="p99LatencyMs", value=p99, threshold=sla_p99_ms,
+                        passed=None if p99 is None else p99 <= sla_p99_ms and not beyond, lower_bound=beyond))
 
     drift = drift_check(canary=canary, stable=stable, max_drift=max_drift, min_requests=min_requests)
     checks.append(drift)

@@ -88,6 +88,26 @@ def test_p99_over_sla_fails() -> None:
     assert r.failed[0].value > 800
 
 
+def test_p99_beyond_the_largest_bucket_is_a_lower_bound_never_within_the_sla() -> None:
+    """Every canary request took a minute: the p99 lies in the +Inf bucket and reads as the largest
+    finite bound (10 s, PromQL's answer). Under an SLA of 15 s that bound passed the check; it is
+    only a lower bound, so the check fails (a p99 over the SLA still fails as before)."""
+    buckets = {0.1: 0.0, 1.0: 0.0, 10.0: 0.0, INF: 60.0}
+    canary = dataclasses.replace(group(requests=60), duration_buckets=buckets)
+    r = judge(canary, group(requests=200), sla_p99_ms=15_000.0)
+    assert r.verdict == Verdict.FAIL and [c.name for c in r.failed] == ["p99LatencyMs"], r.message
+    assert "p99LatencyMs over 1e+04, the largest finite latency bucket: cannot be shown ≤ 1.5e+04" in r.message
+    assert canary.p99_ms == 10_000 and canary.p99_is_lower_bound
+    assert judge(canary, group(requests=200), sla_p99_ms=800.0).verdict == Verdict.FAIL
+    # Only buckets for +Inf: PromQL's largest finite bound is no bound at all (0 here), never a pass.
+    only_inf = dataclasses.replace(group(requests=60), duration_buckets={INF: 60.0})
+    assert judge(only_inf, group(requests=200)).verdict == Verdict.FAIL
+    # Exactly 1 % beyond the largest bucket: the p99 is that bound itself, a real value that passes.
+    edge = dataclasses.replace(group(requests=100), duration_buckets={1.0: 0.0, 10.0: 99.0, INF: 100.0})
+    assert not edge.p99_is_lower_bound
+    assert judge(edge, group(requests=200), sla_p99_ms=15_000.0).verdict == Verdict.PASS
+
+
 def test_drift_of_mean_active_experts_fails() -> None:
     r = judge(group(requests=60, experts=2.0), group(requests=200, experts=1.3))
     assert r.verdict == Verdict.FAIL

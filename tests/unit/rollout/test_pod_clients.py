@@ -194,6 +194,42 @@ async def test_a_group_s_queries_are_evaluated_at_one_instant() -> None:
     assert len({q.get("time") for q in seen}) == 1 and seen[0].get("time") is not None
 
 
+async def test_a_p99_beyond_the_largest_bucket_through_prometheus_is_never_within_the_sla() -> None:
+    """histogram_quantile answers the largest finite bound (10 s) when the p99 lies in the +Inf
+    bucket; the share of observations beyond that bucket tells the analysis it is a lower bound,
+    so an SLA of 15 s is not met by a canary half of whose requests took longer than 10 s."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from sparsegate.domain.analysis import Verdict, analyse
+    from sparsegate.domain.calibration import Thresholds
+
+    beyond = {"share": "0.5"}
+
+    async def query(request: web.Request) -> web.Response:
+        q = (await request.post())["query"]
+        value = ("10" if q.startswith("histogram_quantile(0.99,") else beyond["share"] if 'le="+Inf"' in q
+                 else "100" if q.startswith("sum(increase(sparsegate_requests_total{") and "code=" not in q else "0")
+        return web.json_response({"status": "success", "data": {
+            "resultType": "vector", "result": [{"metric": {}, "value": [0, value]}]}})
+
+    def verdict(g):
+        thr = Thresholds(qps_threshold=1.0, error_rate_cap=0.02, baseline_qps=None, baseline_error_rate=None)
+        return analyse(canary=g, stable=None, thresholds=thr, canary_share=1.0, sla_p99_ms=15_000.0,
+                       max_drift=0.1, min_requests=20).verdict
+
+    app = web.Application()
+    app.router.add_post("/api/v1/query", query)
+    async with TestServer(app, host="127.0.0.1") as srv:
+        api = PrometheusAPI(f"http://127.0.0.1:{srv.port}")
+        group = await api.group(namespace="ns", pods=["m-a"], window_s=30)
+        assert group is not None and group.requests == 100 and group.p99_ms == 10_000
+        assert verdict(group) == Verdict.FAIL
+        beyond["share"] = "0.01"  # exactly 1 % beyond: the p99 is the bound itself, within the SLA
+        group = await api.group(namespace="ns", pods=["m-a"], window_s=30)
+        assert group is not None and verdict(group) == Verdict.PASS
+
+
 async def test_oversized_or_odd_answers_are_pod_errors_not_operator_memory(
         tmp_path, cert_pem: tuple[str, str]) -> None:
     """A pod (or whatever holds its IP) answering megabytes or non-objects costs the operator a
