@@ -4,8 +4,9 @@ The rules the kube-apiserver's PodSecurity admission applies at ``restricted`` (
 ``baseline``), for a pod spec as written: no host namespaces, hostPath, hostPort, privileged or
 added capabilities but NET_BIND_SERVICE; only the restricted volume types; every container
 with ``allowPrivilegeEscalation: false``, ``capabilities.drop`` holding ALL, ``runAsNonRoot: true``
-and a RuntimeDefault or Localhost seccomp profile (its own or the pod's), and no uid 0. Sysctls,
-procMount, AppArmor and SELinux options are not checked: nothing here renders them.
+and a RuntimeDefault or Localhost seccomp profile (its own or the pod's), no uid 0, and only
+``baseline``'s safe sysctls. procMount, AppArmor and SELinux options are not checked: nothing here
+renders them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from typing import Any
 RESTRICTED_VOLUME_KINDS = frozenset({"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
                                      "persistentVolumeClaim", "projected", "secret"})
 ALLOWED_ADDED_CAPABILITIES = frozenset({"NET_BIND_SERVICE"})
+# baseline's allowed sysctls (Pod Security Standards, policy version 1.22).
+ALLOWED_SYSCTLS = frozenset({"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range",
+                             "net.ipv4.ip_unprivileged_port_start", "net.ipv4.tcp_syncookies",
+                             "net.ipv4.ping_group_range"})
 
 
 def restricted_violations(pod_spec: Mapping[str, Any]) -> list[str]:
@@ -26,6 +31,7 @@ def restricted_violations(pod_spec: Mapping[str, Any]) -> list[str]:
         if not kinds <= RESTRICTED_VOLUME_KINDS:
             found.append(f"volume {v['name']}: {sorted(kinds - RESTRICTED_VOLUME_KINDS)}")
     psc = pod_spec.get("securityContext") or {}
+    found += [f"sysctl {s.get('name')}" for s in psc.get("sysctls") or [] if s.get("name") not in ALLOWED_SYSCTLS]
     containers = [*(pod_spec.get("initContainers") or []), *(pod_spec.get("containers") or [])]
     for c in containers:
         name, sc = c["name"], c.get("securityContext") or {}

@@ -73,6 +73,14 @@ CACHE_ENV = (("XDG_CACHE_HOME", f"{TMP_DIR}/.cache"),  # Hugging Face (HF_HOME),
              ("TRITON_CACHE_DIR", f"{TMP_DIR}/.triton"),
              ("CUDA_CACHE_PATH", f"{TMP_DIR}/.nv/ComputeCache"))
 
+# Ports below 1024 are privileged: the server runs as MODEL_UID with every capability dropped (an
+# added NET_BIND_SERVICE never reaches a non-root process's effective set), so it could not bind a
+# servingPort under 1024 (EACCES: a crash loop) unless its pod's own network namespace lets
+# unprivileged processes bind from there. A namespaced "safe" sysctl: allowed by every kubelet
+# since Kubernetes 1.22 and by Pod Security restricted.
+UNPRIVILEGED_PORT_SYSCTL = "net.ipv4.ip_unprivileged_port_start"
+PRIVILEGED_PORTS_END = 1024
+
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_NODE_LABEL = "nvidia.com/gpu.present"
 
@@ -323,12 +331,21 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
                     {"name": TMP_VOLUME, "emptyDir": {}}],
         "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
     }
+    if port < PRIVILEGED_PORTS_END:
+        pod_spec["securityContext"]["sysctls"] = [{"name": UNPRIVILEGED_PORT_SYSCTL, "value": str(port)}]
     if default_image.pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in default_image.pull_secrets]
     if request_auth_enforced(model):
         # TokenReview needs a ServiceAccount allowed to create them, and its token in the pod.
         pod_spec["serviceAccountName"] = names.MODEL_SERVICE_ACCOUNT
         pod_spec["automountServiceAccountToken"] = True
+    else:
+        # The namespace's default ServiceAccount. Both fields explicitly empty: the API server
+        # mirrors serviceAccountName into the deprecated alias serviceAccount, which no apply owns,
+        # so leaving them out after Enforce would keep the pods on sparsegate-model-server
+        # (kubernetes#108208). Empty is the stored default: a template never changes for it.
+        pod_spec["serviceAccountName"] = ""
+        pod_spec["serviceAccount"] = ""
     claim = spec["model"].get("persistentVolumeClaim")
     if claim:
         # Read-only: the checkpoint is data the server only reads (and many pods share it). No

@@ -44,6 +44,7 @@ MODELS = {
     "checkpoint on a PVC, GPU": _checkpoint_model(),
     "requestAuth Enforce": _model(access={"requestAuth": "Enforce"}),
     "tools": _model(tools=[{"name": "search", "url": "http://search.ml:8080/q"}]),
+    "servingPort 80": _model(servingPort=80),
 }
 
 
@@ -99,3 +100,19 @@ def test_the_dev_pod_runner_runs_the_pod_as_a_kubelet_would() -> None:
         "65532:65532", True, True, ("ALL",), False)
     (tmp,) = [m for m in c.mounts if not m.read_only]
     assert tmp.target == "/tmp" and {v.name: v.writable for v in plan.volumes}[tmp.volume]
+
+
+@pytest.mark.parametrize("port", [1, 80, 1023])
+def test_a_privileged_serving_port_is_made_bindable_for_the_non_root_server(port: int) -> None:
+    """The server runs as a non-root uid with every capability dropped: a servingPort under 1024
+    (which the CRD accepts) failed to bind (EACCES, a crash loop) unless the pod's network
+    namespace lets unprivileged processes bind from there."""
+    pod = _pod(_model(servingPort=port))
+    assert pod["securityContext"]["sysctls"] == [{"name": "net.ipv4.ip_unprivileged_port_start", "value": str(port)}]
+    assert pod["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert restricted_violations(pod) == []
+
+
+@pytest.mark.parametrize("port", [1024, 8080, 65535])
+def test_an_unprivileged_serving_port_needs_no_sysctl(port: int) -> None:
+    assert "sysctls" not in _pod(_model(servingPort=port))["securityContext"]

@@ -1,6 +1,6 @@
 """SparseModel spec.access rendered into the model server: Enforce runs it with
 ``--request-auth in-cluster`` as the ServiceAccount the chart binds to ``create tokenreviews``;
-Off (the default) leaves the pod as before. The server's own parser accepts the rendered flags."""
+Off (the default) runs it as the namespace's default ServiceAccount. The server's own parser accepts the rendered flags."""
 
 from __future__ import annotations
 
@@ -50,4 +50,14 @@ def test_off_or_absent_leaves_the_pod_unchanged():
         pod = _pod(_model(access=access))
         assert pod == plain
         assert "--request-auth" not in pod["containers"][0]["args"]
-        assert "serviceAccountName" not in pod
+        assert "automountServiceAccountToken" not in pod
+
+
+def test_off_clears_both_service_account_fields_so_leaving_enforce_takes_effect():
+    # The API server mirrors serviceAccountName into the deprecated serviceAccount, which no
+    # apply owns: omitting the fields after Enforce left the pods on sparsegate-model-server
+    # (tests/e2e/operator/test_sparsemodel_render_apply.py shows it on a real API server).
+    # Both explicitly empty: the namespace's default ServiceAccount.
+    for access in ({"requestAuth": "Off"}, {}):
+        pod = _pod(_model(access=access))
+        assert pod["serviceAccountName"] == "" and pod["serviceAccount"] == ""

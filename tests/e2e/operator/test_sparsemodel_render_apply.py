@@ -1,0 +1,72 @@
+"""What the operator renders for a SparseModel, server-side applied to a real API server as the
+operator applies it (field manager sparsegate, force), without the operator or the dev stack: the
+session's plain control plane is enough to see what the API server makes of a rendered change.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+from sparsegate.clients.kube import Kube
+from sparsegate.domain import render
+from sparsegate_contracts import names
+from sparsegate_workload import gateparams
+
+DOC = gateparams.make_document(gateparams.DEFAULT_PARAMS)
+
+
+def _model(namespace: str, **spec) -> dict:
+    return {"metadata": {"name": "m", "namespace": namespace, "uid": "0b7c1f6e-1111-2222-3333-444455556666",
+                         "generation": 1},
+            "spec": {"replicas": 0, "model": {"dModel": 8, "experts": 2}, **spec}}
+
+
+def _deployment(model: dict) -> dict:
+    """The rendered Deployment without its owner reference: no SparseModel of that uid exists
+    here, and the garbage collector would delete the Deployment from under the test."""
+    dep = render.render_deployment(model, DOC)
+    del dep["metadata"]["ownerReferences"]
+    return dep
+
+
+def _pod_spec(cluster, namespace: str) -> dict:
+    dep = json.loads(cluster.kubectl("get", "deployment", "m", "-n", namespace, "-o", "json").stdout)
+    return dep["spec"]["template"]["spec"]
+
+
+def test_leaving_request_auth_enforce_moves_the_pods_off_the_tokenreview_service_account(cluster, namespace):
+    kube = Kube.from_kubeconfig(str(cluster.kubeconfig))
+    enforcing = _model(namespace, access={"requestAuth": "Enforce"})
+    kube.apply(_deployment(enforcing))
+    assert _pod_spec(cluster, namespace)["serviceAccountName"] == names.MODEL_SERVICE_ACCOUNT
+
+    off = copy.deepcopy(enforcing)
+    off["spec"]["access"] = {"requestAuth": "Off"}
+    kube.apply(_deployment(off))
+    pod = _pod_spec(cluster, namespace)
+    # Neither the field nor its deprecated alias the API server filled in keeps the old name.
+    assert pod.get("serviceAccountName", "") == "" and pod.get("serviceAccount", "") == "", pod
+    assert "automountServiceAccountToken" not in pod
+
+    # Applying the same rendering again writes nothing.
+    before = json.loads(cluster.kubectl("get", "deployment", "m", "-n", namespace, "-o", "json").stdout)
+    kube.apply(_deployment(off))
+    after = json.loads(cluster.kubectl("get", "deployment", "m", "-n", namespace, "-o", "json").stdout)
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+
+
+def test_a_privileged_serving_port_renders_a_pod_that_pod_security_restricted_admits(cluster, namespace):
+    """servingPort 80: the pod's sysctl that lets the non-root server bind it is one the API
+    server's PodSecurity admission allows at restricted (the level the chart documents)."""
+    cluster.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
+    kube = Kube.from_kubeconfig(str(cluster.kubeconfig))
+    dep = _deployment(_model(namespace, servingPort=80))
+    kube.apply(dep)
+    assert _pod_spec(cluster, namespace)["securityContext"]["sysctls"] == [
+        {"name": "net.ipv4.ip_unprivileged_port_start", "value": "80"}]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "m-probe", "namespace": namespace,
+                                                           "labels": dep["spec"]["template"]["metadata"]["labels"]},
+           "spec": dep["spec"]["template"]["spec"]}
+    out = cluster.kubectl("create", "--dry-run=server", "-f", "-", "-o", "json", input=json.dumps(pod), check=False)
+    assert out.returncode == 0, out.stderr
