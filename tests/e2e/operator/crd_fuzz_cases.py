@@ -472,6 +472,12 @@ CEL_CASES: dict[tuple[str, str, str], list[CelCase]] = {
     ("SparseModel", "spec.servingPort", "self != 8443"): [
         ("out_of_range", "spec.servingPort", "the admin port 8443", _set("spec.servingPort", 8443)),
     ],
+    # The runtime cleans a mount path: each of these would cover the gate, admin or scratch mount.
+    ("SparseModel", "spec.model.persistentVolumeClaim.mountPath", "!self.matches('//|/[.][.]?(/|$)')"): [
+        ("bad_format", "spec.model.persistentVolumeClaim.mountPath",
+         f"mountPath {bad!r} (an empty, '.' or '..' segment)", _set("spec.model.persistentVolumeClaim.mountPath", bad))
+        for bad in ("/etc//sparsegate", "/models/../tmp", "/etc/./sparsegate-admin", "/models/..", "/models//")
+    ],
     ("SparseModel", "spec.model.persistentVolumeClaim.mountPath",
      "!['/etc/sparsegate', '/etc/sparsegate-admin', '/tmp'].exists(p, self == p || self.startsWith(p + '/') || "
      "p.startsWith(self.endsWith('/') ? self : self + '/'))"): [
