@@ -3,7 +3,7 @@
 The sync client (requests, keep-alive session, its own small retry) runs on one worker thread: Kopf
 handlers stay non-blocking and the session is never used from two threads at once. Every transport
 failure or 5xx becomes `OpaUnavailable`, which callers treat as "fail closed and retry"; a policy
-OPA refuses to compile becomes `OpaRejected` (retrying would not help).
+OPA refuses to compile (a 4xx) becomes `OpaRejected` (retrying would not help).
 
 With a token (the chart's OPA sidecar runs `--authentication=token --authorization=basic`), every
 request carries `Authorization: Bearer <token>`. OPA answers a missing or wrong token with 401: that
@@ -118,40 +118,40 @@ class RoutingOpa:
     async def check(self) -> None:
         await self._call(self._client.check_connection)
 
+    def _read(self, path: str) -> Any:
+        """`result` of GET /v1/data/<path>, None when OPA answers it undefined (200 without one).
+        Raw, not `get_data`: that one reads every non-200 answer (a 500 too) as "not found", and a
+        server error must never pass for "nothing loaded". Non-2xx: HTTPError, for `_call`."""
+        response = self._client._session.get(f"{self._client.root_url}/data/{path}", timeout=self._client.timeout)
+        response.raise_for_status()
+        body = response.json()
+        if not isinstance(body, dict):
+            raise OpaUnavailable(f"OPA at {self.url}: malformed answer for {path}: {repr(body)[:80]}")
+        return body.get("result")
+
     async def revision(self) -> str | None:
         """The data revision, as seen through the policy: None when either is missing (fresh OPA)."""
-
-        def read() -> str | None:
-            try:
-                return self._client.get_data(f"{OPA_PACKAGE.replace('.', '/')}/data_revision").get("result")
-            except PolicyNotFoundError as e:
-                if _unauthorized(e):
-                    raise  # a refused read is not "nothing loaded"
-                return None
-
-        return await self._call(read)
+        return await self._call(self._read, f"{OPA_PACKAGE.replace('.', '/')}/data_revision")
 
     async def push(self, *, rego: str, data: Mapping[str, Any]) -> None:
-        """Policy first, then data (whose `revision` thereby marks a complete push). PUTs: idempotent."""
+        """Policy first, then data (whose `revision` thereby marks a complete push). PUTs: idempotent.
+        Raw, not `update_policy_from_string`: that one reads every non-200 answer (a 500 too) as a
+        Rego parse error; here a 4xx is `OpaRejected`, a 5xx `OpaUnavailable` (`_call`)."""
 
         def put() -> None:
-            self._client.update_policy_from_string(rego, OPA_POLICY_ID, rego_compat=False)
-            self._client.update_or_create_data(dict(data), OPA_DATA_PATH)
+            session, root, timeout = self._client._session, self._client.root_url, self._client.timeout
+            session.put(f"{root}/policies/{OPA_POLICY_ID}", data=rego.encode(),
+                        headers={"Content-Type": "text/plain"}, timeout=timeout).raise_for_status()
+            session.put(f"{root}/data/{OPA_DATA_PATH}", json=dict(data), timeout=timeout).raise_for_status()
 
         await self._call(put)
 
     async def loaded_policies(self) -> dict[str, dict[str, Any]]:
         """`data.sparsegate.policies.policies`: {"<ns>/<name>": {"generation", "rules"}} as OPA has it."""
-
-        def read() -> dict[str, dict[str, Any]]:
-            try:
-                return self._client.get_data(f"{OPA_DATA_PATH}/policies").get("result") or {}
-            except PolicyNotFoundError as e:
-                if _unauthorized(e):
-                    raise
-                return {}
-
-        return await self._call(read)
+        result = await self._call(self._read, f"{OPA_DATA_PATH}/policies")
+        if result is not None and not isinstance(result, dict):
+            raise OpaUnavailable(f"OPA at {self.url}: malformed answer for the loaded policies: {repr(result)[:80]}")
+        return result or {}
 
     async def decide(self, opa_input: Mapping[str, Any]) -> dict[str, Any]:
         """One decision (`data.sparsegate.routing.decision`)."""

@@ -50,7 +50,7 @@ class _RecordingOpa:
     like OPA: 401 `{"code": "unauthorized"}` (OPA's answer when system.authz denies) unless the
     bearer token matches, else minimal well-formed bodies."""
 
-    def __init__(self, *, token: str, flow_body: dict | None = None) -> None:
+    def __init__(self, *, token: str, flow_body: dict | None = None, server_error: int | None = None) -> None:
         import http.server
         import json
         import threading
@@ -64,7 +64,9 @@ class _RecordingOpa:
                 body = json.loads(raw) if self.command == "POST" else None  # PUTs: Rego or data
                 seen.append((self.command, self.path, self.headers.get("Authorization")))
                 encodings.append(self.headers.get("Accept-Encoding"))
-                if self.headers.get("Authorization") != f"Bearer {token}":
+                if server_error is not None:  # OPA's own error body, e.g. a storage failure
+                    status, reply = server_error, {"code": "internal_error", "message": "storage: write failed"}
+                elif self.headers.get("Authorization") != f"Bearer {token}":
                     status, reply = 401, {"code": "unauthorized",
                                           "message": "request rejected by administrative policy"}
                 elif self.command == "PUT" and "/data/" in self.path:
@@ -162,3 +164,20 @@ def test_settings_read_the_token_from_env_and_never_print_it(monkeypatch) -> Non
     assert settings.opa_token == "s3cret" and "s3cret" not in repr(settings)
     monkeypatch.setenv("SPARSEGATE_OPA_TOKEN", "")
     assert Settings.from_env().opa_token is None
+
+
+@pytest.mark.parametrize("status", [500, 503])
+async def test_a_server_error_is_opa_unavailable_never_nothing_loaded_or_a_rejected_policy(status: int) -> None:
+    """A 5xx means "fail closed and retry": a read is not an empty OPA (which triggers a push) and a
+    push is not a policy OPA refused (Stalled: "retrying cannot help")."""
+    fake = _RecordingOpa(token="s3cret", server_error=status)
+    opa = RoutingOpa(url=fake.url, token="s3cret", retries=0)
+    try:
+        for call in (opa.revision, opa.loaded_policies):
+            with pytest.raises(OpaUnavailable, match=f"HTTP {status}"):
+                await call()
+        with pytest.raises(OpaUnavailable, match=f"HTTP {status}"):
+            await opa.push(rego="package sparsegate.routing", data={})
+    finally:
+        opa.close()
+        fake.close()
