@@ -6,17 +6,21 @@ basis are unchanged; here each publish is create-or-replace.
 A document larger than `max_bytes` is sharded (`sparsegate_contracts.flowpolicy_shards`): the
 shard ConfigMaps `sparsegate-flow-policy-<k>` are written first, the head last, then the shards the
 previous head named and the new one does not are emptied (`flowpolicy_shards.publish_steps`; the
-operator's RBAC grants no delete). A small document stays one ConfigMap in the layout of before.
-Reading a sharded head whose shards do not match it (an operator stopped mid-publish) yields no
-document and sets ``half_published``: the operator then leaves the ConfigMaps as they are (the
+operator's RBAC grants no delete); the first publish of a process, and the one after a publish that
+failed, empty every shard name the new head does not use (a publish cut short may have written
+more). A small document stays one ConfigMap in the layout of before.
+Reading a sharded head whose shards do not match it (an operator stopped mid-publish), or a
+``policy.json`` that is not a JSON object (edited by hand), yields no document and sets
+``half_published``: the operator then leaves the ConfigMaps as they are (the
 agents keep enforcing the last whole document they read) until OPA has decided and the sync
 republishes the whole set. The sync Kubernetes client runs in a worker thread so
 Kopf's event loop never blocks.
 
 Beside the document, annotation `sparsegate.dev/flow-policy-basis` records what its allow entries
 were decided from (`domain.policy.decision_basis`: Rego, trust domain, each RoutingPolicy's
-generation and spec digest). An operator that starts while OPA is down reads it to tell which
-policies changed meanwhile and must fail closed (`domain.policy_compile.narrow_undecided`). The
+generation and spec digest; and the class each identity stands for,
+`domain.policy_compile.identity_classes`). An operator that starts while OPA is down reads it to
+tell which policies changed meanwhile and must fail closed (`domain.policy_compile.narrow_undecided`). The
 agents never read it, so the flow-policy document format is unchanged. Without the annotation (an
 older operator wrote the ConfigMap, or the record outgrew the annotation budget) every policy
 counts as changed.
@@ -64,6 +68,10 @@ class FlowPolicyConfigMap:
         self.name = name
         self.max_bytes = max_bytes  # per ConfigMap; a larger document is sharded
         self.shards: list[str] = []  # the shards the published head names
+        # Every other shard name emptied since this process started, by a publish that completed: a
+        # publish cut short (here, or in a process that stopped mid-publish) may have written shards
+        # no head names; the next one empties every name its head does not use.
+        self.swept = False
         self.half_published = False  # the last read found a head whose shards do not match it
 
     def _core(self) -> kubernetes.client.CoreV1Api:
@@ -84,8 +92,16 @@ class FlowPolicyConfigMap:
             return None, None
         raw = (cm.data or {}).get(KEY)
         basis = _basis((cm.metadata.annotations or {}).get(BASIS_ANNOTATION))
-        document = json.loads(raw) if raw else None
         self.shards = flowpolicy_shards.shards_named(raw)
+        try:
+            document = json.loads(raw) if raw else None
+        except ValueError:
+            document = raw
+        if raw and not isinstance(document, dict):
+            # Not a document (edited by hand, cut short): the agents refuse it and keep their last
+            # policy; read as half-published, so it is left as it is until a sync republishes.
+            self.half_published = True
+            return None, None
         if isinstance(document, dict) and flowpolicy_shards.is_head(document):
             texts = {}
             for name in self.shards:
@@ -104,7 +120,9 @@ class FlowPolicyConfigMap:
         if recorded and len(recorded) <= BASIS_ANNOTATION_MAX:
             annotations[BASIS_ANNOTATION] = recorded
         layout = flowpolicy_shards.split(document, head_name=self.name, max_bytes=self.max_bytes)
-        steps = flowpolicy_shards.publish_steps(layout, head_name=self.name, previous_shards=self.shards)
+        previous = self.shards if self.swept else flowpolicy_shards.shard_names(self.name)
+        steps = flowpolicy_shards.publish_steps(layout, head_name=self.name, previous_shards=previous)
+        self.swept = False
         for step in steps:
             if step.action == "clear":
                 self._clear(step.name)
@@ -113,6 +131,7 @@ class FlowPolicyConfigMap:
                           annotations if step.name == self.name else
                           {names.FLOW_POLICY_VERSION_ANNOTATION: str(document.get("version", ""))})
         self.shards = [name for name, _ in layout.shards]
+        self.swept = True
 
     def _put(self, name: str, data: dict[str, str], annotations: dict[str, str]) -> None:
         body = {

@@ -56,6 +56,15 @@ def test_a_head_whose_shards_do_not_match_is_read_as_half_published() -> None:
     assert document is None and store.half_published
 
 
+@pytest.mark.parametrize("head", ["{cut short", "[]", '"text"', "null"])
+def test_a_head_that_is_not_a_document_is_read_as_half_published(head: str) -> None:
+    """Not an error that stops every sync from publishing (the agents refuse such a head and keep
+    their last policy): no document, left as it is at startup, overwritten by the next publish."""
+    store = ShardedStore({flowpolicy.CONFIGMAP_NAME: {KEY: head}})
+    document, basis = asyncio.run(store.read_published())
+    assert (document, basis) == (None, None) and store.half_published
+
+
 @pytest.mark.parametrize("half", [True, False])
 def test_startup_leaves_a_half_published_set_and_publishes_only_when_nothing_is(monkeypatch, half: bool) -> None:
     class Store:
@@ -78,3 +87,33 @@ def test_startup_leaves_a_half_published_set_and_publishes_only_when_nothing_is(
         assert store.writes == []  # the agents keep the last whole policy; the first sync republishes
     else:
         assert len(store.writes) == 1 and store.writes[0]["rules"] == []
+
+
+class WritableStore(ShardedStore):
+    def _put(self, name: str, data: dict[str, str], annotations: dict[str, str]) -> None:
+        self.maps[name] = dict(data)
+
+    def _clear(self, name: str) -> None:
+        if name in self.maps:  # never created when absent
+            self.maps[name] = {}
+
+
+def test_the_first_publish_empties_shards_a_publish_cut_short_left_unnamed() -> None:
+    """A publish that stopped after writing its shards, before its head, left shards no head names;
+    the next process's first publish (here back to one ConfigMap) empties them too."""
+    maps = _published(_document(600))  # the head names some shards
+    named = flowpolicy_shards.shards_named(maps[flowpolicy.CONFIGMAP_NAME][KEY])
+    bigger = flowpolicy_shards.split(_document(2000), max_bytes=4096)
+    assert len(bigger.shards) > len(named)
+    for name, text in bigger.shards:  # the cut-short publish: shards written, head never
+        maps[name] = {flowpolicy_shards.SHARD_KEY: text}
+    store = WritableStore(maps)
+    asyncio.run(store.read_published())
+    asyncio.run(store.publish(_document(1)))  # one ConfigMap
+    left = {name: data for name, data in maps.items() if name != flowpolicy.CONFIGMAP_NAME and data}
+    assert left == {}, f"stale shards kept: {sorted(left)}"
+    # A process's later publishes empty only what the head they replace named.
+    cleared: list[str] = []
+    store._clear = cleared.append  # type: ignore[method-assign]
+    asyncio.run(store.publish(_document(2)))
+    assert cleared == []
