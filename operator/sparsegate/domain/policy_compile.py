@@ -22,6 +22,7 @@ from functools import cached_property, lru_cache
 from typing import Any, NamedTuple
 
 from sparsegate_contracts import flowpolicy
+from sparsegate_contracts.canonical import sha256_hex
 from sparsegate_contracts.names import MODEL_LABEL
 from sparsegate_contracts.request_access import caller_identity_keys
 
@@ -495,17 +496,30 @@ def narrow_document(
     owners_then: Mapping[str, str] | None,
     owners_now: Mapping[str, str],
     live_policies: Collection[str],
+    classes_then: Mapping[str, str] | None = None,
+    classes_now: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Fail closed while OPA is unreachable: only ever remove entries from the last good document.
 
     Removed: entries of RoutingPolicies that no longer exist, and (when we know which pod owned each
     IP at decision time, `ip -> "<ns>/<pod>"`) entries whose IPs are gone or now belong to another
-    pod, so a reused IP does not inherit access. Dropping an entry never widens access: the default
-    is deny.
+    pod, so a reused IP does not inherit access. Identity form, when the class each identity stood
+    for is known (`classes_then`: identity number as text -> `class_digest`, as `identity_classes`
+    records it; `classes_now`: `ip_classes` of today's pods): an IP whose pod now is of another class
+    (its labels changed, or the IP went to a pod of another class, even unseen by this process)
+    leaves its identity too; an identity not in `classes_then` keeps no IP. Dropping an entry never
+    widens access: the default is deny.
     """
+    ident_of = {ip: str(i) for i, ips in flowpolicy.identity_ips(document).items() for ip in ips}
+    now = classes_now or {}
 
     def same(ip: str) -> bool:
-        return owners_then is None or (ip in owners_now and owners_then.get(ip) == owners_now[ip])
+        if owners_then is not None and not (ip in owners_now and owners_then.get(ip) == owners_now[ip]):
+            return False
+        if classes_then is None or ip not in ident_of:
+            return True
+        recorded = classes_then.get(ident_of[ip])
+        return recorded is not None and now.get(ip) == recorded
 
     # Identity form: an IP that left or changed hands leaves its identity (it then matches no rule).
     rows = [
@@ -515,6 +529,41 @@ def narrow_document(
         and ("srcIP" not in e or (same(e["srcIP"]) and same(e["dstIP"])))
     ]
     return _rebuilt(document, rows, ips_kept=same)
+
+
+# 16 hex digits (64 bits), as `domain.policy`'s spec digests: recorded per identity in an annotation.
+_CLASS_DIGEST_HEX = 16
+
+
+def class_digest(identity: Identity) -> str:
+    """A short digest of an identity class (namespace, service account, labels)."""
+    namespace, service_account, labels = identity
+    return sha256_hex([namespace, service_account, [list(kv) for kv in labels]])[:_CLASS_DIGEST_HEX]
+
+
+def ip_classes(pods: Iterable[PodInfo]) -> dict[str, str]:
+    """IP -> `class_digest` of the pod that has it now; an IP pods of two classes report has none."""
+    digests: dict[Identity, str] = {}
+    out: dict[str, str | None] = {}
+    for pod in pods:
+        digest = digests.get(pod.identity) or digests.setdefault(pod.identity, class_digest(pod.identity))
+        for ip in pod.addresses:
+            out[ip] = digest if out.get(ip, digest) == digest else None
+    return {ip: d for ip, d in out.items() if d is not None}
+
+
+def identity_classes(document: Mapping[str, Any], pods: Iterable[PodInfo]) -> dict[str, str]:
+    """Identity number (as text) -> `class_digest` of the class whose pods' IPs it lists (identity
+    form; `flow_document` gives an identity to one class): recorded with the published allow-list so
+    that narrowing, in this process or the next, can tell an IP that now belongs to another class
+    (`narrow_document`). An identity listing no IP, or IPs of no single class now, is left out."""
+    now = ip_classes(pods)
+    out: dict[str, str] = {}
+    for ident, ips in flowpolicy.identity_ips(document).items():
+        digests = {now.get(ip) for ip in ips}
+        if len(digests) == 1 and None not in digests:
+            out[str(ident)] = digests.pop()  # type: ignore[assignment]
+    return out
 
 
 def narrow_undecided(

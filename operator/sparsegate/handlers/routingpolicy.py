@@ -64,6 +64,8 @@ from sparsegate.domain.policy_compile import (
     decision_counts,
     flow_document,
     flow_question,
+    identity_classes,
+    ip_classes,
     ip_owners,
     listed_addresses,
     narrow_document,
@@ -75,6 +77,8 @@ from sparsegate.domain.policy_status import SyncOutcome, status_changed, status_
 from sparsegate.handlers.periodic import ObjectLoops
 
 GROUP, VERSION, PLURAL = names.GROUP, names.VERSION, names.ROUTINGPOLICIES
+# The decision basis's record of the class each identity of the allow-list stands for.
+IDENTITY_CLASSES = "identities"
 log = logging.getLogger(__name__)
 
 
@@ -175,16 +179,24 @@ class PolicySync:
                     policy_metrics.observe(needed=needed, capacity=self.settings.capacity,
                                            too_large=too_large is not None)
                     if too_large is None:
-                        await self._publish(document, basis)
+                        # Recorded with it: the class each identity stands for (`identity_classes`),
+                        # so narrowing, here or in the next process, can tell an IP that changed class.
+                        await self._publish(document, {**basis, IDENTITY_CLASSES: identity_classes(document, pods)})
                         self.owners = ip_owners(pods)
                         self.counts = decision_counts(document)
                         self.too_large = None
                     else:
                         # Publishing would be refused (API server) or not loaded (agents) while the
-                        # old allow-list stays enforced: keep it, say so on every policy.
+                        # old allow-list stays enforced: keep it, say so on every policy. Kept, it
+                        # is narrowed as when OPA is down (a Deny that tipped the allow-list over
+                        # the limit, an Allow narrowed, a departed pod's IP: none may keep access).
                         if self.too_large != too_large.message:
                             log.warning(too_large.message)
                         self.too_large = too_large.message
+                        await self._narrow(pods=pods, policies=policies, basis=basis,
+                                           why="allow-list too large to publish")
+                        if self.published is not None:
+                            self.counts = decision_counts(self.published)
                     self.fingerprint = fingerprint
                 # What OPA holds follows from the data it was given: read it back only when that
                 # data changed (a push, or another revision than the last read), not every resync.
@@ -206,22 +218,31 @@ class PolicySync:
             await self.store.publish(document, basis=basis)
             self.published, self.basis = document, basis
 
-    async def _narrow(self, *, pods: list[PodInfo], policies: list[PolicySource], basis: dict[str, Any]) -> None:
-        """OPA cannot decide: remove what the last decisions no longer justify, add nothing.
+    async def _narrow(self, *, pods: list[PodInfo], policies: list[PolicySource], basis: dict[str, Any],
+                      why: str = "OPA not usable") -> None:
+        """OPA cannot decide (or its allow-list cannot be published): remove what the last decisions
+        no longer justify, add nothing.
 
-        Entries of deleted policies and of departed or reused pod IPs go (`narrow_document`), and so
-        does what a policy changed since OPA last decided might take away (`narrow_undecided`; after a
-        restart "last decided" is the basis recorded with the published allow-list, or nothing). The
-        result is recorded as decided from today's specs: every allow entry left is one they allow.
+        Entries of deleted policies and of departed or reused pod IPs go (`narrow_document`; an IP
+        whose pod is now of another class than its identity was recorded for too, even after a
+        restart: the basis records each identity's class), and so does what a policy changed since
+        OPA last decided might take away (`narrow_undecided`; after a restart "last decided" is the
+        basis recorded with the published allow-list, or nothing). The result is recorded as decided
+        from today's specs: every allow entry left is one they allow.
         """
         await self._load_published()
         if self.published is None:
             return  # nothing published: the agent's default (deny) stands
         undecided = undecided_policies(current=basis, decided=self.basis)
+        # The class of each identity: as recorded; a basis without that record (an older operator
+        # wrote it) vouches for no IP; no basis at all leaves every policy undecided anyway.
+        classes_then = None if self.basis is None else dict(self.basis.get(IDENTITY_CLASSES) or {})
         narrowed = narrow_document(
             document=self.published, owners_then=self.owners, owners_now=ip_owners(pods),
-            live_policies={p.key for p in policies},
+            live_policies={p.key for p in policies}, classes_then=classes_then, classes_now=ip_classes(pods),
         )
+        # Narrowing keeps each identity's number and class: the record stays true of what is left.
+        basis = {**basis, IDENTITY_CLASSES: classes_then or {}}
         narrowed = narrow_undecided(document=narrowed, sources=policies, undecided=undecided, pods=pods)
         # IP-level entries (identity rules counted per pair of IPs): only ever fewer.
         before = sum(decision_counts(self.published).values())
@@ -231,7 +252,7 @@ class PolicySync:
             document = narrowed if narrower else self.published
             await self.store.publish(document, basis=basis)
             if dropped:
-                log.warning(f"OPA not usable: removed {dropped} of {before} allow-list entries (fail closed; "
+                log.warning(f"{why}: removed {dropped} of {before} allow-list entries (fail closed; "
                             f"changed or new policies OPA has not decided: {sorted(undecided) or 'none'})")
             self.published, self.basis = document, basis
 

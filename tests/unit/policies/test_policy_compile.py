@@ -207,9 +207,37 @@ def test_narrowing_never_widens() -> None:
     assert {(e["srcIP"], e["dstIP"]) for e in flowpolicy.ip_entries(narrowed)} == {(FE.ip, M1.ip)}
     table = FlowTable.from_document(narrowed)
     assert not table.allows(src_ip=FE2.ip, dst_ip=M1.ip, port=8080)  # the reused IP left its identity
-    # Without owner knowledge (operator restarted while OPA is down) only deleted policies go.
+    # Without owner knowledge (a restarted operator) nor recorded classes, only deleted policies go.
     kept = narrow_document(document=doc, owners_then=None, owners_now=now, live_policies={"models/a", "models/b"})
     assert kept == doc
+
+
+def test_narrowing_drops_ips_whose_pod_is_now_of_another_class_than_recorded() -> None:
+    """Without pod owners (a restarted operator), the class each identity was recorded for still
+    tells a relabelled pod or a reused IP: its IP leaves the identity; unchanged ones stay."""
+    from sparsegate.domain.policy_compile import identity_classes, ip_classes
+
+    decisions = {QueryKey("web", "frontend", (("app", "fe"),), "models", "mixtral", 8080, "tcp"):
+                 {"allow": True, "rule": "models/a#s0t0"}}
+    pods = [M1, M2, FE, FE2]
+    doc = flow_document(decisions=decisions, pods=pods)
+    recorded = identity_classes(doc, pods)
+    assert len(recorded) == 2  # the callers' class and the model's
+    relabelled = pod("fe-0", "web", FE.ip, sa="frontend", app="evil")
+    reused = pod("evil-0", "web", FE2.ip, sa="evil", app="fe")
+    now = [M1, M2, relabelled, reused]
+    narrowed = narrow_document(document=doc, owners_then=None, owners_now=ip_owners(now), live_policies={"models/a"},
+                               classes_then=recorded, classes_now=ip_classes(now))
+    table = FlowTable.from_document(narrowed)
+    assert not table.allows(src_ip=FE.ip, dst_ip=M1.ip, port=8080)
+    assert not table.allows(src_ip=FE2.ip, dst_ip=M1.ip, port=8080)
+    kept = narrow_document(document=doc, owners_then=None, owners_now=ip_owners(pods), live_policies={"models/a"},
+                           classes_then=recorded, classes_now=ip_classes(pods))
+    assert kept == doc
+    # An identity the record does not name vouches for none of its IPs.
+    unvouched = narrow_document(document=doc, owners_then=None, owners_now={}, live_policies={"models/a"},
+                                classes_then={}, classes_now=ip_classes(pods))
+    assert flowpolicy.ip_entries(unvouched) == []
 
 
 def test_policies_named_and_narrowing_to_live_policies_without_pod_owners() -> None:
