@@ -49,9 +49,16 @@ async def gateconfig_changed(type: str | None, body: kopf.Body, namespace: str, 
         views = [v for m in sorted(set(models_by_gate.get((namespace, name), [])))
                  if (v := inventory.model(namespace, m)) is not None]
         stale = modelsync.stale_models(None if type == "DELETED" else dict(body), views)
+        failed: Exception | None = None
         for model in stale:
             logger.info("re-rendering SparseModel %s for GateConfig %s", model, name)
-            await rereconcile(memo, inventory, namespace=namespace, name=model, logger=logger)
+            try:
+                await rereconcile(memo, inventory, namespace=namespace, name=model, logger=logger)
+            except Exception as e:  # one model's failure must not leave the others on the old gate
+                logger.error("re-rendering SparseModel %s for GateConfig %s failed: %s", model, name, e)
+                failed = failed or e
+        if failed is not None:
+            raise failed  # the handler still fails (Kopf logs it), after every model had its turn
 
 
 @kopf.on.event(GROUP, VERSION, names.SPARSEMODELS)

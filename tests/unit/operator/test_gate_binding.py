@@ -259,3 +259,34 @@ def test_a_re_render_waits_for_kopfs_reconcile_of_the_same_model(harness, monkey
 
     asyncio.run(main())
     assert order == ["handler", "handler applied", "re-render"]
+
+
+def test_one_models_failed_re_render_does_not_stop_the_gateconfigs_other_models(harness, monkeypatch) -> None:
+    """A GateConfig event re-renders each of its stale models in turn; Kopf never retries an event
+    handler, so a model whose reconcile raises (its apply refused, an API error) must not leave the
+    models after it on the old gate until something else happens to them."""
+    old, new = gateconfig(), gateconfig(entropyBeta=0.3)
+    h = harness(new)
+    names = ["a-model", "b-model", "c-model"]
+    views = {}
+    for name in names:
+        m = model(gate_version=version(old))
+        m["metadata"]["name"] = name
+        views[("ns", name)] = [fleet_view.model_view(m)]
+    plain = h.reconcile
+
+    def a_fails(memo: kopf.Memo, m: dict, **kw: Any) -> None:
+        plain(memo, m, **kw)
+        if m["metadata"]["name"] == "a-model":
+            raise gatebinding.KubeError(422, "Unprocessable Entity", "refused")
+
+    monkeypatch.setattr(gatebinding, "reconcile", a_fails)
+    h.memo.kube = type("K", (), {"get": lambda self, kind, *, namespace, name: {
+        **model(gate_version=version(old)), "metadata": {"namespace": namespace, "name": name, "uid": name}}})()
+    kwargs = {**h.kwargs(), "sparsegate_model_views": views}
+    with pytest.raises(gatebinding.KubeError):  # still a failed handler: Kopf logs it
+        asyncio.run(gatebinding.gateconfig_changed(
+            type="MODIFIED", body=kopf.Body(copy.deepcopy(new)), namespace="ns", name=h.gc_name,
+            models_by_gate={("ns", h.gc_name): names}, memo=h.memo, logger=LOG, **kwargs))
+    assert [n for n, _ in h.reconciled] == names
+    assert gatebinding._queued == {}
