@@ -47,6 +47,26 @@ def _zero_or_more(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number 0..65535, not {value}")
+    return value
+
+
+def _liveness_url(text: str) -> str:
+    """What Kopf's liveness endpoint accepts: an http:// URL (its host and port, when given, valid);
+    checked here so a bad one is a usage error, not a traceback from the standby or Kopf's endpoint."""
+    url = urlsplit(text)
+    if url.scheme != "http":
+        raise argparse.ArgumentTypeError(f"must be an http:// URL such as http://0.0.0.0:8081/healthz, not {text!r}")
+    try:
+        url.port
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsegate", description=__doc__)
     parser.add_argument("--version", action="version", version=version_line("sparsegate"))
@@ -65,12 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--standalone", action="store_true",
                      help="ignore Kopf peering objects (one active operator is guaranteed "
                           "by the deployment or by --leader-elect)")
-    run.add_argument("--metrics-port", type=int, default=0,
+    run.add_argument("--metrics-port", type=_port, default=0,
                      help="serve Prometheus metrics on this port (0: off)")
     run.add_argument("--metrics-address", default="0.0.0.0",
                      help="address the metrics server binds (the chart passes the pod IP: pods "
                           "that share one network namespace then never collide on the port)")
-    run.add_argument("--liveness", default=None,
+    run.add_argument("--liveness", type=_liveness_url, default=None,
                      help="Kopf liveness endpoint URL, e.g. http://0.0.0.0:8081/healthz; its host "
                           "is the address bound (also by the standby endpoint of --leader-elect)")
     run.add_argument("--leader-elect", action="store_true",
@@ -132,7 +152,8 @@ def _standby_server(liveness: str | None) -> ThreadingHTTPServer | None:
     if not liveness:
         return None
     url = urlsplit(liveness)
-    server = ThreadingHTTPServer((url.hostname or "0.0.0.0", url.port or 80), _StandbyHealth)
+    # Kopf's defaults for a URL without them (kopf._core.engines.probing): localhost, port 80.
+    server = ThreadingHTTPServer((url.hostname or "localhost", url.port or 80), _StandbyHealth)
     threading.Thread(target=server.serve_forever, name="standby-health", daemon=True).start()
     return server
 
@@ -188,12 +209,21 @@ def main(argv: list[str] | None = None) -> int:
     kopf.configure(debug=args.verbose, log_format=kopf.LogFormat[args.log_format.upper()],
                    log_prefix=True)
 
-    import sparsegate.main  # noqa: F401  (registers handlers and settings)
+    try:
+        import sparsegate.main  # noqa: F401  (registers handlers and settings)
+    except ValueError as e:
+        # The handler modules read their environment on import (sparsegate.envvars, the policy
+        # capacity, POD_IPS): a bad value is a usage error naming the variable, not a traceback.
+        parser.error(f"environment: {e}")
     from sparsegate import metrics
     from sparsegate.memo import OperatorMemo
 
     if args.metrics_port:
-        metrics.serve(port=args.metrics_port, addr=args.metrics_address)
+        try:
+            metrics.serve(port=args.metrics_port, addr=args.metrics_address)
+        except OSError as e:  # address not local or not an address, port taken or privileged
+            parser.error(f"--metrics-address / --metrics-port: cannot listen on "
+                         f"{args.metrics_address}:{args.metrics_port}: {e}")
     from sparsegate import gc_freeze
     gc_freeze.set_young_threshold(args.gc_young_threshold)
     gc_freeze.start(freeze_s=freeze_s, refresh_s=refresh_s)
@@ -207,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
                                 namespace=args.lease_namespace,
                                 identity=os.environ.get("POD_NAME") or socket.gethostname(),
                                 timing=timing)
-        standby = _standby_server(args.liveness)
+        try:
+            standby = _standby_server(args.liveness)
+        except OSError as e:
+            parser.error(f"--liveness: cannot listen on {args.liveness}: {e}")
         try:
             if not elector.acquire(threading.Event()):
                 return 1
@@ -227,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         memo=OperatorMemo(reapply_interval_s=args.reapply_interval),
     )
     if elector is not None:
-        # Kopf has stopped (clean shutdown): nothing acts any more, so hand the Lease over.
+        # Kopf has stopped (clean shutdown) and its cleanup waited for the work its handlers had handed to
+        # threads (sparsegate.main.finish_pool_work): nothing acts any more, so hand the Lease over.
         logging.getLogger("sparsegate.leader").info("Kopf has stopped; handing the Lease over")
         elector.stop()
         elector.release()

@@ -15,6 +15,7 @@ Settings chosen here:
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 from typing import Any
@@ -59,6 +60,24 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # sparsegate.memo).
     memo.rollout_loop = gateconfig.new_rollout_loop(memo.kube)
     memo.access_sync = accesssync.new_access_sync(memo.kube)
+
+
+def drain_pools(pools: list[concurrent.futures.Executor]) -> None:
+    """Wait for the work already running in ``pools``; drop what is only queued (nobody awaits it)."""
+    for pool in pools:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+@kopf.on.cleanup()
+async def finish_pool_work(memo: kopf.Memo, **_: Any) -> None:
+    """When Kopf stops, it cancels the handlers awaiting the model and status pools, not the work
+    they handed to those threads: a reconcile or status refresh already running went on writing
+    after ``kopf.run`` returned, when ``sparsegate run --leader-elect`` had already handed the
+    Lease to a standby, which then acted beside it. Wait for it here, while the event loop still
+    answers the pool threads' index reads (``handlers.pools.loop_reader``), so nothing of this
+    process writes once Kopf has returned (the Lease is renewed meanwhile)."""
+    pools = [p for p in (memo.get("model_pool"), memo.get("status_pool")) if p is not None]
+    await asyncio.to_thread(drain_pools, pools)
 
 
 @kopf.on.probe(id="handlers")

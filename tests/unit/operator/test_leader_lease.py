@@ -376,3 +376,75 @@ def test_a_loss_ends_the_process_at_once_with_status_1(logging_):
     assert "leader election lost (test)" in proc.stderr
     if logging_ == "stuck":  # the backstop ends it although the log call never returns
         assert time.monotonic() - t0 < 10
+
+
+# -- a clean stop: nothing of this process writes once Kopf has returned -----------------------
+
+KOPF_STOP = r"""
+import asyncio, json, os, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+# An API server with no resources: Kopf's discovery finds nothing to watch.
+class Api(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = {"/api": {"kind": "APIVersions", "versions": []},
+                "/apis": {"kind": "APIGroupList", "groups": []}}.get(self.path.split("?")[0])
+        data = json.dumps(body or {"kind": "Status", "code": 404}).encode()
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *_):
+        pass
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Api)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+with open(sys.argv[1], "w") as f:
+    f.write(f"apiVersion: v1\nkind: Config\n"
+            f"clusters: [{{name: c, cluster: {{server: 'http://127.0.0.1:{server.server_port}'}}}}]\n"
+            "users: [{name: u, user: {token: t}}]\n"
+            "contexts: [{name: x, context: {cluster: c, user: u}}]\ncurrent-context: x\n")
+os.environ["KUBECONFIG"] = sys.argv[1]
+
+import kopf  # the Kubernetes client reads $KUBECONFIG on import
+from kopf._core.intents import causes, registries
+import sparsegate.main
+from sparsegate.handlers.pools import loop_reader
+from sparsegate.memo import OperatorMemo
+
+# `sparsegate run`'s startup configuration and every cleanup handler it has; no resource handler,
+# so discovery is all Kopf asks of the API server.
+registry = registries.SmartOperatorRegistry()
+for handler in registries.get_default_registry()._activities.get_all_handlers():
+    if handler.activity == causes.Activity.CLEANUP or handler.fn is sparsegate.main.configure:
+        registry._activities.append(handler)
+stop, done = threading.Event(), []
+
+@kopf.on.startup(registry=registry)
+async def start_a_reconcile(memo, **_):
+    await asyncio.sleep(0.2)  # after sparsegate.main.configure made the pools
+    read = loop_reader(lambda: "index")  # as a reconcile reads the Kopf indexes from its thread
+
+    def reconcile():
+        stop.wait(30)
+        time.sleep(1.0)  # still applying when Kopf has cancelled its handlers (milliseconds later)
+        done.append(read())  # then its status write, from what the indexes hold
+    memo.model_pool.submit(reconcile)
+    threading.Timer(0.5, stop.set).start()  # SIGTERM, once Kopf is up
+
+kopf.run(registry=registry, clusterwide=False, namespaces=["x"], standalone=True, memo=OperatorMemo(),
+         stop_flag=stop)
+print("returned after:", done)
+"""
+
+
+def test_kopf_returns_only_once_the_pools_work_is_done_so_the_lease_is_handed_over_after_it(tmp_path):
+    """``sparsegate run --leader-elect`` hands the Lease over as soon as ``kopf.run`` returns. Kopf
+    cancels the handlers that await a pool thread, not the thread: a reconcile running at SIGTERM
+    went on (its index reads failing once the loop was closed) while the standby already led."""
+    proc = subprocess.run([sys.executable, "-c", KOPF_STOP, str(tmp_path / "kubeconfig")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "returned after: ['index']", proc.stderr[-3000:]

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from sparsegate import cli, metrics
@@ -83,3 +87,41 @@ def test_metrics_and_liveness_bind_the_given_address():
         standby.shutdown()
         standby.server_close()
     assert cli._standby_server(None) is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--metrics-port", "70000"], "argument --metrics-port: must be a port number 0..65535, not 70000"),
+    (["--metrics-port", "-1"], "argument --metrics-port: must be a port number 0..65535, not -1"),
+    (["--liveness", "http://0.0.0.0:99999/healthz"], "Port out of range 0-65535"),
+    (["--liveness", "https://0.0.0.0:8081/healthz"], "argument --liveness: must be an http:// URL"),
+    (["--liveness", "0.0.0.0:8081"], "argument --liveness: must be an http:// URL"),
+])
+def test_listener_flags_refuse_what_could_not_be_bound(capsys: pytest.CaptureFixture[str], args: list[str],
+                                                       message: str) -> None:
+    """A port out of range or a liveness URL Kopf's endpoint refuses (it serves http:// only) is a
+    usage error, not a traceback from the metrics server, the standby endpoint or Kopf later."""
+    with pytest.raises(SystemExit) as exc:
+        cli._parser().parse_args(["run", *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sparsegate.cli", "run", "--standalone", *args],
+                          env={**os.environ, "KUBECONFIG": "/nonexistent", **(env or {})},
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("env, args, message", [
+    ({"SPARSEGATE_ROLLOUT_TICK_S": "5s"}, (),
+     "error: environment: SPARSEGATE_ROLLOUT_TICK_S: must be a positive number of seconds (e.g. 5 or 0.5), got '5s'"),
+    ({"POD_IPS": "10.0.0"}, (), "error: environment: POD_IPS: not an IPv4 or IPv6 address: '10.0.0'"),
+    ({}, ("--metrics-port", "9999", "--metrics-address", "999.0.0.1"),
+     "error: --metrics-address / --metrics-port: cannot listen on 999.0.0.1:9999"),
+])
+def test_sparsegate_run_names_a_bad_setting_without_a_traceback(env: dict[str, str], args: tuple[str, ...],
+                                                                 message: str) -> None:
+    proc = _run_cli(*args, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert message in proc.stderr.strip().splitlines()[-1]
