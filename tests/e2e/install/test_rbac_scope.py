@@ -19,7 +19,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,7 +29,9 @@ from localcluster import nodes
 from localcluster.health import wait_for
 from localcluster.ports import pick_unused_pod_cidr
 
+from sparsegate.domain import render as model_render
 from sparsegate_contracts import names
+from sparsegate_workload import gateparams
 
 pytestmark = pytest.mark.e2e
 
@@ -188,7 +190,8 @@ def test_policy_lets_model_pods_run_as_the_tokenreview_account_and_no_other(stac
                 "metadata": {"name": "policy-probe", "namespace": RELEASE_NS, "labels": labels},
                 "spec": {"replicas": 0, "selector": {"matchLabels": {"app": "policy-probe"}},
                          "template": {"metadata": {"labels": labels}, "spec": {
-                             "serviceAccountName": sa, "containers": [{"name": "c", "image": "none"}]}}}}
+                             "serviceAccountName": sa, "securityContext": {"runAsNonRoot": True},
+                             "containers": [{"name": "c", "image": "none"}]}}}}
 
     def dry_run(sa: str) -> subprocess.CompletedProcess[str]:
         return as_operator(stack, operator_user, "apply", "--server-side", "--force-conflicts", "--dry-run=server",
@@ -204,3 +207,42 @@ def test_policy_lets_model_pods_run_as_the_tokenreview_account_and_no_other(stac
     user = f"system:serviceaccount:{RELEASE_NS}:{names.MODEL_SERVICE_ACCOUNT}"
     assert can_i(stack, user, "create", "tokenreviews.authentication.k8s.io", RELEASE_NS) == "yes"
     assert can_i(stack, user, "get", "secrets", RELEASE_NS) == "no"
+
+
+def test_policy_refuses_pods_with_more_privilege_than_a_model_server(stack: Stack, operator_user: str) -> None:
+    """What render.py produces (Pod Security restricted) passes; the same Deployment running as root,
+    adding a capability, allowing privilege escalation or opening a port on the node is refused, each
+    naming its field (none of it is privileged, hostPath or a host namespace, which were the only
+    container rules before)."""
+    model = {"metadata": {"name": "policy-privilege", "namespace": RELEASE_NS, "uid": "u"},
+             "spec": {"model": {"dModel": 64, "experts": 4}, "replicas": 0, "servingPort": 80}}
+    rendered = model_render.render_deployment(model, gateparams.make_document(gateparams.DEFAULT_PARAMS))
+    rendered["metadata"].pop("ownerReferences", None)
+
+    def dry_run(change: Callable[[dict, dict], object]) -> subprocess.CompletedProcess[str]:
+        obj = json.loads(json.dumps(rendered))
+        pod = obj["spec"]["template"]["spec"]
+        change(pod, pod["containers"][0])
+        return as_operator(stack, operator_user, "apply", "--server-side", "--force-conflicts", "--dry-run=server",
+                           "--field-manager=sparsegate", "-f", "-", input=json.dumps(obj))
+
+    allowed = dry_run(lambda pod, c: None)
+    assert allowed.returncode == 0, allowed.stderr
+    what = f"deployments {RELEASE_NS}/policy-privilege"
+    container_rule = ("spec.template.spec.containers[].securityContext: the sparsegate operator may not run "
+                      f"containers as root, with added capabilities or with privilege escalation; {what} does")
+    for change, message in (
+        (lambda pod, c: pod["securityContext"].pop("runAsNonRoot"),
+         "spec.template.spec.securityContext.runAsNonRoot: the sparsegate operator may only run pods with "
+         f"runAsNonRoot true; {what} does not"),
+        (lambda pod, c: c["securityContext"].update(runAsNonRoot=False), container_rule),
+        (lambda pod, c: c["securityContext"].update(runAsUser=0), container_rule),
+        (lambda pod, c: c["securityContext"]["capabilities"].update(add=["NET_ADMIN"]), container_rule),
+        (lambda pod, c: c["securityContext"].update(allowPrivilegeEscalation=True), container_rule),
+        (lambda pod, c: c["ports"][0].update(hostPort=8080),
+         f"spec.template.spec.containers[].ports[].hostPort: the sparsegate operator may not open ports on the "
+         f"node; {what} does"),
+    ):
+        refused = dry_run(change)
+        assert refused.returncode != 0 and DENIED_BY in refused.stderr, refused.stderr
+        assert message in " ".join(refused.stderr.split()), refused.stderr

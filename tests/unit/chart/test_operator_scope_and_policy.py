@@ -197,6 +197,7 @@ def test_every_rule_has_a_message_naming_its_field():
                                                      "spec.template.spec.serviceAccountName",
                                                      "spec.template.spec.volumes",
                                                      "spec.template.spec.hostNetwork",
+                                                     "spec.template.spec.securityContext.runAsNonRoot",
                                                      "spec.template.spec.containers"}, v
         assert rule.startswith("the sparsegate operator may"), v
 
@@ -221,6 +222,13 @@ def test_what_the_operator_renders_passes_the_deployment_rules():
             assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
             assert not any((c.get("securityContext") or {}).get("privileged")
                            for c in pod["containers"] + pod.get("initContainers", []))
+            # Never root, no capability added, no privilege escalation, no port on the node.
+            assert pod["securityContext"]["runAsNonRoot"] is True
+            for c in pod["containers"] + pod.get("initContainers", []):
+                sc = c.get("securityContext") or {}
+                assert sc.get("runAsNonRoot", True) and sc.get("runAsUser", 1) != 0
+                assert sc.get("allowPrivilegeEscalation") is False and not (sc.get("capabilities") or {}).get("add")
+                assert not any(p.get("hostPort") for p in c.get("ports", []))
 
 
 def test_policy_can_be_turned_off_or_only_audit():
