@@ -12,7 +12,11 @@ from .inference import InferenceResult
 from .quality import QualityMetrics
 from .tools import ToolMetrics
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Up to 120 s: the rollout's p99 SLA check (slaP99LatencyMs) can only show a p99 within the
+# largest finite bucket (a p99 beyond it is a lower bound and never passes), and a generation
+# request on the OpenAI routes can take tens of seconds.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                   15.0, 30.0, 60.0, 120.0)
 # Per-request mean active experts per token (per layer): dynamic gating keeps 1..max experts.
 EXPERTS_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 16.0)
 # Wider than LATENCY_BUCKETS: a whole generation (e2e) can take a minute on CPU.
