@@ -62,12 +62,18 @@ def weight_of_percent(percent: int | float) -> float:
     return round(float(percent) / 100.0, 6)
 
 
-def set_key(version: str, canary_version: str | None = None, weight: float | None = None) -> str:
-    """One string naming what a pod serves: ``g-stable`` alone, or ``g-stable+g-canary@0.05``.
+def set_key(version: str, canary_version: str | None = None, weight: float | None = None,
+            sticky_header: str | None = None) -> str:
+    """One string naming what a pod serves: ``g-stable`` alone, or ``g-stable+g-canary@0.05``,
+    followed by ``;<header>`` when the sticky header is not the default (``...@0.05;x-user``): a pod
+    keying the choice by another header routes a session differently, so it does not hold the set.
     The operator compares it with what a pod reports (``/healthz``, the PUT's answer)."""
     if canary_version is None:
         return version
-    return f"{version}+{canary_version}@{float(weight or 0.0):.6g}"
+    key = f"{version}+{canary_version}@{float(weight or 0.0):.6g}"
+    if sticky_header is not None and sticky_header != DEFAULT_STICKY_HEADER:
+        key += f";{sticky_header}"
+    return key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +87,8 @@ class GateSet:
 
     @property
     def key(self) -> str:
-        return set_key(self.stable.version, self.canary.version if self.canary else None, self.weight)
+        return set_key(self.stable.version, self.canary.version if self.canary else None, self.weight,
+                       self.sticky_header)
 
     def to_json(self) -> dict[str, Any]:
         return gate_set_document(self.stable.to_json(), self.canary.to_json() if self.canary else None,
@@ -129,8 +136,8 @@ def parse_gate_set(body: Any, *, num_experts: int | None = None) -> GateSet:
 
 def reported_key(body: Mapping[str, Any], *, version_field: str) -> str | None:
     """The :func:`set_key` of what a server reports (``/healthz``: ``gateVersion``; the PUT's
-    answer: ``version``) with its ``canary`` block {version, checksum, weight}; None when the
-    report is malformed."""
+    answer: ``version``) with its ``canary`` block {version, checksum, weight, stickyHeader (absent:
+    the default)}; None when the report is malformed."""
     version = body.get(version_field)
     if not isinstance(version, str):
         return None
@@ -140,7 +147,10 @@ def reported_key(body: Mapping[str, Any], *, version_field: str) -> str | None:
     if not isinstance(canary, Mapping) or not isinstance(canary.get("version"), str) \
             or not isinstance(canary.get("weight"), int | float):
         return None
-    return set_key(version, canary["version"], float(canary["weight"]))
+    header = canary.get("stickyHeader", DEFAULT_STICKY_HEADER)
+    if not isinstance(header, str):
+        return None
+    return set_key(version, canary["version"], float(canary["weight"]), header)
 
 
 def document_key(doc: Mapping[str, Any]) -> str:
@@ -148,5 +158,6 @@ def document_key(doc: Mapping[str, Any]) -> str:
     must answer once it applied it)."""
     canary = doc.get("canary")
     if isinstance(canary, Mapping):
-        return set_key(doc["version"], canary["version"], float(doc.get("canaryWeight") or 0.0))
+        return set_key(doc["version"], canary["version"], float(doc.get("canaryWeight") or 0.0),
+                       doc.get("stickyHeader", DEFAULT_STICKY_HEADER))
     return doc["version"]

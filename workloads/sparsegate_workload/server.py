@@ -80,7 +80,7 @@ from typing import Any, Awaitable, Callable
 import torch
 from aiohttp import web
 from sparsegate_contracts import request_access
-from sparsegate_contracts.canary import GateSet, parse_gate_set
+from sparsegate_contracts.canary import DEFAULT_STICKY_HEADER, GateSet, parse_gate_set
 from sparsegate_contracts.gate import (DEFAULT_DOCUMENT, GateDocument, GateParamsError,
                                        parse_document)
 from sparsegate_contracts.names import DEFAULT_ADMIN_PORT
@@ -489,7 +489,8 @@ async def put_access(request: web.Request) -> web.Response:
 def _held_key(state: ServerState) -> str:
     assert state.gate is not None
     held = GateSet(stable=state.gate.doc, canary=state.canary.gate.doc if state.canary else None,
-                   weight=state.canary.weight if state.canary else 0.0)
+                   weight=state.canary.weight if state.canary else 0.0,
+                   sticky_header=state.canary.sticky_header if state.canary else DEFAULT_STICKY_HEADER)
     return held.key
 
 

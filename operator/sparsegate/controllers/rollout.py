@@ -270,7 +270,8 @@ class RolloutLoop:
         out = []
         for name in fleet.all_pods:
             h = health.get(name)
-            out.append(PodObservation(name=name, reachable=bool(h and h.reachable), version=h.serving if h else None))
+            out.append(PodObservation(name=name, reachable=bool(h and h.reachable), version=h.serving if h else None,
+                                      addressed=name in fleet.targets))  # targets: the pods with an IP
         return tuple(out)
 
     def _request(self, *, namespace: str, fleet: Fleet, status: RolloutStatus, now: float) -> MeasureRequest:

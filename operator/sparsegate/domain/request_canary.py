@@ -55,7 +55,7 @@ class GateSetTarget:
     @property
     def version(self) -> str:
         """The set key the pod reports once it holds this set (compared, never parsed)."""
-        return contract.set_key(self.stable.version, self.canary.version, self.weight)
+        return contract.set_key(self.stable.version, self.canary.version, self.weight, self.sticky_header)
 
     def document(self) -> dict[str, Any]:
         """The ``PUT /admin/gate`` body."""

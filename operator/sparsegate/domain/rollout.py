@@ -123,6 +123,9 @@ class PodObservation:
     name: str
     reachable: bool  # has an IP and answered /healthz
     version: str | None  # gateVersion reported by /healthz (None when unreachable)
+    # Has an IP: its server may have run and been pushed a gate. A pod without one (Pending) has
+    # served nothing and starts from the gate ConfigMap (the stable version) when it does.
+    addressed: bool = True
 
 
 @dataclass(frozen=True)
@@ -651,7 +654,7 @@ def _progressing(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now:
     percent = spec.steps[s.step]
     s = dataclasses.replace(s, canary_pods=_choose(s.strategy, pods=obs.pods, percent=percent,
                                                    previous=s.canary_pods, canary_version=s.canary.version))
-    waiting = _not_at_desired(s, obs.pods)
+    waiting = _not_at_desired(s, obs.pods, sticky_header=spec.sticky_header)
     if not waiting:
         return _step_in_place(s, spec=spec, obs=obs, now=now, percent=percent, acts=acts)
     if s.step_started_at is not None and now - s.step_started_at > spec.progress_deadline_s:
@@ -686,7 +689,7 @@ def _analysing(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: f
     percent = spec.steps[s.step]
     chosen = _choose(s.strategy, pods=obs.pods, percent=percent, previous=s.canary_pods,
                      canary_version=s.canary.version)
-    if chosen != s.canary_pods or _not_at_desired(s, obs.pods):
+    if chosen != s.canary_pods or _not_at_desired(s, obs.pods, sticky_header=spec.sticky_header):
         # An instance left, restarted or drifted: re-verify the step before judging it.
         return dataclasses.replace(s, phase=Phase.PROGRESSING, canary_pods=chosen, step_started_at=now,
                                    analysis_started_at=None, reason="Reverifying",
@@ -702,13 +705,25 @@ def _analysing(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: f
 
 def _rolling_back(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float,
                   acts: list[Action]) -> RolloutStatus:
-    """Once every reachable pod runs stable again, come to rest where the rollback was headed."""
+    """Once every reachable pod runs stable again, and no step pod that may still hold the canary
+    is silent, come to rest where the rollback was headed."""
     assert s.stable is not None
     if any(p.reachable and p.version != s.stable.version for p in obs.pods):
         return s
+    # A step pod with an address that did not answer may still hold the canary and serve it (its
+    # Ready condition is the kubelet's, not ours): coming to rest would leave it there until the
+    # next resting check, minutes away, under a status saying every instance is back. It answers
+    # (a restarted server starts from the stable ConfigMap) or goes away; until then the rollback
+    # goes on, naming it.
+    base = s.message.split(_SILENT)[0]
+    silent = [p.name for p in obs.pods if not p.reachable and p.addressed and p.name in s.canary_pods]
+    if silent:
+        held = s.canary.version if s.canary else "the canary"
+        return dataclasses.replace(s, message=f"{base}{_SILENT}{len(silent)} unreachable instance(s) that may "
+                                              f"still hold {held}: {', '.join(silent[:5])}")
     after = s.after_rollback or Phase.ROLLED_BACK
     outcome = {Phase.ABORTED: "aborted", Phase.SUCCEEDED: None}.get(after, "rolled_back")
-    msg = s.message if after != Phase.SUCCEEDED else f"every instance runs stable {s.stable.version}"
+    msg = base if after != Phase.SUCCEEDED else f"every instance runs stable {s.stable.version}"
     if outcome:
         acts.append(RecordOutcome(outcome))
     acts.append(EmitEvent("Normal" if after == Phase.SUCCEEDED else "Warning",
@@ -716,6 +731,10 @@ def _rolling_back(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now
     return dataclasses.replace(s, phase=after, canary=None, strategy=None, step=None, step_percent=None,
                                canary_pods=(), step_started_at=None, analysis_started_at=None, after_rollback=None,
                                message=msg)
+
+
+# What a rollback's message says while silent step pods hold it (``_rolling_back``).
+_SILENT = "; rollback waiting for "
 
 
 # The phases with work of their own each tick; the others (Paused, Failed, resting) only follow the
@@ -753,15 +772,22 @@ def _bookkeeping(s: RolloutStatus, *, previous: RolloutStatus, target: GateVersi
         s, conditions=conditions(status=s, target_version=target.version, previous=previous.conditions, now=now))
 
 
-def _not_at_desired(s: RolloutStatus, pods: Sequence[PodObservation]) -> list[str]:
-    """Pods of the step that do not yet run their desired version (unreachable canary pods count)."""
+def _not_at_desired(s: RolloutStatus, pods: Sequence[PodObservation], *,
+                    sticky_header: str = request_canary.contract.DEFAULT_STICKY_HEADER) -> list[str]:
+    """Pods of the step that do not yet run their desired version (unreachable canary pods count);
+    under strategy requests a pod keying sessions by another header than the spec's is not there."""
     assert s.canary is not None and s.stable is not None
-    canary = canary_gate(s)
+    canary = canary_gate(s, sticky_header=sticky_header)
     assert canary is not None
     chosen = set(s.canary_pods)
     waiting = []
     for p in pods:
         if p.name in chosen:
+            if not p.addressed and s.strategy == Strategy.REQUESTS:
+                # Every pod is a step pod, a pod not started yet too (Pending, e.g. a scale-up waiting for a
+                # node): it serves nothing until it starts and is pushed the set then (its Ready event
+                # brings the next tick). Waiting for it would roll a healthy canary back at progressDeadline.
+                continue
             if p.version != canary.version:
                 waiting.append(p.name)
         elif p.reachable and p.version != s.stable.version:

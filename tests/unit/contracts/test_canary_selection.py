@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from sparsegate_contracts.canary import (DEFAULT_STICKY_HEADER, canary_point, gate_set_document,
+from sparsegate_contracts.canary import (DEFAULT_STICKY_HEADER, canary_point, document_key, gate_set_document,
                                          parse_gate_set, reported_key, routes_to_canary, set_key,
                                          weight_of_percent)
 from sparsegate_contracts.gate import DEFAULT_PARAMS, GateParamsError, make_document
@@ -66,6 +66,17 @@ def test_two_version_document_round_trips():
     assert reported_key(report, version_field="gateVersion") == parsed.key
     assert reported_key({"gateVersion": STABLE.version}, version_field="gateVersion") == STABLE.version
     assert reported_key({"gateVersion": STABLE.version, "canary": "x"}, version_field="gateVersion") is None
+
+
+def test_the_set_key_names_a_sticky_header_other_than_the_default():
+    body = gate_set_document(STABLE.to_json(), CANARY.to_json(), weight=0.05, sticky_header="x-user")
+    parsed = parse_gate_set(body)
+    assert parsed.key == document_key(body) == f"{STABLE.version}+{CANARY.version}@0.05;x-user"
+    report = {"gateVersion": STABLE.version,
+              "canary": {"version": CANARY.version, "weight": 0.05, "stickyHeader": "x-user"}}
+    assert reported_key(report, version_field="gateVersion") == parsed.key
+    default = {**report, "canary": {**report["canary"], "stickyHeader": DEFAULT_STICKY_HEADER}}
+    assert reported_key(default, version_field="gateVersion") == set_key(STABLE.version, CANARY.version, 0.05)
 
 
 @pytest.mark.parametrize(("change", "field"), [

@@ -10,7 +10,7 @@ import asyncio
 import datetime
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import aiohttp
 import pytest
@@ -22,7 +22,8 @@ from sparsegate_workload import gateparams
 from sparsegate.clients.admin_credentials import client_context
 from sparsegate.clients.analysis_providers import DirectScrape, MeasureRequest
 from sparsegate.clients.metrics_source import PrometheusAPI
-from sparsegate.clients.podadmin import AdminCredentials, PodAdmin, PodTarget
+from sparsegate.clients.podadmin import AdminCredentials, PodAdmin, PodHealth, PodTarget
+from sparsegate.controllers.rollout import Fleet, RolloutLoop
 from sparsegate.domain import admin_tls
 from sparsegate.domain.analysis_run import BUILTIN_CHECK
 from sparsegate.domain.request_canary import step_target
@@ -79,6 +80,36 @@ async def test_push_set_then_scrape_splits_requests_by_version(server: PodTarget
     # Promotion pushes the canary alone; the pod then serves one version again.
     result = (await admin.push([(server, STABLE.document())]))["pod-a"]
     assert result.ok and (await admin.health([server]))["pod-a"].serving == STABLE.version
+
+
+async def test_a_pod_keying_sessions_by_another_header_does_not_hold_the_set(server: PodTarget) -> None:
+    # The same versions and weight, another sticky header: one session is routed otherwise, so the
+    # pod must report a different set key (the operator then pushes it the spec's header).
+    admin = PodAdmin(timeout_s=5)
+    by_session = step_target(stable=STABLE, canary=FAULTY, percent=20, sticky_header="x-session-id")
+    by_user = step_target(stable=STABLE, canary=FAULTY, percent=20, sticky_header="x-user")
+    assert by_user.version != by_session.version
+    for target in (by_session, by_user, by_session):
+        result = (await admin.push([(server, target.document())]))["pod-a"]
+        assert result.ok and result.version == target.version, result
+        assert (await admin.health([server]))["pod-a"].serving == target.version
+    result = (await admin.push([(server, STABLE.document())]))["pod-a"]
+    assert result.ok and (await admin.health([server]))["pod-a"].serving == STABLE.version
+
+
+async def test_the_tick_observes_which_pods_have_an_address() -> None:
+    # A pod without an IP (Pending) has served nothing: it neither holds a request-level step nor a
+    # rollback (domain.rollout); one with an IP that does not answer may hold the canary.
+    class Health(PodAdmin):
+        async def health(self, targets: Iterable[PodTarget]) -> dict[str, PodHealth]:
+            return {t.name: PodHealth(name=t.name, version=None, error="timeout") if t.name == "silent"
+                    else PodHealth(name=t.name, version=STABLE.version) for t in targets}
+
+    loop = RolloutLoop(kube=None, admin=Health())  # type: ignore[arg-type]
+    targets = {p: PodTarget(name=p, ip="10.0.0.1", port=8080) for p in ("ok", "silent")}
+    pods = await loop._observe_pods(Fleet(targets=targets, all_pods=("ok", "pending", "silent")))
+    assert [(p.name, p.reachable, p.addressed) for p in pods] == [
+        ("ok", True, True), ("pending", False, False), ("silent", False, True)]
 
 
 def test_prometheus_queries_select_the_serving_version() -> None:

@@ -47,13 +47,17 @@ class Fleet:
 
     keys: dict[str, str]
     documents: list[dict] = field(default_factory=list)
+    unreachable: set[str] = field(default_factory=set)  # an address, no answer (pushes are lost)
+    pending: set[str] = field(default_factory=set)  # not started: no address, no answer
 
     def observe(self) -> tuple[PodObservation, ...]:
-        return tuple(PodObservation(name=n, reachable=True, version=k) for n, k in sorted(self.keys.items()))
+        silent = self.unreachable | self.pending
+        return tuple(PodObservation(name=n, reachable=n not in silent, version=None if n in silent else k,
+                                    addressed=n not in self.pending) for n, k in sorted(self.keys.items()))
 
     def apply(self, actions: Iterable[object]) -> None:
         for a in actions:
-            if isinstance(a, PushGate):
+            if isinstance(a, PushGate) and a.pod not in self.unreachable | self.pending:
                 doc = a.gate.document()
                 parse_gate_set(doc)  # what the server would accept
                 self.keys[a.pod] = document_key(doc)
@@ -104,7 +108,7 @@ def test_every_step_is_a_share_of_requests_on_every_pod(replicas: int) -> None:
     d = started(replicas, stickyHeader="x-user")
     st = d.tick()
     assert st.phase == Phase.PROGRESSING and st.strategy == Strategy.REQUESTS and st.step_percent == 5
-    want = set_key(G1.version, G2.version, 0.05)
+    want = set_key(G1.version, G2.version, 0.05, "x-user")
     assert set(d.fleet.keys.values()) == {want}  # every pod, whatever the replica count
     assert d.fleet.documents[-1]["canaryWeight"] == 0.05 and d.fleet.documents[-1]["stickyHeader"] == "x-user"
     rollout = d.raw_status["rollout"]
@@ -115,10 +119,10 @@ def test_every_step_is_a_share_of_requests_on_every_pod(replicas: int) -> None:
     assert d.tick().phase == Phase.ANALYSING
     st = d.tick(dt=11, canary=group(), stable=group(1000))
     assert st.phase == Phase.PROGRESSING and st.step_percent == 20
-    assert set(d.fleet.keys.values()) == {set_key(G1.version, G2.version, 0.2)}
+    assert set(d.fleet.keys.values()) == {set_key(G1.version, G2.version, 0.2, "x-user")}
     assert d.tick().phase == Phase.ANALYSING
     d.tick(dt=11, canary=group(), stable=group(1000))
-    assert set(d.fleet.keys.values()) == {set_key(G1.version, G2.version, 1.0)}
+    assert set(d.fleet.keys.values()) == {set_key(G1.version, G2.version, 1.0, "x-user")}
     assert d.tick().phase == Phase.ANALYSING
     st = d.tick(dt=11, canary=group(2000), stable=None)
     # Promoted: the canary becomes stable, alone (weight 0, no canary held).
@@ -170,3 +174,59 @@ def test_analysis_expects_the_weight_as_the_canary_share_of_traffic() -> None:
     d.tick()
     st = d.tick(dt=11, canary=group(requests=30), stable=group(570))
     assert st.phase == Phase.PROGRESSING and st.step_percent == 20, st.message
+
+
+def test_an_instance_silent_at_abort_holds_the_rollback_until_it_answers() -> None:
+    # m-2 holds the canary set and stops answering (a partition: the kubelet may still route to it).
+    d = started(3)
+    d.tick()
+    assert d.tick().phase == Phase.ANALYSING
+    held = d.fleet.keys["m-2"]
+    d.fleet.unreachable = {"m-2"}
+    d.tick(abort=True)
+    for _ in range(3):
+        st = d.tick()
+        # Not Aborted ("every instance back on stable") while m-2 may still serve the canary.
+        assert st.phase == Phase.ROLLING_BACK, st.message
+        assert "1 unreachable instance(s) that may still hold" in st.message and "m-2" in st.message
+    assert d.fleet.keys == {"m-0": G1.version, "m-1": G1.version, "m-2": held}
+    d.fleet.unreachable = set()  # it answers again: it is pushed the stable alone, then the rollback rests
+    d.tick()
+    assert d.fleet.keys["m-2"] == G1.version
+    st = d.tick()
+    assert st.phase == Phase.ABORTED and st.message.startswith("aborted by annotation") and "waiting" not in st.message
+
+
+def test_a_pending_instance_neither_holds_a_step_nor_a_rollback() -> None:
+    # A scale-up mid-step whose pod waits for a node (no address): it serves nothing and starts from
+    # the stable ConfigMap, so the step is not held past progressDeadline (rolling a healthy canary back).
+    d = started(2, progressDeadline="30s")
+    d.tick()
+    assert d.tick().phase == Phase.ANALYSING
+    d.fleet.keys["m-9"] = G1.version
+    d.fleet.pending = {"m-9"}
+    for _ in range(6):  # each step: verified (m-9 aside), then analysed past its 10 s window
+        st = d.tick(dt=20, canary=group(), stable=group(1000))
+        assert st.phase in (Phase.PROGRESSING, Phase.ANALYSING), st.message
+    assert st.step_percent == 100 and st.reason != "ProgressDeadlineExceeded"
+    d.fleet.pending = set()  # it started, on the stable version: it is pushed the step's set
+    d.tick()
+    assert d.fleet.keys["m-9"] == set_key(G1.version, G2.version, 1.0)
+    d.fleet.pending = {"m-9"}
+    st = d.tick(abort=True)
+    assert st.phase == Phase.ROLLING_BACK
+    assert d.tick().phase == Phase.ABORTED
+
+
+def test_a_sticky_header_edit_reaches_every_pod_at_once() -> None:
+    # Pods keying sessions by different headers route one session to different versions.
+    d = started(2, stickyHeader="x-user")
+    d.tick()
+    assert d.tick().phase == Phase.ANALYSING
+    d.raw = spec(V2, stickyHeader="x-tenant")
+    d.fleet.keys["m-9"] = G1.version  # and a pod scaled up meanwhile
+    st = d.tick(canary=group(), stable=group(1000))
+    assert st.phase == Phase.PROGRESSING  # the step is verified again: its routing changed
+    assert {doc["stickyHeader"] for doc in d.fleet.documents[-3:]} == {"x-tenant"}
+    assert set(d.fleet.keys.values()) == {set_key(G1.version, G2.version, 0.05, "x-tenant")}
+    assert d.tick().phase == Phase.ANALYSING
