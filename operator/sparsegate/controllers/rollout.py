@@ -52,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import datetime
 import json
 import logging
 import os
@@ -77,11 +78,11 @@ from sparsegate.clients.analysis_providers import (
     WebRequest,
     measure_safely,
 )
-from sparsegate.clients.kube import Conflict, Kube, path_for
+from sparsegate.clients.kube import Conflict, Kube, KubeError, path_for
 from sparsegate.clients.metrics_source import PrometheusAPI
 from sparsegate.controllers.inventory import Inventory
 from sparsegate.clients.podadmin import PodAdmin, PodTarget
-from sparsegate.domain import analysis_run, fleet_view, render
+from sparsegate.domain import admin_tls, analysis_run, fleet_view, render
 from sparsegate.domain.analysis_run import Measured, Provider, RunPhase
 from sparsegate.domain.pod_ownership import controller_ref, ownership_problem
 from sparsegate.domain.rollout import (
@@ -107,6 +108,10 @@ from sparsegate.domain.rollout import (
 )
 
 RESTING_CHECK_S = envvars.seconds("SPARSEGATE_ROLLOUT_RESTING_CHECK_S", 300.0)
+# A full check reads the admin Secret of each model not sent anything for this long (a send reads
+# it anyway), so a certificate ending within admin_tls.RENEW_BEFORE is renewed before it ends
+# (:meth:`RolloutLoop.model_credentials`) even when neither the model nor the operator changes.
+ADMIN_SECRET_CHECK_S = envvars.seconds("SPARSEGATE_ADMIN_SECRET_CHECK_S", 86400.0)
 _LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 
 ROLLOUTS = prometheus_client.Counter(
@@ -138,6 +143,8 @@ class RolloutCache:
     # Admin credentials per model: the Secret is re-read before each push, credentials rebuilt only
     # when its resourceVersion changes (never cached beyond the Secret they came from).
     credentials: AdminCredentialStore = field(default_factory=AdminCredentialStore)
+    # Model → when its admin Secret was last read (clock of the loop); ``RolloutLoop._check_admin_secrets``.
+    secrets_read: dict[str, float] = field(default_factory=dict)
     withheld: set[tuple[str, str]] = field(default_factory=set)  # (pod uid, reason) already reported
     # resourceVersions our own status writes replaced (the last few): a watched copy still at one of
     # them predates our write, so the tick reads the object instead of starting from it.
@@ -170,6 +177,10 @@ def admin_port(pod: Mapping[str, Any]) -> int | None:
             if port.get("name") == names.ADMIN_PORT_NAME and port.get("containerPort"):
                 return int(port["containerPort"])
     return None
+
+
+def _model_event(model: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    kopf.event(dict(model), type=type_, reason=reason, message=message[:1024])
 
 
 class RolloutLoop:
@@ -253,17 +264,72 @@ class RolloutLoop:
         GET per model, only when something is to be sent: a rotated or deleted Secret takes effect
         at the next push)."""
         wanted = [p for p in pods if p in fleet.targets]
-        models = sorted({fleet.model_of[p] for p in wanted})
-        secrets = await asyncio.gather(*(asyncio.to_thread(
-            self.kube.get, "Secret", namespace=namespace, name=render.admin_secret_name(m)) for m in models))
-        creds: dict[str, ModelCredentials] = {
-            m: cache.credentials.update(secret, namespace=namespace, model=m, server_name=fleet.server_names[m])
-            for m, secret in zip(models, secrets)}
+        creds = await self.model_credentials(namespace=namespace, models=sorted({fleet.model_of[p] for p in wanted}),
+                                             server_names=fleet.server_names, cache=cache)
         out = {}
         for p in wanted:
             c = creds[fleet.model_of[p]]
             out[p] = dataclasses.replace(fleet.targets[p], admin=c.current, previous_admin=c.previous, refusal=c.error)
         return out
+
+    async def model_credentials(self, *, namespace: str, models: Sequence[str], server_names: Mapping[str, str],
+                                cache: FleetCache) -> dict[str, ModelCredentials]:
+        """The models' admin credentials from their Secrets as read now (one GET per model). A
+        Secret that is gone, unusable or ending within ``admin_tls.RENEW_BEFORE`` is replaced first,
+        as the model's reconcile would (``modelsync.ensure_admin_secret``): reconciles follow
+        changes of the model, so without this a certificate nobody changed ran out and every push
+        to the model's pods was refused from then on."""
+        secrets = await asyncio.gather(*(self._admin_secret(namespace, m, server_names[m], cache) for m in models))
+        return {m: cache.credentials.update(secret, namespace=namespace, model=m, server_name=server_names[m])
+                for m, secret in zip(models, secrets)}
+
+    async def _admin_secret(self, namespace: str, model: str, server_name: str,
+                            cache: FleetCache) -> Mapping[str, Any] | None:
+        name = render.admin_secret_name(model)
+        secret = await asyncio.to_thread(self.kube.get, "Secret", namespace=namespace, name=name)
+        cache.secrets_read[model] = self.clock()
+        problem = "not found" if secret is None else admin_tls.secret_problem(
+            secret, server_name=server_name, now=datetime.datetime.now(datetime.timezone.utc))
+        if problem is None:
+            return secret
+        if secret is not None:
+            # What the pods present until their Secret volume shows the new files: the store keeps
+            # it as the previous credentials for the rotation grace.
+            cache.credentials.update(secret, namespace=namespace, model=model, server_name=server_name)
+        try:
+            await asyncio.to_thread(self._renew_admin_secret, namespace, model)
+        except KubeError as e:  # e.g. a 409: the model's reconcile replaced it meanwhile
+            log.warning("admin Secret %s/%s (%s) not replaced: %s", namespace, name, problem, e)
+        return await asyncio.to_thread(self.kube.get, "Secret", namespace=namespace, name=name)
+
+    def _renew_admin_secret(self, namespace: str, model: str) -> None:
+        """The model's reconcile's Secret check, for a model that lives (a deleted one's Secret goes with it)."""
+        from sparsegate.handlers import modelsync  # not at the top: the handlers import this module
+
+        body = self.kube.get("SparseModel", namespace=namespace, name=model)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        modelsync.ensure_admin_secret(self.kube, body, events=_model_event, logger=log)
+
+    async def _check_admin_secrets(self, *, namespace: str, fleet: Fleet, cache: RolloutCache) -> None:
+        """Read (and renew if due) the admin Secret of each model last read ``ADMIN_SECRET_CHECK_S``
+        ago or more. A model first seen counts as read now: the reconcile that created or resumed it
+        has just checked its Secret. A model no longer the GateConfig's loses its credentials (TLS
+        contexts, ~19 KiB a model, kept for as long as the GateConfig lives otherwise)."""
+        now = self.clock()
+        for m in [m for m in cache.secrets_read if m not in fleet.server_names]:
+            del cache.secrets_read[m]
+            cache.credentials.forget(namespace=namespace, model=m)
+        due = sorted(m for m in fleet.server_names
+                     if now - cache.secrets_read.setdefault(m, now) >= ADMIN_SECRET_CHECK_S)
+        if not due:
+            return
+        try:
+            await self.model_credentials(namespace=namespace, models=due, server_names=fleet.server_names,
+                                         cache=cache)
+        except KubeError as e:  # not this tick's business: the next check (or send) reads them again
+            log.warning("admin Secrets of %s/%s not checked: %s", namespace, ", ".join(due), e)
+            cache.secrets_read.update(dict.fromkeys(due, now))
 
     async def _observe_pods(self, fleet: Fleet) -> tuple[PodObservation, ...]:
         health = await self.admin.health(list(fleet.targets.values()))
@@ -456,6 +522,7 @@ class RolloutLoop:
 
         fleet = await self._fleet(namespace=namespace, models=models, inventory=inventory)
         self._report_withheld(body, fleet, cache=cache, logger=logger)
+        await self._check_admin_secrets(namespace=namespace, fleet=fleet, cache=cache)
         decision: Decision | None = None
         for attempt in range(3):
             pods = await self._observe_pods(fleet)

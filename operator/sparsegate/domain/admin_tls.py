@@ -121,16 +121,23 @@ def certificate_names(cert_pem: str) -> list[str]:
     return san.get_values_for_type(x509.DNSName)
 
 
+_SPKI = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
 def secret_problem(secret: Mapping[str, Any], *, server_name: str, now: datetime.datetime) -> str | None:
     """Why the operator must replace this Secret (None: it is fine as it is): keys missing (made by
     an operator before the TLS admin channel), a certificate that does not name this model, that
-    cannot be read, or that ends within :data:`RENEW_BEFORE`."""
+    cannot be read, whose key is not the Secret's key, or that ends within :data:`RENEW_BEFORE`."""
     try:
         material = material_from_secret(secret)
         cert = x509.load_pem_x509_certificate(material.cert_pem.encode())
-        serialization.load_pem_private_key(material.key_pem.encode(), password=None)
+        key = serialization.load_pem_private_key(material.key_pem.encode(), password=None)
     except (SecretError, ValueError, TypeError) as e:
         return str(e)
+    # A key of another pair (a hand edit that changed one file): the server cannot load the pair,
+    # so a new pod exits at start and a running one keeps its old files.
+    if key.public_key().public_bytes(*_SPKI) != cert.public_key().public_bytes(*_SPKI):
+        return f"{ADMIN_TLS_KEY_KEY} is not the key of {ADMIN_TLS_CERT_KEY}"
     if server_name not in certificate_names(material.cert_pem):
         return f"certificate does not name {server_name}"
     if cert.not_valid_after_utc - now < RENEW_BEFORE:

@@ -70,6 +70,18 @@ def test_secret_round_trip_and_problems() -> None:
         admin_tls.material_from_secret({"data": {**secret["data"], "token": "***"}})
 
 
+def test_a_key_of_another_pair_is_a_problem(tmp_path) -> None:
+    """A hand edit that replaced tls.crt or tls.key alone: each file reads, but the server cannot
+    load the pair (a new pod exits at start), so the operator must replace the Secret."""
+    mine, other = admin_tls.new_material(server_name=NAME, now=NOW), admin_tls.new_material(server_name=NAME, now=NOW)
+    mixed = secret_of(admin_tls.AdminMaterial(token=mine.token, cert_pem=mine.cert_pem, key_pem=other.key_pem))
+    (tmp_path / "c").write_text(mine.cert_pem)
+    (tmp_path / "k").write_text(other.key_pem)
+    with pytest.raises(ssl.SSLError, match="KEY_VALUES_MISMATCH"):
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(tmp_path / "c", tmp_path / "k")
+    assert admin_tls.secret_problem(mixed, server_name=NAME, now=NOW) == "tls.key is not the key of tls.crt"
+
+
 def test_store_rebuilds_only_on_a_new_resource_version_and_keeps_the_previous_for_the_grace() -> None:
     clock = [0.0]
     store = AdminCredentialStore(grace_s=60, clock=lambda: clock[0])

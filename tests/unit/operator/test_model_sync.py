@@ -464,12 +464,13 @@ def test_ready_comes_from_the_deployment_as_it_is_when_status_is_written(kube):
     assert conditions(kube)["Ready"]["status"] == "True"
 
 
-@pytest.mark.parametrize("case", ["token-only", "other-model", "expiring", "deleted-owner", "orphaned"])
+@pytest.mark.parametrize("case", ["token-only", "other-model", "expiring", "mismatched-key", "deleted-owner",
+                                  "orphaned"])
 def test_an_unusable_admin_secret_is_replaced_with_a_complete_one(kube, case):
     """A Secret from an operator before the TLS admin channel (token only), one whose certificate
-    names another model, or one ending within 30 days, is replaced (PUT with its resourceVersion);
-    so is a complete one that is not this model's: left by a deleted model of the same name (the
-    garbage collector would remove it from under this one) or orphaned."""
+    names another model, one ending within 30 days, or one whose key is of another pair, is replaced
+    (PUT with its resourceVersion); so is a complete one that is not this model's: left by a deleted
+    model of the same name (the garbage collector would remove it from under this one) or orphaned."""
     import base64
     import datetime
 
@@ -481,6 +482,8 @@ def test_an_unusable_admin_secret_is_replaced_with_a_complete_one(kube, case):
         name = "other.ns.admin.sparsegate.dev" if case == "other-model" else "moe-small.ns.admin.sparsegate.dev"
         cert, key = admin_tls.issue(server_name=name, now=now,
                                     validity=datetime.timedelta(days=10 if case == "expiring" else 365))
+        if case == "mismatched-key":  # tls.key of another pair: the server cannot load it
+            key = admin_tls.issue(server_name=name, now=now)[1]
         data = admin_tls.AdminMaterial(token="old-token", cert_pem=cert, key_pem=key).secret_data()
     owner = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "SparseModel", "name": "moe-small",
              "uid": "uid-0" if case == "deleted-owner" else "uid-1", "controller": True}

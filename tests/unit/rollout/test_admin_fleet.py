@@ -42,6 +42,7 @@ class FakeKube:
 
     def __init__(self) -> None:
         self.secret = self.make_secret("1")
+        self.model: dict | None = None  # the SparseModel, as a renewal of its Secret reads it
         self.calls: list[str] = []
 
     @staticmethod
@@ -52,7 +53,8 @@ class FakeKube:
 
     def get(self, kind: str, *, namespace: str, name: str) -> dict | None:
         self.calls.append(f"get {kind} {name}")
-        return {"Secret": self.secret, "ReplicaSet": RS if name == "m-abc" else None}[kind]
+        return {"Secret": self.secret, "ReplicaSet": RS if name == "m-abc" else None,
+                "SparseModel": self.model}[kind]
 
 
 def inventory(pods: list[dict], *, replicasets: list[dict] = [RS]) -> Inventory:  # noqa: B006 (never mutated)
@@ -98,6 +100,69 @@ async def test_credentials_are_read_when_sent_and_a_changed_secret_takes_effect_
     gone = (await loop.credentials(namespace=NS, fleet=fleet, pods=["real"], cache=cache))["real"]
     assert gone.admin is None and "not found" in gone.refusal
     assert await loop.credentials(namespace=NS, fleet=fleet, pods=["pending-or-unknown"], cache=cache) == {}
+
+
+class WritableKube(FakeKube):
+    """Also creates and replaces the Secret, as the API server does (resourceVersion checked)."""
+
+    def __init__(self, *, validity: datetime.timedelta) -> None:
+        super().__init__()
+        self.model = {**MODEL, "metadata": {**MODEL["metadata"], "generation": 1}, "status": {"observedGeneration": 1}}
+        cert, key = admin_tls.issue(server_name=names.admin_server_name(model="m", namespace=NS), now=NOW,
+                                    validity=validity)
+        self.secret = render.render_secret(self.model, material=admin_tls.AdminMaterial("old", cert, key))
+        self.secret["metadata"].update(uid="s-uid", resourceVersion="1")
+        self.rv = 1
+
+    def _store(self, obj: dict) -> dict:
+        self.rv += 1
+        self.secret = json.loads(json.dumps(obj))
+        self.secret["metadata"].update(uid="s-uid", resourceVersion=str(self.rv))
+        return self.secret
+
+    def replace(self, obj: dict) -> dict:
+        assert self.secret is not None
+        assert obj["metadata"]["resourceVersion"] == self.secret["metadata"]["resourceVersion"]
+        self.calls.append("replace Secret")
+        return self._store(obj)
+
+    def create_if_absent(self, obj: dict) -> bool:
+        if self.secret is not None:
+            return False
+        self.calls.append("create Secret")
+        self._store(obj)
+        return True
+
+
+async def test_an_expiring_or_deleted_secret_is_renewed_when_a_send_reads_it(monkeypatch) -> None:
+    """A send reads the model's Secret: one whose certificate ends within 30 days (or has ended:
+    every push refused, "certificate has expired") or that is gone is replaced as the model's
+    reconcile would, not left until a change of the model reconciles it. The old certificate stays
+    the previous credentials for pods whose volume still shows it."""
+    import sparsegate.controllers.rollout as controller
+
+    events: list[str] = []
+    monkeypatch.setattr(controller.kopf, "event", lambda body, *, type, reason, message: events.append(reason))
+    server_name = names.admin_server_name(model="m", namespace=NS)
+    for days in (20, 0):  # within the renewal window; already ended
+        kube = WritableKube(validity=datetime.timedelta(days=days))
+        loop, cache = RolloutLoop(kube=kube), RolloutCache()  # type: ignore[arg-type]
+        fleet = await loop._fleet(namespace=NS, models=["m"], inventory=inventory([pod("real")]))
+        target = (await loop.credentials(namespace=NS, fleet=fleet, pods=["real"], cache=cache))["real"]
+        assert "replace Secret" in kube.calls and events[-1] == "AdminSecretReplaced"
+        assert admin_tls.secret_problem(kube.secret, server_name=server_name, now=NOW) is None
+        assert target.admin.token == admin_tls.material_from_secret(kube.secret).token != "old"
+        assert target.previous_admin is not None and target.previous_admin.token == "old"
+    # Deleted by hand: issued anew at the next send (new pods could not even mount it meanwhile).
+    kube.secret, kube.calls = None, []
+    target = (await loop.credentials(namespace=NS, fleet=fleet, pods=["real"], cache=cache))["real"]
+    assert "create Secret" in kube.calls and target.admin is not None
+    assert admin_tls.secret_problem(kube.secret, server_name=server_name, now=NOW) is None
+    # A model being deleted: its Secret goes with it, nothing is re-created.
+    kube.secret, kube.calls = None, []
+    kube.model = {**kube.model, "metadata": {**kube.model["metadata"], "deletionTimestamp": "2026-12-07T00:00:00Z"}}
+    target = (await loop.credentials(namespace=NS, fleet=fleet, pods=["real"], cache=cache))["real"]
+    assert kube.secret is None and target.admin is None and "not found" in target.refusal
 
 
 async def test_a_replicaset_the_watch_has_not_delivered_is_read_once_by_name() -> None:

@@ -8,6 +8,8 @@ web check's target is a real HTTP server on loopback, and the tick's code runs u
 from __future__ import annotations
 
 import copy
+import dataclasses
+import datetime
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +21,8 @@ from sparsegate.clients.podadmin import PodAdmin, PodHealth, PodTarget, PushResu
 from sparsegate.domain.rollout import GateVersion
 from sparsegate.clients.kube import Conflict
 from sparsegate.controllers.rollout import RolloutLoop, RolloutCache, Fleet
+from sparsegate.domain import admin_tls, render
+from sparsegate_contracts import names
 from sparsegate_contracts.canary import document_key
 
 V1 = {"toolGateThreshold": 0.85}
@@ -356,3 +360,96 @@ async def test_a_tick_whose_push_lands_records_one_calibration_sample(no_kopf_ev
         steps.append(st["rollout"].get("step"))
     assert 2 in steps, steps  # a step was promoted (pushed) within these ticks
     assert all(b - a <= 1 for a, b in zip(counts, counts[1:])), (counts, steps)
+
+
+class SecretKube(FakeKube):
+    """The GateConfig, model ``m`` and its admin Secret (a PUT replaces it, as the API server does)."""
+
+    def __init__(self, spec: dict, *, validity: datetime.timedelta) -> None:
+        super().__init__(spec)
+        self.model = {"apiVersion": names.API_VERSION, "kind": "SparseModel",
+                      "metadata": {"name": "m", "namespace": "ns", "uid": "m-uid", "generation": 1},
+                      "status": {"observedGeneration": 1}}
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert, key = admin_tls.issue(server_name=SERVER_NAME, now=now, validity=validity)
+        secret = render.render_secret(self.model, material=admin_tls.AdminMaterial(token="t0", cert_pem=cert,
+                                                                                    key_pem=key))
+        secret["metadata"]["resourceVersion"] = "1"
+        self.secret = secret
+        self.secret_gets = 0
+
+    def get(self, kind: str, *, namespace: str, name: str) -> dict | None:
+        if kind == "Secret":
+            self.secret_gets += 1
+            return copy.deepcopy(self.secret)
+        if kind == "SparseModel":
+            return copy.deepcopy(self.model)
+        return super().get(kind, namespace=namespace, name=name)
+
+    def replace(self, obj: dict) -> dict:
+        assert obj["kind"] == "Secret"
+        assert obj["metadata"]["resourceVersion"] == self.secret["metadata"]["resourceVersion"]
+        self.secret = copy.deepcopy(obj)
+        self.secret["metadata"]["resourceVersion"] = str(int(obj["metadata"]["resourceVersion"]) + 1)
+        return copy.deepcopy(self.secret)
+
+
+SERVER_NAME = names.admin_server_name(model="m", namespace="ns")
+DAY = 86400.0  # controller.ADMIN_SECRET_CHECK_S by default
+
+
+class SecretLoop(Loop):
+    """Pods of model ``m`` (while ``live``), sent its admin credentials as the real loop sends them."""
+
+    live = True
+    credentials = RolloutLoop.credentials  # type: ignore[assignment]
+
+    async def _fleet(self, *, namespace: str, models: Any, inventory: Any) -> Fleet:
+        if not self.live:
+            return Fleet(targets={}, all_pods=())
+        fleet = await super()._fleet(namespace=namespace, models=models, inventory=inventory)
+        return dataclasses.replace(fleet, server_names={"m": SERVER_NAME}, model_of=dict.fromkeys(PODS, "m"))
+
+
+async def test_a_resting_gateconfig_renews_an_admin_certificate_nobody_changed(no_kopf_events: list) -> None:
+    """Nothing but a reconcile of the model (a change of it, an operator restart) used to renew its
+    admin certificate: a year after the last one every push was refused ("certificate has
+    expired"). A resting GateConfig's full checks read each model's Secret once a day and renew one
+    ending within admin_tls.RENEW_BEFORE, with no change to the model, before it ends."""
+    clock = [1000.0]
+    kube = SecretKube(spec(V1), validity=datetime.timedelta(days=20))
+    loop = SecretLoop(kube=kube, admin=FakePods(clock), clock=lambda: clock[0])  # type: ignore[arg-type]
+    cache = RolloutCache()
+    await tick(loop, cache, clock, 1)
+    assert loop.resting(kube.obj) and kube.secret_gets == 0  # first seen: its reconcile just checked it
+    for _ in range(3):  # resting checks within the day read no Secret
+        await tick(loop, cache, clock, controller.RESTING_CHECK_S)
+    assert kube.secret_gets == 0 and admin_tls.material_from_secret(kube.secret).token == "t0"
+    await tick(loop, cache, clock, DAY)
+    assert admin_tls.secret_problem(kube.secret, server_name=SERVER_NAME,
+                                    now=datetime.datetime.now(datetime.timezone.utc)) is None
+    assert admin_tls.material_from_secret(kube.secret).token != "t0"
+    assert kube.secret["metadata"]["ownerReferences"][0]["uid"] == "m-uid"
+    assert [r for r, _ in no_kopf_events if r == "AdminSecretReplaced"] == ["AdminSecretReplaced"]
+    # Fine now: the next day's check reads it (one GET) and leaves it alone.
+    renewed, gets = kube.secret["metadata"]["resourceVersion"], kube.secret_gets
+    await tick(loop, cache, clock, DAY)
+    assert kube.secret["metadata"]["resourceVersion"] == renewed and kube.secret_gets == gets + 1
+
+
+async def test_a_model_that_leaves_the_gateconfig_leaves_no_credentials_behind() -> None:
+    """The credentials a push built (two TLS contexts, ~19 KiB a model) were kept for as long as
+    the GateConfig lived, whatever became of the model: a GateConfig outliving many models grew."""
+    clock = [1000.0]
+    kube = SecretKube(spec(V1), validity=datetime.timedelta(days=365))
+    pods = FakePods(clock)
+    loop = SecretLoop(kube=kube, admin=pods, clock=lambda: clock[0])  # type: ignore[arg-type]
+    cache = RolloutCache()
+    await tick(loop, cache, clock, 1)
+    pods.versions["m-0"] = "something-else"  # back from a restart without the stable gate: pushed
+    await tick(loop, cache, clock, controller.RESTING_CHECK_S)
+    assert pods.versions["m-0"] == GateVersion.from_params(V1).version and kube.secret_gets == 1
+    assert list(cache.credentials._entries) == [("ns", "m")]
+    loop.live = False  # the model deleted, or pointed at another GateConfig
+    await tick(loop, cache, clock, controller.RESTING_CHECK_S)
+    assert cache.credentials._entries == {}
