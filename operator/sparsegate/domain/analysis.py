@@ -30,7 +30,8 @@ Checks on the canary group (each reported with its numbers):
   increase of perplexity, exp(canary mean NLL − stable mean NLL) − 1, ≤ ``maxQualityDrop``.
   From the probe set both score at gate load (same tokens on both sides) when both groups
   report it, else from live traffic's scored prompt tokens when each group scored at least
-  ``MIN_QUALITY_TOKENS`` in the window; otherwise not evaluated (and not at the last step).
+  ``MIN_QUALITY_TOKENS`` in the window; otherwise not evaluated (nor at the last step of strategy
+  instances, which leaves no stable group; under requests every pod holds and scores both).
 
 Traffic gates the verdict: with fewer than ``minRequests`` canary requests, or
 canary qps far below its expected share of the calibrated qps threshold, the
