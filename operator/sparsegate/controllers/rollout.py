@@ -80,6 +80,7 @@ from sparsegate.clients.analysis_providers import (
 )
 from sparsegate.clients.kube import Conflict, Kube, KubeError, path_for
 from sparsegate.clients.metrics_source import PrometheusAPI
+from sparsegate.controllers import admin_secret
 from sparsegate.controllers.inventory import Inventory
 from sparsegate.clients.podadmin import PodAdmin, PodTarget
 from sparsegate.domain import admin_tls, analysis_run, fleet_view, render
@@ -276,7 +277,7 @@ class RolloutLoop:
                                 cache: FleetCache) -> dict[str, ModelCredentials]:
         """The models' admin credentials from their Secrets as read now (one GET per model). A
         Secret that is gone, unusable or ending within ``admin_tls.RENEW_BEFORE`` is replaced first,
-        as the model's reconcile would (``modelsync.ensure_admin_secret``): reconciles follow
+        as the model's reconcile would (``admin_secret.ensure_admin_secret``): reconciles follow
         changes of the model, so without this a certificate nobody changed ran out and every push
         to the model's pods was refused from then on."""
         secrets = await asyncio.gather(*(self._admin_secret(namespace, m, server_names[m], cache) for m in models))
@@ -304,12 +305,10 @@ class RolloutLoop:
 
     def _renew_admin_secret(self, namespace: str, model: str) -> None:
         """The model's reconcile's Secret check, for a model that lives (a deleted one's Secret goes with it)."""
-        from sparsegate.handlers import modelsync  # not at the top: the handlers import this module
-
         body = self.kube.get("SparseModel", namespace=namespace, name=model)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return
-        modelsync.ensure_admin_secret(self.kube, body, events=_model_event, logger=log)
+        admin_secret.ensure_admin_secret(self.kube, body, events=_model_event, logger=log)
 
     async def _check_admin_secrets(self, *, namespace: str, fleet: Fleet, cache: RolloutCache) -> None:
         """Read (and renew if due) the admin Secret of each model last read ``ADMIN_SECRET_CHECK_S``
