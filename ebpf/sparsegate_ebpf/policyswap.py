@@ -32,6 +32,19 @@ class SwapResult:
     swap_seconds: float   # the outer-slot update alone (incl. the kernel's RCU wait)
 
 
+def empty(table: Any) -> None:
+    """Delete every record of a hash map no one else writes. Not bcc's ``clear()``: it deletes each
+    key as it walks, and the kernel continues a walk whose key is gone from the first bucket, so
+    every delete rescans the buckets already emptied (quadratic: 5.9 s for 101,800 records in a
+    131,072-record map, 115 s in a 1,048,576-record one, against 0.4 and 1.1 s listed first), all
+    under the swapper's lock that every scrape waits for."""
+    for key in list(table.keys()):
+        try:
+            del table[key]
+        except KeyError:
+            pass
+
+
 class PolicySwapper:
     def __init__(self, *, bpf: Any) -> None:
         self._outer = bpf[b"policy_outer"]
@@ -102,7 +115,7 @@ class PolicySwapper:
         records = [(k, PolicyVal(action=v.action, rule_id=v.rule_id, generation=v.generation, slot=target,
                                  identity=v.identity)) for k, v in records]
         t0 = time.perf_counter()
-        inner.clear()  # not live: nothing reads it (see module docstring)
+        empty(inner)  # not live: nothing reads it (see module docstring)
         for key, val in records:
             inner[key] = val
         t1 = time.perf_counter()
