@@ -1,7 +1,8 @@
 """Prometheus export: a custom collector that reads the BPF maps at scrape time.
 
 Nothing is copied periodically; each scrape walks the maps, folds the per-CPU values and
-yields fresh metric families. Flow series are capped (largest by bytes) to bound cardinality.
+yields fresh metric families. Flow series are capped (largest by bytes) to bound cardinality, and so
+are handshake series (one per client, server and server port; most samples first).
 Per-port totals are folded from the flow table at scrape time (the program keeps no per-port map:
 one hash update less per packet); a flow that leaves the table (LRU eviction) keeps its last
 scraped counts in its port's total, so the totals never go down, but packets it got between
@@ -20,7 +21,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .flowclock import FlowClock
-from .maps import PROTO_NAMES, Counter, be16_to_port, flow_addr_bytes, flow_ip, ip_of
+from .maps import PROTO_NAMES, Counter, be16_to_port, flow_ip, ip_of
 from .policy import ACTION_NAMES
 
 
@@ -45,6 +46,14 @@ def fold_flow(per_cpu: Iterable[Any]) -> FlowTotals:
         first_seen_jiffies=min((v.first_seen_jiffies for v in vals if v.first_seen_jiffies), default=0),
         last_seen_jiffies=max((v.last_seen_jiffies for v in vals), default=0),
     )
+
+
+def read_entries(table: Any) -> list[tuple[Any, Any]]:
+    """A hash map's (key, value) pairs, each key once. The kernel's get-next-key walk starts over
+    from the first bucket when the key it continues from is gone (a flow the LRU evicted while the
+    table was read; under churn, often), so a walk can return the same keys again: the latest read
+    of a key is kept."""
+    return list({bytes(k): (k, v) for k, v in table.iteritems()}.values())
 
 
 def fold_counter(per_cpu: Iterable[Any]) -> tuple[int, int]:
@@ -109,6 +118,12 @@ class XdpCollector:
         self._state = state
         self._max_flows = max_flows
         self._max_ports = max_ports
+        # One scrape at a time reads the flow table and folds its port totals: a fold of a read
+        # older than the last one folded would take every flow that grew meanwhile for an evicted
+        # one and count it twice, for good (Prometheus HA pairs scrape each agent twice).
+        self._scrape_lock = threading.Lock()
+        self._handshake_samples: dict[bytes, int] = {}  # handshakes key -> samples at the last scrape
+        self._handshake_last: dict[tuple[str, str, str], float] = {}  # labels -> last exported RTT
 
     def describe(self) -> Sequence[Metric]:
         return []  # no scrape at registration time
@@ -151,10 +166,13 @@ class XdpCollector:
         ad.add_metric([], audit)
         yield ad
 
-        flows = [(k, fold_flow(v)) for table in (b"flows", b"flows6") for k, v in bpf[table].items()]
+        with self._scrape_lock:  # read and fold as one step (materialised: no lock held across a yield)
+            flows = [(k, fold_flow(v)) for table in (b"flows", b"flows6") for k, v in read_entries(bpf[table])]
+            ports = list(self._ports(flows))
+            handshakes = list(self._handshakes(bpf))
         yield from self._flows(flows, clock=s.program.clock)
-        yield from self._ports(flows)
-        yield from self._handshakes(bpf)
+        yield from ports
+        yield from handshakes
         yield from self._policy(bpf)
 
     def _flows(self, flows: list[tuple[Any, FlowTotals]], *, clock: FlowClock) -> Iterator[Metric]:
@@ -188,8 +206,8 @@ class XdpCollector:
         pp = CounterMetricFamily("sparsegate_xdp_port_packets", "Packets by destination port", labels=["port", "proto"])
         pb = CounterMetricFamily("sparsegate_xdp_port_bytes", "Bytes by destination port", labels=["port", "proto"])
         totals = self._state.ports.fold(
-            ((flow_addr_bytes(k.saddr), flow_addr_bytes(k.daddr), k.sport, k.dport, k.proto), t.packets, t.bytes, (be16_to_port(k.dport), k.proto))
-            for k, t in flows)
+            # The raw key: an IPv4 flow (16 bytes) is never the IPv6 one (40) with IPv4-mapped addresses.
+            (bytes(k), t.packets, t.bytes, (be16_to_port(k.dport), k.proto)) for k, t in flows)
         # Largest first (ties by port, so a scrape is deterministic), then exported in port order.
         kept = sorted(totals.items(), key=lambda kv: (-kv[1][1], -kv[1][0], kv[0]))[: self._max_ports]
         for (port, proto), (packets, bytes_) in sorted(kept):
@@ -199,17 +217,38 @@ class XdpCollector:
         yield pb
 
     def _handshakes(self, bpf: Any) -> Iterator[Metric]:
+        """One series per (client, server, server port): the table holds one entry per client
+        connection (its own source port), so entries are summed; capped like flows (most samples
+        first). Caller holds ``_scrape_lock`` (the samples seen at the last scrape)."""
         labels = ["src", "dst", "dport"]
         last = GaugeMetricFamily("sparsegate_xdp_tcp_handshake_rtt_seconds",
-                                 "Last SYN->SYN-ACK time seen at this node, by client flow", labels=labels)
+                                 "Last SYN->SYN-ACK time seen at this node, by client, server and server port "
+                                 "(of several connections handshaken since the previous scrape, the slowest)",
+                                 labels=labels)
         mean = GaugeMetricFamily("sparsegate_xdp_tcp_handshake_rtt_mean_seconds",
                                  "Mean SYN->SYN-ACK time", labels=labels)
-        for k, h in bpf[b"handshakes"].items():
+        # labels -> [rtt sum, samples, slowest last rtt sampled since the last scrape (-1: none), slowest last rtt]
+        groups: dict[tuple[str, str, str], list[int]] = {}
+        seen: dict[bytes, int] = {}
+        for k, h in read_entries(bpf[b"handshakes"]):
             if not h.samples:
                 continue
-            lv = [ip_of(k.saddr), ip_of(k.daddr), str(be16_to_port(k.dport))]
-            last.add_metric(lv, h.last_rtt_ns / 1e9)
-            mean.add_metric(lv, h.rtt_sum_ns / h.samples / 1e9)
+            raw = bytes(k)
+            seen[raw] = h.samples
+            g = groups.setdefault((ip_of(k.saddr), ip_of(k.daddr), str(be16_to_port(k.dport))), [0, 0, -1, 0])
+            g[0] += h.rtt_sum_ns
+            g[1] += h.samples
+            g[3] = max(g[3], h.last_rtt_ns)
+            if h.samples != self._handshake_samples.get(raw):  # sampled since the last scrape
+                g[2] = max(g[2], h.last_rtt_ns)
+        kept = sorted(groups.items(), key=lambda kv: (-kv[1][1], kv[0]))[: self._max_flows]
+        last_values = {}
+        for lv, (rtt_sum, samples, newest, slowest) in sorted(kept):
+            value = newest / 1e9 if newest >= 0 else self._handshake_last.get(lv, slowest / 1e9)
+            last_values[lv] = value
+            last.add_metric(list(lv), value)
+            mean.add_metric(list(lv), rtt_sum / samples / 1e9)
+        self._handshake_samples, self._handshake_last = seen, last_values
         yield last
         yield mean
 

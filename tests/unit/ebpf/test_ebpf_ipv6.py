@@ -89,6 +89,21 @@ def test_exporter_labels_ipv6_flows_with_their_addresses(telemetry_prog: LoadedP
     assert (types["ipv6"], types["ipv4"], types["udp"]) == (2, 1, 3)
 
 
+def test_an_ipv6_flow_of_ipv4_mapped_addresses_is_not_labelled_as_the_ipv4_flow(telemetry_prog: LoadedProgram) -> None:
+    """An IPv6 packet from ::ffff:10.3.0.1 (which the kernel's IPv6 input drops, but XDP counts in
+    `flows6`) was labelled src="10.3.0.1": one label set for two flows (Prometheus keeps one sample,
+    so a crafted one could hide the real IPv4 flow's series), and the port totals kept one of them."""
+    run(telemetry_prog, P.udp_frame(src=CLIENT4, dst=MODEL4, sport=5353, dport=9000), repeat=1)
+    run(telemetry_prog, P.udp_frame(src=f"::ffff:{CLIENT4}", dst=f"::ffff:{MODEL4}", sport=5353, dport=9000), repeat=3)
+    state = AgentState(bpf_available=True, program=telemetry_prog, enforcement="off")
+    samples = {m.name: m.samples for m in XdpCollector(state=state).collect()}
+    flow_packets = [((s.labels["src"], s.labels["dst"]), s.value) for s in samples["sparsegate_xdp_flow_packets"]
+                    if s.name.endswith("_total")]
+    assert sorted(flow_packets) == [((CLIENT4, MODEL4), 1), ((f"::ffff:{CLIENT4}", f"::ffff:{MODEL4}"), 3)]
+    ports = {s.labels["port"]: s.value for s in samples["sparsegate_xdp_port_packets"] if s.name.endswith("_total")}
+    assert ports == {"9000": 4}
+
+
 @pytest.mark.parametrize(("frame", "expected"), [
     (P.ethernet(ethertype=P.ETH_P_IPV6, payload=b"\x60" + b"\0" * 30), {Counter.IPV6_TRUNCATED: 1}),
     (raw6(TCP, P.tcp(sport=1, dport=8080), version=4), {Counter.IPV6_BAD_HEADER: 1}),

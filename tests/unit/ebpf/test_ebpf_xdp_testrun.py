@@ -4,11 +4,13 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
 from sparsegate_ebpf import packets as P
 from sparsegate_ebpf.maps import ACTION_ALLOW, ACTION_DENY, KEY_POLICED_DST, Counter, addr_bytes, port_to_be16
+from sparsegate_ebpf.metrics import AgentState, XdpCollector
 from sparsegate_ebpf.policy import compile_policy, parse_policy
 from sparsegate_ebpf.policyswap import PolicySwapper
 from sparsegate_ebpf.programs import LoadedProgram
@@ -192,6 +194,39 @@ def test_tcp_handshake_rtt_from_syn_to_syn_ack(telemetry_prog: LoadedProgram) ->
     h = hs[(addr_bytes(A), port_to_be16(80))]
     assert h.samples == 1 and h.syn_ns == 0
     assert 0 < h.last_rtt_ns == h.rtt_sum_ns < 10**9
+
+
+def test_handshake_rtt_series_are_one_per_client_server_and_port(telemetry_prog: LoadedProgram) -> None:
+    """Each connection has its own entry (its own client port), but the series are labelled by
+    client, server and server port only: three connections were three samples with the same labels
+    in one exposition (Prometheus keeps one of them). One series: the mean over every connection,
+    the last RTT of those handshaken since the previous scrape."""
+    def handshake(sport: int, *, wait: float = 0.0) -> None:
+        run(telemetry_prog, P.tcp_frame(src=A, dst=B, sport=sport, dport=8080, flags=P.TCP_SYN))
+        time.sleep(wait)
+        run(telemetry_prog, P.tcp_frame(src=B, dst=A, sport=8080, dport=sport, flags=P.TCP_SYN | P.TCP_ACK))
+
+    collector = XdpCollector(state=AgentState(bpf_available=True, program=telemetry_prog, enforcement="off"))
+
+    def scrape() -> tuple[float, float]:
+        got = {m.name: m.samples for m in collector.collect()}
+        (last,) = got["sparsegate_xdp_tcp_handshake_rtt_seconds"]
+        (mean,) = got["sparsegate_xdp_tcp_handshake_rtt_mean_seconds"]
+        assert last.labels == mean.labels == {"src": A, "dst": B, "dport": "8080"}
+        return last.value, mean.value
+
+    handshake(40000)
+    handshake(40001, wait=0.2)
+    handshake(40002)
+    hs = [h for _, h in telemetry_prog.bpf[b"handshakes"].items()]
+    assert len(hs) == 3
+    last, mean = scrape()
+    assert mean == pytest.approx(sum(h.rtt_sum_ns for h in hs) / 3 / 1e9)
+    assert last == max(h.last_rtt_ns for h in hs) / 1e9 >= 0.2  # of the three since start, the slowest
+    assert scrape() == (last, mean)  # nothing new: unchanged
+    handshake(40003)  # only this one since the last scrape
+    quick = max(h.last_rtt_ns for k, h in telemetry_prog.bpf[b"handshakes"].items() if k.sport == port_to_be16(40003))
+    assert scrape()[0] == quick / 1e9 < last
 
 
 # --- atomic swap --------------------------------------------------------------------------
