@@ -37,6 +37,9 @@ TINY = ["--hidden-size", "32", "--layers", "1", "--heads", "2", "--experts", "4"
     (["--hard-fraction", "2"], "--hard-fraction"),
     (["--init-from", "/nonexistent/ckpt"], "--init-from"),
     (["--text-file", "/nonexistent/corpus.txt"], "--text-file"),
+    # Past the gate document's ranges: refused here, not after training when the gate file is made.
+    (["--entropy-beta", "50"], "--entropy-beta"),
+    (["--capacity-factor", "100"], "--capacity-factor"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(args: list[str], flag: str, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -46,6 +49,84 @@ def test_bad_flags_exit_2_naming_the_flag(args: list[str], flag: str, tmp_path: 
     err = capsys.readouterr().err
     assert flag in err, err
     assert not (tmp_path / "out").exists()
+
+
+def _corpus_file(tmp_path: Path, kind: str) -> str:
+    path = tmp_path / f"{kind}.txt"
+    if kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "latin1":
+        path.write_bytes("caf\u00e9 au lait, cr\u00e8me br\u00fbl\u00e9e\n".encode("latin-1") * 200)
+    elif kind == "short":
+        path.write_text("hello world\n", encoding="utf-8")
+    else:  # "short_tail": enough to train on, but its last 10 % is shorter than one window
+        path.write_text("".join(f"line {i} of text here\n" for i in range(30)), encoding="utf-8")
+    return str(path)
+
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["--text-file", "empty"], "--text-file"),
+    (["--text-file", "latin1"], "--text-file"),
+    (["--text-file", "short"], "--text-file"),
+    (["--text-file", "short_tail"], "--text-file"),
+    (["--corpus-lines", "1"], "--corpus-lines"),
+    (["--heldout-lines", "1"], "--heldout-lines"),
+])
+def test_a_corpus_too_short_or_not_utf8_exits_2_naming_the_flag(
+        args: list[str], flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if args[0] == "--text-file":
+        args = [args[0], _corpus_file(tmp_path, args[1])]
+    with pytest.raises(SystemExit) as info:
+        main(["--output", str(tmp_path / "out"), *TINY, "--steps", "2", *args])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{flag}: " in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["unsupported_family", "truncated_weights"])
+def test_an_unusable_init_from_checkpoint_exits_2_naming_the_flag(
+        damage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from sparsegate_workload.hf.tiny import build_tiny_checkpoint
+
+    ckpt = build_tiny_checkpoint(tmp_path / "ckpt", family="mixtral", hidden_size=16, layers=1,
+                                 heads=2, experts=2, expert_ffn=8, max_positions=64)
+    if damage == "unsupported_family":
+        (ckpt / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    else:
+        weights = ckpt / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(SystemExit) as info:
+        main(["--output", str(tmp_path / "out"), "--init-from", str(ckpt), "--max-experts", "2",
+              "--steps", "1", "--quiet"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--init-from: " in err and str(ckpt) in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_that_is_a_file_exits_2_before_training(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    out.write_text("not a directory")
+    with pytest.raises(SystemExit) as info:
+        main(["--output", str(out), *TINY, "--steps", "1"])
+    assert info.value.code == 2
+    assert "--output" in capsys.readouterr().err
+    assert out.read_text() == "not a directory"
+
+
+def test_the_gate_document_carries_the_capacity_factor_and_accepts_over_64_experts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "ckpt"
+    # 80 experts, top-70: valid for this model (the server checks against its expert count).
+    assert main(["--output", str(out), *TINY, "--steps", "1", "--expert-ffn", "8",
+                 "--experts", "80", "--top-k", "70", "--capacity-factor", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    document = parse_document(json.loads((out / GATE_FILE).read_text()), num_experts=80)
+    assert document.version == summary["gate"]
+    assert (document.params.min_experts_per_token, document.params.max_experts_per_token,
+            document.params.capacity_factor) == (70, 70, 2.0)
 
 
 def test_output_is_required(capsys: pytest.CaptureFixture[str]) -> None:

@@ -100,6 +100,29 @@ def test_routers_only_fine_tune_moves_only_the_routers(tmp_path: Path) -> None:
     assert changed and all(k.endswith("mlp.gate.weight") for k in changed), changed
 
 
+def test_overwriting_a_checkpoint_removes_its_stale_tool_gate_head(tmp_path: Path) -> None:
+    from sparsegate_workload.hf.tool_head import TOOL_HEAD_FILE, ToolHead
+
+    result = train(_config(steps=1))
+    out = save_checkpoint(result, tmp_path / "ckpt")
+    # A head an earlier run (another hidden size) fitted beside the old weights.
+    ToolHead(weight=torch.ones(2 * TINY.hidden_size), bias=0.0).save(out)
+    save_checkpoint(result, out)
+    assert not (out / TOOL_HEAD_FILE).exists()
+    assert load_moe_checkpoint(out).tool_head is None
+
+
+def test_fine_tuning_keeps_the_checkpoints_output_router_logits(tmp_path: Path) -> None:
+    base = save_checkpoint(train(_config(steps=1)), tmp_path / "base")
+    assert json.loads((base / "config.json").read_text())["output_router_logits"] is False
+    config = json.loads((base / "config.json").read_text())
+    config["output_router_logits"] = True
+    (base / "config.json").write_text(json.dumps(config))
+    tuned = train(_config(steps=1, init_from=str(base), trainable="routers"))
+    out = save_checkpoint(tuned, tmp_path / "tuned")
+    assert json.loads((out / "config.json").read_text())["output_router_logits"] is True
+
+
 def test_a_gate_wider_than_the_checkpoint_is_refused(tmp_path: Path) -> None:
     base = save_checkpoint(train(_config(steps=2)), tmp_path / "base")
     with pytest.raises(TrainingConfigError, match="max_experts"):
@@ -111,6 +134,8 @@ def test_a_gate_wider_than_the_checkpoint_is_refused(tmp_path: Path) -> None:
     ({"steps": 0}, "steps"),
     ({"lr": float("nan")}, "lr"),
     ({"entropy_beta": -0.1}, "entropy_beta"),
+    ({"entropy_beta": 11.0}, "entropy_beta"),   # past the gate document's entropyBeta range
+    ({"gate": GateSetting(capacity_factor=100.0)}, "capacity_factor"),
     ({"trainable": "embeddings"}, "trainable"),
     ({"gate": GateSetting(threshold=0.0)}, "threshold"),
     ({"gate": GateSetting(min_experts=3, max_experts=2)}, "min_experts"),

@@ -23,8 +23,8 @@ import torch
 from sparsegate_contracts.gate import GateDocument, make_document
 
 from ..cli_types import int_at_least
-from .trainer import TRAINABLE, GateSetting, ModelShape, StepLog, TrainConfig, \
-    TrainingConfigError, evaluate, save_checkpoint, train
+from .trainer import MAX_CAPACITY_FACTOR, MAX_ENTROPY_BETA, TRAINABLE, GateSetting, ModelShape, \
+    StepLog, TrainConfig, TrainingConfigError, evaluate, save_checkpoint, train
 
 GATE_FILE = "sparsegate_gate.json"  # the gate document the model was trained with
 # TrainConfig fields whose flag is not "--" + the field name with dashes.
@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int_at_least(1), default=1,
                    help="torch CPU threads (results are reproducible for a given count)")
     o = p.add_argument_group("objective")
-    o.add_argument("--entropy-beta", type=_float_in(0.0, 100.0), default=d.entropy_beta,
+    o.add_argument("--entropy-beta", type=_float_in(0.0, MAX_ENTROPY_BETA),
+                   default=d.entropy_beta,
                    help="weight of the mean router entropy (the gate's entropyBeta)")
     o.add_argument("--balance-coef", type=_float_in(0.0, 100.0), default=d.balance_coef,
                    help="weight of the load-balance loss")
@@ -91,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=g.threshold, help="top-p mass to reach (dynamic routing)")
     r.add_argument("--min-experts", type=int_at_least(1), default=g.min_experts)
     r.add_argument("--max-experts", type=int_at_least(1), default=g.max_experts)
-    r.add_argument("--capacity-factor", type=_float_in(0.0, 1e3, lo_open=True), default=None,
-                   help="per-expert capacity cap while training (default: dropless)")
+    r.add_argument("--capacity-factor", type=_float_in(0.0, MAX_CAPACITY_FACTOR, lo_open=True),
+                   default=None, help="per-expert capacity cap while training, also written "
+                   "into the gate document (default: dropless while training)")
     m = p.add_argument_group("new model shape (ignored with --init-from)")
     m.add_argument("--family", default=s.family, help="mixtral, qwen2_moe, qwen3_moe or olmoe")
     m.add_argument("--hidden-size", type=int_at_least(1), default=s.hidden_size)
@@ -149,6 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config_from_args(args)
     except TrainingConfigError as exc:
         parser.error(f"{_flag(exc.field)}: {str(exc).split(': ', 1)[1]}")
+    out_path = Path(args.output)
+    if out_path.exists() and not out_path.is_dir():
+        parser.error(f"--output: {args.output} exists and is not a directory")
     torch.set_num_threads(args.threads)
 
     def log(e: StepLog) -> None:
@@ -162,10 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"{_flag(exc.field)}: {str(exc).split(': ', 1)[1]}")
     ev = evaluate(result.lm, result.heldout, seq_len=cfg.seq_len)
     out = save_checkpoint(result, args.output, evaluation=ev)
-    document = make_document({"confidenceThreshold": cfg.gate.threshold,
-                              "minExpertsPerToken": cfg.gate.min_experts,
-                              "maxExpertsPerToken": cfg.gate.max_experts,
-                              "entropyBeta": cfg.entropy_beta})
+    document = gate_document(cfg, num_experts=result.lm.num_experts)
     (out / GATE_FILE).write_text(document.file_text() + "\n")
     summary = {"output": str(out), "gate": document.version,
                "seconds": round(result.seconds, 1), "heldout": ev.to_json()}
@@ -173,6 +175,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary["toolGate"] = str(fit_calculator_gate(out, document, seed=cfg.seed))
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def gate_document(cfg: TrainConfig, *, num_experts: int) -> GateDocument:
+    """The gate document of what the run trained with (its capacity factor too, when one was
+    set), validated against the model's expert count as the server validates it."""
+    params: dict[str, float | int] = {"confidenceThreshold": cfg.gate.threshold,
+                                      "minExpertsPerToken": cfg.gate.min_experts,
+                                      "maxExpertsPerToken": cfg.gate.max_experts,
+                                      "entropyBeta": cfg.entropy_beta}
+    if cfg.gate.capacity_factor is not None:
+        params["capacityFactor"] = cfg.gate.capacity_factor
+    return make_document(params, num_experts=num_experts)
 
 
 TOOL_GATE_LINES = 400  # synthetic lines the calculator head is fitted on

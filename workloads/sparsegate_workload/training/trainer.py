@@ -35,16 +35,22 @@ import torch.nn.functional as F
 
 from sparsegate_contracts.gate import GateParams
 
+from ..hf.checkpoint_files import CheckpointError
 from ..hf.families import SUPPORTED_FAMILIES
 from ..hf.gated_block import ActiveGate, pin_gate
 from ..hf.loader import SparseGatedCausalLM, load_moe_checkpoint
 from ..hf.precision_file import PRECISION_FILE
 from ..hf.tiny import build_tiny_checkpoint
+from ..hf.tool_head import TOOL_HEAD_FILE
 from ..quality import PROBE_FILE, PROBE_LINES
 from .corpus import TokenClass, TokenStream, build_tokenizer, generate_lines, tokenize_lines, \
     tokenize_text
 
 TRAINABLE = ("routers", "moe", "all")
+# The gate document's ranges (sparsegate_contracts.gate.validate_params) for the settings the
+# CLI writes into it: a run that trains must also write a gate document the server accepts.
+MAX_ENTROPY_BETA = 10.0
+MAX_CAPACITY_FACTOR = 64.0
 TRAINING_FILE = "sparsegate_training.json"  # written beside config.json: how it was trained
 
 
@@ -139,6 +145,9 @@ def validate(cfg: TrainConfig) -> list[TrainingConfigError]:
         value = getattr(cfg, name)
         need(math.isfinite(value) and value >= 0, name,
              f"must be a finite number >= 0, got {value}")
+    need(not cfg.entropy_beta > MAX_ENTROPY_BETA, "entropy_beta",
+         f"must be <= {MAX_ENTROPY_BETA:g} (the gate document's entropyBeta range), "
+         f"got {cfg.entropy_beta}")
     need(0.0 <= cfg.hard_fraction <= 1.0, "hard_fraction",
          f"must be in [0, 1], got {cfg.hard_fraction}")
     need(cfg.trainable in TRAINABLE, "trainable",
@@ -148,8 +157,9 @@ def validate(cfg: TrainConfig) -> list[TrainingConfigError]:
     need(1 <= g.min_experts <= g.max_experts, "min_experts",
          f"must satisfy 1 <= min_experts ({g.min_experts}) <= max_experts ({g.max_experts})")
     need(g.capacity_factor is None or (math.isfinite(g.capacity_factor)
-                                       and g.capacity_factor > 0),
-         "capacity_factor", f"must be > 0 (or unset: dropless), got {g.capacity_factor}")
+                                       and 0 < g.capacity_factor <= MAX_CAPACITY_FACTOR),
+         "capacity_factor", f"must be in (0, {MAX_CAPACITY_FACTOR:g}] (or unset: dropless), "
+         f"got {g.capacity_factor}")
     s = cfg.shape
     need(s.family in SUPPORTED_FAMILIES, "family",
          f"must be one of {', '.join(sorted(SUPPORTED_FAMILIES))}, got {s.family!r}")
@@ -238,7 +248,14 @@ def prepare_data(cfg: TrainConfig, tokenizer: Any | None
     """(tokenizer, train stream, held-out stream). A new tokenizer is trained on the training
     text when none is given; held-out lines come from another seed (never trained on)."""
     if cfg.text_file is not None:
-        text = Path(cfg.text_file).read_text(encoding="utf-8")
+        try:
+            text = Path(cfg.text_file).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise TrainingConfigError("text_file", f"{cfg.text_file} is not UTF-8 text "
+                                      f"({exc})") from None
+        except OSError as exc:
+            raise TrainingConfigError("text_file", f"{cfg.text_file} is not readable "
+                                      f"({exc})") from None
         cut = int(len(text) * 0.9)
         if tokenizer is None:
             tokenizer = build_tokenizer([text[:cut]], vocab_size=cfg.shape.vocab_size)
@@ -300,6 +317,20 @@ def _lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def _check_lengths(cfg: TrainConfig, stream: TokenStream, heldout: TokenStream) -> None:
+    """Training draws windows of seq_len + 1 tokens and evaluation scores whole seq_len chunks:
+    a corpus too short for either is a setting error found before any step is taken."""
+    for part, share, tokens, need, synthetic_field in (
+            ("training", "first 90 %", len(stream), cfg.seq_len + 1, "corpus_lines"),
+            ("held-out", "last 10 %", len(heldout), cfg.seq_len, "heldout_lines")):
+        if tokens < need:
+            where = (f"{cfg.text_file}'s {part} part (its {share})" if cfg.text_file is not None
+                     else f"the {part} corpus")
+            raise TrainingConfigError(
+                "text_file" if cfg.text_file is not None else synthetic_field,
+                f"{where} has {tokens} tokens; seq_len {cfg.seq_len} needs at least {need}")
+
+
 def train(cfg: TrainConfig, *, log: Callable[[StepLog], None] | None = None,
           log_every: int = 50) -> TrainResult:
     """Train per `cfg` and return the model (patched, in memory) with its held-out data."""
@@ -309,7 +340,10 @@ def train(cfg: TrainConfig, *, log: Callable[[StepLog], None] | None = None,
         torch.manual_seed(cfg.seed)
         with tempfile.TemporaryDirectory(prefix="sparsegate-train-") as tmp:
             if cfg.init_from is not None:
-                lm = load_moe_checkpoint(cfg.init_from)
+                try:
+                    lm = load_moe_checkpoint(cfg.init_from)
+                except CheckpointError as exc:  # its message names the file at fault
+                    raise TrainingConfigError("init_from", str(exc)) from None
                 if lm.tokenizer is None:
                     raise TrainingConfigError("init_from", f"{cfg.init_from} has no tokenizer "
                                               "files (needed to encode the corpus)")
@@ -321,6 +355,7 @@ def train(cfg: TrainConfig, *, log: Callable[[StepLog], None] | None = None,
             else:
                 tokenizer, stream, heldout = prepare_data(cfg, None)
                 lm = _new_model(cfg, tokenizer, Path(tmp))
+        _check_lengths(cfg, stream, heldout)
         # The on-disk source of a new model is its random init: never restore from it.
         lm.weight_source = None
         vocab = int(lm.model.config.vocab_size)
@@ -413,6 +448,17 @@ def evaluate(lm: SparseGatedCausalLM, stream: TokenStream, *, gate: GateParams |
                       by_class=by_class, loss_experts_corr=0.0 if math.isnan(corr) else corr)
 
 
+def _source_output_router_logits(cfg: TrainConfig) -> bool:
+    """config.json's output_router_logits of the checkpoint fine-tuned (False for a new model)."""
+    if cfg.init_from is None:
+        return False
+    try:
+        source = json.loads((Path(cfg.init_from) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(source.get("output_router_logits", False)) if isinstance(source, dict) else False
+
+
 def save_checkpoint(result: TrainResult, out: str | Path, *,
                     evaluation: Evaluation | None = None) -> Path:
     """Write the trained model as a Hugging Face checkpoint (config.json + model.safetensors +
@@ -428,6 +474,9 @@ def save_checkpoint(result: TrainResult, out: str | Path, *,
     # The family's own top-k (what the loader installs without a gate document): top-k runs
     # keep their k; a top-p run gets its trained upper bound.
     config.num_experts_per_tok = setting.max_experts
+    # The loader turns output_router_logits off in memory (serving does not want it): write the
+    # fine-tuned checkpoint's own value back, not the loader's override.
+    config.output_router_logits = _source_output_router_logits(cfg)
     # A fresh upstream model holding the trained tensors: the patched blocks keep the same
     # parameter names, so the state dict maps one to one (strict).
     with torch.random.fork_rng(devices=[]):
@@ -463,7 +512,10 @@ def save_checkpoint(result: TrainResult, out: str | Path, *,
         out_dir.mkdir(parents=True, exist_ok=True)
         # Variances measured on the weights replaced here would still match the file's check
         # (same names, shapes and sizes): remove it, so auto is not resolved from old weights.
+        # Likewise a tool-gate head fitted on the old weights' hidden states (the CLI fits a
+        # new one after saving when asked): left, the server would load and fire it.
         (out_dir / PRECISION_FILE).unlink(missing_ok=True)
+        (out_dir / TOOL_HEAD_FILE).unlink(missing_ok=True)
         for item in staging.iterdir():
             target = out_dir / item.name
             if target.is_dir():
