@@ -10,15 +10,19 @@ a reconcile skips the ones whose rendering has not changed since.
 
 The operator does not watch these objects, so an edit or a deletion by someone else is undone by
 the first reconcile after ``interval_s`` (``--reapply-interval``, an hour by default) instead of
-by the next one: a record older than that no longer counts. 0 keeps no record (every reconcile applies everything).
+by the next one: a record older than that no longer counts (touching the model undoes it at once:
+below). 0 keeps no record (every reconcile applies everything).
 An object whose apply failed has no record (the next reconcile applies it) and keeps the error's
 message until an apply of it lands (``failure``): a reconcile that does not wait for that object's
 apply (the Service, ``handlers.modelsync``) reports the last one meanwhile. Such an apply is also
 tracked while in flight (``begin``), so status written meanwhile can hold Ready back (``hold``) and
 be written again once it lands (``take_held``).
 A model's records are dropped when its Deployment is deleted (the model itself deleted, or the
-Deployment deleted from under it and re-created: everything is applied again), and a restarted
-operator starts with none.
+Deployment deleted from under it and re-created: everything is applied again) or the model is
+(one that never had a Deployment), and a restarted operator starts with none. They stop counting
+(``expire``) when the model changes without a new generation (a label or an annotation: touching
+it, or Kopf's retry of a failed reconcile), so touching a model repairs at once what was deleted
+or edited (``handlers.sparsemodel``).
 """
 
 from __future__ import annotations
@@ -116,6 +120,12 @@ class AppliedObjects:
         """The error of the last apply of ``obj``'s kind and name for ``model`` if it failed, else None."""
         with self._lock:
             return self._failures.get(model, {}).get(_key(obj))
+
+    def expire(self, model: ModelKey) -> None:
+        """The model's records no longer count (its next reconcile applies everything again); an
+        apply in flight or failed keeps its mark."""
+        with self._lock:
+            self._records.pop(model, None)
 
     def forget(self, model: ModelKey) -> None:
         with self._lock:

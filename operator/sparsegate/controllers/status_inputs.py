@@ -63,5 +63,9 @@ class StatusInputs:
         else:
             self._seen[(namespace, name)] = (uid, inputs)
 
+    def known(self, namespace: str, name: str) -> bool:
+        """True if this process has written (or checked) the model's status since its start."""
+        return (namespace, name) in self._seen
+
     def forget(self, namespace: str, name: str) -> None:
         self._seen.pop((namespace, name), None)

@@ -79,6 +79,13 @@ def newest_deployment(applied: Mapping[str, Any] | None,
     return watched
 
 
+def generation_reconciled(model: Mapping[str, Any]) -> bool:
+    """True when status says the model's current generation was reconciled already: an event of it
+    then changed no spec (a label or an annotation, e.g. touching it) or is Kopf's retry."""
+    generation = (model.get("metadata") or {}).get("generation")
+    return generation is not None and (model.get("status") or {}).get("observedGeneration") == generation
+
+
 def admin_secret_check(model: Mapping[str, Any]) -> dict[str, Any]:
     """What ``ensure_admin_secret``'s verdict depends on besides the Secret itself, in the shape
     ``AppliedObjects`` records: a model (uid) and the name its certificate must carry."""

@@ -2,7 +2,8 @@
 
 - create/update/resume → render and server-side apply the owned objects (the ConfigMap, Service
   and admin-Secret check only when changed since this process last applied them:
-  ``controllers.applied_objects``), write status. The Service is applied beside the rest and the
+  ``controllers.applied_objects``; all of them on an update that is no new generation: a touch),
+  write status. The Service is applied beside the rest and the
   status write does not wait for it (``modelsync.PendingService``); the handler waits for it,
   holding no thread, and writes status again only if it ended otherwise than assumed.
 - any event of an owned Deployment → refresh replica counts and Ready/Progressing; no request at
@@ -18,6 +19,7 @@
 - GateConfig events → re-reconcile models whose rendered gate no longer matches (see
   handlers.gatebinding).
 - A Deployment deleted while its model lives is re-created.
+- A SparseModel deleted → what this process kept of it (status inputs, applied objects) is dropped.
 Status reads the Deployment from the operator's watch (``handlers.fleetindex``) and the apply's
 answer, never with a GET.
 Deletion needs no handler (and so no finalizer): owned objects carry ownerReferences and the
@@ -65,6 +67,10 @@ async def reconcile_model(body: kopf.Body, namespace: str, name: str, memo: kopf
     inventory = Inventory.from_kopf(kwargs)
     pods = inventory.pods(namespace, name)  # read on the event loop, where Kopf writes it
     async with model_turn(namespace, name):  # not beside a re-render (handlers.gatebinding)
+        if modelsync.generation_reconciled(body):
+            # No spec change (touched, or a retry): apply everything again, so touching a model puts
+            # back an owned object deleted or edited by someone else (an admin Secret issued anew).
+            memo.applied_objects.expire((namespace, name))
         reconciled = await run_model_work(memo, reconcile, memo, dict(body), pods=pods, logger=logger,
                                           watched=watched_deployment(inventory, namespace, name),
                                           gates=watched_gates(inventory))
@@ -116,9 +122,12 @@ STATUS_SETTLE_S = 1.0
 async def deployment_changed(type: str | None, body: kopf.Body, memo: kopf.Memo,
                              logger: logging.Logger, **kwargs: Any) -> None:
     model = body.metadata.labels.get(names.MODEL_LABEL)
-    if not model or type is None:  # None: the initial listing; resume handlers cover it
-        return
     namespace = body.metadata.namespace
+    if not model or (type is None and not memo.status_inputs.known(namespace, model)):
+        # None: a listing. The first one, of a model this process has not written yet: its resume
+        # handler covers it. A later one (Kopf lists again when its watch restarts, as after a
+        # 410 Gone: an API server restarted) is the only word of what changed meanwhile.
+        return
     inventory = Inventory.from_kopf(kwargs)
     pods = inventory.pods(namespace, model)
     if type != "DELETED" and memo.status_inputs.settled(
@@ -190,6 +199,22 @@ def _deployment_changed(memo: kopf.Memo, *, type: str, deployment: Mapping[str, 
                 pods=pods, events=post_event, status_inputs=memo.status_inputs,
                 applied_objects=memo.applied_objects):
             outcome.value = "unchanged"
+
+
+def _deleted(type: str | None, **_: Any) -> bool:
+    return type == "DELETED"
+
+
+@kopf.on.event(GROUP, VERSION, names.SPARSEMODELS, when=_deleted)
+async def model_deleted(namespace: str, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
+    """What was kept of the model goes with it. Its Deployment's DELETED event does that too, but a
+    model that never had one (no usable gate, or its Deployment refused), or whose Deployment went
+    first and whose attempt to re-create it recorded them anew (a namespace being deleted), would
+    leave its records in this process for good."""
+    if Inventory.from_kopf(kwargs).model(namespace, name) is not None:
+        return  # re-created under the name meanwhile: the records are the new model's
+    memo.status_inputs.forget(namespace, name)
+    memo.applied_objects.forget((namespace, name))
 
 
 @kopf.on.cleanup()

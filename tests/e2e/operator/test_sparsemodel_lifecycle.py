@@ -320,3 +320,29 @@ def test_a_failed_service_apply_degrades_the_model_without_holding_its_deploymen
     m = wait_for(recovered, what="Degraded=False after the retry", timeout_s=150, interval_s=1)
     assert (condition(m, "Ready")["status"], condition(m, "Ready")["reason"]) == ("True", "ScaledToZero")
     assert get_json(stack, "service", name, "-n", ns)["spec"]["clusterIP"] == render.HEADLESS
+
+
+def test_touching_a_model_puts_back_owned_objects_deleted_by_hand(stack, operator, stack_namespace):
+    """The reconcile skips the ConfigMap, Service and admin-Secret check while unchanged
+    (``--reapply-interval``, an hour), so the README's way to put them back at once (and to rotate
+    the admin credentials: delete the Secret) is touching the SparseModel: an update with no new
+    generation applies everything again."""
+    ns = stack_namespace
+    name = "touched"
+    model = yaml.safe_load((EXAMPLES / "sparsemodel.yaml").read_text())
+    model["metadata"]["name"] = name
+    model["spec"].update(replicas=0, resources={"gpus": 0})
+    model["spec"].pop("gateConfigRef", None)  # the built-in gate: nothing else to wait for
+    stack.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(model))
+    wait_for(ready_at_generation(stack, ns, name), what="SparseModel Ready", timeout_s=90, interval_s=0.5)
+    token = get_json(stack, "secret", f"{name}-admin", "-n", ns)["data"]["token"]
+    gone = [("secret", f"{name}-admin"), ("configmap", f"{name}-gate"), ("service", name)]
+    for kind, obj in gone:
+        stack.kubectl("delete", kind, obj, "-n", ns, "--wait=true", timeout=60)
+    stack.kubectl("annotate", "sparsemodel", name, "-n", ns, "example.com/touched=1")
+
+    def back():
+        return all(stack.kubectl("get", kind, obj, "-n", ns, check=False).returncode == 0 for kind, obj in gone)
+    wait_for(back, what="the deleted Secret, ConfigMap and Service to be put back", timeout_s=60, interval_s=0.5)
+    assert get_json(stack, "secret", f"{name}-admin", "-n", ns)["data"]["token"] != token
+    assert get_json(stack, "sparsemodel", name, "-n", ns)["metadata"]["generation"] == 1

@@ -73,3 +73,19 @@ def test_in_flight_until_it_lands_or_fails_and_a_hold_is_taken_once() -> None:
     assert a.unapplied(MODEL, svc) and a.hold(MODEL, svc)  # failed: still not applied
     a.forget(MODEL)
     assert not a.unapplied(MODEL, svc) and not a.take_held(MODEL, svc)
+
+
+def test_expire_drops_the_records_but_keeps_what_is_in_flight_or_failed() -> None:
+    """A touched model (``handlers.sparsemodel``): everything is applied again, while an apply in
+    flight still holds Ready back and a failure is still reported."""
+    a = AppliedObjects(interval_s=600)
+    svc = {"kind": "Service", "metadata": {"name": "m"}}
+    a.record(MODEL, cm({}), now=0)
+    a.begin(MODEL, svc)
+    a.record(("ns", "other"), cm({}), now=0)
+    a.expire(MODEL)
+    assert not a.unchanged(MODEL, cm({}), now=1) and a.unchanged(("ns", "other"), cm({}), now=1)
+    assert a.unapplied(MODEL, svc)
+    a.record_failure(MODEL, svc, "refused")
+    a.expire(MODEL)
+    assert a.failure(MODEL, svc) == "refused"

@@ -6,6 +6,8 @@ same flows in tests/e2e/operator.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import copy
 import logging
 import sys
@@ -13,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import kopf
 import pytest
 import yaml
 
@@ -21,7 +24,8 @@ from sparsegate.controllers.applied_objects import AppliedObjects
 from sparsegate.controllers.status_inputs import StatusInputs
 from sparsegate.domain import admin_tls, fleet_view, model_status
 from sparsegate.domain.conditions import container_problems
-from sparsegate.handlers import modelsync
+from sparsegate.controllers.deferred_refresh import DeferredRefreshes
+from sparsegate.handlers import modelsync, sparsemodel
 
 ROOT = Path(__file__).resolve().parents[3]
 LOG = logging.getLogger("test")
@@ -813,3 +817,117 @@ def test_a_recreated_model_under_the_same_name_is_applied_in_full(kube):
     reconcile(kube, model_of(kube), applied=applied)
     assert sorted(kube.applied) == ["ConfigMap", "Deployment", "Service"]
     assert ("get", "Secret") in kube.calls
+
+
+def handle(k, applied: AppliedObjects, model: dict) -> None:
+    """The Kopf create/update/resume handler (``handlers.sparsemodel.reconcile_model``) for ``model``
+    (its Events are posted nowhere: ``sparsemodel.post_event`` patched by the caller)."""
+    memo = kopf.Memo(kube=k, applied_objects=applied, status_inputs=StatusInputs(),
+                     model_pool=concurrent.futures.ThreadPoolExecutor(max_workers=1),
+                     status_pool=concurrent.futures.ThreadPoolExecutor(max_workers=1))
+    read_deployment, read_gate = watched(k), watched_gates(k)
+
+    class Deployments(dict):  # the watch's Deployment views, as stored at once
+        def get(self, key, default=None):
+            view = read_deployment() if key == ("ns", "moe-small") else None
+            return [view] if view is not None else default
+
+    class Gates(dict):
+        def get(self, key, default=None):
+            view = read_gate(*key)
+            return [view] if view is not None else default
+
+    views = dict(sparsegate_model_views={}, sparsegate_model_pod_views={},
+                 sparsegate_model_deployment_views=Deployments(), sparsegate_model_replicaset_views={},
+                 sparsegate_gate_views=Gates())
+    asyncio.run(sparsemodel.reconcile_model(body=kopf.Body(copy.deepcopy(model)), namespace="ns", name="moe-small",
+                                            memo=memo, logger=LOG, **views))
+
+
+def test_touching_a_model_puts_back_what_was_deleted_within_the_reapply_interval(kube, monkeypatch):
+    """README: to rotate the admin credentials, delete Secret <model>-admin and touch the
+    SparseModel. A touch (an annotation: no new generation) applies everything again, where a spec
+    change still skips what is unchanged."""
+    monkeypatch.setattr(sparsemodel, "post_event", lambda *a: None)
+    gateconfig(kube)
+    applied = AppliedObjects(interval_s=3600)
+    handle(kube, applied, model_of(kube))
+    secret = kube.get("Secret", namespace="ns", name="moe-small-admin")
+    # A spec change (new generation) skips the unchanged objects.
+    kube.applied.clear()
+    handle(kube, applied, scaled(kube, 2))
+    assert kube.applied == ["Deployment"]
+    # Someone deletes the admin Secret and the gate ConfigMap, then touches the model.
+    del kube.objects[("Secret", "ns", "moe-small-admin")]
+    del kube.objects[("ConfigMap", "ns", "moe-small-gate")]
+    touched = model_of(kube)
+    touched["metadata"].setdefault("annotations", {})["example.com/touched"] = "now"
+    kube.applied.clear()
+    handle(kube, applied, kube.put(touched))
+    assert sorted(kube.applied) == ["ConfigMap", "Deployment", "Service"]
+    reissued = kube.get("Secret", namespace="ns", name="moe-small-admin")
+    assert reissued is not None and reissued["data"]["token"] != secret["data"]["token"]
+
+
+def test_a_deleted_model_that_never_had_a_deployment_leaves_nothing_behind(kube):
+    """The records of a model are dropped on its Deployment's DELETED event; a model without one
+    (here: its GateConfig missing, so nothing rendered), deleted with its namespace, has none:
+    its own DELETED event, as the SparseModel event handlers get it, drops them."""
+    import sparsegate.main  # noqa: F401  (registers every handler)
+    from sparsegate_contracts import names
+
+    inputs, applied = StatusInputs(), AppliedObjects(interval_s=3600)
+    assert reconcile(kube, model_of(kube), inputs=inputs, applied=applied) == "degraded"
+    applied.record_failure(("ns", "moe-small"), {"kind": "Service", "metadata": {"name": "moe-small"}}, "refused")
+    assert inputs._seen and applied._failures
+    model = model_of(kube)
+    memo = kopf.Memo(kube=kube, status_inputs=inputs, applied_objects=applied)
+    views = dict(sparsegate_model_views={}, sparsegate_model_pod_views={}, sparsegate_model_deployment_views={},
+                 sparsegate_model_replicaset_views={}, sparsegate_gate_views={})
+    # Every SparseModel event handler of the model reconcile's modules (the access loop's has its own test).
+    modules = ("sparsegate.handlers.sparsemodel", "sparsegate.handlers.gatebinding", "sparsegate.handlers.diffbase")
+    handlers = [h for h in kopf.get_default_registry()._watching.get_all_handlers()
+                if h.selector.any_name == names.SPARSEMODELS and h.fn.__module__ in modules]
+    assert len(handlers) >= 2
+
+    async def deliver(models: dict) -> None:
+        for h in handlers:
+            kwargs = dict(type="DELETED", body=kopf.Body(model), namespace="ns", name="moe-small",
+                          uid=model["metadata"]["uid"], memo=memo, logger=LOG, **{**views, **models})
+            if h.when is None or h.when(**kwargs):
+                await h.fn(**kwargs)
+
+    # A model re-created under the name (already in the watch's index) keeps its records.
+    asyncio.run(deliver({"sparsegate_model_views": {("ns", "moe-small"): [{"metadata": {"uid": "uid-2"}}]}}))
+    assert inputs._seen and applied._failures
+    asyncio.run(deliver({}))
+    assert inputs._seen == {} and applied._failures == {} and len(applied) == 0
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_a_deployment_listed_again_after_a_watch_restart_refreshes_a_model_whose_status_it_moved(kube, known,
+                                                                                                   monkeypatch):
+    """Kopf lists every Deployment again when its watch restarts (a 410 Gone, as after an API server
+    restart): those events (type None) are the only word of a change made during the gap. The
+    first listing of a process is left to the models' resume handlers (nothing written yet)."""
+    monkeypatch.setattr(sparsemodel, "post_event", lambda *a: None)
+    gateconfig(kube)
+    inputs = StatusInputs()
+    reconcile(kube, model_of(kube), inputs=inputs)  # the Deployment as applied: nothing ready yet
+    assert model_of(kube)["status"]["readyReplicas"] == 0
+    if not known:
+        inputs.forget("ns", "moe-small")  # a new process: its resume handler writes the model first
+    # During the gap, every replica became ready.
+    deployment = kube.objects[("Deployment", "ns", "moe-small")]
+    deployment["metadata"].update(generation=1, uid="dep-1")
+    deployment["status"] = {"observedGeneration": 1, "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}
+    memo = kopf.Memo(kube=kube, status_inputs=inputs, applied_objects=AppliedObjects(interval_s=0),
+                     status_pool=concurrent.futures.ThreadPoolExecutor(max_workers=1),
+                     deferred_refreshes=DeferredRefreshes(delay_s=0))
+    view = fleet_view.deployment_view(deployment)
+    views = dict(sparsegate_model_views={}, sparsegate_model_pod_views={},
+                 sparsegate_model_deployment_views={("ns", "moe-small"): [view]},
+                 sparsegate_model_replicaset_views={}, sparsegate_gate_views={})
+    asyncio.run(sparsemodel.deployment_changed(type=None, body=kopf.Body(copy.deepcopy(deployment)), memo=memo,
+                                               logger=LOG, **views))
+    assert model_of(kube)["status"]["readyReplicas"] == (2 if known else 0)
