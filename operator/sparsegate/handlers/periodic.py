@@ -49,6 +49,10 @@ def _gone(event_type: str | None, body: Mapping[str, Any]) -> bool:
     return event_type == "DELETED" or bool((body.get("metadata") or {}).get("deletionTimestamp"))
 
 
+def _uid(body: Mapping[str, Any]) -> str | None:
+    return (body.get("metadata") or {}).get("uid")
+
+
 class ObjectLoops:
     """One asyncio task per live object, calling the latest ``tick`` every ``interval_s`` (or
     later, when a round says so)."""
@@ -72,6 +76,12 @@ class ObjectLoops:
         Must be called from the event loop (Kopf's async handlers are).
         """
         if _gone(event_type, body):
+            entry = self._entries.get(key)
+            if entry is not None and _uid(entry.body) not in (None, _uid(body)):
+                # Another object of the name (deleted and created again): Kopf queues events per
+                # uid, so the old one's DELETED can come after the new one's first event, and
+                # must not end the new one's loop (nothing else would start it again).
+                return False
             self.discard(key)
             return False
         entry = self._entries.get(key)

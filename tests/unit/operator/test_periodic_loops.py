@@ -196,3 +196,23 @@ async def test_an_event_during_a_round_bounds_the_next_one() -> None:
     loops.wake([("ns", "g")])  # wake: at once, not within the interval
     await until(lambda: rounds == 3, timeout_s=5.0)  # vs a minute unwoken
     await loops.stop()
+
+
+async def test_the_deletion_of_an_earlier_object_of_the_name_leaves_the_new_ones_loop_running() -> None:
+    """Deleted and created again under its name: Kopf queues events per uid, so the old object's
+    DELETED may be handled after the new one's first event; it must not end the new one's loop."""
+    loops = ObjectLoops(kind="GateConfig", interval_s=0.01)
+    tick = Rounds()
+    old, new = body(), body(generation=1)
+    old["metadata"]["uid"], new["metadata"]["uid"] = "uid-old", "uid-new"
+    loops.seen(key=("ns", "g"), event_type="ADDED", body=old, tick=tick)
+    await asyncio.sleep(0.02)
+    assert loops.seen(key=("ns", "g"), event_type="ADDED", body=new, tick=tick)
+    assert not loops.seen(key=("ns", "g"), event_type="DELETED", body=old, tick=tick)
+    assert ("ns", "g") in loops
+    before = tick.n
+    await asyncio.sleep(0.05)
+    assert tick.n > before  # still ticking
+    assert not loops.seen(key=("ns", "g"), event_type="DELETED", body=new, tick=tick)
+    assert len(loops) == 0
+    await loops.stop()
