@@ -9,6 +9,10 @@ its negative, perplexity its exponential):
   Generated tokens are not scored: under greedy decoding their log-probability is the model's
   confidence in its own choice, not a measure of how well it predicts text.
   Exported as counters, so ``rate(nll) / rate(tokens)`` is the mean NLL over any window.
+  A token whose NLL is not a finite number (NaN or infinite logits: a broken gate version, an
+  overflow) counts ``NONFINITE_NLL`` nats, worse than any real prediction: a NaN added to a
+  counter would stay there for the pod's life (and a query reading NaN as "no data" would see a
+  perfect score), while this keeps every series finite and such a version's quality the worst.
 * **Probe set**: a small fixed text scored whenever a gate version is installed, under that
   gate exactly as served (its capacity cap included; a checkpoint's request-level canary pinned
   for the probe forward as for a request). Every version the server holds is scored: the stable
@@ -46,6 +50,7 @@ PROBE_LINES = 64                     # corpus lines in the code-made probe set
 PROBE_SEQ_LEN = 64                   # tokens per probe window
 PROBE_MAX_TOKENS = 4096              # at most this many probe tokens are scored
 NO_VERSION = "none"                  # label of a gate without a version
+NONFINITE_NLL = 1e4                  # nats counted for a token whose NLL is NaN or infinite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +70,16 @@ class Score:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.mean_nll) if self.tokens else math.nan
+        if not self.tokens:
+            return math.nan
+        return math.exp(self.mean_nll) if self.mean_nll < 700 else math.inf  # exp overflows past ~709.78
+
+
+def _summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """Summed cross-entropy of ``targets`` [N] under ``logits`` [N, V], each token's NaN or
+    infinite NLL counted as ``NONFINITE_NLL`` (module docstring)."""
+    nll = F.cross_entropy(logits.float(), targets, reduction="none")
+    return float(torch.nan_to_num(nll, nan=NONFINITE_NLL, posinf=NONFINITE_NLL).sum())
 
 
 def score_rows(logits: torch.Tensor, ids: torch.Tensor) -> Score:
@@ -73,9 +87,8 @@ def score_rows(logits: torch.Tensor, ids: torch.Tensor) -> Score:
     token t of a row is scored by the logits at t-1; the first token of each row is not."""
     if ids.shape[1] < 2:
         return Score(0.0, 0)
-    nll = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                          ids[:, 1:].reshape(-1), reduction="sum")
-    return Score(float(nll), int(ids.shape[0] * (ids.shape[1] - 1)))
+    nll = _summed_nll(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    return Score(nll, int(ids.shape[0] * (ids.shape[1] - 1)))
 
 
 def score_packed(logits: torch.Tensor, ids: torch.Tensor, lengths: Sequence[int]) -> Score:
@@ -88,8 +101,7 @@ def score_packed(logits: torch.Tensor, ids: torch.Tensor, lengths: Sequence[int]
         keep[end - 1] = False  # position end-1 (last of a sequence) would predict the next one's first
     if keep.numel() == 0 or not bool(keep.any()):
         return Score(0.0, 0)
-    nll = F.cross_entropy(logits[:-1][keep].float(), ids[1:][keep], reduction="sum")
-    return Score(float(nll), int(keep.sum()))
+    return Score(_summed_nll(logits[:-1][keep], ids[1:][keep]), int(keep.sum()))
 
 
 # ------------------------------------------------------------------------ probe set

@@ -51,6 +51,25 @@ def test_score_packed_never_scores_across_sequences() -> None:
     assert quality.score_packed(logits[:1], ids[:1], [1]).tokens == 0
 
 
+def test_nonfinite_nll_counts_as_the_worst_never_nan() -> None:
+    """A NaN or infinite logit (a broken gate version, an overflow) must not make the score NaN:
+    added to a counter it would stay NaN for the pod's life. It counts NONFINITE_NLL per token."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 5, 11, generator=g)
+    ids = torch.randint(0, 11, (2, 5), generator=g)
+    clean = quality.score_rows(logits, ids)
+    broken = logits.clone()
+    broken[0, 1] = math.nan                       # predicts ids[0, 2]
+    broken[1, 2, ids[1, 3]] = -math.inf           # ids[1, 3] gets probability 0
+    s = quality.score_rows(broken, ids)
+    first = -F.log_softmax(logits[0, 1], -1)[ids[0, 2]] - F.log_softmax(logits[1, 2], -1)[ids[1, 3]]
+    assert s.tokens == 8 and math.isfinite(s.nll)
+    assert s.nll == pytest.approx(clean.nll - float(first) + 2 * quality.NONFINITE_NLL, rel=1e-6)
+    assert s.perplexity == math.inf  # not OverflowError: the probe gauges publish it
+    packed = quality.score_packed(torch.full((6, 11), math.nan), ids.reshape(-1)[:6], [2, 4])
+    assert packed == quality.Score(4 * quality.NONFINITE_NLL, 4)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("qck") / "tiny", family="mixtral", experts=4, top_k=2)
@@ -117,6 +136,48 @@ async def test_builtin_server_scores_infer_tokens_and_probe_per_version() -> Non
         assert list(probe_b) == [B.version] and probe_b[B.version] != probe_a[A.version]
         assert (await client.post("/v1/infer", json={"tokens": tokens})).status == 200
         assert samples(await _metrics(client), "sparsegate_quality_tokens_total") == {A.version: 8.0, B.version: 8.0}
+
+
+async def test_broken_canary_version_is_scored_worst_not_nan(monkeypatch) -> None:
+    """A canary whose forward yields NaN logits: its probe and live NLL are finite and far worse
+    than stable's (a NaN probe gauge is skipped as "no data" by the analysis, a NaN counter stays
+    NaN, and Prometheus' NaN reads as nothing: the check could pass). The stable's are untouched."""
+    from sparsegate_contracts.canary import gate_set_document, routes_to_canary
+    from sparsegate_workload.model import TinyMoELM
+
+    forward = TinyMoELM.forward
+
+    def broken_b(self, tokens, *, gate, **kw):
+        out = forward(self, tokens, gate=gate, **kw)
+        if gate.min_experts_per_token == 2:  # B
+            out.logits = torch.full_like(out.logits, math.nan)
+        return out
+
+    monkeypatch.setattr(TinyMoELM, "forward", broken_b)
+    app = create_app(gate_doc=A)
+    async with TestClient(TestServer(app, host="127.0.0.1"), connector=aiohttp.TCPConnector(limit=0)) as client:
+        await wait_ready(app)
+        admin = await _admin(app)
+        try:
+            both = gate_set_document(A.to_json(), B.to_json(), weight=0.5)
+            resp = await admin.put("/admin/gate", json=both, headers=AUTH)
+            assert resp.status == 200, await resp.text()
+        finally:
+            await admin.close()
+        served = set()
+        for i in range(8):
+            rid = f"r{i}"
+            resp = await client.post("/v1/infer", json={"tokens": [[1, 2, 3, 4, 5]]}, headers={"X-Request-Id": rid})
+            assert resp.status == 200
+            served.add(B.version if routes_to_canary(rid, 0.5) else A.version)
+        assert served == {A.version, B.version}
+        text = await _metrics(client)
+        probe = samples(text, "sparsegate_probe_nll_per_token")
+        assert all(math.isfinite(v) for v in probe.values()) and probe[B.version] == quality.NONFINITE_NLL
+        assert probe[A.version] < 1000
+        nll, tokens = samples(text, "sparsegate_quality_nll_total"), samples(text, "sparsegate_quality_tokens_total")
+        assert all(math.isfinite(v) for v in nll.values())
+        assert nll[B.version] / tokens[B.version] == quality.NONFINITE_NLL > nll[A.version] / tokens[A.version]
 
 
 async def test_checkpoint_server_scores_prompts_of_the_openai_api_and_infer(checkpoint) -> None:
