@@ -286,6 +286,10 @@ class PrometheusAPI:
         if values["requests"] is None:
             return None
         tokens, layers = values["tokens"] or 0.0, values["layers"] or 1.0
+        # Live quality needs both sums: a NaN NLL (a counter a broken server poisoned: _scalar reads
+        # it as None) or no series is no live quality at all, never a perfect one (NLL 0).
+        quality_nll = values["quality_nll"]
+        quality_tokens = (values["quality_tokens"] or 0.0) if quality_nll is not None else 0.0
         mean = (values["assignments"] or 0.0) / (tokens * layers) if tokens > 0 else None
         return GroupMetrics(
             pods=len(pods),
@@ -296,8 +300,8 @@ class PrometheusAPI:
             mean_active_experts=mean,
             p99_seconds=values["p99"],
             p99_beyond_buckets=(values["p99_beyond"] or 0.0) > 1.0 - 0.99,
-            quality_nll=values["quality_nll"] or 0.0,
-            quality_tokens=values["quality_tokens"] or 0.0,
+            quality_nll=quality_nll or 0.0,
+            quality_tokens=quality_tokens,
             probe_nll=values["probe_nll"],
             request_experts_count=values["request_experts_count"] or 0.0,
             request_experts_sum=values["request_experts_sum"] or 0.0,

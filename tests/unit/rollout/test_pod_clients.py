@@ -230,6 +230,27 @@ async def test_a_p99_beyond_the_largest_bucket_through_prometheus_is_never_withi
         assert group is not None and verdict(group) == Verdict.PASS
 
 
+async def test_a_nan_live_quality_sum_through_prometheus_is_no_quality_not_a_perfect_one() -> None:
+    """A counter a broken server made NaN reads as no data (None): with the token count beside it,
+    `or 0.0` made the canary's live mean NLL 0, a perfect score that passed qualityDrop."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    async def query(request: web.Request) -> web.Response:
+        q = (await request.post())["query"]
+        value = ("NaN" if "sparsegate_quality_nll" in q else "5000" if "sparsegate_quality_tokens" in q
+                 else "100" if q.startswith("sum(increase(sparsegate_requests_total{") and "code=" not in q else "0")
+        return web.json_response({"status": "success", "data": {
+            "resultType": "vector", "result": [{"metric": {}, "value": [0, value]}]}})
+
+    app = web.Application()
+    app.router.add_post("/api/v1/query", query)
+    async with TestServer(app, host="127.0.0.1") as srv:
+        group = await PrometheusAPI(f"http://127.0.0.1:{srv.port}").group(namespace="ns", pods=["m-a"], window_s=30)
+    assert group is not None and group.requests == 100
+    assert group.live_mean_nll is None
+
+
 async def test_oversized_or_odd_answers_are_pod_errors_not_operator_memory(
         tmp_path, cert_pem: tuple[str, str]) -> None:
     """A pod (or whatever holds its IP) answering megabytes or non-objects costs the operator a
