@@ -35,11 +35,13 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
+{{/* With create=false the name is required: falling back to the namespace's `default`
+     ServiceAccount would bind the chart's Roles to every pod there that names no other. */}}
 {{- define "sparsegate.operator.serviceAccountName" -}}
 {{- if .Values.operator.serviceAccount.create -}}
 {{- default (printf "%s-operator" (include "sparsegate.fullname" .)) .Values.operator.serviceAccount.name -}}
 {{- else -}}
-{{- default "default" .Values.operator.serviceAccount.name -}}
+{{- required "operator.serviceAccount.create=false needs operator.serviceAccount.name: the existing ServiceAccount (in the release namespace) the operator runs as and the chart binds its Roles to. Left empty it would be the namespace's `default` ServiceAccount, so every pod there that names no other would get the operator's Secret and Deployment rights" .Values.operator.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
 
@@ -47,7 +49,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- if .Values.agent.serviceAccount.create -}}
 {{- default (printf "%s-agent" (include "sparsegate.fullname" .)) .Values.agent.serviceAccount.name -}}
 {{- else -}}
-{{- default "default" .Values.agent.serviceAccount.name -}}
+{{- required "agent.serviceAccount.create=false needs agent.serviceAccount.name: the existing ServiceAccount (in the release namespace) the agent runs as and the chart binds its Roles to. Left empty it would be the namespace's `default` ServiceAccount, so every pod there that names no other would get the agent's rights" .Values.agent.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
 

@@ -392,3 +392,76 @@ def test_large_integers_from_a_values_file_render_as_integers(tmp_path):
                     if c["name"] == "operator"]
     assert "--lease-duration=1000000" in container["args"]
     assert cli._parser().parse_args(container["args"]).lease_duration == 1000000
+
+
+# --- values the schema used to accept that render objects the API server cannot read ------------
+
+
+@pytest.mark.parametrize(("values", "field"), [
+    # `prometheus.io/scrape: true` unquoted: the API server cannot decode the Service
+    # ("cannot unmarshal bool into ... metadata.annotations of type string").
+    ("operator:\n  metrics:\n    service:\n      annotations:\n        prometheus.io/scrape: true\n",
+     "/operator/metrics/service/annotations/prometheus.io~1scrape"),
+    ("operator:\n  serviceAccount:\n    annotations:\n        example.com/port: 9090\n",
+     "/operator/serviceAccount/annotations/example.com~1port"),
+    ("operator:\n  extraEnv:\n    - {name: SPARSEGATE_ROLLOUT_TICK_S, value: 1}\n", "/operator/extraEnv/0/value"),
+    # A misspelt key: the API server drops it with a warning and the pod pulls without a secret.
+    ("operator:\n  imagePullSecrets:\n    - {nmae: regcred}\n", "/operator/imagePullSecrets/0"),
+    ("agent:\n  imagePullSecrets:\n    - {name: regcred, nmae: mirror}\n", "/agent/imagePullSecrets/0"),
+    # The API server refuses such a Lease: every replica stood by forever, answering liveness.
+    ("operator:\n  leaderElection:\n    leaseName: Sparsegate_Operator\n", "/operator/leaderElection/leaseName"),
+], ids=["service-annotation-bool", "sa-annotation-number", "env-value-number", "pull-secret-typo",
+        "agent-pull-secret-typo", "lease-name"])
+def test_schema_refuses_values_that_would_render_an_object_kubernetes_refuses_or_drops(tmp_path, values, field):
+    path = tmp_path / "values.yaml"
+    path.write_text(values)
+    proc = subprocess.run([str(BIN / "helm"), "template", "rel", str(CHART), "-f", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and field in proc.stderr, proc.stderr
+
+
+def test_string_annotations_env_and_pull_secrets_still_render(tmp_path):
+    path = tmp_path / "values.yaml"
+    path.write_text('operator:\n  metrics:\n    service:\n      annotations: {prometheus.io/scrape: "true"}\n'
+                    '  imagePullSecrets: [{name: regcred}]\n'
+                    '  extraEnv: [{name: A, value: "1"}, {name: NODE, valueFrom: {fieldRef: {fieldPath: spec.nodeName}}}]\n'
+                    '  leaderElection: {leaseName: sparsegate.example.com}\n')
+    docs = [d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "-f", str(path))) if d]
+    (svc,) = [d for d in docs if d["kind"] == "Service"]
+    assert svc["metadata"]["annotations"] == {"prometheus.io/scrape": "true"}
+    op = containers(docs, "Deployment")["operator"]
+    assert env_of(op)["A"]["value"] == "1" and "--lease-name=sparsegate.example.com" in op["args"]
+
+
+@pytest.mark.parametrize("component", ["operator", "agent"])
+def test_an_existing_service_account_must_be_named(component: str):
+    """serviceAccount.create=false with no name used to fall back to the namespace's `default`
+    ServiceAccount (values.yaml said the default was <fullname>-<component>): the chart bound its
+    Roles to it, so every pod in the release namespace that names no ServiceAccount got them."""
+    base = ["template", "rel", str(CHART), "--namespace", "sg-system", "--set", "agent.enabled=true",
+            "--set", f"{component}.serviceAccount.create=false"]
+    proc = subprocess.run([str(BIN / "helm"), *base], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and f"{component}.serviceAccount.create=false needs {component}.serviceAccount.name" \
+        in proc.stderr, proc.stderr
+    docs = [d for d in yaml.safe_load_all(helm(*base, "--set", f"{component}.serviceAccount.name=own-sa")) if d]
+    kind = "Deployment" if component == "operator" else "DaemonSet"
+    (pod,) = [d["spec"]["template"]["spec"] for d in docs if d["kind"] == kind]
+    assert pod["serviceAccountName"] == "own-sa"
+    assert not [d for d in docs if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "own-sa"]
+    subjects = [s for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding") for s in d["subjects"]]
+    assert {"kind": "ServiceAccount", "name": "own-sa", "namespace": "sg-system"} in subjects
+    assert not [s for s in subjects if s["name"] == "default"]
+
+
+def test_an_agent_metrics_port_it_cannot_bind_is_refused():
+    """The agent drops every capability but agent.capabilities (no NET_BIND_SERVICE) and runs on the
+    host network, where binding below net.ipv4.ip_unprivileged_port_start (1024) needs it: the schema
+    accepted agent.metricsPort=80 and the agent crash-looped on its metrics server's bind."""
+    exe = BIN / "helm"
+    proc = subprocess.run([str(exe), "template", "rel", str(CHART), "-f", str(CHART / "ci" / "agent-values.yaml"),
+                           "--set", "agent.metricsPort=80"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "agent.metricsPort 80 is below 1024" in proc.stderr, proc.stderr
+    for extra in (("--set", "agent.metricsPort=1024"),
+                  ("--set", "agent.metricsPort=80", "--set", "agent.capabilities={BPF,NET_ADMIN,PERFMON,NET_BIND_SERVICE}"),
+                  ("--set", "agent.metricsPort=80", "--set", "agent.enabled=false")):
+        render("agent-values.yaml", *extra)

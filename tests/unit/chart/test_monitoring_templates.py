@@ -279,6 +279,23 @@ def test_a_target_on_in_both_monitor_kinds_is_refused_naming_the_fields():
     assert "monitoring.serviceMonitor.models and monitoring.podMonitor.models" in proc.stderr
 
 
+@pytest.mark.parametrize(("interval", "timeout", "refused"), [
+    ("30s", "45s", True), ("59m59s", "1h", True), ("1s", "1001ms", True),
+    ("30s", "30s", False), ("1m30s", "90s", False), ("30s", "29s999ms", False), ("", "45s", False),
+])
+def test_a_scrape_timeout_longer_than_the_interval_is_refused(interval: str, timeout: str, refused: bool):
+    """Prometheus refuses such a scrape config ("scrape timeout greater than scrape interval") and
+    the Prometheus Operator skips the monitor: the render used to pass, and nothing was scraped.
+    With the interval empty (Prometheus' own) nothing can be compared."""
+    proc = helm("template", "rel", str(CHART), "--set", "monitoring.serviceMonitor.enabled=true",
+                "--set", f"monitoring.interval={interval}", "--set", f"monitoring.scrapeTimeout={timeout}", ok=False)
+    if refused:
+        assert proc.returncode != 0, "rendered"
+        assert f"monitoring.scrapeTimeout ({timeout}) is longer than monitoring.interval ({interval})" in proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr
+
+
 @pytest.mark.parametrize("bad,field", [
     ("monitoring.interval=soon", "interval"),
     ("monitoring.podMonitor.everything=true", "everything"),

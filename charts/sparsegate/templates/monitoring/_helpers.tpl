@@ -43,6 +43,13 @@ matchLabels:
      dashboard's joins would see every series twice). */}}
 {{- define "sparsegate.monitoring.validate" -}}
 {{- $m := .Values.monitoring }}
+{{- if and (or $m.serviceMonitor.enabled $m.podMonitor.enabled) $m.interval $m.scrapeTimeout }}
+{{- $interval := include "sparsegate.monitoring.durationMs" $m.interval | int64 }}
+{{- $timeout := include "sparsegate.monitoring.durationMs" $m.scrapeTimeout | int64 }}
+{{- if gt $timeout $interval }}
+{{- fail (printf "monitoring.scrapeTimeout (%s) is longer than monitoring.interval (%s): Prometheus refuses a scrape timeout greater than the scrape interval (the Prometheus Operator skips such a monitor), so nothing would be scraped" $m.scrapeTimeout $m.interval) }}
+{{- end }}
+{{- end }}
 {{- if and $m.serviceMonitor.enabled $m.podMonitor.enabled }}
 {{- range $target := list "operator" "models" }}
 {{- if and (index $m.serviceMonitor $target) (index $m.podMonitor $target) }}
@@ -50,4 +57,14 @@ matchLabels:
 {{- end }}
 {{- end }}
 {{- end }}
+{{- end -}}
+
+{{/* Milliseconds of a duration in the schema's form (e.g. 1m30s, 500ms). */}}
+{{- define "sparsegate.monitoring.durationMs" -}}
+{{- $units := dict "h" 3600000 "m" 60000 "s" 1000 "ms" 1 }}
+{{- $ms := 0 }}
+{{- range regexFindAll "[0-9]+(ms|h|m|s)" . -1 }}
+{{- $ms = add $ms (mul (regexFind "^[0-9]+" . | int64) (index $units (regexReplaceAll "^[0-9]+" . ""))) }}
+{{- end }}
+{{- $ms -}}
 {{- end -}}
