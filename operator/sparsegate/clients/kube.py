@@ -8,6 +8,9 @@ operator owns exactly
 the fields it renders, re-applying identical input is a no-op (no resourceVersion bump), and
 fields set by others (e.g. an HPA's replicas if one is added later) are never clobbered
 unless we render them.
+
+A 429 (API Priority and Fairness) or a 5xx with Retry-After is sent again after the wait it asks
+for, as client-go does, within the request's timeout (``Kube.request``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from urllib.parse import quote
 
 import kubernetes
 import prometheus_client
+import urllib3
 
 from sparsegate_contracts import names
 
@@ -28,7 +32,14 @@ FIELD_MANAGER = "sparsegate"
 # connection over the limit is closed after one request, and the next costs a new TLS handshake.
 CONNECTIONS = 64
 # Default bound on one request (connect + response); callers with a deadline pass a shorter one.
+# It bounds the retries below too: every attempt and every wait fit in it.
 REQUEST_TIMEOUT_S = 30.0
+# Answers tried again, as client-go does: 429 (API Priority and Fairness turned the request away
+# before handling it) and a 5xx carrying Retry-After, whatever the verb; a 5xx without it only for a
+# GET (a read repeats safely). Each waits what Retry-After says, else a doubling backoff.
+RETRIES = 5
+RETRY_BACKOFF_S = 0.25
+RETRY_WAIT_MAX_S = 10.0
 
 # Plural and group/version per kind this operator reads or writes; add here for a new kind.
 # The chart's admission policy covers exactly the core kinds written here (a unit test checks it).
@@ -80,6 +91,24 @@ def verb_and_resource(method: str, path: str) -> tuple[str, str]:
     return verb, resource
 
 
+def retry_wait(method: str, status: int, retry_after: str | None, *, retry: int) -> float | None:
+    """Seconds to wait before sending again an answer of ``status`` (None: not retried)."""
+    if status != 429 and not (500 <= status <= 599 and (retry_after is not None or method.upper() == "GET")):
+        return None
+    try:
+        wait = float(retry_after) if retry_after is not None else None
+    except ValueError:
+        wait = None  # an HTTP date: the API server sends seconds
+    if wait is None or wait < 0:
+        wait = RETRY_BACKOFF_S * 2 ** retry
+    return min(wait, RETRY_WAIT_MAX_S)
+
+
+def _header(resp: Any, name: str) -> str | None:
+    headers = getattr(resp, "headers", None)
+    return headers.get(name) if headers is not None else None
+
+
 class KubeError(Exception):
     def __init__(self, status: int, reason: str, body: Any) -> None:
         message = body.get("message") if isinstance(body, dict) else body
@@ -109,11 +138,21 @@ def path_for(kind: str, *, namespace: str, name: str | None = None,
     return path
 
 
+def _api_client(config: kubernetes.client.Configuration) -> kubernetes.client.ApiClient:
+    config.connection_pool_maxsize = CONNECTIONS
+    # urllib3's retries of a broken connection stay; its own retry of a 429/503 with Retry-After
+    # (GET and PUT only, waiting past the request's timeout) does not: ``Kube.request`` retries.
+    config.retries = urllib3.util.Retry(3, respect_retry_after_header=False)
+    return kubernetes.client.ApiClient(config)
+
+
 class Kube:
     """Thread-safe for Kopf's sync handlers (each runs in an executor thread)."""
 
-    def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
+    def __init__(self, api_client: kubernetes.client.ApiClient, *,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self._api = api_client
+        self._sleep = sleep
 
     @classmethod
     def from_environment(cls) -> Kube:
@@ -122,36 +161,44 @@ class Kube:
             kubernetes.config.load_incluster_config()
         except kubernetes.config.ConfigException:
             kubernetes.config.load_kube_config()
-        config = kubernetes.client.Configuration.get_default_copy()
-        config.connection_pool_maxsize = CONNECTIONS
-        return cls(kubernetes.client.ApiClient(config))
+        return cls(_api_client(kubernetes.client.Configuration.get_default_copy()))
 
     @classmethod
     def from_kubeconfig(cls, path: str) -> Kube:
-        return cls(kubernetes.config.new_client_from_config(config_file=path))
+        config = kubernetes.client.Configuration()
+        kubernetes.config.load_kube_config(config_file=path, client_configuration=config)
+        return cls(_api_client(config))
 
     def request(self, method: str, path: str, *, body: Any = None,
                 query: Mapping[str, str] | None = None,
                 content_type: str = "application/json",
                 timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
-        params = self._api.param_serialize(
-            method=method, resource_path=path, query_params=list((query or {}).items()),
-            header_params={"Content-Type": content_type, "Accept": "application/json"},
-            body=body, auth_settings=["BearerToken"])
-        start = time.perf_counter()
-        resp = self._api.call_api(*params, _request_timeout=timeout)
-        raw = resp.read()
-        verb, resource = verb_and_resource(method, path)
-        API_REQUEST_SECONDS.labels(verb=verb, resource=resource).observe(time.perf_counter() - start)
-        API_REQUESTS.labels(verb=verb, resource=resource, code=str(resp.status)).inc()
-        try:
-            data = json.loads(raw) if raw else {}
-        except ValueError:
-            data = raw.decode(errors="replace")
-        if resp.status >= 400:
-            err = {404: NotFound, 409: Conflict}.get(resp.status, KubeError)
-            raise err(resp.status, resp.reason or "", data)
-        return data
+        """One API request; ``timeout`` bounds it whole, the retries of a 429 or 5xx included."""
+        deadline = time.monotonic() + timeout
+        for retry in range(RETRIES + 1):
+            # Serialized per attempt: the auth header is read then (a rotated token is re-read).
+            params = self._api.param_serialize(
+                method=method, resource_path=path, query_params=list((query or {}).items()),
+                header_params={"Content-Type": content_type, "Accept": "application/json"},
+                body=body, auth_settings=["BearerToken"])
+            start = time.perf_counter()
+            resp = self._api.call_api(*params, _request_timeout=max(deadline - time.monotonic(), 0.001))
+            raw = resp.read()
+            verb, resource = verb_and_resource(method, path)
+            API_REQUEST_SECONDS.labels(verb=verb, resource=resource).observe(time.perf_counter() - start)
+            API_REQUESTS.labels(verb=verb, resource=resource, code=str(resp.status)).inc()
+            try:
+                data = json.loads(raw) if raw else {}
+            except ValueError:
+                data = raw.decode(errors="replace")
+            if resp.status < 400:
+                return data
+            wait = retry_wait(method, resp.status, _header(resp, "Retry-After"), retry=retry)
+            if wait is None or retry == RETRIES or time.monotonic() + wait >= deadline:
+                err = {404: NotFound, 409: Conflict}.get(resp.status, KubeError)
+                raise err(resp.status, resp.reason or "", data)
+            self._sleep(wait)
+        raise AssertionError("unreachable")
 
     def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Server-side apply as field manager ``sparsegate`` (force: we are the controller)."""
