@@ -14,7 +14,8 @@ Reading a sharded head whose shards do not match it (an operator stopped mid-pub
 ``half_published``: the operator then leaves the ConfigMaps as they are (the
 agents keep enforcing the last whole document they read) until OPA has decided and the sync
 republishes the whole set. The sync Kubernetes client runs in a worker thread so
-Kopf's event loop never blocks.
+Kopf's event loop never blocks; each request is bounded (``REQUEST_TIMEOUT_S``): the sync holds
+its lock across a publish, so one answer that never came stopped every later policy change.
 
 Beside the document, annotation `sparsegate.dev/flow-policy-basis` records what its allow entries
 were decided from (`domain.policy.decision_basis`: Rego, trust domain, each RoutingPolicy's
@@ -38,6 +39,8 @@ from kubernetes.client import ApiException
 
 from sparsegate_contracts import flowpolicy, flowpolicy_shards, names
 from sparsegate_contracts.canonical import canonical_json
+
+from sparsegate.clients.kube import REQUEST_TIMEOUT_S
 
 NAME = flowpolicy.CONFIGMAP_NAME
 KEY = flowpolicy.DOCUMENT_KEY
@@ -79,7 +82,7 @@ class FlowPolicyConfigMap:
 
     def _get(self, name: str) -> Any:
         try:
-            return self._core().read_namespaced_config_map(name, self.namespace)
+            return self._core().read_namespaced_config_map(name, self.namespace, _request_timeout=REQUEST_TIMEOUT_S)
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -148,11 +151,11 @@ class FlowPolicyConfigMap:
         }
         api = self._core()
         try:
-            api.replace_namespaced_config_map(name, self.namespace, body)
+            api.replace_namespaced_config_map(name, self.namespace, body, _request_timeout=REQUEST_TIMEOUT_S)
         except ApiException as e:
             if e.status != 404:
                 raise
-            api.create_namespaced_config_map(self.namespace, body)
+            api.create_namespaced_config_map(self.namespace, body, _request_timeout=REQUEST_TIMEOUT_S)
 
     def _clear(self, name: str) -> None:
         """Empty a shard no head names any more (never created when absent)."""
@@ -163,7 +166,7 @@ class FlowPolicyConfigMap:
                              "labels": {names.PART_OF_LABEL: names.PART_OF,
                                         names.COMPONENT_LABEL: names.FLOW_POLICY_COMPONENT,
                                         names.MANAGED_BY_LABEL: names.MANAGED_BY}},
-                "data": {}})
+                "data": {}}, _request_timeout=REQUEST_TIMEOUT_S)
         except ApiException as e:
             if e.status != 404:
                 raise

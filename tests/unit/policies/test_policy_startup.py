@@ -117,3 +117,43 @@ def test_the_first_publish_empties_shards_a_publish_cut_short_left_unnamed() -> 
     store._clear = cleared.append  # type: ignore[method-assign]
     asyncio.run(store.publish(_document(2)))
     assert cleared == []
+
+
+def test_a_request_the_api_server_never_answers_times_out(monkeypatch) -> None:
+    """A kept-alive connection whose peer is gone (or an API server that accepts and stalls) left a
+    read or publish blocked for good, and with it the policy sync's lock: no later policy change,
+    a Deny included, ever reached the data plane."""
+    import socket
+    import threading
+
+    import kubernetes
+
+    from sparsegate.clients import flow_policy
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: [accepted.append(listener.accept()[0]) for _ in range(8)], daemon=True).start()
+    monkeypatch.setattr(flow_policy, "REQUEST_TIMEOUT_S", 0.3, raising=False)
+    config = kubernetes.client.Configuration(host=f"http://127.0.0.1:{listener.getsockname()[1]}")
+    config.retries = 0
+    store = FlowPolicyConfigMap(namespace="ns", api_client=kubernetes.client.ApiClient(config))
+    outcomes: list[BaseException | None] = []
+
+    def call(fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+            outcomes.append(None)
+        except BaseException as e:  # noqa: BLE001 - the outcome is the test's
+            outcomes.append(e)
+
+    for fn, args in ((store._read, ()), (store._put, ("sparsegate-flow-policy", {KEY: "{}"}, {}))):
+        worker = threading.Thread(target=call, args=(fn, *args), daemon=True)
+        worker.start()
+        worker.join(timeout=10)
+        assert not worker.is_alive(), f"{fn.__name__} still waiting for an answer"
+    assert len(outcomes) == 2 and all(isinstance(e, Exception) for e in outcomes)
+    listener.close()
+    for conn in accepted:
+        conn.close()
