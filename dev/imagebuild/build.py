@@ -175,6 +175,8 @@ def ensure_images(names: Sequence[str] | None = None) -> dict[str, str]:
         return result
     cache = tools.cache_dir()
     with tools.locked(cache / ".lock"):
+        for left in sweep_leftovers(cache):
+            tools.log(f"removed {left}, left by a build that was killed")
         for p in missing:
             if tools.image_exists(p.ref):  # built by whoever held the lock before us
                 tools.log(f"{p.spec.name}: {p.ref} built meanwhile by another process")
@@ -188,6 +190,21 @@ def ensure_images(names: Sequence[str] | None = None) -> dict[str, str]:
                 base = spec.BASES[p.spec.base]
                 _prune(base.ref.rsplit("-", 1)[0] + "-", base.ref)
     return result
+
+
+def sweep_leftovers(cache: Path) -> list[Path]:
+    """Removes what builds killed before their ``finally`` ran (SIGTERM, SIGKILL: a cancelled CI
+    job) left in ``cache``: build contexts, the dot-named temporary directories of a wheel set
+    download (up to the whole 3 GB workload set) or a project wheel, mmdebstrap tarballs. Only
+    called holding the cache's lock, which every builder holds while it writes them: none is in use."""
+    found = sorted([*cache.glob("ctx/*"), *cache.glob("wheels/.*"), *cache.glob("project/.*"),
+                    *cache.glob("bases/*.tar")])
+    for path in found:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return found
 
 
 def _prune(prefix: str, current: str) -> None:

@@ -17,10 +17,13 @@ if [ ! -d "$bcc_src" ]; then
   exit 1
 fi
 # setup.sh may run this before python.sh: create the venv the way python.sh does (it then
-# sees the venv exists and only installs dependencies).
-if [ ! -x "$SPARSEGATE_VENV/bin/python" ]; then
+# sees the venv exists and only installs dependencies), repairing it the same way too.
+if ! "$SPARSEGATE_VENV/bin/python" -c '' 2>/dev/null; then
   echo "[bpf] creating virtualenv $SPARSEGATE_VENV"
-  "${PYTHON:-python3}" -m venv "$SPARSEGATE_VENV"
+  "${PYTHON:-python3}" -m venv --clear "$SPARSEGATE_VENV"
+elif ! "$SPARSEGATE_VENV/bin/python" -m pip --version >/dev/null 2>&1; then
+  echo "[bpf] virtualenv $SPARSEGATE_VENV has no pip (interrupted creation): ensurepip"
+  "$SPARSEGATE_VENV/bin/python" -m ensurepip --default-pip
 fi
 if [ -x "$SPARSEGATE_VENV/bin/python" ]; then
   site=$("$SPARSEGATE_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

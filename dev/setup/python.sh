@@ -6,9 +6,15 @@
 set -euo pipefail
 source "$(dirname "$0")/../env.sh"
 py="${PYTHON:-python3}"
-if [ ! -x "$SPARSEGATE_VENV/bin/python" ]; then
+# No interpreter (first run, or a dangling bin/python after the base Python was rebuilt): start
+# over (--clear also drops the dependency stamp, which lives inside). An interpreter without pip (a
+# `python -m venv` killed during ensurepip): finish its ensurepip, keeping what is installed.
+if ! "$SPARSEGATE_VENV/bin/python" -c '' 2>/dev/null; then
   echo "[setup] creating virtualenv $SPARSEGATE_VENV"
-  "$py" -m venv "$SPARSEGATE_VENV"
+  "$py" -m venv --clear "$SPARSEGATE_VENV"
+elif ! "$SPARSEGATE_VENV/bin/python" -m pip --version >/dev/null 2>&1; then
+  echo "[setup] virtualenv $SPARSEGATE_VENV has no pip (interrupted creation): ensurepip"
+  "$SPARSEGATE_VENV/bin/python" -m ensurepip --default-pip
 fi
 stamp="$SPARSEGATE_VENV/.deps-stamp"
 want=$("$SPARSEGATE_VENV/bin/python" - "$SPARSEGATE_ROOT/pyproject.toml" <<'PY'

@@ -365,3 +365,35 @@ def test_a_transient_runc_failure_is_built_again_and_a_real_failure_is_not(
     with pytest.raises(build.ImageBuildError, match="sealing memfd"):
         build._build(planned, checkout, tmp_path)
     assert outcomes == []
+
+
+def test_a_build_removes_what_killed_builds_left_and_keeps_the_complete_cache(
+        checkout: build.Checkout, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A build killed by SIGTERM or SIGKILL (a cancelled CI job) never runs its ``finally``: its
+    build context, its half-downloaded wheel set (a dot-named temporary directory, up to the whole
+    3 GB workload set), its half-built project wheel and its mmdebstrap tarball stay. The next build,
+    holding the cache's lock, removes them; complete wheel sets and project wheels stay."""
+    cache = tmp_path / "cache" / "images"
+    left = [cache / "ctx" / "operator-4242", cache / "wheels" / ".workload-0123456789abcdef.k2j3h4",
+            cache / "project" / ".0123456789abcdef.x8y9z0"]
+    for d in left:
+        (d / "sub").mkdir(parents=True)
+        (d / "sub" / "torch.whl").write_bytes(b"partial")
+    tarball = cache / "bases" / "python-0123456789abcdef.4242.tar"
+    tarball.parent.mkdir()
+    tarball.write_bytes(b"partial")
+    complete = [cache / "wheels" / "core-0123456789abcdef", cache / "project" / ("ab" * 16)]
+    for d in complete:
+        d.mkdir(parents=True)
+        (d / wheels.KEY_FILE).write_text("k")
+    monkeypatch.setenv("SPARSEGATE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(build.tools, "require", lambda *names: None)
+    monkeypatch.setattr(build.tools, "image_exists", lambda ref: False)
+    monkeypatch.setattr(build, "Checkout", lambda: checkout)
+    built: list[str] = []
+    monkeypatch.setattr(build, "_build", lambda p, co, cache_: built.append(p.spec.name))
+    monkeypatch.setattr(build, "_prune", lambda prefix, current: None)
+    build.ensure_images(["opa"])
+    assert built == ["opa"]
+    assert [p for p in [*left, tarball] if p.exists()] == []
+    assert all((d / wheels.KEY_FILE).is_file() for d in complete)
