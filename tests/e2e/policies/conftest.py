@@ -6,7 +6,6 @@ No OPA binary means a loud failure, never a skip: these tests exist to exercise 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -16,20 +15,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from localcluster.binaries import MissingBinaryError, find_binary
 from localcluster.ports import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def opa_binary() -> str:
-    candidates = [Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache/sparsegate/bin")) / "opa"]
-    found = shutil.which("opa")
-    if found:
-        candidates.append(Path(found))
-    for path in candidates:
-        if path.is_file() and os.access(path, os.X_OK):
-            return str(path)
-    pytest.fail(f"the real opa binary is required (looked at {[str(c) for c in candidates]}); run dev/setup.sh")
+    """The pinned opa that dev/setup/binaries.sh builds (the one the OPA image ships), never another
+    `opa` found on PATH: a missing one fails with the command that builds it."""
+    try:
+        return str(find_binary("opa"))
+    except MissingBinaryError as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
 

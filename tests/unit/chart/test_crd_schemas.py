@@ -54,15 +54,21 @@ def test_every_field_has_a_description(name):
     assert root.get("description") and missing == []
 
 
-def test_default_values_satisfy_their_own_bounds():
-    for name in MINE:
-        (version,) = load(name)["spec"]["versions"]
-        for path, sub in walk(version["schema"]["openAPIV3Schema"]):
-            d = sub.get("default")
-            if isinstance(d, (int, float)) and not isinstance(d, bool):
-                assert sub.get("minimum", d) <= d <= sub.get("maximum", d), path
-            if "enum" in sub and "default" in sub:
-                assert d in sub["enum"], path
+@pytest.mark.parametrize("name", ["sparsemodels.yaml", "gateconfigs.yaml", "telemetryprobes.yaml",
+                                  "routingpolicies.yaml"])
+def test_default_values_satisfy_their_own_bounds(name):
+    (version,) = load(name)["spec"]["versions"]
+    checked = 0
+    for path, sub in walk(version["schema"]["openAPIV3Schema"]):
+        if "default" not in sub:
+            continue
+        checked += 1
+        d = sub["default"]
+        if isinstance(d, (int, float)) and not isinstance(d, bool):
+            assert sub.get("minimum", d) <= d <= sub.get("maximum", d), path
+        if "enum" in sub:
+            assert d in sub["enum"], path
+    assert checked, f"{name} has no defaults: nothing was checked"
 
 
 def rules(schema: dict) -> list[str]:

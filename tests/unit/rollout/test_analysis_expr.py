@@ -120,9 +120,11 @@ def test_the_longest_operator_chain_parses_and_evaluates_deep_in_a_call_stack() 
     for frames in (100, 400):
         assert deep(frames) is True
     try:
-        deep(900)
+        answer = deep(900)
     except ExprError as e:
         assert "too deeply nested" in str(e)
+    else:
+        assert answer is True  # an answer, when there is one, is the right one
 
 
 def test_json_paths_the_crd_accepts_are_the_ones_the_operator_parses() -> None:

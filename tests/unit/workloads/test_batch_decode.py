@@ -135,8 +135,10 @@ def test_eos_and_max_tokens_end_a_sequence_at_its_prefill(hf):
     [ev] = dec.run([DecodeRequest(key="one", prompt_ids=[1, 9, 9], max_tokens=1)], [])
     assert ev.generation is not None and ev.generation.finish_reason in ("length", "stop")
     assert ev.generation.token_ids == [ev.token] and dec.running == 0
+    # The first add is accepted (outside the raises block, so a decoder refusing every add fails here).
+    dec.add(DecodeRequest(key="x", prompt_ids=[1, 2], max_tokens=5))
+    assert dec.running == 1
     with pytest.raises(ValueError, match="already decoding"):
-        dec.add(DecodeRequest(key="x", prompt_ids=[1, 2], max_tokens=5))
         dec.add(DecodeRequest(key="x", prompt_ids=[1, 2], max_tokens=5))
     dec.reset()
     assert dec.running == 0
