@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
@@ -23,6 +24,14 @@ class ModelThread(concurrent.futures.ThreadPoolExecutor):
         super().__init__(max_workers=1, thread_name_prefix="model")
         self._lock = threading.Lock()
         self._queued = 0
+        self._busy_since: float | None = None
+
+    @property
+    def busy_for(self) -> float:
+        """Seconds the running call has run (0 when idle): a call that never returns (a hung
+        kernel, a deadlock) keeps growing it, and every model call behind it waits."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
 
     @property
     def queued(self) -> int:
@@ -37,7 +46,11 @@ class ModelThread(concurrent.futures.ThreadPoolExecutor):
 
         def call() -> T:
             self._dequeue(started)
-            return fn(*args, **kwargs)
+            self._busy_since = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._busy_since = None
         try:
             future = super().submit(call)
         except BaseException:

@@ -79,6 +79,7 @@ from typing import Any, Awaitable, Callable
 
 import torch
 from aiohttp import web
+from aiohttp.web_runner import GracefulExit
 from sparsegate_contracts import request_access
 from sparsegate_contracts.canary import DEFAULT_STICKY_HEADER, GateSet, parse_gate_set
 from sparsegate_contracts.gate import (DEFAULT_DOCUMENT, GateDocument, GateParamsError,
@@ -106,8 +107,15 @@ from .threshold_control import ThresholdController
 
 log = logging.getLogger("sparsegate.workload")
 
+# --shutdown-delay: none by default (a process run by hand stops at once when idle); the
+# operator sets a pod's (render.SHUTDOWN_DELAY_S), the time its endpoints take to drop it.
+DEFAULT_SHUTDOWN_DELAY_S = 0.0
+
 MAX_BATCH = 64
 MAX_TOTAL_TOKENS = 4096
+# returnLogits answers [batch, vocab] floats (~20 bytes each in JSON): at most this many, so a
+# checkpoint's 150k vocabulary cannot turn a 1 KB request into a 200 MB answer built in memory.
+MAX_RETURNED_LOGITS = 1 << 18
 
 
 def _applied(doc: GateDocument, model: TinyMoELM) -> AppliedGate:
@@ -138,6 +146,9 @@ def _publish_controller(state: ServerState, gate: AppliedGate) -> None:
         state.metrics.controlled_threshold.labels(gate_version=gate.doc.version).set(
             gate.controller.threshold)
 
+
+# /readyz answers 503 while one model call has run longer than this many --request-timeout.
+WEDGED_AFTER_TIMEOUTS = 2
 
 LOADER = web.AppKey("loader", asyncio.Task)
 EXIT_ON_LOAD_ERROR = web.AppKey("exit_on_load_error", bool)
@@ -195,18 +206,25 @@ def parse_infer_request(body: Any, *, vocab_size: int, max_seq_len: int
         raise ApiError(413, f"batch of {len(tokens)} sequences exceeds the limit of {MAX_BATCH}")
     seq_len = len(tokens[0])
     if seq_len == 0 or any(len(s) != seq_len for s in tokens):
-        raise ApiError(422, "all sequences must be non-empty and of equal length")
+        raise ApiError(422, "tokens: all sequences must be non-empty and of equal length")
     if seq_len > max_seq_len:
-        raise ApiError(413, f"sequence length {seq_len} exceeds the limit of {max_seq_len}")
+        raise ApiError(413, f"tokens: sequence length {seq_len} exceeds the limit of {max_seq_len}")
     if seq_len * len(tokens) > MAX_TOTAL_TOKENS:
-        raise ApiError(413, f"{seq_len * len(tokens)} tokens exceed the limit of "
+        raise ApiError(413, f"tokens: {seq_len * len(tokens)} tokens exceed the limit of "
                             f"{MAX_TOTAL_TOKENS} per request")
-    for row in tokens:
-        for t in row:
+    rows = max(1, MAX_RETURNED_LOGITS // vocab_size)  # one row is always allowed
+    if return_logits and len(tokens) > rows:
+        raise ApiError(413, f"returnLogits: {len(tokens)} sequences x {vocab_size} vocabulary logits exceed "
+                            f"the limit of {MAX_RETURNED_LOGITS} per response (at most {rows} sequences)")
+    for i, row in enumerate(tokens):
+        for j, t in enumerate(row):
+            # The position names the bad id in a batch of thousands; the value is cut short
+            # (a 4,000-digit integer or a long string would be echoed whole).
+            shown = repr(t) if len(repr(t)) <= 40 else repr(t)[:40] + "..."
             if isinstance(t, bool) or not isinstance(t, int):
-                raise ApiError(422, f"token ids must be integers, got {t!r}")
+                raise ApiError(422, f"tokens[{i}][{j}]: token ids must be integers, got {shown}")
             if not 0 <= t < vocab_size:
-                raise ApiError(422, f"token id {t} is outside the vocabulary [0, {vocab_size})")
+                raise ApiError(422, f"tokens[{i}][{j}]: token id {shown} is outside the vocabulary [0, {vocab_size})")
     return tokens, return_logits
 
 
@@ -343,9 +361,20 @@ async def readyz(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.load_error is not None:
         return web.json_response({"ready": False, "reason": state.load_error}, status=503)
+    if state.draining:
+        return web.json_response({"ready": False, "reason": "server is shutting down"}, status=503)
     if not state.loaded:
         return web.json_response({"ready": False, "reason": "model is still loading"},
                                  status=503)
+    # A model call runs at most about --request-timeout (a generation job ends at a step
+    # boundary when a request times out): one running much longer is stuck (a hung kernel), and
+    # every request behind it would wait to its timeout, so the pod leaves the endpoints.
+    busy = state.executor.busy_for if state.executor is not None else 0.0
+    if busy > WEDGED_AFTER_TIMEOUTS * state.request_timeout_s:
+        return web.json_response({"ready": False, "reason": (
+            f"model thread stuck: one call has run {busy:.0f} s (more than "
+            f"{WEDGED_AFTER_TIMEOUTS} x --request-timeout {state.request_timeout_s:g} s)")},
+            status=503)
     return web.json_response({"ready": True, "gateVersion": state.gate.doc.version})
 
 
@@ -685,8 +714,58 @@ async def _startup(app: web.Application) -> None:
     app[LOADER] = asyncio.create_task(_load_model(app))
 
 
+def _install_graceful_sigterm(delay_s: float) -> Callable[[web.Application], Awaitable[None]]:
+    """An on_startup hook (the entry point only) replacing aiohttp's SIGTERM handler, which
+    closes the listener at once and then fails every generation in flight with 503. A pod's
+    SIGTERM comes while its endpoints may still route to it, so instead: /readyz turns 503 at
+    once and requests are still served for ``delay_s``; then new inference requests get 503
+    (``Connection: close``, so clients reconnect elsewhere) while the admitted ones finish
+    (at most --request-timeout more); then the server stops (exit 0). A server that never loaded
+    (nothing to drain, or a load error: ``_load_model``) stops at once. SIGINT stays immediate."""
+    async def install(app: web.Application) -> None:
+        loop = asyncio.get_running_loop()
+        stopping: list[asyncio.Task[None]] = []  # referenced, so the task is not collected
+
+        def on_sigterm() -> None:
+            state = app[STATE]
+            if not state.draining:
+                state.draining = True
+                stopping.append(loop.create_task(_stop_gracefully(state, delay_s)))
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    return install
+
+
+DRAIN_SLACK_S = 2.0  # past --request-timeout, for the last answers to be written
+
+
+async def _stop_gracefully(state: ServerState, delay_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    if state.loaded:
+        log.info("SIGTERM: unready; serving for %g s more, then draining", delay_s)
+        await asyncio.sleep(delay_s)
+        state.refusing = True
+        log.info("refusing new requests (503); waiting for %d in flight", state.inflight)
+        deadline = loop.time() + state.request_timeout_s + DRAIN_SLACK_S
+        while state.inflight > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if state.inflight:
+            log.warning("stopping with %d requests still in flight", state.inflight)
+    loop.call_soon(_graceful_exit)
+
+
+def _graceful_exit() -> None:
+    raise GracefulExit()  # as aiohttp's own signal handler: run_app then cleans up and returns
+
+
+async def _close_when_draining(request: web.Request, response: web.StreamResponse) -> None:
+    if request.app[STATE].draining:
+        response.force_close()  # its headers are already built: say so too
+        response.headers["Connection"] = "close"
+
+
 async def _drain(app: web.Application) -> None:
-    # Shutdown: queued and decoding generations end with 503 rather than hang up mid-stream.
+    # Shutdown: whatever is still queued or decoding (after a graceful SIGTERM, only what
+    # outlived the drain) ends with 503 rather than hang up mid-stream.
     state = app[STATE]
     if state.engine is not None:
         await state.engine.close("server is shutting down")
@@ -709,7 +788,8 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
                tool_registry: tools.ToolRegistry | None = None,
                expert_groups: Mapping[str, tuple[int, ...]] | None = None,
                reviewer: CachedReviewer | None = None,
-               expert_placement: dict | None = None) -> web.Application:
+               expert_placement: dict | None = None,
+               graceful_sigterm_delay_s: float | None = None) -> web.Application:
     """The inference app (no /admin routes). ``admin``: also serve :func:`create_admin_app` on
     its own TLS listener for as long as this app runs (None: no admin channel at all).
     ``model_path``: serve that Hugging Face checkpoint directory instead of the built-in model
@@ -720,7 +800,9 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
     ``tool_registry``: the HTTP tools the tool gate may call (`tools`).
     ``expert_groups``: SparseModel spec.expertGroups, parsed (``sparsegate_contracts.request_access``).
     ``reviewer``: verify callers and apply the access rules the admin channel sets (`request_guard`).
-    ``expert_placement``: a checkpoint's experts on their own dtype/device (hf.placement, parsed)."""
+    ``expert_placement``: a checkpoint's experts on their own dtype/device (hf.placement, parsed).
+    ``graceful_sigterm_delay_s``: handle this process's SIGTERM as a pod's graceful stop
+    (`_install_graceful_sigterm`; the entry point's --shutdown-delay). None: aiohttp's handling."""
     app = web.Application(middlewares=[json_errors, request_guard.access_guard], client_max_size=MAX_BODY_BYTES)
     app[STATE] = ServerState(model_config=model_config,
                              rng=random.Random(fault_seed), pending_doc=gate_doc,
@@ -739,6 +821,9 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.on_startup.append(_startup)
+    if graceful_sigterm_delay_s is not None:
+        app.on_startup.append(_install_graceful_sigterm(graceful_sigterm_delay_s))
+    app.on_response_prepare.append(_close_when_draining)
     app.on_shutdown.append(_drain)
     if admin is not None:
         app.on_startup.append(lambda a: _start_admin(a, admin))
@@ -838,6 +923,31 @@ def torch_threads(flag: int | None, environ: Mapping[str, str] = os.environ) -> 
     return value
 
 
+# The operator sets the pod's delay in the environment, not as a flag: a model-server image older
+# than the operator (a pinned spec.image) ignores a variable it does not know, but would exit 2 on
+# an unknown flag.
+SHUTDOWN_DELAY_ENV = "SPARSEGATE_SHUTDOWN_DELAY"
+
+
+def shutdown_delay(flag: float | None, environ: Mapping[str, str] = os.environ) -> float:
+    """``--shutdown-delay``, else ``$SPARSEGATE_SHUTDOWN_DELAY`` (empty counts as unset), else
+    0. Raises ValueError naming the flag or the variable unless the value is in [0, 3600] s."""
+    if flag is not None:
+        value, source = flag, "--shutdown-delay"
+    else:
+        raw = environ.get(SHUTDOWN_DELAY_ENV, "").strip()
+        if not raw:
+            return DEFAULT_SHUTDOWN_DELAY_S
+        source = f"${SHUTDOWN_DELAY_ENV}"
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{source} must be a number of seconds, got {raw!r}") from None
+    if not 0 <= value <= 3600:  # float() takes "nan" and "inf"
+        raise ValueError(f"{source} must be in [0, 3600] seconds, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of ``python -m sparsegate_workload.server`` (what the operator renders into pods)."""
     p = argparse.ArgumentParser(prog="python -m sparsegate_workload.server")
@@ -876,6 +986,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inference requests admitted at once (running + queued); beyond it: 429")
     p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                    help="seconds a request waits for its result before answering 503")
+    p.add_argument("--shutdown-delay", type=float, default=None,
+                   help="on SIGTERM: seconds to keep serving while /readyz answers 503 (endpoints "
+                        "catch up), before new requests get 503 and those in flight finish "
+                        f"(at most --request-timeout); then exit 0 (default: ${SHUTDOWN_DELAY_ENV} "
+                        "when set and not empty, else 0)")
     p.add_argument("--tools-json", default="[]",
                    help="HTTP tools the tool gate may call on /v1/infer (the built-in model's, or a "
                         "checkpoint's sparsegate_tool_gate.safetensors head; with that head on "
@@ -911,6 +1026,10 @@ def main(argv: list[str] | None = None) -> None:
     # visibly rather than answer probes.
     try:
         cfg = model_config_from_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    try:
+        args.shutdown_delay = shutdown_delay(args.shutdown_delay)
     except ValueError as e:
         p.error(str(e))
     if args.max_inflight < 1 or args.request_timeout <= 0 or args.max_num_seqs < 1:
@@ -978,14 +1097,17 @@ def main(argv: list[str] | None = None) -> None:
                      served_name=args.served_model_name, model_dtype=args.model_dtype,
                      device=args.device, max_num_seqs=args.max_num_seqs,
                      exit_on_load_error=True, tool_registry=registry,
-                     expert_groups=groups, reviewer=reviewer, expert_placement=placement)
+                     expert_groups=groups, reviewer=reviewer, expert_placement=placement,
+                     graceful_sigterm_delay_s=args.shutdown_delay)
     log.info("serving on %s:%d gate %s model %s; admin %s", args.host, args.port, doc.version,
              json.dumps(app[STATE].shape(), sort_keys=True),
              f"TLS on {args.host}:{args.admin_port}" if listener else "disabled (no --admin-token-file)")
     # handler_cancellation: a client that disconnects cancels its handler, so its generation
     # leaves the batch and frees its slot (aiohttp's default since 3.8 is not to).
+    # shutdown_timeout: what is left after the graceful drain (_stop_gracefully) was already
+    # answered 503 by _drain; its handlers only write that out.
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None,
-                handler_cancellation=True)
+                handler_cancellation=True, shutdown_timeout=DRAIN_SLACK_S)
     if app[STATE].load_error is not None:
         print(app[STATE].load_error, file=sys.stderr)
         sys.exit(1)

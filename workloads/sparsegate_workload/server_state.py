@@ -127,6 +127,11 @@ class ServerState:
     # the operator's first PUT /admin/access.
     reviewer: CachedReviewer | None = None
     access: AccessTable | None = None
+    # SIGTERM (server.py, graceful stop): ``draining`` makes /readyz 503 at once while requests
+    # are still served (endpoints may route here a few seconds more); ``refusing`` follows after
+    # --shutdown-delay: new inference requests get 503, admitted ones finish.
+    draining: bool = False
+    refusing: bool = False
 
     @property
     def loaded(self) -> bool:
@@ -210,6 +215,8 @@ async def admission(state: ServerState) -> AsyncIterator[Callable[[], bool]]:
     """Hold one of ``max_inflight`` slots (429 when none is free). Yields ``keep``: call it
     when the slot must outlive the block (work still running frees it itself); it returns
     whether the block still held the slot, so exactly one party frees it."""
+    if state.refusing:
+        raise ApiError(503, "server is shutting down")
     if state.inflight >= state.max_inflight:
         raise ApiError(429, f"{state.inflight} requests in flight (limit {state.max_inflight}): retry later")
     state.inflight += 1

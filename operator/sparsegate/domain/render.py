@@ -81,6 +81,17 @@ CACHE_ENV = (("XDG_CACHE_HOME", f"{TMP_DIR}/.cache"),  # Hugging Face (HF_HOME),
 UNPRIVILEGED_PORT_SYSCTL = "net.ipv4.ip_unprivileged_port_start"
 PRIVILEGED_PORTS_END = 1024
 
+# Graceful stop (the server's --shutdown-delay, set by its environment variable, which a
+# model-server image older than the operator ignores where it would refuse a flag): on SIGTERM
+# the server turns unready and keeps serving this long, while endpoints and kube-proxy drop the pod,
+# then refuses new requests (503) and lets those in flight finish, each within the server's
+# --request-timeout (default 30 s). The grace period covers both, and the exit, so the kubelet's
+# SIGKILL never cuts a generation that would have finished (Kubernetes' default is 30 s).
+SHUTDOWN_DELAY_ENV = "SPARSEGATE_SHUTDOWN_DELAY"  # sparsegate_workload.server.SHUTDOWN_DELAY_ENV
+SHUTDOWN_DELAY_S = 5
+SERVER_REQUEST_TIMEOUT_S = 30  # sparsegate_workload.server_state.DEFAULT_REQUEST_TIMEOUT_S
+TERMINATION_GRACE_S = SHUTDOWN_DELAY_S + SERVER_REQUEST_TIMEOUT_S + 10
+
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_NODE_LABEL = "nvidia.com/gpu.present"
 
@@ -307,7 +318,8 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
         "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
                   {"name": ADMIN_PORT_NAME, "containerPort": DEFAULT_ADMIN_PORT, "protocol": "TCP"}],
         "env": [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                *({"name": k, "value": v} for k, v in CACHE_ENV)],
+                *({"name": k, "value": v} for k, v in CACHE_ENV),
+                {"name": SHUTDOWN_DELAY_ENV, "value": str(SHUTDOWN_DELAY_S)}],
         "volumeMounts": [{"name": "gate", "mountPath": GATE_DIR, "readOnly": True},
                          {"name": "admin", "mountPath": ADMIN_DIR, "readOnly": True},
                          {"name": TMP_VOLUME, "mountPath": TMP_DIR}],
@@ -330,6 +342,7 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
                     {"name": "admin", "secret": {"secretName": admin_secret_name(name)}},
                     {"name": TMP_VOLUME, "emptyDir": {}}],
         "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
     }
     if port < PRIVILEGED_PORTS_END:
         pod_spec["securityContext"]["sysctls"] = [{"name": UNPRIVILEGED_PORT_SYSCTL, "value": str(port)}]

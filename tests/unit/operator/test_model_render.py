@@ -181,6 +181,21 @@ def test_shape_flags_parse_with_the_servers_own_parser():
             cfg.max_experts_per_token) == (96, 6, 1, 3)
 
 
+def test_pod_stops_gracefully_within_its_grace_period():
+    """On SIGTERM the server stays in the endpoints' way for --shutdown-delay (unready, still
+    serving) and then lets requests in flight finish, each within its --request-timeout: the grace
+    period holds both, so the kubelet's SIGKILL (default 30 s) does not cut them."""
+    from sparsegate_workload import server
+
+    pod = render.render_deployment(model(), DOC)["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    ns = server.build_parser().parse_args([a.replace("$(POD_IP)", "10.0.0.1") for a in c["args"]])
+    # In the environment, not a flag: an older image (a pinned spec.image) ignores it.
+    delay = server.shutdown_delay(ns.shutdown_delay, {e["name"]: e["value"] for e in c["env"] if "value" in e})
+    assert delay >= 5
+    assert pod["terminationGracePeriodSeconds"] >= delay + ns.request_timeout + server.DRAIN_SLACK_S + 5
+
+
 def test_server_binds_the_pod_ip_never_all_interfaces():
     """Pods may share one network namespace (the local cluster's host network): each binds its own
     IP. $(POD_IP) is expanded by the kubelet from the env var it references."""

@@ -85,14 +85,15 @@ async def test_inference_matches_the_model_run_directly(client):
 
 
 @pytest.mark.parametrize("payload, status, message", [
-    ({"tokens": [[1, 2], [3]]}, 422, "equal length"),
+    ({"tokens": [[1, 2], [3]]}, 422, "tokens: all sequences must be non-empty and of equal length"),
     ({"tokens": [1, 2, 3]}, 422, "list of token-id lists"),
     ({"tokens": []}, 422, "non-empty"),
     ({"tokens": [[]]}, 422, "non-empty"),
-    ({"tokens": [[1, 2.5]]}, 422, "integers"),
+    ({"tokens": [[1, 2.5]]}, 422, "tokens[0][1]: token ids must be integers, got 2.5"),
     ({"tokens": [[1, "2"]]}, 422, "integers"),
-    ({"tokens": [[1, True]]}, 422, "integers"),
-    ({"tokens": [[1, 512]]}, 422, "outside the vocabulary"),
+    ({"tokens": [[1, 2], [3, True]]}, 422, "tokens[1][1]: token ids must be integers"),
+    ({"tokens": [[1, 512]]}, 422, "tokens[0][1]: token id 512 is outside the vocabulary"),
+    ({"tokens": [[1, "x" * 5000]]}, 422, "got 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx..."),
     ({"tokens": [[-1]]}, 422, "outside the vocabulary"),
     ({"tokens": [[1] * 257]}, 413, "sequence length 257"),
     ({"tokens": [[1]] * 65}, 413, "batch of 65"),
@@ -105,6 +106,52 @@ async def test_bad_input_gets_4xx_json(client, payload, status, message):
     resp = await client.post("/v1/infer", json=payload)
     assert resp.status == status
     assert message in (await resp.json())["error"]
+
+
+async def test_return_logits_response_is_bounded():
+    """returnLogits answers rows x vocab floats: with a large vocabulary 64 rows would be a
+    response of hundreds of MB built in memory, so past MAX_RETURNED_LOGITS it is a 413 naming
+    the field (a row is always allowed); without returnLogits the same batch is served."""
+    from sparsegate_workload.model import ModelConfig
+
+    vocab = 1 << 16  # 64 rows: 4M logits, ~85 MB of JSON
+    app = create_app(model_config=ModelConfig(vocab_size=vocab, d_model=16, d_ff=32, n_layers=1, num_experts=4))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as c:
+        await wait_ready(app)
+        resp = await _infer(c, [[1]] * 64, returnLogits=True)
+        assert resp.status == 413 and "returnLogits" in (await resp.json())["error"]
+        resp = await _infer(c, [[1]] * 4, returnLogits=True)  # 2^18 logits: the limit
+        assert resp.status == 200 and len((await resp.json())["logits"]) == 4
+        assert (await _infer(c, [[1]] * 5, returnLogits=True)).status == 413
+        assert (await _infer(c, [[1]] * 64)).status == 200
+
+
+async def test_readiness_fails_while_the_model_thread_is_stuck():
+    """A model call that never returns (a hung kernel) makes every request behind it wait to its
+    --request-timeout (503): /readyz turns 503 naming it once one call has run past twice that,
+    so the pod leaves the Service's endpoints, and ready again once the thread is free."""
+    import threading
+
+    app = create_app(gate_doc=VERSION_A, request_timeout_s=0.2)
+    async with TestClient(TestServer(app, host="127.0.0.1")) as c:
+        await wait_ready(app)
+        assert (await c.get("/readyz")).status == 200
+        release = threading.Event()
+        stuck = app[STATE].executor.submit(release.wait, 30)
+        try:
+            assert (await _infer(c, [[1, 2]])).status == 503  # waited 0.2 s behind it
+            await asyncio.sleep(0.3)
+            ready = await c.get("/readyz")
+            assert ready.status == 503 and "model thread stuck" in (await ready.json())["reason"]
+            assert (await c.get("/healthz")).status == 200
+        finally:
+            release.set()
+        await asyncio.wrap_future(stuck)
+        for _ in range(100):  # the request that timed out still runs its batch, then frees the thread
+            if (await c.get("/readyz")).status == 200:
+                break
+            await asyncio.sleep(0.02)
+        assert (await c.get("/readyz")).status == 200
 
 
 async def test_bad_json_content_type_and_size(client):

@@ -42,3 +42,18 @@ def test_a_failing_call_raises_to_its_caller_and_is_counted_out():
         future = thread.submit(lambda: 1 / 0)
         assert isinstance(future.exception(timeout=5), ZeroDivisionError)
         assert thread.queued == 0
+
+
+def test_busy_for_is_how_long_the_running_call_has_run():
+    release = threading.Event()
+    running = threading.Event()
+    with ModelThread() as thread:
+        assert thread.busy_for == 0.0
+        done = thread.submit(lambda: (running.set(), release.wait(5)))
+        running.wait(5)
+        first = thread.busy_for
+        release.wait(0.05)
+        assert 0.0 < first < thread.busy_for  # grows while the call runs
+        release.set()
+        done.result(timeout=5)
+        assert thread.busy_for == 0.0

@@ -6,6 +6,7 @@ A tiny random Mixtral checkpoint built in code (nothing downloaded), in-process 
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -600,6 +601,69 @@ def test_the_entry_point_stops_generating_for_a_client_that_left(tmp_path):
         proc.wait(timeout=30)
     assert running == 0 and codes == {"499": 1.0}, (codes, running, proc.stderr.read()[-2000:])
     assert tokens < 480
+
+
+def test_sigterm_turns_unready_first_then_refuses_new_requests_and_finishes_a_stream_in_flight(tmp_path):
+    """A pod's SIGTERM (``python -m sparsegate_workload.server``): /readyz answers 503 at once while
+    requests are still served for the shutdown delay (endpoints may still route here); then a new
+    request gets 503 "shutting down" on a live listener (not a refused connection), while a stream
+    admitted before finishes all its tokens (no error event); then the server exits 0. Before, the
+    listener closed at once and the stream in flight ended with a 503 error event."""
+    slow = build_tiny_checkpoint(tmp_path / "slow", family="mixtral", hidden_size=512, layers=6,
+                                 expert_ffn=1024, max_positions=512, tokenizer=True)
+    port = free_port()
+    # The delay as the operator sets it, in the environment.
+    env = {**os.environ, "SPARSEGATE_TORCH_THREADS": "1", "SPARSEGATE_SHUTDOWN_DELAY": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "sparsegate_workload.server", "--host", "127.0.0.1",
+                             "--port", str(port), "--model-path", str(slow), "--request-timeout", "120"],
+                            env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+
+    async def scenario() -> dict:
+        seen: dict = {}
+        async with aiohttp.ClientSession() as s:
+            for _ in range(600):
+                try:
+                    async with s.get(base + "/readyz") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the server did not become ready")
+            async with s.post(base + "/v1/completions", json={"prompt": "a", "temperature": 0, "max_tokens": 300,
+                                                              "stream": True}) as stream:
+                lines = [await stream.content.readline()]  # its first token went out
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.2)
+                async with aiohttp.ClientSession() as other:
+                    async with other.get(base + "/readyz") as r:
+                        seen["readyz"] = r.status
+                    async with other.get(base + "/healthz") as r:
+                        seen["healthz"] = r.status
+                    await asyncio.sleep(1.5)  # past --shutdown-delay: draining
+                    async with other.post(base + "/v1/completions", json={"prompt": "b", "max_tokens": 2}) as r:
+                        seen["late"] = (r.status, (await r.json())["error"]["message"],
+                                        r.headers.get("Connection", "").lower())
+                async for line in stream.content:
+                    lines.append(line)
+            events = [json.loads(ln[6:]) for ln in lines if ln.startswith(b"data: {")]
+            seen["stream"] = (stream.status, lines[-2:], sum(1 for e in events if "choices" in e),
+                              [e for e in events if "error" in e])
+        return seen
+
+    try:
+        seen = asyncio.run(scenario())
+        rc = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert seen["readyz"] == 503 and seen["healthz"] == 200, seen
+    assert seen["late"] == (503, "server is shutting down", "close"), seen
+    status, tail, chunks, errors = seen["stream"]
+    assert status == 200 and tail[0] == b"data: [DONE]\n" and not errors and chunks > 1, seen["stream"][:2]
+    assert rc == 0, proc.stderr.read()[-2000:]
 
 
 async def test_each_concurrent_request_reports_the_gate_that_routed_all_of_it(client):

@@ -3,7 +3,8 @@
 
 import pytest
 
-from sparsegate_workload.server import THREADS_ENV, build_parser, main, torch_threads
+from sparsegate_workload.server import (SHUTDOWN_DELAY_ENV, THREADS_ENV, build_parser, main, shutdown_delay,
+                                       torch_threads)
 
 
 @pytest.mark.parametrize("flag, env, expected", [
@@ -46,3 +47,26 @@ def test_server_exits_2_with_the_reason_before_serving(argv, env, message, monke
         main(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, env, expected", [
+    (None, {}, 0.0),
+    (None, {SHUTDOWN_DELAY_ENV: " "}, 0.0),
+    (None, {SHUTDOWN_DELAY_ENV: "5"}, 5.0),
+    (1.5, {SHUTDOWN_DELAY_ENV: "5"}, 1.5),     # the flag wins
+    (0.0, {SHUTDOWN_DELAY_ENV: "abc"}, 0.0),   # a bad variable is not read when the flag is given
+])
+def test_shutdown_delay_comes_from_the_flag_then_the_variable_then_0(flag, env, expected) -> None:
+    assert shutdown_delay(flag, env) == expected
+
+
+@pytest.mark.parametrize("flag, env, message", [
+    (None, "abc", f"${SHUTDOWN_DELAY_ENV} must be a number of seconds, got 'abc'"),
+    (None, "nan", f"${SHUTDOWN_DELAY_ENV} must be in [0, 3600] seconds"),
+    (-1.0, "", "--shutdown-delay must be in [0, 3600] seconds"),
+    (float("inf"), "", "--shutdown-delay must be in [0, 3600] seconds"),
+])
+def test_a_bad_shutdown_delay_is_refused_with_its_source(flag, env, message) -> None:
+    with pytest.raises(ValueError) as info:
+        shutdown_delay(flag, {SHUTDOWN_DELAY_ENV: env})
+    assert message in str(info.value)
