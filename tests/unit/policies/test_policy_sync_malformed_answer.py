@@ -42,6 +42,8 @@ class FakeOpa:
         self.answer: Any = None
 
     async def revision(self) -> str | None:
+        if isinstance(self.answer, Exception):  # unreachable: every call fails
+            raise self.answer
         return self.revision_held
 
     async def push(self, *, rego: str, data: dict[str, Any]) -> None:

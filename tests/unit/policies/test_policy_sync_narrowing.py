@@ -13,6 +13,7 @@ from sparsegate.domain.policy import PolicySource, Port
 from sparsegate.domain.policy_capacity import Capacity
 from sparsegate.domain.policy_compile import FlowTable, PodInfo
 from sparsegate.handlers.routingpolicy import PolicySync, Settings
+from test_policy_sync_malformed_answer import FakeOpa, MemoryStore
 
 M = PodInfo("models", "mixtral-0", "127.20.0.10", "default", (("sparsegate.dev/model", "mixtral"),), (Port(8080),))
 TRUSTED = PodInfo("web", "fe-0", "127.20.1.1", "frontend", (("role", "trusted"),))
@@ -57,44 +58,6 @@ def opa_answer(policies: list[PolicySource]) -> Any:
                 many.append([i, j, 8080, "tcp", verdict[0], verdict[1]])
         return {"one": one, "many": many}
     return answer
-
-
-class FakeOpa:
-    url = "http://opa.test:8181"
-
-    def __init__(self) -> None:
-        self.revision_held: str | None = None
-        self.answer: Any = None
-
-    async def revision(self) -> str | None:
-        if isinstance(self.answer, Exception):
-            raise self.answer
-        return self.revision_held
-
-    async def push(self, *, rego: str, data: dict[str, Any]) -> None:
-        self.revision_held = data["revision"]
-
-    async def loaded_policies(self) -> dict[str, dict[str, Any]]:
-        return {}
-
-    async def flow_decisions(self, flow_input: dict[str, Any]) -> dict[str, list[Any]]:
-        return self.answer(flow_input)
-
-
-class MemoryStore:
-    """The allow-list ConfigMap and its basis annotation, as another operator process reads them."""
-
-    half_published = False
-
-    def __init__(self) -> None:
-        self.document: dict[str, Any] | None = None
-        self.basis: dict[str, Any] | None = None
-
-    async def read_published(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        return self.document, self.basis
-
-    async def publish(self, document: dict[str, Any], *, basis: dict[str, Any] | None = None) -> None:
-        self.document, self.basis = document, basis
 
 
 def operator(store: MemoryStore, *, capacity: Capacity = Capacity()) -> tuple[FakeOpa, PolicySync]:

@@ -551,6 +551,19 @@ async def test_a_client_leaving_before_its_generation_started_is_counted_499(che
         await c.close()
 
 
+async def _until_ready(session: aiohttp.ClientSession, base: str) -> None:
+    """Wait (60 s at most) for a server process started by a test to answer /readyz 200."""
+    for _ in range(600):
+        try:
+            async with session.get(base + "/readyz") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError("the server did not become ready")
+
+
 def test_the_entry_point_stops_generating_for_a_client_that_left(tmp_path):
     """``python -m sparsegate_workload.server`` (web.run_app, whose default is not to cancel a
     handler whose client disconnects): a non-streamed request abandoned after 0.5 s leaves the
@@ -567,16 +580,7 @@ def test_the_entry_point_stops_generating_for_a_client_that_left(tmp_path):
 
     async def scenario() -> tuple[dict[str, float], float, float]:
         async with aiohttp.ClientSession() as s:
-            for _ in range(600):
-                try:
-                    async with s.get(base + "/readyz") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.1)
-            else:
-                raise AssertionError("the server did not become ready")
+            await _until_ready(s, base)
             with pytest.raises(asyncio.TimeoutError):
                 await s.post(base + "/v1/completions", json={"prompt": "a", "temperature": 0, "max_tokens": 480},
                              timeout=aiohttp.ClientTimeout(total=0.5))
@@ -623,16 +627,7 @@ def test_sigterm_turns_unready_first_then_refuses_new_requests_and_finishes_a_st
     async def scenario() -> dict:
         seen: dict = {}
         async with aiohttp.ClientSession() as s:
-            for _ in range(600):
-                try:
-                    async with s.get(base + "/readyz") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.1)
-            else:
-                raise AssertionError("the server did not become ready")
+            await _until_ready(s, base)
             async with s.post(base + "/v1/completions", json={"prompt": "a", "temperature": 0, "max_tokens": 300,
                                                               "stream": True}) as stream:
                 lines = [await stream.content.readline()]  # its first token went out
