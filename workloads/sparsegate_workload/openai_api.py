@@ -217,14 +217,22 @@ def parse_request(body: Any, *, chat: bool, hf: HFServedModel) -> Plan:
             or not 0 <= temperature <= 2:
         raise OpenAIError(400, f"temperature must be a number in [0, 2], got {temperature!r}",
                           param="temperature")
-    stream = body.get("stream") or False
-    options = body.get("stream_options") or {}
-    if not isinstance(stream, bool) or not isinstance(options, dict):
-        raise OpenAIError(400, "stream must be a boolean and stream_options an object",
-                          param="stream")
+    stream = body.get("stream")
+    stream = False if stream is None else stream
+    if not isinstance(stream, bool):
+        raise OpenAIError(400, f"stream must be a boolean, got {stream!r}", param="stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream):
+        # As vLLM answers: the options only mean something for a stream.
+        raise OpenAIError(400, "stream_options must be an object, and only with stream: true",
+                          param="stream_options")
+    include_usage = (options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):  # "no" read as true before
+        raise OpenAIError(400, f"stream_options.include_usage must be a boolean, got {include_usage!r}",
+                          param="stream_options")
     return Plan(prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=float(temperature),
                 seed=_int(body, "seed", default=0, low=0, high=2**63 - 1), stream=stream,
-                include_usage=bool(options.get("include_usage", False)))
+                include_usage=include_usage)
 
 
 def usage(gen: Generation, tool_calls: Sequence[Any] = (), scope: Scope | None = None) -> dict[str, Any]:

@@ -216,6 +216,11 @@ async def test_over_the_context_length_is_a_400_in_openai_shape(client):
     ({"max_tokens": 100_000}, 400, "max_tokens"),
     ({"prompt": ""}, 400, "prompt"),
     ({"logit_bias": {}}, 400, "logit_bias"),
+    ({"stream": "yes"}, 400, "stream"),
+    ({"stream": 1}, 400, "stream"),
+    ({"stream_options": {"include_usage": True}}, 400, "stream_options"),  # as vLLM: not without a stream
+    ({"stream": True, "stream_options": {"include_usage": "no"}}, 400, "stream_options"),
+    ({"stream": True, "stream_options": []}, 400, "stream_options"),
 ])
 async def test_bad_requests_name_the_parameter(client, body, status, param):
     resp = await _complete(client, **body)

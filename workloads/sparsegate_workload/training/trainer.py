@@ -403,8 +403,8 @@ def train(cfg: TrainConfig, *, log: Callable[[StepLog], None] | None = None,
 
 def evaluate(lm: SparseGatedCausalLM, stream: TokenStream, *, gate: GateParams | None = None,
              seq_len: int = 64, batch_size: int = 32) -> Evaluation:
-    """Score every held-out token once under `gate` (default: the gate installed now, run
-    dropless). Per-token experts are each MoE block's kept experts for the position that
+    """Score every held-out token once under `gate`, run dropless (default: the gate installed
+    now, as installed: its capacity cap applies). Per-token experts are each MoE block's kept experts for the position that
     predicts the token, averaged over blocks; tokens are grouped by their `TokenClass`."""
     previous = lm.gate
     if gate is not None:
