@@ -140,17 +140,29 @@ async def get_access(request: web.Request) -> web.Response:
     return web.json_response({"verifying": state.reviewer is not None,
                               "revision": None if table is None else table.revision,
                               "enforced": None if table is None else table.enforced,
-                              "rules": None if table is None else len(table.rules)})
+                              "rules": None if table is None else len(table.rules),
+                              "sequence": state.access_sequence})
 
 
 async def put_access(request: web.Request) -> web.Response:
     """Replace the access document (422 naming the field when it is malformed; the old one stays)."""
     state = request.app[STATE]
     try:
-        table = parse_access_document(await read_json(request))
+        doc = await read_json(request)
+        table = parse_access_document(doc)
     except AccessDocumentError as e:
         raise ApiError(422, f"access document: {e}") from None
+    expected = doc.get("ifSequence") if isinstance(doc, dict) else None
+    if expected is not None and (isinstance(expected, bool) or not isinstance(expected, int)):
+        raise ApiError(422, "access document: ifSequence must be an integer")
+    if expected is not None and expected != state.access_sequence:
+        # Compiled against what the pod held before a newer push replaced it (a PUT that arrived
+        # late, after its sender gave up): never let it overwrite the newer rules.
+        raise ApiError(409, f"access document: ifSequence {expected!r} is stale, this pod is at sequence "
+                            f"{state.access_sequence}; nothing applied")
     previous = state.access
     state.access = table  # one reference assignment: a request reads the old or the new table
+    state.access_sequence += 1
     return web.json_response({"revision": table.revision, "enforced": table.enforced, "rules": len(table.rules),
-                              "applied": previous is None or previous.revision != table.revision})
+                              "applied": previous is None or previous.revision != table.revision,
+                              "sequence": state.access_sequence})

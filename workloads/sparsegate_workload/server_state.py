@@ -127,6 +127,9 @@ class ServerState:
     # the operator's first PUT /admin/access.
     reviewer: CachedReviewer | None = None
     access: AccessTable | None = None
+    # PUT /admin/access applied so far (GET reports it): a PUT carrying ``ifSequence`` applies only
+    # at that sequence, so a late push can never replace a newer one.
+    access_sequence: int = 0
     # SIGTERM (server.py, graceful stop): ``draining`` makes /readyz 503 at once while requests
     # are still served (endpoints may route here a few seconds more); ``refusing`` follows after
     # --shutdown-delay: new inference requests get 503, admitted ones finish.

@@ -130,6 +130,7 @@ class AccessAnswer:
     name: str
     revision: str | None = None
     error: str | None = None
+    sequence: int | None = None  # how many PUTs the pod has applied (a push's ``ifSequence``)
 
 
 class PodAdmin:
@@ -259,8 +260,10 @@ class PodAdmin:
                 return AccessAnswer(name=t.name, error=f"{method} /admin/access: {type(e).__name__} {e}".strip())
             if status != 200 or not isinstance(body, dict):
                 return AccessAnswer(name=t.name, error=f"{method} /admin/access {status}: {str(body)[:512]}")
-            revision = body.get("revision")
-            return AccessAnswer(name=t.name, revision=revision if isinstance(revision, str) else None)
+            revision, sequence = body.get("revision"), body.get("sequence")
+            return AccessAnswer(name=t.name, revision=revision if isinstance(revision, str) else None,
+                                sequence=sequence if isinstance(sequence, int) and not isinstance(sequence, bool)
+                                else None)
 
         results = await self._each([t for t, _ in pairs], one)
         return {r.name: r for r in results}

@@ -81,7 +81,11 @@ class AccessSync:
         held = {p: access_sync.PodAccess(name=p, revision=a.revision, error=a.error) for p, a in answers.items()}
         push = access_sync.pods_to_push(revision, reachable=sorted(targets), held=held)
         if push:
-            pushed = await self.admin.push_access([(targets[p], document) for p in push])
+            # ifSequence: applied only over what the pod answered above, so this PUT arriving late
+            # (after a newer round's push) is refused rather than put older rules back.
+            pushed = await self.admin.push_access(
+                [(targets[p], document if (seq := answers[p].sequence) is None else {**document, "ifSequence": seq})
+                 for p in push])
             for p, a in pushed.items():
                 PUSHES.labels(result="ok" if a.revision == revision else "error").inc()
                 held[p] = access_sync.PodAccess(name=p, revision=a.revision, error=a.error)

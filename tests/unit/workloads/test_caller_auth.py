@@ -270,3 +270,32 @@ def test_token_cache_ttl_must_be_finite_and_positive(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             main(["--request-auth", "in-cluster", "--token-cache-ttl", ttl])
         assert "--token-cache-ttl must be in (0, 86400]" in capsys.readouterr().err
+
+
+async def test_a_late_access_push_never_replaces_a_newer_one():
+    """A PUT compiled against sequence n that arrives after another PUT moved the pod past n (its
+    sender timed out, the next round pushed newer rules) is refused with 409: the pod keeps the newer
+    rules. Before, the last PUT to arrive won, whatever its age."""
+    from sparsegate.domain.policy import rules_from_spec
+    from sparsegate.domain.request_access import access_document
+    from sparsegate_workload.admin import StaticToken
+    from sparsegate_workload.server import create_admin_app, create_app
+
+    def doc(action):
+        rules = rules_from_spec(namespace="ns", name="p", spec={
+            "action": action, "sources": [{"serviceAccount": "caller-a"}], "targets": [{"sparseModel": "moe"}]})
+        return access_document(rules, namespace="ns", model="moe", serving_port=8080, trust_domain="cluster.local")
+
+    app = create_app(reviewer=Reviews())
+    auth = {"Authorization": "Bearer adm"}
+    async with TestClient(TestServer(create_admin_app(app, auth=StaticToken("adm")), host="127.0.0.1")) as admin:
+        assert (await (await admin.get("/admin/access", headers=auth)).json())["sequence"] == 0
+        old, new = doc("Allow"), doc("Deny")
+        resp = await admin.put("/admin/access", json={**new, "ifSequence": 0}, headers=auth)
+        assert resp.status == 200 and (await resp.json())["sequence"] == 1
+        late = await admin.put("/admin/access", json={**old, "ifSequence": 0}, headers=auth)
+        assert late.status == 409, await late.text()
+        held = await (await admin.get("/admin/access", headers=auth)).json()
+        assert held["revision"] == new["revision"] and held["sequence"] == 1
+        bad = await admin.put("/admin/access", json={**old, "ifSequence": "0"}, headers=auth)
+        assert bad.status == 422
