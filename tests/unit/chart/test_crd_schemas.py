@@ -192,3 +192,22 @@ def test_spiffe_ids_follow_the_spiffe_id_spec():
                 "spiffe://cluster.local/ns/we%62", "spiffe://cluster.local:8443/ns/web", "spiffe://u@td/ns/web",
                 "spiffe://cluster.local", "spiffe://cluster.local/ns/web/../sa/x", "spiffe://td/ns/a~b"):
         assert not _accepts(spiffe, bad), bad
+
+
+def test_examples_set_every_default_inside_atomic_lists():
+    """An atomic list is owned whole: an example item that leaves a defaulted field out differs from the
+    stored (defaulted) list, so a second server-side applier of the unchanged file (Argo CD or Flux after
+    `kubectl apply --server-side`) is refused with a conflict on that list. Examples write such fields out."""
+    crds = {load(p.name)["spec"]["names"]["kind"]: load(p.name) for p in CRD_DIR.glob("*.yaml")}
+    missing = []
+    for example in sorted((ROOT / "examples").glob("*.yaml")):
+        doc = yaml.safe_load(example.read_text())
+        schema = crds[doc["kind"]]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        for name, prop in (schema["properties"]["spec"].get("properties") or {}).items():
+            if prop.get("type") != "array" or prop.get("x-kubernetes-list-type", "atomic") != "atomic":
+                continue
+            items = prop.get("items") or {}
+            defaulted = [k for k, v in (items.get("properties") or {}).items() if "default" in v]
+            for i, item in enumerate(doc["spec"].get(name) or []):
+                missing += [f"{example.name}: spec.{name}[{i}].{k}" for k in defaulted if k not in item]
+    assert not missing, missing
