@@ -39,9 +39,12 @@ POOL_WAIT = prometheus_client.Histogram(
     "sparsegate_operator_model_pool_wait_seconds",
     "Time model work (reconciles, status refreshes, Service applies) waited for a thread of its pool, by pool and work.",
     ["pool", "work"], buckets=(0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200))
+# Up to minutes: at 10,000 models a SparseModel reconcile took p99 ~9 s (tests/bench/HISTORY-bench_scale.md)
+# and a GateConfig's re-renders all its models in turn; above the last finite bucket histogram_quantile
+# can only answer that bucket's bound.
 DURATION = prometheus_client.Histogram(
     "sparsegate_operator_reconcile_duration_seconds", "Reconcile wall time by kind.", ["kind"],
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
 
 
 # Python's cyclic garbage collections: each holds the GIL, so every thread (reconciles, the event

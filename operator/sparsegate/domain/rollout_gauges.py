@@ -4,8 +4,9 @@ The operator exports rollout state as Prometheus gauges (``sparsegate.metrics``)
 the GateConfig's status exactly as it stands in the API server, so a dashboard shows over time
 what ``kubectl get gateconfig`` shows now. Only fields the CRD documents are read
 (``status.stable.version``; ``status.rollout`` ``phase``, ``step``, ``steps``, ``canaryPercent``,
-``canaryVersion``, ``canaryInstances``, ``podVersions``): the rollout controller's private
-bookkeeping may change shape without touching this module.
+``canaryVersion``, ``canaryInstances``, ``podVersions``; and ``instances``, the pod count the
+rollout controller records at every check, read when no canary is in flight): the rollout
+controller's private bookkeeping may change shape without touching this module.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class RolloutGauges:
     steps: int  # number of steps in the spec (0 when not recorded)
     canary_percent: int  # percent of requests (strategy requests) or of instances (strategy instances) the current step targets; 0 without a canary
     canary_instances: int  # pods assigned the canary at this step (from "a/b"); 0 without a canary
-    instances: int | None  # all instances at the last check (from "a/b"); None when not recorded
+    instances: int | None  # all instances at the last check ("a/b", else status.rollout.instances); None when not recorded
     versions: dict[str, str] = field(default_factory=dict)  # role -> gate version
     pods: dict[str, int] = field(default_factory=dict)  # role -> pods reporting that role's version
 
@@ -72,6 +73,9 @@ def rollout_gauges(status: Mapping[str, Any] | None) -> RolloutGauges:
             by_version.get(version, Role.OTHER)
         pods[role] += 1
     canary_instances, instances = _fraction(ro.get("canaryInstances"))
+    if instances is None and isinstance(ro.get("instances"), int) and not isinstance(ro.get("instances"), bool):
+        # At rest there is no canaryInstances: the count the controller records at every check.
+        instances = ro["instances"]
     phase = ro.get("phase")
     return RolloutGauges(
         phase=phase if isinstance(phase, str) and phase else None,

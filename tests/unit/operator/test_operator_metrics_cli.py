@@ -33,6 +33,17 @@ def test_observe_counts_outcomes_errors_and_durations():
     assert sample("sparsegate_operator_reconcile_duration_seconds_count", kind="UnitKind") == n0 + 3
 
 
+def test_reconcile_durations_of_minutes_land_in_finite_buckets(monkeypatch: pytest.MonkeyPatch):
+    # At 10,000 models reconciles take seconds to minutes: one of 45 s must not fall only in +Inf,
+    # where histogram_quantile answers the last finite bound (10 s) whatever the real time.
+    clock = iter([1000.0, 1045.0])
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    with metrics.observe("UnitSlowKind"):
+        pass
+    assert sample("sparsegate_operator_reconcile_duration_seconds_bucket", kind="UnitSlowKind", le="30.0") == 0
+    assert sample("sparsegate_operator_reconcile_duration_seconds_bucket", kind="UnitSlowKind", le="60.0") == 1
+    assert sample("sparsegate_operator_reconcile_duration_seconds_bucket", kind="UnitSlowKind", le="300.0") == 1
+
 def test_gc_pauses_are_timed_by_generation_once_installed():
     import gc
 

@@ -76,3 +76,17 @@ def test_reconcile_errors_series_exists_before_the_first_error():
     with metrics.observe("UnitNeverFails"):
         pass
     assert sample("sparsegate_operator_reconcile_errors_total", kind="UnitNeverFails") == 0
+
+
+def test_instances_at_rest_follow_the_count_status_records():
+    # The controller records status.rollout.instances at every check, canary or not; with no
+    # canaryInstances at rest the gauge must follow it, not keep the count of the last rollout.
+    ns, gc = "unit-ns", "unit-gc-instances"
+    metrics.observe_gateconfig(namespace=ns, name=gc, status=in_flight_status(instances=10))
+    assert sample("sparsegate_rollout_instances", namespace=ns, gateconfig=gc) == 10
+    metrics.observe_gateconfig(namespace=ns, name=gc, status={
+        "stable": {"version": CANARY},
+        "rollout": {"phase": "Succeeded", "steps": 3, "instances": 4, "podVersions": {f"p{i}": CANARY for i in range(4)}}})
+    assert sample("sparsegate_rollout_instances", namespace=ns, gateconfig=gc) == 4
+    assert rollout_gauges({"rollout": {"phase": "Succeeded", "instances": 0}}).instances == 0
+    metrics.forget_gateconfig(namespace=ns, name=gc)
