@@ -170,7 +170,18 @@ class AccessTable:
                          groups[group] if group is not None else None)
         if group is not None:
             d = self.decide(**ask, group=group)
-            return Scope(d, group, groups[group] if d.allow else ())
+            if not d.allow:
+                return Scope(d, group, ())
+            # Deny wins: an expert the named group shares with a group a Deny names for this
+            # caller stays masked (groups may overlap), as it is for a request naming no group.
+            denied = {e for g in groups if g != group
+                      for dg in [self.decide(**ask, group=g)] if not dg.allow and dg.rule
+                      for e in groups[g]}
+            left = tuple(e for e in groups[group] if e not in denied)
+            if not left:
+                return Scope(Decision(False, d.rule, f"every expert of group {group} is also in a group "
+                                                     f"denied to this caller"), group, ())
+            return Scope(d, group, left)
         d = self.decide(**ask, group=None)
         if not d.allow:
             allowed = sorted(g for g in groups if self.decide(**ask, group=g).allow)

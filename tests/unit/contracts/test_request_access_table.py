@@ -112,3 +112,26 @@ def test_bad_documents_are_refused_naming_the_field(path, value, field):
         parse_access_document(doc)
     with pytest.raises(AccessDocumentError, match="JSON object"):
         parse_access_document([doc])
+
+
+def test_a_named_group_keeps_the_experts_it_shares_with_a_denied_group_masked():
+    """Groups may overlap (the CRD only forbids repeats inside one group). A Deny on group "code"
+    keeps its experts from the caller whether it names no group or a group sharing them: Deny wins.
+    A group merely not allowed (no Deny) masks nothing of an allowed one."""
+    groups = {"math": (0, 1, 2), "code": (2, 3), "chat": (3,)}
+    deny = {"action": "Deny", "sources": [{"namespace": "web"}],
+            "targets": [{"sparseModel": "moe", "expertGroups": ["code"]}]}
+    table = _table(_allow("a"), deny)
+
+    def scope(group):
+        return table.scope(namespace="web", service_account="a", route="/v1/infer", group=group,
+                           groups=groups, num_experts=8)
+
+    assert scope(None).experts == (0, 1, 4, 5, 6, 7)
+    math = scope("math")
+    assert math.decision.allow and math.experts == (0, 1)
+    chat = scope("chat")  # its only expert is in the denied group
+    assert not chat.decision.allow and chat.experts == ()
+    scoped = _table(_allow("a", expertGroups=["math"]))  # "code" not allowed, but not denied
+    assert scoped.scope(namespace="web", service_account="a", route="/v1/infer", group="math",
+                        groups=groups, num_experts=8).experts == (0, 1, 2)
