@@ -74,7 +74,8 @@ API_REQUESTS = prometheus_client.Counter(
 API_REQUEST_SECONDS = prometheus_client.Histogram(
     "sparsegate_operator_kube_request_duration_seconds",
     "Time from sending a request of the operator's own client to reading its whole answer.",
-    ["verb", "resource"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+    # Up to REQUEST_TIMEOUT_S: an attempt can take that long before it times out.
+    ["verb", "resource"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
 
 def verb_and_resource(method: str, path: str) -> tuple[str, str]:

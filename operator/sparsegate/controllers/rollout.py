@@ -122,7 +122,8 @@ STEP_SECONDS = prometheus_client.Histogram(
     ["percent"], buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800))
 TICK_SECONDS = prometheus_client.Histogram(
     "sparsegate_rollout_tick_duration_seconds", "Wall time of one rollout reconcile tick.",
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+    # A tick waits on API requests (up to 30 s each) and pod pushes: slower ticks stay readable.
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
 PUSHES = prometheus_client.Counter(
     "sparsegate_rollout_gate_pushes_total", "PUT /admin/gate calls by result.", ["result"])
 MEASUREMENTS = prometheus_client.Counter(

@@ -136,3 +136,13 @@ def test_sparsegate_run_names_a_bad_setting_without_a_traceback(env: dict[str, s
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert message in proc.stderr.strip().splitlines()[-1]
+
+
+def test_api_request_and_tick_durations_up_to_the_request_timeout_land_in_finite_buckets() -> None:
+    """An API request attempt may take up to REQUEST_TIMEOUT_S (30 s) and a rollout tick waits on
+    several: both histograms reach that far, so a slow control plane reads as slow, not as 10 s."""
+    from sparsegate.clients import kube
+    from sparsegate.controllers import rollout
+
+    assert max(kube.API_REQUEST_SECONDS._upper_bounds[:-1]) >= kube.REQUEST_TIMEOUT_S
+    assert max(rollout.TICK_SECONDS._upper_bounds[:-1]) >= 2 * kube.REQUEST_TIMEOUT_S
