@@ -337,9 +337,11 @@ class BatchDecoder:
             seq.gate_version = call.gate.version
             cols = slice(end - length, end)
             if fires[i] is not None:
+                # Copies: a view would keep the whole packed prefill's cache alive while parked.
                 self._parked[seq.req.key] = _Parked(
-                    seq, call.gate, keys=[layer.keys[:, :, cols] for layer in layers],
-                    values=[layer.values[:, :, cols] for layer in layers], acc=table[i], held=token)
+                    seq, call.gate, keys=[layer.keys[:, :, cols].clone() for layer in layers],
+                    values=[layer.values[:, :, cols].clone() for layer in layers], acc=table[i],
+                    held=token)
                 events.append(fires[i])
                 continue
             finish = self._append(seq, token)
@@ -406,9 +408,10 @@ class BatchDecoder:
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
             if fires[i] is not None:
                 first = int(group.mask[i].nonzero()[0])  # its left padding stays behind
+                # Copies: a view would keep the whole group's cache of this step alive while parked.
                 self._parked[seq.req.key] = _Parked(
-                    seq, group.gate, keys=[k[i:i + 1, :, first:] for k in group.keys],
-                    values=[v[i:i + 1, :, first:] for v in group.values],
+                    seq, group.gate, keys=[k[i:i + 1, :, first:].clone() for k in group.keys],
+                    values=[v[i:i + 1, :, first:].clone() for v in group.values],
                     acc=group.acc[i].clone(), held=token)
                 del self._where[seq.req.key]
                 events.append(fires[i])

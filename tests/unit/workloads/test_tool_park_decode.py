@@ -95,3 +95,21 @@ def test_a_parked_sequence_that_leaves_is_forgotten(hf):
     dec.run([DecodeRequest(key="x", prompt_ids=[3, 4], max_tokens=4, max_tool_calls=1)], [])
     assert dec.parked == 1
     assert dec.run([], ["x"], resume=[("x", FORCED)]) == [] and dec.parked == 0
+
+
+def test_a_parked_sequence_holds_only_its_own_cache(hf):
+    # Parked from a group's step and from a packed prefill: its keys/values are its own
+    # tensors, not views keeping the whole group's or prefill's cache alive while its tool runs.
+    long = [DecodeRequest(key=f"o{i}", prompt_ids=list(range(3, 120)), max_tokens=20)
+            for i in range(3)]
+    dec = _decoder(hf, [])
+    dec.run([*long, DecodeRequest(key="p", prompt_ids=[3, 4, 5], max_tokens=8, max_tool_calls=2)], [])
+    # "p" fired at its prefill; back with no result, it joins the long ones and fires at the step.
+    events = dec.run([DecodeRequest(key="q", prompt_ids=[6, 7], max_tokens=8, max_tool_calls=1),
+                      *[DecodeRequest(key=f"r{i}", prompt_ids=list(range(9, 90)), max_tokens=4)
+                        for i in range(2)]], [], resume=[("p", None)])
+    assert sorted(e.key for e in events if isinstance(e, ToolFire)) == ["p", "q"]
+    assert dec.parked == 2 and dec.running == 5
+    for parked in dec._parked.values():
+        for t in (*parked.keys, *parked.values):
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), parked.seq.req.key
