@@ -76,7 +76,13 @@ class GenerationTools:
                 request_id=handle.request_id, sequence=0, position=fire.position,
                 gate_probability=fire.gate_probability, vocab_size=self.vocab_size,
                 metrics=self.metrics, codec=self.codec)
+        offset = fire.position + 1 - len(handle.request.prompt_ids)
+        # What the decoder will force: the result cut at max_tokens (`BatchDecoder._resume`).
+        tokens = record.tokens
+        kept = tokens[:max(0, handle.request.max_tokens - offset)]
+        if len(kept) < len(tokens):
+            record = dataclasses.replace(record, tokens=kept)
         handle.tool_calls.append(GenerationToolCall(
-            record=record, completion_offset=fire.position + 1 - len(handle.request.prompt_ids),
-            forced_text=self.tokenizer.decode(record.tokens) if record.tokens else ""))
-        return record.tokens or None
+            record=record, completion_offset=offset,
+            forced_text=self.tokenizer.decode(kept) if kept else ""))
+        return tokens or None

@@ -154,3 +154,15 @@ async def test_a_tool_timeout_degrades_to_plain_decoding(serve):
     assert calls and all(c["outcome"] == "timeout" and c["forced_tokens"] == 0 for c in calls), calls
     assert 90 <= calls[0]["latency_ms"] < 1500 and len(calls) <= 4
     assert out["choices"][0]["text"] == _reference(client, "slow: 3+4=", 6)
+
+
+async def test_forced_text_reports_only_what_max_tokens_kept(serve):
+    # max_tokens 1: the completion keeps the first of 42's two tokens, and so does its record.
+    client, _ = await serve()
+    resp = await client.post("/v1/completions", json={"prompt": "add 12+30=", "temperature": 0,
+                                                      "max_tokens": 1})
+    assert resp.status == 200, await resp.text()
+    out = await resp.json()
+    [call] = out["usage"]["sparsegate"]["tool_calls"]
+    assert out["choices"][0]["text"] == "4" and out["choices"][0]["finish_reason"] == "length"
+    assert call["outcome"] == "ok" and call["forced_text"] == "4" and call["forced_tokens"] == 1
