@@ -2,7 +2,8 @@
 
 * :class:`DirectScrape` (default): ``GET /metrics`` on every pod IP, parsed by this module's line
   parser (:func:`parse_samples`) into cumulative :class:`PodCounters`; windows are the
-  difference of two snapshots (``domain.analysis.window_delta``). Needs no Prometheus.
+  difference of two snapshots (``domain.analysis.window_delta``), per ``gate_version`` series
+  when not split by version (a server drops long-retired versions' series). Needs no Prometheus.
 * :class:`PrometheusAPI`: PromQL over the HTTP API (``/api/v1/query``) for clusters that
   already scrape the model pods; windows are computed server-side with ``increase()``.
   It assumes the scrape config attaches ``namespace`` and ``pod`` labels (the usual
@@ -121,68 +122,101 @@ def parse_pod_counters(text: str, *, at: float, gate_version: str | None = None)
     return pod_counters(parse_samples(text), at=at, gate_version=gate_version)
 
 
+class _Sums:
+    """The counters of one ``gate_version`` (or of every version): running sums."""
+
+    __slots__ = ("requests", "errors", "tokens", "assignments", "buckets", "quality_nll", "quality_tokens",
+                 "rx_count", "rx_sum", "rx_squares")
+
+    def __init__(self) -> None:
+        self.requests = self.errors = self.tokens = self.assignments = 0.0
+        self.quality_nll = self.quality_tokens = 0.0
+        self.rx_count = self.rx_sum = self.rx_squares = 0.0  # per-request experts: count, sum, squares
+        self.buckets: dict[float, float] = {}
+
+    def add(self, name: str, labels: Mapping[str, str], value: float) -> bool:
+        """Count one sample; False when it is none of these counters."""
+        if name == REQUESTS:
+            self.requests += value
+            if _is_error(labels.get("code", "")):
+                self.errors += value
+        elif name == DURATION_BUCKET:
+            le = _bound(labels.get("le"))
+            if le is not None:  # a bucket without a readable bound is left out
+                self.buckets[le] = self.buckets.get(le, 0.0) + value
+        elif name == TOKENS:
+            self.tokens += value
+        elif name == ASSIGNMENTS:
+            self.assignments += value
+        elif name == QUALITY_NLL:
+            self.quality_nll += value
+        elif name == QUALITY_TOKENS:
+            self.quality_tokens += value
+        elif name == REQUEST_EXPERTS_COUNT:
+            self.rx_count += value
+        elif name == REQUEST_EXPERTS_SUM:
+            self.rx_sum += value
+        elif name == REQUEST_EXPERTS_SQUARES:
+            self.rx_squares += value
+        else:
+            return False
+        return True
+
+    def counters(self, *, at: float, layers: float, gauge: float | None = None, probe_nll: float | None = None,
+                 by_version: Mapping[str, PodCounters] | None = None) -> PodCounters:
+        return PodCounters(
+            at=at,
+            requests=self.requests,
+            errors=self.errors,
+            duration_buckets=self.buckets,
+            experts_sum=self.assignments,
+            experts_count=self.tokens * layers,
+            experts_gauge=gauge,
+            quality_nll=self.quality_nll,
+            quality_tokens=self.quality_tokens,
+            probe_nll=probe_nll,
+            request_experts_count=self.rx_count,
+            request_experts_sum=self.rx_sum,
+            request_experts_squares=self.rx_squares,
+            by_version=by_version or {},
+        )
+
+
 def pod_counters(samples: Iterable[Sample], *, at: float, gate_version: str | None = None) -> PodCounters:
     """Cumulative counters of one pod's samples (:func:`parse_samples`).
 
     ``gate_version``: count only the samples of the requests that version served (labelled
-    ``gate_version``); the last-batch gauge, which no version owns, is then left out."""
-    requests = errors = tokens = assignments = 0.0
-    buckets: dict[float, float] = {}
+    ``gate_version``); the last-batch gauge, which no version owns, is then left out.
+    Without it, every version's counters summed, and each version's own in ``by_version``
+    (a window is each version's delta summed: ``domain.analysis.window_delta``)."""
+    total = _Sums()
+    versions: dict[str, _Sums] = {}
     layers: set[str] = set()
     moe_layers: float | None = None
     gauge: float | None = None
-    quality_nll = quality_tokens = 0.0
     probe_nll: float | None = None
-    rx_count = rx_sum = rx_squares = 0.0  # per-request experts: count, sum, sum of squares
     for name, labels, value in samples:
         if gate_version is not None and name not in (EXPERT_TOKENS, MOE_LAYERS) \
                 and labels.get("gate_version") != gate_version:
             continue
-        if name == REQUESTS:
-            requests += value
-            if _is_error(labels.get("code", "")):
-                errors += value
-        elif name == DURATION_BUCKET:
-            le = _bound(labels.get("le"))
-            if le is not None:  # a bucket without a readable bound is left out
-                buckets[le] = buckets.get(le, 0.0) + value
-        elif name == TOKENS:
-            tokens += value
-        elif name == ASSIGNMENTS:
-            assignments += value
+        if total.add(name, labels, value):
+            if gate_version is None:
+                version = labels.get("gate_version", "")
+                sums = versions.get(version)
+                if sums is None:
+                    sums = versions[version] = _Sums()
+                sums.add(name, labels, value)
         elif name == EXPERT_TOKENS:
             layers.add(labels.get("layer", ""))
         elif name == MOE_LAYERS and value >= 1:
             moe_layers = value
         elif name == ACTIVE_GAUGE:
             gauge = value
-        elif name == QUALITY_NLL:
-            quality_nll += value
-        elif name == QUALITY_TOKENS:
-            quality_tokens += value
         elif name == PROBE_NLL and math.isfinite(value):
             probe_nll = value
-        elif name == REQUEST_EXPERTS_COUNT:
-            rx_count += value
-        elif name == REQUEST_EXPERTS_SUM:
-            rx_sum += value
-        elif name == REQUEST_EXPERTS_SQUARES:
-            rx_squares += value
-    return PodCounters(
-        at=at,
-        requests=requests,
-        errors=errors,
-        duration_buckets=buckets,
-        experts_sum=assignments,
-        experts_count=tokens * (moe_layers if moe_layers is not None else max(1, len(layers))),
-        experts_gauge=gauge,
-        quality_nll=quality_nll,
-        quality_tokens=quality_tokens,
-        probe_nll=probe_nll,
-        request_experts_count=rx_count,
-        request_experts_sum=rx_sum,
-        request_experts_squares=rx_squares,
-    )
+    n_layers = moe_layers if moe_layers is not None else max(1, len(layers))
+    by_version = {v: sums.counters(at=at, layers=n_layers) for v, sums in versions.items()}
+    return total.counters(at=at, layers=n_layers, gauge=gauge, probe_nll=probe_nll, by_version=by_version)
 
 
 def group_from_snapshots(

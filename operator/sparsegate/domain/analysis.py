@@ -101,6 +101,10 @@ class PodCounters:
     request_experts_count: float = 0.0
     request_experts_sum: float = 0.0
     request_experts_squares: float = 0.0
+    # A snapshot of every version (unfiltered): the same counters per ``gate_version`` label, so a
+    # window is the sum of each version's own delta (:func:`window_delta`). Empty: filtered by
+    # version, or built by hand; the totals above are then the only series.
+    by_version: Mapping[str, PodCounters] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -173,9 +177,43 @@ def _counter_delta(new: float, old: float) -> float:
 
 
 def window_delta(*, start: PodCounters | None, end: PodCounters) -> PodCounters:
-    """Counters accumulated between two scrapes of one pod (``start`` None: since pod start)."""
+    """Counters accumulated between two scrapes of one pod (``start`` None: since pod start).
+
+    Snapshots of every version (``by_version`` on both): each version's own delta, summed. A
+    version absent at the start counts from 0, one absent at the end (its series removed by the
+    server) adds nothing, and a version whose own counters went down restarted them. Summing
+    first would read the removal of a retired version's series as a pod restart."""
     if start is None:
         return end
+    if start.by_version and end.by_version:
+        deltas = [_version_delta(start=start.by_version.get(v), end=e, at=start.at)
+                  for v, e in end.by_version.items()]
+        buckets: dict[float, float] = {}
+        for d in deltas:
+            for le, c in d.duration_buckets.items():
+                buckets[le] = buckets.get(le, 0.0) + c
+        return PodCounters(
+            at=end.at,
+            requests=sum(d.requests for d in deltas),
+            errors=sum(d.errors for d in deltas),
+            duration_buckets=buckets,
+            experts_sum=sum(d.experts_sum for d in deltas),
+            experts_count=sum(d.experts_count for d in deltas),
+            experts_gauge=end.experts_gauge,
+            quality_nll=sum(d.quality_nll for d in deltas),
+            quality_tokens=sum(d.quality_tokens for d in deltas),
+            probe_nll=end.probe_nll,
+            request_experts_count=sum(d.request_experts_count for d in deltas),
+            request_experts_sum=sum(d.request_experts_sum for d in deltas),
+            request_experts_squares=sum(d.request_experts_squares for d in deltas),
+        )
+    return _version_delta(start=start, end=end, at=start.at)
+
+
+def _version_delta(*, start: PodCounters | None, end: PodCounters, at: float) -> PodCounters:
+    """One series set's delta (start None: absent at the start, counted from 0)."""
+    if start is None:
+        start = PodCounters(at=at)
     reset = end.requests < start.requests
     base = PodCounters(at=start.at) if reset else start
     return PodCounters(

@@ -4,12 +4,18 @@ the analysis needs exactly as prometheus_client's parser does, and skips the res
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparsegate.clients.metrics_source import PARSED_SAMPLES, SCRAPED_SAMPLES, parse_pod_counters, parse_samples
+from sparsegate.clients.analysis_providers import DirectScrape, MeasureRequest
+from sparsegate.clients.metrics_source import (PARSED_SAMPLES, SCRAPED_SAMPLES, group_from_snapshots,
+                                               parse_pod_counters, parse_samples)
+from sparsegate.clients.podadmin import PodAdmin, PodTarget
+from sparsegate.domain.analysis import PodCounters, window_delta
+from sparsegate.domain.analysis_run import BUILTIN_CHECK
 from sparsegate_workload.metrics import ServerMetrics
 
 
@@ -94,3 +100,90 @@ def test_layers_from_the_gauge_or_counted_from_per_expert_series(exposition: str
     tokens = sum(v for n, labels, v in parse_samples(exposition)
                  if n == "sparsegate_tokens_total" and labels["gate_version"] == "g-aaaaaaaaaaaa")
     assert with_gauge.experts_count == tokens * 2  # 2 MoE layers
+
+
+def _versions(at: float, counts: dict[str, float], *, version: str | None = None) -> PodCounters:
+    """A pod's counters from an exposition with ``counts`` requests per gate_version (each
+    request 3 tokens, 1.5 experts per token over 2 layers, 2 scored tokens, under 0.1 s)."""
+    lines = ["sparsegate_moe_layers 2"]
+    for v, n in counts.items():
+        g = f'gate_version="{v}"'
+        lines += [f'sparsegate_requests_total{{code="200",{g}}} {n}',
+                  f'sparsegate_request_duration_seconds_bucket{{{g},le="0.1"}} {n}',
+                  f'sparsegate_request_duration_seconds_bucket{{{g},le="+Inf"}} {n}',
+                  f'sparsegate_tokens_total{{{g}}} {3 * n}',
+                  f'sparsegate_expert_assignments_total{{{g}}} {9 * n}',
+                  f'sparsegate_quality_nll_total{{{g}}} {4 * n}',
+                  f'sparsegate_quality_tokens_total{{{g}}} {2 * n}',
+                  f'sparsegate_request_experts_per_token_count{{{g}}} {n}',
+                  f'sparsegate_request_experts_per_token_sum{{{g}}} {1.5 * n}',
+                  f'sparsegate_request_experts_per_token_squares_total{{{g}}} {2.25 * n}']
+    return parse_pod_counters("\n".join(lines) + "\n", at=at, gate_version=version)
+
+
+def _requests_only(d: PodCounters) -> bool:
+    """Every counter of a window delta is what its requests make (see :func:`_versions`)."""
+    n = d.requests
+    return (dict(d.duration_buckets) == {0.1: n, math.inf: n} and d.experts_count == 6 * n
+            and d.experts_sum == 9 * n and d.quality_nll == 4 * n and d.quality_tokens == 2 * n
+            and (d.request_experts_count, d.request_experts_sum, d.request_experts_squares) == (n, 1.5 * n, 2.25 * n))
+
+
+def test_a_removed_versions_series_is_not_read_as_a_restart() -> None:
+    """A model server drops the series of a long-retired version: the pod's sum over versions goes
+    down although no counter was reset. The window counts each version's own delta (it read the
+    drop as a restart and counted the pod's whole total, 60 requests, as new)."""
+    d = window_delta(start=_versions(0, {"g-old": 1000, "g-new": 50}), end=_versions(10, {"g-new": 60}))
+    assert d.requests == 10 and _requests_only(d), d
+    # Into the groups of the instances strategy and the fleet qps the same way.
+    g = group_from_snapshots(start={"p": _versions(0, {"g-old": 1000, "g-new": 50})},
+                             end={"p": _versions(10, {"g-new": 60})}, pods=["p"])
+    assert g is not None and g.requests == 10 and g.qps == 1.0
+
+
+def test_each_versions_delta_new_versions_from_zero_and_its_own_restart() -> None:
+    start = _versions(0, {"": 5, "g-a": 100, "g-b": 40})
+    # A version first seen in the window counts from 0; one removed adds nothing.
+    d = window_delta(start=start, end=_versions(10, {"": 5, "g-b": 45, "g-c": 7}))
+    assert d.requests == 12 and _requests_only(d), d
+    # A version whose own counter went down restarted it: counted from 0 (the others by delta).
+    d = window_delta(start=start, end=_versions(10, {"": 6, "g-a": 3, "g-b": 41}))
+    assert d.requests == 1 + 3 + 1 and _requests_only(d), d
+    # A restarted pod: every version from 0, as before.
+    d = window_delta(start=start, end=_versions(10, {"g-a": 2}))
+    assert d.requests == 2 and _requests_only(d), d
+
+
+def test_the_filtered_path_is_the_versions_own_delta_as_before() -> None:
+    start = _versions(0, {"g-old": 1000, "g-new": 50}, version="g-new")
+    end = _versions(10, {"g-new": 60}, version="g-new")
+    assert not start.by_version and not end.by_version
+    d = window_delta(start=start, end=end)
+    assert d.requests == 10 and _requests_only(d)
+    assert window_delta(start=end, end=_versions(20, {"g-new": 4}, version="g-new")).requests == 4  # its reset
+    assert window_delta(start=None, end=end) == end
+
+
+async def test_direct_scrape_fleet_qps_and_groups_survive_a_removed_version() -> None:
+    """DirectScrape (instances strategy, no version split): the fleet qps of a tick and the
+    window's groups, across a scrape where a retired version's series were removed."""
+    pages = iter(["\n".join(f'sparsegate_requests_total{{code="200",gate_version="{v}"}} {n}'
+                            for v, n in counts.items()) + "\n"
+                  for counts in ({"g-old": 1000, "g-new": 50}, {"g-new": 60}, {"g-new": 80})])
+
+    class Pods(PodAdmin):
+        async def scrape(self, targets: Any, *, names: Any = ()) -> dict[str, str]:
+            return {"pod-a": next(pages)}
+
+    scrape = DirectScrape(Pods())
+    target = PodTarget(name="pod-a", ip="10.0.0.1", port=8080)
+
+    def at(now: float) -> MeasureRequest:
+        return MeasureRequest(namespace="ns", now=now, targets={"pod-a": target}, canary=["pod-a"],
+                              stable=[], analysing=True, window_key=("g-new", 1, 0.0))
+
+    await scrape.measure(BUILTIN_CHECK, at(0.0))
+    tick = await scrape.measure(BUILTIN_CHECK, at(10.0))
+    assert tick.fleet_qps == 1.0 and tick.canary_metrics is not None and tick.canary_metrics.requests == 10
+    tick = await scrape.measure(BUILTIN_CHECK, at(20.0))
+    assert tick.fleet_qps == 2.0 and tick.canary_metrics is not None and tick.canary_metrics.requests == 30
