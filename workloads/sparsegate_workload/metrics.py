@@ -6,10 +6,12 @@ this server too."""
 
 from __future__ import annotations
 
+from typing import Any, Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .inference import InferenceResult
-from .quality import QualityMetrics
+from .quality import NO_VERSION, QualityMetrics
 from .tools import ToolMetrics
 
 # Up to 120 s: the rollout's p99 SLA check (slaP99LatencyMs) can only show a p99 within the
@@ -28,6 +30,12 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 # The codes an inference request ends with besides client errors: 200, and the 5xx the server
 # answers (500 an internal error, 503 loading / overloaded / injected fault). See `serving`.
 INITIALISED_CODES = ("200", "500", "503")
+
+# Versions no longer held whose ``gate_version`` series are kept (the oldest dropped first
+# beyond this): the operator's window still reads a version just promoted away or rolled back
+# (a direct scrape's deltas, Prometheus's increase()), and its series stop growing once it is
+# no longer served; beyond it a pod living through many rollouts would keep every version's.
+RETIRED_VERSIONS_KEPT = 4
 
 
 class ServerMetrics:
@@ -131,6 +139,35 @@ class ServerMetrics:
         for layer in range(n_layers):
             for expert in range(num_experts):
                 self.expert_tokens.labels(layer=str(layer), expert=str(expert))
+        self._held: set[str] = set()
+        self._retired: list[str] = []  # versions no longer held, oldest first
+
+    def _versioned(self) -> list[Any]:
+        """Every family labelled ``gate_version``."""
+        return [self.requests, self.duration, self.tokens, self.assignments, self.request_experts,
+                self.request_experts_squares, self.controlled_threshold, self.quality.nll,
+                self.quality.tokens]
+
+    def hold(self, versions: Iterable[str]) -> None:
+        """The versions served now (stable, and a request-level canary's). A version that stops
+        being held keeps its series, unchanged from then on, until ``RETIRED_VERSIONS_KEPT``
+        newer versions have also stopped being held; then its series are removed."""
+        held = {v for v in versions if v}
+        self._retired = [v for v in self._retired if v not in held]
+        self._retired += sorted(self._held - held)
+        self._held = held
+        if len(self._retired) <= RETIRED_VERSIONS_KEPT:
+            return
+        self._retired = self._retired[-RETIRED_VERSIONS_KEPT:]
+        # Every other version's series go, also one a request still running when its version was
+        # dropped brought back on completion (it would otherwise stay for the pod's life).
+        keep = held | set(self._retired) | {"", NO_VERSION}
+        for family in self._versioned():
+            index = family._labelnames.index("gate_version")
+            with family._lock:
+                stale = [lv for lv in family._metrics if lv[index] not in keep]
+            for lv in stale:
+                family.remove(*lv)
 
     def observe_request(self, *, code: int, gate_version: str | None, seconds: float) -> None:
         """One inference request (``/v1/infer`` or OpenAI), labelled by the version that served it."""
@@ -164,6 +201,8 @@ class ServerMetrics:
         every series of the version starts from the same value, so the window's extrapolation
         treats them alike.
         Client errors (4xx) are left to appear when they happen: they do not count as errors."""
+        if version:
+            self._held.add(version)  # until `hold` is told it no longer is
         for code in INITIALISED_CODES:
             self.requests.labels(code=code, gate_version=version)
         # The other per-version sums the analysis divides (experts per token, its spread, quality).

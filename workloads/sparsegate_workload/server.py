@@ -493,6 +493,8 @@ async def _apply_gate_set(state: ServerState, body: Any) -> web.Response:
     state.metrics.set_gate(version=doc.version, checksum=doc.checksum)
     if canary is not None:
         state.metrics.serving(canary.gate.doc.version)
+    # Versions no longer held keep their series for a few rollouts, then lose them (bounded).
+    state.metrics.hold(g.doc.version for g in _held_gates(state))
     state.metrics.gate_applies.labels(result="applied").inc()
     _publish_controller(state, new)
     if canary is not None:

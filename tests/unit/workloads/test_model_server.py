@@ -478,3 +478,47 @@ async def test_a_model_that_fails_to_load_is_unhealthy_with_the_reason(monkeypat
         assert (await c.post("/v1/infer", json={"tokens": [[1]]})).status == 503
     finally:
         await c.close()
+
+
+def _version_series(text: str) -> dict[str, int]:
+    """Samples per gate_version label in a /metrics exposition."""
+    import re
+    out: dict[str, int] = {}
+    for v in re.findall(r'gate_version="([^"]*)"', text):
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+async def test_series_of_versions_no_longer_held_are_bounded(client, admin):
+    """Many rollouts on one pod: only the held versions and the last RETIRED_VERSIONS_KEPT
+    versions no longer held keep their gate_version series; the newest are intact."""
+    from sparsegate_workload.metrics import RETIRED_VERSIONS_KEPT
+    versions = []
+    for i in range(RETIRED_VERSIONS_KEPT + 6):
+        doc = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 1 + i % 2,
+                             "maxExpertsPerToken": 2, "capacityFactor": 8 + i})
+        versions.append(doc.version)
+        assert (await admin.put("/admin/gate", json=doc.to_json(), headers=AUTH)).status == 200
+        assert (await _infer(client, [[1, 2, 3]])).status == 200
+    text = await (await client.get("/metrics")).text()
+    series = _version_series(text)
+    assert VERSION_A.version not in series
+    kept = set(versions[-1 - RETIRED_VERSIONS_KEPT:])
+    assert set(series) - {""} == kept, series
+    # The held version and the previous one keep every series, with their counts.
+    for v in versions[-2:]:
+        assert f'sparsegate_requests_total{{code="200",gate_version="{v}"}} 1.0' in text
+        assert f'sparsegate_request_duration_seconds_count{{gate_version="{v}"}} 1.0' in text
+        assert f'sparsegate_tokens_total{{gate_version="{v}"}} 3.0' in text
+        assert f'sparsegate_quality_tokens_total{{gate_version="{v}"}}' in text
+    # One more rollout: the set stays the same size.
+    doc = make_document({**DEFAULT_PARAMS, "capacityFactor": 63})
+    assert (await admin.put("/admin/gate", json=doc.to_json(), headers=AUTH)).status == 200
+    after = _version_series(await (await client.get("/metrics")).text())
+    assert len(set(after) - {""}) == len(kept) and versions[-1 - RETIRED_VERSIONS_KEPT] not in after
+    # A request of a dropped version ending late brings its series back; the next rollout drops it.
+    client.server.app[STATE].metrics.observe_request(code=200, gate_version=versions[0], seconds=0.01)
+    assert versions[0] in _version_series(await (await client.get("/metrics")).text())
+    doc = make_document({**DEFAULT_PARAMS, "capacityFactor": 62})
+    assert (await admin.put("/admin/gate", json=doc.to_json(), headers=AUTH)).status == 200
+    assert versions[0] not in _version_series(await (await client.get("/metrics")).text())
