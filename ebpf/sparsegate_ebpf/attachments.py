@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sparsegate_contracts.probes import ERROR_MAX, InterfaceReport, NodeReport
+from sparsegate_contracts.probes import ERROR_MAX, InterfaceReport, NodeReport, is_ifname
 
 from . import xdp
 from .metrics import AgentState
@@ -109,6 +109,11 @@ def _index(ifname: str) -> int | None:
 
 
 def _exists(ifname: str) -> None:
+    if not is_ifname(ifname):
+        # No device has such a name; glibc's if_nametoindex would resolve an alias label like
+        # eth0:1 to eth0 and the program would land there under another interface's name.
+        raise xdp.AttachError(f"{ifname!r} is not a Linux interface name (1-15 bytes, not '.' or '..', "
+                              "no '/', ':' or whitespace)")
     try:
         socket.if_nametoindex(ifname)
     except OSError:

@@ -41,7 +41,7 @@ REPORT_CONFIGMAP_NAME = "sparsegate-probe-reports"
 CONFIG_MAX_BYTES = 1024 * 1024 - 64 * 1024
 XDP_MODES = ("auto", "native", "generic")
 ATTACHED_MODES = ("native", "generic")
-# The interface-name rule of the TelemetryProbe CRD (and of the kernel: IFNAMSIZ - 1 characters).
+# The interface-name rule of the TelemetryProbe CRD (and of the kernel: IFNAMSIZ - 1 bytes).
 MAX_IFNAME = 15
 ERROR_MAX = 500  # bytes of one interface's error message kept in a report
 
@@ -85,7 +85,17 @@ def _require(cond: bool, field: str, problem: str) -> None:
         raise ProbeDocumentError(f"{field}: {problem}")
 
 
+def is_ifname(value: Any) -> bool:
+    """Whether Linux takes ``value`` as a network interface name (the kernel's dev_valid_name):
+    1-15 bytes, not '.' or '..', no '/', ':', whitespace or NUL."""
+    return (isinstance(value, str) and 0 < len(value.encode()) <= MAX_IFNAME and value not in (".", "..")
+            and not any(c in "/:\0" or c.isspace() for c in value))
+
+
 def _ifname(value: Any, field: str) -> str:
+    # Looser than is_ifname on purpose: a probe stored before the CRD refused '.', '..' and ':' is
+    # still served (the API server keeps it), and one such name must not make the agent drop its
+    # node's whole document; the agent refuses that interface alone (AttachFailed names it).
     _require(isinstance(value, str) and 0 < len(value) <= MAX_IFNAME and "/" not in value
              and not any(c.isspace() for c in value), field, f"must be an interface name (1-{MAX_IFNAME} "
              f"characters, no '/' or space), got {value!r}")

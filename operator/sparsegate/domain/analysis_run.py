@@ -67,6 +67,10 @@ ARG_NAMES = ("namespace", "gateConfig", "models", "canaryPods", "stablePods", "c
              "step", "canaryPercent", "window")
 _PLACEHOLDER = re.compile(r"\{\{\s*([^{}]*?)\s*\}\}")
 _CHECK_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+# The CRD's rules for web check headers: a name is an RFC 9110 token; a value holds no control
+# character but tab (the HTTP client refuses CR, LF, NUL and the rest: the request is never sent).
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
+_HEADER_VALUE_FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class Provider(str, enum.Enum):
@@ -215,7 +219,14 @@ def _parse_check(raw: Any, *, where: str) -> CheckSpec:
     for i, h in enumerate(body.get("headers") or []):
         if not isinstance(h, Mapping) or not h.get("name"):
             raise ValueError(f"{where}.provider.web.headers[{i}] needs a name and a value")
-        headers.append((str(h["name"]), str(h.get("value", ""))))
+        name, value = str(h["name"]), str(h.get("value", ""))
+        if not _HEADER_NAME.fullmatch(name):
+            raise ValueError(f"{where}.provider.web.headers[{i}].name must be an HTTP header name (letters, digits "
+                             f"and !#$%&'*+.^_`|~-), got {name!r}")
+        if _HEADER_VALUE_FORBIDDEN.search(value):
+            raise ValueError(f"{where}.provider.web.headers[{i}].value must hold no control characters (CR, LF, "
+                             f"NUL, ...; tab is allowed), got {value!r}")
+        headers.append((name, value))
     path_text = body.get("jsonPath")
     try:
         json_path = parse_json_path(path_text) if path_text else None

@@ -581,6 +581,11 @@ CEL_CASES: dict[tuple[str, str, str], list[CelCase]] = {
     ],
     ("RoutingPolicy", "spec.sources[].matchLabels", LABEL_KEY_RULE): _label_key_cases("spec.sources[0].matchLabels"),
     ("TelemetryProbe", "spec.nodeSelector", LABEL_KEY_RULE): _label_key_cases("spec.nodeSelector"),
+    # The pattern admits them, Linux (dev_valid_name) refuses them as interface names.
+    ("TelemetryProbe", "spec.interfaces[]", "self != '.' && self != '..'"): [
+        ("bad_format", "spec.interfaces[0]", f"interface {bad!r}", _set("spec.interfaces", [bad]))
+        for bad in (".", "..")
+    ],
     ("RoutingPolicy", "spec.ports[]", "self.port >= 1 && self.port <= 65535"): [
         ("out_of_range", "spec.ports[0].port", f"port {bad}", _set("spec.ports[0].port", bad))
         for bad in (0, -1, 65536)
@@ -659,6 +664,11 @@ PATTERN_CASES: dict[tuple[str, str], list[str]] = {
         "spiffe://cluster.local/ns/web/sa/front~end", "spiffe://cluster.local/ns/web/sa/a@b",
         "spiffe://cluster.local:8443/ns/web", "spiffe://user@cluster.local/ns/web", "spiffe://cluster.local",
         "spiffe://cluster.local/ns/web?x=1", "spiffe:///ns/web", "spiffe://cluster.local/ns/web/sa/fr*"],
+    # Linux refuses ':' (an alias label like eth0:1 is no device), '/' and whitespace in interface names.
+    ("TelemetryProbe", "spec.interfaces[0]"): ["eth0:1", ":", "eth/0", "eth 0", "eth0\t", "eth0\n"],
+    # The HTTP client refuses control characters in a header value (the request is never sent).
+    ("GateConfig", f"{_CHECKS}[2].provider.web.headers[0].value"): [
+        "canary\r\nX-Injected: 1", "canary\n", "a\rb", "a\x00b", "a\x1bb", "a\x7fb", "\x01"],
 }
 
 # Object names: the API server's own rule for every kind (a DNS-1123 subdomain of at most 253).

@@ -211,3 +211,55 @@ def test_examples_set_every_default_inside_atomic_lists():
             for i, item in enumerate(doc["spec"].get(name) or []):
                 missing += [f"{example.name}: spec.{name}[{i}].{k}" for k in defaulted if k not in item]
     assert not missing, missing
+
+
+def _web_header_schemas() -> tuple[dict, dict]:
+    (version,) = load("gateconfigs.yaml")["spec"]["versions"]
+    check = (version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["rollout"]["properties"]
+             ["analysis"]["properties"]["checks"]["items"])
+    header = check["properties"]["provider"]["properties"]["web"]["properties"]["headers"]["items"]["properties"]
+    return header["name"], header["value"]
+
+
+def test_web_check_headers_accept_exactly_what_the_http_client_sends():
+    """A header the HTTP client (aiohttp) refuses fails every measurement of the check (the request
+    is never sent): the CRD refuses those values, and only those (text past Latin-1 goes out as UTF-8)."""
+    import re
+
+    from aiohttp.http_writer import _py_serialize_headers
+    from multidict import CIMultiDict
+
+    def sent(name: str, value: str) -> bool:
+        try:
+            _py_serialize_headers("GET / HTTP/1.1", CIMultiDict({name: value}))
+        except ValueError:
+            return False
+        return True
+
+    name, value = _web_header_schemas()
+    for c in map(chr, [*range(0x300), 0x2028, 0x4E2D, 0xFEFF, 0x1F600]):
+        text = f"a{c}b"
+        assert bool(re.fullmatch(value["pattern"], text)) == sent("X-Key", text), repr(c)
+    assert re.fullmatch(value["pattern"], "") and re.fullmatch(value["pattern"], "Bearer abc\tdef")
+    for bad in ("X Key", "X:Key", "X-Key\r\n", "", "X(Key)", "Kéy"):
+        assert not re.fullmatch(name["pattern"], bad), bad
+
+
+def test_telemetry_probe_interfaces_are_names_linux_takes():
+    """The kernel (dev_valid_name) refuses '.', '..' and any ':' (an alias label like eth0:1 is no
+    device; if_nametoindex would answer eth0's index for it): the CRD refuses what the agent would."""
+    import re
+
+    from sparsegate_contracts.probes import is_ifname
+
+    (version,) = load("telemetryprobes.yaml")["spec"]["versions"]
+    item = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["interfaces"]["items"]
+    assert rules(item) == ["self != '.' && self != '..'"]
+
+    def accepts(name: str) -> bool:
+        return bool(re.fullmatch(item["pattern"], name)) and len(name) <= item["maxLength"] and name not in (".", "..")
+
+    for name in ("eth0", "lo", "veth1@if5", "bond0.100", "br-0_a", ".x", "a..b", "...", "e" * 15):
+        assert accepts(name) and is_ifname(name), name
+    for name in (".", "..", "eth0:1", ":", "", "e" * 16, "eth/0", "eth 0", "eth0\n", "\x00"):
+        assert not accepts(name) and not is_ifname(name), repr(name)

@@ -94,6 +94,21 @@ def test_attach_errors_are_kept_per_interface_reported_and_retried() -> None:
                                                              desired=desired))).interface(LO).mode == "native"
 
 
+def test_names_linux_refuses_are_attach_errors_not_the_device_glibc_resolves_them_to() -> None:
+    """if_nametoindex("lo:1") answers lo's index (glibc's ioctl drops the ':' alias suffix): the
+    program was attached to lo under the name lo:1. '.' and '..' are no interface names either."""
+    fake, state = FakeXdp(), AgentState(enforcement="off")
+    att = Attachments(state=state, bpf=None, fn=SimpleNamespace(fd=3), attach=fake.attach, detach=fake.detach)
+    desired = {f"{LO}:1": xdp.XdpMode.AUTO, ".": xdp.XdpMode.AUTO, "..": xdp.XdpMode.AUTO}
+    errors = att.apply(desired)
+    assert fake.calls == [] and state.attached == {}
+    assert set(errors) == set(desired) and all("is not a Linux interface name" in e for e in errors.values())
+    # The node's document still parses: one stored name the CRD now refuses fails that interface alone.
+    config = probes.parse_node_config(json.dumps(probes.build_node_config(
+        [probes.InterfaceConfig(f"{LO}:1", "auto"), probes.InterfaceConfig(LO, "auto")])))
+    assert set(agent.desired_interfaces(config, default=[], default_mode=xdp.XdpMode.AUTO)) == {LO, f"{LO}:1"}
+
+
 def test_probe_source_forwards_changes_none_when_absent_and_drops_invalid(tmp_path: Path) -> None:
     seen: list[probes.NodeConfig | None] = []
     stop = threading.Event()

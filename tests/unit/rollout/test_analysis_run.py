@@ -88,6 +88,16 @@ def test_parse_every_provider_with_defaults() -> None:
     ({"provider": {"prometheus": {"query": "x{pod=~'{{args.podz}}'}"}}}, r"unknown placeholder \{\{args\.podz\}\}"),
     ({"provider": {"prometheus": {"query": "x{pod=~'{{canaryPods}}'}"}}}, r"unknown placeholder \{\{canaryPods\}\}"),
     ({"provider": {"builtin": {}}, "count": 2}, "a builtin check takes no successCondition, count"),
+    # What the HTTP client refuses at every measurement (the CRD refuses it too).
+    ({"provider": {"web": {"url": "http://x", "headers": [{"name": "X-Key", "value": "k\r\nX-Injected: 1"}]}}},
+     r"checks\[0\]\.provider\.web\.headers\[0\]\.value must hold no control characters"),
+    ({"provider": {"web": {"url": "http://x", "headers": [{"name": "X-Ok", "value": "\t"},
+                                                          {"name": "X-Key", "value": "a\x00b"}]}}},
+     r"headers\[1\]\.value must hold no control characters"),
+    ({"provider": {"web": {"url": "http://x", "headers": [{"name": "X Key", "value": "k"}]}}},
+     r"headers\[0\]\.name must be an HTTP header name"),
+    ({"provider": {"web": {"url": "http://x", "headers": [{"name": "X-Key\n", "value": "k"}]}}},
+     r"headers\[0\]\.name must be an HTTP header name"),
 ])
 def test_bad_checks_are_refused_naming_the_field(fields: dict, error: str) -> None:
     with pytest.raises(ValueError, match=error):
