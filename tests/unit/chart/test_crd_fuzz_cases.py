@@ -7,28 +7,16 @@ The API server's verdict on each case is tests/e2e/operator/test_crd_fuzz.py.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from crd_fuzz_loader import crd_fuzz_cases
 
 ROOT = Path(__file__).resolve().parents[3]
 CRD_DIR = ROOT / "charts" / "sparsegate" / "crds"
 
-
-def _load_generator():
-    # Loaded from its file under its own name: the e2e tests import it by its bare name.
-    path = ROOT / "tests" / "e2e" / "operator" / "crd_fuzz_cases.py"
-    spec = importlib.util.spec_from_file_location("crd_fuzz_cases_under_unit_test", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-fuzz = _load_generator()
+fuzz = crd_fuzz_cases()
 SCHEMAS = fuzz.load_schemas(CRD_DIR)
 EXAMPLES = fuzz.load_examples(ROOT / "examples")
 

@@ -2,12 +2,13 @@
 metrics the docs name are defined in code, and its CRD fuzz counts are the generator's."""
 
 import ast
-import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from crd_fuzz_loader import crd_fuzz_cases
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -55,15 +56,6 @@ def test_every_metric_the_docs_name_is_defined_in_code() -> None:
     assert not missing, f"metrics the docs name that no code defines: {missing}"
 
 
-def _fuzz_generator():
-    path = ROOT / "tests" / "e2e" / "operator" / "crd_fuzz_cases.py"
-    spec = importlib.util.spec_from_file_location("crd_fuzz_cases_for_readme", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
 def _hand_written_crd_cases() -> int:
     """len(INVALID) of tests/e2e/operator/test_crd_validation.py, read without importing it."""
     tree = ast.parse((ROOT / "tests" / "e2e" / "operator" / "test_crd_validation.py").read_text())
@@ -74,7 +66,7 @@ def _hand_written_crd_cases() -> int:
 
 
 def test_readme_crd_fuzz_counts_are_the_generator_s() -> None:
-    fuzz = _fuzz_generator()
+    fuzz = crd_fuzz_cases()
     schemas = fuzz.load_schemas(ROOT / "charts" / "sparsegate" / "crds")
     examples = fuzz.load_examples(ROOT / "examples")
     cases = fuzz.invalid_cases(schemas, examples)

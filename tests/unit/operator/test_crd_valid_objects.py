@@ -30,16 +30,15 @@ Each object goes through the pure domain entry points of its kind:
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import random
 import re
-import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+from crd_fuzz_loader import crd_fuzz_cases
 
 from sparsegate.domain import access_sync, gate, policy, render
 from sparsegate.domain import policy_compile as pc
@@ -55,17 +54,7 @@ SEED = 14
 RANDOM_PER_KIND = 300
 DELETE = object()
 
-
-def _load_generator():
-    path = ROOT / "tests" / "e2e" / "operator" / "crd_fuzz_cases.py"
-    spec = importlib.util.spec_from_file_location("crd_fuzz_cases_under_valid_objects", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fuzz = _load_generator()
+fuzz = crd_fuzz_cases()
 SCHEMAS = fuzz.load_schemas(ROOT / "charts" / "sparsegate" / "crds")
 BASES = fuzz.full_bases(fuzz.load_examples(ROOT / "examples"))
 
