@@ -318,7 +318,9 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         assert gate is not None and state.engine is not None
         served = gate.doc.version
         async with admission(state) as keep:
-            plan = parse_request(await read_json(request), chat=chat, hf=hf)
+            body = await read_json(request)
+            plan = await asyncio.get_running_loop().run_in_executor(
+                state.tokenizer_thread, functools.partial(parse_request, body, chat=chat, hf=hf))
             await inject_fault(state, gate)
             call = _Call(state, chat=chat, hf=hf, started=started, scope=request.get(request_guard.SCOPE))
             handle = state.engine.submit(

@@ -778,6 +778,7 @@ async def _cleanup(app: web.Application) -> None:
     state = app[STATE]
     if state.executor is not None:
         state.executor.shutdown(wait=False, cancel_futures=True)
+    state.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
 
 def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: ModelConfig = ModelConfig(),

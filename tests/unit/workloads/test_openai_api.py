@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import aiohttp
 import pytest
@@ -460,6 +461,35 @@ async def test_a_probe_file_the_server_cannot_read_serves_without_a_probe_set(ch
         assert (await _complete(c)).status == 200
     finally:
         await c.close()
+
+
+async def test_a_prompt_being_tokenized_does_not_stall_other_requests(client):
+    """Tokenizing runs off the event loop: a 1 MiB prompt took ~0.8 s there, and every other
+    request and stream waited that long. Here the tokenizer holds one prompt until the test
+    has been answered another request; on the loop it would hold the loop and time out (500)."""
+    hf = client.server.app[STATE].hf
+    real, entered, release = hf.tokenizer, threading.Event(), threading.Event()
+
+    class Held:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def __call__(self, text, *args, **kwargs):
+            if text == "held prompt":
+                entered.set()
+                if not release.wait(3):
+                    raise TimeoutError("the tokenizer held the event loop")
+            return real(text, *args, **kwargs)
+
+    hf.tokenizer = Held()
+    try:
+        pending = asyncio.create_task(_complete(client, prompt="held prompt"))
+        assert await asyncio.to_thread(entered.wait, 5)
+        assert (await client.get("/v1/models")).status == 200  # answered while the prompt is held
+        release.set()
+        assert (await pending).status == 200
+    finally:
+        hf.tokenizer = real
 
 
 async def test_a_client_leaving_mid_stream_frees_its_slot(client):
