@@ -535,7 +535,8 @@ class RolloutLoop:
                 metrics.pop("stable_error_rate", None)
             measured = await self._declared(spec=spec, request=request, status=status, name=name, models=models,
                                             now=now)
-            obs = Observations(pods=pods, **requests, **metrics, measurements=measured)
+            obs = Observations(pods=pods, **requests, **metrics, measurements=measured,
+                               models=len(fleet.server_names))
             decision = next_action(spec=spec, status=status, obs=obs, now=now)
             body = await self._persist(body, decision, steps=spec.steps, cache=cache)
             body = await self._clear_requests(body, decision, steps=spec.steps, cache=cache)

@@ -149,6 +149,10 @@ class Observations:
     # Why the builtin check's provider answered nothing this tick (e.g. Prometheus unreachable):
     # the step waits for metrics and its message says why.
     builtin_error: str | None = None
+    # How many SparseModels use the GateConfig now, pods or none (scaled to 0, or their Deployment
+    # being replaced): a step whose pods all went while models remain waits for pods to come back
+    # rather than promoting a version no pod has been judged on.
+    models: int = 0
 
 
 def annotation_requests(annotations: Mapping[str, str] | None) -> dict[str, bool]:
@@ -359,6 +363,8 @@ def _advance_step(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, ste
     percent = spec.steps[step]
     chosen = _choose(s.strategy, pods=obs.pods, percent=percent, previous=s.canary_pods,
                      canary_version=s.canary.version if s.canary else None)
+    if not obs.pods and obs.models:
+        chosen = s.canary_pods  # the pods are gone for now: :func:`_progressing` waits for them
     return dataclasses.replace(
         s,
         phase=Phase.PROGRESSING,
@@ -645,8 +651,13 @@ def _sample_calibration(s: RolloutStatus, *, spec: RolloutSpec, obs: Observation
 def _progressing(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: float,
                  acts: list[Action]) -> RolloutStatus:
     """Wait until every pod of the step reports its version (pushes follow from the status), within
-    progressDeadline; with no pods at all the version is promoted directly."""
+    progressDeadline; with no pods at all the version is promoted directly, unless the step had pods
+    and models still use the GateConfig (then it waits for pods, its deadline counted from their return)."""
     assert s.canary is not None and s.stable is not None and s.step is not None
+    if not obs.pods and s.canary_pods and obs.models:
+        return dataclasses.replace(s, step_started_at=now, reason="WaitingForInstances",
+                                   message=f"step {s.step + 1}/{len(spec.steps)}: no instances now (the step had "
+                                   f"{len(s.canary_pods)}): waiting for them to come back")
     if not obs.pods:
         msg = f"no instances use this GateConfig: {s.canary.version} promoted directly"
         acts += [EmitEvent("Normal", "Promoted", msg), RecordOutcome("succeeded")]
@@ -689,7 +700,9 @@ def _analysing(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now: f
     percent = spec.steps[s.step]
     chosen = _choose(s.strategy, pods=obs.pods, percent=percent, previous=s.canary_pods,
                      canary_version=s.canary.version)
-    if chosen != s.canary_pods or _not_at_desired(s, obs.pods, sticky_header=spec.sticky_header):
+    if not obs.pods and obs.models:
+        chosen = s.canary_pods  # kept: the step had pods, so :func:`_progressing` waits for them
+    if chosen != s.canary_pods or not obs.pods or _not_at_desired(s, obs.pods, sticky_header=spec.sticky_header):
         # An instance left, restarted or drifted: re-verify the step before judging it.
         return dataclasses.replace(s, phase=Phase.PROGRESSING, canary_pods=chosen, step_started_at=now,
                                    analysis_started_at=None, reason="Reverifying",

@@ -38,7 +38,8 @@ def pod(name: str, *, owned: bool = True, admin_port: bool = True, ip: str | Non
 
 
 class FakeKube:
-    """Serves the model's admin Secret, and the ReplicaSet by name for a view the watch has not delivered."""
+    """Serves the model's admin Secret, and the ReplicaSet by name for a view the watch has not delivered
+    (no Deployment: a model's Deployment the watch has not delivered is one being re-created)."""
 
     def __init__(self) -> None:
         self.secret = self.make_secret("1")
@@ -54,7 +55,7 @@ class FakeKube:
     def get(self, kind: str, *, namespace: str, name: str) -> dict | None:
         self.calls.append(f"get {kind} {name}")
         return {"Secret": self.secret, "ReplicaSet": RS if name == "m-abc" else None,
-                "SparseModel": self.model}[kind]
+                "SparseModel": self.model, "Deployment": None}[kind]
 
 
 def inventory(pods: list[dict], *, replicasets: list[dict] = [RS]) -> Inventory:  # noqa: B006 (never mutated)
@@ -79,6 +80,18 @@ async def test_only_pods_owned_through_the_chain_are_targets_and_no_api_is_read(
     assert real.admin is None  # credentials only when something is to be sent
     assert fleet.targets["old"].admin_port is None
     assert kube.calls == []  # read from the watched views alone
+
+
+async def test_a_model_whose_deployment_is_being_replaced_has_no_fleet_pods_but_counts_as_a_model() -> None:
+    # Deleted (the operator re-creates it): its pods are refused the token and no part of the
+    # rollout, while the model still uses the GateConfig (a step waits for pods: domain.rollout).
+    inv = Inventory(models={(NS, "m"): [fleet_view.model_view(MODEL)]},
+                    pods={(NS, "m"): [fleet_view.pod_view(pod("real"))]},
+                    deployments={}, replicasets={(NS, "rs-uid"): [fleet_view.owner_view(RS)]}, gates={})
+    kube = FakeKube()
+    fleet = await RolloutLoop(kube=kube)._fleet(namespace=NS, models=["m"], inventory=inv)  # type: ignore[arg-type]
+    assert fleet.all_pods == () and fleet.withheld == {"real": ("real-uid", "Deployment m not found")}
+    assert list(fleet.server_names) == ["m"] and kube.calls == ["get Deployment m"]
 
 
 async def test_credentials_are_read_when_sent_and_a_changed_secret_takes_effect_at_the_next_send() -> None:

@@ -91,10 +91,10 @@ class Driver:
         self.actions: list[object] = []
 
     def tick(self, *, dt: float = 1.0, canary: GroupMetrics | None = None, stable: GroupMetrics | None = None,
-             abort: bool = False, promote: bool = False) -> RolloutStatus:
+             abort: bool = False, promote: bool = False, models: int = 0) -> RolloutStatus:
         self.now += dt
         obs = Observations(pods=self.fleet.observe(), abort=abort, promote=promote, canary_metrics=canary,
-                           stable_metrics=stable, fleet_qps=20.0, stable_error_rate=0.0)
+                           stable_metrics=stable, fleet_qps=20.0, stable_error_rate=0.0, models=models)
         d = next_action(spec=parse_spec(self.raw_spec), status=self.status, obs=obs, now=self.now)
         # The handler persists status (round trip through the status dict) before acting.
         self.status = RolloutStatus.from_status(d.status.to_status(steps=parse_spec(self.raw_spec).steps))
@@ -430,6 +430,36 @@ def test_no_instances_promotes_directly() -> None:
     d = started(n=0)
     st = d.tick()
     assert st.phase == Phase.SUCCEEDED and st.stable.version == v(V2) and st.reason == "NoInstances"
+
+
+@pytest.mark.parametrize("strategy", ["instances", "requests"])
+def test_pods_gone_mid_step_while_models_remain_wait_instead_of_promoting(strategy: str) -> None:
+    # The model's Deployment replaced (or scaled to 0) mid-step: for a tick or more the GateConfig's
+    # models have no pods (the old ones going or no longer owned, the new ones not listed yet). The
+    # canary was never judged on them: it must not become stable as if no instance used the gate.
+    d = started(progressDeadline="30s", strategy=strategy)
+    d.until(Phase.ANALYSING, models=1)
+    pods = dict(d.fleet.versions)
+    d.fleet.versions.clear()
+    for _ in range(3):
+        st = d.tick(dt=20, models=1)
+        assert st.phase == Phase.PROGRESSING and st.stable.version == v(V1) and st.canary.version == v(V2), st
+    assert st.reason == "WaitingForInstances" and "Promoted" not in d.events()
+    # A step promote meanwhile moves one step on, still waiting (not a full promotion for want of pods).
+    stepped = next_action(spec=parse_spec(d.raw_spec), status=st, now=d.now + 1,
+                          obs=Observations(pods=(), promote_step=True, models=1)).status
+    assert stepped.phase == Phase.PROGRESSING and stepped.step == 1 and stepped.canary_pods
+    # New pods come up from the gate ConfigMap (stable): the step goes on with them, its deadline
+    # counted from their return (not from the step's start, long past).
+    d.fleet.versions.update({f"n-{p}": v(V1) for p in pods})
+    st = d.until(Phase.ANALYSING, models=1)
+    assert st.stable.version == v(V1) and st.canary.version == v(V2)
+    assert d.fleet.count(canary_gate(st).version) >= 1  # the new pods were pushed the step's gate
+    # Models gone for good (or never any pods in the step): no instances use it, promoted directly.
+    d.fleet.versions.clear()
+    d.tick(models=0)
+    st = d.tick(models=0)
+    assert st.phase == Phase.SUCCEEDED and st.reason == "NoInstances"
 
 
 def test_instance_lost_during_analysis_reverifies() -> None:

@@ -198,6 +198,35 @@ async def test_pod_placeholders_under_the_requests_strategy(judge: dict[str, Any
     assert judge["queries"] == [{"c": "|".join(PODS), "s": "|".join(PODS)}]
 
 
+async def test_a_step_whose_pods_all_went_waits_for_them_instead_of_promoting() -> None:
+    """The model's Deployment deleted mid-step (re-created by the operator a moment later): its pods
+    fail the owner check (Deployment not found) or are going, so the fleet has none for a tick or
+    more while the model lives. The canary was judged on no pod: it must not be promoted as
+    'no instances use this GateConfig'."""
+    replaced: list[bool] = []
+
+    class Replaced(Loop):
+        async def _fleet(self, *, namespace: str, models: Any, inventory: Any) -> Fleet:
+            if not replaced:
+                return await super()._fleet(namespace=namespace, models=models, inventory=inventory)
+            # What RolloutLoop._fleet returns then (tests/unit/rollout/test_admin_fleet.py).
+            return Fleet(targets={}, all_pods=(), withheld={p: (f"{p}-uid", "Deployment m not found") for p in PODS},
+                         server_names={"m": "m.ns.admin.sparsegate.dev"})
+
+    clock = [1000.0]
+    kube = FakeKube(spec(V1))
+    loop, cache = Replaced(kube=kube, admin=FakePods(clock), clock=lambda: clock[0]), RolloutCache()  # type: ignore[arg-type]
+    await tick(loop, cache, clock, 1)
+    kube.set_spec(spec(V2))
+    assert (await tick(loop, cache, clock, 1))["rollout"]["phase"] == "Analysing"
+    replaced.append(True)
+    for _ in range(3):
+        st = await tick(loop, cache, clock, 5)
+        assert st["rollout"]["phase"] == "Progressing", st["rollout"]
+    assert st["rollout"]["reason"] == "WaitingForInstances"
+    assert st["stable"]["version"] == GateVersion.from_params(V1).version
+
+
 async def test_inconclusive_web_check_pauses(judge: dict[str, Any], no_kopf_events: list) -> None:
     clock = [1000.0]
     kube = FakeKube(spec(V1))
