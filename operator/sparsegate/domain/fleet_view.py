@@ -94,7 +94,7 @@ def deployment_view(deployment: Mapping[str, Any]) -> dict[str, Any]:
 def model_view(model: Mapping[str, Any]) -> dict[str, Any]:
     """A SparseModel: who it is, what the fleet needs of its spec (the serving port), the GateConfig
     it references (a model pod's event finds its GateConfig), and what the gate binding compares
-    (expert count; the gate version it renders and whether it is Degraded)."""
+    (expert count; the gate version it renders and whether it is Degraded, and why)."""
     spec, status = model.get("spec") or {}, model.get("status") or {}
     view: dict[str, Any] = {"metadata": _meta(model), "spec": {k: spec[k] for k in ("servingPort",) if spec.get(k)},
                             "status": {k: status[k] for k in ("gateVersion",) if status.get(k)}}
@@ -104,8 +104,11 @@ def model_view(model: Mapping[str, Any]) -> dict[str, Any]:
     experts = (spec.get("model") or {}).get("experts")
     if experts is not None:
         view["spec"]["model"] = {"experts": experts}
-    degraded = [{"type": c["type"], "status": c.get("status")} for c in status.get("conditions") or []
-                if c.get("type") == ConditionType.DEGRADED.value]
+    # Degraded's reason only while True: the binding tells a model without a gate from one whose
+    # apply was refused (``conditions.gate_unavailable``).
+    degraded = [{"type": c["type"], "status": c.get("status"),
+                 **({"reason": c.get("reason")} if c.get("status") == "True" else {})}
+                for c in status.get("conditions") or [] if c.get("type") == ConditionType.DEGRADED.value]
     if degraded:
         view["status"]["conditions"] = degraded
     return interned.deep(view)

@@ -414,7 +414,9 @@ def _write_status(kube: Kube, model: Mapping[str, Any], *, events: EventSink, st
 def stale_models(gate_config: Mapping[str, Any] | None, models: Iterable[Mapping[str, Any]]) -> list[str]:
     """Names of the models (SparseModels or their ``domain.fleet_view`` views) referencing
     ``gate_config`` (None: it is gone) whose rendered gate differs from what it now resolves to, or
-    whose Degraded condition no longer matches whether there is a gate at all.
+    whose Degraded condition no longer matches whether there is a gate at all (Degraded for want of a
+    gate, ``conditions.gate_unavailable``: a model whose apply was refused has its gate, and is not
+    stale for it, else every event of its GateConfig, a status write each rollout tick, re-applied it).
 
     A model never reconciled yet (neither a gate version nor Degraded in its status) is not
     stale: its own pending reconcile resolves the gate (reconciling it from here as well only
@@ -422,7 +424,7 @@ def stale_models(gate_config: Mapping[str, Any] | None, models: Iterable[Mapping
     out = []
     for model in models:
         status = model.get("status") or {}
-        degraded = conditions.is_degraded(status.get("conditions") or [])
+        degraded = conditions.gate_unavailable(status.get("conditions") or [])
         if not status.get("gateVersion") and not degraded:
             continue
         experts = int(((model.get("spec") or {}).get("model") or {}).get("experts") or 0)

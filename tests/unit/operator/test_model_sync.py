@@ -397,6 +397,29 @@ def test_stale_models_follow_the_resolved_gate_from_the_views(kube):
     assert modelsync.stale_models(gc, [fresh]) == [] and modelsync.stale_models(None, [fresh]) == []
 
 
+def test_a_model_whose_apply_was_refused_is_not_stale_for_an_unchanged_gate(kube):
+    """Degraded (ApplyFailed: a quota, an admission webhook) is no missing gate: the gate binding must
+    not re-reconcile such a model on every event of its GateConfig (a status write each rollout tick,
+    each re-render one more refused apply and a failed handler) nor on each of its own events."""
+    gateconfig(kube)
+    reconcile(kube, model_of(kube))
+    gc = kube.objects[("GateConfig", "ns", "default-gate")]
+    refused = model_of(kube)
+    refused["status"]["conditions"] = [{**c, "status": "True", "reason": "ApplyFailed", "message": "quota"}
+                                       if c["type"] == "Degraded" else c for c in refused["status"]["conditions"]]
+    for seen in (refused, fleet_view.model_view(refused)):
+        assert modelsync.stale_models(gc, [seen]) == []
+        assert modelsync.stale_models(None, [seen]) == ["moe-small"]  # its GateConfig gone: it is
+    gc["spec"]["params"]["entropyBeta"] = 0.3
+    assert modelsync.stale_models(gc, [fleet_view.model_view(refused)]) == ["moe-small"]  # a new gate: it is
+    # Degraded for want of a gate, and the GateConfig (back) has one: stale, whatever it rendered before.
+    missing = {**refused, "status": {**refused["status"], "conditions": [
+        {**c, "reason": "GateConfigNotFound"} if c["type"] == "Degraded" else c
+        for c in refused["status"]["conditions"]]}}
+    missing["status"].pop("gateVersion", None)
+    assert modelsync.stale_models(gc, [fleet_view.model_view(missing)]) == ["moe-small"]
+
+
 def test_status_writes_skip_a_recreated_model(kube):
     old = model_of(kube)
     recreated = model_of(kube)
