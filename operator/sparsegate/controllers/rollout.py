@@ -147,7 +147,7 @@ class RolloutCache:
     credentials: AdminCredentialStore = field(default_factory=AdminCredentialStore)
     # Model → when its admin Secret was last read (clock of the loop); ``RolloutLoop._check_admin_secrets``.
     secrets_read: dict[str, float] = field(default_factory=dict)
-    withheld: set[tuple[str, str]] = field(default_factory=set)  # (pod uid, reason) already reported
+    withheld: set[tuple[str, str]] = field(default_factory=set)  # (pod uid, reason) reported, still refused
     # resourceVersions our own status writes replaced (the last few): a watched copy still at one of
     # them predates our write, so the tick reads the object instead of starting from it.
     superseded: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=4))
@@ -550,7 +550,10 @@ class RolloutLoop:
 
     @staticmethod
     def _report_withheld(body: Mapping[str, Any], fleet: Fleet, *, cache: RolloutCache, logger: logging.Logger) -> None:
-        """One Warning Event (and log line) per pod and reason that was refused the admin token."""
+        """One Warning Event (and log line) per pod and reason that was refused the admin token, while it
+        is refused: the record of a pod gone (or no longer refused) goes, so the cache holds the pods
+        refused now, not every labelled pod ever refused."""
+        cache.withheld &= set(fleet.withheld.values())
         for pod, (uid, why) in sorted(fleet.withheld.items()):
             if (uid, why) in cache.withheld:
                 continue

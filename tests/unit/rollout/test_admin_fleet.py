@@ -211,3 +211,25 @@ async def test_a_model_without_pods_needs_no_deployment_read() -> None:
     inv = Inventory(models={(NS, "m"): [fleet_view.model_view(MODEL)]}, pods={}, deployments={}, replicasets={}, gates={})
     fleet = await RolloutLoop(kube=kube)._fleet(namespace=NS, models=["m"], inventory=inv)  # type: ignore[arg-type]
     assert fleet.all_pods == () and kube.calls == []  # just created: no pods, and no 404 every tick
+
+
+async def test_withheld_pods_are_reported_once_and_forgotten_once_gone(monkeypatch) -> None:
+    """One Warning per pod and reason refused the token, while it is refused; a pod gone (or no
+    longer refused) leaves the record. Kept for good, every labelled pod ever refused (a Job or a
+    debug copy carrying the model's labels, started again and again) stayed in the GateConfig's
+    cache for the operator's life."""
+    import sparsegate.controllers.rollout as controller
+    events: list[str] = []
+    monkeypatch.setattr(controller.kopf, "event", lambda body, *, type, reason, message: events.append(message))
+    loop, cache = RolloutLoop(kube=FakeKube()), RolloutCache()  # type: ignore[arg-type]
+    body = {"metadata": {"name": "g", "namespace": NS}}
+    for n in range(50):  # a new impostor pod every full check, the last one deleted
+        impostor = pod(f"impostor-{n}", owned=False)
+        fleet = await loop._fleet(namespace=NS, models=["m"], inventory=inventory([pod("real"), impostor]))
+        for _ in range(3):  # still refused at the next checks: not reported again
+            loop._report_withheld(body, fleet, cache=cache, logger=controller.log)
+        assert len(cache.withheld) == 1
+    assert len(events) == 50
+    fleet = await loop._fleet(namespace=NS, models=["m"], inventory=inventory([pod("real")]))
+    loop._report_withheld(body, fleet, cache=cache, logger=controller.log)
+    assert cache.withheld == set()
