@@ -441,7 +441,9 @@ class RolloutLoop:
         also its :meth:`snapshot`, which a pod check starts from instead of a GET."""
         meta = body.get("metadata") or {}
         resting = RolloutLoop.resting(body)
-        view: dict[str, Any] = {"metadata": {k: meta[k] for k in ("name", "namespace", "deletionTimestamp") if k in meta},
+        # uid too: ``handlers.periodic`` tells a re-created object of the name from the deleted one by it.
+        view: dict[str, Any] = {"metadata": {k: meta[k] for k in ("name", "namespace", "uid", "deletionTimestamp")
+                                             if k in meta},
                                 "resting": resting}
         if resting:
             view["snapshot"] = RolloutLoop.snapshot(body)

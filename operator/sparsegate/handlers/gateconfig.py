@@ -6,8 +6,9 @@ this module only builds it from the environment, feeds it the models of the Kopf
 ``SPARSEGATE_ROLLOUT_TICK_S`` (default 5) seconds, and turns a conflict or an API error of one
 tick into a log line (the next tick starts from a fresh read). A resting GateConfig's loop sleeps
 until its safety-net check (``SPARSEGATE_ROLLOUT_RESTING_CHECK_S``, default 300); an event of the
-GateConfig, or one of its models' pods seen Ready, brings its next tick within the tick interval
-(that tick checks the pods).
+GateConfig, one of its models' pods seen Ready, or a model's ``spec.gateConfigRef`` edited to name
+it (``model_gate_changed``: its pods hold the previous GateConfig's gate), brings its next tick
+within the tick interval (that tick checks the pods).
 ``SPARSEGATE_PROMETHEUS_URL`` makes the builtin analysis use Prometheus' HTTP API instead of
 scraping pods directly, and is the address of declared ``prometheus`` checks that name none.
 """
@@ -90,7 +91,28 @@ async def model_pod_changed_rollout(body: kopf.Body, namespace: str, sparsegate_
     keys = [(namespace, gate) for gate in gates if gate is not None]
     for key in keys:
         _pod_changes[key] = _pod_changes.get(key, 0) + 1
+    if len(_pod_changes) > 2 * len(_loops) + 64:
+        # Counts of GateConfigs without a loop (deleted, or never created, while models still name
+        # them) are read by no tick, and a loop started later checks its pods at its first tick:
+        # dropped, or each such name stayed here for the operator's life.
+        for stale in [k for k in _pod_changes if k not in _loops]:
+            del _pod_changes[stale]
     _loops.nudge(keys)
+
+
+def model_gate_changed(namespace: str, *, old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> None:
+    """A model's ``spec.gateConfigRef`` now names another GateConfig: its running pods still hold the
+    gate of the one before (a canary, mid-rollout) and no pod of theirs becomes Ready again, so the
+    new GateConfig's next tick (within TICK_S) checks its pods, as after a pod change; a resting one
+    would otherwise leave them on the old gate until its safety-net check (RESTING_CHECK_S).
+    ``old``: the model as last handled (None: first handled by this process, which checks every
+    GateConfig's pods at its first tick anyway)."""
+    ref = modelsync.gate_ref(new)
+    if old is None or not ref or ref == modelsync.gate_ref(old):
+        return
+    key = (namespace, ref)
+    _pod_changes[key] = _pod_changes.get(key, 0) + 1
+    _loops.nudge([key])
 
 
 async def rollout_tick(*, seen: Mapping[str, Any], namespace: str, name: str, memo: kopf.Memo,

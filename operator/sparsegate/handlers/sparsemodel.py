@@ -17,7 +17,8 @@
   deadline stalls the model too (ProgressDeadlineExceeded), through the Deployment refresh. Both
   clear on the refresh that finds the pods running again (the Deployment's ready count moves).
 - GateConfig events → re-reconcile models whose rendered gate no longer matches (see
-  handlers.gatebinding).
+  handlers.gatebinding). A model's ``spec.gateConfigRef`` edited → its new GateConfig's rollout
+  checks its pods at its next tick (``handlers.gateconfig.model_gate_changed``).
 - A Deployment deleted while its model lives is re-created.
 - A SparseModel deleted → what this process kept of it (status inputs, applied objects) is dropped.
 Status reads the Deployment from the operator's watch (``handlers.fleetindex``) and the apply's
@@ -42,7 +43,7 @@ from sparsegate import metrics
 from sparsegate.clients.kube import Kube
 from sparsegate.controllers.inventory import Inventory
 from sparsegate.domain import conditions, interned, model_status
-from sparsegate.handlers import modelsync
+from sparsegate.handlers import gateconfig, modelsync
 from sparsegate.handlers.pools import loop_reader, model_turn, run_model_work, run_status_work
 
 GROUP, VERSION = names.GROUP, names.VERSION
@@ -66,6 +67,7 @@ async def reconcile_model(body: kopf.Body, namespace: str, name: str, memo: kopf
                           **kwargs: Any) -> None:
     inventory = Inventory.from_kopf(kwargs)
     pods = inventory.pods(namespace, name)  # read on the event loop, where Kopf writes it
+    gateconfig.model_gate_changed(namespace, old=kwargs.get("old"), new=body)  # its pods: the new gate's rollout
     async with model_turn(namespace, name):  # not beside a re-render (handlers.gatebinding)
         if modelsync.generation_reconciled(body):
             # No spec change (touched, or a retry): apply everything again, so touching a model puts

@@ -4,6 +4,7 @@ its next tick check the pods even when it is resting; other pod events cost noth
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from sparsegate_contracts import names
@@ -77,3 +78,114 @@ async def test_a_serving_pod_brings_its_resting_gates_next_tick_within_the_inter
     await loops.stop()
     assert rounds == [0, 2]  # one more tick (not two), which sees both events
     assert at[1] - event_at < 2.0, at[1] - event_at  # loosely bounded, far under the 300 s rest
+
+
+async def test_a_model_moved_to_another_gateconfig_brings_that_ones_pod_check(monkeypatch) -> None:
+    """A model's gateConfigRef edited from gate-1 (mid-rollout: its pods hold the canary) to gate-2,
+    which rests: no pod of the model becomes Ready again, so without a nudge gate-2 would leave them
+    on gate-1's gate until its safety-net check, minutes away. The model's update handler counts a
+    change for gate-2 (its next tick checks the pods) and nudges its loop; a spec change that keeps
+    the reference, or a first handling (old None: every GateConfig checks at its first tick), does not."""
+    import concurrent.futures
+    import logging
+    from types import SimpleNamespace
+
+    import kopf
+
+    from sparsegate.handlers import sparsemodel
+
+    nudged: list[list[tuple[str, str]]] = []
+    monkeypatch.setattr(gateconfig, "_pod_changes", {})
+    monkeypatch.setattr(gateconfig._loops, "nudge", lambda keys: nudged.append(list(keys)) or len(keys))
+    monkeypatch.setattr(sparsemodel, "reconcile", lambda memo, m, **_: SimpleNamespace(service=None))
+    memo = kopf.Memo()
+    memo.model_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+    def model(gate: str | None, replicas: int = 1) -> dict[str, Any]:
+        spec: dict[str, Any] = {"replicas": replicas, "model": {"experts": 8}}
+        if gate:
+            spec["gateConfigRef"] = {"name": gate}
+        return {"metadata": {"name": "m", "namespace": "ns", "generation": 2}, "spec": spec}
+
+    async def update(old: dict | None, new: dict) -> None:
+        await sparsemodel.reconcile_model(
+            body=kopf.Body(new), namespace="ns", name="m", memo=memo, logger=logging.getLogger("test"),
+            old=old, sparsegate_model_views={}, sparsegate_model_pod_views={}, sparsegate_model_deployment_views={},
+            sparsegate_model_replicaset_views={}, sparsegate_gate_views={})
+
+    await update(model("gate-1"), model("gate-1", replicas=2))  # the same GateConfig
+    await update(None, model("gate-2"))  # created, or first handled after a restart
+    await update(model("gate-1"), model(None))  # back to the built-in gate: no GateConfig to check
+    assert gateconfig._pod_changes == {} and nudged == []
+    await update(model("gate-1"), model("gate-2"))
+    assert gateconfig._pod_changes == {("ns", "gate-2"): 1} and nudged == [[("ns", "gate-2")]]
+    await update(model(None), model("gate-1"))  # from the built-in gate to a GateConfig
+    assert gateconfig._pod_changes == {("ns", "gate-2"): 1, ("ns", "gate-1"): 1}
+    memo.model_pool.shutdown()
+
+
+async def test_an_earlier_gateconfigs_deleted_event_leaves_the_re_created_ones_loop_running(monkeypatch) -> None:
+    """Deleted and created again under its name (``kubectl replace --force``): Kopf handles each uid
+    apart, so the old object's DELETED may come after the new one's first event. The loop keeps
+    the object as ``RolloutLoop.quiet_view``, which must carry the uid the loops tell objects by, or
+    that DELETED ends the new GateConfig's rollout loop (no tick until its next event)."""
+    from types import SimpleNamespace
+
+    from sparsegate.handlers.periodic import ObjectLoops
+
+    loops = ObjectLoops(kind="GateConfig", interval_s=300)
+    monkeypatch.setattr(gateconfig, "_loops", loops)
+    monkeypatch.setattr(gateconfig, "_pod_changes", {})
+    indexes = {k: {} for k in ("sparsegate_model_views", "sparsegate_model_pod_views",
+                               "sparsegate_model_deployment_views", "sparsegate_model_replicaset_views",
+                               "sparsegate_gate_views")}
+
+    def gate(uid: str) -> dict[str, Any]:
+        return {"metadata": {"name": "gate-1", "namespace": "ns", "uid": uid, "generation": 1},
+                "spec": {"params": {"version": "v1"}}}
+
+    async def event(type_: str, body: dict[str, Any]) -> None:
+        await gateconfig.gateconfig_rollout_loop(type=type_, body=body, namespace="ns", name="gate-1",
+                                                 memo=SimpleNamespace(), models_by_gate={},
+                                                 logger=logging.getLogger("test"), **indexes)
+
+    monkeypatch.setattr(gateconfig, "rollout_tick", _no_tick)
+    try:
+        await event("ADDED", gate("uid-new"))
+        await event("DELETED", gate("uid-old"))
+        assert ("ns", "gate-1") in loops, "the re-created GateConfig's rollout loop was ended"
+        await event("DELETED", gate("uid-new"))
+        assert ("ns", "gate-1") not in loops
+    finally:
+        await loops.stop()
+
+
+async def _no_tick(**_: Any) -> float:
+    return 300.0
+
+
+async def test_counts_of_gateconfigs_without_a_loop_do_not_pile_up(monkeypatch) -> None:
+    """A GateConfig's DELETED event drops its count, but its models' pods still name it: each Ready
+    pod event counted for it again, and nothing ever dropped that (one entry per GateConfig name
+    ever deleted or mistyped in a gateConfigRef, for the operator's life). A running loop's count
+    is kept."""
+    from sparsegate.handlers.periodic import ObjectLoops
+
+    loops = ObjectLoops(kind="GateConfig", interval_s=300)
+    monkeypatch.setattr(gateconfig, "_loops", loops)
+    monkeypatch.setattr(gateconfig, "_pod_changes", {})
+
+    def index(gate: str) -> dict:
+        return {("ns", "m"): [model_view({"metadata": {"name": "m", "namespace": "ns"},
+                                          "spec": {"gateConfigRef": {"name": gate}}})]}
+
+    loops.seen(key=("ns", "live"), event_type=None, body={"metadata": {"name": "live"}}, tick=_no_tick)
+    try:
+        await gateconfig.model_pod_changed_rollout(body=pod("m"), namespace="ns", sparsegate_model_views=index("live"))
+        for n in range(1000):
+            await gateconfig.model_pod_changed_rollout(body=pod("m"), namespace="ns",
+                                                       sparsegate_model_views=index(f"deleted-{n}"))
+        assert len(gateconfig._pod_changes) <= 2 * len(loops) + 65
+        assert gateconfig._pod_changes[("ns", "live")] == 1
+    finally:
+        await loops.stop()
