@@ -24,7 +24,8 @@ define (a broken Rego; the error names the entry), the allow-list is only ever n
 policies, departed pods, and what a policy changed or created since OPA last decided might take
 away: `narrow_undecided`, against the decision basis recorded on the ConfigMap, so a restarted
 operator knows it too), the object gets Degraded=True, and create/update handlers retry with
-backoff (kopf.TemporaryError); a deletion narrows and completes.
+backoff (kopf.TemporaryError); a deletion narrows and completes, and its sync is tried again every
+resync interval until one succeeds (after the last policy no loop is left to resync).
 """
 
 from __future__ import annotations
@@ -323,22 +324,22 @@ async def sparsegate_flow_pods(body: kopf.Body, **_: Any) -> dict:
 
 async def _sync_and_status(
     *, name: str, namespace: str, meta: kopf.Meta,
-    sparsegate_routing_policies: kopf.Index, sparsegate_flow_pods: kopf.Index, exclude_self: bool = False,
+    sparsegate_routing_policies: kopf.Index, sparsegate_flow_pods: kopf.Index, write_status: bool = True,
     body: Mapping[str, Any] | None = None,
 ) -> Exception | None:
-    """``body``: the policy as last watched, compared with first instead of reading it (None: read)."""
+    """``body``: the policy as last watched, compared with first instead of reading it (None: read).
+    ``write_status``: False for a deleted policy (the index no longer holds it; one of its name
+    that does is a re-created policy, whose own events write its status)."""
     sync = _state()
     key = f"{namespace}/{name}"
-    policies = sorted(
-        (p for p in _values(sparsegate_routing_policies) if not (exclude_self and p.key == key)), key=lambda p: p.key
-    )
+    policies = sorted(_values(sparsegate_routing_policies), key=lambda p: p.key)
     pods = sorted(_values(sparsegate_flow_pods), key=lambda p: (p.namespace, p.name))
     error: Exception | None = None
     try:
         await sync.sync(policies=policies, pods=pods)
     except (OpaUnavailable, OpaRejected) as e:
         error = e
-    if not exclude_self:
+    if write_status:
         await _write_status(sync, key=key, namespace=namespace, name=name, generation=meta.get("generation", 1),
                             error=error, current=body)
     return error
@@ -385,9 +386,13 @@ _loops = ObjectLoops(kind="RoutingPolicy", interval_s=Settings.from_env().resync
 async def routing_policy_event(type: str | None, logger: kopf.Logger, **kwargs: Any) -> None:
     """Runs each policy's resync loop, and syncs once when a policy goes.
 
-    No finalizer: a deleted policy leaves the index before this runs, so the sync below (and every
-    later one) computes the allow-list without it; while OPA is unreachable that sync still narrows
-    the published allow-list (fail closed) and the deletion is not held up. OPA keeps the policy's
+    No finalizer: a deleted policy leaves the index before this runs (Kopf indexes an event before
+    its handlers; a deletionTimestamp makes the indexer drop it), so the sync below (and every
+    later one) computes the allow-list without it. Nothing of the name is left out by hand: when
+    the policy was re-created under the name, Kopf (which handles each uid apart) may run the old
+    one's DELETED after the new one's first event, and the index then rightly holds the new one.
+    While OPA is unreachable that sync still narrows the published allow-list (fail closed) and the
+    deletion is not held up. OPA keeps the policy's
     data until the next successful sync, which only the operator reads. Agents drop a deleted
     policy's entries on their own too (``sparsegate_ebpf.policysource``), so access does not outlive
     the policy while the operator is down.
@@ -400,10 +405,37 @@ async def routing_policy_event(type: str | None, logger: kopf.Logger, **kwargs: 
 
     if _loops.seen(key=key, event_type=type, body=kwargs["body"], tick=resync, logger=logger):
         return
-    error = await _sync_and_status(**picked, exclude_self=True)
+    try:
+        error = await _sync_and_status(**picked, write_status=False)
+    except Exception as e:  # noqa: BLE001 (the allow-list not published: retried below)
+        error = e
     if error is not None:
-        logger.warning(f"RoutingPolicy deleted while OPA is not usable: its allow entries were removed "
-                       f"from the allow-list; OPA drops it at the next successful sync ({error})")
+        logger.warning(f"RoutingPolicy deleted while OPA or the API server is not usable: its allow entries "
+                       f"were removed from the allow-list if it could be written; synced again until one "
+                       f"sync succeeds ({error})")
+        # After the last policy no loop is left to sync again: the allow-list would keep policing its
+        # targets with nothing allowed (narrowing adds nothing) until the operator restarted.
+        _sync_later(picked)
+
+
+_retry: asyncio.Task[None] | None = None  # the pending sync after a deletion whose sync failed
+
+
+def _sync_later(picked: dict[str, Any]) -> None:
+    global _retry
+    if _retry is None or _retry.done():
+        _retry = asyncio.create_task(_sync_until_done(picked), name="RoutingPolicy deletion sync")
+
+
+async def _sync_until_done(picked: dict[str, Any]) -> None:
+    """Syncs (from the indexes as they are then) every resync interval until a sync succeeds."""
+    while True:
+        await asyncio.sleep(_loops.interval_s)
+        try:
+            if await _sync_and_status(**picked, write_status=False) is None:
+                return
+        except Exception:  # noqa: BLE001 (the API server still failing: next interval)
+            log.warning("syncing the flow allow-list after a RoutingPolicy deletion failed again", exc_info=True)
 
 
 async def resync_routing_policy(logger: kopf.Logger | logging.Logger, body: Mapping[str, Any] | None = None,
@@ -477,6 +509,9 @@ def _kube(sync: PolicySync) -> Kube:
 @kopf.on.cleanup()
 async def close_opa_client(**_: Any) -> None:
     await _loops.stop()
+    if _retry is not None:
+        _retry.cancel()
+        await asyncio.gather(_retry, return_exceptions=True)
     if _sync is not None:
         _sync.opa.close()
 
