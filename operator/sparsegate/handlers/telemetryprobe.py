@@ -8,7 +8,9 @@ so a probe deleted while the operator was down leaves the configuration then. A 
 (``handlers.periodic``, no finalizer: deleting a probe never waits for the operator) reads the
 agents' reports every ``SPARSEGATE_PROBE_RESYNC_SECONDS`` and writes that probe's status; its
 sync also compares the configuration ConfigMap with the plan once per interval (shared by all
-probes) and publishes again when it was deleted or edited by another writer. Node events also drop
+probes) and publishes again when it was deleted or edited by another writer; a deletion's sync
+that fails (after the last probe, no loop is left to sync) is tried again every interval until one
+lands. Node events also drop
 the reports of nodes that left (agents only add their own key).
 """
 
@@ -209,9 +211,40 @@ async def telemetry_probe_event(type: str | None, namespace: str, name: str, bod
         await refresh(body)
         return
     probes, nodes = _inputs(picked)
-    await _state().sync(probes=probes, nodes=nodes)  # deleted: its interfaces leave the configuration
+    try:
+        await _state().sync(probes=probes, nodes=nodes)  # deleted: its interfaces leave the configuration
+    except Exception as e:  # noqa: BLE001 (retried below)
+        # After the last probe no loop is left to sync again: its XDP would stay attached until
+        # some node changed (minutes). Sync again until one lands.
+        logger.warning(f"publishing the probe configuration after a deletion failed ({e}); retrying "
+                       f"every {_settings.resync_seconds:g}s")
+        _sync_later(picked)
+
+
+_retry: asyncio.Task[None] | None = None  # the pending sync after a deletion whose publish failed
+
+
+def _sync_later(picked: dict[str, Any]) -> None:
+    global _retry
+    if _retry is None or _retry.done():
+        _retry = asyncio.create_task(_sync_until_published(picked), name="TelemetryProbe deletion sync")
+
+
+async def _sync_until_published(picked: dict[str, Any]) -> None:
+    """Syncs (from the indexes as they are then) every resync interval until a sync succeeds."""
+    while True:
+        await asyncio.sleep(_settings.resync_seconds)
+        probes, nodes = _inputs(picked)
+        try:
+            await _state().sync(probes=probes, nodes=nodes)
+            return
+        except Exception:  # noqa: BLE001 (the API server still failing: next interval)
+            log.warning("publishing the probe configuration failed again; retrying", exc_info=True)
 
 
 @kopf.on.cleanup()
 async def stop_probe_loops(**_: Any) -> None:
     await _loops.stop()
+    if _retry is not None:
+        _retry.cancel()
+        await asyncio.gather(_retry, return_exceptions=True)

@@ -3,6 +3,7 @@ a failed publish, and the status write computed from the reports."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
@@ -195,3 +196,41 @@ def test_a_node_event_prunes_with_the_node_index(monkeypatch: pytest.MonkeyPatch
     index = {"n1": [NODE], "n2": [node_info({"metadata": {"name": "n2"}})]}  # a kopf.Index's shape
     run(telemetryprobe.probe_node_event(sparsegate_telemetry_probes={}, sparsegate_probe_nodes=index))
     assert store.pruned == [{"n1", "n2"}]
+
+
+def test_the_last_probe_deleted_while_its_publish_fails_leaves_the_configuration_later(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deletion's sync is the only one left when the last probe goes (no loop remains to sync
+    again): a publish that fails then (the API server erroring for a few seconds) must be tried
+    again until it lands, not leave the deleted probe's interfaces attached until some node changes."""
+    real_sleep = asyncio.sleep
+
+    async def quick_sleep(_: float) -> None:
+        await real_sleep(0)
+
+    monkeypatch.setattr(telemetryprobe.asyncio, "sleep", quick_sleep)
+    store = FakeStore()
+    monkeypatch.setattr(telemetryprobe, "_sync", telemetryprobe.ProbeSync(store=store, kube=FakeKube()))  # type: ignore[arg-type]
+    nodes = {"n1": [NODE]}
+
+    async def scenario() -> None:
+        await telemetryprobe._sync.sync(probes=[PROBE], nodes=[NODE])  # the probe's interfaces published
+        assert set(store.config or {}) == {"n1"}
+        store.fail = telemetryprobe.PUBLISH_ATTEMPTS  # the deletion's publish fails
+        try:
+            await telemetryprobe.telemetry_probe_event(
+                type="DELETED", namespace="ns", name="p",
+                body={"metadata": {"namespace": "ns", "name": "p", "uid": "u1"}},
+                logger=logging.getLogger("test"), sparsegate_telemetry_probes={}, sparsegate_probe_nodes=nodes)
+        except RuntimeError:
+            pass  # the old handler raised (Kopf logs it; nothing tries again)
+        for _ in range(50):
+            if store.config == {}:
+                break
+            await real_sleep(0.01)
+        try:
+            assert store.config == {}, "the deleted probe's interfaces stayed in the configuration"
+        finally:
+            await telemetryprobe.stop_probe_loops()
+
+    run(scenario())
