@@ -154,7 +154,8 @@ async def sparsemodel_access_loop(type: str | None, body: kopf.Body, namespace: 
 
     if not access_sync.enforced(body) and not access_sync.reported(body):
         # Nothing to apply or remove: no loop and no copy of the body (most models, at 10,000 of them).
-        _loops.discard((namespace, name))
+        # By uid: an earlier model of the name (its DELETED handled late) leaves a re-created one's loop.
+        _loops.discard((namespace, name), uid=body.get("metadata", {}).get("uid"))
         return
     if _loops.seen(key=(namespace, name), event_type=type, body=dict(body), tick=tick, logger=logger):
         _loops.wake([(namespace, name)])

@@ -93,11 +93,15 @@ class ObjectLoops:
         entry.task = asyncio.create_task(self._run(key, entry), name=f"{self.kind} {key[0]}/{key[1]}")
         return True
 
-    def discard(self, key: Key) -> None:
+    def discard(self, key: Key, *, uid: str | None = None) -> None:
         """End the object's loop, if any, while the object lives on (it needs no periodic work now;
-        its next ``seen`` starts one again)."""
-        entry = self._entries.pop(key, None)
-        if entry is not None and entry.task is not None:
+        its next ``seen`` starts one again). ``uid``: only if the loop is that object's (a late
+        event of an earlier object of the name must not end a re-created one's loop)."""
+        entry = self._entries.get(key)
+        if entry is None or (uid is not None and _uid(entry.body) not in (None, uid)):
+            return
+        del self._entries[key]
+        if entry.task is not None:
             entry.task.cancel()
 
     def keys(self) -> list[Key]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from localcluster.health import wait_for_async
@@ -216,3 +217,44 @@ async def test_the_deletion_of_an_earlier_object_of_the_name_leaves_the_new_ones
     assert not loops.seen(key=("ns", "g"), event_type="DELETED", body=new, tick=tick)
     assert len(loops) == 0
     await loops.stop()
+
+
+async def test_an_earlier_models_deletion_leaves_the_re_created_enforcing_models_access_loop() -> None:
+    """The access loop of a model deleted and created again under its name with requestAuth Enforce:
+    the old (not enforcing) object's DELETED, handled after the new one's first event, must not end
+    the new one's loop (its pods would get no access rules until the model changed again)."""
+    from types import SimpleNamespace
+
+    from sparsegate.handlers import accesssync
+
+    class Sync:
+        def __init__(self) -> None:
+            self.rounds = 0
+
+        async def tick(self, **_: Any) -> None:
+            self.rounds += 1
+
+    sync = Sync()
+    memo = SimpleNamespace(access_sync=sync, access_cache=object())
+    indexes = {k: {} for k in ("sparsegate_model_views", "sparsegate_model_pod_views",
+                               "sparsegate_model_deployment_views", "sparsegate_model_replicaset_views",
+                               "sparsegate_gate_views")}
+
+    def model(uid: str, enforce: bool) -> dict[str, Any]:
+        spec = {"access": {"requestAuth": "Enforce"}} if enforce else {}
+        return {"metadata": {"namespace": "ns", "name": "m", "uid": uid}, "spec": spec}
+
+    async def event(type_: str, body_: dict[str, Any]) -> None:
+        await accesssync.sparsemodel_access_loop(type=type_, body=body_, namespace="ns", name="m", memo=memo,
+                                                 sparsegate_routing_policies={}, logger=logging.getLogger("test"),
+                                                 **indexes)
+
+    try:
+        await event("ADDED", model("uid-new", enforce=True))
+        await event("DELETED", model("uid-old", enforce=False))
+        assert ("ns", "m") in accesssync._loops, "the re-created model's access loop was ended"
+        await until(lambda: sync.rounds >= 1)
+        await event("DELETED", model("uid-new", enforce=True))
+        assert ("ns", "m") not in accesssync._loops
+    finally:
+        await accesssync._loops.stop()
