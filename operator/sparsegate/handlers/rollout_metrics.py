@@ -17,8 +17,12 @@ from sparsegate import metrics
 
 
 @kopf.on.event(names.GROUP, names.VERSION, names.GATECONFIGS)
-async def gateconfig_rollout_gauges(type: str | None, body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
+async def gateconfig_rollout_gauges(type: str | None, body: kopf.Body, namespace: str, name: str,
+                                    sparsegate_gate_views: kopf.Index, **_: Any) -> None:
     if type == "DELETED":
-        metrics.forget_gateconfig(namespace=namespace, name=name)
+        # Kopf drops a deleted object from its indexes before the handlers run: one still indexed
+        # under the name was created again (its events came first), and the gauges are its own.
+        if (namespace, name) not in sparsegate_gate_views:
+            metrics.forget_gateconfig(namespace=namespace, name=name)
     else:
         metrics.observe_gateconfig(namespace=namespace, name=name, status=body.get("status"))

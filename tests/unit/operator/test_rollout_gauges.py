@@ -90,3 +90,27 @@ def test_instances_at_rest_follow_the_count_status_records():
     assert sample("sparsegate_rollout_instances", namespace=ns, gateconfig=gc) == 4
     assert rollout_gauges({"rollout": {"phase": "Succeeded", "instances": 0}}).instances == 0
     metrics.forget_gateconfig(namespace=ns, name=gc)
+
+
+def test_an_earlier_gateconfigs_deleted_event_keeps_the_re_created_ones_gauges():
+    """Deleted and created again under its name: Kopf handles each uid apart, so the old object's
+    DELETED may come after the new one's events; the gauges are the new one's and stay (a resting
+    GateConfig may see no further event to set them again)."""
+    import asyncio
+
+    from sparsegate.handlers import rollout_metrics
+
+    ns, gc = "unit-ns", "unit-recreated"
+    status = {"stable": {"version": STABLE}, "rollout": {"phase": "Succeeded", "steps": 3}}
+
+    def event(type_, uid, index):
+        body = {"metadata": {"namespace": ns, "name": gc, "uid": uid}, "status": status}
+        asyncio.run(rollout_metrics.gateconfig_rollout_gauges(type=type_, body=body, namespace=ns, name=gc,
+                                                              sparsegate_gate_views=index))
+
+    new_indexed = {(ns, gc): [{"metadata": {"name": gc}}]}  # the index holds the new object (uid-new)
+    event("MODIFIED", "uid-new", new_indexed)
+    event("DELETED", "uid-old", new_indexed)
+    assert sample("sparsegate_rollout_phase", namespace=ns, gateconfig=gc, phase="Succeeded") == 1
+    event("DELETED", "uid-new", {})  # the new one goes too: nothing of the name is left
+    assert sample("sparsegate_rollout_phase", namespace=ns, gateconfig=gc, phase="Succeeded") is None
