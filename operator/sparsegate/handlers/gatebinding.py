@@ -11,6 +11,8 @@ events re-reconcile a model whose rendered gate no longer matches what its GateC
   (which then sees the old version in the model's view) or after it (and is caught here). Without
   this, a GateConfig changed while its new model's first reconcile ran kept the old gate.
 A model already waiting for such a reconcile is not queued twice (it reads the gate when it starts).
+A re-render that fails (an API error) is tried again (``RETRY_S``, with backoff) until none fails:
+Kopf never retries an event handler, and a deleted GateConfig sends no later event.
 
 ``status.stable`` is written by the rollout state machine alone (its first tick records the spec's
 version); until then a model resolves the GateConfig's spec.params.
@@ -19,6 +21,7 @@ version); until then a model resolves the GateConfig's spec.params.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -46,19 +49,67 @@ async def gateconfig_changed(type: str | None, body: kopf.Body, namespace: str, 
                              logger: logging.Logger, **kwargs: Any) -> None:
     with metrics.observe("GateConfig"):
         inventory = Inventory.from_kopf(kwargs)
-        views = [v for m in sorted(set(models_by_gate.get((namespace, name), [])))
-                 if (v := inventory.model(namespace, m)) is not None]
-        stale = modelsync.stale_models(None if type == "DELETED" else dict(body), views)
-        failed: Exception | None = None
-        for model in stale:
-            logger.info("re-rendering SparseModel %s for GateConfig %s", model, name)
-            try:
-                await rereconcile(memo, inventory, namespace=namespace, name=model, logger=logger)
-            except Exception as e:  # one model's failure must not leave the others on the old gate
-                logger.error("re-rendering SparseModel %s for GateConfig %s failed: %s", model, name, e)
-                failed = failed or e
+        failed = await _rerender_stale(None if type == "DELETED" else dict(body), memo, inventory, models_by_gate,
+                                       namespace=namespace, name=name, logger=logger)
         if failed is not None:
+            # Kopf never retries an event handler, and a deleted GateConfig sends no later event.
+            _retry_later(memo, inventory, models_by_gate, namespace=namespace, name=name, logger=logger)
             raise failed  # the handler still fails (Kopf logs it), after every model had its turn
+
+
+async def _rerender_stale(gate_config: Mapping[str, Any] | None, memo: kopf.Memo, inventory: Inventory,
+                          models_by_gate: kopf.Index, *, namespace: str, name: str,
+                          logger: logging.Logger) -> Exception | None:
+    """Re-render the GateConfig's models that are stale against ``gate_config`` (None: it is gone);
+    the first failure, after every model had its turn."""
+    views = [v for m in sorted(set(models_by_gate.get((namespace, name), [])))
+             if (v := inventory.model(namespace, m)) is not None]
+    failed: Exception | None = None
+    for model in modelsync.stale_models(gate_config, views):
+        logger.info("re-rendering SparseModel %s for GateConfig %s", model, name)
+        try:
+            await rereconcile(memo, inventory, namespace=namespace, name=model, logger=logger)
+        except Exception as e:  # one model's failure must not leave the others on the old gate
+            logger.error("re-rendering SparseModel %s for GateConfig %s failed: %s", model, name, e)
+            failed = failed or e
+    return failed
+
+
+# A GateConfig some of whose models failed to re-render: its stale models (against the GateConfig as
+# watched then) are re-rendered again after RETRY_S, doubling up to RETRY_MAX_S, until none fails.
+RETRY_S = 10.0
+RETRY_MAX_S = 300.0
+_retries: dict[tuple[str, str], asyncio.Task[None]] = {}
+
+
+def _retry_later(memo: kopf.Memo, inventory: Inventory, models_by_gate: kopf.Index, *, namespace: str, name: str,
+                 logger: logging.Logger) -> None:
+    key = (namespace, name)
+    task = _retries.get(key)
+    if task is None or task.done():
+        _retries[key] = asyncio.create_task(_retry(memo, inventory, models_by_gate, namespace=namespace, name=name,
+                                                   logger=logger), name=f"GateConfig re-render retry {namespace}/{name}")
+
+
+async def _retry(memo: kopf.Memo, inventory: Inventory, models_by_gate: kopf.Index, *, namespace: str, name: str,
+                 logger: logging.Logger) -> None:
+    try:
+        for attempt in itertools.count():
+            await asyncio.sleep(min(RETRY_S * 2 ** min(attempt, 16), RETRY_MAX_S))
+            if await _rerender_stale(inventory.gate(namespace, name), memo, inventory, models_by_gate,
+                                     namespace=namespace, name=name, logger=logger) is None:
+                return
+    finally:
+        if _retries.get((namespace, name)) is asyncio.current_task():
+            del _retries[(namespace, name)]
+
+
+@kopf.on.cleanup()
+async def stop_rerender_retries(**_: Any) -> None:
+    tasks = list(_retries.values())
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @kopf.on.event(GROUP, VERSION, names.SPARSEMODELS)

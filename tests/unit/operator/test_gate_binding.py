@@ -290,3 +290,40 @@ def test_one_models_failed_re_render_does_not_stop_the_gateconfigs_other_models(
             models_by_gate={("ns", h.gc_name): names}, memo=h.memo, logger=LOG, **kwargs))
     assert [n for n, _ in h.reconciled] == names
     assert gatebinding._queued == {}
+
+
+def test_a_failed_re_render_after_its_gateconfig_was_deleted_is_tried_again(harness, monkeypatch) -> None:
+    """The GateConfig's DELETED is the last event it sends: a model whose re-render then fails (an
+    API error) must be tried again, or it keeps its status from the deleted GateConfig (Ready, its
+    gate version, no Degraded GateConfigNotFound) until the model itself changes."""
+    h = harness(None)  # the GateConfig is gone from the index
+    views = {("ns", "a-model"): [fleet_view.model_view({**model(gate_version=version(gateconfig())),
+                                                         "metadata": {"namespace": "ns", "name": "a-model",
+                                                                      "uid": "uid-a"}})]}
+    plain, calls = h.reconcile, []
+
+    def fails_once(memo: kopf.Memo, m: dict, **kw: Any) -> None:
+        calls.append(m["metadata"]["name"])
+        if len(calls) == 1:
+            raise gatebinding.KubeError(503, "Service Unavailable", "etcd leader changed")
+        plain(memo, m, **kw)
+
+    monkeypatch.setattr(gatebinding, "reconcile", fails_once)
+    monkeypatch.setattr(gatebinding, "RETRY_S", 0.01)
+    h.memo.kube = type("K", (), {"get": lambda self, kind, *, namespace, name: {
+        **model(gate_version=version(gateconfig())), "metadata": {"namespace": namespace, "name": name, "uid": name}}})()
+    kwargs = {**h.kwargs(), "sparsegate_model_views": views}
+
+    async def main() -> None:
+        with pytest.raises(gatebinding.KubeError):  # still a failed handler: Kopf logs it
+            await gatebinding.gateconfig_changed(
+                type="DELETED", body=kopf.Body(gateconfig()), namespace="ns", name=h.gc_name,
+                models_by_gate={("ns", h.gc_name): ["a-model"]}, memo=h.memo, logger=LOG, **kwargs)
+        for _ in range(300):
+            if h.reconciled:
+                break
+            await asyncio.sleep(0.01)
+        await gatebinding.stop_rerender_retries()
+
+    asyncio.run(main())
+    assert h.reconciled == [("a-model", None)], "the failed re-render was not tried again"
