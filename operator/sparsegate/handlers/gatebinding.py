@@ -21,7 +21,6 @@ version); until then a model resolves the GateConfig's spec.params.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -34,6 +33,7 @@ from sparsegate import metrics
 from sparsegate.clients.kube import KubeError
 from sparsegate.controllers.inventory import Inventory
 from sparsegate.handlers import modelsync
+from sparsegate.handlers.periodic import Retries
 from sparsegate.handlers.pools import model_turn, run_model_work
 from sparsegate.handlers.sparsemodel import GROUP, VERSION, finish_service, reconcile, watched_deployment, watched_gates
 
@@ -53,7 +53,9 @@ async def gateconfig_changed(type: str | None, body: kopf.Body, namespace: str, 
                                        namespace=namespace, name=name, logger=logger)
         if failed is not None:
             # Kopf never retries an event handler, and a deleted GateConfig sends no later event.
-            _retry_later(memo, inventory, models_by_gate, namespace=namespace, name=name, logger=logger)
+            _retries.start((namespace, name), lambda: _rerendered(memo, inventory, models_by_gate, namespace=namespace,
+                                                                  name=name, logger=logger),
+                           delay_s=RETRY_S, max_delay_s=RETRY_MAX_S)
             raise failed  # the handler still fails (Kopf logs it), after every model had its turn
 
 
@@ -79,37 +81,18 @@ async def _rerender_stale(gate_config: Mapping[str, Any] | None, memo: kopf.Memo
 # watched then) are re-rendered again after RETRY_S, doubling up to RETRY_MAX_S, until none fails.
 RETRY_S = 10.0
 RETRY_MAX_S = 300.0
-_retries: dict[tuple[str, str], asyncio.Task[None]] = {}
+_retries = Retries("GateConfig re-render")
 
 
-def _retry_later(memo: kopf.Memo, inventory: Inventory, models_by_gate: kopf.Index, *, namespace: str, name: str,
-                 logger: logging.Logger) -> None:
-    key = (namespace, name)
-    task = _retries.get(key)
-    if task is None or task.done():
-        _retries[key] = asyncio.create_task(_retry(memo, inventory, models_by_gate, namespace=namespace, name=name,
-                                                   logger=logger), name=f"GateConfig re-render retry {namespace}/{name}")
-
-
-async def _retry(memo: kopf.Memo, inventory: Inventory, models_by_gate: kopf.Index, *, namespace: str, name: str,
-                 logger: logging.Logger) -> None:
-    try:
-        for attempt in itertools.count():
-            await asyncio.sleep(min(RETRY_S * 2 ** min(attempt, 16), RETRY_MAX_S))
-            if await _rerender_stale(inventory.gate(namespace, name), memo, inventory, models_by_gate,
-                                     namespace=namespace, name=name, logger=logger) is None:
-                return
-    finally:
-        if _retries.get((namespace, name)) is asyncio.current_task():
-            del _retries[(namespace, name)]
+async def _rerendered(memo: kopf.Memo, inventory: Inventory, models_by_gate: kopf.Index, *, namespace: str,
+                      name: str, logger: logging.Logger) -> bool:
+    return await _rerender_stale(inventory.gate(namespace, name), memo, inventory, models_by_gate,
+                                 namespace=namespace, name=name, logger=logger) is None
 
 
 @kopf.on.cleanup()
 async def stop_rerender_retries(**_: Any) -> None:
-    tasks = list(_retries.values())
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await _retries.stop()
 
 
 @kopf.on.event(GROUP, VERSION, names.SPARSEMODELS)

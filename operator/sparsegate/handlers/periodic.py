@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -168,6 +168,52 @@ class ObjectLoops:
         """Cancel every loop and wait for them (operator shutdown)."""
         tasks = [e.task for e in self._entries.values() if e.task is not None]
         self._entries.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Retries:
+    """One-off syncs Kopf will not retry, tried again in the background until one succeeds: an event
+    handler's (Kopf never retries those), and a deleted object's above all, which sends no later event
+    to try again from. One task per key (a key already retrying keeps its task: each attempt reads
+    the state as it is then); :meth:`stop`, from the operator's cleanup, cancels them."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._tasks: dict[Hashable, asyncio.Task[None]] = {}
+
+    def start(self, key: Hashable, attempt: Callable[[], Awaitable[bool]], *, delay_s: float,
+              max_delay_s: float | None = None) -> None:
+        """Run ``attempt`` after ``delay_s``, and again after each failure (False or an exception,
+        logged), the delay doubling up to ``max_delay_s`` (None: constant), until it returns True."""
+        task = self._tasks.get(key)
+        if task is None or task.done():
+            self._tasks[key] = asyncio.create_task(
+                self._run(key, attempt, delay_s=delay_s, max_delay_s=max_delay_s), name=f"{self.what} retry {key}")
+
+    async def _run(self, key: Hashable, attempt: Callable[[], Awaitable[bool]], *, delay_s: float,
+                   max_delay_s: float | None) -> None:
+        delay = delay_s
+        try:
+            while True:
+                await asyncio.sleep(delay)
+                try:
+                    if await attempt():
+                        return
+                except Exception:  # noqa: BLE001 (still failing, e.g. the API server: next delay)
+                    log.warning("%s %s failed again; retrying", self.what, key, exc_info=True)
+                if max_delay_s is not None:
+                    delay = min(delay * 2, max_delay_s)
+        finally:
+            if self._tasks.get(key) is asyncio.current_task():
+                del self._tasks[key]
+
+    def pending(self) -> list[Hashable]:
+        return [k for k, t in self._tasks.items() if not t.done()]
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

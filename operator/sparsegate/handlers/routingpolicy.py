@@ -75,7 +75,7 @@ from sparsegate.domain.policy_compile import (
     policies_named,
 )
 from sparsegate.domain.policy_status import SyncOutcome, status_changed, status_patch
-from sparsegate.handlers.periodic import ObjectLoops
+from sparsegate.handlers.periodic import ObjectLoops, Retries
 
 GROUP, VERSION, PLURAL = names.GROUP, names.VERSION, names.ROUTINGPOLICIES
 # The decision basis's record of the class each identity of the allow-list stands for.
@@ -415,27 +415,15 @@ async def routing_policy_event(type: str | None, logger: kopf.Logger, **kwargs: 
                        f"sync succeeds ({error})")
         # After the last policy no loop is left to sync again: the allow-list would keep policing its
         # targets with nothing allowed (narrowing adds nothing) until the operator restarted.
-        _sync_later(picked)
+        _retries.start("sync", lambda: _deletion_synced(picked), delay_s=_loops.interval_s)
 
 
-_retry: asyncio.Task[None] | None = None  # the pending sync after a deletion whose sync failed
+_retries = Retries("RoutingPolicy deletion sync")  # one key: each sync reads every policy
 
 
-def _sync_later(picked: dict[str, Any]) -> None:
-    global _retry
-    if _retry is None or _retry.done():
-        _retry = asyncio.create_task(_sync_until_done(picked), name="RoutingPolicy deletion sync")
-
-
-async def _sync_until_done(picked: dict[str, Any]) -> None:
-    """Syncs (from the indexes as they are then) every resync interval until a sync succeeds."""
-    while True:
-        await asyncio.sleep(_loops.interval_s)
-        try:
-            if await _sync_and_status(**picked, write_status=False) is None:
-                return
-        except Exception:  # noqa: BLE001 (the API server still failing: next interval)
-            log.warning("syncing the flow allow-list after a RoutingPolicy deletion failed again", exc_info=True)
+async def _deletion_synced(picked: dict[str, Any]) -> bool:
+    """A deletion's sync again, from the indexes as they are now: whether it succeeded."""
+    return await _sync_and_status(**picked, write_status=False) is None
 
 
 async def resync_routing_policy(logger: kopf.Logger | logging.Logger, body: Mapping[str, Any] | None = None,
@@ -509,9 +497,7 @@ def _kube(sync: PolicySync) -> Kube:
 @kopf.on.cleanup()
 async def close_opa_client(**_: Any) -> None:
     await _loops.stop()
-    if _retry is not None:
-        _retry.cancel()
-        await asyncio.gather(_retry, return_exceptions=True)
+    await _retries.stop()
     if _sync is not None:
         _sync.opa.close()
 

@@ -43,7 +43,7 @@ from sparsegate.domain.telemetry_probe import (
     status_changed,
     status_patch,
 )
-from sparsegate.handlers.periodic import ObjectLoops
+from sparsegate.handlers.periodic import ObjectLoops, Retries
 
 GROUP, VERSION, PLURAL = names.GROUP, names.VERSION, names.TELEMETRYPROBES
 log = logging.getLogger(__name__)
@@ -218,33 +218,20 @@ async def telemetry_probe_event(type: str | None, namespace: str, name: str, bod
         # some node changed (minutes). Sync again until one lands.
         logger.warning(f"publishing the probe configuration after a deletion failed ({e}); retrying "
                        f"every {_settings.resync_seconds:g}s")
-        _sync_later(picked)
+        _retries.start("publish", lambda: _published(picked), delay_s=_settings.resync_seconds)
 
 
-_retry: asyncio.Task[None] | None = None  # the pending sync after a deletion whose publish failed
+_retries = Retries("TelemetryProbe deletion publish")  # one key: each publish reads every probe
 
 
-def _sync_later(picked: dict[str, Any]) -> None:
-    global _retry
-    if _retry is None or _retry.done():
-        _retry = asyncio.create_task(_sync_until_published(picked), name="TelemetryProbe deletion sync")
-
-
-async def _sync_until_published(picked: dict[str, Any]) -> None:
-    """Syncs (from the indexes as they are then) every resync interval until a sync succeeds."""
-    while True:
-        await asyncio.sleep(_settings.resync_seconds)
-        probes, nodes = _inputs(picked)
-        try:
-            await _state().sync(probes=probes, nodes=nodes)
-            return
-        except Exception:  # noqa: BLE001 (the API server still failing: next interval)
-            log.warning("publishing the probe configuration failed again; retrying", exc_info=True)
+async def _published(picked: dict[str, Any]) -> bool:
+    """A deletion's sync again, from the indexes as they are now (raises while publishing fails)."""
+    probes, nodes = _inputs(picked)
+    await _state().sync(probes=probes, nodes=nodes)
+    return True
 
 
 @kopf.on.cleanup()
 async def stop_probe_loops(**_: Any) -> None:
     await _loops.stop()
-    if _retry is not None:
-        _retry.cancel()
-        await asyncio.gather(_retry, return_exceptions=True)
+    await _retries.stop()

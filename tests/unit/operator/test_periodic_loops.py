@@ -258,3 +258,46 @@ async def test_an_earlier_models_deletion_leaves_the_re_created_enforcing_models
         assert ("ns", "m") not in accesssync._loops
     finally:
         await accesssync._loops.stop()
+
+
+def test_retries_back_off_until_an_attempt_succeeds_and_stop_cancels_the_rest(monkeypatch) -> None:
+    """A failed attempt (False or an exception) is tried again after a delay doubling up to the cap;
+    one key keeps one task; stop() ends what is still retrying."""
+    from sparsegate.handlers import periodic
+
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recorded(delay: float) -> None:
+        slept.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr(periodic.asyncio, "sleep", recorded)
+    outcomes = iter([RuntimeError("API server down"), False, False, True])
+    calls: list[int] = []
+
+    async def attempt() -> bool:
+        calls.append(1)
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def never() -> bool:
+        return False
+
+    async def scenario() -> None:
+        retries = periodic.Retries("test sync")
+        retries.start("k", attempt, delay_s=1.0, max_delay_s=3.0)
+        retries.start("k", never, delay_s=1.0)  # already retrying: kept as it is
+        retries.start("other", never, delay_s=1.0)
+        for _ in range(100):
+            if "k" not in retries.pending():
+                break
+            await real_sleep(0)
+        assert len(calls) == 4 and retries.pending() == ["other"]
+        await retries.stop()
+        assert retries.pending() == []
+
+    asyncio.run(scenario())
+    assert [d for d in slept if d != 1.0][:2] == [2.0, 3.0]  # k: 1, 2, then capped at 3

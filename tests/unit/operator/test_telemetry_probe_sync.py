@@ -3,6 +3,7 @@ a failed publish, and the status write computed from the reports."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -204,11 +205,7 @@ def test_the_last_probe_deleted_while_its_publish_fails_leaves_the_configuration
     again): a publish that fails then (the API server erroring for a few seconds) must be tried
     again until it lands, not leave the deleted probe's interfaces attached until some node changes."""
     real_sleep = asyncio.sleep
-
-    async def quick_sleep(_: float) -> None:
-        await real_sleep(0)
-
-    monkeypatch.setattr(telemetryprobe.asyncio, "sleep", quick_sleep)
+    monkeypatch.setattr(telemetryprobe, "_settings", dataclasses.replace(telemetryprobe._settings, resync_seconds=0.01))
     store = FakeStore()
     monkeypatch.setattr(telemetryprobe, "_sync", telemetryprobe.ProbeSync(store=store, kube=FakeKube()))  # type: ignore[arg-type]
     nodes = {"n1": [NODE]}
