@@ -26,8 +26,12 @@ are not counted (the group bounds its tokens' experts, not the threshold).
 Gate versions: a sequence is prefilled under the gate in force then (`SparseGatedCausalLM.gate`)
 and stays in that version's group until it ends, and every step runs under one group's pinned
 gate (`pin_gate`), so a step never mixes versions and a gate swap between steps never changes
-the routing of a sequence already started. Groups are keyed by gate version, so two versions
-can decode side by side while the old one drains.
+the routing params of a sequence already started. Groups are keyed by gate version, so two
+versions can decode side by side while the old one drains. The weights are the exception: a
+checkpoint holds one weight storage, so a swap whose precisionPolicy resolves to other
+precisions re-stores them (`SparseGatedCausalLM.set_gate`) and the sequences already decoding
+(or parked) under the old version compute their remaining steps with the new storage, still
+routed by, and reported under, their own version.
 
 Batched equals solo: greedy decoding (or sampling seeded per request) gives the same tokens as
 `HFServedModel.generate` for the request alone, up to float rounding of the batched matmuls,
@@ -96,11 +100,13 @@ class DecodeRequest:
 
 @dataclasses.dataclass(frozen=True)
 class TokenEvent:
-    """A token made for ``key``; ``generation`` is set on its last token."""
+    """A token made for ``key``; ``generation`` is set on its last token. ``gate_version``: on
+    its first token (the prefill's), the version it was prefilled and so decodes under."""
 
     key: Hashable
     token: int
     generation: Generation | None = None
+    gate_version: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +120,7 @@ class ToolFire:
     arguments: str
     position: int
     gate_probability: float
+    gate_version: str | None = None  # the version it decodes under
 
 
 class _Seq:
@@ -347,9 +354,10 @@ class BatchDecoder:
             finish = self._append(seq, token)
             if finish is not None:
                 events.append(TokenEvent(seq.req.key, token,
-                                         self._generation(seq, finish, table[i])))
+                                         self._generation(seq, finish, table[i]),
+                                         gate_version=seq.gate_version))
                 continue
-            events.append(TokenEvent(seq.req.key, token))
+            events.append(TokenEvent(seq.req.key, token, gate_version=seq.gate_version))
             joiners.append(_Joiner(
                 seq, keys=[layer.keys[:, :, cols] for layer in layers],
                 values=[layer.values[:, :, cols] for layer in layers],
@@ -452,7 +460,7 @@ class BatchDecoder:
                 if chosen is not None:
                     seq.tool_calls += 1
                     fires[i] = ToolFire(seq.req.key, *chosen, position=len(seq.ids) - 1,
-                                        gate_probability=prob)
+                                        gate_probability=prob, gate_version=gate.version)
         return fires
 
     def _resume(self, key: Hashable, forced: list[int] | None) -> list[TokenEvent | ToolFire]:

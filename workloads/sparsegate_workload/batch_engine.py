@@ -65,6 +65,9 @@ class GenerationHandle:
         self.tokens: asyncio.Queue[int] = asyncio.Queue()
         self.done: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         self.first_token_at: float | None = None   # perf_counter when its first token arrived
+        # The gate version its prefill ran under (it decodes wholly under it), once prefilled:
+        # what its request is counted under, also when it fails after (a timeout mid-generation).
+        self.gate_version: str | None = None
         self.state = "waiting"                     # -> "running" -> "left"
         self.cancelled = False
         self._on_leave = on_leave
@@ -271,6 +274,8 @@ class BatchEngine:
             handle = self._running.get(event.key)
             if handle is None:
                 continue
+            if handle.gate_version is None and event.gate_version is not None:
+                handle.gate_version = event.gate_version
             if isinstance(event, ToolFire):
                 handle._tool_task = asyncio.create_task(self._call_tool(handle, event))
                 continue

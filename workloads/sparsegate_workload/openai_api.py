@@ -338,7 +338,9 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
                 code = CLIENT_CLOSED  # the client went away mid-stream
                 raise
             finally:
-                served = call.gate_version or served  # a version installed after admission may have served it
+                # A version installed after admission may have served it (its prefill's, known
+                # also when the generation failed after it).
+                served = call.gate_version or handle.gate_version or served
             code = call.stream_code
             return resp
         try:
@@ -347,6 +349,8 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
             state.engine.cancel(handle)
             code = CLIENT_CLOSED
             raise
+        finally:  # a 503 after its prefill counts under the version that prefilled it too
+            served = handle.gate_version or served
         call.first_token = handle.first_token_at
         call.observe(gen)
         served = call.gate_version or served  # a version installed after admission may have served it

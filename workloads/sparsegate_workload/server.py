@@ -18,7 +18,10 @@ reads that attribute exactly once and carries the object through fault injection
 batch (run in a one-thread executor) and its response, so a PUT that swaps the reference in the
 event loop can never be seen half-applied: each request runs wholly under one version. A
 checkpoint holds its gate inside the model (``set_gate`` may re-store weights), so its swap runs
-on the model thread between batches and each batch reports the gate read there.
+on the model thread between batches and each batch reports the gate read there. A generation
+keeps its version's routing params to its end, but not its weight storage: a swap whose
+precisionPolicy resolves to other precisions re-stores the weights under the generations already
+decoding, from their next step (`batch_decode`, "Gate versions").
 
 Request-level canary (``sparsegate_contracts.canary``): a PUT may carry a stable and a canary
 document with a weight; the built-in model then holds both, and each ``/v1/infer`` request picks

@@ -366,6 +366,44 @@ async def test_a_request_is_counted_under_the_version_its_prefill_ran_under(clie
     assert 'gate_version="g-admitted"' not in text.split("sparsegate_requests_total", 1)[1].split("# HELP", 1)[0]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_failing_after_its_prefill_is_counted_under_the_version_that_prefilled_it(
+        checkpoint, monkeypatch, stream):
+    """A gate installed between admission and prefill serves the request; when its generation
+    then fails (here: it times out mid-way, 503), the error is that version's, streamed or not.
+    It was counted under the admission-time version: a new version's timeouts went to the old."""
+    import dataclasses
+    import time
+
+    from sparsegate_workload import batch_decode, openai_api
+
+    real, step = openai_api.choose_gate, batch_decode.BatchDecoder._step_group
+
+    def admitted_under_an_older_version(state, request):
+        gate = real(state, request)
+        return dataclasses.replace(gate, doc=dataclasses.replace(gate.doc, version="g-admitted"))
+
+    def slow_step(self, group):  # 200 tokens take 10 s: it times out well after its first token
+        time.sleep(0.05)
+        return step(self, group)
+
+    monkeypatch.setattr(openai_api, "choose_gate", admitted_under_an_older_version)
+    monkeypatch.setattr(batch_decode.BatchDecoder, "_step_group", slow_step)
+    c = await _serve(create_app(gate_doc=ONE_EXPERT, model_path=str(checkpoint), request_timeout_s=1.5))
+    try:
+        resp = await _complete(c, stream=stream, max_tokens=200)
+        if stream:
+            assert "no result within" in str(await _sse(resp))
+        else:
+            assert resp.status == 503
+        text = await (await c.get("/metrics")).text()
+        requests = text.split("sparsegate_requests_total", 1)[1].split("# HELP", 1)[0]
+        assert f'{{code="503",gate_version="{ONE_EXPERT.version}"}} 1.0' in requests
+        assert 'gate_version="g-admitted"' not in requests
+    finally:
+        await c.close()
+
+
 async def test_the_builtin_model_serves_no_text_api():
     app = create_app()
     c = await _serve(app)
