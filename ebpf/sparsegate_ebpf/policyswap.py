@@ -63,7 +63,9 @@ class PolicySwapper:
         self.rule_names: dict[int, dict[int, str]] = {}  # generation -> rule_id -> rule
         # Verdicts of generations older than the last one retired, by (rule name, action): folded
         # out of the `verdicts` hash at each swap, so the hash holds at most one generation's rules
-        # (it grew by one generation a swap until updates failed) and a rule's total never drops.
+        # (it grew by one generation a swap until updates failed) and a rule's total never drops
+        # while a generation in the maps names it; a rule none of them names (its RoutingPolicy
+        # deleted) is dropped, or every rule ever published stayed a series for the agent's life.
         self.retired_by_rule: dict[tuple[str, int], tuple[int, int]] = {}
         # Sources always allowed to policed destinations besides the document's (node addresses).
         self.extra_sources: tuple[str, ...] = ()
@@ -133,6 +135,8 @@ class PolicySwapper:
         # Keep attribution for recent generations only (their verdict counters may linger).
         for old in [g for g in self.rule_names if g < generation - 256]:
             del self.rule_names[old]
+        if previous is not None:
+            self._drop_unnamed(kept={previous.generation, *(info.generation for info in self.slots.values())})
         return SwapResult(generation, POOL[target], len(records), t1 - t0, t2 - t1)
 
     def rule_name(self, generation: int, rule_id: int) -> str:
@@ -149,6 +153,13 @@ class PolicySwapper:
                 packets, bytes_ = self.retired_by_rule.get(name, (0, 0))
                 self.retired_by_rule[name] = (packets + val.packets, bytes_ + val.bytes)
                 del table[key]
+
+    def _drop_unnamed(self, *, kept: set[int]) -> None:
+        """Drop the folded totals of rules no generation in ``kept`` (those still in the maps) names."""
+        named = {name for g in kept for name in self.rule_names.get(g, {}).values()}
+        unknown = tuple(f"gen{g}/" for g in kept)  # ids a generation's names do not cover (``rule_name``)
+        for key in [k for k in self.retired_by_rule if k[0] not in named and not k[0].startswith(unknown)]:
+            del self.retired_by_rule[key]
 
     def verdict_totals_by_rule(self) -> dict[tuple[str, int], tuple[int, int]]:
         """(rule name, action) -> (packets, bytes) over every generation (consistent with swaps)."""

@@ -173,3 +173,27 @@ def test_more_rules_than_verdict_counters_are_refused() -> None:
                                     rules=[rule(WEB, MODEL, port=1 + i % 60000, name=f"m/p#{i}") for i in range(16_384)])
     with pytest.raises(PolicyError, match="16384 rules exceed the 16383 rules the agent counts verdicts for"):
         parse_policy(doc)
+
+
+@pytest.mark.bpf
+def test_verdict_series_of_deleted_rules_do_not_outlive_the_policies(enforce_prog: LoadedProgram) -> None:
+    """Every rule is named after its RoutingPolicy (``ns/name#id``): a rule's folded total is kept
+    while a generation in the maps still names it, then dropped with its series. Kept for good,
+    each RoutingPolicy ever created (one per tenant, per rollout) stayed a
+    ``sparsegate_xdp_policy_verdicts`` series of every agent for the agent's life."""
+    swapper = PolicySwapper(bpf=enforce_prog.bpf)
+    for n in range(20):
+        name = f"m/policy-{n}#0"  # a RoutingPolicy created, then replaced by the next one
+        swapper.apply(parse_policy(document([rule(WEB, MODEL, name=name)])))
+        frame = P.tcp_frame(src=WEB_IPS[0], dst=MODEL_IPS[0], sport=43000 + n, dport=8080, flags=P.TCP_SYN)
+        assert run_xdp(prog_fd=enforce_prog.prog_fd, data=frame).verdict == "pass"
+        assert swapper.verdict_totals_by_rule()[(name, 1)][0] == 1
+    names = {name for name, _ in swapper.verdict_totals_by_rule()}
+    # The rules of the generations still in the maps (live, previous, last retired), nothing older.
+    assert names <= {"default:deny", "m/policy-17#0", "m/policy-18#0", "m/policy-19#0"}, sorted(names)
+    # A rule that lives on keeps its total across every swap.
+    for n in range(5):
+        swapper.apply(parse_policy(document()))
+        frame = P.tcp_frame(src=WEB_IPS[0], dst=MODEL_IPS[0], sport=44000 + n, dport=8080, flags=P.TCP_SYN)
+        assert run_xdp(prog_fd=enforce_prog.prog_fd, data=frame).verdict == "pass"
+    assert swapper.verdict_totals_by_rule()[("m/p#0", 1)][0] == 5
