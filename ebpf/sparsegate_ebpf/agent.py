@@ -13,7 +13,9 @@ Interfaces: --interfaces, unless a probe source is given and TelemetryProbes sel
 configuration for this node (sparsegate_contracts.probes), followed as it changes: interfaces no
 longer asked for are detached, new ones attached, a changed mode re-attached. With a probe source an
 interface that cannot be attached is reported (--probe-report-*) and retried every
---probe-interval seconds instead of ending the agent; without one, a failed attach exits 1 as before.
+--probe-interval seconds instead of ending the agent; without one, a failed attach at start exits 1 as
+before, and --interfaces is applied again every --probe-interval (an interface re-created under its
+name is attached again, one renamed detached).
 
 Enforcement: `off` counts only (telemetry); `audit` judges every packet to a policed destination
 and counts would-be drops (`sparsegate_xdp_policy_audit_drops_total`) without dropping; `enforce`
@@ -104,7 +106,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="with a probe source: wait this long for its first answer before attaching to "
                          "--interfaces (then follow it when it arrives)")
     ap.add_argument("--probe-interval", type=float, default=5.0, metavar="SECONDS",
-                    help="with a probe source: retry failed attaches and re-send an unsent report this often")
+                    help="retry failed attaches (and, with a probe source, re-send an unsent report) this often; "
+                         "also how often --interfaces is checked for interfaces re-created or renamed")
     ap.add_argument("--probe-report-heartbeat", type=float, default=600.0, metavar="SECONDS",
                     help="re-send an unchanged report after this long (less up to 25%% jitter), so a report "
                          "key removed meanwhile comes back: one merge patch per node per interval; 0: never")
@@ -398,10 +401,10 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
         return xdp.attach(**kw, known=agent_pins.known() if agent_pins else {})  # type: ignore[arg-type]
 
     attachments = Attachments(state=state, bpf=prog.bpf, fn=prog.fn, attach=attach,
-                              after_apply=agent_pins.sweep if agent_pins else None)
+                              after_apply=agent_pins.sweep if agent_pins else None, check_bare=True)
     errors = attachments.apply(desired(probe_config))
     if errors and follower is None:
-        _exit(args, state=state, reader=exit_reader, agent_pins=agent_pins)
+        _exit(args, state=state, reader=exit_reader, agent_pins=agent_pins, ifindex=attachments.ifindex)
         prog.close()
         return 1
     if args.enforcement == "enforce" and not start.inherited_policy:
@@ -410,12 +413,15 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
             start.attached_without_policy = False
     log.info("agent ready")
     if follower is None:
-        stop.wait()
+        # --interfaces, followed too: a pod's veth deleted and re-created under its name (the
+        # program went with the old one) is attached again, as with a probe source.
+        while not stop.wait(args.probe_interval):
+            attachments.apply(desired(None))
     else:
         _follow_probes(args, follower=follower, attachments=attachments, desired=desired, applied=probe_config,
                        prog_fd=prog.prog_fd, stop=stop)
     log.info("stopping (signal received)")  # logged here, not in the handler: logging takes locks
-    _exit(args, state=state, reader=exit_reader, agent_pins=agent_pins)
+    _exit(args, state=state, reader=exit_reader, agent_pins=agent_pins, ifindex=attachments.ifindex)
     prog.close()
     log.info("bye")
     return 0
@@ -586,7 +592,7 @@ def _inherit(interfaces: list[str], *, state: AgentState, pinned: dict[int, pins
 
 
 def _exit(args: argparse.Namespace, *, state: AgentState, reader: handover.DaemonSetReader | None = None,
-          agent_pins: pins.AgentPins | None = None) -> None:
+          agent_pins: pins.AgentPins | None = None, ifindex: dict[str, int] | None = None) -> None:
     """Detach or keep the program, as --on-exit decides; the pins go with a program detached."""
     if not state.attached:
         if agent_pins:
@@ -601,15 +607,18 @@ def _exit(args: argparse.Namespace, *, state: AgentState, reader: handover.Daemo
         state.attached.clear()
         return
     log.info("detaching XDP: %s", decision.reason)
-    _detach_all(state)
+    _detach_all(state, ifindex=ifindex)
     if agent_pins:
         agent_pins.release()
 
 
-def _detach_all(state: AgentState) -> None:
+def _detach_all(state: AgentState, *, ifindex: dict[str, int] | None = None) -> None:
+    """``ifindex``: each interface's index when attached (Attachments.ifindex), so that one renamed
+    since the last apply is still found."""
     for ifname, mode in list(state.attached.items()):
         try:
-            xdp.detach_own(prog_fd=state.program.prog_fd, ifname=ifname, mode=xdp.XdpMode(mode))
+            xdp.detach_own(prog_fd=state.program.prog_fd, ifname=ifname, mode=xdp.XdpMode(mode),
+                           ifindex=(ifindex or {}).get(ifname))
             log.info("XDP detached from %s", ifname)
         except xdp.NotOurs as exc:
             log.info("%s (a successor's): left in place", exc)

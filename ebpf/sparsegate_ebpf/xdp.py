@@ -59,6 +59,19 @@ def attached_program(ifname: str) -> dict[str, Any] | None:
     return json.loads(out)[0].get("xdp")
 
 
+def attached_programs() -> dict[str, set[int]]:
+    """Every interface of this network namespace -> the ids of the XDP programs attached to it
+    (one `ip -j -d link show`; the ids are visible without CAP_SYS_ADMIN)."""
+    out = subprocess.run(["ip", "-j", "-d", "link", "show"], capture_output=True, text=True, timeout=10,
+                         check=True).stdout
+    links: dict[str, set[int]] = {}
+    for link in json.loads(out or "[]"):
+        found = link.get("xdp") or {}
+        links[link.get("ifname", "")] = {int(pid) for att in [found, *(found.get("attached") or [])]
+                                         if (pid := (att.get("prog") or {}).get("id")) is not None}
+    return links
+
+
 class _XdpAttachOpts(ct.Structure):
     # libbpf's struct bpf_xdp_attach_opts { size_t sz; int old_prog_fd; size_t :0; }
     _fields_ = [("sz", ct.c_size_t), ("old_prog_fd", ct.c_int)]
@@ -74,11 +87,12 @@ def _libbpf() -> Any:
     return lib
 
 
-def _xdp_cas(*, ifname: str, new_fd: int, expected_fd: int, mode: XdpMode) -> None:
-    """Put `new_fd` (-1: nothing) on `ifname` iff `expected_fd`'s program is the one attached."""
+def _xdp_cas(*, ifname: str, new_fd: int, expected_fd: int, mode: XdpMode, ifindex: int | None = None) -> None:
+    """Put `new_fd` (-1: nothing) on `ifname` (or the interface whose index is `ifindex`) iff
+    `expected_fd`'s program is the one attached."""
     opts = _XdpAttachOpts(sz=ct.sizeof(_XdpAttachOpts), old_prog_fd=expected_fd)
-    rc = _libbpf().bpf_xdp_attach(socket.if_nametoindex(ifname), new_fd, _FLAGS[mode] | XDP_FLAGS_REPLACE,
-                                  ct.byref(opts))
+    index = socket.if_nametoindex(ifname) if ifindex is None else ifindex
+    rc = _libbpf().bpf_xdp_attach(index, new_fd, _FLAGS[mode] | XDP_FLAGS_REPLACE, ct.byref(opts))
     if rc == -17:  # EEXIST: "Active program does not match expected"
         raise NotOurs(f"the XDP program on {ifname} is not the expected one")
     if rc < 0:
@@ -102,10 +116,13 @@ def replace(*, prog_fd: int, ifname: str, mode: XdpMode, expected_id: int, expec
         os.close(old_fd)
 
 
-def detach_own(*, prog_fd: int, ifname: str, mode: XdpMode) -> None:
+def detach_own(*, prog_fd: int, ifname: str, mode: XdpMode, ifindex: int | None = None) -> None:
     """Detach `prog_fd` from `ifname` only if it is still the program attached there: a successor
-    that already replaced it (DaemonSet surge, a second agent) keeps its program."""
-    _xdp_cas(ifname=ifname, new_fd=-1, expected_fd=prog_fd, mode=mode)
+    that already replaced it (DaemonSet surge, a second agent) keeps its program. `ifindex`: the
+    interface's index when the program was attached, which finds it after a rename (the name may
+    be gone, or another interface's now); the compare-and-swap leaves an index reused by another
+    interface alone."""
+    _xdp_cas(ifname=ifname, new_fd=-1, expected_fd=prog_fd, mode=mode, ifindex=ifindex)
 
 
 def _ours(current: dict[str, Any] | None, *, prog_name: str, known: Mapping[int, int]) -> bool:
@@ -158,12 +175,21 @@ def attach(*, bpf: Any, fn: Any, ifname: str, mode: XdpMode, prog_name: str = "x
         else:
             log.warning("%s runs on %s in mode %s, %s asked: removing it first (no program in between)",
                         prog_name, ifname, running, mode.value)
-        remove_stale(bpf=bpf, ifname=ifname, prog_name=prog_name, known=known)
-    order = [XdpMode.NATIVE, XdpMode.GENERIC] if mode == XdpMode.AUTO else [mode]
+        removed = running if remove_stale(bpf=bpf, ifname=ifname, prog_name=prog_name, known=known) else None
+    else:
+        removed = None
+    order = asked = [XdpMode.NATIVE, XdpMode.GENERIC] if mode == XdpMode.AUTO else [mode]
+    if removed is not None and removed not in asked:
+        # The mode asked may not work here (native on a driver without it): then back in the mode
+        # the removed program ran in, rather than leave the interface with no program at all.
+        order = [*asked, removed]
     errors = []
     for m in order:
         try:
             bpf.attach_xdp(ifname.encode(), fn, _FLAGS[m] | XDP_FLAGS_UPDATE_IF_NOEXIST)
+            if m not in asked:
+                log.error("XDP on %s attached in %s mode, as the program it replaced ran: %s", ifname, m.value,
+                          "; ".join(errors))
             return m
         except Exception as exc:  # bcc raises bare Exception with the netlink error
             errors.append(f"{m.value}: {exc}")

@@ -118,3 +118,49 @@ def test_agent_attaches_exports_follows_policy_file_and_detaches_on_sigterm(lab:
     assert "xdp" not in link, link
     # Detached: traffic to the formerly denied port now reaches the stack unfiltered.
     assert send(lab, 9000, 5) == 5
+
+
+def test_without_a_probe_source_a_re_created_interface_is_attached_again(lab: VethLab, tmp_path: Path) -> None:
+    """A pod's veth deleted and re-created under its name takes the program along. With a probe
+    source the agent re-applies every --probe-interval; with --interfaces alone it attached once
+    and never again: the new interface ran with no program (nothing dropped, nothing counted)
+    until the agent restarted."""
+    policy = tmp_path / "policy.json"
+    write_policy(policy, lab, allow_port=9000, version="v1")
+    log = tmp_path / "agent.log"
+    with log.open("w") as log_f:
+        agent = lab.popen(lab.server_ns, [PY, "-m", "sparsegate_ebpf.agent", "--interfaces", lab.server_if,
+                                          "--metrics-port", str(PORT), "--metrics-addr", "127.0.0.1",
+                                          "--policy-file", str(policy), "--poll-interval", "0.2",
+                                          "--probe-interval", "0.3", "--on-exit", "detach",
+                                          "--policy-map-records", "4096"],
+                          stdout=log_f, stderr=subprocess.STDOUT)
+
+    def xdp_prog() -> dict:
+        out = lab.run(lab.server_ns, ["ip", "-j", "-d", "link", "show", lab.server_if], check=False).stdout
+        return ((json.loads(out or "[{}]")[0].get("xdp") or {}).get("prog") or {}) if out else {}
+
+    try:
+        wait_for(lambda: (x := scrape_when_serving(lab)) and sample(x, "sparsegate_xdp_attached",
+                                                                    interface=lab.server_if, mode="native"),
+                 what="agent attached", timeout_s=120.0, interval_s=0.2)
+        first = xdp_prog()
+        assert first.get("id"), first
+        lab.run(lab.server_ns, ["ip", "link", "del", lab.server_if])
+        subprocess.run(["ip", "link", "add", lab.client_if, "netns", lab.client_ns, "type", "veth", "peer", "name",
+                        lab.server_if, "netns", lab.server_ns], check=True, capture_output=True, timeout=20)
+        for ns, ifname, addr in ((lab.client_ns, lab.client_if, lab.client_ip),
+                                 (lab.server_ns, lab.server_if, lab.server_ip)):
+            lab.run(ns, ["ip", "addr", "add", f"{addr}/24", "dev", ifname])
+            lab.run(ns, ["ip", "link", "set", ifname, "up"])
+        again = wait_for(lambda: xdp_prog() or None, what="the program on the re-created interface",
+                         timeout_s=15.0, interval_s=0.2)
+        assert again["id"] == first["id"]
+        # Enforced again: the denied port drops.
+        assert send(lab, 9001, 20) == 20
+        wait_for(lambda: flow_packets(scrape(lab), lab, 9001) == (20, 20), what="denied packets dropped",
+                 timeout_s=10.0, interval_s=0.2)
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        rc = agent.wait(20)
+    assert rc == 0, log.read_text()

@@ -279,3 +279,126 @@ def test_stale_program_of_a_crashed_agent_is_replaced_but_foreign_ones_are_not(
         now = xdp.attached_program(lab.server_if)
         xdp.detach(bpf=telemetry_prog.bpf, ifname=lab.server_if, mode=mode)
     assert mode == xdp.XdpMode.NATIVE and now["mode"] == 1 and now["prog"]["name"] == "xdp_flow"
+
+
+def test_an_interface_renamed_while_attached_loses_the_program_at_the_next_apply(
+        lab: VethLab, telemetry_prog: LoadedProgram) -> None:
+    """A renamed interface keeps its XDP program (a deleted one takes it along). The agent follows
+    names: the next apply detaches it from the renamed interface (by the index it had), and so
+    does the agent's exit for one renamed after the last apply; before, the program stayed there,
+    enforcing the policy of the moment for ever, even after the agent's detach on exit."""
+    from sparsegate_ebpf import agent
+    from sparsegate_ebpf.attachments import Attachments
+    from sparsegate_ebpf.metrics import AgentState
+
+    def rename(old: str, new: str) -> None:
+        for cmd in (["link", "set", old, "down"], ["link", "set", old, "name", new], ["link", "set", new, "up"]):
+            subprocess.run(["ip", *cmd], check=True, capture_output=True, timeout=20)
+
+    tag = lab.server_if[3:]
+    state = AgentState(enforcement="off", program=telemetry_prog)
+    with lab.inside(lab.server_ns):
+        att = Attachments(state=state, bpf=telemetry_prog.bpf, fn=telemetry_prog.fn)
+        want = {lab.server_if: xdp.XdpMode.NATIVE}
+        try:
+            assert att.apply(want) == {} and state.attached == {lab.server_if: "native"}
+            rename(lab.server_if, f"sgr1{tag}")
+            assert set(att.apply(want)) == {lab.server_if} and state.attached == {}
+            on_renamed = xdp.attached_program(f"sgr1{tag}")
+            assert not (on_renamed or {}).get("prog"), on_renamed
+            rename(f"sgr1{tag}", lab.server_if)
+            assert att.apply(want) == {} and state.attached == {lab.server_if: "native"}
+            rename(lab.server_if, f"sgr2{tag}")  # renamed after the last apply: found at exit
+            agent._detach_all(state, ifindex=att.ifindex)
+            at_exit = xdp.attached_program(f"sgr2{tag}")
+            assert not (at_exit or {}).get("prog"), at_exit
+        finally:
+            for name in (lab.server_if, f"sgr1{tag}", f"sgr2{tag}"):
+                try:
+                    xdp.detach_own(prog_fd=telemetry_prog.prog_fd, ifname=name, mode=xdp.XdpMode.NATIVE)
+                except Exception:
+                    pass
+
+
+def test_a_mode_change_the_driver_refuses_leaves_the_program_in_the_mode_it_ran_in(
+        lab: VethLab, telemetry_prog: LoadedProgram) -> None:
+    """native asked (a TelemetryProbe's xdpMode) on an interface whose driver has no native XDP
+    (loopback here), where the program runs generic: before, the program was detached for the
+    change and the interface left with none (no policy enforced, no telemetry)."""
+    from sparsegate_ebpf.attachments import Attachments
+    from sparsegate_ebpf.metrics import AgentState
+
+    state = AgentState(enforcement="off", program=telemetry_prog)
+    with lab.inside(lab.server_ns):
+        att = Attachments(state=state, bpf=telemetry_prog.bpf, fn=telemetry_prog.fn)
+        try:
+            assert att.apply({"lo": xdp.XdpMode.GENERIC}) == {}
+            errors = att.apply({"lo": xdp.XdpMode.NATIVE})
+            now = xdp.attached_program("lo")
+            assert set(errors) == {"lo"} and "kept in generic mode" in errors["lo"]
+            assert state.attached == {"lo": "generic"}
+            assert (now or {}).get("mode") == 2 and now["prog"]["name"] == "xdp_flow", now
+        finally:
+            try:
+                xdp.detach_own(prog_fd=telemetry_prog.prog_fd, ifname="lo", mode=xdp.XdpMode.GENERIC)
+            except Exception:
+                pass
+
+
+def test_a_predecessor_in_another_mode_is_not_removed_for_a_mode_the_driver_refuses(
+        lab: VethLab, telemetry_prog: LoadedProgram) -> None:
+    """Our predecessor's program runs generic on an interface without native XDP (loopback) and
+    native is asked: it must be removed to change mode, and when native then fails the new program
+    goes on in generic mode. Before, the attach failed with the interface left without a program."""
+    from bcc import BPF
+
+    pred = BPF(text=b"int pred(struct xdp_md *ctx) { return XDP_PASS; }")
+    pred_fn = pred.load_func(b"pred", BPF.XDP)
+    try:
+        with lab.inside(lab.server_ns):
+            pred.attach_xdp(b"lo", pred_fn, xdp.XDP_FLAGS_SKB_MODE)
+            pred_id = xdp.attached_program("lo")["prog"]["id"]
+            try:
+                used = xdp.attach(bpf=telemetry_prog.bpf, fn=telemetry_prog.fn, ifname="lo",
+                                  mode=xdp.XdpMode.NATIVE, known={pred_id: pred_fn.fd})
+            except xdp.AttachError as exc:
+                used = exc
+            now = xdp.attached_program("lo")
+            if isinstance(used, xdp.XdpMode):
+                xdp.detach(bpf=telemetry_prog.bpf, ifname="lo", mode=used)
+    finally:
+        pred.cleanup()
+    assert used == xdp.XdpMode.GENERIC, used
+    assert (now or {}).get("prog", {}).get("name") == "xdp_flow" and now["mode"] == 2, now
+
+
+def test_an_interface_re_created_with_the_same_index_or_stripped_of_the_program_is_attached_again(
+        lab: VethLab, telemetry_prog: LoadedProgram) -> None:
+    """The agent tells a re-created interface by its index; one re-created with the same index (or
+    moved in from a namespace where it had it), or whose program someone removed, passed that
+    check: reported and exported as attached while no program ran there."""
+    from sparsegate_ebpf.attachments import Attachments
+    from sparsegate_ebpf.metrics import AgentState
+
+    state = AgentState(enforcement="off", program=telemetry_prog)
+    peer = f"sgq{lab.server_if[3:]}"
+    with lab.inside(lab.server_ns):
+        att = Attachments(state=state, bpf=telemetry_prog.bpf, fn=telemetry_prog.fn, check_bare=True)
+        want = {lab.server_if: xdp.XdpMode.NATIVE}
+        try:
+            assert att.apply(want) == {}
+            index = socket.if_nametoindex(lab.server_if)
+            subprocess.run(["ip", "link", "del", lab.server_if], check=True, capture_output=True, timeout=20)
+            subprocess.run(["ip", "link", "add", "name", lab.server_if, "index", str(index), "type", "veth", "peer",
+                            "name", peer], check=True, capture_output=True, timeout=20)
+            assert socket.if_nametoindex(lab.server_if) == index
+            assert att.apply(want) == {} and state.attached == {lab.server_if: "native"}
+            assert (xdp.attached_program(lab.server_if) or {}).get("prog", {}).get("name") == "xdp_flow"
+            subprocess.run(["ip", "link", "set", "dev", lab.server_if, "xdp", "off"], check=True, timeout=20)
+            assert att.apply(want) == {}
+            assert (xdp.attached_program(lab.server_if) or {}).get("prog", {}).get("name") == "xdp_flow"
+        finally:
+            try:
+                xdp.detach_own(prog_fd=telemetry_prog.prog_fd, ifname=lab.server_if, mode=xdp.XdpMode.NATIVE)
+            except Exception:
+                pass

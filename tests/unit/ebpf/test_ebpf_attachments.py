@@ -48,6 +48,7 @@ class FakeXdp:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, str]] = []
         self.fail: dict[str, str] = {}
+        self.detached_index: list[int | None] = []  # the ifindex each detach was given
 
     def attach(self, *, bpf: object, fn: object, ifname: str, mode: xdp.XdpMode) -> xdp.XdpMode:
         self.calls.append(("attach", ifname, mode.value))
@@ -55,8 +56,9 @@ class FakeXdp:
             raise xdp.AttachError(self.fail[ifname])
         return xdp.XdpMode.NATIVE if mode == xdp.XdpMode.AUTO else mode
 
-    def detach(self, *, prog_fd: int, ifname: str, mode: xdp.XdpMode) -> None:
+    def detach(self, *, prog_fd: int, ifname: str, mode: xdp.XdpMode, ifindex: int | None = None) -> None:
         self.calls.append(("detach", ifname, mode.value))
+        self.detached_index.append(ifindex)
 
 
 def test_apply_detaches_the_unwanted_reattaches_on_mode_change_and_keeps_the_rest() -> None:
@@ -164,7 +166,41 @@ def test_an_interface_re_created_under_its_name_is_attached_again(monkeypatch: p
     assert att.apply(want) == {} and fake.calls[-1] == ("attach", "veth-a", "native")
     assert state.attached == {"veth-a": "native"}
     index["veth-a"] = 11  # re-created between two applies: attached again, not reported as it was
-    assert att.apply(want) == {} and fake.calls[-1] == ("attach", "veth-a", "native") and len(fake.calls) == 3
+    assert att.apply(want) == {} and fake.calls[-1] == ("attach", "veth-a", "native")
+    assert [c[0] for c in fake.calls] == ["attach", "detach", "attach", "detach", "attach"]
+    assert fake.detached_index == [7, 9]  # each by the index it had: only a renamed one still has the program
+
+
+def test_an_interface_renamed_is_detached_by_the_index_it_had(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A renamed interface keeps its XDP program (a deleted one takes it along): the agent, which
+    follows names, must detach it there by its old index (also at exit, via agent._detach_all),
+    else it enforces the policy of the moment for ever, unexported, and survives the agent's
+    detach on exit. Real kernel: tests/e2e/ebpf/test_ebpf_netns_traffic.py."""
+    index = {"veth-a": 7}
+
+    def nametoindex(name: str) -> int:
+        if name not in index:
+            raise OSError(19, "No such device")
+        return index[name]
+
+    monkeypatch.setattr(socket, "if_nametoindex", nametoindex)
+    fake, state = FakeXdp(), AgentState(enforcement="off")
+    att = Attachments(state=state, bpf=None, fn=SimpleNamespace(fd=3), attach=fake.attach, detach=fake.detach)
+    want = {"veth-a": xdp.XdpMode.NATIVE}
+    assert att.apply(want) == {}
+    index["renamed"] = index.pop("veth-a")
+    assert att.apply(want) == {"veth-a": "interface veth-a does not exist on this node"}
+    assert fake.calls[1] == ("detach", "veth-a", "native") and fake.detached_index == [7]
+    assert state.attached == {}
+    # Renamed between the last apply and the agent's exit: found by its index there too.
+    index["veth-a"] = 12
+    assert att.apply(want) == {} and att.ifindex == {"veth-a": 12}
+    index["renamed2"] = index.pop("veth-a")
+    seen: list[int | None] = []
+    monkeypatch.setattr(xdp, "detach_own", lambda *, prog_fd, ifname, mode, ifindex=None: seen.append(ifindex))
+    state.program = SimpleNamespace(prog_fd=3)
+    agent._detach_all(state, ifindex=att.ifindex)
+    assert seen == [12] and state.attached == {}
 
 
 def _capture_reports(monkeypatch: pytest.MonkeyPatch, *, until: int
@@ -233,3 +269,72 @@ def test_an_unchanged_report_is_sent_again_after_the_heartbeat(monkeypatch: pyte
     finally:
         guard.cancel()
     assert len(sent) == 3 and sent[0] == sent[1] == sent[2]
+
+
+def test_a_mode_change_the_driver_refuses_puts_the_program_back_in_the_mode_it_ran_in() -> None:
+    """native asked where only generic works (a TelemetryProbe's xdpMode changed): the program was
+    detached for the change and the interface left without it (no policy, no telemetry) until the
+    configuration changed again. Now it goes back to the mode it ran in, reported with the error,
+    and the refused change is not retried (each try is a moment without a program) until the asked
+    mode changes. Real kernel: tests/e2e/ebpf/test_ebpf_netns_traffic.py."""
+    fake, state = FakeXdp(), AgentState(enforcement="off")
+
+    def attach(*, bpf: object, fn: object, ifname: str, mode: xdp.XdpMode) -> xdp.XdpMode:
+        if mode == xdp.XdpMode.NATIVE:
+            fake.calls.append(("attach", ifname, mode.value))
+            raise xdp.AttachError("native: Operation not supported")
+        return fake.attach(bpf=bpf, fn=fn, ifname=ifname, mode=mode)
+
+    att = Attachments(state=state, bpf=None, fn=SimpleNamespace(fd=3), attach=attach, detach=fake.detach)
+    assert att.apply({LO: xdp.XdpMode.GENERIC}) == {} and state.attached == {LO: "generic"}
+    errors = att.apply({LO: xdp.XdpMode.NATIVE})
+    assert state.attached == {LO: "generic"}
+    assert fake.calls == [("attach", LO, "generic"), ("detach", LO, "generic"), ("attach", LO, "native"),
+                          ("attach", LO, "generic")]
+    assert "Operation not supported" in errors[LO] and "kept in generic mode" in errors[LO]
+    report = att.report(node="n1", config_version=None, program_id=1, desired={LO: xdp.XdpMode.NATIVE})
+    assert report.interface(LO) == probes.InterfaceReport(LO, "generic", errors[LO])
+    fake.calls.clear()
+    assert att.apply({LO: xdp.XdpMode.NATIVE}) == errors and fake.calls == []  # not retried
+    assert att.apply({LO: xdp.XdpMode.AUTO}) == {} and fake.calls == []  # auto keeps what runs
+    assert att.report(node="n1", config_version=None, program_id=1,
+                      desired={LO: xdp.XdpMode.AUTO}).interface(LO) == probes.InterfaceReport(LO, "generic", None)
+    att.apply({LO: xdp.XdpMode.NATIVE})  # asked again after another mode: tried again, once
+    assert fake.calls == [("detach", LO, "generic"), ("attach", LO, "native"), ("attach", LO, "generic")]
+
+
+def test_an_attach_that_lands_in_another_mode_than_asked_is_reported_and_not_retried() -> None:
+    """xdp.attach puts the program back in the mode its predecessor's ran in when the mode asked
+    fails after that program was removed: reported as an error (the asked mode is not what runs),
+    and not retried by a detach while that mode is asked."""
+    fake, state = FakeXdp(), AgentState(enforcement="off")
+
+    def attach(*, bpf: object, fn: object, ifname: str, mode: xdp.XdpMode) -> xdp.XdpMode:
+        fake.calls.append(("attach", ifname, mode.value))
+        return xdp.XdpMode.GENERIC
+
+    att = Attachments(state=state, bpf=None, fn=SimpleNamespace(fd=3), attach=attach, detach=fake.detach)
+    errors = att.apply({LO: xdp.XdpMode.NATIVE})
+    assert errors == {LO: "native mode refused: kept in generic mode"} and state.attached == {LO: "generic"}
+    assert att.apply({LO: xdp.XdpMode.NATIVE}) == errors and fake.calls == [("attach", LO, "native")]
+
+
+def test_an_interface_left_without_a_program_under_the_same_index_is_attached_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new interface that got the old one's name and index (created with that index, or moved in
+    from a namespace where it had it), or our program removed by hand: the index check passes, and
+    the agent went on reporting (and exporting) it attached while no program ran there. A program
+    that is there (ours, a successor's) is left alone. Real kernel: test_ebpf_netns_traffic.py."""
+    programs: dict[str, set[int]] = {LO: {42}}
+    monkeypatch.setattr(xdp, "attached_programs", lambda: programs)
+    fake, state = FakeXdp(), AgentState(enforcement="off")
+    att = Attachments(state=state, bpf=None, fn=SimpleNamespace(fd=3), attach=fake.attach, detach=fake.detach,
+                      check_bare=True)
+    want = {LO: xdp.XdpMode.NATIVE}
+    assert att.apply(want) == {} and fake.calls == [("attach", LO, "native")]
+    assert att.apply(want) == {} and len(fake.calls) == 1  # still there
+    programs[LO] = {77}  # a successor's: not ours to fight over
+    assert att.apply(want) == {} and len(fake.calls) == 1
+    programs[LO] = set()  # nothing there any more
+    assert att.apply(want) == {} and fake.calls[1:] == [("attach", LO, "native")]
+    assert state.attached == {LO: "native"}
