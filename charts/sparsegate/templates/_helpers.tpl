@@ -3,16 +3,18 @@
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
-{{/* Resource name prefix: <release>-sparsegate unless the release name already contains it. */}}
+{{/* Resource name prefix: <release>-sparsegate unless the release name already contains it.
+     Helm allows dots in release names (sg.v2), a Service name does not: they become dashes. */}}
 {{- define "sparsegate.fullname" -}}
 {{- if .Values.fullnameOverride -}}
 {{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
 {{- $name := include "sparsegate.name" . -}}
-{{- if contains $name .Release.Name -}}
-{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- $release := .Release.Name | replace "." "-" -}}
+{{- if contains $name $release -}}
+{{- $release | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" $release $name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

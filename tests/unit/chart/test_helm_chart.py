@@ -465,3 +465,21 @@ def test_an_agent_metrics_port_it_cannot_bind_is_refused():
                   ("--set", "agent.metricsPort=80", "--set", "agent.capabilities={BPF,NET_ADMIN,PERFMON,NET_BIND_SERVICE}"),
                   ("--set", "agent.metricsPort=80", "--set", "agent.enabled=false")):
         render("agent-values.yaml", *extra)
+
+
+def test_a_release_name_with_dots_renders_names_kubernetes_accepts():
+    """Helm accepts release names with dots (`helm install sg.v2 ...`), and they went into the name
+    prefix as they were: the API server refused Service `sg.v2-sparsegate-operator-metrics` ("must
+    not contain dots") after the ServiceAccounts, RBAC and Deployment were created, leaving a failed
+    release behind."""
+    args = ["template", "sg.v2", str(CHART), "--namespace", "sg", "-f", str(CHART / "ci" / "agent-values.yaml"),
+            "-f", str(CHART / "ci" / "monitoring-values.yaml")]
+    docs = [d for d in yaml.safe_load_all(helm(*args)) if d]
+    services = [d["metadata"]["name"] for d in docs if d["kind"] == "Service"]
+    assert services == ["sg-v2-sparsegate-operator-metrics"]
+    assert all(re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", name) for name in services), services
+    # The agent follows its own DaemonSet by the name the DaemonSet got.
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    assert f"--daemonset=sg/{ds['metadata']['name']}" in containers(docs, "DaemonSet")["agent"]["command"]
+    # Label values may hold dots: the instance label stays the release name.
+    assert ds["metadata"]["labels"]["app.kubernetes.io/instance"] == "sg.v2"
