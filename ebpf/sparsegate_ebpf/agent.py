@@ -10,7 +10,8 @@
 
 Interfaces: --interfaces, unless a probe source is given and TelemetryProbes select this node
 (--node-name, env NODE_NAME): then exactly the interfaces and XDP modes of the operator's
-configuration for this node (sparsegate_contracts.probes), followed as it changes: interfaces no
+configuration for this node (sparsegate_contracts.probes; with --enforcement audit/enforce those as
+well as --interfaces, which a namespaced probe must not take enforcement off), followed as it changes: interfaces no
 longer asked for are detached, new ones attached, a changed mode re-attached. With a probe source an
 interface that cannot be attached is reported (--probe-report-*) and retried every
 --probe-interval seconds instead of ending the agent; without one, a failed attach at start exits 1 as
@@ -91,7 +92,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--version", action="version", version=version_line("sparsegate_ebpf.agent"))
     ap.add_argument("--interfaces", required=True,
                     help="comma-separated interface names; with a probe source: those of nodes no TelemetryProbe "
-                         "selects (may then be empty: attach only where probes say)")
+                         "selects, and with enforcement on of every node (may then be empty: attach only "
+                         "where probes say)")
     probe = ap.add_mutually_exclusive_group()
     probe.add_argument("--probe-configmap", metavar="NS/NAME",
                        help="follow this node's key of the operator's probe configuration ConfigMap")
@@ -247,11 +249,18 @@ class NodeSources:
 
 
 def desired_interfaces(config: NodeConfig | None, *, default: list[str],
-                       default_mode: xdp.XdpMode) -> dict[str, xdp.XdpMode]:
-    """Interface -> mode to attach: the probe configuration for this node, else the agent's own flags."""
+                       default_mode: xdp.XdpMode, keep_default: bool = False) -> dict[str, xdp.XdpMode]:
+    """Interface -> mode to attach: the probe configuration for this node, else the agent's own flags.
+    ``keep_default`` (enforcement on): the configuration adds to the flags' interfaces and never
+    takes one away. TelemetryProbes are namespaced: one asking for `lo` in any served namespace
+    otherwise detached enforcement from every node it selects."""
     if config is None:
         return {i: default_mode for i in default}
-    return {i.name: xdp.XdpMode(i.xdp_mode) for i in config.interfaces}
+    wanted = {i.name: xdp.XdpMode(i.xdp_mode) for i in config.interfaces}
+    if keep_default:
+        for i in default:
+            wanted.setdefault(i, default_mode)
+    return wanted
 
 
 class ProbeFollower:
@@ -382,7 +391,8 @@ def _run_bpf(args: argparse.Namespace, *, state: AgentState, start: StartState, 
     mode = xdp.XdpMode(args.xdp_mode)
 
     def desired(config: NodeConfig | None) -> dict[str, xdp.XdpMode]:
-        return desired_interfaces(config, default=args.interfaces, default_mode=mode)
+        return desired_interfaces(config, default=args.interfaces, default_mode=mode,
+                                  keep_default=args.enforcement != "off")
 
     # The configuration applied: each report names its version, never a newer one still unapplied.
     probe_config = follower.config if follower else None

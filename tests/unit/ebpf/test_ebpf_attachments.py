@@ -42,6 +42,20 @@ def test_desired_interfaces_prefer_the_node_configuration() -> None:
         "eth0": xdp.XdpMode.GENERIC}
 
 
+def test_with_enforcement_a_probe_configuration_adds_interfaces_but_never_takes_the_flags_away() -> None:
+    """A TelemetryProbe (namespaced: any tenant allowed to create one) asking for `lo` only made the
+    agent detach from `eth0` on every node it selected: enforcement off there. Enforcing, the
+    configuration adds to --interfaces; the mode a probe asks for an interface of both holds."""
+    config = probes.parse_node_config(json.dumps(probes.build_node_config(
+        [probes.InterfaceConfig("lo", "generic"), probes.InterfaceConfig("eth1", "native")])))
+    assert agent.desired_interfaces(config, default=["eth0", "eth1"], default_mode=xdp.XdpMode.AUTO,
+                                     keep_default=True) == {
+        "lo": xdp.XdpMode.GENERIC, "eth1": xdp.XdpMode.NATIVE, "eth0": xdp.XdpMode.AUTO}
+    # Telemetry only: the probes' interfaces instead of the flags', as documented.
+    assert agent.desired_interfaces(config, default=["eth0"], default_mode=xdp.XdpMode.AUTO) == {
+        "lo": xdp.XdpMode.GENERIC, "eth1": xdp.XdpMode.NATIVE}
+
+
 class FakeXdp:
     """Records calls with xdp.attach / xdp.detach_own's keyword signature."""
 
