@@ -209,7 +209,20 @@ def _number(value: Any, *, what: str) -> float | None:
             return float(value)
         except ValueError:
             pass
-    raise ValueError(f"{what} is {json.dumps(value)[:80]}, not a number")
+    # Its kind and size, never its content: the message lands in the GateConfig's status, readable by
+    # whoever reads that namespace, and the operator's requests reach pods the callers themselves
+    # could not (its source is always allowed), so an answer's text would leak across namespaces.
+    raise ValueError(f"{what} is {_kind(value)}, not a number")
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, str):
+        return f"a string of {len(value)} characters"
+    if isinstance(value, list):
+        return f"an array of {len(value)} items"
+    if isinstance(value, dict):
+        return f"an object of {len(value)} fields"
+    return type(value).__name__
 
 
 class PrometheusQuery:

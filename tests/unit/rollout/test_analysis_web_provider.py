@@ -22,7 +22,8 @@ async def server() -> AsyncIterator[tuple[str, list[dict]]]:
     async def score(request: web.Request) -> web.Response:
         seen.append({"method": request.method, "query": dict(request.query), "body": await request.text(),
                      "key": request.headers.get("X-Key"), "type": request.headers.get("Content-Type")})
-        return web.json_response({"data": {"items": [{"score": 0.93}], "ok": True, "text": "0.5", "none": None}})
+        return web.json_response({"data": {"items": [{"score": 0.93}], "ok": True, "text": "0.5", "none": None,
+                                           "said": "the launch code is 1234"}})
 
     async def broken(request: web.Request) -> web.Response:
         return web.Response(status=500, text="boom")
@@ -92,7 +93,8 @@ async def test_a_declared_content_type_is_kept_whatever_its_case(server) -> None
 @pytest.mark.parametrize(("path", "json_path", "value", "error"), [
     ("/score", "$.data.text", 0.5, None),  # numeric strings are numbers
     ("/score", "$.data.none", None, None),  # null: no data (inconclusive)
-    ("/score", "$.data.items", None, "not a number"),
+    ("/score", "$.data.items", None, "$.data.items is an array of 1 items, not a number"),
+    ("/score", "$.data", None, "$.data is an object of 5 fields, not a number"),
     ("/score", "$.data.missing", None, "$.data has no field 'missing'"),
     ("/broken", None, None, "HTTP 500"),
     ("/html", None, None, "Expecting value"),
@@ -110,6 +112,16 @@ async def test_answers_that_are_not_a_number(server, path: str, json_path: str |
         assert m.error is None
     else:
         assert m.error is not None and error in m.error
+
+
+async def test_a_text_answer_is_described_never_quoted_in_the_measurement(server) -> None:
+    """The message lands in the GateConfig's status; the operator's requests reach pods the GateConfig's
+    authors could not (its source is always allowed by the agents): a model's completion text quoted
+    there leaked it to another namespace."""
+    base, _ = server
+    m = await measure(web_check(base + "/score", jsonPath="$.data.said"))
+    assert m.value is None and m.error is not None
+    assert "a string of 23 characters, not a number" in m.error and "launch" not in m.error
 
 
 async def test_unreachable_server_is_an_error_not_an_exception() -> None:
