@@ -16,6 +16,8 @@ mkdir -p "$SPARSEGATE_BIN" "$STAMPS"
 # Several test runs may call this at once: one builds, the others wait and then find it done.
 exec 9>"$SPARSEGATE_BIN/.lock"
 flock 9
+# Holding the lock, no build runs: a <name>.tmp.<pid> here is what a killed one left (~100 MB each).
+rm -f "$SPARSEGATE_BIN"/*.tmp.*
 
 command -v go >/dev/null || { echo "binaries.sh: 'go' not found on PATH (need Go >= 1.26)" >&2; exit 1; }
 

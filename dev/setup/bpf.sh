@@ -16,6 +16,10 @@ if [ ! -d "$bcc_src" ]; then
   echo "[bpf] $bcc_src missing after install" >&2
   exit 1
 fi
+# The virtualenv is shared with concurrent set-ups: python.sh's lock.
+mkdir -p "$SPARSEGATE_CACHE"
+exec 8>"$SPARSEGATE_CACHE/.venv.lock"
+flock 8
 # setup.sh may run this before python.sh: create the venv the way python.sh does (it then
 # sees the venv exists and only installs dependencies), repairing it the same way too.
 if ! "$SPARSEGATE_VENV/bin/python" -c '' 2>/dev/null; then

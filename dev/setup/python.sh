@@ -6,6 +6,12 @@
 set -euo pipefail
 source "$(dirname "$0")/../env.sh"
 py="${PYTHON:-python3}"
+# One set-up of the shared virtualenv at a time (a demo started while a test run sets up): two
+# `pip install -e` at once fail on each other's files. The lock lives outside the venv (--clear).
+# bpf.sh, which may create the venv too, takes the same lock.
+mkdir -p "$SPARSEGATE_CACHE"
+exec 8>"$SPARSEGATE_CACHE/.venv.lock"
+flock 8
 # No interpreter (first run, or a dangling bin/python after the base Python was rebuilt): start
 # over (--clear also drops the dependency stamp, which lives inside). An interpreter without pip (a
 # `python -m venv` killed during ensurepip): finish its ensurepip, keeping what is installed.
