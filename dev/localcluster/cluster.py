@@ -2,7 +2,8 @@
 
 Everything a cluster owns lives in its state directory (certs, kubeconfigs, etcd data, logs,
 pid files, state.json with its ports), so several clusters can run side by side and ``down``
-works from another process.
+works from another process. A cluster started again on its state dir keeps its objects, but not its
+pods: their controllers make new ones (kwok's pod IPs are not kept across restarts).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -230,6 +232,8 @@ class LocalCluster:
         self._write_credentials()
         t = self._lap("credentials", t0)
 
+        # A restart over an earlier start's etcd data (`down`, then `up`): see _recycle_pods.
+        restarted = layout.etcd_data.exists()
         etcd = self._spawn("etcd", config.etcd_args(layout, ports))
         health.wait_until(
             health.endpoint_ok(config.LOOPBACK, ports.etcd_client, "/health", context=None, expect='"health":"true"'),
@@ -245,6 +249,8 @@ class LocalCluster:
             what="kube-apiserver", timeout_s=self.startup_timeout_s, proc=apiserver, log=layout.log("kube-apiserver"),
         )
         t = self._lap("kube-apiserver", t)
+        if restarted:
+            self._recycle_pods()
 
         # These three only need the API server; start them together, then check each.
         kcm = self._spawn("kube-controller-manager", config.controller_manager_args(layout, ports))
@@ -279,6 +285,13 @@ class LocalCluster:
             self._start_pod_runner()
             self._lap("podrunner", t)
         self.timings["total"] = round(time.monotonic() - t0, 3)
+
+    def _recycle_pods(self) -> None:
+        """Deletes the pods kept from before a restart, before kwok starts; their controllers make new
+        ones. kwok's pod-IP pool lives in its memory: a new kwok hands out the addresses those pods
+        still hold again (two pods on one IP, and in container mode two servers on one address)."""
+        self.kubectl("delete", "pods", "--all", "--all-namespaces", "--force", "--grace-period=0",
+                     "--wait=false", timeout=120)
 
     def _write_credentials(self) -> None:
         layout = self.layout
@@ -335,15 +348,21 @@ class LocalCluster:
                 "--work-dir", str(self.state_dir / "podrunner")]
         dev_dir = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (dev_dir, os.environ.get("PYTHONPATH")) if p)}
+        log = self.layout.log(POD_RUNNER)
+        # The log is appended to across runs on one state dir: only what this runner writes counts.
+        offset = log.stat().st_size if log.exists() else 0
         proc = processes.start(
             name=POD_RUNNER, argv=argv, log_path=self.layout.log(POD_RUNNER), pid_file=self.layout.pid_file(POD_RUNNER),
             cwd=self.state_dir, env=env, die_with_parent=self.die_with_parent,
+            # SIGTERM, not SIGKILL: a runner killed with its test session would leave its containers
+            # running for good (nothing else knows them); on SIGTERM it removes them on the way out.
+            parent_death_signal=signal.SIGTERM,
         )
         self._procs[POD_RUNNER] = proc
         # It has no health port: it is up once its first pass over the pods succeeded.
         health.wait_until(
-            lambda: "synced:" in self.layout.log(POD_RUNNER).read_text(),
-            what=POD_RUNNER, timeout_s=60, proc=proc, log=self.layout.log(POD_RUNNER),
+            lambda: b"synced:" in _read_from(log, offset),
+            what=POD_RUNNER, timeout_s=60, proc=proc, log=log,
         )
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
@@ -361,6 +380,12 @@ class LocalCluster:
         )
         self._procs[name] = proc
         return proc
+
+
+def _read_from(path: Path, offset: int) -> bytes:
+    with path.open("rb") as f:
+        f.seek(offset)
+        return f.read()
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -34,10 +34,10 @@ def is_zombie(pid: int) -> bool:
         return False
 
 
-def _die_with_parent() -> None:
-    # Runs in the child: if the test runner dies hard, the kernel kills the component too.
+def _die_with_parent(sig: int = signal.SIGKILL) -> None:
+    # Runs in the child: if the test runner dies hard, the kernel sends the component ``sig``.
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    libc.prctl(_PR_SET_PDEATHSIG, sig)
 
 
 def start(
@@ -49,8 +49,12 @@ def start(
     cwd: Path | None = None,
     env: dict[str, str] | None = None,
     die_with_parent: bool = False,
+    parent_death_signal: int = signal.SIGKILL,
 ) -> subprocess.Popen[bytes]:
-    """Starts ``argv`` in its own session, output appended to ``log_path``, pid recorded."""
+    """Starts ``argv`` in its own session, output appended to ``log_path``, pid recorded.
+
+    ``die_with_parent``: the kernel sends it ``parent_death_signal`` when this process dies (SIGKILL,
+    or SIGTERM for one that must clean up on the way out)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     pid_file.parent.mkdir(parents=True, exist_ok=True)
     if cwd is not None:
@@ -66,7 +70,7 @@ def start(
             cwd=cwd,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent if die_with_parent else None,
+            preexec_fn=(lambda: _die_with_parent(parent_death_signal)) if die_with_parent else None,
         )
     pid_file.write_text(f"{proc.pid} {process_start_ticks(proc.pid) or 0}\n")
     return proc

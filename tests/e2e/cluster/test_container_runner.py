@@ -213,3 +213,54 @@ def test_a_deleted_pod_s_object_outlives_its_stopping_container(ccluster: LocalC
     assert object_gone_s >= 2.5, f"object gone {object_gone_s:.1f}s after the delete, before the grace ran out"
     log = ccluster.layout.log("podrunner").read_text()
     assert f"deleted pod {ns}/slowstop ({uid[:8]}): its containers have stopped" in log
+
+
+KILLED_SESSION = """
+import json, sys, time
+from pathlib import Path
+from localcluster import LocalCluster
+from localcluster.ports import pick_unused_pod_cidr
+cluster = LocalCluster(state_dir=Path(sys.argv[1]), pod_cidr=pick_unused_pod_cidr(), containers=True)
+cluster.start()
+pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "default"},
+       "spec": {"terminationGracePeriodSeconds": 1, "containers": [{"name": "main", "image": sys.argv[2],
+                "imagePullPolicy": "Never", "command": ["/bin/busybox", "sleep", "3600"]}]}}
+cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+path = "jsonpath={.status.containerStatuses[0].state.running}"
+while not cluster.kubectl("get", "pod", "p", "-o", path, check=False).stdout.strip():
+    time.sleep(0.5)
+print("running", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_session_killed_hard_leaves_no_container_running(tmp_path: Path, busybox_image: str) -> None:
+    # A test session SIGKILLed (a CI timeout) takes its cluster's components with it
+    # (die_with_parent); the pod runner must still remove its containers, which nothing else knows.
+    import os
+    import signal
+    import sys
+
+    state = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3] / "dev")}
+    session = subprocess.Popen([sys.executable, "-c", KILLED_SESSION, str(state), busybox_image], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    runner = podman.runner_id(state / "podrunner")
+    try:
+        assert session.stdout is not None
+        said = []
+        for line in session.stdout:
+            said.append(line)
+            if line.strip() == "running":
+                break
+        else:
+            pytest.fail("the session ended before its pod ran:\n" + "".join(said))
+        assert podman.list_containers(runner)
+    finally:
+        session.send_signal(signal.SIGKILL)
+        session.wait()
+    try:
+        wait_for(lambda: not podman.list_containers(runner), what="the killed session's containers removed",
+                 timeout_s=60)
+    finally:
+        LocalCluster(state_dir=state).stop()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from localcluster import LocalCluster, NodeShape, processes
-from localcluster.ports import is_port_free
+from localcluster.ports import is_port_free, pick_unused_pod_cidr
 from localcluster.health import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -126,6 +126,28 @@ def test_second_cluster_runs_beside_the_first_and_stop_leaves_no_process(cluster
     _assert_all_gone(pids, ports)
     # The session cluster is untouched.
     assert len(cluster.running_components()) == 5
+
+
+def test_a_restarted_cluster_never_gives_a_new_pod_an_ip_an_old_pod_holds(tmp_path: Path) -> None:
+    # kwok keeps its pod-IP pool in memory: after stop/start on the same state dir (`localcluster
+    # down` then `up`), pods kept in etcd must not share their IPs with new ones.
+    local = LocalCluster(state_dir=tmp_path / "s", node_shape=NodeShape(count=1, gpu_count=0),
+                         pod_cidr=pick_unused_pod_cidr())
+
+    def ips() -> list[str]:
+        pods = get_json(local.kubectl, "pods", "-A")["items"]
+        return [p["status"].get("podIP") for p in pods if p["metadata"]["namespace"] == "default"]
+
+    with local:
+        local.kubectl("apply", "-f", "-", input=deployment("before", replicas=3))
+        local.kubectl("rollout", "status", "deployment/before", "--timeout=90s", timeout=120)
+    with local:
+        local.kubectl("apply", "-f", "-", input=deployment("after", replicas=3))
+        local.kubectl("rollout", "status", "deployment/after", "--timeout=90s", timeout=120)
+        local.kubectl("rollout", "status", "deployment/before", "--timeout=90s", timeout=120)
+        found = wait_for(lambda: (lambda got: got if len(got) == 6 and all(got) else None)(ips()),
+                         what="6 pods with IPs", timeout_s=90)
+        assert len(set(found)) == 6, sorted(found)
 
 
 def test_cli_up_then_down_from_another_process(tmp_path: Path) -> None:

@@ -68,3 +68,21 @@ def test_openssl_issues_certs_the_ca_verifies(tmp_path: Path) -> None:
     before = (tmp_path / "sa.key").read_bytes()
     pki.ensure_service_account_keys(tmp_path)
     assert (tmp_path / "sa.key").read_bytes() == before
+
+
+def test_a_pod_runner_that_dies_at_start_is_not_taken_for_up_by_an_earlier_run_s_log(tmp_path: Path) -> None:
+    # `localcluster up --containers` again on the same state dir (after `down`): the log is appended
+    # to, and the earlier runner's "synced:" line must not count as this runner's first pass.
+    import pytest
+
+    from localcluster.cluster import POD_RUNNER, LocalCluster
+    from localcluster.health import StartupError
+
+    cluster = LocalCluster(state_dir=tmp_path, containers=True)
+    log = cluster.layout.log(POD_RUNNER)
+    log.parent.mkdir(parents=True)
+    log.write_text("2026-12-07 10:00:00,000 podrunner INFO synced: 3 pods\n")
+    # No kubeconfig in this state dir: this runner exits at once.
+    with pytest.raises(StartupError, match="podrunner: process exited"):
+        cluster._start_pod_runner()
+    cluster.stop()
