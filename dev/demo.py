@@ -41,6 +41,7 @@ from localcluster.cluster import default_state_dir
 from localcluster.health import wait_for
 
 from sparsegate_contracts import flowpolicy
+from sparsegate_contracts.names import PROMOTE_ANNOTATION
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL, GATE, NS = "moe-small", "default-gate", "default"
@@ -115,7 +116,27 @@ class Demo:
         # Shorter analysis windows than production so the demo ends in minutes.
         self.kubectl("patch", f"gateconfig/{GATE}", "-n", NS, "--type=merge",
                      "-p", json.dumps({"spec": {"rollout": {"analysisInterval": "15s"}}}))
+        self.settle_reset(GATE)
         log(f"applied examples/; {MODEL} scaled to {DEMO_REPLICAS}")
+
+    def settle_reset(self, gate: str) -> None:
+        """On a re-run over a running cluster the apply puts the spec back to its starting params while
+        the stable version is the last run's: that starts a rollout nothing loads yet (it would sit
+        inconclusive), and the demo's own change, read from the spec, would then only revert to the
+        last run's stable. Promote the reset at once (the promote annotation skips analysis), so
+        every run's changes start from the same stable version. A first run has nothing in flight."""
+        def observed() -> dict | None:
+            gc = json.loads(self.kubectl("get", f"gateconfig/{gate}", "-n", NS, "-o", "json").stdout)
+            status = gc.get("status") or {}
+            return gc if status.get("observedGeneration", 0) >= gc["metadata"]["generation"] else None
+        gc = wait_for(observed, what=f"GateConfig {gate} observed", timeout_s=120, interval_s=1)
+        rollout = (gc.get("status") or {}).get("rollout") or {}
+        if rollout.get("phase") not in ("Progressing", "Analysing", "Paused") or not rollout.get("canary"):
+            return
+        log(f"GateConfig {gate}: promoting the reset to its applied params (stable was the last run's)")
+        self.kubectl("annotate", f"gateconfig/{gate}", "-n", NS, f"{PROMOTE_ANNOTATION}=all", "--overwrite")
+        wait_for(lambda: self.rollout(gate).get("phase") == "Succeeded", what=f"GateConfig {gate} reset promoted",
+                 timeout_s=300, interval_s=2)
 
     def print_table(self, *args: str, only_changes: bool = False) -> None:
         out = self.kubectl("get", *args, "-n", NS, check=False).stdout.rstrip()
@@ -223,6 +244,7 @@ class Demo:
                      input=json.dumps({"apiVersion": "v1", "kind": "List", "items": self.trained_objects()}))
         log(f"applied GateConfig {TRAINED_GATE} + SparseModel {TRAINED_MODEL} ({TRAINED_REPLICAS} replicas, "
             f"image {self.trained_image})")
+        self.settle_reset(TRAINED_GATE)
         self.model_ready(TRAINED_MODEL, TRAINED_GATE, TRAINED_REPLICAS)
         self.load("loadgen-trained", TRAINED_MODEL, qps=40)
         good = self.change_gate({"confidenceThreshold": 0.8}, "benign: top-p threshold 0.6 → 0.8 on the trained "
