@@ -208,6 +208,11 @@ def observe(*, probe: ProbeSource, plan: Plan, reports: Mapping[str, NodeReport]
                 continue
             attachments.append({"node": node, "interface": ifname, "mode": item.mode,
                                 "programId": report.program_id})
+            if item.error:
+                # Attached, but not as asked: the agent put the program back in the mode it ran in
+                # after the driver refused the probe's (native on a NIC without it).
+                ok = False
+                errors.append(f"node {node}: {ifname}: attached {item.mode}, not as asked: {item.error}")
         attached_nodes += ok
     return ProbeObservation(attachments=tuple(attachments), attached_nodes=attached_nodes, pending=tuple(pending),
                             errors=tuple(errors), conflicts=tuple(plan.conflicts.get(probe.key, ())),

@@ -131,6 +131,23 @@ def test_an_agent_attach_error_is_stalled_with_node_and_error() -> None:
     assert status["attachedNodes"] == 0 and conditions(status)["Ready"][0] == "False"
 
 
+def test_an_interface_attached_in_another_mode_than_asked_is_stalled_not_ready() -> None:
+    """The driver refused native: the agent kept the program in the mode it ran in (generic) and
+    reports the error beside the mode. The probe was Ready as if attached as asked."""
+    pr = probe("p", ["eth0"], mode="native")
+    p = plan(probes=[pr], nodes=[CPU])
+    reports = {"cpu-0": contract.NodeReport(node="cpu-0", config_version=p.configs["cpu-0"]["version"], program_id=7,
+                                            interfaces=(contract.InterfaceReport(
+                                                name="eth0", mode="generic",
+                                                error="native: Operation not supported"),))}
+    status = status_patch(probe=pr, observation=observe(probe=pr, plan=p, reports=reports), previous=None, now=NOW)
+    st, reason, msg = conditions(status)["Stalled"]
+    assert (st, reason) == ("True", "AttachFailed")
+    assert msg == "node cpu-0: eth0: attached generic, not as asked: native: Operation not supported"
+    assert status["attachedNodes"] == 0 and conditions(status)["Ready"][0] == "False"
+    assert status["attachments"] == [{"node": "cpu-0", "interface": "eth0", "mode": "generic", "programId": 7}]
+
+
 def test_a_probe_selecting_no_node_is_ready_with_zero_nodes() -> None:
     pr = probe("p", ["eth0"], selector={"gpu": "true"})
     status = status_patch(probe=pr, observation=observe(probe=pr, plan=plan(probes=[pr], nodes=[CPU]), reports={}),
