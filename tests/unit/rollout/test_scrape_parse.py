@@ -187,3 +187,27 @@ async def test_direct_scrape_fleet_qps_and_groups_survive_a_removed_version() ->
     assert tick.fleet_qps == 1.0 and tick.canary_metrics is not None and tick.canary_metrics.requests == 10
     tick = await scrape.measure(BUILTIN_CHECK, at(20.0))
     assert tick.fleet_qps == 2.0 and tick.canary_metrics is not None and tick.canary_metrics.requests == 30
+
+
+@pytest.mark.parametrize(("latencies", "within_sla"), [
+    ([0.6] * 100, True),                 # every request 600 ms: p99 600 ms, within 800 ms
+    ([0.1] * 98 + [0.9] * 2, False),     # 2 % of requests at 900 ms: p99 900 ms, over 800 ms
+    ([0.79] * 99 + [5.0], True),         # 99 % at 790 ms
+    ([0.1] * 98 + [0.81] * 2, False),    # 2 % just over the SLA
+])
+def test_the_default_p99_sla_is_judged_exactly_from_the_servers_buckets(latencies, within_sla) -> None:
+    """The design article's SLA (p99 <= 800 ms, DEFAULT_SLA_P99_MS) is a bound of the model
+    server's latency histogram, so the p99 check decides it from the buckets exactly. Before,
+    the buckets jumped from 0.5 s to 1 s and linear interpolation inside that bucket put a
+    canary whose every request took 600 ms at p99 995 ms (rolled back), and one with 2 % of its
+    requests at 900 ms at p99 750 ms (promoted)."""
+    from sparsegate.domain.analysis import histogram_quantile
+    from sparsegate.domain.rollout_codec import DEFAULT_SLA_P99_MS
+
+    m = ServerMetrics(n_layers=2, num_experts=8, model_name="m")
+    for seconds in latencies:
+        m.observe_request(code=200, gate_version="g-aaaaaaaaaaaa", seconds=seconds)
+    counters = parse_pod_counters(generate_latest(m.registry).decode(), at=0.0,
+                                  gate_version="g-aaaaaaaaaaaa")
+    p99_ms = 1000.0 * histogram_quantile(q=0.99, buckets=counters.duration_buckets)
+    assert (p99_ms <= DEFAULT_SLA_P99_MS) is within_sla, p99_ms
