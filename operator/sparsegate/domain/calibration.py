@@ -152,9 +152,15 @@ def windowed_estimate(
 def add_sample(
     samples: Iterable[Sequence[float]], *, t: float, value: float, window_s: float
 ) -> list[list[float]]:
-    """Append one sample and drop what fell out of the window (status-friendly lists)."""
+    """Append one sample and drop what fell out of the window (status-friendly lists).
+
+    One sample per instant (a retried tick replaces) and per slot of ``window_s / MAX_SAMPLES``
+    seconds (the newest in a slot replaces the one before), so a window longer than
+    MAX_SAMPLES ticks keeps samples across the whole window, not only its newest MAX_SAMPLES
+    ticks. Slots are far shorter than a tick at the default windows (0.25 s and 0.5 s)."""
+    slot = window_s / MAX_SAMPLES
     kept = _in_window(samples, now=t, window_s=window_s)
-    kept = [s for s in kept if s[0] < t]  # one sample per instant: a retried tick replaces
+    kept = [s for s in kept if s[0] < t and math.floor(s[0] / slot) < math.floor(t / slot)]
     kept.append((t, value))
     return [[round(a, 3), round(b, 6)] for a, b in kept[-MAX_SAMPLES:]]
 

@@ -116,3 +116,23 @@ def test_the_crds_duration_pattern_is_the_parsers() -> None:
                 for line in path.read_text().splitlines() if "pattern:" in line and "(ms|s|m|h)" in line]
     # GateConfig: two calibration windows, analysisInterval, progressDeadline, a check's interval, a web timeout.
     assert len(patterns) == 6 and set(patterns) == {DURATION_PATTERN}
+
+
+def test_a_window_longer_than_max_samples_ticks_keeps_samples_across_all_of_it() -> None:
+    """spec.calibration's window is how long a sample counts. With a 15 min window and the
+    operator's 5 s tick (180 ticks), the samples of the window's first 5 minutes (a stable error
+    rate of 0.5) were dropped once 120 had been stored, so a sample 10 to 15 minutes old never
+    counted and the baseline read 0 instead of about 0.15 (decay 0.999: weight ~0.5 there)."""
+    from sparsegate.domain.calibration import MAX_SAMPLES, windowed_estimate
+
+    params = DecayParams(initial=0.02, decay=0.999, window_s=900.0)
+    samples: list[list[float]] = []
+    for i in range(180):
+        t = 5.0 * i
+        samples = add_sample(samples, t=t, value=0.5 if t < 300 else 0.0, window_s=params.window_s)
+    assert len(samples) <= MAX_SAMPLES
+    assert samples[0][0] < 10.0, samples[0]  # the window's oldest samples are still there
+    estimate = windowed_estimate(samples=samples, now=895.0, params=params)
+    weights = [0.999 ** (895 - 5 * i) for i in range(180)]
+    exact = sum(w for i, w in enumerate(weights) if 5 * i < 300) * 0.5 / sum(weights)
+    assert estimate == pytest.approx(exact, rel=0.05)
