@@ -29,7 +29,7 @@ from sparsegate.clients.kube import Kube
 from sparsegate.controllers.applied_objects import DEFAULT_INTERVAL_S, AppliedObjects
 from sparsegate.controllers.deferred_refresh import DeferredRefreshes
 from sparsegate.controllers.status_inputs import StatusInputs
-from sparsegate.handlers import accesssync, diffbase, gateconfig, sparsemodel
+from sparsegate.handlers import accesssync, diffbase, gateconfig, modelsync, sparsemodel
 
 # Threads for model status refreshes (handlers.pools.run_status_work); reconciles keep Kopf's 8.
 STATUS_POOL_THREADS = 4
@@ -78,6 +78,8 @@ async def finish_pool_work(memo: kopf.Memo, **_: Any) -> None:
     process writes once Kopf has returned (the Lease is renewed meanwhile)."""
     pools = [p for p in (memo.get("model_pool"), memo.get("status_pool")) if p is not None]
     await asyncio.to_thread(drain_pools, pools)
+    # The models' Service applies, which no reconcile waits for (started by those just drained too).
+    await asyncio.to_thread(modelsync.drain_service_applies)
 
 
 @kopf.on.probe(id="handlers")

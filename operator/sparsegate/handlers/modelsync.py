@@ -11,6 +11,7 @@ import datetime
 import functools
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable, Iterable, Mapping
 
@@ -28,6 +29,9 @@ _APPLY_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=24, thread_name_
 # Threads for models' Service applies, which no reconcile waits for (``reconcile``, ``PendingService``):
 # their own pool, so Services slow to create cannot take the threads the other applies need.
 _SERVICE_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="sparsegate-service")
+# Its applies queued or running: no handler waits for them at shutdown (``drain_service_applies``).
+_service_applies: set[concurrent.futures.Future[str | None]] = set()
+_service_applies_lock = threading.Lock()
 # The model's Deployment as the operator's watch last delivered it (``handlers.pools.loop_reader``
 # over the fleet index), or None if it has not seen one.
 WatchedDeployment = Callable[[], Mapping[str, Any] | None]
@@ -204,7 +208,27 @@ def start_service_apply(kube: Kube, key: tuple[str, str], service: Mapping[str, 
                 applied_objects.record(key, service, now=started)
             return None
 
-    return _SERVICE_POOL.submit(apply)
+    future = _SERVICE_POOL.submit(apply)
+    with _service_applies_lock:
+        _service_applies.add(future)
+    future.add_done_callback(_service_apply_done)
+    return future
+
+
+def _service_apply_done(future: concurrent.futures.Future[str | None]) -> None:
+    with _service_applies_lock:
+        _service_applies.discard(future)
+
+
+def drain_service_applies() -> None:
+    """Operator shutdown (``sparsegate.main.finish_pool_work``): drop the Service applies only
+    queued, wait for those running, so none lands once Kopf has returned (and the Lease is handed
+    over). Their handlers, cancelled by Kopf, no longer wait for them."""
+    with _service_applies_lock:
+        futures = list(_service_applies)
+    for future in futures:
+        future.cancel()  # only one that has not started
+    concurrent.futures.wait(futures)
 
 
 def service_ref(name: str) -> dict[str, Any]:

@@ -448,3 +448,46 @@ def test_kopf_returns_only_once_the_pools_work_is_done_so_the_lease_is_handed_ov
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "returned after: ['index']", proc.stderr[-3000:]
+
+
+def test_shutdown_waits_for_the_models_service_applies_too_and_drops_those_only_queued():
+    """A model's Service apply runs in a pool of its own that no reconcile waits for
+    (``modelsync.PendingService``), and Kopf cancels the handler that does: at shutdown an apply
+    already running went on after ``kopf.run`` returned and the Lease was handed over, and one only
+    queued (8 threads, thousands of models) started afterwards."""
+    import asyncio
+    import concurrent.futures
+
+    import kopf
+
+    import sparsegate.main
+    from sparsegate.handlers import modelsync
+
+    release, started, landed = threading.Event(), threading.Event(), []
+
+    class SlowKube:
+        def apply(self, obj):
+            started.set()
+            release.wait(10)
+            time.sleep(0.2)
+            landed.append(obj["metadata"]["name"])
+
+    kube = SlowKube()
+    service = {"kind": "Service", "metadata": {"name": "m", "namespace": "ns"}}
+    running = modelsync.start_service_apply(kube, ("ns", "m"), service, None)
+    assert started.wait(5)
+    blockers = [modelsync._SERVICE_POOL.submit(release.wait, 10) for _ in range(7)]  # the pool's other threads
+    queued = modelsync.start_service_apply(kube, ("ns", "q"), {**service, "metadata": {"name": "q"}}, None)
+    memo = kopf.Memo()
+    memo.model_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    memo.status_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    threading.Timer(0.3, release.set).start()  # the apply ends a moment after SIGTERM
+    try:
+        asyncio.run(sparsegate.main.finish_pool_work(memo=memo))
+        assert landed == ["m"]  # the running one has landed when the cleanup returns
+        assert running.done() and queued.cancelled()
+    finally:
+        release.set()
+        concurrent.futures.wait([running, queued, *blockers], timeout=10)
+    time.sleep(0.3)
+    assert landed == ["m"]  # the queued one never ran
