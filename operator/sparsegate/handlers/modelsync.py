@@ -300,16 +300,26 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink, logger
         # (``applied`` None) leaves the Deployment as it was: report it as watched.
         return newest_deployment(applied, watched_deployment())
 
-    def write_status(current: Mapping[str, Any], service_error: str | None) -> None:
+    def write_status(current: Mapping[str, Any], service_error: str | None, *, rewrite: bool = False) -> None:
         error = apply_error or service_error
+
+        def compute(current: dict[str, Any], deployment: Mapping[str, Any] | None,
+                    problems: list[str]) -> dict[str, Any] | None:
+            if rewrite and not _gate_written(current, resolution):
+                # A newer reconcile (a re-render for another gate, ``handlers.gatebinding``) wrote
+                # status since this one did: its gate and Degraded stand; only what the Service's
+                # outcome moves (Ready, from the Deployment as now) is refreshed.
+                return with_service(applied_objects, key, lambda service_applied: model_status.after_deployment_event(
+                    model=current, deployment=deployment, now=now(), problems=problems,
+                    service_applied=service_applied))
+            return with_service(applied_objects, key, lambda service_applied: model_status.after_reconcile(
+                model=current, generation=meta.get("generation"), gate=resolution,
+                deployment=deployment, apply_error=error, now=now(), problems=problems,
+                service_applied=service_applied))
+
         with status_inputs.guard(meta["namespace"], meta["name"]):
             _write_status(kube, current, events=events, status_inputs=status_inputs, pods=pods,
-                          deployment=deployment_now,
-                          compute=lambda current, deployment, problems: with_service(
-                              applied_objects, key, lambda service_applied: model_status.after_reconcile(
-                                  model=current, generation=meta.get("generation"), gate=resolution,
-                                  deployment=deployment, apply_error=error, now=now(), problems=problems,
-                                  service_applied=service_applied)))
+                          deployment=deployment_now, compute=compute)
 
     def rewrite_status(service_error: str | None) -> None:
         current = kube.get("SparseModel", namespace=meta["namespace"], name=meta["name"])
@@ -320,7 +330,7 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink, logger
         # this one's would set observedGeneration back (kstatus InProgress for good).
         if current is not None and current["metadata"].get("uid") == meta.get("uid") \
                 and current["metadata"].get("generation") == meta.get("generation"):
-            write_status(current, service_error)
+            write_status(current, service_error, rewrite=True)
 
     write_status(model, assumed)
     if apply_error:
@@ -331,6 +341,15 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink, logger
         else (lambda: False)
     pending = PendingService(service_apply, assumed, rewrite_status, held) if service_apply is not None else None
     return Reconciled("success", pending)
+
+
+def _gate_written(model: Mapping[str, Any], resolution: gate.GateResolution) -> bool:
+    """True if ``model``'s status names the gate ``resolution`` rendered (its reconcile's status
+    write, or a later one's from the same gate)."""
+    status = model.get("status") or {}
+    document = resolution.document
+    return document is not None and (status.get("gateVersion"), status.get("gateChecksum")) == \
+        (document.version, document.checksum)
 
 
 def live_owner(kube: Kube, *, namespace: str, name: str,

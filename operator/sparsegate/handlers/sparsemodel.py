@@ -238,15 +238,17 @@ async def pod_stuck(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
     deployment = inventory.deployment(namespace, model)
     if deployment is None:
         return  # not delivered by the watch yet: its first event refreshes the status, these pods included
-    await run_status_work(memo, _pod_stuck, memo, namespace=namespace, model=model, pods=inventory.pods(namespace, model),
-                          deployment=deployment)
+    await run_status_work(memo, _pod_stuck, memo, namespace=namespace, model=model,
+                          watched=watched_deployment(inventory, namespace, model),
+                          pods=loop_reader(lambda: inventory.pods(namespace, model)))
 
 
-def _pod_stuck(memo: kopf.Memo, *, namespace: str, model: str, pods: list[Mapping[str, Any]],
-               deployment: Mapping[str, Any]) -> None:
-    """``deployment``: its watched view."""
+def _pod_stuck(memo: kopf.Memo, *, namespace: str, model: str, watched: modelsync.WatchedDeployment,
+               pods: Callable[[], list[Mapping[str, Any]]]) -> None:
+    """The Deployment and pods as watched, read under the model's guard (modelsync.refresh_from_watched):
+    read at the event, they could be older than what a refresh that took the guard first wrote."""
     with metrics.observe("Pod") as outcome:
-        if not modelsync.refresh_from_deployment(memo.kube, namespace=namespace, name=model, deployment=deployment,
-                                                 pods=pods, events=post_event, status_inputs=memo.status_inputs,
-                                                 applied_objects=memo.applied_objects):
+        if not modelsync.refresh_from_watched(memo.kube, namespace=namespace, name=model, deployment=watched,
+                                              pods=pods, events=post_event, status_inputs=memo.status_inputs,
+                                              applied_objects=memo.applied_objects):
             outcome.value = "unchanged"

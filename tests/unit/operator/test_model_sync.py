@@ -292,6 +292,33 @@ def test_ready_waits_for_the_service_and_is_written_once_it_lands(kube):
     assert start(slow, model_of(slow), applied=applied).service is None
 
 
+def test_an_older_reconciles_status_rewrite_keeps_the_gate_a_newer_re_render_wrote(kube):
+    """Kopf's reconcile (old gate) and a re-render for a newer gate (``handlers.gatebinding``: it
+    waits for the model's turn, not for the Service) each apply the Service and write status while
+    it is in flight. The older one's apply lands first and its handler writes status again: that
+    write put its own, older gate back in status (gateVersion, gateChecksum) over the newer one's,
+    while the Deployment runs the newer gate."""
+    slow = GatedServiceKube()
+    slow.objects = kube.objects
+    gateconfig(slow)
+    applied = AppliedObjects(interval_s=600)
+    older = start(slow, model_of(slow), applied=applied)  # Service apply in flight
+    old_version = model_of(slow)["status"]["gateVersion"]
+    available(slow)  # every replica ready: only the Service holds Ready back
+    gateconfig(slow, entropyBeta=0.3)
+    newer = start(slow, model_of(slow), applied=applied)  # the re-render, Service apply in flight too
+    status = model_of(slow)["status"]
+    new_gate = (status["gateVersion"], status["gateChecksum"])
+    assert new_gate[0] != old_version
+    assert conditions(slow)["Ready"]["reason"] == "ServiceNotApplied"
+    slow.service_gate.set()
+    older.service.finish()  # first submitted, first landed
+    newer.service.finish()
+    status = model_of(slow)["status"]
+    assert (status["gateVersion"], status["gateChecksum"]) == new_gate
+    assert conditions(slow)["Ready"]["reason"] == "AllReplicasReady"  # the Service landed: not held back for good
+
+
 def _reconcile_whose_service_apply_fails(kube: Any) -> tuple[GatedServiceKube, Any]:
     """A reconcile whose Service apply is held (``service_gate``) and then fails: it ends otherwise
     than the status written meanwhile assumed, so that status would be written again."""
@@ -954,3 +981,68 @@ def test_a_deployment_listed_again_after_a_watch_restart_refreshes_a_model_whose
     asyncio.run(sparsemodel.deployment_changed(type=None, body=kopf.Body(copy.deepcopy(deployment)), memo=memo,
                                                logger=LOG, **views))
     assert model_of(kube)["status"]["readyReplicas"] == (2 if known else 0)
+
+
+class HeldPool(concurrent.futures.Executor):
+    """A status pool whose jobs run (each in a thread of its own) when and in the order the test says:
+    four pool threads racing for one model's guard take it in any order."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[concurrent.futures.Future, Any]] = []
+
+    def submit(self, fn, /, *args, **kwargs):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.jobs.append((future, lambda: fn(*args, **kwargs)))
+        return future
+
+    async def run(self, index: int) -> None:
+        future, call = self.jobs[index]
+        threading.Thread(target=lambda: future.set_result(call())).start()
+        await asyncio.wrap_future(future)
+
+
+def test_a_stuck_pods_refresh_reads_its_inputs_under_the_guard_so_it_never_writes_older_ones(kube, monkeypatch):
+    """A crash-looping pod's event handed the status pool the Deployment and pods as watched then
+    (1/2 ready, the pod failing); the pod recovered and the Deployment's next event (2/2 ready)
+    was refreshed by another pool thread that took the model's guard first. The pod's refresh then
+    wrote its older inputs over it: Ready=False, Stalled=True (ContainersFailing) with every
+    replica ready, and no event came to mend it (a running pod's events refresh nothing)."""
+    monkeypatch.setattr(sparsemodel, "post_event", lambda *a: None)
+    gateconfig(kube)
+    inputs = StatusInputs()
+    reconcile(kube, model_of(kube), inputs=inputs)
+    stuck_pod(kube, "moe-small-a", "CrashLoopBackOff", "back-off")
+    stuck = fleet_view.pod_view(kube.objects[("Pod", "ns", "moe-small-a")])
+    pod_views = {("ns", "moe-small"): [stuck]}
+    deployment_views = {("ns", "moe-small"): [fleet_view.deployment_view(ready_deployment(kube, ready=1))]}
+    pool = HeldPool()
+    memo = kopf.Memo(kube=kube, status_inputs=inputs, applied_objects=AppliedObjects(interval_s=0),
+                     status_pool=pool, deferred_refreshes=DeferredRefreshes(delay_s=0))
+    views = dict(sparsegate_model_views={}, sparsegate_model_pod_views=pod_views,
+                 sparsegate_model_deployment_views=deployment_views, sparsegate_model_replicaset_views={},
+                 sparsegate_gate_views={})
+
+    async def main() -> None:
+        pod_event = asyncio.create_task(sparsemodel.pod_stuck(body=kopf.Body(copy.deepcopy(stuck)), memo=memo, **views))
+        await asyncio.sleep(0.05)
+        # The pod recovered and every replica is ready: the watch's views move on, the Deployment's event comes.
+        running = copy.deepcopy(stuck)
+        running["status"]["containerStatuses"] = [{"name": "server", "ready": True, "restartCount": 1,
+                                                   "state": {"running": {}}}]
+        pod_views[("ns", "moe-small")] = [running]
+        deployment = ready_deployment(kube, ready=2)
+        deployment_views[("ns", "moe-small")] = [fleet_view.deployment_view(deployment)]
+        deployment_event = asyncio.create_task(sparsemodel.deployment_changed(
+            type="MODIFIED", body=kopf.Body(copy.deepcopy(deployment)), memo=memo, logger=LOG, **views))
+        await asyncio.sleep(0.05)
+        assert len(pool.jobs) == 2
+        await pool.run(1)  # the Deployment's refresh takes the guard first
+        await deployment_event
+        assert conditions(kube)["Ready"]["status"] == "True"
+        await pool.run(0)  # then the pod's
+        await pod_event
+
+    asyncio.run(main())
+    conds = conditions(kube)
+    assert (conds["Ready"]["status"], conds["Stalled"]["status"]) == ("True", "False"), conds["Ready"]
+    assert model_of(kube)["status"]["readyReplicas"] == 2
