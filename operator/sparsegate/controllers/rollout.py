@@ -55,6 +55,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -417,8 +418,13 @@ class RolloutLoop:
         try:
             return await self._tick(namespace=namespace, name=name, models=models, cache=cache, inventory=inventory,
                                     pod_changes=pod_changes, logger=logger, seen=seen)
-        except Conflict:
-            cache.read_fresh = True
+        except Exception as e:
+            # The check did not finish (a 409, the API server failing or unreachable): the next tick
+            # checks in full again, or a resting GateConfig's pods it was to fix waited for the
+            # safety-net check (RESTING_CHECK_S), its pod-change count being marked as checked.
+            cache.last_full_check = -math.inf
+            if isinstance(e, Conflict):
+                cache.read_fresh = True
             raise
         finally:
             TICK_SECONDS.observe(time.perf_counter() - started)

@@ -19,7 +19,7 @@ from aiohttp import web
 import sparsegate.controllers.rollout as controller
 from sparsegate.clients.podadmin import PodAdmin, PodHealth, PodTarget, PushResult
 from sparsegate.domain.rollout import GateVersion
-from sparsegate.clients.kube import Conflict
+from sparsegate.clients.kube import Conflict, KubeError
 from sparsegate.controllers.rollout import RolloutLoop, RolloutCache, Fleet
 from sparsegate.domain import admin_tls, render
 from sparsegate_contracts import names
@@ -340,6 +340,47 @@ async def test_a_resting_pod_check_starts_from_the_watched_copy_unless_it_is_sta
     assert cache.read_fresh and pods.versions["m-1"] == "something-else" and kube.gets == 2
     await check(stale, 4)
     assert kube.gets == 3 and not cache.read_fresh and pods.versions["m-1"] == stable
+
+
+class FlakyKube(CountingKube):
+    """The API server answers ``failures`` status writes with a 503 (etcd slow), then recovers."""
+
+    failures = 0
+
+    def request(self, method: str, path: str, *, body: Any = None, query: Any = None,
+                content_type: str | None = None) -> dict:
+        if self.failures:
+            self.failures -= 1
+            raise KubeError(503, "Service Unavailable", "etcdserver: request timed out")
+        return super().request(method, path, body=body, query=query, content_type=content_type)
+
+
+@pytest.mark.parametrize("trouble", ["503", "conflict"])
+async def test_a_resting_pod_check_that_failed_is_not_counted_as_done(trouble: str) -> None:
+    """A pod back without the stable gate, whose check failed on the API server (a 503) or lost a
+    race (409): the next tick checks again, not the safety net RESTING_CHECK_S later."""
+    clock = [1000.0]
+    kube = FlakyKube(spec(V1))
+    pods = FakePods(clock)
+    loop, cache = Loop(kube=kube, admin=pods, clock=lambda: clock[0]), RolloutCache()  # type: ignore[arg-type]
+    await loop.tick(namespace="ns", name="gate", models=["m"], cache=cache, inventory=None)  # type: ignore[arg-type]
+    stable = GateVersion.from_params(V1).version
+    seen = RolloutLoop.quiet_view(copy.deepcopy(kube.obj))
+    if trouble == "503":
+        kube.failures = 1
+    else:
+        kube.touch()  # someone else's write: the watched copy is stale
+    pods.versions["m-1"] = "something-else"
+    clock[0] += 1
+    with pytest.raises(KubeError):
+        await loop.tick(namespace="ns", name="gate", models=["m"], cache=cache, inventory=None,  # type: ignore[arg-type]
+                        seen=seen, pod_changes=1)
+    assert pods.versions["m-1"] == "something-else"
+    assert loop.next_tick_in(seen, cache=cache, interval_s=5) in (None, 5)  # None: the tick interval
+    clock[0] += 5  # the next tick, no further pod event
+    await loop.tick(namespace="ns", name="gate", models=["m"], cache=cache, inventory=None,  # type: ignore[arg-type]
+                    seen=RolloutLoop.quiet_view(copy.deepcopy(kube.obj)), pod_changes=1)
+    assert pods.versions["m-1"] == stable
 
 
 async def test_an_unreachable_prometheus_leaves_the_step_waiting_and_says_why() -> None:
