@@ -16,6 +16,7 @@ for, as client-go does, within the request's timeout (``Kube.request``).
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any, Callable, Mapping
 from urllib.parse import quote
@@ -139,11 +140,31 @@ def path_for(kind: str, *, namespace: str, name: str | None = None,
     return path
 
 
+# The monotonic deadline of the ``Kube.request`` this thread is in (urllib3 retries in the caller's thread).
+_request_deadline = threading.local()
+
+
+class _DeadlineRetry(urllib3.util.Retry):
+    """urllib3's retries of a broken connection, only while the request's deadline leaves time: each
+    attempt gets the whole timeout again, so a GET to an API server that accepts and never answers
+    (or a connect blackholed) took 4 x its timeout, 2 minutes instead of the 30 s ``Kube.request``
+    promises."""
+
+    def increment(self, method: str | None = None, url: str | None = None, response: Any = None,
+                  error: Exception | None = None, _pool: Any = None, _stacktrace: Any = None) -> urllib3.util.Retry:
+        retry = super().increment(method, url, response, error, _pool, _stacktrace)  # raises when out of retries
+        deadline = getattr(_request_deadline, "at", None)
+        if error is not None and deadline is not None and time.monotonic() >= deadline:
+            raise urllib3.exceptions.MaxRetryError(_pool, url or "", error) from error
+        return retry
+
+
 def _api_client(config: kubernetes.client.Configuration) -> kubernetes.client.ApiClient:
     config.connection_pool_maxsize = CONNECTIONS
-    # urllib3's retries of a broken connection stay; its own retry of a 429/503 with Retry-After
-    # (GET and PUT only, waiting past the request's timeout) does not: ``Kube.request`` retries.
-    config.retries = urllib3.util.Retry(3, respect_retry_after_header=False)
+    # urllib3's retries of a broken connection stay (within the request's timeout); its own retry of
+    # a 429/503 with Retry-After (GET and PUT only, waiting past the request's timeout) does not:
+    # ``Kube.request`` retries.
+    config.retries = _DeadlineRetry(3, respect_retry_after_header=False)
     return kubernetes.client.ApiClient(config)
 
 
@@ -183,7 +204,11 @@ class Kube:
                 header_params={"Content-Type": content_type, "Accept": "application/json"},
                 body=body, auth_settings=["BearerToken"])
             start = time.perf_counter()
-            resp = self._api.call_api(*params, _request_timeout=max(deadline - time.monotonic(), 0.001))
+            _request_deadline.at = deadline
+            try:
+                resp = self._api.call_api(*params, _request_timeout=max(deadline - time.monotonic(), 0.001))
+            finally:
+                _request_deadline.at = None
             raw = resp.read()
             verb, resource = verb_and_resource(method, path)
             API_REQUEST_SECONDS.labels(verb=verb, resource=resource).observe(time.perf_counter() - start)

@@ -241,3 +241,57 @@ def test_in_cluster_the_client_verifies_the_cluster_ca_and_re_reads_a_rotated_to
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_server_that_never_answers_costs_a_get_its_timeout_not_four(tmp_path) -> None:
+    """urllib3 retries a broken connection (3 times) with the whole timeout each: a GET to an API
+    server that accepted the connection and never answered (etcd stuck, a half-dead proxy) took 4 x
+    its timeout (2 minutes at the default 30 s). A connection dropped at once is still sent again."""
+    import socket
+    import threading
+    import time
+
+    import kubernetes
+
+    from sparsegate.clients.kube import Kube, _api_client
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    accepted: list[socket.socket] = []
+    answer = threading.Event()  # from then on: the first connection is dropped, the next one answered
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+            if not answer.is_set():
+                continue  # never answers
+            if len(accepted) % 2:
+                conn.close()  # dropped before answering (a stale kept-alive connection, say)
+                continue
+            conn.recv(65536)
+            body = b'{"data": {}}'
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+
+    threading.Thread(target=serve, daemon=True).start()
+    config = kubernetes.client.Configuration()
+    config.host = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    kube = Kube(_api_client(config))
+    try:
+        started = time.monotonic()
+        with pytest.raises(Exception):
+            kube.request("GET", path_for("ConfigMap", namespace="ns", name="x"), timeout=0.5)
+        assert time.monotonic() - started < 1.0 and len(accepted) == 1
+        answer.set()
+        accepted.clear()
+        assert kube.get("ConfigMap", namespace="ns", name="x") == {"data": {}}
+        assert len(accepted) == 2
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()
