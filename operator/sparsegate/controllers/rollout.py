@@ -103,6 +103,9 @@ from sparsegate.domain.rollout import (
     SpecError,
     Strategy,
     annotation_requests,
+    declared_requests,
+    pending_requests,
+    request_values,
     rejection_holds,
     invalid_spec,
     next_action,
@@ -491,8 +494,12 @@ class RolloutLoop:
     def resting(body: Mapping[str, Any]) -> bool:
         """Resting, spec already stable (or rejected), no one-shot annotation, status observed the spec."""
         meta = body.get("metadata") or {}
-        if any(annotation_requests(meta.get("annotations")).values()):
-            return False
+        status = RolloutStatus.from_status(body.get("status"))
+        if any(pending_requests(meta.get("annotations"), status).values()):
+            return False  # (a request left in place, its value handled, is none: GitOps keeps it)
+        present = request_values(meta.get("annotations"))
+        if any(present.get(a) != v for a, v in status.handled_requests):
+            return False  # gone (or changed): drop its record, or the same value back would not act
         if (body.get("status") or {}).get("observedGeneration") != meta.get("generation"):
             return False  # Flux/Argo wait on observedGeneration: record a spec edit (e.g. pause) at once
         status = RolloutStatus.from_status(body.get("status"))
@@ -516,6 +523,8 @@ class RolloutLoop:
         now = self.clock()
         status = RolloutStatus.from_status(body.get("status"))
         requests = annotation_requests(body["metadata"].get("annotations"))
+        values = request_values(body["metadata"].get("annotations"))
+        declared = declared_requests(body["metadata"])
         try:
             spec = parse_spec(body.get("spec") or {})
         except SpecError as e:
@@ -544,7 +553,7 @@ class RolloutLoop:
             measured = await self._declared(spec=spec, request=request, status=status, name=name, models=models,
                                             now=now)
             obs = Observations(pods=pods, **requests, **metrics, measurements=measured,
-                               models=len(fleet.server_names))
+                               models=len(fleet.server_names), request_values=values, declared=declared)
             decision = next_action(spec=spec, status=status, obs=obs, now=now)
             body = await self._persist(body, decision, steps=spec.steps, cache=cache)
             body = await self._clear_requests(body, decision, steps=spec.steps, cache=cache)

@@ -53,9 +53,11 @@ the history) are :mod:`sparsegate.domain.rollout_codec`'s; the conditions (kstat
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from sparsegate_contracts.names import ABORT_ANNOTATION, PROMOTE_ANNOTATION, RETRY_ANNOTATION
 
@@ -105,6 +107,7 @@ __all__ = [
     "RETRY_ANNOTATION", "Action", "ClearAnnotation", "Decision", "EmitEvent", "GateSetTarget", "GateVersion",
     "Observations", "Phase", "PodObservation", "PushGate", "RecordOutcome", "RecordStep", "Revision",
     "RolloutSpec", "RolloutStatus", "SpecError", "Strategy", "annotation_requests", "canary_gate", "conditions",
+    "declared_requests", "pending_requests", "request_values",
     "desired_versions", "in_flight", "instances_for", "invalid_spec", "kstatus_conditions", "next_action",
     "parse_spec",
     "record_stable", "select_canary_pods",
@@ -153,6 +156,54 @@ class Observations:
     # being replaced): a step whose pods all went while models remain waits for pods to come back
     # rather than promoting a version no pod has been judged on.
     models: int = 0
+    # The request annotations present (annotation -> value), and those of them an applier declares
+    # (:func:`declared_requests`): such a one acts once per value and is left in place.
+    request_values: Mapping[str, str] = field(default_factory=dict)
+    declared: frozenset[str] = frozenset()
+
+
+_REQUEST_ANNOTATIONS = (ABORT_ANNOTATION, PROMOTE_ANNOTATION, RETRY_ANNOTATION)
+_LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
+
+
+def request_values(annotations: Mapping[str, str] | None) -> dict[str, str]:
+    """The one-shot request annotations present, annotation -> value."""
+    annotations = annotations or {}
+    return {a: str(annotations[a]) for a in _REQUEST_ANNOTATIONS if a in annotations}
+
+
+def declared_requests(metadata: Mapping[str, Any] | None) -> frozenset[str]:
+    """The request annotations an applier declares: named in kubectl's last-applied copy (``kubectl
+    apply``, Argo CD's default sync) or owned by a server-side apply (Flux, Argo CD with
+    ServerSideApply, ``kubectl apply --server-side``). Cleared, such an annotation is put back by the
+    next sync (Argo CD self-heal, Flux's interval), so it is left in place and acts once per value."""
+    meta = metadata if isinstance(metadata, Mapping) else {}
+    out: set[str] = set()
+    last = (meta.get("annotations") or {}).get(_LAST_APPLIED)
+    if isinstance(last, str):
+        try:
+            applied = json.loads(last)
+        except ValueError:
+            applied = None
+        ann = ((applied.get("metadata") if isinstance(applied, dict) else None) or {})
+        ann = ann.get("annotations") if isinstance(ann, dict) else None
+        if isinstance(ann, dict):
+            out.update(a for a in _REQUEST_ANNOTATIONS if a in ann)
+    for entry in meta.get("managedFields") or ():
+        if not isinstance(entry, Mapping) or entry.get("operation") != "Apply":
+            continue
+        owned = ((entry.get("fieldsV1") or {}).get("f:metadata") or {})
+        owned = owned.get("f:annotations") if isinstance(owned, Mapping) else None
+        if isinstance(owned, Mapping):
+            out.update(a for a in _REQUEST_ANNOTATIONS if f"f:{a}" in owned)
+    return frozenset(out)
+
+
+def pending_requests(annotations: Mapping[str, str] | None, status: RolloutStatus) -> dict[str, bool]:
+    """:func:`annotation_requests`, less those left in place whose value the status already handled."""
+    handled = dict(status.handled_requests)
+    present = request_values(annotations)
+    return annotation_requests({a: v for a, v in present.items() if handled.get(a) != v})
 
 
 def annotation_requests(annotations: Mapping[str, str] | None) -> dict[str, bool]:
@@ -418,8 +469,14 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
     superseding version); abort and promote requests; pause and resume; calibration samples; the
     work of the phase the status is now in (:data:`_PHASE_WORK`); level-based pushes; bookkeeping.
     """
-    acts: list[Action] = [ClearAnnotation(name) for name in _consumed(obs)]
-    requested = tuple(r for r in _REQUESTS if getattr(obs, r))
+    # Request annotations left in place (an applier declares them, or this status handled their
+    # value): Git puts a cleared one back, so the same value is acted on once and never cleared.
+    handled = dict(status.handled_requests)
+    kept = {a: v for a, v in obs.request_values.items() if a in obs.declared or handled.get(a) == v}
+    repeated = {a for a, v in kept.items() if handled.get(a) == v}
+    obs = dataclasses.replace(obs, **{r: False for r in _REQUESTS if _ANNOTATION_OF[r] in repeated})
+    acts: list[Action] = [ClearAnnotation(name) for name in _consumed(obs) if name not in kept]
+    requested = tuple(r for r in _REQUESTS if getattr(obs, r) and _ANNOTATION_OF[r] not in kept)
     # A request this status already acted on whose annotation is still there (its clear did not
     # land) is cleared again, not acted on again: a step promote would otherwise skip two steps.
     obs = dataclasses.replace(obs, **{r: False for r in requested if r in status.consumed_requests})
@@ -436,7 +493,7 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
         # Started over in the same tick: this tick's conditions still say why.
         s = dataclasses.replace(s, reason="InvalidStatus", message=f"{unusable}; {s.message}")
     acts += _pushes(s, spec=spec, obs=obs)
-    s = dataclasses.replace(s, consumed_requests=requested)
+    s = dataclasses.replace(s, consumed_requests=requested, handled_requests=tuple(sorted(kept.items())))
     return Decision(status=_bookkeeping(s, previous=status, target=spec.target, obs=obs, now=now),
                     actions=tuple(acts))
 
@@ -448,6 +505,8 @@ def in_flight(s: RolloutStatus) -> bool:
 
 # The one-shot requests, as Observations fields (status.rollout.consumedRequests names them).
 _REQUESTS = ("abort", "promote", "promote_step", "retry")
+_ANNOTATION_OF = {"abort": ABORT_ANNOTATION, "promote": PROMOTE_ANNOTATION, "promote_step": PROMOTE_ANNOTATION,
+                  "retry": RETRY_ANNOTATION}
 
 
 def _consumed(obs: Observations) -> list[str]:

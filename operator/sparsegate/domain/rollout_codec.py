@@ -281,6 +281,9 @@ class RolloutStatus:
     # before they are cleared, so a clear that did not land (an API error, a crash or a lost Lease
     # in between) must not make the next tick act on them a second time (domain.rollout).
     consumed_requests: tuple[str, ...] = ()
+    # Request annotations left in place (an applier declares them: Git puts one back whenever it is
+    # cleared), as (annotation, value) acted on once: the same value again is not a new request.
+    handled_requests: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_status(cls, raw: Mapping[str, Any] | None) -> RolloutStatus:
@@ -318,6 +321,9 @@ class RolloutStatus:
             strategy=Strategy(ro["strategy"]) if ro.get("strategy") in Strategy._value2member_map_ else None,
             before_invalid_spec=_interrupted(ro.get("beforeInvalidSpec")),
             consumed_requests=tuple(r for r in ro.get("consumedRequests") or () if isinstance(r, str)),
+            handled_requests=tuple(sorted(
+                (k, v) for k, v in (ro.get("handledRequests") or {}).items() if isinstance(v, str)
+            )) if isinstance(ro.get("handledRequests"), dict) else (),
         )
 
     def to_status(self, *, steps: Sequence[int]) -> dict[str, Any]:
@@ -357,6 +363,7 @@ class RolloutStatus:
                                   "message": self.before_invalid_spec[2]} if self.before_invalid_spec else None,
             "promote": self.promote,
             "consumedRequests": list(self.consumed_requests) or None,
+            "handledRequests": dict(self.handled_requests) or None,
             "analysisPaused": self.analysis_paused or None,
             "analysisWindow": {"from": iso_time(self.window_from), "samples": self.window_samples}
             if self.window_from is not None else None,

@@ -31,11 +31,13 @@ from sparsegate.domain.rollout import (
     PushGate,
     RolloutStatus,
     annotation_requests,
+    declared_requests,
     invalid_spec,
     kstatus_conditions,
     next_action,
     parse_spec,
     record_stable,
+    request_values,
 )
 
 V1 = {"toolGateThreshold": 0.85, "entropyBeta": 0.1}
@@ -82,12 +84,12 @@ class Gate:
         return kstatus_port.compute(self.obj())[0]
 
     def tick(self, *, dt: float = 1.0, canary: GroupMetrics | None = None, stable: GroupMetrics | None = None,
-             annotations: dict[str, str] | None = None) -> RolloutStatus:
+             annotations: dict[str, str] | None = None, declared: frozenset[str] = frozenset()) -> RolloutStatus:
         self.now += dt
         obs = Observations(
             pods=tuple(PodObservation(n, True, ver) for n, ver in sorted(self.pods.items())),
             canary_metrics=canary, stable_metrics=stable, fleet_qps=20.0, stable_error_rate=0.0,
-            **annotation_requests(annotations))
+            **annotation_requests(annotations), request_values=request_values(annotations), declared=declared)
         status = RolloutStatus.from_status(self.status)
         try:
             parsed = parse_spec(self.spec)
@@ -195,6 +197,46 @@ def test_annotation_requests() -> None:
         "abort": False, "promote": False, "promote_step": True, "retry": False}
     assert annotation_requests({RETRY_ANNOTATION: "", ABORT_ANNOTATION: "x"}) == {
         "abort": True, "promote": False, "promote_step": False, "retry": True}
+
+
+def test_declared_requests_are_those_an_applier_owns() -> None:
+    """kubectl's last-applied copy (Argo CD's default sync) or a server-side apply's managedFields
+    (Flux, Argo CD ServerSideApply) name the request annotations Git holds; kubectl annotate's do not."""
+    last = '{"metadata":{"annotations":{"sparsegate.dev/abort":"1","other":"x"}}}'
+    assert declared_requests({"annotations": {"kubectl.kubernetes.io/last-applied-configuration": last,
+                                              ABORT_ANNOTATION: "1"}}) == {ABORT_ANNOTATION}
+    ssa = {"manager": "kustomize-controller", "operation": "Apply", "fieldsV1": {"f:metadata": {"f:annotations": {
+        f"f:{PROMOTE_ANNOTATION}": {}, "f:other": {}}}}}
+    annotate = {"manager": "kubectl-annotate", "operation": "Update", "fieldsV1": {"f:metadata": {"f:annotations": {
+        f"f:{RETRY_ANNOTATION}": {}}}}}
+    assert declared_requests({"managedFields": [ssa, annotate]}) == {PROMOTE_ANNOTATION}
+    for junk in (None, {}, {"annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{"}},
+                 {"annotations": {"kubectl.kubernetes.io/last-applied-configuration": "[1]"}},
+                 {"managedFields": [None, {"operation": "Apply", "fieldsV1": {"f:metadata": []}}]}):
+        assert declared_requests(junk) == frozenset()
+
+
+def test_a_retry_held_in_git_retries_once_per_value() -> None:
+    """Argo CD self-heal puts a cleared retry back: a version that fails again was retried again and
+    again. Declared by an applier, the request acts once per value and stays (no clear)."""
+    g = Gate(V1, pods=10)
+    g.tick()
+    g.edit(V2)
+    g.until(Phase.ANALYSING)
+    g.tick(dt=11, canary=healthy(errors=50), stable=healthy(1000))
+    g.until(Phase.ROLLED_BACK)
+    retry, declared = {RETRY_ANNOTATION: "1"}, frozenset({RETRY_ANNOTATION})
+    g.actions.clear()
+    assert g.tick(annotations=retry, declared=declared).phase != Phase.ROLLED_BACK
+    assert ClearAnnotation(RETRY_ANNOTATION) not in g.actions
+    g.until(Phase.ANALYSING, annotations=retry, declared=declared)
+    g.tick(dt=11, canary=healthy(errors=50), stable=healthy(1000), annotations=retry, declared=declared)
+    g.until(Phase.ROLLED_BACK, annotations=retry, declared=declared)
+    for _ in range(5):
+        assert g.tick(annotations=retry, declared=declared).phase == Phase.ROLLED_BACK, "retried again"
+    assert g.status["rollout"]["handledRequests"] == retry
+    # A new value is a new request.
+    assert g.tick(annotations={RETRY_ANNOTATION: "2"}, declared=declared).phase != Phase.ROLLED_BACK
 
 
 def test_step_promote_skips_one_analysis_and_the_next_step_is_analysed() -> None:

@@ -8,6 +8,7 @@ answers a status write based on an old resourceVersion with a 409, as the API se
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -406,3 +407,59 @@ def test_a_small_step_back_only_delays_the_window() -> None:
     assert st.phase == Phase.ANALYSING
     st = d.tick(dt=1, canary=healthy(), stable=healthy(1000))
     assert st.phase == Phase.PROGRESSING and st.step == 1
+
+
+# ---------------------------------------------------------------- GitOps: a request annotation held in Git
+
+
+def _argo_applies(kube: Cluster, name: str, value: str) -> None:
+    """What ``kubectl apply`` (Argo CD's client-side sync) leaves: the annotation, and kubectl's
+    last-applied copy naming it; self-heal puts the annotation back whenever it is gone."""
+    applied = {"metadata": {"annotations": {name: value}}, "spec": kube.obj["spec"]}
+    kube.obj["metadata"]["annotations"]["kubectl.kubernetes.io/last-applied-configuration"] = json.dumps(applied)
+    kube.annotate(name, value)
+
+
+async def test_a_request_annotation_held_in_git_acts_once_per_value_under_self_heal(
+        no_kopf_events: list) -> None:
+    """Argo CD self-heal (or Flux) re-applies an annotation the operator cleared: a step promote held
+    in Git promoted another step on every sync (a whole rollout without analysis), an abort aborted
+    every later rollout. A request an applier declares acts once per value and stays in place
+    (clearing it only made the app OutOfSync); a new value is a new request."""
+    clock = [1000.0]
+    kube, _, op = await analysing(clock)
+    _argo_applies(kube, PROMOTE_ANNOTATION, PROMOTE_STEP_VALUE)
+    for _ in range(4):
+        st = await op.tick()
+        if PROMOTE_ANNOTATION not in kube.obj["metadata"]["annotations"]:
+            kube.annotate(PROMOTE_ANNOTATION, PROMOTE_STEP_VALUE)  # self-heal
+    assert not op.errors, op.errors
+    assert st["rollout"]["stepIndex"] == 1, "the same promote in Git moved the rollout again"
+    assert kube.obj["metadata"]["annotations"][PROMOTE_ANNOTATION] == PROMOTE_STEP_VALUE  # in sync with Git
+    assert [r for r, _ in no_kopf_events].count("StepPromoteRequested") == 1
+    # Git's abort, then a later rollout: the abort acts on the first only.
+    _argo_applies(kube, ABORT_ANNOTATION, "1")
+    st = await op.tick()
+    assert st["rollout"]["phase"] in ("RollingBack", "Aborted")
+    for _ in range(3):
+        st = await op.tick()
+    kube.set_spec(spec(P3))
+    for _ in range(3):
+        st = await op.tick()
+    assert st["rollout"]["phase"] == "Analysing", st["rollout"]
+    # A new value in Git is a new request.
+    _argo_applies(kube, ABORT_ANNOTATION, "2")
+    st = await op.tick()
+    assert st["rollout"]["phase"] in ("RollingBack", "Aborted")
+    # Resting with Git's requests in place: quiet, nothing cleared.
+    for _ in range(3):
+        st = await op.tick()
+    assert st["rollout"]["phase"] == "Aborted" and Loop.resting(kube.obj)
+    assert kube.obj["metadata"]["annotations"][ABORT_ANNOTATION] == "2"
+    # Removed from Git, then `kubectl annotate` (no applier declares it): one-shot again, cleared.
+    kube.obj["metadata"]["annotations"].clear()
+    await op.tick()
+    assert "handledRequests" not in kube.status["rollout"]
+    kube.annotate(PROMOTE_ANNOTATION, "now")
+    await op.tick()
+    assert not kube.obj["metadata"]["annotations"]
