@@ -220,7 +220,7 @@ class BatchDecoder:
         self._groups: dict[str | None, _Group] = {}
         self._where: dict[Hashable, _Group] = {}
         # Packing prompts needs a mask of our own, which would ignore a sliding window.
-        self._packable = getattr(self.lm.model.config, "sliding_window", None) is None
+        self._packable = not _uses_sliding_window(self.lm.model.config)
         # Called with (gate version, prompt NLL) after each prefill: live quality (quality.py),
         # scored from the prefill's own logits.
         self.on_prompts_scored: Callable[[str | None, Score], None] | None = None
@@ -676,6 +676,19 @@ def _allowed_rows(seqs: Sequence[_Seq]) -> torch.Tensor | None:
         return None
     everything = torch.ones_like(scoped)
     return torch.stack([everything if s.allowed is None else s.allowed for s in seqs])
+
+
+def _uses_sliding_window(config: Any) -> bool:
+    """Whether some attention layer of the model may slide its window: ``sliding_window`` set,
+    except Qwen2-MoE's 0 (what its config holds when ``use_sliding_window`` is off, as in every
+    released Qwen2-MoE checkpoint) with no sliding layer in ``layer_types``."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return False
+    types = getattr(config, "layer_types", None)
+    if window == 0 and types is not None:
+        return "sliding_attention" in types
+    return True
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -191,3 +191,22 @@ def test_generation_config_end_of_sequence_ids_stop_a_generation(tmp_path):
     [ev] = BatchDecoder(hf).run([DecodeRequest(key="k", prompt_ids=prompt, max_tokens=3)], [])
     assert ev.generation is not None
     assert (ev.generation.token_ids, ev.generation.finish_reason) == ([first], "stop")
+
+
+def test_qwen2_moe_without_sliding_window_packs_its_prompts(tmp_path, monkeypatch):
+    """Qwen2-MoE's config sets sliding_window to 0 (not None) when use_sliding_window is off, as
+    in every released Qwen2-MoE checkpoint; no layer slides (layer_types), so its prompts pack
+    into one prefill like the other families' (they were prefilled one forward each)."""
+    path = build_tiny_checkpoint(tmp_path / "ck", family="qwen2_moe", tokenizer=False)
+    hf = load(path, gate=TWO, device="cpu")
+    assert hf.lm.model.config.sliding_window == 0
+    dec = BatchDecoder(hf)
+    forwards = []
+    original = dec._prefill
+    monkeypatch.setattr(dec, "_prefill", lambda reqs: forwards.append(len(reqs)) or original(reqs))
+    reqs = [DecodeRequest(key=i, prompt_ids=[1] + [5 + i] * (3 + 2 * i), max_tokens=4)
+            for i in range(3)]
+    tokens, gens, _ = _drain(dec, reqs, per_step=3)
+    assert forwards == [3]
+    for req in reqs:
+        assert tokens[req.key] == gens[req.key].token_ids == _solo(hf, req).token_ids
