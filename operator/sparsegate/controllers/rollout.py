@@ -152,6 +152,9 @@ class RolloutCache:
     # Model → when its admin Secret was last read (clock of the loop); ``RolloutLoop._check_admin_secrets``.
     secrets_read: dict[str, float] = field(default_factory=dict)
     withheld: set[tuple[str, str]] = field(default_factory=set)  # (pod uid, reason) reported, still refused
+    # Pod → the error its last push failed with, logged once (``RolloutLoop.log_push_failures``): a pod
+    # that keeps refusing is pushed again every tick, and a WARNING a tick per pod was log spam.
+    push_failures: dict[str, str] = field(default_factory=dict)
     # resourceVersions our own status writes replaced (the last few): a watched copy still at one of
     # them predates our write, so the tick reads the object instead of starting from it.
     superseded: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=4))
@@ -502,7 +505,6 @@ class RolloutLoop:
             return False  # gone (or changed): drop its record, or the same value back would not act
         if (body.get("status") or {}).get("observedGeneration") != meta.get("generation"):
             return False  # Flux/Argo wait on observedGeneration: record a spec edit (e.g. pause) at once
-        status = RolloutStatus.from_status(body.get("status"))
         if status.phase not in RESTING_PHASES or status.stable is None:
             return False
         try:
@@ -646,6 +648,25 @@ class RolloutLoop:
         results = await self.admin.push([(targets[p], doc) for p, doc in gates])
         for r in results.values():
             PUSHES.labels(result="ok" if r.ok else "error").inc()
-            if not r.ok:
-                logger.warning("push to %s failed: %s", r.name, r.error)
+        self.log_push_failures([(r.name, None if r.ok else str(r.error)) for r in results.values()],
+                               pods=fleet.targets, cache=cache, logger=logger, what="push to %s")
         return sum(1 for r in results.values() if r.ok)
+
+    @staticmethod
+    def log_push_failures(results: Iterable[tuple[str, str | None]], *, pods: Iterable[str], cache: RolloutCache,
+                          logger: logging.Logger | logging.LoggerAdapter, what: str) -> None:
+        """A WARNING when a pod's push fails, again only once it fails otherwise or after one landed;
+        the same failure at the next ticks (a pod that keeps refusing is pushed again every tick) at
+        DEBUG. ``results``: (pod, error; None: it landed); ``pods``: the live ones (others are
+        forgotten); ``what``: the message's start, with the pod's ``%s``."""
+        live = set(pods)
+        for pod in [p for p in cache.push_failures if p not in live]:
+            del cache.push_failures[pod]
+        for pod, error in results:
+            if error is None:
+                cache.push_failures.pop(pod, None)
+                continue
+            repeated = cache.push_failures.get(pod) == error
+            cache.push_failures[pod] = error
+            (logger.debug if repeated else logger.warning)(f"{what} failed%s: %s", pod,
+                                                             " again" if repeated else "", error)

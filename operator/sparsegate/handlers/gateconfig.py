@@ -129,8 +129,15 @@ async def rollout_tick(*, seen: Mapping[str, Any], namespace: str, name: str, me
     except Conflict:
         logger.debug("GateConfig %s/%s changed during the tick; next tick retries", namespace, name)
     except KubeError as e:
-        logger.warning("rollout tick for %s/%s: %s", namespace, name, e)
+        # A persistent failure (a status write refused by an admission policy or quota, RBAC) fails
+        # every tick: a WARNING when it starts or changes, the same one again at DEBUG.
+        repeated = getattr(memo, "rollout_tick_error", None) == str(e)
+        memo.rollout_tick_error = str(e)
+        (logger.debug if repeated else logger.warning)("rollout tick for %s/%s%s: %s", namespace, name,
+                                                       " failed again" if repeated else "", e)
         return None
+    if getattr(memo, "rollout_tick_error", None) is not None:
+        memo.rollout_tick_error = None  # (only then: a key on every GateConfig's memo costs memory)
     return loop.next_tick_in(seen, cache=cache, interval_s=TICK_S)
 
 

@@ -43,6 +43,7 @@ class _Entry:
     due: float = math.inf  # event-loop time of the next round (inf while a round runs)
     woken: bool = False  # run the next round at once
     signal: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # `due` or `woken` moved
+    failing: str | None = None  # the error the last round failed with (None: it did not fail)
 
 
 def _gone(event_type: str | None, body: Mapping[str, Any]) -> bool:
@@ -144,11 +145,20 @@ class ObjectLoops:
             after: float | None = None
             try:
                 after = await entry.tick(entry.body)
+                entry.failing = None
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 (one bad round must not end the object's loop)
-                entry.logger.exception("periodic %s work for %s/%s failed; next round in %.1fs",
-                                       self.kind, key[0], key[1], self.interval_s)
+            except Exception as e:  # noqa: BLE001 (one bad round must not end the object's loop)
+                # A failure that persists (the API server or OPA down) fails every round: logged with
+                # its traceback when it starts or changes, the same one again at DEBUG only.
+                error = f"{type(e).__name__}: {e}"
+                if entry.failing == error:
+                    entry.logger.debug("periodic %s work for %s/%s failed again (%s); next round in %.1fs",
+                                       self.kind, key[0], key[1], error, self.interval_s)
+                else:
+                    entry.logger.exception("periodic %s work for %s/%s failed; next round in %.1fs",
+                                           self.kind, key[0], key[1], self.interval_s)
+                entry.failing = error
             wait = self.interval_s if after is None else max(0.0, after)
             entry.due = min(entry.due, loop.time() + wait)  # an event during the round may have set it
             await self._until_due(entry, loop)

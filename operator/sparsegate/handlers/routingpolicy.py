@@ -405,6 +405,7 @@ async def routing_policy_event(type: str | None, logger: kopf.Logger, **kwargs: 
 
     if _loops.seen(key=key, event_type=type, body=kwargs["body"], tick=resync, logger=logger):
         return
+    _resync_errors.pop(key, None)
     try:
         error = await _sync_and_status(**picked, write_status=False)
     except Exception as e:  # noqa: BLE001 (the allow-list not published: retried below)
@@ -428,10 +429,21 @@ async def _deletion_synced(picked: dict[str, Any]) -> bool:
 
 async def resync_routing_policy(logger: kopf.Logger | logging.Logger, body: Mapping[str, Any] | None = None,
                                 **picked: Any) -> None:
-    """Notices OPA restarts (revision gone) and pod churn; Degraded while OPA is unreachable."""
+    """Notices OPA restarts (revision gone) and pod churn; Degraded while OPA is unreachable (a
+    WARNING when that starts or its error changes; the same again, each resync of each policy, at DEBUG)."""
     error = await _sync_and_status(**picked, body=body)
-    if error is not None:
-        logger.warning(f"OPA not usable, allow-list kept (fail closed): {error}")
+    key = (picked["namespace"], picked["name"])
+    if error is None:
+        _resync_errors.pop(key, None)
+        return
+    repeated = _resync_errors.get(key) == str(error)
+    _resync_errors[key] = str(error)
+    (logger.debug if repeated else logger.warning)(f"OPA not usable, allow-list kept (fail closed): {error}")
+
+
+# (namespace, name) → the error the policy's last resync logged (``resync_routing_policy``); dropped
+# with the policy's loop.
+_resync_errors: dict[tuple[str, str], str] = {}
 
 
 @kopf.on.startup()

@@ -189,3 +189,41 @@ async def test_counts_of_gateconfigs_without_a_loop_do_not_pile_up(monkeypatch) 
         assert gateconfig._pod_changes[("ns", "live")] == 1
     finally:
         await loops.stop()
+
+
+async def test_a_tick_that_keeps_failing_is_warned_about_once_not_every_tick(caplog) -> None:
+    """A status write refused every tick (an admission policy, a quota, RBAC): one WARNING when it
+    starts and one when its error changes, not one per GateConfig every TICK_S for as long as it lasts."""
+    from types import SimpleNamespace
+
+    from sparsegate.clients.kube import KubeError
+
+    class Failing:
+        error: KubeError | None = KubeError(403, "Forbidden", "admission webhook denied the request")
+
+        async def tick(self, **_: Any) -> None:
+            if self.error is not None:
+                raise self.error
+
+        def next_tick_in(self, *_: Any, **__: Any) -> None:
+            return None
+
+    loop = Failing()
+    memo = SimpleNamespace(rollout_loop=loop)
+    caplog.set_level(logging.DEBUG, logger="test.failing-tick")
+    logger = logging.getLogger("test.failing-tick")
+
+    async def ticks(n: int) -> list[str]:
+        caplog.clear()
+        for _ in range(n):
+            await gateconfig.rollout_tick(seen={}, namespace="ns", name="gate-1", memo=memo,  # type: ignore[arg-type]
+                                          models_by_gate={}, inventory=None, logger=logger)  # type: ignore[arg-type]
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    assert len(await ticks(12)) == 1
+    loop.error = KubeError(500, "InternalError", "etcdserver: request timed out")
+    assert len(await ticks(3)) == 1
+    loop.error = None
+    assert await ticks(1) == []
+    loop.error = KubeError(500, "InternalError", "etcdserver: request timed out")
+    assert len(await ticks(2)) == 1  # back after a tick that succeeded: news again

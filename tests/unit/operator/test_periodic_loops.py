@@ -79,6 +79,35 @@ async def test_a_failing_round_is_logged_and_the_loop_goes_on(caplog) -> None:
     assert "ConnectionResetError" in caplog.text
 
 
+
+async def test_a_failure_that_persists_is_logged_once_with_its_traceback_not_every_round(caplog) -> None:
+    """The API server (or OPA) down fails every round of every object's loop: an ERROR with a
+    traceback per object per round was log spam for as long as it lasted. Logged when it starts,
+    when the error changes, and when it comes back after a round that succeeded."""
+    errors = ["down"] * 6 + ["refused"] * 3 + [None] + ["down"] * 2
+    rounds = 0
+
+    async def tick(_: Any) -> None:
+        nonlocal rounds
+        rounds += 1
+        error = errors[min(rounds, len(errors)) - 1]
+        if error is not None:
+            raise ConnectionError(error)
+
+    caplog.set_level(logging.DEBUG, logger="test.persisting")
+    loops = ObjectLoops(kind="GateConfig", interval_s=0.01)
+    loops.seen(key=("ns", "g"), event_type=None, body=body(), tick=tick, logger=logging.getLogger("test.persisting"))
+    for _ in range(1000):  # ~0.15 s on a quiet machine
+        if rounds >= len(errors):
+            break
+        await asyncio.sleep(0.01)
+    await loops.stop()
+    assert rounds >= len(errors)
+    logged = [r for r in caplog.records if r.name == "test.persisting" and r.levelno >= logging.WARNING]
+    assert [str(r.exc_info[1]) for r in logged if r.exc_info] == ["down", "refused", "down"]
+    assert len(logged) == 3
+    assert any("failed again" in r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG)
+
 async def test_deleted_before_its_first_event_starts_nothing() -> None:
     loops = ObjectLoops(kind="GateConfig", interval_s=0.01)
 

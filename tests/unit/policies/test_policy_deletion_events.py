@@ -127,3 +127,26 @@ def test_the_last_policy_deleted_while_opa_is_down_leaves_the_allow_list_once_op
             await routingpolicy.close_opa_client()  # the operator's cleanup: loops and any pending retry
 
     asyncio.run(run())
+
+
+def test_opa_down_is_warned_about_once_per_policy_not_every_resync(monkeypatch, caplog) -> None:
+    """OPA unreachable fails every resync (10 s) of every policy: one WARNING per policy when it
+    starts and when its error changes, not one per policy per resync for as long as OPA is down."""
+    errors: list[Exception | None] = []
+
+    async def sync_and_status(**_: Any) -> Exception | None:
+        return errors.pop(0)
+
+    monkeypatch.setattr(routingpolicy, "_sync_and_status", sync_and_status)
+    caplog.set_level(logging.DEBUG, logger="test.opa-down")
+    logger = logging.getLogger("test.opa-down")
+    down, refused = routingpolicy.OpaUnavailable("connection refused"), routingpolicy.OpaUnavailable("timed out")
+    errors += [down] * 10 + [refused] * 2 + [None] + [down]
+
+    async def resyncs(n: int) -> None:
+        for _ in range(n):
+            await routingpolicy.resync_routing_policy(logger=logger, name="p", namespace="ns", meta={})
+    asyncio.run(resyncs(14))
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warned == [f"OPA not usable, allow-list kept (fail closed): {e}" for e in (down, refused, down)]
+    routingpolicy._resync_errors.clear()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -523,3 +524,45 @@ async def test_a_model_that_leaves_the_gateconfig_leaves_no_credentials_behind()
     loop.live = False  # the model deleted, or pointed at another GateConfig
     await tick(loop, cache, clock, controller.RESTING_CHECK_S)
     assert cache.credentials._entries == {}
+
+
+async def test_a_pod_that_keeps_refusing_pushes_is_warned_about_once_not_every_tick(caplog) -> None:
+    """A rollback whose canary pod refuses every push (its token refused, say) is pushed again each
+    tick for as long as it lasts: one WARNING, not one per pod per tick (12 a minute, forever); a
+    different failure, or the same one after a push landed, is warned about again."""
+    class Refusing(FakePods):
+        refuse: str | None = None
+
+        async def push(self, pushes: Any) -> dict[str, PushResult]:
+            if self.refuse is None:
+                return await super().push(pushes)
+            return {t.name: PushResult(name=t.name, ok=False, error=self.refuse) for t, _ in pushes}
+
+    clock = [1000.0]
+    kube = FakeKube(spec(V1))
+    pods = Refusing(clock)
+    loop, cache = Loop(kube=kube, admin=pods, clock=lambda: clock[0]), RolloutCache()  # type: ignore[arg-type]
+    await tick(loop, cache, clock, 1)
+    kube.set_spec(spec(V2))
+    assert (await tick(loop, cache, clock, 1))["rollout"]["phase"] == "Analysing"  # m-0 runs the canary
+    pods.refuse = "PUT /admin/gate 401: token refused"
+    kube.set_spec(spec(V1))  # reverted: m-0 is to go back to stable, and refuses
+    caplog.set_level(logging.DEBUG, logger="test.refusing")
+    logger = logging.getLogger("test.refusing")
+
+    async def ticks(n: int) -> list[str]:
+        caplog.clear()
+        for _ in range(n):
+            clock[0] += 5
+            await loop.tick(namespace="ns", name="gate", models=["m"], cache=cache, inventory=None,  # type: ignore[arg-type]
+                            logger=logger)
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "push to" in r.getMessage()]
+
+    assert await ticks(24) == ["push to m-0 failed: PUT /admin/gate 401: token refused"]
+    assert kube.status["rollout"]["phase"] == "RollingBack"
+    assert any("failed again" in r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG)
+    pods.refuse = "PUT /admin/gate: ClientConnectorError"
+    assert await ticks(3) == ["push to m-0 failed: PUT /admin/gate: ClientConnectorError"]
+    pods.refuse = None  # it took one: a later refusal is news again
+    await ticks(1)
+    assert cache.push_failures == {}
