@@ -650,6 +650,10 @@ class RolloutLoop:
             PUSHES.labels(result="ok" if r.ok else "error").inc()
         self.log_push_failures([(r.name, None if r.ok else str(r.error)) for r in results.values()],
                                pods=fleet.targets, cache=cache, logger=logger, what="push to %s")
+        if not all(r.ok for r in results.values()):
+            # A pod left on the wrong gate (unreachable for a moment): the next tick checks in full
+            # again, not a resting GateConfig's safety net (RESTING_CHECK_S) later.
+            cache.last_full_check = -math.inf
         return sum(1 for r in results.values() if r.ok)
 
     @staticmethod

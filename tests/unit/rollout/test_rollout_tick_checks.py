@@ -384,6 +384,39 @@ async def test_a_resting_pod_check_that_failed_is_not_counted_as_done(trouble: s
     assert pods.versions["m-1"] == stable
 
 
+async def test_a_resting_push_that_failed_is_tried_again_at_the_next_tick() -> None:
+    """A pod back without the stable gate whose push failed (unreachable for a moment): the next
+    tick pushes again, not the safety net RESTING_CHECK_S (300 s) later."""
+    class FailOnce(FakePods):
+        fail = 0
+
+        async def push(self, pushes: Any) -> dict[str, PushResult]:
+            if self.fail:
+                self.fail -= 1
+                return {t.name: PushResult(name=t.name, ok=False, error="PUT /admin/gate: timed out")
+                        for t, _ in pushes}
+            return await super().push(pushes)
+
+    clock = [1000.0]
+    kube = CountingKube(spec(V1))
+    pods = FailOnce(clock)
+    loop, cache = Loop(kube=kube, admin=pods, clock=lambda: clock[0]), RolloutCache()  # type: ignore[arg-type]
+    await loop.tick(namespace="ns", name="gate", models=["m"], cache=cache, inventory=None)  # type: ignore[arg-type]
+    stable = GateVersion.from_params(V1).version
+    pods.versions["m-1"] = "something-else"
+    pods.fail = 1
+    clock[0] += 1
+    await loop.tick(namespace="ns", name="gate", models=["m"], cache=cache, inventory=None,  # type: ignore[arg-type]
+                    seen=RolloutLoop.quiet_view(copy.deepcopy(kube.obj)), pod_changes=1)
+    assert pods.versions["m-1"] == "something-else"  # its push failed
+    seen = RolloutLoop.quiet_view(copy.deepcopy(kube.obj))
+    assert loop.next_tick_in(seen, cache=cache, interval_s=5) in (None, 5)  # None: the tick interval
+    clock[0] += 5  # the next tick, no further pod event
+    await loop.tick(namespace="ns", name="gate", models=["m"], cache=cache, inventory=None,  # type: ignore[arg-type]
+                    seen=seen, pod_changes=1)
+    assert pods.versions["m-1"] == stable
+
+
 async def test_an_unreachable_prometheus_leaves_the_step_waiting_and_says_why() -> None:
     """With SPARSEGATE_PROMETHEUS_URL set, the builtin check reads Prometheus; when it cannot be
     reached the tick still records the step (no exception out of the tick), waits for metrics, and
