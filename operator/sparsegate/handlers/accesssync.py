@@ -89,9 +89,12 @@ class AccessSync:
             for p, a in pushed.items():
                 PUSHES.labels(result="ok" if a.revision == revision else "error").inc()
                 held[p] = access_sync.PodAccess(name=p, revision=a.revision, error=a.error)
-                if a.revision != revision:
-                    logger.warning("access rules for %s/%s not applied on pod %s: %s", namespace, name, p,
-                                   a.error or f"it holds {a.revision}")
+        # A pod that keeps refusing is pushed again every round: warned about when it starts or its
+        # error changes, at DEBUG after (the rollout's pushes are logged alike).
+        RolloutLoop.log_push_failures(
+            [(p, None if a.revision == revision else (a.error or f"it holds {a.revision}"))
+             for p, a in held.items() if p in push or (p in targets and a.revision == revision)],
+            pods=fleet.targets, cache=cache, logger=logger, what=f"access rules for {namespace}/{name} on pod %s")
         wanted = access_sync.condition(revision=revision, rules=len(document["rules"]), pods=fleet.all_pods,
                                        held=held, withheld={p: why for p, (_, why) in fleet.withheld.items()})
         await self._write(model, wanted=wanted, revision=revision)
