@@ -72,6 +72,7 @@ class ProbeSync:
         self.recheck_s = recheck_s  # how often an unchanged plan is compared with the ConfigMap
         self.clock = clock
         self.checked_at: float | None = None
+        self.check_error: str | None = None  # the last check's failure, logged once (``_drifted``)
 
     async def _drifted(self, configs: dict[str, Any]) -> bool:
         """Whether the ConfigMap no longer holds what was published (deleted, edited by hand, pruned
@@ -82,10 +83,19 @@ class ProbeSync:
             return False
         self.checked_at = now
         try:
-            return not await self.store.holds(configs)
-        except Exception:  # the status write still runs; the next interval checks again
-            log.warning("cannot read the probe configuration ConfigMap to check it", exc_info=True)
+            drifted = not await self.store.holds(configs)
+        except Exception as e:  # the status write still runs; the next interval checks again
+            # The API server down fails every check (each recheck_s): a WARNING with the traceback
+            # when it starts or changes, the same again at DEBUG.
+            error = f"{type(e).__name__}: {e}"
+            if error == self.check_error:
+                log.debug("cannot read the probe configuration ConfigMap to check it, again: %s", error)
+            else:
+                log.warning("cannot read the probe configuration ConfigMap to check it", exc_info=True)
+            self.check_error = error
             return False
+        self.check_error = None
+        return drifted
 
     async def sync(self, *, probes: list[ProbeSource], nodes: list[NodeInfo]) -> Plan:
         async with self.lock:

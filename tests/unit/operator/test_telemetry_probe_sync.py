@@ -124,6 +124,40 @@ def test_a_configuration_deleted_or_edited_by_another_writer_is_published_again(
     assert len(store.published) == 3 and store.checks == 3
 
 
+def test_a_check_that_keeps_failing_is_warned_about_once_not_every_interval(caplog: pytest.LogCaptureFixture) -> None:
+    """The API server down fails the ConfigMap check every recheck_s (5 s): one WARNING with its
+    traceback when it starts or changes, the same one again at DEBUG (it was a traceback every 5 s)."""
+    class Unreadable(FakeStore):
+        error: str | None = "503 Service Unavailable"
+
+        async def holds(self, configs: dict[str, Any]) -> bool:
+            if self.error is not None:
+                raise RuntimeError(self.error)
+            return await super().holds(configs)
+
+    t = [0.0]
+    store = Unreadable()
+    sync = telemetryprobe.ProbeSync(store=store, kube=FakeKube(), recheck_s=5.0,  # type: ignore[arg-type]
+                                    clock=lambda: t[0])
+    run(sync.sync(probes=[PROBE], nodes=[NODE]))
+    caplog.set_level(logging.DEBUG, logger=telemetryprobe.log.name)
+
+    def intervals(n: int) -> int:
+        caplog.clear()
+        for _ in range(n):
+            t[0] += 6.0
+            run(sync.sync(probes=[PROBE], nodes=[NODE]))
+        return sum(1 for r in caplog.records if r.levelno >= logging.WARNING and "probe configuration" in r.getMessage())
+
+    assert intervals(10) == 1
+    store.error = "connection refused"  # another failure: news
+    assert intervals(3) == 1
+    store.error = None  # read again: a later failure is news again
+    assert intervals(1) == 0
+    store.error = "connection refused"
+    assert intervals(2) == 1
+
+
 def test_status_is_written_from_reports_and_not_rewritten_when_unchanged() -> None:
     store, kube = FakeStore(), FakeKube()
     sync = telemetryprobe.ProbeSync(store=store, kube=kube)  # type: ignore[arg-type]
