@@ -63,9 +63,11 @@ import asyncio; asyncio.run(main())
 
 
 def gateconfig(params: dict, *, promote: bool = False) -> dict:
-    # No load runs here, so analysis would stay inconclusive: the promote annotation (one-shot,
-    # cleared by the operator) sends the new version to every pod at once, through the same pushes.
-    meta = {"name": GATE, **({"annotations": {"sparsegate.dev/promote": "now"}} if promote else {})}
+    # No load runs here, so analysis would stay inconclusive: the promote annotation sends the new
+    # version to every pod at once, through the same pushes. Applied with the manifest it is declared
+    # (kubectl's last-applied copy): it acts once per value and stays, so each rollout gets its own.
+    value = f"now-{GateVersion.from_params(params).version}"
+    meta = {"name": GATE, **({"annotations": {"sparsegate.dev/promote": value}} if promote else {})}
     return {"apiVersion": names.API_VERSION, "kind": "GateConfig", "metadata": meta,
             "spec": {"params": params, "rollout": {"steps": [50, 100], "analysisInterval": "2s",
                                                      "slaP99LatencyMs": 5000, "maxDrift": 1.0, "autoRollback": True}}}
