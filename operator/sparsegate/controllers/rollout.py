@@ -68,6 +68,7 @@ import prometheus_client
 from sparsegate_contracts import names
 
 from sparsegate import envvars
+from sparsegate.repeated_failures import repeats
 from sparsegate.clients.admin_credentials import AdminCredentialStore, ModelCredentials
 from sparsegate.clients.analysis_providers import (
     BuiltinProvider,
@@ -667,10 +668,7 @@ class RolloutLoop:
         for pod in [p for p in cache.push_failures if p not in live]:
             del cache.push_failures[pod]
         for pod, error in results:
-            if error is None:
-                cache.push_failures.pop(pod, None)
-                continue
-            repeated = cache.push_failures.get(pod) == error
-            cache.push_failures[pod] = error
-            (logger.debug if repeated else logger.warning)(f"{what} failed%s: %s", pod,
-                                                             " again" if repeated else "", error)
+            repeated = repeats(cache.push_failures, pod, error)
+            if error is not None:
+                (logger.debug if repeated else logger.warning)(f"{what} failed%s: %s", pod,
+                                                                 " again" if repeated else "", error)

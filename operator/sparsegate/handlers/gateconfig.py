@@ -32,11 +32,13 @@ from sparsegate.controllers.rollout import FleetCache, RolloutCache, RolloutLoop
 from sparsegate.domain import fleet_view
 from sparsegate.handlers import modelsync
 from sparsegate.handlers.periodic import ObjectLoops
+from sparsegate.repeated_failures import repeats
 
 __all__ = ["FleetCache", "RolloutLoop", "new_rollout_loop"]  # handlers.accesssync builds its fleets with the same loop
 
 GROUP, VERSION = names.GROUP, names.VERSION
 TICK_S = envvars.seconds("SPARSEGATE_ROLLOUT_TICK_S", 5.0)
+_TICK_ERROR = "rollout_tick_error"  # the GateConfig memo's key of its tick's last failure
 PROMETHEUS_URL = os.environ.get("SPARSEGATE_PROMETHEUS_URL") or None
 
 
@@ -131,13 +133,11 @@ async def rollout_tick(*, seen: Mapping[str, Any], namespace: str, name: str, me
     except KubeError as e:
         # A persistent failure (a status write refused by an admission policy or quota, RBAC) fails
         # every tick: a WARNING when it starts or changes, the same one again at DEBUG.
-        repeated = getattr(memo, "rollout_tick_error", None) == str(e)
-        memo.rollout_tick_error = str(e)
+        repeated = repeats(memo, _TICK_ERROR, str(e))
         (logger.debug if repeated else logger.warning)("rollout tick for %s/%s%s: %s", namespace, name,
                                                        " failed again" if repeated else "", e)
         return None
-    if getattr(memo, "rollout_tick_error", None) is not None:
-        memo.rollout_tick_error = None  # (only then: a key on every GateConfig's memo costs memory)
+    repeats(memo, _TICK_ERROR, None)  # (the key goes: one on every GateConfig's memo would cost memory)
     return loop.next_tick_in(seen, cache=cache, interval_s=TICK_S)
 
 

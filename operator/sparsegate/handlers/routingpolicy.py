@@ -46,6 +46,7 @@ from sparsegate_contracts import flowpolicy, names, rego
 from sparsegate_contracts.canonical import sha256_of
 
 from sparsegate import envvars
+from sparsegate.repeated_failures import repeats
 from sparsegate.clients.flow_policy import FlowPolicyConfigMap
 from sparsegate.clients.kube import Kube
 from sparsegate import policy_metrics
@@ -432,13 +433,9 @@ async def resync_routing_policy(logger: kopf.Logger | logging.Logger, body: Mapp
     """Notices OPA restarts (revision gone) and pod churn; Degraded while OPA is unreachable (a
     WARNING when that starts or its error changes; the same again, each resync of each policy, at DEBUG)."""
     error = await _sync_and_status(**picked, body=body)
-    key = (picked["namespace"], picked["name"])
-    if error is None:
-        _resync_errors.pop(key, None)
-        return
-    repeated = _resync_errors.get(key) == str(error)
-    _resync_errors[key] = str(error)
-    (logger.debug if repeated else logger.warning)(f"OPA not usable, allow-list kept (fail closed): {error}")
+    repeated = repeats(_resync_errors, (picked["namespace"], picked["name"]), None if error is None else str(error))
+    if error is not None:
+        (logger.debug if repeated else logger.warning)(f"OPA not usable, allow-list kept (fail closed): {error}")
 
 
 # (namespace, name) → the error the policy's last resync logged (``resync_routing_policy``); dropped

@@ -194,7 +194,7 @@ async def test_counts_of_gateconfigs_without_a_loop_do_not_pile_up(monkeypatch) 
 async def test_a_tick_that_keeps_failing_is_warned_about_once_not_every_tick(caplog) -> None:
     """A status write refused every tick (an admission policy, a quota, RBAC): one WARNING when it
     starts and one when its error changes, not one per GateConfig every TICK_S for as long as it lasts."""
-    from types import SimpleNamespace
+    import kopf
 
     from sparsegate.clients.kube import KubeError
 
@@ -209,7 +209,7 @@ async def test_a_tick_that_keeps_failing_is_warned_about_once_not_every_tick(cap
             return None
 
     loop = Failing()
-    memo = SimpleNamespace(rollout_loop=loop)
+    memo = kopf.Memo(rollout_loop=loop)  # a GateConfig's memo is a kopf.Memo (a dict)
     caplog.set_level(logging.DEBUG, logger="test.failing-tick")
     logger = logging.getLogger("test.failing-tick")
 
