@@ -107,3 +107,84 @@ def test_dense_baseline_and_equivalent_width():
     y, stats = dense(x)
     assert torch.allclose(y, (torch.nn.functional.silu(gate) * up) @ dense.ffn.w_down, atol=1e-6)
     assert stats.mean_active == 1.0
+
+
+def test_row_buckets_bound_padding_and_shapes():
+    from sparsegate_workload.experts import row_bucket
+
+    assert [row_bucket(n) for n in (0, 1, 2, 16, 17, 255, 256, 257, 1000)] == \
+        [0, 1, 16, 16, 32, 256, 256, 272, 1024]
+    sizes = [row_bucket(n) for n in range(1, 1 << 14)]
+    assert all(b >= n for n, b in zip(range(1, 1 << 14), sizes))
+    assert sizes == sorted(sizes)
+    assert max((row_bucket(n) - n) / n for n in range(256, 1 << 14)) <= 1 / 16
+    assert len(set(sizes[:4096])) == 81  # the kernels oneDNN builds for 1..4,096 rows
+
+
+def _bf16_layer(seed: int, num_experts: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    layer = DynamicMoE(32, 48, num_experts, backend="loop")
+    layer.reset_parameters(g)
+    layer.requires_grad_(False)
+    layer.experts.store("bf16")
+    return layer, g
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_bucketed_bf16_dispatch_equals_each_expert_on_its_own_rows(precision):
+    """Counts like [17, 3, 0, 40, 1, ...]: a padded expert runs over the next experts' rows (and
+    over the zero tail for the last one); every output is still its own expert's."""
+    from sparsegate_workload.experts import (_swiglu, combine, dispatch_sorted, expert_mm,
+                                             uses_row_buckets)
+
+    layer, g = _bf16_layer(5)
+    if precision == "int8":
+        layer.experts.store("int8")
+    x = torch.randn(61, 32, generator=g).to(torch.bfloat16)
+    assert uses_row_buckets(x) and not uses_row_buckets(x.float())
+    with torch.no_grad():
+        layer.gate.weight.mul_(4)
+        routing = layer.gate(x.float(), confidence_threshold=0.8, min_experts=1, max_experts=3,
+                             capacity_factor=None)
+        gate_up, down = layer.experts.storage
+        ys = dispatch_sorted(x, routing, gate_up, down)
+        # Reference: each expert on exactly its rows, one at a time.
+        xs = x.index_select(0, routing.token_idx)
+        ref, start = [], 0
+        for e, n in enumerate(routing.counts):
+            if n:
+                ref.append(expert_mm(_swiglu(expert_mm(xs[start:start + n], gate_up, e)), down, e))
+                start += n
+        ref = torch.cat(ref) * routing.weights.unsqueeze(-1).to(x.dtype)
+    n_assign = routing.token_idx.numel()
+    assert any(1 < n < 16 for n in routing.counts) or any(n % 16 for n in routing.counts)
+    assert torch.equal(ys[n_assign], torch.zeros(32, dtype=torch.bfloat16))
+    torch.testing.assert_close(ys[:n_assign], ref, rtol=1e-2, atol=1e-2)
+    out = combine(ys, routing.slots)
+    assert torch.equal(out, layer.experts(x, routing))
+
+
+def test_bucketed_dispatch_builds_few_matmul_shapes(monkeypatch):
+    """Over 200 routings of 1..300 tokens the expert matmuls see bucketed row counts only: the
+    shapes oneDNN compiles a kernel for stay few (a row count per expert and call otherwise)."""
+    import sparsegate_workload.experts as experts
+
+    layer, g = _bf16_layer(7, num_experts=8)
+    seen: set[int] = set()
+    real = experts.expert_mm
+
+    def counting(xr, weight, e, *, out=None):
+        seen.add(xr.shape[0])
+        return real(xr, weight, e, out=out)
+
+    monkeypatch.setattr(experts, "expert_mm", counting)
+    raw: set[int] = set()
+    with torch.no_grad():
+        for t in torch.randint(1, 301, (200,), generator=g).tolist():
+            x = torch.randn(t, 32, generator=g).to(torch.bfloat16)
+            routing = layer.gate(x.float(), confidence_threshold=0.9, min_experts=1, max_experts=4,
+                                 capacity_factor=None)
+            raw.update(n for n in routing.counts if n)
+            layer.experts(x, routing)
+    assert seen <= {experts.row_bucket(n) for n in raw}
+    assert len(seen) <= 20 < len(raw)
