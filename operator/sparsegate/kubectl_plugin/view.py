@@ -21,6 +21,7 @@ from sparsegate.domain.rollout import (
     RETRY_ANNOTATION,
     RolloutStatus,
     SpecError,
+    declared_requests,
     in_flight,
     parse_spec,
     rejection_holds,
@@ -60,13 +61,20 @@ def analysis_summary(analysis: Mapping[str, Any] | None) -> str:
     """``errorRate=0.01/0.02 p99LatencyMs=120/800 ...``: each check's value over its threshold,
     a failed check marked with ``!``, an undecided one (over, within noise) with ``?``; ``-`` when
     nothing was analysed yet."""
-    if not analysis:
+    if not isinstance(analysis, Mapping) or not analysis:
         return "-"
     parts = []
-    for check in analysis.get("checks") or []:
+    for check in _checks(analysis):
         mark = "!" if check.get("passed") is False else "?" if check.get("undecided") else ""
         parts.append(f"{mark}{check.get('name')}={_num(check.get('value'))}/{_num(check.get('threshold', 0))}")
     return " ".join(parts) or str(analysis.get("verdict") or "-")
+
+
+def _checks(analysis: Any) -> list[Mapping[str, Any]]:
+    """``status.rollout.analysis.checks``, the entries that are objects (``status.rollout`` keeps
+    unknown fields: a hand-edited one may hold anything there)."""
+    checks = analysis.get("checks") if isinstance(analysis, Mapping) else None
+    return [c for c in checks if isinstance(c, Mapping)] if isinstance(checks, list) else []
 
 
 def check_result(check: Mapping[str, Any]) -> str:
@@ -183,16 +191,16 @@ def status_view(obj: Mapping[str, Any], *, now: datetime | None = None) -> str:
     if ro.get("rejectedVersion"):
         lines.append(f"Rejected:   {ro['rejectedVersion']} (not rolled out again while the spec names it; "
                      f"`kubectl sparsegate retry` to try it again)")
-    counts = ro.get("versionCounts") or {}
+    counts = ro.get("versionCounts") if isinstance(ro.get("versionCounts"), Mapping) else {}
     if counts:
         lines.append("Instances:  " + ", ".join(f"{v}: {n}" for v, n in sorted(counts.items())))
     lines += ["", table(_step_marks(obj), ["STEP", "WEIGHT", "STATE"]), ""]
     analysis = ro.get("analysis")
-    if analysis:
+    if isinstance(analysis, Mapping) and analysis:
         lines.append(f"Analysis:   {analysis.get('verdict', '-')}, {_num(analysis.get('canaryRequests', 0))} canary "
                      f"requests at {_num(analysis.get('canaryQps', 0))} qps")
         checks = [[str(c.get("name")), _num(c.get("value")), _num(c.get("threshold", 0)), check_result(c)]
-                  for c in analysis.get("checks") or []]
+                  for c in _checks(analysis)]
         if checks:
             lines += [table(checks, ["CHECK", "VALUE", "THRESHOLD", "RESULT"]), ""]
     run = latest_run(obj)
@@ -265,6 +273,18 @@ def annotation_patch(name: str, value: str) -> dict[str, Any]:
     return {"metadata": {"annotations": {name: value}}}
 
 
+def _not_declared(obj: Mapping[str, Any], annotation: str) -> None:
+    """A request annotation an applier declares (Git: kubectl's last-applied copy or a server-side
+    apply owns it) acts once per value and is left in place: a value written here is ignored when
+    it was already acted on, and otherwise acts, then Git's value, put back by the next sync or
+    apply, acts again (a step promote becomes a full one). Refused: the request goes through Git."""
+    if annotation in declared_requests(obj.get("metadata")):
+        value = ((obj.get("metadata") or {}).get("annotations") or {}).get(annotation)
+        raise PluginError(f"{annotation} is declared by the applied manifest (Git){f' as {value!r}' if value else ''}: "
+                          f"a value written here would be ignored, or Git's acted on again at the next sync; "
+                          f"set a new value in Git instead (a new value is a new request), or remove it from Git")
+
+
 def _needs_canary(obj: Mapping[str, Any], what: str) -> None:
     """Promote and abort act on a canary in flight; the operator clears them unused otherwise, so
     they are refused here with the phase instead of reported as requested."""
@@ -277,12 +297,19 @@ def promote_patch(obj: Mapping[str, Any], *, full: bool) -> dict[str, Any]:
     """The one-shot promote request: the next step (analysis of this one skipped) or, ``full``,
     every remaining step at once; refused for ``obj`` without a canary in flight."""
     _needs_canary(obj, "promote")
+    _not_declared(obj, PROMOTE_ANNOTATION)
+    pending = ((obj.get("metadata") or {}).get("annotations") or {}).get(PROMOTE_ANNOTATION)
+    if not full and pending == PROMOTE_STEP_VALUE:
+        # Written again, the same value changes nothing: two requests, one step.
+        raise PluginError(f"a step promote is already pending ({PROMOTE_ANNOTATION}={pending}: the operator has not "
+                          f"acted on it yet); promote again once it has (`--full` for every remaining step)")
     return annotation_patch(PROMOTE_ANNOTATION, PROMOTE_FULL_VALUE if full else PROMOTE_STEP_VALUE)
 
 
 def abort_patch(obj: Mapping[str, Any]) -> dict[str, Any]:
     """The one-shot abort request; refused for ``obj`` without a canary in flight."""
     _needs_canary(obj, "abort")
+    _not_declared(obj, ABORT_ANNOTATION)
     return annotation_patch(ABORT_ANNOTATION, "kubectl-sparsegate")
 
 
@@ -306,6 +333,7 @@ def retry_patch(obj: Mapping[str, Any]) -> dict[str, Any]:
     if phase == "Failed" and not in_flight(status):
         raise PluginError(f"nothing to retry: no canary version is in flight ({ro.get('reason') or 'Failed'}: "
                           f"{ro.get('message') or ''})")
+    _not_declared(obj, RETRY_ANNOTATION)
     return annotation_patch(RETRY_ANNOTATION, "kubectl-sparsegate")
 
 

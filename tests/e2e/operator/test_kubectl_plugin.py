@@ -108,3 +108,63 @@ def test_plugin_get_pause_resume_undo(stack, operator, stack_namespace):
         (2, rev2["version"]), (3, rev1["version"])]
     conditions = {c["type"]: c["status"] for c in undone["status"]["conditions"]}
     assert (conditions["Ready"], conditions["Reconciling"], conditions["Stalled"]) == ("True", "False", "False")
+
+
+def run_plugin(kubeconfig: Path | str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    return subprocess.run([sys.executable, "-m", "sparsegate.kubectl_plugin", *args], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_plugin_refusals_and_errors_without_the_operator(cluster, namespace, tmp_path):
+    """No operator, a bare control plane with the CRDs: a GateConfig applied server-side by a GitOps
+    manager that declares sparsegate.dev/promote, with an in-flight status written as the operator
+    would. `promote` is refused (exit 1, one line, annotation left as Git has it: the plugin reads
+    the real managedFields); `abort` (not declared) is written; a missing name and a write RBAC
+    forbids are one `error:` line each, exit 1."""
+    from partition_support import CHART, token_kubeconfig
+
+    ns = namespace
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
+    manifest = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "GateConfig",
+                "metadata": {"name": GATE, "namespace": ns, "annotations": {"sparsegate.dev/promote": "git-1"}},
+                "spec": {"params": V2}}
+    cluster.kubectl("apply", "--server-side", "--field-manager", "kustomize-controller", "-f", "-",
+                    input=json.dumps(manifest))
+    status = {"status": {"stable": {"version": "g-stable"}, "rollout": {
+        "phase": "Analysing", "step": 1, "steps": 3, "canaryPercent": 5, "canaryVersion": "g-canary",
+        "canary": {"version": "g-canary", "params": V2}, "handledRequests": {"sparsegate.dev/promote": "git-1"}}}}
+    cluster.kubectl("patch", "gateconfig", GATE, "-n", ns, "--subresource=status", "--type", "merge",
+                    "-p", json.dumps(status))
+    kubeconfig = cluster.kubeconfig
+
+    refused = run_plugin(kubeconfig, "promote", GATE, "-n", ns)
+    assert refused.returncode == 1 and refused.stdout == "", refused
+    assert refused.stderr.startswith("error: sparsegate.dev/promote is declared by the applied manifest (Git) as "
+                                     "'git-1'") and refused.stderr.count("\n") == 1, refused.stderr
+
+    def annotations() -> dict[str, str]:
+        obj = json.loads(cluster.kubectl("get", "gateconfig", GATE, "-n", ns, "-o", "json").stdout)
+        return obj["metadata"]["annotations"]
+
+    assert annotations() == {"sparsegate.dev/promote": "git-1"}
+    aborted = run_plugin(kubeconfig, "abort", GATE, "-n", ns)
+    assert aborted.returncode == 0 and "abort requested" in aborted.stdout, aborted
+    assert annotations()["sparsegate.dev/abort"] == "kubectl-sparsegate"
+
+    missing = run_plugin(kubeconfig, "status", "nope", "-n", ns)
+    assert missing.returncode == 1 and missing.stderr == (
+        'error: 404 Not Found: gateconfigs.sparsegate.dev "nope" not found\n'), missing
+
+    # A user who may read GateConfigs but not write them.
+    cluster.kubectl("create", "serviceaccount", "viewer", "-n", ns)
+    cluster.kubectl("create", "role", "gc-viewer", "-n", ns, "--verb=get,list,watch", "--resource=gateconfigs")
+    cluster.kubectl("create", "rolebinding", "gc-viewer", "-n", ns, "--role=gc-viewer",
+                    f"--serviceaccount={ns}:viewer")
+    viewer = token_kubeconfig(cluster, path=tmp_path / "viewer.kubeconfig", server=cluster.server, namespace=ns,
+                              service_account="viewer")
+    assert run_plugin(viewer, "get").returncode == 0  # the context's namespace
+    forbidden = run_plugin(viewer, "pause", GATE)
+    assert forbidden.returncode == 1 and forbidden.stderr.startswith("error: 403 Forbidden: ") \
+        and "cannot patch resource \"gateconfigs\"" in forbidden.stderr and forbidden.stderr.count("\n") == 1, forbidden

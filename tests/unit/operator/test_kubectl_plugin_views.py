@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 from datetime import UTC, datetime
 from typing import Any
 
@@ -137,6 +138,54 @@ def test_promote_and_abort_refused_without_a_canary_in_flight() -> None:
             view.promote_patch(resting, full=True)
         with pytest.raises(view.PluginError, match="nothing to abort"):
             view.abort_patch(resting)
+
+
+@pytest.mark.parametrize("how", ["last-applied", "server-side-apply"])
+@pytest.mark.parametrize(("argv", "annotation", "rollout"), [
+    (["promote", "gate"], PROMOTE_ANNOTATION, {}),
+    (["promote", "gate", "--full"], PROMOTE_ANNOTATION, {}),
+    (["abort", "gate"], ABORT_ANNOTATION, {}),
+    (["retry", "gate"], RETRY_ANNOTATION, {"phase": "Paused", "analysisPaused": True}),
+])
+def test_requests_whose_annotation_git_declares_are_refused_and_nothing_is_written(
+        monkeypatch, capsys, how: str, argv: list[str], annotation: str, rollout: dict[str, Any]) -> None:
+    """An annotation an applier declares acts once per value and stays (status.rollout.handledRequests):
+    the plugin's constant value ("step", "full", "kubectl-sparsegate") was ignored, exit 0 and
+    "requested", once already handled; else it acted and Git's value, put back by the next sync or
+    apply, acted again (a step promote went on as a full one). Refused, exit 1, nothing written."""
+    import sparsegate.kubectl_plugin as plugin
+
+    obj = gateconfig(**rollout)
+    obj["metadata"]["annotations"] = {annotation: "now"}
+    if how == "last-applied":
+        obj["metadata"]["annotations"]["kubectl.kubernetes.io/last-applied-configuration"] = json.dumps(
+            {"metadata": {"annotations": {annotation: "now"}}})
+    else:
+        obj["metadata"]["managedFields"] = [{"manager": "kustomize-controller", "operation": "Apply", "fieldsV1": {
+            "f:metadata": {"f:annotations": {f"f:{annotation}": {}}}}}]
+    client = FakeClient([obj])
+    monkeypatch.setattr(plugin, "run", functools.partial(run, client_factory=lambda **_: client))
+    assert plugin.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {annotation} is declared by the applied manifest (Git) as 'now'")
+    assert err.count("\n") == 1 and client.patches == []
+    # Not declared (kubectl annotate's): written as before.
+    obj = gateconfig(**rollout)
+    obj["metadata"]["annotations"] = {annotation: "now"}
+    client, _ = cli(argv, [obj])
+    assert [body["metadata"]["annotations"].keys() for _, _, body in client.patches] == [{annotation}]
+
+
+def test_a_second_step_promote_before_the_operator_took_the_first_is_refused() -> None:
+    """`promote NAME` twice (a script skipping two steps; the operator slow or down): the second
+    merge patch wrote the same "step" again, a no-op, yet said "promote requested"; one step moved."""
+    pending = gateconfig()
+    pending["metadata"]["annotations"] = {PROMOTE_ANNOTATION: "step"}
+    with pytest.raises(view.PluginError, match="a step promote is already pending"):
+        view.promote_patch(pending, full=False)
+    assert view.promote_patch(pending, full=True) == {"metadata": {"annotations": {PROMOTE_ANNOTATION: "full"}}}
+    pending["metadata"]["annotations"] = {PROMOTE_ANNOTATION: "now"}  # a full promote pending: step is a change
+    assert view.promote_patch(pending, full=False) == {"metadata": {"annotations": {PROMOTE_ANNOTATION: "step"}}}
 
 
 def test_status_watch_of_a_missing_gateconfig_says_not_found() -> None:
@@ -412,6 +461,22 @@ def test_views_of_a_hand_edited_status_do_not_crash() -> None:
     assert any(line.split()[:4] == ["2", doc(V2)["version"], "Promoted", "2h"] for line in text.splitlines())
     row = view.get_table([obj]).splitlines()[1].split()
     assert row[-4:] == ["errorRate=0.01/n/a", "p99LatencyMs=n/a/800", "!drift=high/0.1", "q=0.5"]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("analysis", "Pass"), ("analysis", [1]), ("analysis", {"verdict": "Pass", "checks": "errorRate"}),
+    ("analysis", {"verdict": "Pass", "checks": [None, "drift", {"name": "errorRate", "value": 0.01}]}),
+    ("versionCounts", ["g-1"]), ("versionCounts", "g-1: 5"),
+])
+def test_views_of_an_untyped_rollout_field_do_not_crash(field: str, value: Any) -> None:
+    """status.rollout keeps unknown fields, so the API server takes any JSON for `analysis` and
+    `versionCounts` (a hand edit, another writer): `get` and `status` printed a traceback
+    (AttributeError: no .get / .items) instead of the rest of the object."""
+    obj = gateconfig()
+    obj["status"]["rollout"][field] = value
+    text = view.status_view(obj)
+    assert "Phase:      Analysing" in text and "REVISION" in text
+    assert view.get_table([obj]).splitlines()[1].split()[:2] == ["gate", "Analysing"]
 
 
 def test_a_closed_pipe_is_not_reported_as_an_unreachable_api_server(monkeypatch, capsys) -> None:
