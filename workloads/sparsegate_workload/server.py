@@ -70,6 +70,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -1038,9 +1039,11 @@ def main(argv: list[str] | None = None) -> None:
         args.shutdown_delay = shutdown_delay(args.shutdown_delay)
     except ValueError as e:
         p.error(str(e))
-    if args.max_inflight < 1 or args.request_timeout <= 0 or args.max_num_seqs < 1:
+    # float() takes "nan" and "inf": a NaN timeout fired at once (every request 503), an infinite one
+    # never (and the SIGTERM drain waited for it forever).
+    if args.max_inflight < 1 or not 0 < args.request_timeout < math.inf or args.max_num_seqs < 1:
         p.error("--max-inflight and --max-num-seqs must be at least 1 and --request-timeout "
-                "above 0")
+                "a finite number above 0")
     if args.model_path:
         try:
             resolve_device(args.device)

@@ -443,7 +443,10 @@ class RolloutLoop:
         brings its next tick within ``interval_s`` again (``handlers.periodic``)."""
         if seen.get("resting") is not True or cache.read_fresh:
             return None
-        return max(interval_s, RESTING_CHECK_S - (self.clock() - cache.last_full_check))
+        since = self.clock() - cache.last_full_check
+        if since < 0:  # the wall clock went back past the last check: not a sleep of the jump's length
+            return None
+        return max(interval_s, RESTING_CHECK_S - since)
 
     @staticmethod
     def quiet_view(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -489,7 +492,8 @@ class RolloutLoop:
     def _quiet(body: Mapping[str, Any], *, cache: RolloutCache, now: float, pod_changes: int = 0) -> bool:
         """Nothing to do: checked recently, no pod changed since, and :meth:`resting`. ``body``: the
         object, or its :meth:`quiet_view`."""
-        if now - cache.last_full_check >= RESTING_CHECK_S or pod_changes != cache.checked_pod_changes:
+        # A check "in the future" (the wall clock went back past it) is due too, not the jump waited out.
+        if not 0 <= now - cache.last_full_check < RESTING_CHECK_S or pod_changes != cache.checked_pod_changes:
             return False
         resting = body.get("resting")
         return resting if isinstance(resting, bool) else RolloutLoop.resting(body)

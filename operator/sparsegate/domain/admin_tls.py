@@ -127,7 +127,8 @@ _SPKI = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKey
 def secret_problem(secret: Mapping[str, Any], *, server_name: str, now: datetime.datetime) -> str | None:
     """Why the operator must replace this Secret (None: it is fine as it is): keys missing (made by
     an operator before the TLS admin channel), a certificate that does not name this model, that
-    cannot be read, whose key is not the Secret's key, or that ends within :data:`RENEW_BEFORE`."""
+    cannot be read, whose key is not the Secret's key, that ends within :data:`RENEW_BEFORE` or that
+    is not valid yet."""
     try:
         material = material_from_secret(secret)
         cert = x509.load_pem_x509_certificate(material.cert_pem.encode())
@@ -142,4 +143,8 @@ def secret_problem(secret: Mapping[str, Any], *, server_name: str, now: datetime
         return f"certificate does not name {server_name}"
     if cert.not_valid_after_utc - now < RENEW_BEFORE:
         return f"certificate ends {cert.not_valid_after_utc.isoformat()}"
+    # Issued by a replica whose clock ran ahead (past CLOCK_SKEW): TLS refuses it until then, so
+    # every admin call to the model's pods would fail meanwhile.
+    if cert.not_valid_before_utc > now:
+        return f"certificate is not valid before {cert.not_valid_before_utc.isoformat()}"
     return None

@@ -727,6 +727,10 @@ def _progressing(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations, now:
     waiting = _not_at_desired(s, obs.pods, sticky_header=spec.sticky_header)
     if not waiting:
         return _step_in_place(s, spec=spec, obs=obs, now=now, percent=percent, acts=acts)
+    if s.step_started_at is not None and now < s.step_started_at:
+        # The wall clock went back past the step's start (status keeps wall-clock times; a new
+        # leader's clock may lag): the deadline counts from now, not after the jump is waited out.
+        s = dataclasses.replace(s, step_started_at=now)
     if s.step_started_at is not None and now - s.step_started_at > spec.progress_deadline_s:
         msg = (f"step {s.step + 1}: {len(waiting)} instance(s) did not report the expected version within "
                f"{spec.progress_deadline_s:g}s: {', '.join(waiting[:5])}")

@@ -175,3 +175,14 @@ def test_anything_else_is_refused_with_the_reason(case: str, expected: str) -> N
         p = pod(ref("Job", "j", "rs-uid", "batch/v1"))
     problem = check(p, **kwargs)
     assert problem is not None and expected in problem
+
+
+def test_a_certificate_not_valid_yet_is_a_problem(tmp_path) -> None:
+    """Issued by a replica whose clock ran an hour ahead: TLS refuses it (not yet valid) for that
+    hour, so every push to the model's pods failed while the Secret read as fine."""
+    ahead = admin_tls.new_material(server_name=NAME, now=NOW + datetime.timedelta(hours=1))
+    problem = admin_tls.secret_problem(secret_of(ahead), server_name=NAME, now=NOW)
+    assert problem is not None and "not valid before" in problem
+    # Within the backdating (a clock up to CLOCK_SKEW ahead) it is fine, as TLS finds it.
+    slightly = admin_tls.new_material(server_name=NAME, now=NOW + datetime.timedelta(minutes=4))
+    assert admin_tls.secret_problem(secret_of(slightly), server_name=NAME, now=NOW) is None

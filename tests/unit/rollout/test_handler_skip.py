@@ -108,3 +108,15 @@ def test_a_resting_loop_sleeps_until_its_safety_net_check() -> None:
                              interval_s=5) is None
     assert loop.next_tick_in(resting, cache=RolloutCache(last_full_check=now[0] - 10, read_fresh=True),
                              interval_s=5) is None
+
+
+def test_a_clock_moved_back_past_the_last_check_does_not_postpone_the_safety_net() -> None:
+    """The loop's clock is the wall clock: stepped back an hour after a full check, a resting
+    GateConfig slept RESTING_CHECK_S plus the hour, and its tick skipped the check all that time."""
+    now = [1000.0]
+    loop = RolloutLoop(kube=None, clock=lambda: now[0])  # type: ignore[arg-type]  (no API call here)
+    resting = RolloutLoop.quiet_view(body(spec_params=V1))
+    checked = RolloutCache(last_full_check=now[0])
+    now[0] -= 3600
+    assert loop.next_tick_in(resting, cache=checked, interval_s=5) is None
+    assert not RolloutLoop._quiet(resting, cache=checked, now=now[0])

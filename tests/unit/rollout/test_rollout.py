@@ -426,6 +426,20 @@ def test_unreachable_canary_pod_hits_progress_deadline_and_rolls_back() -> None:
     assert st.phase == Phase.ROLLING_BACK and st.reason == "ProgressDeadlineExceeded"
 
 
+def test_progress_deadline_counts_from_now_when_the_clock_moved_back_past_the_step_start() -> None:
+    """status keeps wall-clock times: a clock stepped back an hour (or a new leader whose clock lags
+    the old one's) must not hold a stuck step for the hour plus progressDeadline."""
+    d = started(progressDeadline="30s")
+    d.fleet.unreachable = {f"m-{i:02d}" for i in range(20)}
+    assert d.tick().phase == Phase.PROGRESSING
+    st = d.tick(dt=-3600)
+    assert st.phase == Phase.PROGRESSING
+    st = d.tick(dt=29)
+    assert st.phase == Phase.PROGRESSING
+    st = d.tick(dt=2)
+    assert st.phase == Phase.ROLLING_BACK and st.reason == "ProgressDeadlineExceeded"
+
+
 def test_no_instances_promotes_directly() -> None:
     d = started(n=0)
     st = d.tick()

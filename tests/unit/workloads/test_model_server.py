@@ -126,6 +126,21 @@ async def test_return_logits_response_is_bounded():
         assert (await _infer(c, [[1]] * 64)).status == 200
 
 
+def test_request_timeout_must_be_finite_and_positive(monkeypatch, capsys):
+    """float() parses "nan" and "inf": a NaN --request-timeout fired at once (every request 503), an
+    infinite one never (and the SIGTERM drain waited for in-flight requests forever)."""
+    from sparsegate_workload import server
+
+    def serving(*args, **kwargs):
+        raise AssertionError("the server would have started")
+
+    monkeypatch.setattr(server, "create_app", serving)
+    for timeout in ("nan", "inf", "0", "-1"):
+        with pytest.raises(SystemExit):
+            server.main(["--request-timeout", timeout])
+        assert "--request-timeout a finite number above 0" in capsys.readouterr().err
+
+
 async def test_readiness_fails_while_the_model_thread_is_stuck():
     """A model call that never returns (a hung kernel) makes every request behind it wait to its
     --request-timeout (503): /readyz turns 503 naming it once one call has run past twice that,
