@@ -29,7 +29,7 @@ from sparsegate.clients.kube import Kube
 from sparsegate.controllers.applied_objects import DEFAULT_INTERVAL_S, AppliedObjects
 from sparsegate.controllers.deferred_refresh import DeferredRefreshes
 from sparsegate.controllers.status_inputs import StatusInputs
-from sparsegate.handlers import accesssync, diffbase, gateconfig, modelsync, sparsemodel
+from sparsegate.handlers import accesssync, diffbase, gateconfig, modelsync, progress, sparsemodel
 
 # Threads for model status refreshes (handlers.pools.run_status_work); reconciles keep Kopf's 8.
 STATUS_POOL_THREADS = 4
@@ -40,7 +40,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # No handler needs a finalizer any more; naming ours lets Kopf remove it from objects that
     # earlier operator versions marked (their deletion would otherwise wait for us).
     settings.persistence.finalizer = FINALIZER
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_ANNOTATION_PREFIX)
+    # Kopf's annotation storage, a malformed record read as none (handlers.progress: it stopped the operator).
+    settings.persistence.progress_storage = progress.ProgressStorage(prefix=KOPF_ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = diffbase.STORAGE  # in this process, not an annotation per change
     settings.scanning.disabled = True
     settings.posting.level = logging.WARNING

@@ -381,11 +381,13 @@ def _rollback(s: RolloutStatus, *, after: Phase, reason: str, message: str, reje
     )
 
 
-def _set_stable(s: RolloutStatus, gate: GateVersion, *, reason: str, message: str) -> RolloutStatus:
+def _set_stable(s: RolloutStatus, gate: GateVersion, *, reason: str, message: str,
+                phase: Phase = Phase.SUCCEEDED) -> RolloutStatus:
     """The one place that sets ``status.stable``: the first version (:func:`_initialize`) and every
-    promotion (:func:`_promote_fully`) come to rest here, in Succeeded. ``status.history`` follows
-    ``stable`` in :func:`_bookkeeping`; the codec only reads and writes what is set here."""
-    return dataclasses.replace(s, phase=Phase.SUCCEEDED, stable=gate, reason=reason, message=message)
+    promotion (:func:`_promote_fully`) come to rest here, in Succeeded (a stable version a status
+    lost, restored from its history, keeps the phase). ``status.history`` follows ``stable`` in
+    :func:`_bookkeeping`; the codec only reads and writes what is set here."""
+    return dataclasses.replace(s, phase=phase, stable=gate, reason=reason, message=message)
 
 
 def _promote_fully(s: RolloutStatus, *, spec: RolloutSpec, reason: str, message: str) -> RolloutStatus:
@@ -527,6 +529,17 @@ def _initialize(s: RolloutStatus, *, target: GateVersion, acts: list[Action]) ->
     it on first sight)."""
     if s.stable is not None and s.phase != Phase.PENDING:
         return s
+    if s.stable is None and s.phase != Phase.PENDING:
+        # status.stable lost (a hand edit, a tool writing status): adopting the spec's version would
+        # make a canary in flight stable on every instance, unanalysed. status.history's last entry
+        # is the stable version: it is restored, and the rollout goes on.
+        known = s.history[-1].gate if s.history else None
+        problem = f"status unusable: status.stable is missing in phase {s.phase.value}; " + (
+            f"restored from status.history: {known.version}" if known else
+            f"status.history is empty: {target.version} adopted")
+        acts.append(EmitEvent("Warning", "InvalidStatus", problem))
+        if known is not None:
+            return _set_stable(s, known, reason="InvalidStatus", message=problem, phase=s.phase)
     stable = s.stable or target
     s = _set_stable(s, stable, reason="Initialized", message=f"stable version {stable.version}")
     acts.append(EmitEvent("Normal", "Initialized", s.message))
@@ -541,7 +554,8 @@ def _recover_unusable(s: RolloutStatus, *, acts: list[Action]) -> RolloutStatus:
     another version rolls out again from step 1 this tick); a rollback, which needs only the stable
     version, rests where it was headed, so an abort or rejection still holds. Pods follow from the
     new phase (level-based pushes: stable everywhere, or step 1's canary pods). A Warning event
-    (reason InvalidStatus) names the missing status field."""
+    (reason InvalidStatus) names the missing status field (one of the wrong type or a negative step
+    index reads as missing: ``RolloutStatus.from_status``)."""
     if s.phase in ACTIVE_PHASES and s.canary is None:
         missing = "status.rollout.canary"
     elif s.phase in ACTIVE_PHASES and s.step is None:
@@ -552,8 +566,8 @@ def _recover_unusable(s: RolloutStatus, *, acts: list[Action]) -> RolloutStatus:
         return s
     rest = (s.after_rollback or Phase.ROLLED_BACK) if s.phase == Phase.ROLLING_BACK else Phase.SUCCEEDED
     stable = s.stable.version if s.stable else "-"  # _initialize has adopted one
-    problem = (f"status unusable: {missing} is missing in phase {s.phase.value}; every instance goes back to "
-               f"stable {stable}")
+    problem = (f"status unusable: {missing} is missing or invalid in phase {s.phase.value}; every instance goes "
+               f"back to stable {stable}")
     acts.append(EmitEvent("Warning", "InvalidStatus", problem))
     return dataclasses.replace(
         s, phase=rest, canary=None, strategy=None, step=None, step_percent=None, canary_pods=(), step_started_at=None,
@@ -961,7 +975,14 @@ def _measure_step(s: RolloutStatus, *, spec: RolloutSpec, obs: Observations,
     builtin = spec.builtin
     if builtin is None:
         return s, _StepData(run=run, covered_s=now - (s.analysis_started_at or now))
+    future = ""
+    if s.window_from is not None and s.window_from > now:
+        # A window beginning after now (a hand edit, or the clock moved back) never covers the
+        # interval: where no provider window replaces it (Prometheus), the step never passed.
+        future = f"; analysis window start {iso_time(s.window_from)} is in the future: ignored"
+        s = dataclasses.replace(s, window_from=None, window_samples=0)
     s, note = _track_window(s, obs=obs)
+    note = future + note
     covered = now - (s.analysis_started_at or now)
     if s.window_from is not None:
         covered = now - max(s.window_from, s.analysis_started_at or s.window_from)

@@ -93,10 +93,14 @@ class GateVersion:
         return cls(version=doc.version, checksum=doc.checksum, params=dict(doc.raw_params))
 
     @classmethod
-    def from_status(cls, raw: Mapping[str, Any] | None) -> GateVersion | None:
-        if not raw or not raw.get("version"):
+    def from_status(cls, raw: Any) -> GateVersion | None:
+        """None when absent or not a gate document (``status.rollout.canary`` is free-form: a hand edit)."""
+        if not isinstance(raw, Mapping) or not raw.get("version") or not isinstance(raw["version"], str):
             return None
-        return cls(version=raw["version"], checksum=raw.get("checksum", ""), params=dict(raw.get("params") or {}))
+        params = raw.get("params")
+        checksum = raw.get("checksum")
+        return cls(version=raw["version"], checksum=checksum if isinstance(checksum, str) else "",
+                   params=dict(params) if isinstance(params, Mapping) else {})
 
     def document(self) -> dict[str, Any]:
         return {"version": self.version, "checksum": self.checksum, "params": dict(self.params)}
@@ -288,39 +292,47 @@ class RolloutStatus:
     @classmethod
     def from_status(cls, raw: Mapping[str, Any] | None) -> RolloutStatus:
         """Read GateConfig ``status`` (``stable``, ``history``, ``conditions``, the ``rollout`` block)."""
-        raw = raw or {}
-        ro = raw.get("rollout") or {}
-        phase = ro.get("phase")
-        after = ro.get("afterRollback")
-        calibration = ro.get("calibration") or {}
+        # Most of status.rollout is free-form in the CRD (x-kubernetes-preserve-unknown-fields): a
+        # field of the wrong type (``kubectl edit --subresource=status``) reads as missing rather than
+        # raising on every tick; an in-flight phase without its canary or a valid step index is then
+        # reported and started over (domain.rollout's InvalidStatus).
+        raw = raw if isinstance(raw, Mapping) else {}
+        ro = _mapping(raw.get("rollout"))
+        phase = _text(ro.get("phase"))
+        after = _text(ro.get("afterRollback"))
+        calibration = _mapping(ro.get("calibration"))
+        window = _mapping(ro.get("analysisWindow"))
+        step = _count(ro.get("stepIndex"))
         return cls(
             phase=Phase(phase) if phase in Phase._value2member_map_ else Phase.PENDING,
             stable=GateVersion.from_status(raw.get("stable")),
             canary=GateVersion.from_status(ro.get("canary")),
-            step=ro.get("stepIndex"),
-            step_percent=ro.get("canaryPercent"),
-            canary_pods=tuple(ro.get("canaryPods") or ()),
-            pod_versions=dict(ro.get("podVersions") or {}),
-            instances=int(ro.get("instances") or 0),
+            step=step,
+            step_percent=_count(ro.get("canaryPercent")),
+            canary_pods=tuple(p for p in _items(ro.get("canaryPods")) if isinstance(p, str)),
+            pod_versions={k: v for k, v in _mapping(ro.get("podVersions")).items() if isinstance(v, str)},
+            instances=_count(ro.get("instances")) or 0,
             step_started_at=epoch_time(ro.get("stepStartedAt")),
             analysis_started_at=epoch_time(ro.get("analysisStartedAt")),
             after_rollback=Phase(after) if after in Phase._value2member_map_ else None,
-            rejected_version=ro.get("rejectedVersion"),
-            promote=bool(ro.get("promote", False)),
-            reason=ro.get("reason") or "",
-            message=ro.get("message") or "",
-            last_analysis=ro.get("analysis"),
-            qps_samples=tuple(tuple(x) for x in calibration.get("qps", ())),
-            error_samples=tuple(tuple(x) for x in calibration.get("errorRate", ())),
-            conditions=tuple(raw.get("conditions") or ()),
-            history=tuple(r for r in (Revision.from_status(x) for x in raw.get("history") or ()) if r),
-            analysis_runs=tuple(r for r in (AnalysisRun.from_status(x) for x in raw.get("analysisRuns") or ()) if r),
-            analysis_paused=bool(ro.get("analysisPaused", False)),
-            window_from=epoch_time((ro.get("analysisWindow") or {}).get("from")),
-            window_samples=int((ro.get("analysisWindow") or {}).get("samples") or 0),
-            strategy=Strategy(ro["strategy"]) if ro.get("strategy") in Strategy._value2member_map_ else None,
+            rejected_version=_text(ro.get("rejectedVersion")),
+            promote=ro.get("promote") is True,  # not bool("false"): a promote skips every analysis
+            reason=_text(ro.get("reason")) or "",
+            message=_text(ro.get("message")) or "",
+            last_analysis=ro.get("analysis") if isinstance(ro.get("analysis"), Mapping) else None,
+            qps_samples=_samples(calibration.get("qps")),
+            error_samples=_samples(calibration.get("errorRate")),
+            conditions=tuple(c for c in _items(raw.get("conditions")) if isinstance(c, Mapping)),
+            history=tuple(r for r in (Revision.from_status(x) for x in _items(raw.get("history"))
+                                      if isinstance(x, Mapping)) if r),
+            analysis_runs=tuple(r for r in (AnalysisRun.from_status(x) for x in _items(raw.get("analysisRuns"))
+                                            if isinstance(x, Mapping)) if r),
+            analysis_paused=ro.get("analysisPaused") is True,
+            window_from=epoch_time(window.get("from")),
+            window_samples=_count(window.get("samples")) or 0,
+            strategy=Strategy(ro["strategy"]) if _text(ro.get("strategy")) in Strategy._value2member_map_ else None,
             before_invalid_spec=_interrupted(ro.get("beforeInvalidSpec")),
-            consumed_requests=tuple(r for r in ro.get("consumedRequests") or () if isinstance(r, str)),
+            consumed_requests=tuple(r for r in _items(ro.get("consumedRequests")) if isinstance(r, str)),
             handled_requests=tuple(sorted(
                 (k, v) for k, v in (ro.get("handledRequests") or {}).items() if isinstance(v, str)
             )) if isinstance(ro.get("handledRequests"), dict) else (),
@@ -383,6 +395,32 @@ class RolloutStatus:
         if self.analysis_runs:
             out["analysisRuns"] = [r.to_status() for r in self.analysis_runs]
         return out
+
+
+def _mapping(raw: Any) -> Mapping[str, Any]:
+    return raw if isinstance(raw, Mapping) else {}
+
+
+def _items(raw: Any) -> Sequence[Any]:
+    return raw if isinstance(raw, list | tuple) else ()
+
+
+def _text(raw: Any) -> str | None:
+    return raw if isinstance(raw, str) else None
+
+
+def _count(raw: Any) -> int | None:
+    """A non-negative integer of the status (a step index, a percent, a count); None otherwise."""
+    if isinstance(raw, float) and raw.is_integer():
+        raw = int(raw)
+    return raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else None
+
+
+def _samples(raw: Any) -> tuple[tuple[float, float], ...]:
+    """Calibration samples, [time, value] pairs of numbers; anything else is dropped."""
+    return tuple((float(x[0]), float(x[1])) for x in _items(raw)
+                 if isinstance(x, list | tuple) and len(x) == 2
+                 and all(isinstance(v, int | float) and not isinstance(v, bool) for v in x))
 
 
 def _interrupted(raw: Any) -> tuple[Phase, str, str] | None:

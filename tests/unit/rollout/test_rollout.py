@@ -604,6 +604,95 @@ def test_a_rollback_without_its_canary_comes_to_rest_and_keeps_the_rejection() -
     assert [p for p in d.fleet.pushes if p[1] == v(V2)] == pushed
 
 
+@pytest.mark.parametrize(("edit", "field_name"), [
+    ({"stepIndex": "1"}, "status.rollout.stepIndex"),
+    ({"stepIndex": 1.5}, "status.rollout.stepIndex"),
+    ({"stepIndex": [1]}, "status.rollout.stepIndex"),
+    ({"stepIndex": -1}, "status.rollout.stepIndex"),
+    ({"canary": "g-fdcabf993e9c"}, "status.rollout.canary"),
+    ({"canary": {"version": 7}}, "status.rollout.canary"),
+    ({"canaryPods": [["m-00"]]}, None),
+    ({"instances": "twenty"}, None),
+    ({"calibration": [1, 2]}, None),
+    ({"calibration": {"qps": [1, 2]}}, None),
+    ({"analysis": "passed"}, None),
+    ({"consumedRequests": 1}, None),
+])
+def test_a_free_form_status_field_of_the_wrong_type_is_reported_not_raised(edit: dict, field_name: str | None) -> None:
+    """status.rollout keeps unknown fields (the CRD types only some), so `kubectl edit
+    --subresource=status` can store any type in stepIndex, canary, canaryPods, instances, calibration...
+    Reading one raised (TypeError, ValueError, AttributeError) on every tick, forever, with no condition;
+    a stepIndex of -1 indexed the steps from the end (100 %: the canary pushed to every instance).
+    Now such a field reads as missing: a step or canary the phase needs is reported (InvalidStatus) and
+    the rollout starts over from step 1; anything else is rebuilt from the pods."""
+    d = started()
+    d.until(Phase.ANALYSING)
+    d.tick(dt=11, canary=healthy(), stable=healthy(1000))  # step 2: 4 pods run V2
+    raw = d.status.to_status(steps=(5, 20, 100))
+    raw["rollout"].update(edit)
+    from sparsegate.controllers.rollout import RolloutLoop
+
+    # The watch handler decides whether the object rests (it raised there too: the loop missed the event).
+    assert RolloutLoop.quiet_view({"metadata": {"name": "g", "generation": 1}, "spec": d.raw_spec,
+                                   "status": raw})["resting"] is False
+    d.status = RolloutStatus.from_status(raw)
+    st = d.tick()
+    assert d.fleet.count(v(V2)) <= 4 and st.canary.version == v(V2) and st.stable.version == v(V1)
+    if field_name is not None:
+        assert "InvalidStatus" in d.events() and field_name in st.message and st.step == 0
+        assert {c["type"]: c for c in st.conditions}["Ready"]["reason"] == "InvalidStatus"
+    else:
+        assert "InvalidStatus" not in d.events() and st.step == 1
+    d.until(Phase.ANALYSING)
+    d.tick(dt=11, canary=healthy(), stable=healthy(1000))
+    assert d.status.step in (1, 2)  # and it goes on as usual
+
+
+def test_a_status_that_lost_its_stable_version_mid_rollout_restores_it_from_history() -> None:
+    """status.stable removed by a hand edit while V2 is analysed at step 1: the spec's version (the
+    canary) was adopted as stable ("Initialized") and pushed to all 20 instances, unanalysed. The last
+    entry of status.history is the stable version: restored, reported, and the rollout goes on."""
+    d = started()
+    d.until(Phase.ANALYSING)
+    raw = d.status.to_status(steps=(5, 20, 100))
+    del raw["stable"]
+    d.status = RolloutStatus.from_status(raw)
+    st = d.tick()
+    assert st.stable.version == v(V1) and st.canary.version == v(V2) and st.phase == Phase.ANALYSING
+    assert d.fleet.count(v(V2)) == 1 and "InvalidStatus" in d.events() and "Initialized" not in d.events()[2:]
+    assert "status.stable is missing" in st.message
+    assert {c["type"]: c for c in st.conditions}["Ready"]["reason"] == "InvalidStatus"
+    st = d.tick(dt=11, canary=healthy(), stable=healthy(1000))
+    assert (st.phase, st.step, st.stable.version) == (Phase.PROGRESSING, 1, v(V1))
+
+
+def test_an_analysis_window_starting_in_the_future_does_not_hold_the_step_forever() -> None:
+    """status.rollout.analysisWindow.from after now (a hand edit, a clock moved back): with a provider
+    that names no window of its own (Prometheus; the Driver's observations) the step stayed Analysing
+    forever ("analysing -32472142667/10s"). It is ignored, said so, and the step passes its window."""
+    d = started()
+    d.until(Phase.ANALYSING)
+    raw = d.status.to_status(steps=(5, 20, 100))
+    raw["rollout"]["analysisWindow"] = {"from": "2999-01-01T00:00:00Z", "samples": 3}
+    d.status = RolloutStatus.from_status(raw)
+    st = d.tick(dt=1, canary=healthy(), stable=healthy(1000))
+    assert st.phase == Phase.ANALYSING and "is in the future: ignored" in st.message
+    st = d.tick(dt=11, canary=healthy(), stable=healthy(1000))
+    assert (st.phase, st.step) == (Phase.PROGRESSING, 1)
+
+
+def test_a_promote_flag_that_is_not_true_does_not_promote() -> None:
+    """status.rollout.promote is free-form: a hand edit writing the string "false" read as
+    bool("false") == True and promoted the canary to every instance, skipping every analysis."""
+    d = started()
+    d.until(Phase.ANALYSING)
+    raw = d.status.to_status(steps=(5, 20, 100))
+    raw["rollout"]["promote"] = "false"
+    d.status = RolloutStatus.from_status(raw)
+    st = d.tick()
+    assert not st.promote and d.fleet.count(v(V2)) == 1 and st.phase == Phase.ANALYSING
+
+
 def test_desired_versions_hold_when_paused() -> None:
     d = started()
     d.tick()
