@@ -25,6 +25,11 @@ largest difference is printed and recorded for each size; nothing fails on it). 
 - quality of each dtype against fp32, on the whole one-layer model loaded both ways (seeded
   token ids, the family's top-2 gate): next-token top-1 agreement, mean KL(fp32 || dtype) and the
   relative L2 error of the logits.
+- fresh shapes (bf16, ``--fresh`` calls each, run first): the patched block on token counts it has
+  not seen (64-1,024, distinct), alternating calls with the dispatch's row buckets
+  (`experts.row_bucket`) and without, then the same calls again: buckets/none time ratio on first
+  sight (oneDNN builds a kernel per new matmul shape) and once every shape was seen (the cost of
+  the padded rows).
 Writes tests/bench/results/bench_hf_moe.json.
 """
 
@@ -139,6 +144,39 @@ def bench(n_tokens: int, dtype_name: str, blocks: dict, args: argparse.Namespace
         upstream_ratio_vs_dense=statistics.median(r_dense("upstream")))
 
 
+def fresh_shapes(path: Path, calls: int) -> dict:
+    """bf16 patched block on never-seen token counts, row buckets on vs off, alternating."""
+    import random
+
+    from sparsegate_workload import experts
+
+    lm = load_moe_checkpoint(path, dtype=torch.bfloat16)
+    block = lm.blocks[0]
+    counts = random.Random(7).sample(range(64, 1025), 2 * calls)
+    gen = torch.Generator().manual_seed(3)
+    hidden = lm.model.config.hidden_size
+    xs = [torch.randn(1, n, hidden, generator=gen).to(torch.bfloat16) for n in counts]
+    bucketed = experts.uses_row_buckets
+    times: dict[str, list[list[float]]] = {"buckets": [[], []], "none": [[], []]}
+    try:
+        with torch.inference_mode(), lm.pinned_gate():
+            for sweep in (0, 1):  # first sight, then every shape seen once
+                for i, x in enumerate(xs):
+                    name = "buckets" if i % 2 == 0 else "none"
+                    experts.uses_row_buckets = bucketed if name == "buckets" else (lambda _x: False)
+                    times[name][sweep].append(_timed(lambda: block(x)))
+    finally:
+        experts.uses_row_buckets = bucketed
+    first = sum(times["buckets"][0]) / sum(times["none"][0])
+    again = sum(times["buckets"][1]) / sum(times["none"][1])
+    return dict(calls=calls, token_counts=(64, 1024),
+                buckets_first_ms=sum(times["buckets"][0]) * 1e3,
+                none_first_ms=sum(times["none"][0]) * 1e3,
+                buckets_again_ms=sum(times["buckets"][1]) * 1e3,
+                none_again_ms=sum(times["none"][1]) * 1e3,
+                ratio_first=first, ratio_again=again)
+
+
 def quality(path: Path, dtype_name: str, *, batch: int = 4, seq: int = 128) -> dict:
     """Whole-model logits in ``dtype_name`` vs fp32, both loaded from the same checkpoint."""
     ref = load_moe_checkpoint(path, dtype=torch.float32)
@@ -175,6 +213,8 @@ def main() -> None:
     p.add_argument("--d-ff", type=int, default=1024)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--roof", type=int, default=2048, help="side of the square roof GEMM")
+    p.add_argument("--fresh", type=int, default=40,
+                   help="calls per variant of the bf16 fresh-shapes measure (0: skip it)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     if args.runs < 10:
@@ -188,6 +228,8 @@ def main() -> None:
                                      hidden_size=args.d_model, heads=8,
                                      expert_ffn=args.d_ff, experts=args.experts, top_k=2,
                                      tokenizer=False)
+        # Before anything else: the fresh-shapes measure needs matmul shapes oneDNN has not seen.
+        fresh = fresh_shapes(path, args.fresh) if args.fresh and "bf16" in args.dtypes else None
         for dtype_name in args.dtypes.split(","):
             blocks = load_blocks(path, DTYPES[dtype_name])
             for n in (int(t) for t in args.tokens.split(",")):
@@ -222,6 +264,12 @@ def main() -> None:
     for q in qualities:
         print(f"quality {q['dtype']} vs fp32 (whole model, {q['tokens']} tokens): top-1 agreement "
               f"{q['top1_agreement']:.4f}, mean KL {q['mean_kl']:.2e}, logits rel. L2 {q['logits_rel_l2']:.2e}")
+    if fresh is not None:
+        print(f"fresh shapes (bf16, {fresh['calls']} calls each, never-seen token counts 64-1,024, "
+              f"alternating): row buckets {fresh['buckets_first_ms']:.0f} ms vs none "
+              f"{fresh['none_first_ms']:.0f} ms on first sight (ratio {fresh['ratio_first']:.2f}); "
+              f"the same calls again {fresh['buckets_again_ms']:.0f} vs {fresh['none_again_ms']:.0f} ms "
+              f"(ratio {fresh['ratio_again']:.2f})")
     verdicts = []
     for r in results:
         if r["tokens"] >= GOAL_UPSTREAM_MIN_TOKENS:
@@ -248,7 +296,7 @@ def main() -> None:
         seconds=time.time() - started, torch=torch.__version__,
         transformers=__import__("transformers").__version__,
         python=platform.python_version(), cpus=os.cpu_count(), threads=args.threads,
-        cpu_flags=flags, quality=qualities,
+        cpu_flags=flags, quality=qualities, fresh_shapes=fresh,
         loadavg_before=load_before, loadavg_after=load_after,
         config=dict(family="mixtral", d_model=args.d_model, d_ff=args.d_ff,
                     experts=args.experts, top_k=2, runs=args.runs, dtypes=args.dtypes,
