@@ -108,7 +108,8 @@ __all__ = [
     "Observations", "Phase", "PodObservation", "PushGate", "RecordOutcome", "RecordStep", "Revision",
     "RolloutSpec", "RolloutStatus", "SpecError", "Strategy", "annotation_requests", "canary_gate", "conditions",
     "declared_requests", "pending_requests", "request_values",
-    "desired_versions", "in_flight", "instances_for", "invalid_spec", "kstatus_conditions", "next_action",
+    "desired_versions", "in_flight", "instances_for", "invalid_spec", "is_step_promote", "kstatus_conditions",
+    "next_action",
     "parse_spec",
     "record_stable", "select_canary_pods",
 ]
@@ -206,14 +207,23 @@ def pending_requests(annotations: Mapping[str, str] | None, status: RolloutStatu
     return annotation_requests({a: v for a, v in present.items() if handled.get(a) != v})
 
 
+def is_step_promote(value: str) -> bool:
+    """Whether a ``sparsegate.dev/promote`` value asks for one step (``step``, any case, blanks
+    around it ignored) rather than every remaining step."""
+    return value.strip().lower() == PROMOTE_STEP_VALUE
+
+
 def annotation_requests(annotations: Mapping[str, str] | None) -> dict[str, bool]:
     """The one-shot requests in a GateConfig's annotations, as :class:`Observations` fields."""
     annotations = annotations or {}
     promote = annotations.get(PROMOTE_ANNOTATION)
+    # "Step", " step\n" (a hand-typed or YAML block value) mean one step too: any other value
+    # promotes fully, skipping every remaining analysis, so a near miss must not count as that.
+    step = promote is not None and is_step_promote(promote)
     return {
         "abort": ABORT_ANNOTATION in annotations,
-        "promote": promote is not None and promote != PROMOTE_STEP_VALUE,
-        "promote_step": promote == PROMOTE_STEP_VALUE,
+        "promote": promote is not None and not step,
+        "promote_step": step,
         "retry": RETRY_ANNOTATION in annotations,
     }
 

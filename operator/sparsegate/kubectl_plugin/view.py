@@ -23,6 +23,7 @@ from sparsegate.domain.rollout import (
     SpecError,
     declared_requests,
     in_flight,
+    is_step_promote,
     parse_spec,
     rejection_holds,
 )
@@ -299,7 +300,7 @@ def promote_patch(obj: Mapping[str, Any], *, full: bool) -> dict[str, Any]:
     _needs_canary(obj, "promote")
     _not_declared(obj, PROMOTE_ANNOTATION)
     pending = ((obj.get("metadata") or {}).get("annotations") or {}).get(PROMOTE_ANNOTATION)
-    if not full and pending == PROMOTE_STEP_VALUE:
+    if not full and pending is not None and is_step_promote(pending):
         # Written again, the same value changes nothing: two requests, one step.
         raise PluginError(f"a step promote is already pending ({PROMOTE_ANNOTATION}={pending}: the operator has not "
                           f"acted on it yet); promote again once it has (`--full` for every remaining step)")

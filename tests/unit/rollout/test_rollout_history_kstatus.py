@@ -199,6 +199,16 @@ def test_annotation_requests() -> None:
         "abort": True, "promote": False, "promote_step": False, "retry": True}
 
 
+def test_a_step_promote_typed_loosely_is_still_one_step() -> None:
+    """Any value but "step" promotes fully, skipping every remaining analysis: "Step", "STEP" or a
+    YAML block value ("step\\n") must not be read as that."""
+    for value in ("Step", "STEP", " step", "step\n"):
+        assert annotation_requests({PROMOTE_ANNOTATION: value}) == {
+            "abort": False, "promote": False, "promote_step": True, "retry": False}, value
+    for value in ("now", "full", "", "steps"):
+        assert annotation_requests({PROMOTE_ANNOTATION: value})["promote"] is True, value
+
+
 def test_declared_requests_are_those_an_applier_owns() -> None:
     """kubectl's last-applied copy (Argo CD's default sync) or a server-side apply's managedFields
     (Flux, Argo CD ServerSideApply) name the request annotations Git holds; kubectl annotate's do not."""
