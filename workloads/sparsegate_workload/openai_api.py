@@ -317,10 +317,16 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         gate = choose_gate(state, request)  # the canary for the keys its weight selects
         assert gate is not None and state.engine is not None
         served = gate.doc.version
+        body = await read_json(request)  # before admission, as /v1/infer (server.infer)
         async with admission(state) as keep:
-            body = await read_json(request)
-            plan = await asyncio.get_running_loop().run_in_executor(
-                state.tokenizer_thread, functools.partial(parse_request, body, chat=chat, hf=hf))
+            # --request-timeout bounds the wait for the one tokenizer thread too: it may be
+            # queued behind other prompts (~1 s per MiB), and a request waited that out unbounded.
+            try:
+                plan = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+                    state.tokenizer_thread, functools.partial(parse_request, body, chat=chat, hf=hf)),
+                    timeout=state.request_timeout_s)
+            except asyncio.TimeoutError:
+                raise ApiError(503, f"no result within {state.request_timeout_s:g} s") from None
             await inject_fault(state, gate)
             call = _Call(state, chat=chat, hf=hf, started=started, scope=request.get(request_guard.SCOPE))
             handle = state.engine.submit(

@@ -268,8 +268,10 @@ async def infer(request: web.Request) -> web.Response:
         gate = choose_gate(state, request)
         if gate is None or not state.loaded:
             raise ApiError(503, "model is still loading")
+        # Read before admission: a slot counts work for the model (running + queued), not a
+        # client still sending its body (a stalled upload held one until it hung up).
+        body = await read_json(request)
         async with admission(state) as keep:
-            body = await read_json(request)
             vocab_size, max_seq_len = state.limits()
             tokens, return_logits = parse_infer_request(body, vocab_size=vocab_size,
                                                         max_seq_len=max_seq_len)

@@ -208,10 +208,16 @@ class ApiError(Exception):
 async def read_json(request: web.Request) -> Any:
     if request.content_type != "application/json":
         raise ApiError(415, f"Content-Type must be application/json, got {request.content_type!r}")
+    # A client that sends its headers and then stalls its body would otherwise hold the handler
+    # (and, before the read moved ahead of admission, a --max-inflight slot) for as long as it
+    # keeps the connection open: the read gets --request-timeout, then 408.
+    timeout = request.app[STATE].request_timeout_s
     try:
-        body = await request.read()
+        body = await asyncio.wait_for(request.read(), timeout=timeout)
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes") from None
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"request body not received within {timeout:g} s") from None
     try:
         return json.loads(body)
     except RecursionError:

@@ -477,6 +477,33 @@ async def test_a_client_that_abandons_its_request_keeps_its_slot_until_its_batch
         await c.close()
 
 
+async def test_a_client_stalling_its_body_holds_no_slot_and_gets_408():
+    """A client that sends its headers and then stalls its body (slowloris) took an admission
+    slot before its body was read, and held it for as long as it kept the connection open: with
+    --max-inflight 1, every other request got 429, past --request-timeout. Now the slot is taken
+    once the body is in, and a body not received within --request-timeout answers 408 (a 4xx:
+    no error the rollout analysis counts against the version)."""
+    c = await serving(create_app(max_inflight=1, request_timeout_s=0.5))
+    state = c.server.app[STATE]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", c.server.port)
+        writer.write(b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"tok")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        assert (await c.post("/v1/infer", json={"tokens": [[1, 2, 3]]})).status == 200
+        assert state.inflight == 0
+        head = await asyncio.wait_for(reader.readline(), 5)
+        assert b" 408 " in head, head
+        writer.close()
+        text = await (await c.get("/metrics")).text()
+        counted = {ln.split('code="', 1)[1].split('"', 1)[0]: float(ln.rsplit(" ", 1)[1])
+                   for ln in text.splitlines() if ln.startswith("sparsegate_requests_total{")}
+        assert {k: v for k, v in counted.items() if v} == {"200": 1.0, "408": 1.0}
+    finally:
+        await c.close()
+
+
 async def test_a_model_that_fails_to_load_is_unhealthy_with_the_reason(monkeypatch):
     from sparsegate_workload import server
 

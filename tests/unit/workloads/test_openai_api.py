@@ -530,6 +530,43 @@ async def test_a_prompt_being_tokenized_does_not_stall_other_requests(client):
         hf.tokenizer = real
 
 
+async def test_a_request_queued_behind_the_tokenizer_times_out(checkpoint):
+    """--request-timeout bounds a request from its admission, also while it waits for the one
+    tokenizer thread (a 1 MiB prompt holds it ~1 s): a request queued behind a held prompt
+    waited for as long as it was held (seconds past the timeout), then answered 200."""
+    c = await _serve(create_app(gate_doc=ONE_EXPERT, model_path=str(checkpoint), request_timeout_s=0.5))
+    hf = c.server.app[STATE].hf
+    real, entered, release = hf.tokenizer, threading.Event(), threading.Event()
+
+    class Held:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def __call__(self, text, *args, **kwargs):
+            if text == "held prompt":
+                entered.set()
+                release.wait(5)
+            return real(text, *args, **kwargs)
+
+    hf.tokenizer = Held()
+    try:
+        held = asyncio.create_task(_complete(c, prompt="held prompt"))
+        assert await asyncio.to_thread(entered.wait, 5)
+        started = asyncio.get_running_loop().time()
+        queued = await _complete(c, prompt="queued")
+        waited = asyncio.get_running_loop().time() - started
+        release.set()
+        assert queued.status == 503 and "no result within 0.5 s" in (await queued.json())["error"]["message"]
+        assert waited < 2.0, waited
+        assert (await held).status == 503
+        assert _requests_total(await (await c.get("/metrics")).text()) == {"503": 2.0}
+        assert c.server.app[STATE].inflight == 0
+    finally:
+        release.set()
+        hf.tokenizer = real
+        await c.close()
+
+
 async def test_a_client_leaving_mid_stream_frees_its_slot(client):
     state = client.server.app[STATE]
     resp = await _complete(client, stream=True, max_tokens=200, prompt="a")
@@ -620,6 +657,27 @@ async def test_a_client_leaving_before_its_generation_started_is_counted_499(che
             await asyncio.sleep(0.02)
         assert _requests_total(await (await c.get("/metrics")).text()) == {"499": 1.0}
         assert state.inflight == 0
+    finally:
+        await c.close()
+
+
+async def test_a_client_stalling_its_body_holds_no_slot(checkpoint):
+    """Headers sent, body stalled: the request took a --max-inflight slot before its body was
+    read and held it while the connection stayed open (every other request 429). Now it holds
+    none, and its body read ends after --request-timeout with a 408 in OpenAI's shape."""
+    c = await _serve(create_app(gate_doc=ONE_EXPERT, model_path=str(checkpoint), max_inflight=1,
+                                request_timeout_s=0.5))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", c.server.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"pro")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        assert (await _complete(c, max_tokens=2)).status == 200
+        head = await asyncio.wait_for(reader.readline(), 5)
+        assert b" 408 " in head, head
+        writer.close()
+        assert _requests_total(await (await c.get("/metrics")).text()) == {"200": 1.0, "408": 1.0}
     finally:
         await c.close()
 
