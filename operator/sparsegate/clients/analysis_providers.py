@@ -8,7 +8,10 @@ asks the provider of each check that is due; the state machine (``domain.rollout
 * :class:`DirectScrape` (builtin, default): ``GET /metrics`` on every pod; it owns its windows
   (start snapshots kept in memory, keyed by canary version, step and analysis start). A
   restarted operator has none, so its window begins at its first scrape, and it says so
-  (``window_from``): the state machine then wants a full window of this fresh data.
+  (``window_from``): the state machine then wants a full window of this fresh data. Its spans
+  (rates, how long the window has run) are measured on a monotonic clock: a wall-clock jump
+  neither completes a window at once nor stretches its rates; ``window_from`` (a wall-clock time,
+  written to status) is moved by such a jump so that it stays that span before now.
 * :class:`PrometheusGroups` (builtin, with ``SPARSEGATE_PROMETHEUS_URL``): the same groups
   from Prometheus' ``increase()`` since the analysis start (the data survives a restart).
 
@@ -59,6 +62,9 @@ class MeasureRequest:
 
     namespace: str
     now: float
+    # The monotonic clock read with ``now`` (None: ``now`` stands for it): what in-memory spans are
+    # measured on, so a wall-clock jump does not stretch or shrink them.
+    monotonic: float | None = None
     args: Mapping[str, str] = field(default_factory=dict)
     targets: Mapping[str, PodTarget] = field(default_factory=dict)  # reachable pods of the models
     canary: Sequence[str] = ()  # canary pods with a target
@@ -122,6 +128,10 @@ async def measure_safely(provider: AnalysisProvider, check: CheckSpec, request: 
 class DirectScrape:
     """The builtin check's groups from the pods' own ``/metrics`` (no Prometheus needed)."""
 
+    # How far the wall clock may drift from the monotonic one (NTP slewing) before ``window_from``
+    # is moved: a jump, not a drift.
+    JUMP_S = 1.0
+
     def __init__(self, admin: PodAdmin) -> None:
         self.admin = admin
         # Last scrape ("all" versions, the "stable" group's), for this tick's calibration samples.
@@ -131,6 +141,7 @@ class DirectScrape:
         # counters under the instances strategy, each version's under requests).
         self.window_start: tuple[dict[str, PodCounters], dict[str, PodCounters]] = ({}, {})
         self.window_from: float | None = None
+        self.window_mono: float = 0.0  # the window's start on the monotonic clock
 
     def reset(self) -> None:
         self.prev, self.window_key, self.window_start, self.window_from = {}, None, ({}, {}), None
@@ -138,9 +149,11 @@ class DirectScrape:
     async def measure(self, check: CheckSpec, request: MeasureRequest) -> BuiltinWindow:
         texts = await self.admin.scrape(list(request.targets.values()), names=SCRAPED_SAMPLES)
         samples = {name: parse_samples(text) for name, text in texts.items()}  # once, read up to 3 ways
+        # Snapshots are stamped on the monotonic clock: their times only ever give spans, in memory.
+        mono = request.now if request.monotonic is None else request.monotonic
 
         def snapshot(version: str | None) -> dict[str, PodCounters]:
-            return {name: pod_counters(s, at=request.now, gate_version=version) for name, s in samples.items()}
+            return {name: pod_counters(s, at=mono, gate_version=version) for name, s in samples.items()}
 
         snap = snapshot(None)
         split = request.canary_version is not None and request.stable_version is not None
@@ -158,9 +171,15 @@ class DirectScrape:
         if request.analysing:
             if self.window_key != request.window_key:
                 # First look at this window (or the first since this process started): it starts now.
-                self.window_key, self.window_from = request.window_key, request.now
+                self.window_key, self.window_from, self.window_mono = request.window_key, request.now, mono
                 self.window_start = (canary_snap, stable_snap)
             else:
+                # The window's start as a wall-clock time is now less the span it has run: the wall
+                # clock jumped (forward: the window looked complete at once; back: it waited out the
+                # jump) when the one recorded is off by more than a drift.
+                start = request.now - (mono - self.window_mono)
+                if self.window_from is None or abs(start - self.window_from) > self.JUMP_S:
+                    self.window_from = start
                 out["canary_metrics"] = group_from_snapshots(start=self.window_start[0], end=canary_snap,
                                                              pods=request.canary)
                 out["stable_metrics"] = group_from_snapshots(start=self.window_start[1], end=stable_snap,

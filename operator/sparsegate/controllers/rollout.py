@@ -118,6 +118,11 @@ RESTING_CHECK_S = envvars.seconds("SPARSEGATE_ROLLOUT_RESTING_CHECK_S", 300.0)
 # it anyway), so a certificate ending within admin_tls.RENEW_BEFORE is renewed before it ends
 # (:meth:`RolloutLoop.model_credentials`) even when neither the model nor the operator changes.
 ADMIN_SECRET_CHECK_S = envvars.seconds("SPARSEGATE_ADMIN_SECRET_CHECK_S", 86400.0)
+# How long a tick waits for the declared checks' measurements it started (or that are still in
+# flight from an earlier tick): a web check's timeout has no upper bound, and a tick that awaited
+# a hanging endpoint held the GateConfig's abort, pause, promote and status writes for that long. A
+# measurement not answered by then is picked up by a later tick (``RolloutCache.measuring``).
+CHECK_WAIT_S = 2.0
 _LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 
 ROLLOUTS = prometheus_client.Counter(
@@ -161,6 +166,9 @@ class RolloutCache:
     superseded: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=4))
     # The last tick's write lost a race (409): the next tick reads the object.
     read_fresh: bool = False
+    # Declared checks' measurements in flight: check name → ((run key, check), task). Started by a
+    # tick, recorded by the first tick that finds them answered (``RolloutLoop._declared``).
+    measuring: dict[str, tuple[tuple[Any, ...], asyncio.Task[Measured]]] = field(default_factory=dict)
 
 
 FleetCache = RolloutCache  # what ``RolloutLoop.fleet`` keeps between calls (credentials, reported pods)
@@ -196,11 +204,15 @@ def _model_event(model: Mapping[str, Any], type_: str, reason: str, message: str
 class RolloutLoop:
     def __init__(self, *, kube: Kube, admin: PodAdmin | None = None,
                  prometheus: PrometheusAPI | None = None, prometheus_url: str | None = None,
-                 clock: Any = time.time) -> None:
+                 clock: Any = time.time, monotonic: Any = None, check_wait_s: float = CHECK_WAIT_S) -> None:
         self.kube = kube
         self.admin = admin or PodAdmin()
         self.prometheus = prometheus
         self.clock = clock
+        # The direct scrape's in-memory windows and rates (never written anywhere) are measured on a
+        # clock that a wall-clock jump does not move. A test's clock stands for both unless it gives its own.
+        self.monotonic = monotonic or (time.monotonic if clock is time.time else clock)
+        self.check_wait_s = check_wait_s
         # Declared checks' providers (stateless; the builtin one is per GateConfig, in its RolloutCache).
         self.providers = {Provider.PROMETHEUS: PrometheusQuery(default_address=prometheus_url),
                           Provider.WEB: WebRequest()}
@@ -348,7 +360,8 @@ class RolloutLoop:
                                       addressed=name in fleet.targets))  # targets: the pods with an IP
         return tuple(out)
 
-    def _request(self, *, namespace: str, fleet: Fleet, status: RolloutStatus, now: float) -> MeasureRequest:
+    def _request(self, *, namespace: str, fleet: Fleet, status: RolloutStatus, now: float,
+                 mono: float | None = None) -> MeasureRequest:
         # Each group counts only the requests its own version served. Under `requests` both groups
         # are every pod; under `instances` the canary pods' requests of the canary version and the
         # others' of the stable one, so a pod still finishing requests of a version just rolled
@@ -360,7 +373,7 @@ class RolloutLoop:
             canary = [p for p in status.canary_pods if p in fleet.targets]
             stable = [p for p in fleet.targets if p not in set(status.canary_pods)]
         return MeasureRequest(
-            namespace=namespace, now=now, targets=fleet.targets, canary=canary, stable=stable,
+            namespace=namespace, now=now, monotonic=mono, targets=fleet.targets, canary=canary, stable=stable,
             analysing=status.phase == Phase.ANALYSING,
             window_key=(status.canary.version if status.canary else None, status.step, status.analysis_started_at),
             analysis_started_at=status.analysis_started_at,
@@ -382,14 +395,30 @@ class RolloutLoop:
             return {"builtin_error": f"{type(e).__name__}: {e}"[:300]}
         return answer.observations() if isinstance(answer, BuiltinWindow) else {}
 
+    @staticmethod
+    def _drop_measuring(cache: RolloutCache, keep: Mapping[str, tuple[Any, ...]]) -> None:
+        """Cancel the measurements in flight that are no longer wanted (the run ended, the check
+        was edited or removed): ``keep`` maps the wanted checks to their (run key, check)."""
+        for n, (key, task) in list(cache.measuring.items()):
+            if keep.get(n) != key:
+                task.cancel()
+                del cache.measuring[n]
+
     async def _declared(self, *, spec: RolloutSpec, request: MeasureRequest, status: RolloutStatus, name: str,
-                        models: Sequence[str], now: float) -> dict[str, Measured]:
-        """Answers of the declared checks whose measurement is due this tick."""
+                        models: Sequence[str], now: float, cache: RolloutCache,
+                        wait_s: float | None = None) -> dict[str, Measured]:
+        """Answers of the declared checks whose measurement is due this tick. Each due check's
+        measurement is started once and waited for at most ``wait_s`` (``check_wait_s``); one still
+        in flight then is kept in ``cache.measuring`` and recorded by the tick that finds it answered
+        (taken at the time it was started), so a hanging endpoint never holds the tick."""
         run = status.analysis_runs[-1] if status.analysis_runs else None
         if status.phase != Phase.ANALYSING or run is None or run.phase != RunPhase.RUNNING \
                 or status.canary is None or status.stable is None or status.step is None:
+            self._drop_measuring(cache, {})
             return {}
         due = analysis_run.due_checks(spec.checks, run, now=now, default_interval_s=spec.analysis_interval_s)
+        run_key = (run.step, run.canary_version, run.started_at)
+        self._drop_measuring(cache, {c.name: (run_key, c) for c in due})
         if not due:
             return {}
 
@@ -404,12 +433,23 @@ class RolloutLoop:
                 percent=spec.steps[min(status.step, len(spec.steps) - 1)],
                 window_s=check.interval_s or spec.analysis_interval_s)
 
-        answers = await asyncio.gather(*(
-            measure_safely(self.providers[c.provider], c, dataclasses.replace(request, args=args(c))) for c in due))
-        for c, a in zip(due, answers):
+        for c in due:
+            if c.name not in cache.measuring:
+                task = asyncio.ensure_future(
+                    measure_safely(self.providers[c.provider], c, dataclasses.replace(request, args=args(c))))
+                cache.measuring[c.name] = ((run_key, c), task)
+        tasks = [cache.measuring[c.name][1] for c in due]
+        await asyncio.wait(tasks, timeout=self.check_wait_s if wait_s is None else wait_s)
+        out: dict[str, Measured] = {}
+        for c in due:
+            task = cache.measuring[c.name][1]
+            if not task.done():
+                continue  # still measuring: a later tick records it
+            del cache.measuring[c.name]
+            a = out[c.name] = task.result()
             answer = "error" if a.error is not None else "no_data" if a.value is None else "value"
             MEASUREMENTS.labels(provider=c.provider.value, answer=answer).inc()
-        return {c.name: a for c, a in zip(due, answers)}
+        return out
 
     # ------------------------------------------------------------ the tick
 
@@ -527,7 +567,7 @@ class RolloutLoop:
             cache.read_fresh = False
         if body is None or body["metadata"].get("deletionTimestamp"):
             return None
-        now = self.clock()
+        now, mono = self.clock(), self.monotonic()
         status = RolloutStatus.from_status(body.get("status"))
         requests = annotation_requests(body["metadata"].get("annotations"))
         values = request_values(body["metadata"].get("annotations"))
@@ -550,15 +590,16 @@ class RolloutLoop:
         decision: Decision | None = None
         for attempt in range(3):
             pods = await self._observe_pods(fleet)
-            request = self._request(namespace=namespace, fleet=fleet, status=status, now=now)
+            request = self._request(namespace=namespace, fleet=fleet, status=status, now=now, mono=mono)
             metrics = await self._metrics(spec=spec, request=request, status=status, cache=cache)
             if attempt:
                 # One calibration sample per tick: a second look's rates span only the moment since
                 # the first (a direct scrape's fleet qps over a sub-second gap is noise).
                 metrics.pop("fleet_qps", None)
                 metrics.pop("stable_error_rate", None)
+            # (A later look only collects what answered meanwhile: the tick waited once.)
             measured = await self._declared(spec=spec, request=request, status=status, name=name, models=models,
-                                            now=now)
+                                            now=now, cache=cache, wait_s=0.0 if attempt else None)
             obs = Observations(pods=pods, **requests, **metrics, measurements=measured,
                                models=len(fleet.server_names), request_values=values, declared=declared)
             decision = next_action(spec=spec, status=status, obs=obs, now=now)
@@ -568,7 +609,7 @@ class RolloutLoop:
             if not pushed:
                 break  # nothing new landed on a pod: the next tick looks again
             # Pushed: look again now so verified pods (and the next phase) are recorded this tick.
-            status, now = decision.status, self.clock()
+            status, now, mono = decision.status, self.clock(), self.monotonic()
             requests = dict.fromkeys(requests, False)
         return decision
 

@@ -494,7 +494,9 @@ def set_check_phase(run: AnalysisRun, name: str, phase: RunPhase, message: str) 
 def due_checks(checks: Sequence[CheckSpec], run: AnalysisRun | None, *, now: float,
                default_interval_s: float) -> tuple[CheckSpec, ...]:
     """Declared (non-builtin) checks whose next measurement is due now: each first one
-    interval after the run started, each next one an interval after the previous one."""
+    interval after the run started, each next one an interval after the previous one. A
+    measurement "in the future" (the wall clock went back past it: status keeps wall-clock times)
+    makes the next one due now, not the jump waited out."""
     if run is None or run.phase != RunPhase.RUNNING:
         return ()
     due = []
@@ -505,7 +507,7 @@ def due_checks(checks: Sequence[CheckSpec], run: AnalysisRun | None, *, now: flo
         if cur is not None and cur.phase != RunPhase.RUNNING:
             continue
         since = cur.last_at if cur is not None and cur.last_at is not None else run.started_at
-        if now - since >= (check.interval_s or default_interval_s):
+        if now < since or now - since >= (check.interval_s or default_interval_s):
             due.append(check)
     return tuple(due)
 

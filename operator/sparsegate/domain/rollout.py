@@ -926,7 +926,7 @@ def _track_window(s: RolloutStatus, *, obs: Observations) -> tuple[RolloutStatus
     if s.window_from is None or abs(obs.window_from - s.window_from) > 0.01:
         if s.window_from is not None:
             note = (f"; analysis window restarted at {iso_time(obs.window_from)} (its data since "
-                    f"{iso_time(s.window_from)} is gone, e.g. an operator restart)")
+                    f"{iso_time(s.window_from)} is gone, e.g. an operator restart, or the wall clock jumped)")
         s = dataclasses.replace(s, window_from=obs.window_from, window_samples=0)
     if obs.canary_metrics is not None:
         s = dataclasses.replace(s, window_samples=s.window_samples + 1)

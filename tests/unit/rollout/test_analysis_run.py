@@ -262,6 +262,18 @@ def test_due_checks_schedule_from_the_recorded_times() -> None:
                       default_interval_s=30) == ()
 
 
+def test_a_measurement_in_the_future_makes_the_next_one_due_now() -> None:
+    """Status keeps wall-clock times: the clock moved back past the last measurement must not
+    hold the check for the length of the jump (a 5 s check measured at 120 would wait until 125
+    of the new clock, however far back it went)."""
+    fast, slow = parse_checks({"checks": [check(name="fast", interval="5s", count=3), check(name="slow")]})
+    run = record(run_of(fast, slow), fast, judge(fast, Measured(value=0.01), now=120))
+    assert due_checks([fast, slow], run, now=122, default_interval_s=30) == ()
+    # The clock went back 12 s: 110 is before the measurement at 120 (slow's 30 s since the run's
+    # start at 100 are not up yet, so it is not due).
+    assert due_checks([fast, slow], run, now=110, default_interval_s=30) == (fast,)
+
+
 def test_status_record_shape_and_round_trip() -> None:
     deciding, dry = parse_checks({"checks": [check(count=2), check(name="shadow", dryRun=True)]})
     run = feed(run_of(deciding, dry), deciding, [0.01, "boom"])

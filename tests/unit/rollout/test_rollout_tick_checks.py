@@ -7,10 +7,12 @@ web check's target is a real HTTP server on loopback, and the tick's code runs u
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import datetime
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -599,3 +601,126 @@ async def test_a_pod_that_keeps_refusing_pushes_is_warned_about_once_not_every_t
     pods.refuse = None  # it took one: a later refusal is news again
     await ticks(1)
     assert cache.push_failures == {}
+
+
+class AnnotatedKube(FakeKube):
+    """FakeKube that also takes the tick's merge patch clearing one-shot annotations."""
+
+    def request(self, method: str, path: str, *, body: Any = None, query: Any = None,
+                content_type: str | None = None) -> dict:
+        if path.endswith("/gateconfigs/gate"):
+            for k, v in body["metadata"]["annotations"].items():
+                assert v is None
+                self.obj["metadata"]["annotations"].pop(k, None)
+            self.obj["metadata"]["resourceVersion"] = str(int(self.obj["metadata"]["resourceVersion"]) + 1)
+            return copy.deepcopy(self.obj)
+        return super().request(method, path, body=body, query=query, content_type=content_type)
+
+
+@pytest.fixture
+async def held_judge() -> AsyncIterator[dict[str, Any]]:
+    """A web check endpoint that answers only once ``release`` is set."""
+    state: dict[str, Any] = {"release": asyncio.Event(), "asked": 0}
+
+    async def score(request: web.Request) -> web.Response:
+        state["asked"] += 1
+        await state["release"].wait()
+        return web.json_response({"score": 0.95})
+
+    app = web.Application()
+    app.router.add_get("/score", score)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    state["url"] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/score"  # type: ignore[union-attr]
+    try:
+        yield state
+    finally:
+        state["release"].set()
+        await runner.cleanup()
+
+
+def held_check(url: str) -> dict[str, Any]:
+    # The CRD bounds a web check's timeout by nothing: 10 minutes is a valid spec.
+    return {"name": "quality", "provider": {"web": {"url": url, "jsonPath": "score", "timeout": "10m"}},
+            "successCondition": "result >= 0.9", "interval": "5s"}
+
+
+async def bounded_tick(loop: RolloutLoop, cache: RolloutCache, clock: list[float], dt: float) -> dict:
+    started = time.monotonic()
+    st = await asyncio.wait_for(tick(loop, cache, clock, dt), 5)  # the old code waited the check's 10m out
+    assert time.monotonic() - started < 2
+    return st
+
+
+async def test_a_hanging_web_check_does_not_hold_the_tick_nor_an_abort(held_judge: dict[str, Any]) -> None:
+    clock = [1000.0]
+    kube = AnnotatedKube(spec(V1))
+    pods = FakePods(clock)
+    loop, cache = Loop(kube=kube, admin=pods, clock=lambda: clock[0]), RolloutCache()  # type: ignore[arg-type]
+    loop.check_wait_s = 0.2
+    await tick(loop, cache, clock, 1)
+    kube.set_spec(spec(V2, checks=[held_check(held_judge["url"])]))
+    assert (await tick(loop, cache, clock, 1))["rollout"]["phase"] == "Analysing"
+    st = await bounded_tick(loop, cache, clock, 5)  # the check is due: its endpoint hangs
+    assert held_judge["asked"] == 1 and st["rollout"]["phase"] == "Analysing"
+    assert not st["analysisRuns"][-1]["checks"][0].get("measurements")
+    st = await bounded_tick(loop, cache, clock, 1)  # still in flight: not asked a second time
+    assert held_judge["asked"] == 1
+    kube.obj["metadata"]["annotations"]["sparsegate.dev/abort"] = "now"
+    st = await bounded_tick(loop, cache, clock, 1)
+    assert st["rollout"]["phase"] in ("RollingBack", "Aborted"), st["rollout"]
+    assert st["analysisRuns"][-1]["phase"] == "Terminated"
+    assert not cache.measuring  # the measurement of the ended run was dropped (its request cancelled)
+
+
+async def test_a_slow_web_check_is_recorded_by_a_later_tick_at_its_start(held_judge: dict[str, Any]) -> None:
+    clock = [1000.0]
+    kube = FakeKube(spec(V1))
+    loop, cache = Loop(kube=kube, admin=FakePods(clock), clock=lambda: clock[0]), RolloutCache()  # type: ignore[arg-type]
+    loop.check_wait_s = 0.2
+    await tick(loop, cache, clock, 1)
+    kube.set_spec(spec(V2, checks=[held_check(held_judge["url"])]))
+    await tick(loop, cache, clock, 1)
+    st = await bounded_tick(loop, cache, clock, 5)
+    asked_at = clock[0]
+    assert not st["analysisRuns"][-1]["checks"][0].get("measurements")
+    held_judge["release"].set()
+    await asyncio.sleep(0.2)
+    st = await bounded_tick(loop, cache, clock, 1)
+    (m,) = st["analysisRuns"][0]["checks"][0]["measurements"]  # passed: the step was promoted
+    assert m["value"] == 0.95 and held_judge["asked"] == 1 and st["rollout"]["step"] == 2
+    assert m["time"] == datetime.datetime.fromtimestamp(asked_at, tz=datetime.UTC).isoformat(
+        timespec="milliseconds").replace("+00:00", "Z")
+
+
+async def test_a_wall_clock_jump_forward_neither_completes_the_window_nor_thins_its_rates() -> None:
+    """Direct scrape: the window's span and rates are the monotonic clock's. The wall clock jumping
+    an hour ahead 2 s into a 10 s window made the window look full at once, its canary qps an
+    hour's average of 2 s of requests (and the calibration's fleet qps sample with it)."""
+    wall, mono = [1000.0], [50.0]
+    kube = FakeKube(spec(V1))
+    pods = FakePods(mono)  # the pods count requests in real time
+    loop, cache = Loop(kube=kube, admin=pods, clock=lambda: wall[0]), RolloutCache()  # type: ignore[arg-type]
+    loop.monotonic = lambda: mono[0]
+
+    async def step(dt: float, jump: float = 0.0) -> dict:
+        mono[0] += dt
+        wall[0] += dt + jump
+        return await tick(loop, cache, [0.0], 0)
+
+    await step(1)
+    kube.set_spec(spec(V2))
+    assert (await step(1))["rollout"]["phase"] == "Analysing"
+    await step(1)  # the window's first scrape
+    st = await step(1)
+    assert st["rollout"]["analysis"]["verdict"] == "Pass"
+    st = await step(1, jump=3600)
+    assert st["rollout"]["phase"] == "Analysing" and st["rollout"]["step"] == 1, "promoted on 2 s of data"
+    assert st["rollout"]["analysis"]["canaryQps"] == pytest.approx(50)
+    for _ in range(7):
+        st = await step(1)
+        assert st["rollout"]["phase"] == "Analysing" and st["rollout"]["step"] == 1
+    st = await step(1)  # 10 s of data since the window began
+    assert st["rollout"]["step"] == 2 and st["analysisRuns"][0]["phase"] == "Successful"
