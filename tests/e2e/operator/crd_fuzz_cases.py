@@ -591,11 +591,14 @@ CEL_CASES: dict[tuple[str, str, str], list[CelCase]] = {
         for bad in (0, -1, 65536)
     ],
     ("RoutingPolicy", "spec.ports",
-     "self.all(p, self.exists_one(q, q.port == p.port && q.protocol == p.protocol))"): [
+     "self.all(p, self.exists_one(q, q.port == p.port"
+     " && (has(q.protocol) ? q.protocol : 'TCP') == (has(p.protocol) ? p.protocol : 'TCP')))"): [
         ("cross_field", "spec.ports", "port/protocol repeated",
          _set("spec.ports", [{"port": 8080, "protocol": "TCP"}, {"port": 8080, "protocol": "TCP"}])),
-        ("cross_field", "spec.ports", "repeated with the protocol defaulted",
+        ("cross_field", "spec.ports", "repeated with the protocol absent (TCP) in one",
          _set("spec.ports", [{"port": 8080}, {"port": 8080, "protocol": "TCP"}])),
+        ("cross_field", "spec.ports", "repeated with the protocol absent in both",
+         _set("spec.ports", [{"port": 8080}, {"port": 8080}])),
     ],
 }
 
@@ -850,6 +853,10 @@ def valid_edges(schemas: Mapping[str, Mapping[str, Any]], examples: Mapping[str,
                  "targets": [{"sparseModel": "m", "routes": [
                      "/v1/infer", "/v1/model", "/v1/models", "/v1/completions", "/v1/chat/completions", "/healthz",
                      "/readyz", "/metrics", "/admin/access", "/.well-known/x_y", "/a..b/...", "/-/_/0"]}]})),
+        Edge("RoutingPolicy", "one port twice, TCP with the protocol absent and UDP",
+             named("RoutingPolicy", "rp-protocol-absent", {
+                 "action": "Allow", "sources": [{"namespace": "default"}], "targets": [{"sparseModel": "m"}],
+                 "ports": [{"port": 53}, {"port": 53, "protocol": "UDP"}]})),
         Edge("RoutingPolicy", "one empty-label selector, one target, no ports, lowest priority, Deny",
              named("RoutingPolicy", "rp-emptiest", {
                  "action": "Deny", "priority": bound("RoutingPolicy", "spec.priority", "minimum"),

@@ -194,23 +194,33 @@ def test_spiffe_ids_follow_the_spiffe_id_spec():
         assert not _accepts(spiffe, bad), bad
 
 
-def test_examples_set_every_default_inside_atomic_lists():
-    """An atomic list is owned whole: an example item that leaves a defaulted field out differs from the
-    stored (defaulted) list, so a second server-side applier of the unchanged file (Argo CD or Flux after
-    `kubectl apply --server-side`) is refused with a conflict on that list. Examples write such fields out."""
-    crds = {load(p.name)["spec"]["names"]["kind"]: load(p.name) for p in CRD_DIR.glob("*.yaml")}
-    missing = []
-    for example in sorted((ROOT / "examples").glob("*.yaml")):
-        doc = yaml.safe_load(example.read_text())
-        schema = crds[doc["kind"]]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-        for name, prop in (schema["properties"]["spec"].get("properties") or {}).items():
-            if prop.get("type") != "array" or prop.get("x-kubernetes-list-type", "atomic") != "atomic":
-                continue
-            items = prop.get("items") or {}
-            defaulted = [k for k, v in (items.get("properties") or {}).items() if "default" in v]
-            for i, item in enumerate(doc["spec"].get(name) or []):
-                missing += [f"{example.name}: spec.{name}[{i}].{k}" for k in defaulted if k not in item]
-    assert not missing, missing
+def test_no_default_inside_list_items():
+    """A schema default inside a list item puts the field into every stored item that leaves it out,
+    so a Git copy without it never equals the live list: Argo CD's default (non server-side) diff
+    replaces lists whole and reports such an object OutOfSync for good (self-heal re-applies it
+    every cycle), and a second server-side applier of the unchanged file (Argo CD or Flux after
+    `kubectl apply`) is refused with a conflict on an atomic list. The operator and the model
+    server apply such defaults themselves (RoutingPolicy ports[].protocol TCP, SparseModel
+    tools[].timeoutMs 1000)."""
+    found = []
+
+    def walk(schema: dict, path: str, in_item: bool) -> None:
+        if not isinstance(schema, dict):
+            return
+        if in_item and "default" in schema:
+            found.append(path)
+        for key, sub in (schema.get("properties") or {}).items():
+            walk(sub, f"{path}.{key}", in_item)
+        if isinstance(schema.get("items"), dict):
+            walk(schema["items"], f"{path}[]", True)
+        if isinstance(schema.get("additionalProperties"), dict):
+            walk(schema["additionalProperties"], f"{path}.*", in_item)
+
+    for crd_path in sorted(CRD_DIR.glob("*.yaml")):
+        crd = load(crd_path.name)
+        for version in crd["spec"]["versions"]:
+            walk(version["schema"]["openAPIV3Schema"], f"{crd['spec']['names']['kind']}", False)
+    assert not found, found
 
 
 def _web_header_schemas() -> tuple[dict, dict]:
