@@ -12,11 +12,18 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Sequence
 
 from sparsegate.domain import conditions as c
+from sparsegate.domain import render
 from sparsegate.domain.gate import GateResolution
 
 
 def desired_replicas(model: Mapping[str, Any]) -> int:
     return int(model["spec"].get("replicas", 1))
+
+
+def pod_selector(model: Mapping[str, Any]) -> str:
+    """``status.selector``: the model's pods as a label selector string, which the CRD's scale
+    subresource serves (``labelSelectorPath``) and a HorizontalPodAutoscaler needs."""
+    return ",".join(f"{k}={v}" for k, v in sorted(render.selector_labels(model["metadata"]["name"]).items()))
 
 
 # What of a Deployment and the model's pods a status computation reads (besides the model itself):
@@ -63,9 +70,12 @@ def _replica_counts(deployment: Mapping[str, Any] | None) -> dict[str, int]:
 
 def after_reconcile(*, model: Mapping[str, Any], generation: int | None, gate: GateResolution,
                     deployment: Mapping[str, Any] | None, apply_error: str | None,
-                    now: str, problems: Sequence[str] = (), service_applied: bool = True) -> dict[str, Any]:
+                    now: str, problems: Sequence[str] = (), service_applied: bool = True,
+                    gate_applied: bool | None = None) -> dict[str, Any]:
     """Full status after a reconcile that rendered ``generation`` of the (now current) ``model``;
-    ``service_applied``: whether the model's Service is applied (``c.workload_conditions``)."""
+    ``service_applied``: whether the model's Service is applied (``c.workload_conditions``).
+    ``gate_applied``: whether the gate's ConfigMap and the Deployment landed, so status names the
+    gate (default: no ``apply_error``; a Service's error alone leaves the gate applied)."""
     previous = (model.get("status") or {})
     degraded = c.degraded_condition(gate_error=gate.error, gate_source=gate.source,
                                     apply_error=apply_error)
@@ -75,12 +85,13 @@ def after_reconcile(*, model: Mapping[str, Any], generation: int | None, gate: G
     status: dict[str, Any] = {
         "observedGeneration": generation,
         **_replica_counts(deployment),
+        "selector": pod_selector(model),
         "conditions": c.set_conditions(
             previous.get("conditions") or [],
             [*workload, degraded, *c.kstatus_conditions(workload, degraded=degraded)],
             now=now, observed_generation=generation),
     }
-    if gate.document is not None and apply_error is None:
+    if gate.document is not None and (apply_error is None if gate_applied is None else gate_applied):
         status["gateVersion"] = gate.document.version
         status["gateChecksum"] = gate.document.checksum
     return status

@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Mapping
 
+from sparsegate_contracts import names
+
 from sparsegate import metrics
 from sparsegate.clients.kube import Kube, KubeError
 from sparsegate.controllers.admin_secret import EventSink, ensure_admin_secret, secret_owner_problem  # noqa: F401
@@ -98,6 +100,54 @@ def admin_secret_check(model: Mapping[str, Any]) -> dict[str, Any]:
             "check": {"owner": meta.get("uid"), "serverName": render.admin_server_name(model)}}
 
 
+def claims_checked(model: Mapping[str, Any]) -> bool:
+    """True once a reconcile of ``model`` applied its objects (status names the gate it rendered)
+    and nothing is Degraded since (an apply refused, its Service's too): its ConfigMap and Service
+    are its own, and are applied without a look first."""
+    status = model.get("status") or {}
+    degraded = any(cond.get("type") == conditions.ConditionType.DEGRADED.value and cond.get("status") == "True"
+                   for cond in status.get("conditions") or [])
+    return bool(status.get("gateVersion")) and not degraded
+
+
+def check_not_foreign(kube: Kube, model: Mapping[str, Any], obj: Mapping[str, Any]) -> None:
+    """Before a model's first apply of ``obj``: an object of that kind and name that already exists
+    and is not this model's (a user's ConfigMap or Service: ``foreign_problem``) is refused, not
+    taken over. A forced server-side apply would merge into it, take its fields (a
+    Service's selector: its clients reach the model's pods) and add this model's ownerReference,
+    so the garbage collector deleted the user's object with the model."""
+    meta = obj["metadata"]
+    existing = kube.get(obj["kind"], namespace=meta["namespace"], name=meta["name"])
+    problem = foreign_problem(existing, model) if existing is not None else None
+    if problem is not None:
+        raise KubeError(409, "AlreadyExists", f"{obj['kind']} {meta['name']} already exists and is not this "
+                                              f"SparseModel's ({problem}): not taken over; rename or delete it")
+
+
+def foreign_problem(existing: Mapping[str, Any], model: Mapping[str, Any]) -> str | None:
+    """Why ``existing`` is not ``model``'s to apply over (None: it is). Its own, or one a SparseModel
+    of the same name left (deleted and created again before the garbage collector came; or
+    orphaned, ``--cascade=orphan``: no owner, the operator's labels), is taken over as before."""
+    meta = existing.get("metadata") or {}
+    name = model["metadata"]["name"]
+    controller = next((ref for ref in meta.get("ownerReferences") or [] if ref.get("controller")), None)
+    if controller is None:
+        labels = meta.get("labels") or {}
+        if labels.get(names.MANAGED_BY_LABEL) == names.MANAGED_BY and labels.get(names.MODEL_LABEL) == name:
+            return None
+        return "it has no owner and is not the operator's"
+    if controller.get("kind") != render.KIND or controller.get("name") != name \
+            or str(controller.get("apiVersion", "")).split("/")[0] != names.GROUP:
+        return f"it belongs to {controller.get('kind')} {controller.get('name')}"
+    return None
+
+
+def apply_new(kube: Kube, model: Mapping[str, Any], obj: Mapping[str, Any]) -> dict[str, Any]:
+    """``obj`` applied, unless an object of its name is someone else's (``check_not_foreign``)."""
+    check_not_foreign(kube, model, obj)
+    return kube.apply(obj)
+
+
 def apply_owned(kube: Kube, model: Mapping[str, Any], objects: Iterable[Mapping[str, Any]], *,
                 events: EventSink, logger: logging.Logger,
                 applied_objects: AppliedObjects | None = None) -> Mapping[str, Any] | None:
@@ -114,7 +164,8 @@ def apply_owned(kube: Kube, model: Mapping[str, Any], objects: Iterable[Mapping[
     key, started = (model["metadata"]["namespace"], model["metadata"]["name"]), time.monotonic()
     first: list[tuple[Mapping[str, Any], Callable[[], Any]]] = [
         (admin_secret_check(model), functools.partial(ensure_admin_secret, kube, model, events=events, logger=logger))]
-    first += [(obj, functools.partial(kube.apply, obj)) for obj in objects if obj["kind"] != "Deployment"]
+    apply = kube.apply if claims_checked(model) else functools.partial(apply_new, kube, model)
+    first += [(obj, functools.partial(apply, obj)) for obj in objects if obj["kind"] != "Deployment"]
     if applied_objects is not None:
         first = [(obj, call) for obj, call in first if not applied_objects.unchanged(key, obj, now=started)]
 
@@ -182,10 +233,13 @@ class Reconciled:
 
 
 def start_service_apply(kube: Kube, key: tuple[str, str], service: Mapping[str, Any],
-                        applied_objects: AppliedObjects | None) -> concurrent.futures.Future[str | None] | None:
+                        applied_objects: AppliedObjects | None,
+                        model: Mapping[str, Any] | None = None) -> concurrent.futures.Future[str | None] | None:
     """The model's Service applied in the Service pool, unless unchanged since this process last
     applied it; the future holds the apply's error message (None: it landed). The outcome is
-    recorded in ``applied_objects`` by the apply itself, so it counts even if nobody waits."""
+    recorded in ``applied_objects`` by the apply itself, so it counts even if nobody waits.
+    ``model``: a model whose objects may not be its own yet (``claims_checked``): a Service of
+    that name that is someone else's is refused (``check_not_foreign``)."""
     started = time.monotonic()
     if applied_objects is not None:
         if applied_objects.unchanged(key, service, now=started):
@@ -197,6 +251,8 @@ def start_service_apply(kube: Kube, key: tuple[str, str], service: Mapping[str, 
         wait.observe(time.monotonic() - started)
         with metrics.observe("Service") as outcome:
             try:
+                if model is not None:
+                    check_not_foreign(kube, model, service)
                 kube.apply(service)
             except Exception as e:  # noqa: BLE001 - any failure is the model's to report, and ends the in-flight mark
                 outcome.value = "failed"
@@ -283,7 +339,9 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink, logger
         objects = render.render_applied(model, resolution.document, default_image=default_image)
         service = next(obj for obj in objects if obj["kind"] == "Service")
         assumed = applied_objects.failure(key, service) if applied_objects is not None else None
-        service_apply = start_service_apply(kube, key, service, applied_objects)
+        # Also while its last apply failed or is in flight: status may not say so yet.
+        unclaimed = not claims_checked(model) or (applied_objects is not None and applied_objects.unapplied(key, service))
+        service_apply = start_service_apply(kube, key, service, applied_objects, model=model if unclaimed else None)
         try:
             applied = apply_owned(kube, model, [obj for obj in objects if obj is not service],
                                   events=events, logger=logger, applied_objects=applied_objects)
@@ -315,7 +373,7 @@ def reconcile(kube: Kube, model: Mapping[str, Any], *, events: EventSink, logger
             return with_service(applied_objects, key, lambda service_applied: model_status.after_reconcile(
                 model=current, generation=meta.get("generation"), gate=resolution,
                 deployment=deployment, apply_error=error, now=now(), problems=problems,
-                service_applied=service_applied))
+                service_applied=service_applied, gate_applied=apply_error is None))
 
         with status_inputs.guard(meta["namespace"], meta["name"]):
             _write_status(kube, current, events=events, status_inputs=status_inputs, pods=pods,

@@ -287,8 +287,9 @@ def test_a_failed_service_apply_degrades_the_model_without_holding_its_deploymen
     ns = stack_namespace
     name = "svc-taken"
     restarts = operator_restarts(stack)
-    # Someone else's ClusterIP Service already has the model's name; the model asks for a headless
-    # one, and a Service's clusterIP cannot change in place, so the API server refuses the apply.
+    # Someone else's ClusterIP Service already has the model's name: the operator refuses to take it
+    # over (``modelsync.check_not_foreign``; a forced apply would take its selector, and the model's
+    # deletion would delete it).
     taken = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
              "spec": {"selector": {"app": "elsewhere"}, "ports": [{"port": 80}]}}
     stack.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(taken))
@@ -306,7 +307,8 @@ def test_a_failed_service_apply_degrades_the_model_without_holding_its_deploymen
     m = wait_for(degraded, what="Degraded=ApplyFailed and Ready=False for the Service", timeout_s=90)
     assert condition(m, "Ready")["status"] == "False"
     message = condition(m, "Degraded")["message"]
-    assert f'Service "{name}" is invalid' in message and "may not change once set" in message, message
+    assert f"Service {name} already exists and is not this SparseModel's" in message, message
+    assert get_json(stack, "service", name, "-n", ns)["spec"]["selector"] == {"app": "elsewhere"}
     assert m["status"]["observedGeneration"] == m["metadata"]["generation"]
     assert get_json(stack, "deployment", name, "-n", ns)["metadata"]["labels"][render.MODEL_LABEL] == name
     assert operator_restarts(stack) == restarts

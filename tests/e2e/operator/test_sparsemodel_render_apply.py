@@ -70,3 +70,47 @@ def test_a_privileged_serving_port_renders_a_pod_that_pod_security_restricted_ad
            "spec": dep["spec"]["template"]["spec"]}
     out = cluster.kubectl("create", "--dry-run=server", "-f", "-", "-o", "json", input=json.dumps(pod), check=False)
     assert out.returncode == 0, out.stderr
+
+
+def test_an_hpa_can_target_a_sparsemodel_through_its_scale_subresource(cluster, namespace):
+    """The chart's SparseModel CRD on the plain control plane, status written as a reconcile writes
+    it: the scale subresource serves the pods' selector, so the controller-manager's HPA gets past
+    it (without one: ScalingActive False, InvalidSelector "the HPA target's scale is missing a
+    selector"); here it stops at the missing metrics API instead."""
+    import time
+    from pathlib import Path
+
+    from sparsegate.domain import gate, model_status
+
+    crd = Path(__file__).resolve().parents[3] / "charts" / "sparsegate" / "crds" / "sparsemodels.yaml"
+    cluster.kubectl("apply", "-f", str(crd))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/sparsemodels.sparsegate.dev", "--timeout=60s")
+    model = {"apiVersion": f"{names.GROUP}/{names.VERSION}", "kind": "SparseModel",
+             "metadata": {"name": "m", "namespace": namespace},
+             "spec": {"replicas": 1, "model": {"dModel": 8, "experts": 2}}}
+    model = json.loads(cluster.kubectl("create", "-f", "-", "-o", "json", input=json.dumps(model)).stdout)
+    kube = Kube.from_kubeconfig(str(cluster.kubeconfig))
+    resolution = gate.resolve(None, referenced=False, num_experts=2)
+    kube.update_status("SparseModel", namespace=namespace, name="m", current=model,
+                       mutate=lambda current: model_status.after_reconcile(
+                           model=current, generation=1, gate=resolution, deployment=None, apply_error=None,
+                           now="2026-01-01T00:00:00Z"))
+    scale = json.loads(cluster.kubectl("get", "--raw", f"/apis/{names.GROUP}/{names.VERSION}/namespaces/"
+                                       f"{namespace}/sparsemodels/m/scale").stdout)
+    assert scale["status"].get("selector") == "app.kubernetes.io/name=sparsegate-model,sparsegate.dev/model=m", scale
+    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+           "metadata": {"name": "m", "namespace": namespace},
+           "spec": {"scaleTargetRef": {"apiVersion": f"{names.GROUP}/{names.VERSION}", "kind": "SparseModel",
+                                       "name": "m"},
+                    "minReplicas": 1, "maxReplicas": 3,
+                    "metrics": [{"type": "Resource", "resource": {"name": "cpu", "target": {
+                        "type": "Utilization", "averageUtilization": 50}}}]}}
+    cluster.kubectl("create", "-f", "-", input=json.dumps(hpa))
+    deadline, active = time.monotonic() + 90, None
+    while active is None:
+        assert time.monotonic() < deadline, "the HPA controller never judged the SparseModel's scale"
+        got = json.loads(cluster.kubectl("get", "hpa", "m", "-n", namespace, "-o", "json").stdout)
+        active = next((c for c in (got.get("status") or {}).get("conditions") or []
+                       if c["type"] == "ScalingActive"), None)
+        time.sleep(1)
+    assert active["reason"] != "InvalidSelector", active

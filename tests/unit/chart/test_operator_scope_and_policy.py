@@ -131,6 +131,14 @@ def test_owner_checks_can_read_replicasets_in_served_namespaces():
     assert rs["apiGroups"] == ["apps"] and sorted(rs["verbs"]) == ["get", "list", "watch"]
 
 
+def test_a_models_first_apply_can_read_the_service_and_configmap_of_its_name():
+    """``modelsync.check_not_foreign`` reads them before the first apply (a user's is refused, not
+    taken over): without get every new model's reconcile failed with 403 Forbidden."""
+    rules = workload_rules(render())
+    (rule,) = [r for r in rules if "services" in r["resources"]]
+    assert set(rule["resources"]) == {"services", "configmaps"} and "get" in rule["verbs"]
+
+
 def test_rbac_off_renders_no_rbac_but_keeps_the_scope_flags():
     docs = render(None, "--set", "operator.rbac.create=false")
     assert not of_kind(docs, "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")

@@ -225,3 +225,21 @@ def test_a_workload_stall_is_posted_as_an_event_when_ready_does_not_change():
     degraded = [{"type": "Degraded", "status": "True", "reason": "GateConfigNotFound"},
                 {"type": "Stalled", "status": "True", "reason": "GateConfigNotFound"}]
     assert [t["type"] for t in c.transitions(starting, degraded)] == ["Degraded"]
+
+
+def test_reconcile_status_carries_the_pod_selector_the_scale_subresource_serves():
+    """An HPA targeting the SparseModel reads the scale's selector (CRD labelSelectorPath
+    .status.selector); without one it refuses to scale (InvalidSelector, "selector is required")."""
+    import yaml
+    from pathlib import Path
+
+    from sparsegate.domain import render
+
+    crd = yaml.safe_load((Path(__file__).resolve().parents[3] / "charts/sparsegate/crds/sparsemodels.yaml").read_text())
+    version = crd["spec"]["versions"][0]
+    assert version["subresources"]["scale"].get("labelSelectorPath") == ".status.selector"
+    assert version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["selector"]["type"] == "string"
+    res = gate.resolve(None, referenced=False, num_experts=8)
+    st = model_status.after_reconcile(model=model(), generation=4, gate=res, deployment=None, apply_error=None, now=T0)
+    dep = render.render_deployment(model(), res.document)
+    assert dict(kv.split("=", 1) for kv in st["selector"].split(",")) == dep["spec"]["selector"]["matchLabels"]

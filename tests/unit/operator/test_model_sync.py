@@ -579,7 +579,8 @@ def test_a_new_model_costs_no_secret_deployment_or_gateconfig_read(kube):
     """Never reconciled: the GateConfig comes from the watch, not a GET; the admin Secret is
     created straight away (no GET first); the Deployment status comes from the apply and the
     watch, not a GET; the status write starts from the model as delivered. A reconciled model
-    reads its Secret (it may need replacing) and creates none."""
+    reads its Secret (it may need replacing) and creates none. A new model reads its ConfigMap and
+    Service once, each before its apply (``modelsync.check_not_foreign``); a reconciled one does not."""
     gateconfig(kube)
     model = model_of(kube)
     kube.calls.clear()
@@ -587,7 +588,10 @@ def test_a_new_model_costs_no_secret_deployment_or_gateconfig_read(kube):
     # The Service beside the rest (it may land at any point: nothing waits for it); Secret and
     # ConfigMap at once (in any order), then the Deployment that mounts them, then status.
     assert kube.calls.count(("apply", "Service")) == 1
-    rest = [call for call in kube.calls if call != ("apply", "Service")]
+    for kind in ("ConfigMap", "Service"):
+        assert kube.calls.count(("get", kind)) == 1
+        assert kube.calls.index(("get", kind)) < kube.calls.index(("apply", kind))
+    rest = [call for call in kube.calls if call not in (("apply", "Service"), ("get", "Service"), ("get", "ConfigMap"))]
     assert sorted(rest[:2]) == [("apply", "ConfigMap"), ("create", "Secret")]
     assert rest[2:] == [("apply", "Deployment"), ("status", "SparseModel")]
     assert model_of(kube)["status"]["gateVersion"]  # resolved from the watched GateConfig
@@ -596,6 +600,7 @@ def test_a_new_model_costs_no_secret_deployment_or_gateconfig_read(kube):
     reconcile(kube, model)
     assert ("get", "Secret") in kube.calls and ("create", "Secret") not in kube.calls
     assert ("get", "Deployment") not in kube.calls
+    assert ("get", "ConfigMap") not in kube.calls and ("get", "Service") not in kube.calls
 
 
 def test_newest_deployment_prefers_the_watch_once_it_has_seen_the_apply():
@@ -1046,3 +1051,84 @@ def test_a_stuck_pods_refresh_reads_its_inputs_under_the_guard_so_it_never_write
     conds = conditions(kube)
     assert (conds["Ready"]["status"], conds["Stalled"]["status"]) == ("True", "False"), conds["Ready"]
     assert model_of(kube)["status"]["readyReplicas"] == 2
+
+
+@pytest.mark.parametrize("owner", ["none", "other"])
+def test_a_users_configmap_or_service_of_the_name_is_reported_not_taken_over(kube, owner):
+    """A ConfigMap ``<model>-gate`` and a Service ``<model>`` that existed before the model (a
+    user's) are refused with the reason in Degraded: a forced apply took over the Service's
+    selector and added the model's ownerReference to both, so deleting the model deleted them."""
+    gateconfig(kube)
+    refs = [] if owner == "none" else [{"apiVersion": "apps/v1", "kind": "Deployment", "name": "db",
+                                        "uid": "db-uid", "controller": True}]
+    mine = {"ConfigMap": {"data": {"important": "user data"}},
+            "Service": {"spec": {"selector": {"app": "db"}, "ports": [{"port": 5432}]}}}
+    for kind, name in [("ConfigMap", "moe-small-gate"), ("Service", "moe-small")]:
+        kube.put({"apiVersion": "v1", "kind": kind, "metadata": {"name": name, "namespace": "ns",
+                                                                 "ownerReferences": refs}, **mine[kind]})
+    users = {k: kube.get(k, namespace="ns", name=n) for k, n in [("ConfigMap", "moe-small-gate"), ("Service", "moe-small")]}
+    with pytest.raises(KubeError):
+        reconcile(kube, model_of(kube), applied=AppliedObjects(interval_s=3600))
+    for kind, before in users.items():
+        assert kube.get(kind, namespace="ns", name=before["metadata"]["name"]) == before  # untouched
+    assert "ConfigMap" not in kube.applied and "Service" not in kube.applied and "Deployment" not in kube.applied
+    degraded = conditions(kube)["Degraded"]
+    assert degraded["reason"] == "ApplyFailed" and "moe-small-gate already exists" in degraded["message"]
+    assert conditions(kube)["Ready"]["status"] == "False"
+
+
+def test_objects_a_model_of_the_same_name_left_orphaned_are_taken_over(kube):
+    """``kubectl delete --cascade=orphan`` then the model created again: the objects the operator
+    made (its labels, no owner) are the new model's, as a predecessor's still owned ones are."""
+    gateconfig(kube)
+    reconcile(kube, model_of(kube))
+    for kind, name in [("ConfigMap", "moe-small-gate"), ("Service", "moe-small"), ("Deployment", "moe-small")]:
+        obj = kube.get(kind, namespace="ns", name=name)
+        del obj["metadata"]["ownerReferences"]
+        kube.put(obj)
+    m = model_of(kube)
+    m["metadata"]["uid"] = "uid-2"
+    m.pop("status")
+    kube.put(m)
+    assert reconcile(kube, model_of(kube)) == "success"
+    for kind, name in [("ConfigMap", "moe-small-gate"), ("Service", "moe-small")]:
+        assert [r["uid"] for r in kube.get(kind, namespace="ns", name=name)["metadata"]["ownerReferences"]] == ["uid-2"]
+
+
+def test_a_retry_that_lands_after_the_configmap_and_service_both_failed_clears_degraded(kube):
+    """A first reconcile whose ConfigMap and Service were both refused (a namespace quota spent, or
+    a user's objects of those names): the retry, once both land, clears Degraded and records the
+    gate. It wrote status assuming the Service failed again, without the gate, and the rewrite once
+    the Service landed took that for a newer reconcile's status and kept its Degraded for good."""
+    gateconfig(kube)
+    applied = AppliedObjects(interval_s=3600)
+    apply = kube.apply
+
+    def refuse(obj):
+        if obj["kind"] in ("ConfigMap", "Service"):
+            raise KubeError(403, "Forbidden", {"message": f"exceeded quota: {obj['kind']}"})
+        return apply(obj)
+    kube.apply = refuse
+    with pytest.raises(KubeError):
+        reconcile(kube, model_of(kube), applied=applied)
+    assert conditions(kube)["Degraded"]["reason"] == "ApplyFailed"
+    kube.apply = apply
+    reconcile(kube, model_of(kube), applied=applied)
+    assert conditions(kube)["Degraded"]["status"] == "False", conditions(kube)["Degraded"]
+    assert model_of(kube)["status"]["gateVersion"]
+
+
+def test_a_users_service_stays_refused_on_the_retries_after_the_first_status_named_the_gate(kube):
+    """The first reconcile writes status (with the gate) before its Service apply ends: Kopf's
+    retry, and a resumed operator that has no record of the failure, still refuse the user's Service."""
+    gateconfig(kube)
+    user = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "moe-small", "namespace": "ns"},
+            "spec": {"selector": {"app": "db"}, "ports": [{"port": 5432}]}}
+    kube.put(user)
+    user = kube.get("Service", namespace="ns", name="moe-small")
+    applied = AppliedObjects(interval_s=3600)
+    for records in (applied, applied, AppliedObjects(interval_s=3600)):  # the retry, then a restarted operator
+        with pytest.raises(KubeError):
+            reconcile(kube, model_of(kube), applied=records)
+        assert kube.get("Service", namespace="ns", name="moe-small") == user
+        assert "Service moe-small already exists" in conditions(kube)["Degraded"]["message"]
