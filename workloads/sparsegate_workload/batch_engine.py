@@ -20,7 +20,8 @@ decoding one leaves its batch at the next step boundary, and only then is its ``
 called (the admission slot freed), so the slot counts what really occupies the model. Closing
 the engine (server shutdown) fails everything still queued or decoding with 503.
 
-The vLLM gauges stay true: ``waiting`` counts queued handles, ``running`` decoding ones.
+The vLLM gauges stay true: ``waiting`` counts queued handles, ``running`` decoding ones; the
+vLLM token counters count a prompt once prefilled and each token as it is made.
 
 Tools: when the decoder parks a sequence on a tool (`batch_decode.ToolFire`), the engine runs
 ``tool_runner(handle, fire)`` as its own task on the event loop (it must not raise for a tool's
@@ -59,8 +60,9 @@ class GenerationHandle:
     """One submitted generation, as its HTTP request sees it (event loop only)."""
 
     def __init__(self, request: DecodeRequest, *, on_leave: Callable[[], None] | None,
-                 request_id: str = "") -> None:
+                 request_id: str = "", arrived: float | None = None) -> None:
         self.request = request
+        self.arrived = arrived  # perf_counter of its HTTP request's arrival (TTFT counts from it)
         self.request_id = request_id  # what its tool calls' audit records name
         self.tokens: asyncio.Queue[int] = asyncio.Queue()
         self.done: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
@@ -69,6 +71,7 @@ class GenerationHandle:
         # what its request is counted under, also when it fails after (a timeout mid-generation).
         self.gate_version: str | None = None
         self.state = "waiting"                     # -> "running" -> "left"
+        self.prompt_counted = False                # in vllm:prompt_tokens_total (prefilled)
         self.cancelled = False
         self._on_leave = on_leave
         self._timer: asyncio.TimerHandle | None = None
@@ -137,20 +140,24 @@ class BatchEngine:
                seed: int = 0, timeout_s: float | None = None,
                on_leave: Callable[[], None] | None = None,
                gate: ActiveGate | None = None, max_tool_calls: int = 0,
-               request_id: str = "", allowed_experts: tuple[int, ...] | None = None) -> GenerationHandle:
+               request_id: str = "", allowed_experts: tuple[int, ...] | None = None,
+               arrived: float | None = None) -> GenerationHandle:
         """Queue one generation. ``timeout_s``: fail with 503 after that long, and leave.
         ``gate``: prefill and decode under it (a request-level canary), else the installed gate.
         ``on_leave``: called once when it no longer occupies the queue or a batch.
         ``max_tool_calls``: most tool calls its tool gate may make (`batch_decode`).
         ``allowed_experts``: the only experts it may activate (its expert group; None: all);
-        an index the model lacks raises ValueError here, before it can fail a batch."""
+        an index the model lacks raises ValueError here, before it can fail a batch.
+        ``arrived``: when its request arrived (perf_counter): its first token is observed in
+        vllm:time_to_first_token_seconds from then, whatever the request's outcome after it."""
         if self.closed is not None:
             raise ApiError(503, self.closed)
         self.decoder.allowed_mask(allowed_experts)
         request = DecodeRequest(key=next(_ids), prompt_ids=list(prompt_ids),
                                 max_tokens=max_tokens, temperature=temperature, seed=seed, gate=gate,
                                 max_tool_calls=max_tool_calls, allowed_experts=allowed_experts)
-        handle = GenerationHandle(request, on_leave=on_leave, request_id=request_id)
+        handle = GenerationHandle(request, on_leave=on_leave, request_id=request_id,
+                                  arrived=arrived)
         if timeout_s is not None:
             handle._timer = asyncio.get_running_loop().call_later(
                 timeout_s, self._expire, handle, timeout_s)
@@ -276,12 +283,22 @@ class BatchEngine:
                 continue
             if handle.gate_version is None and event.gate_version is not None:
                 handle.gate_version = event.gate_version
+            if self._metrics is not None:
+                # vLLM's token counters: what was processed, counted as it is (its prompt on its
+                # first event, each token as it comes), whatever the request's outcome.
+                if not handle.prompt_counted:
+                    handle.prompt_counted = True
+                    self._metrics.prompt_tokens.inc(len(handle.request.prompt_ids))
+                if isinstance(event, TokenEvent):
+                    self._metrics.generation_tokens.inc()
             if isinstance(event, ToolFire):
                 handle._tool_task = asyncio.create_task(self._call_tool(handle, event))
                 continue
             if not handle.cancelled:
                 if handle.first_token_at is None:
                     handle.first_token_at = now
+                    if self._metrics is not None and handle.arrived is not None:
+                        self._metrics.ttft.observe(now - handle.arrived)
                 handle.tokens.put_nowait(event.token)
                 if event.generation is not None:
                     handle.done.set_result(event.generation)

@@ -23,10 +23,14 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.8,
                    10.0, 15.0, 30.0, 60.0, 120.0)
 # Per-request mean active experts per token (per layer): dynamic gating keeps 1..max experts.
 EXPERTS_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 16.0)
-# Wider than LATENCY_BUCKETS: a whole generation (e2e) can take a minute on CPU.
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
+# vLLM's own buckets for these two (vllm/v1/metrics/loggers.py), so dashboards aggregating
+# vLLM and sparsegate pods by ``le`` agree. Their older sets stopped at 60 s and 10 s: a TTFT
+# spent queued under load past 10 s (the default --request-timeout is 30 s), or a generation
+# past 60 s with a longer --request-timeout, fell in +Inf, and a quantile read only the bound.
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0)
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 
 
 # The codes an inference request ends with besides client errors: 200, and the 5xx the server
@@ -59,10 +63,12 @@ class ServerMetrics:
         self.ttft = Histogram("vllm:time_to_first_token_seconds",
                               "OpenAI API: seconds from arrival to the first generated token",
                               ["model_name"], buckets=TTFT_BUCKETS, registry=r).labels(**label)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "OpenAI API prompt tokens",
+        # Counted as the engine processes them (batch_engine), whatever the request's outcome.
+        self.prompt_tokens = Counter("vllm:prompt_tokens",
+                                     "OpenAI API prefill tokens processed",
                                      ["model_name"], registry=r).labels(**label)
         self.generation_tokens = Counter("vllm:generation_tokens",
-                                         "OpenAI API generated tokens",
+                                         "OpenAI API generation tokens processed",
                                          ["model_name"], registry=r).labels(**label)
         # Inference requests only: probes and scrapes would dilute the rollout's error rate.
         # gate_version: the version that served the request (with a request-level canary a pod

@@ -263,7 +263,6 @@ class _Call:
         # When the request arrived (perf_counter): vLLM's e2e and TTFT count from arrival, so
         # its body read, tokenization and any injected fault latency are in them.
         self.started = started
-        self.first_token: float | None = None
         self.gate_version: str | None = None  # the version its prefill really ran under, once known
         # A stream's outcome for the metrics: its HTTP status (200) went out before the tokens, so
         # a generation that fails after it (a timeout, 503) ends as an event, counted as that code.
@@ -297,10 +296,8 @@ class _Call:
         m = self.state.metrics
         assert m is not None
         m.e2e.observe(time.perf_counter() - self.started)
-        if self.first_token is not None:
-            m.ttft.observe(self.first_token - self.started)
-        m.prompt_tokens.inc(gen.prompt_tokens)
-        m.generation_tokens.inc(len(gen.token_ids))
+        # vllm:time_to_first_token_seconds, vllm:prompt_tokens, vllm:generation_tokens: observed by
+        # the engine as it makes them (also for a request that then times out or is abandoned).
         m.observe_routing(num_tokens=gen.prompt_tokens + len(gen.token_ids),
                           expert_counts=gen.expert_counts, active=gen.mean_experts_per_token,
                           dropped=gen.dropped_assignments, entropy=gen.gate_entropy,
@@ -335,7 +332,8 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
                 on_leave=lambda: free_slot(state), gate=gate.hf_gate,
                 max_tool_calls=MAX_TOOL_CALLS_PER_REQUEST,
                 allowed_experts=request_guard.allowed_experts(request),
-                request_id=request.headers.get("X-Request-Id", "")[:64] or call.id)
+                request_id=request.headers.get("X-Request-Id", "")[:64] or call.id,
+                arrived=started)
             keep()  # the engine frees the slot when the request leaves its queue or batch
         if plan.stream:
             try:
@@ -357,7 +355,6 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
             raise
         finally:  # a 503 after its prefill counts under the version that prefilled it too
             served = handle.gate_version or served
-        call.first_token = handle.first_token_at
         call.observe(gen)
         served = call.gate_version or served  # a version installed after admission may have served it
         code = 200
@@ -420,7 +417,6 @@ async def _send_events(request: web.Request, call: _Call, plan: Plan,
         text = hf.tokenizer.decode(ids, skip_special_tokens=True)
         if len(text) > len(sent):
             await send(call.chunk(text=text[len(sent):], finish=None))
-        call.first_token = handle.first_token_at
         call.observe(gen)
         await send(call.chunk(text=None if call.chat else "", finish=gen.finish_reason))
         if plan.include_usage:

@@ -338,3 +338,49 @@ async def test_a_job_runs_many_steps_yet_other_model_calls_wait_at_most_one(serv
     run_jobs, run_steps = engine.jobs - jobs, engine.steps - steps
     assert run_steps >= len(generation.token_ids) - 1
     assert run_jobs <= 3  # admit + the job the call interrupted + maybe one more, not per step
+
+
+async def test_token_counters_and_ttft_count_a_request_that_left_after_its_first_token(serve):
+    """vllm:prompt_tokens_total / vllm:generation_tokens_total count tokens as the engine
+    processes them (vLLM: "Number of prefill/generation tokens processed", per step, whatever
+    the request's outcome), and vllm:time_to_first_token_seconds observes a first token when it
+    comes. They counted only requests answered 200, at their end: a request that timed out or
+    whose client left after decoding many tokens added nothing, so a throughput dashboard (rate
+    of generation tokens) under-read a pod whose requests time out, and TTFT under load left out
+    the long generations that then timed out."""
+    client = await serve(max_num_seqs=1)
+    state = client.server.app[STATE]
+    task = asyncio.ensure_future(client.post("/v1/completions", json=_body(0, max_tokens=240, prompt="a")))
+    handle = None
+    for _ in range(2000):  # until it is decoding and has made a few tokens
+        handle = next(iter(state.engine._running.values()), None)
+        if handle is not None and handle.tokens.qsize() >= 3:
+            break
+        await asyncio.sleep(0.005)
+    assert handle is not None and handle.tokens.qsize() >= 3
+    state.engine.cancel(handle)  # as a timeout or a client that left does
+    resp = await task
+    assert resp.status == 499
+    for _ in range(200):
+        if state.engine.running == 0:
+            break
+        await asyncio.sleep(0.01)
+    text = await (await client.get("/metrics")).text()
+    label = '{model_name="tiny-mixtral-batch"}'
+
+    def value(name):
+        return float(text.split(f"{name}{label} ")[1].split()[0])
+    made = handle.tokens.qsize()  # every token it got (nobody read them)
+    assert value("vllm:prompt_tokens_total") == len(handle.request.prompt_ids)
+    assert value("vllm:generation_tokens_total") >= made >= 3
+    assert value("vllm:time_to_first_token_seconds_count") == 1.0
+    assert value("vllm:e2e_request_latency_seconds_count") == 0.0  # answered 200 only
+    # A request answered 200 is counted once, not again at its end.
+    before = value("vllm:generation_tokens_total"), value("vllm:prompt_tokens_total")
+    resp = await client.post("/v1/completions", json=_body(1, max_tokens=5))
+    usage = (await resp.json())["usage"]
+    text = await (await client.get("/metrics")).text()
+    assert value("vllm:generation_tokens_total") == before[0] + usage["completion_tokens"]
+    assert value("vllm:prompt_tokens_total") == before[1] + usage["prompt_tokens"]
+    assert value("vllm:time_to_first_token_seconds_count") == 2.0
+    assert value("vllm:e2e_request_latency_seconds_count") == 1.0

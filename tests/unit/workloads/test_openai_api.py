@@ -320,6 +320,32 @@ async def test_metrics_use_vllm_names_and_keep_sparsegate_ones(client):
     assert "sparsegate_active_experts_per_token 1.0" in text
 
 
+def test_vllm_latency_histograms_have_vllm_s_buckets():
+    """vllm:time_to_first_token_seconds and vllm:e2e_request_latency_seconds use vLLM's buckets
+    (dashboards sum vLLM and sparsegate pods by ``le``). They stopped at 10 s and 60 s: a TTFT of
+    20 s spent queued (within the default 30 s --request-timeout) fell in +Inf, and
+    histogram_quantile read any p99 there as 10 s."""
+    from prometheus_client import generate_latest
+
+    from sparsegate_workload.metrics import ServerMetrics
+    m = ServerMetrics(n_layers=1, num_experts=2, model_name="m")
+    m.ttft.observe(20.0)
+    m.e2e.observe(90.0)
+    text = generate_latest(m.registry).decode()
+
+    def buckets(name):
+        return [ln.split('le="')[1].split('"')[0] for ln in text.splitlines()
+                if ln.startswith(f"{name}_bucket")]
+    assert buckets("vllm:time_to_first_token_seconds") == [str(float(b)) for b in (
+        0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+        10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)] + ["+Inf"]
+    assert buckets("vllm:e2e_request_latency_seconds") == [str(float(b)) for b in (
+        0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+        240.0, 480.0, 960.0, 1920.0, 7680.0)] + ["+Inf"]
+    assert 'vllm:time_to_first_token_seconds_bucket{le="20.0",model_name="m"} 1.0' in text
+    assert 'vllm:e2e_request_latency_seconds_bucket{le="120.0",model_name="m"} 1.0' in text
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_vllm_latencies_count_from_the_request_s_arrival(checkpoint, stream):
     """vLLM's e2e latency and TTFT run from arrival (their help says so): a gate's injected
