@@ -72,7 +72,7 @@ import torch
 from .hf.gated_block import ActiveGate, GateCall, pin_gate
 from .hf.tool_head import final_hidden
 from .hf_serving import Generation, HFServedModel, sampling_probs
-from .quality import Score, score_packed
+from .quality import Score, score_packed_hidden
 
 # Most prompt tokens one packed prefill forward holds (its attention mask is T x T booleans).
 MAX_PREFILL_TOKENS = 2048
@@ -222,7 +222,7 @@ class BatchDecoder:
         # Packing prompts needs a mask of our own, which would ignore a sliding window.
         self._packable = not _uses_sliding_window(self.lm.model.config)
         # Called with (gate version, prompt NLL) after each prefill: live quality (quality.py),
-        # scored from the prefill's own logits.
+        # scored from the prefill's own forward (its LM head applied a chunk of positions at a time).
         self.on_prompts_scored: Callable[[str | None, Score], None] | None = None
         # Called with (gate version, next threshold) after a forward fed a gate's threshold
         # controller (targetExpertsPerToken): the server's gauge.
@@ -324,19 +324,26 @@ class BatchDecoder:
         gate = reqs[0].gate or self.lm.gate  # add_many packs only requests of one gate
         rows = _allowed_rows(seqs)  # per token: its sequence's experts
         allowed = None if rows is None else rows.index_select(0, owner)
+        # The base model to its final hidden states (what the LM head reads), not the whole
+        # model: its logits would be [T, vocab] (GBs for a 150k vocabulary and a long prefill);
+        # the head runs only at each prompt's last position, and in chunks for the score.
         with torch.inference_mode(), pin_gate(gate, keep_routing=len(reqs) > 1, allowed=allowed) as call:
-            out, hidden = self._forward(seqs, input_ids=ids, use_cache=True, **kwargs)
+            out = self.lm.model.base_model(input_ids=ids, use_cache=True, **kwargs)
         self._measure(call)
         table = (self._usage_rows(call, owner=owner, n=len(reqs)) if len(reqs) > 1
                  else self._usage_alone(call))
         self._routed(seqs, table)
         ends = list(itertools.accumulate(lengths))
-        if self.on_prompts_scored is not None:
-            self.on_prompts_scored(call.gate.version, score_packed(out.logits[0], ids[0], lengths))
-        last = out.logits[0, [e - 1 for e in ends]]
+        hidden = out.last_hidden_state[0]  # [T, hidden]
+        head = self.lm.model.get_output_embeddings()
+        at_ends = hidden[[e - 1 for e in ends]]  # [n, hidden]: each prompt's last position
+        with torch.inference_mode():
+            if self.on_prompts_scored is not None:
+                self.on_prompts_scored(call.gate.version,
+                                       score_packed_hidden(hidden, head, ids[0], lengths))
+            last = head(at_ends)
         tokens = self._sample(seqs, last)
-        fires = self._tool_fires(seqs, call.gate, None if hidden is None
-                                 else hidden[0, [e - 1 for e in ends]])
+        fires = self._tool_fires(seqs, call.gate, at_ends if self._may_call_tool(seqs) else None)
         layers = out.cache.layers
         events: list[TokenEvent | ToolFire] = []
         joiners = []
@@ -439,10 +446,14 @@ class BatchDecoder:
     def _forward(self, seqs: Sequence[_Seq], **inputs: Any) -> tuple[Any, torch.Tensor | None]:
         """The model's output, and the hidden state its LM head read when a sequence here may
         still call a tool (else None: no hook)."""
-        if self.lm.tool_head is None or self.tool_select is None or not any(
-                s.tool_calls < s.req.max_tool_calls for s in seqs):
+        if not self._may_call_tool(seqs):
             return self.lm.model(**inputs), None
         return final_hidden(self.lm.model, **inputs)
+
+    def _may_call_tool(self, seqs: Sequence[_Seq]) -> bool:
+        """Whether a sequence here may still call a tool (so its tool gate is read)."""
+        return self.lm.tool_head is not None and self.tool_select is not None and any(
+            s.tool_calls < s.req.max_tool_calls for s in seqs)
 
     def _tool_fires(self, seqs: Sequence[_Seq], gate: ActiveGate,
                     hidden: torch.Tensor | None) -> list[ToolFire | None]:
@@ -487,8 +498,10 @@ class BatchDecoder:
             start = len(seq.ids) - len(forced)
             positions = torch.arange(start, start + len(forced), device=self.device)[None]
             with torch.inference_mode(), pin_gate(parked.gate, allowed=seq.allowed) as call:
+                # Logits (and the hidden state the head reads) at the last position only.
                 out, hidden = self._forward([seq], input_ids=torch.tensor([forced], device=self.device),
-                                            position_ids=positions, cache=cache, use_cache=True)
+                                            position_ids=positions, cache=cache, use_cache=True,
+                                            logits_to_keep=1)
             self._measure(call)
             used = self._usage_alone(call)
             self._routed([seq], used)

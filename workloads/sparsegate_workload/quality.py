@@ -4,8 +4,10 @@ Two measurements, both as negative log-likelihood (NLL, nats per token; mean log
 its negative, perplexity its exponential):
 
 * **Live traffic**: the prompt tokens of every request, scored by the forward that serves it
-  (``/v1/infer`` batches and the OpenAI API's prefill compute logits for every prompt position
-  anyway; no second forward). Token t is scored by the logits at t-1, within its own sequence.
+  (no second forward: ``/v1/infer`` batches compute logits for every prompt position anyway;
+  the OpenAI API's prefill keeps the final hidden states and applies the LM head to
+  `SCORE_CHUNK` positions at a time, `score_packed_hidden`). Token t is scored by the logits at
+  t-1, within its own sequence.
   Generated tokens are not scored: under greedy decoding their log-probability is the model's
   confidence in its own choice, not a measure of how well it predicts text.
   Exported as counters, so ``rate(nll) / rate(tokens)`` is the mean NLL over any window.
@@ -38,7 +40,7 @@ import dataclasses
 import math
 import random
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +53,7 @@ PROBE_SEQ_LEN = 64                   # tokens per probe window
 PROBE_MAX_TOKENS = 4096              # at most this many probe tokens are scored
 NO_VERSION = "none"                  # label of a gate without a version
 NONFINITE_NLL = 1e4                  # nats counted for a token whose NLL is NaN or infinite
+SCORE_CHUNK = 256                    # prompt positions whose logits one scoring step holds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +78,15 @@ class Score:
         return math.exp(self.mean_nll) if self.mean_nll < 700 else math.inf  # exp overflows past ~709.78
 
 
-def _summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
-    """Summed cross-entropy of ``targets`` [N] under ``logits`` [N, V], each token's NaN or
-    infinite NLL counted as ``NONFINITE_NLL`` (module docstring)."""
+def _nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy (a 0-d tensor, no host sync) of ``targets`` [N] under ``logits``
+    [N, V], each token's NaN or infinite NLL counted as ``NONFINITE_NLL`` (module docstring)."""
     nll = F.cross_entropy(logits.float(), targets, reduction="none")
-    return float(torch.nan_to_num(nll, nan=NONFINITE_NLL, posinf=NONFINITE_NLL).sum())
+    return torch.nan_to_num(nll, nan=NONFINITE_NLL, posinf=NONFINITE_NLL).sum()
+
+
+def _summed_nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    return float(_nll_sum(logits, targets))
 
 
 def score_rows(logits: torch.Tensor, ids: torch.Tensor) -> Score:
@@ -91,17 +98,42 @@ def score_rows(logits: torch.Tensor, ids: torch.Tensor) -> Score:
     return Score(nll, int(ids.shape[0] * (ids.shape[1] - 1)))
 
 
-def score_packed(logits: torch.Tensor, ids: torch.Tensor, lengths: Sequence[int]) -> Score:
-    """Next-token NLL of sequences packed end to end in one row: ``logits`` [T, V], ``ids``
-    [T], ``lengths`` summing to T. No token is scored by another sequence's last position."""
-    keep = torch.ones(ids.shape[0] - 1, dtype=torch.bool, device=ids.device)
+def _packed_keep(ids: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """[T - 1] bool: which positions of a packed row score the next token (not the last of a
+    sequence, which would predict the next one's first)."""
+    keep = torch.ones(max(ids.shape[0] - 1, 0), dtype=torch.bool, device=ids.device)
     end = 0
     for n in lengths[:-1]:
         end += n
         keep[end - 1] = False  # position end-1 (last of a sequence) would predict the next one's first
+    return keep
+
+
+def score_packed(logits: torch.Tensor, ids: torch.Tensor, lengths: Sequence[int]) -> Score:
+    """Next-token NLL of sequences packed end to end in one row: ``logits`` [T, V], ``ids``
+    [T], ``lengths`` summing to T. No token is scored by another sequence's last position."""
+    keep = _packed_keep(ids, lengths)
     if keep.numel() == 0 or not bool(keep.any()):
         return Score(0.0, 0)
     return Score(_summed_nll(logits[:-1][keep], ids[1:][keep]), int(keep.sum()))
+
+
+def score_packed_hidden(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
+                        ids: torch.Tensor, lengths: Sequence[int], *,
+                        chunk: int = SCORE_CHUNK) -> Score:
+    """`score_packed` from the final hidden states ``hidden`` [T, hidden] and the LM ``head``
+    that maps them to logits: the logits of ``chunk`` positions at a time, so scoring a prefill
+    holds O(chunk x vocab) floats, never its whole [T, vocab] logits (GBs for a 150k
+    vocabulary)."""
+    keep = _packed_keep(ids, lengths)
+    rows = keep.nonzero().squeeze(1)  # position t scores ids[t + 1]
+    if rows.numel() == 0:
+        return Score(0.0, 0)
+    targets = ids[1:][keep]
+    total = hidden.new_zeros((), dtype=torch.float64)
+    for i in range(0, rows.numel(), chunk):
+        total += _nll_sum(head(hidden.index_select(0, rows[i:i + chunk])), targets[i:i + chunk])
+    return Score(float(total), int(rows.numel()))
 
 
 # ------------------------------------------------------------------------ probe set

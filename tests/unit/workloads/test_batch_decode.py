@@ -210,3 +210,42 @@ def test_qwen2_moe_without_sliding_window_packs_its_prompts(tmp_path, monkeypatc
     assert forwards == [3]
     for req in reqs:
         assert tokens[req.key] == gens[req.key].token_ids == _solo(hf, req).token_ids
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe"])
+def test_prefill_never_holds_the_logits_of_every_prompt_position(tmp_path, monkeypatch, family):
+    """A prefill used to run the whole model, whose LM head made the [T, vocab] logits of every
+    packed prompt position (kept for the prompt-quality score, plus float and log-softmax
+    copies: GBs for a 152k vocabulary at MAX_PREFILL_TOKENS, and a single prompt longer than
+    that budget is prefilled alone in one forward, unbounded). Now the head runs at each
+    prompt's last position (the first token) and on at most SCORE_CHUNK positions at a time
+    for the score, which equals the prompts' scores each alone; the first tokens too."""
+    import sparsegate_workload.batch_decode as bd
+    from sparsegate_workload import quality
+
+    path = build_tiny_checkpoint(tmp_path / "ck", family=family, tokenizer=False,
+                                 max_positions=512)
+    hf = load(path, gate=TWO, device="cpu")
+    monkeypatch.setattr(bd, "MAX_PREFILL_TOKENS", 300)
+    reqs = [DecodeRequest(key=i, prompt_ids=[1] + [(5 * i + 3 * j) % 300 + 3 for j in range(n - 1)],
+                          max_tokens=2) for i, n in enumerate([120, 130, 400, 60])]
+    dec = BatchDecoder(hf)
+    scores, forwards, head_rows = [], [], []
+    dec.on_prompts_scored = lambda version, score: scores.append(score)
+    original = dec._prefill
+    monkeypatch.setattr(dec, "_prefill", lambda rs: forwards.append(len(rs)) or original(rs))
+    head = hf.lm.model.get_output_embeddings()
+    hook = head.register_forward_hook(
+        lambda _m, args, _out: head_rows.append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+    try:
+        events = dec.add_many(reqs)
+    finally:
+        hook.remove()
+    assert forwards == [2, 1, 1]  # 120+130 packed; the 400-token prompt alone, past the budget
+    assert max(head_rows) <= quality.SCORE_CHUNK < 400
+    alone = [quality.score_rows(hf.lm.forward(torch.tensor([r.prompt_ids])).logits,
+                                torch.tensor([r.prompt_ids])) for r in reqs]
+    assert sum(s.tokens for s in scores) == sum(s.tokens for s in alone) == 119 + 129 + 399 + 59
+    assert sum(s.nll for s in scores) == pytest.approx(sum(s.nll for s in alone), rel=1e-5)
+    for req, ev in zip(reqs, events):
+        assert ev.token == _solo(hf, req).token_ids[0]

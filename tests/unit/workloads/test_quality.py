@@ -70,6 +70,28 @@ def test_nonfinite_nll_counts_as_the_worst_never_nan() -> None:
     assert packed == quality.Score(4 * quality.NONFINITE_NLL, 4)
 
 
+def test_score_packed_hidden_equals_score_packed_of_the_whole_logits() -> None:
+    """The prefill's score from its hidden states and the LM head, a few positions at a time
+    (never the [T, vocab] logits of all): the same score as from the whole logits, NaN rows
+    counted as NONFINITE_NLL as there."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [3, 1, 6, 2]
+    hidden = torch.randn(12, 5, generator=g)
+    hidden[7] = math.nan
+    head = torch.nn.Linear(5, 9, bias=False)
+    ids = torch.randint(0, 9, (12,), generator=g)
+    rows = []
+    head.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[0]))
+    with torch.inference_mode():
+        want = quality.score_packed(head(hidden), ids, lengths)
+        rows.clear()
+        got = quality.score_packed_hidden(hidden, head, ids, lengths, chunk=2)
+        assert quality.score_packed_hidden(hidden[:1], head, ids[:1], [1]) == quality.Score(0.0, 0)
+    assert got.tokens == want.tokens == 2 + 0 + 5 + 1
+    assert got.nll == pytest.approx(want.nll, rel=1e-6) and want.nll > quality.NONFINITE_NLL
+    assert rows == [2, 2, 2, 2]
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("qck") / "tiny", family="mixtral", experts=4, top_k=2)

@@ -113,3 +113,37 @@ def test_a_parked_sequence_holds_only_its_own_cache(hf):
     for parked in dec._parked.values():
         for t in (*parked.keys, *parked.values):
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), parked.seq.req.key
+
+
+def test_tool_gate_reads_each_prompt_s_last_hidden_state_and_a_resume_only_its_last_logits(hf):
+    """The packed prefill runs the base model and applies the LM head itself (never the
+    [T, vocab] logits of every position): the tool gate still reads, per prompt, the hidden
+    state the head reads at its last position (as a solo forward does); a resume feeding many
+    forced tokens makes the logits of its last position only."""
+    from sparsegate_workload.hf.tool_head import final_hidden
+
+    # Probabilities about 0.9 (threshold 0.85): every prompt fires at its prefill, each at its
+    # own value.
+    weight = 0.05 * torch.randn(64, generator=torch.Generator().manual_seed(3))
+    tool_head, hf.lm.tool_head = hf.lm.tool_head, ToolHead(weight=weight, bias=2.5)
+    try:
+        reqs = [DecodeRequest(key=k, prompt_ids=p, max_tokens=12, max_tool_calls=1)
+                for k, p in (("a", [3, 4, 5, 6, 7]), ("b", [9, 8, 7]), ("c", [40, 41]))]
+        dec = _decoder(hf, [])
+        fires = {f.key: f for f in dec.run(reqs, []) if isinstance(f, ToolFire)}
+        assert sorted(fires) == ["a", "b", "c"] and dec.parked == 3  # all at their prefill
+        for req in reqs:
+            with torch.inference_mode():
+                _, hidden = final_hidden(hf.lm.model, input_ids=torch.tensor([req.prompt_ids]))
+            alone = float(hf.lm.tool_head.probs(hidden[0, -1]))
+            assert fires[req.key].gate_probability == pytest.approx(alone, rel=1e-5), req.key
+        head_rows = []
+        hook = hf.lm.model.get_output_embeddings().register_forward_hook(
+            lambda _m, args, _out: head_rows.append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+        try:
+            dec.run([], [], resume=[("a", [22, 20, 21, 19, 18, 17, 16, 15])])
+        finally:
+            hook.remove()
+        assert head_rows[0] == 1  # the resume's forward: 8 forced tokens, logits of the last
+    finally:
+        hf.lm.tool_head = tool_head
