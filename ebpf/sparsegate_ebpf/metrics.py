@@ -69,22 +69,25 @@ class PortTotals:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._last: dict[Any, tuple[int, int, tuple[int, int]]] = {}  # flow -> packets, bytes, port key
+        # flow -> packets, bytes, port key, first seen (jiffies: which incarnation of the flow)
+        self._last: dict[Any, tuple[int, int, tuple[int, int], int]] = {}
         self._retired: dict[tuple[int, int], list[int]] = {}
 
-    def fold(self, flows: Iterable[tuple[Any, int, int, tuple[int, int]]]) -> dict[tuple[int, int], tuple[int, int]]:
-        """`flows`: (flow key, packets, bytes, (port, proto)) as read now -> totals per port."""
+    def fold(self, flows: Iterable[tuple[Any, int, int, tuple[int, int], int]]) -> dict[tuple[int, int], tuple[int, int]]:
+        """`flows`: (flow key, packets, bytes, (port, proto), first seen) as read now -> totals per
+        port. A flow evicted and seen again is a new incarnation: a later first seen (or fewer
+        packets or bytes than last read), however many packets it has got since."""
         with self._lock:
-            now = {key: (packets, bytes_, port) for key, packets, bytes_, port in flows}
-            for key, (packets, bytes_, port) in self._last.items():
+            now = {key: (packets, bytes_, port, first) for key, packets, bytes_, port, first in flows}
+            for key, (packets, bytes_, port, first) in self._last.items():
                 cur = now.get(key)
-                if cur is None or cur[0] < packets:  # evicted (or evicted and seen again)
+                if cur is None or cur[0] < packets or cur[1] < bytes_ or cur[3] > first:  # evicted (or evicted and seen again)
                     acc = self._retired.setdefault(port, [0, 0])
                     acc[0] += packets
                     acc[1] += bytes_
             self._last = now
             totals = {port: (acc[0], acc[1]) for port, acc in self._retired.items()}
-            for packets, bytes_, port in now.values():
+            for packets, bytes_, port, _first in now.values():
                 p, b = totals.get(port, (0, 0))
                 totals[port] = (p + packets, b + bytes_)
             return totals
@@ -207,7 +210,7 @@ class XdpCollector:
         pb = CounterMetricFamily("sparsegate_xdp_port_bytes", "Bytes by destination port", labels=["port", "proto"])
         totals = self._state.ports.fold(
             # The raw key: an IPv4 flow (16 bytes) is never the IPv6 one (40) with IPv4-mapped addresses.
-            (bytes(k), t.packets, t.bytes, (be16_to_port(k.dport), k.proto)) for k, t in flows)
+            (bytes(k), t.packets, t.bytes, (be16_to_port(k.dport), k.proto), t.first_seen_jiffies) for k, t in flows)
         # Largest first (ties by port, so a scrape is deterministic), then exported in port order.
         kept = sorted(totals.items(), key=lambda kv: (-kv[1][1], -kv[1][0], kv[0]))[: self._max_ports]
         for (port, proto), (packets, bytes_) in sorted(kept):

@@ -166,7 +166,9 @@ enum sg_counter_index {
     SG_CNT_POLICY_ALLOW = 13,
     SG_CNT_POLICY_DENY = 14,
     SG_CNT_NO_POLICY = 15,      /* enforcement on but no policy installed yet: passed */
-    SG_CNT_FLOW_TABLE_FULL = 16,
+    SG_CNT_FLOW_TABLE_FULL = 16, /* a new flow the LRU table could not insert (no entry free even by
+                                   eviction): a full table evicts its least recently used flows
+                                   instead, uncounted */
     SG_CNT_UNPOLICED = 17,      /* TCP/UDP to a destination no policy covers: passed */
     SG_CNT_ALLOWED_SOURCE = 18, /* to a policed destination from a node address / the operator */
     SG_CNT_DNS = 19,            /* to a policed destination, port 53 (either side) */

@@ -3,6 +3,8 @@ exporter reading the flow table of the real program (marked bpf): concurrent scr
 starts over."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from sparsegate_ebpf import packets as P
@@ -16,17 +18,27 @@ HTTP, DNS = (8080, 6), (53, 17)
 
 def test_totals_sum_live_flows_per_port() -> None:
     t = PortTotals()
-    got = t.fold([("a", 3, 300, HTTP), ("b", 2, 200, HTTP), ("c", 1, 60, DNS)])
+    got = t.fold([("a", 3, 300, HTTP, 1), ("b", 2, 200, HTTP, 1), ("c", 1, 60, DNS, 1)])
     assert got == {HTTP: (5, 500), DNS: (1, 60)}
 
 
 def test_an_evicted_flow_keeps_its_last_scraped_counts_so_totals_never_go_down() -> None:
     t = PortTotals()
-    t.fold([("a", 3, 300, HTTP), ("b", 2, 200, HTTP)])
-    assert t.fold([("b", 4, 400, HTTP)]) == {HTTP: (7, 700)}          # a evicted: its 3 stay
+    t.fold([("a", 3, 300, HTTP, 1), ("b", 2, 200, HTTP, 1)])
+    assert t.fold([("b", 4, 400, HTTP, 1)]) == {HTTP: (7, 700)}          # a evicted: its 3 stay
     # b evicted and seen again (fewer packets than last time): both incarnations counted
-    assert t.fold([("b", 1, 100, HTTP)]) == {HTTP: (8, 800)}
+    assert t.fold([("b", 1, 100, HTTP, 9)]) == {HTTP: (8, 800)}
     assert t.fold([]) == {HTTP: (8, 800)}
+
+
+def test_a_flow_evicted_and_seen_again_with_more_packets_keeps_its_old_counts() -> None:
+    """The new incarnation (a later first seen) got more packets than the old one had, of smaller
+    frames: taken for the same flow, the old one's counts were lost and the port's bytes went
+    down (Prometheus reads that as a counter reset)."""
+    t = PortTotals()
+    assert t.fold([("a", 3, 3000, HTTP, 100)]) == {HTTP: (3, 3000)}
+    assert t.fold([("a", 4, 240, HTTP, 150)]) == {HTTP: (7, 3240)}
+    assert t.fold([("a", 5, 300, HTTP, 150)]) == {HTTP: (8, 3300)}  # same incarnation grows
 
 
 def _flow(dport: int, *, packets: int, bytes_: int) -> tuple[FlowKey, FlowTotals]:
@@ -63,6 +75,30 @@ def _udp(sport: int, *, repeat: int = 1, prog: LoadedProgram) -> None:
 def _port_packets(metrics: list) -> dict[str, float]:
     (family,) = [m for m in metrics if m.name == "sparsegate_xdp_port_packets"]
     return {s.labels["port"]: s.value for s in family.samples if s.name.endswith("_total")}
+
+
+def _port_bytes(metrics: list) -> dict[str, float]:
+    (family,) = [m for m in metrics if m.name == "sparsegate_xdp_port_bytes"]
+    return {s.labels["port"]: s.value for s in family.samples if s.name.endswith("_total")}
+
+
+@pytest.mark.bpf
+def test_port_bytes_never_go_down_when_an_evicted_flow_comes_back_with_more_packets(
+        telemetry_prog: LoadedProgram) -> None:
+    """A flow scraped (3 frames of 1,042 bytes), evicted (as the LRU does under churn), then seen
+    again with 4 frames of 42 bytes: the port's totals were 4 packets / 168 bytes, the old
+    incarnation lost and the bytes counter gone backwards."""
+    collector = XdpCollector(state=AgentState(bpf_available=True, program=telemetry_prog, enforcement="off"))
+    big = P.udp_frame(src="10.1.0.1", dst="10.1.0.2", sport=4000, dport=9000, payload=b"x" * 1000)
+    small = P.udp_frame(src="10.1.0.1", dst="10.1.0.2", sport=4000, dport=9000)
+    run_xdp(prog_fd=telemetry_prog.prog_fd, data=big, repeat=3)
+    first = list(collector.collect())
+    assert (_port_packets(first), _port_bytes(first)) == ({"9000": 3}, {"9000": 3 * len(big)})
+    telemetry_prog.bpf[b"flows"].clear()
+    time.sleep(2 / telemetry_prog.clock.hz)  # the next incarnation's first seen is a later tick
+    run_xdp(prog_fd=telemetry_prog.prog_fd, data=small, repeat=4)
+    second = list(collector.collect())
+    assert (_port_packets(second), _port_bytes(second)) == ({"9000": 7}, {"9000": 3 * len(big) + 4 * len(small)})
 
 
 @pytest.mark.bpf
