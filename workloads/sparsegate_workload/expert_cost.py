@@ -8,9 +8,11 @@ checkpoint with ``--expert-placement-json`` measured at load by `hf.placement`) 
 per-expert queue). `vector()` divides by
 the largest, so costs lie in [0, 1] and the gate's lambda has the same scale on any machine.
 
-On CPU the timing is the expert's real compute time. On an accelerator the timer sees kernel
-launch time only (no synchronisation is added to the hot loop), so there the measured part
-carries little signal and the placement factor is what differentiates experts.
+On CPU the timing is the expert's real compute time. On an accelerator a host timer would see
+kernel launch time only (no synchronisation is added to the hot loop): about the same per
+expert whatever its rows, so per row it would make the least-loaded experts look the costliest.
+The dispatch therefore records no time there (`experts.dispatch_sorted`), every expert keeps
+the same measured part, and the placement factor alone differentiates experts.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class ExpertCost:
         self.placement: list[float] = [1.0] * num_experts
         self.queue_depth: list[float] = [0.0] * num_experts
         self._vector: torch.Tensor | None = None
+        self._copies: dict[torch.device, torch.Tensor] = {}  # of _vector, per other device
 
     def record(self, expert: int, seconds: float, rows: int) -> None:
         """One timed call of `expert` over `rows` routed rows."""
@@ -72,14 +75,23 @@ class ExpertCost:
         return [(fill if s is None else s) * p * (1.0 + self.queue_weight * q)
                 for s, p, q in zip(self.seconds_per_row, self.placement, self.queue_depth)]
 
-    def vector(self) -> torch.Tensor:
-        """[E] fp32 costs in [0, 1] (divided by the largest); cached until the next update."""
+    def vector(self, device: torch.device | None = None) -> torch.Tensor:
+        """[E] fp32 costs in [0, 1] (divided by the largest), on ``device`` (default CPU);
+        cached until the next update, per device: a routing on CUDA copies it to the GPU once,
+        not every layer call (a blocking host-to-device copy synchronises the stream)."""
         if self._vector is None:
             raw = self.raw()
             top = max(raw)
             self._vector = torch.tensor([r / top if top > 0 else 0.0 for r in raw],
                                         dtype=torch.float32)
-        return self._vector
+            self._copies = {}
+        if device is None or torch.device(device) == self._vector.device:
+            return self._vector
+        device = torch.device(device)
+        copy = self._copies.get(device)
+        if copy is None:
+            copy = self._copies[device] = self._vector.to(device)
+        return copy
 
 
 def biased_selection_probs(logits: torch.Tensor, cost: torch.Tensor | None,

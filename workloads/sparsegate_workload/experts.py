@@ -215,7 +215,8 @@ def dispatch_sorted(x: torch.Tensor, routing: Routing, gate_up: StoredWeight,
     SwiGLU output in expert order, row A zero (combine's padding row). Rows are gathered once;
     each non-empty expert runs on its contiguous slice (rounded up to `row_bucket` where
     `uses_row_buckets`), writing straight into its slice of the output. ``cost``: each expert's
-    measured time per row; ``placed``: experts that run elsewhere (unbucketed) by ``run(x, out)``."""
+    measured time per row (recorded on the CPU only); ``placed``: experts that run elsewhere
+    (unbucketed) by ``run(x, out)``."""
     counts = routing.counts
     n_assign, d_model = routing.token_idx.numel(), x.shape[1]
     tail = (max((row_bucket(n) - n for n in counts if n), default=0)
@@ -227,6 +228,12 @@ def dispatch_sorted(x: torch.Tensor, routing: Routing, gate_up: StoredWeight,
     # A padded expert writes past its slice into the next one's, which runs later and
     # overwrites it; the last one's overflow lands in rows >= A, and row A is zeroed after.
     ys = x.new_empty(n_assign + max(tail, 1), d_model)
+    if x.device.type != "cpu":
+        # Off the CPU nothing here synchronises, so the host clock would time kernel launches:
+        # about the same per expert whatever its rows, i.e. per row the least-loaded experts
+        # would look the costliest and hardware-aware routing would pile tokens onto the
+        # busiest. Only CPU times are real; elsewhere the cost is the placement factor.
+        cost = None
     start = 0
     clock = time.perf_counter
     for e, n in enumerate(counts):

@@ -1,8 +1,10 @@
 """Routers: dynamic top-p gate (variable experts per token) and fixed top-k baselines.
 
 Every router returns a `Routing`: the kept (token, expert) assignments already sorted by expert,
-their combine weights and the per-expert counts as one Python list (the single host sync of a
-layer). Selection and capacity are vectorised: no Python loop over tokens or experts.
+their combine weights and the per-expert counts as one Python list (the layer's single explicit
+host read; on CUDA the variable-size ``nonzero`` of `assign` and a capacity cap's boolean
+indexing wait for the device too). Selection and capacity are vectorised: no Python loop over
+tokens or experts.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ class MoEStats:
     mean_selected: float            # experts chosen per token by the gate (before capacity)
     mean_active: float              # experts that actually processed each token
     dropped: int                    # assignments removed by the capacity cap
-    entropy: float                  # mean gate entropy (nats)
+    entropy: float                  # mean gate entropy (nats); see `_entropy_property`
     routing: Routing | None = None  # the layer's routing (None: a dense layer, no regularisers)
     entropy_beta: float = 0.0
 
@@ -46,6 +46,26 @@ class MoEStats:
         return self.dropped / total if total else 0.0
 
 
+def _entropy_property() -> property:
+    """`MoEStats.entropy` may be given as a 0-d tensor and is read as a float: converted on
+    first read, so a block recording its stats does not wait for the device (on CUDA a float()
+    there was a second host sync per layer, after the dispatch, beside the counts')."""
+
+    def get(self: MoEStats) -> float:
+        value = self._entropy
+        if isinstance(value, torch.Tensor):
+            value = self._entropy = float(value)
+        return value
+
+    def set_(self: MoEStats, value: float | torch.Tensor) -> None:
+        self._entropy = value
+
+    return property(get, set_)
+
+
+MoEStats.entropy = _entropy_property()  # type: ignore[assignment]  # after @dataclass: a field
+
+
 def routing_stats(routing: Routing, *, entropy_beta: float) -> MoEStats:
     """A routed layer's stats from its routing (both the built-in and the checkpoint blocks)."""
     n = routing.num_tokens
@@ -53,7 +73,7 @@ def routing_stats(routing: Routing, *, entropy_beta: float) -> MoEStats:
     return MoEStats(counts=routing.counts, num_tokens=n,
                     mean_selected=(kept + routing.dropped) / max(n, 1),
                     mean_active=kept / max(n, 1), dropped=routing.dropped,
-                    entropy=float(routing.entropy.detach()), routing=routing,
+                    entropy=routing.entropy.detach(), routing=routing,
                     entropy_beta=entropy_beta)
 
 

@@ -133,3 +133,17 @@ def test_server_flag_is_checked_before_serving(capsys):
     with pytest.raises(SystemExit):
         main(["--expert-placement-json", '{"*:1": {"dtype": "bfloat16"}}'])
     assert "--expert-placement-json needs --model-path" in capsys.readouterr().err
+
+
+def test_the_factor_timing_synchronises_the_device_it_times(monkeypatch):
+    """``cuda:N`` placements: torch.cuda.synchronize() without a device waits for the current
+    device only (cuda:0), so a matmul on cuda:1 was timed by its launch alone."""
+    from sparsegate_workload.hf import placement
+
+    real_randn = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *shape, device=None: real_randn(*shape))
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    placement._median_mm_seconds(4, 8, 16, torch.float32, torch.device("cuda", 1), reps=3)
+    assert synced and all(d is not None and torch.device(d) == torch.device("cuda", 1)
+                          for d in synced), synced

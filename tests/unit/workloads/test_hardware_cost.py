@@ -185,3 +185,50 @@ def test_builtin_model_times_its_experts_and_routes_around_a_costly_one():
     for blk in plain_model.blocks:
         blk.moe.cost.set_placement([100.0 if e == busiest else 1.0 for e in range(8)])
     assert counts(plain_model, plain) == base
+
+
+def test_dispatch_off_the_cpu_records_no_host_clock_times(monkeypatch):
+    """On an accelerator the dispatch loop's host clock sees kernel launches only (nothing
+    synchronises): a near-constant time per expert, so per row the least-loaded experts would
+    look the costliest and lambda > 0 would push tokens onto the busiest ones. Only CPU times
+    are recorded; off the CPU the cost is the placement factor (measured synchronised)."""
+    from sparsegate_workload import experts as experts_mod
+    from sparsegate_workload.experts import dispatch_sorted
+    from sparsegate_workload.gating import Routing
+    from sparsegate_workload.precision import StoredWeight
+
+    ticks = iter(range(1000))  # every expert "takes" 1 s whatever its rows: launch-bound
+    monkeypatch.setattr(experts_mod.time, "perf_counter", lambda: float(next(ticks)))
+    counts = [6, 0, 1, 3]
+
+    def dispatch(device: str) -> ExpertCost:
+        d, f, n = 8, 4, sum(counts)
+        x = torch.zeros(5, d, device=device)
+        token_idx = torch.zeros(n, dtype=torch.long, device=device)
+        routing = Routing(token_idx=token_idx, weights=torch.ones(n, device=device),
+                          counts=counts, slots=torch.zeros(5, 1, dtype=torch.long, device=device),
+                          per_token=token_idx, selected=token_idx,
+                          probs=torch.zeros(5, 4, device=device), dropped=0, capacity=None,
+                          load=counts)
+        cost = ExpertCost(4)
+        dispatch_sorted(x, routing, StoredWeight.store(torch.zeros(4, d, 2 * f, device=device), "fp32"),
+                        StoredWeight.store(torch.zeros(4, f, d, device=device), "fp32"), cost=cost)
+        return cost
+
+    assert dispatch("cpu").seconds_per_row == [1 / 6, None, 1.0, 1 / 3]  # CPU: timed
+    off_cpu = dispatch("meta")  # any non-CPU device: the clock would time launches only
+    assert off_cpu.seconds_per_row == [None] * 4
+    assert off_cpu.vector().tolist() == [1.0] * 4  # placement factors alone (all 1.0 here)
+
+
+def test_cost_vector_is_copied_to_the_routing_device_once_per_update():
+    """A CUDA routing with lambda > 0 read the CPU vector and copied it to the GPU in every
+    layer call: a blocking host-to-device copy, i.e. one more host sync per layer."""
+    cost = ExpertCost(3)
+    cost.set_placement([1.0, 2.0, 4.0])
+    meta = torch.device("meta")  # stands in for the GPU: any device other than the CPU
+    first = cost.vector(meta)
+    assert first.device == meta and cost.vector(meta) is first  # cached, no second copy
+    assert cost.vector().tolist() == [0.25, 0.5, 1.0] and cost.vector().device.type == "cpu"
+    cost.set_placement([1.0, 1.0, 1.0])
+    assert cost.vector(meta) is not first  # an update invalidates the device copy too

@@ -367,3 +367,46 @@ def test_patched_model_saves_a_checkpoint_upstream_transformers_reads(checkpoint
     ids = _tokens(seed=5)
     torch.testing.assert_close(_upstream_logits(tmp_path, ids), lm.forward(ids).logits,
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scoped", [False, True])
+def test_a_block_reads_the_host_once_per_forward(checkpoints, scoped):
+    """The design's one host read per MoE layer (the per-expert counts): on CUDA every
+    tolist()/float()/int()/bool() of a tensor waits for the device. Recording the block's
+    stats read the gate entropy with float() right after the dispatch, a second sync per
+    layer; it is now converted when read, after the forward. An expert group's capacity share
+    (the experts its mask allows) is the same for every block: read once per forward, not per
+    block."""
+    from sparsegate_workload.hf.gated_block import pin_gate
+    import sys
+
+    from torch.overrides import TorchFunctionMode
+
+    reads = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__float__,
+             torch.Tensor.__int__, torch.Tensor.__bool__}
+    seen: list[str] = []
+
+    class CountReads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            caller = sys._getframe(1).f_code.co_filename
+            if func in reads and "sparsegate_workload" in caller:  # not transformers' own
+                seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    gate = make_document({"confidenceThreshold": 0.6, "minExpertsPerToken": 1,
+                          "maxExpertsPerToken": 3, "capacityFactor": 2.0})
+    lm = load_moe_checkpoint(checkpoints["mixtral"], gate=gate)
+    ids = _tokens()
+    allowed = None
+    if scoped:
+        allowed = torch.zeros(lm.num_experts, dtype=torch.bool)
+        allowed[[0, 2, 5]] = True
+    with torch.inference_mode(), pin_gate(lm.gate, allowed=allowed) as call, CountReads():
+        lm.model(input_ids=ids, use_cache=False)
+    assert len(call.layers) == len(lm.blocks) == 2
+    assert len(seen) == len(lm.blocks) + scoped, seen
+    if scoped:
+        assert call.available_experts(lm.num_experts) == 3
+        assert all(set(i for i, c in enumerate(st.counts) if c) <= {0, 2, 5} for st in call.layers)
+    assert all(0.0 < st.entropy < 3.0 for st in call.layers)  # still a float when read
+    assert isinstance(call.layers[0].entropy, float)

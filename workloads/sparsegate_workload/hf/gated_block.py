@@ -11,7 +11,8 @@ logits in fp32 where upstream rounds them to bf16, so near-tied tokens can choos
 
 Hardware-aware routing: with the gate's ``hardwareCostLambda`` above 0, the selection runs on
 softmax(logits - lambda * cost), cost the block's `expert_cost.ExpertCost` (EWMA of each expert's
-measured time per row in the inference dispatch, normalised to [0, 1]); the combine weights stay
+measured time per row in the inference dispatch on the CPU, times its placement factor, which
+alone differentiates experts on CUDA; normalised to [0, 1]); the combine weights stay
 the unbiased probabilities. At 0 (the default) routing is bit-identical to no bias.
 Experts placed on their own dtype/device (`placement`, ``--expert-placement-json``) run there in
 the inference dispatch, timed like the others; their placement factor is measured at load.
@@ -108,6 +109,8 @@ class GateCall:
     # token (one request's expert group), or [T, E] bool, one row per routed token in the
     # order blocks flatten their input (a batch of sequences of different groups); None: all.
     allowed: torch.Tensor | None = None
+    _available: tuple[torch.Tensor, int, int | None] | None = dataclasses.field(
+        default=None, repr=False, compare=False)
 
     @property
     def mean_active_experts(self) -> float:
@@ -122,6 +125,17 @@ class GateCall:
     @property
     def dropped(self) -> int:
         return sum(s.dropped for s in self.layers)
+
+    def available_experts(self, num_experts: int) -> int | None:
+        """`gating.available_experts` of ``allowed``, read from the device once per call
+        (every block of a forward has the same mask; on CUDA each read is a host sync)."""
+        if self.allowed is None:
+            return None
+        cached = self._available
+        if cached is None or cached[0] is not self.allowed or cached[1] != num_experts:
+            cached = self._available = (self.allowed, num_experts,
+                                        available_experts(self.allowed, num_experts))
+        return cached[2]
 
 
 _CURRENT_CALL: contextvars.ContextVar[GateCall | None] = contextvars.ContextVar(
@@ -224,10 +238,11 @@ class SparseGatedMoEBlock(nn.Module):
         return layer_bytes(self.moe_index, self.gate.storage, self.expert_storage)
 
     def route(self, flat: torch.Tensor, gate: ActiveGate, allowed: torch.Tensor | None = None,
-              *, logits: torch.Tensor | None = None) -> Routing:
+              *, logits: torch.Tensor | None = None, call: GateCall | None = None) -> Routing:
         """``allowed``: [E] bool (every token) or [T, E] bool (per token); the other experts get
         no gate mass and are never selected. ``logits``: the router's fp32 logits of ``flat``,
-        when the caller already computed them."""
+        when the caller already computed them. ``call``: the pinned call ``allowed`` came from
+        (its allowed-expert count is then read once per call, not per block)."""
         params = gate.routed_params()
         # The router as stored (the loader stores what the gate resolves to); logits in fp32.
         if logits is None:
@@ -239,10 +254,13 @@ class SparseGatedMoEBlock(nn.Module):
         lo = min(params.min_experts_per_token, self.num_experts)
         hi = min(params.max_experts_per_token, self.num_experts)
         cost_lambda = params.hardware_cost_lambda
-        cost = self.cost.vector() if cost_lambda > 0 else None
+        cost = self.cost.vector(logits.device) if cost_lambda > 0 else None
         # The capacity cap's even share is over the experts the mask leaves, not all of them.
-        available = (available_experts(allowed, self.num_experts)
-                     if gate.capacity_factor is not None else None)
+        available = None
+        if gate.capacity_factor is not None:
+            available = (call.available_experts(self.num_experts)
+                         if call is not None and allowed is call.allowed
+                         else available_experts(allowed, self.num_experts))
         if lo == hi:
             # Fixed k: top-k picks the same experts in the same (descending) order as the
             # threshold search clamped to k, on a [T, k] instead of a sorted [T, E] selection.
@@ -279,7 +297,7 @@ class SparseGatedMoEBlock(nn.Module):
         logits = self.gate.logits(flat)
         _record_router_logits(logits, flat.dtype)
         routing = self.route(flat, gate, call.allowed if call is not None else None,
-                             logits=logits)
+                             logits=logits, call=call)
         out = self.dispatch(flat, routing)
         if self.has_shared_expert:
             shared = self.shared_expert(flat)

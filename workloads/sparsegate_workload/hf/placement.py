@@ -14,8 +14,9 @@ do not touch it.
 present, median of a few repetitions, and sets each expert's `ExpertCost` placement factor to
 its (device, dtype) time relative to the fastest. On CPU the dispatch timer already sees the
 placed expert's real compute, so there the factor mostly makes the slow expert costly before it
-was ever timed (and multiplies the measured slowdown once more); on an accelerator the timer sees
-only kernel launches, and the factor carries the signal.
+was ever timed (and multiplies the measured slowdown once more); on an accelerator the dispatch
+records no time (its host timer would see only kernel launches), and the factor alone carries
+the signal.
 """
 
 from __future__ import annotations
@@ -143,7 +144,9 @@ def _median_mm_seconds(rows: int, d_in: int, d_out: int, dtype: torch.dtype,
                        device: torch.device, reps: int) -> float:
     x = torch.randn(rows, d_in, device=device).to(dtype)
     w = torch.randn(d_in, d_out, device=device).to(dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    # This device's queue: a bare synchronize() waits for the current device only (cuda:0).
+    sync = ((lambda: torch.cuda.synchronize(device)) if device.type == "cuda"
+            else (lambda: None))
     x @ w  # warm-up (kernel selection, first-touch)
     times = []
     for _ in range(reps):
