@@ -69,6 +69,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
+from .experts import buckets_rows, row_bucket
 from .hf.gated_block import ActiveGate, GateCall, pin_gate
 from .hf.tool_head import final_hidden
 from .hf_serving import Generation, HFServedModel, sampling_probs
@@ -221,6 +222,7 @@ class BatchDecoder:
         self._where: dict[Hashable, _Group] = {}
         # Packing prompts needs a mask of our own, which would ignore a sliding window.
         self._packable = not _uses_sliding_window(self.lm.model.config)
+        self._buckets = buckets_rows(self.device, self.lm.model.dtype)  # the prefill pads (_prefill)
         # Called with (gate version, prompt NLL) after each prefill: live quality (quality.py),
         # scored from the prefill's own forward (its LM head applied a chunk of positions at a time).
         self.on_prompts_scored: Callable[[str | None, Score], None] | None = None
@@ -308,39 +310,49 @@ class BatchDecoder:
         causal mask keeps each prompt to itself. Then each joins its gate version's group."""
         seqs = [_Seq(r, self.allowed_mask(r.allowed_experts)) for r in reqs]
         lengths = [len(r.prompt_ids) for r in reqs]
-        ids = torch.tensor([[t for r in reqs for t in r.prompt_ids]], dtype=torch.long,
+        total = sum(lengths)
+        # bf16 on CPU: the forward's length rounded up to a shape bucket (experts.row_bucket), so
+        # oneDNN builds its kernels for few lengths instead of every new one (~4 ms a matmul
+        # shape here). The padding goes last, its own block of the mask: causal attention keeps
+        # every prompt from seeing it, the MoE blocks do not route it (pin_gate rows), and its
+        # hidden states and cache columns are never read.
+        pad = row_bucket(total) - total if self._buckets else 0
+        ids = torch.tensor([[*(t for r in reqs for t in r.prompt_ids), *[0] * pad]], dtype=torch.long,
                            device=self.device)
-        owner = torch.repeat_interleave(torch.arange(len(reqs), device=self.device),
-                                        torch.tensor(lengths, device=self.device))
+        blocks = [*lengths, pad] if pad else lengths
+        owner = torch.repeat_interleave(torch.arange(len(blocks), device=self.device),
+                                        torch.tensor(blocks, device=self.device))
         kwargs: dict[str, Any] = {}
         if len(reqs) > 1:
-            starts = torch.tensor([0, *itertools.accumulate(lengths)][:-1],
+            starts = torch.tensor([0, *itertools.accumulate(blocks)][:-1],
                                   device=self.device)
             positions = torch.arange(ids.shape[1], device=self.device) - starts[owner]
             same = owner.unsqueeze(1) == owner.unsqueeze(0)
             causal = positions.unsqueeze(1) >= positions.unsqueeze(0)
             kwargs = {"position_ids": positions.unsqueeze(0),
                       "attention_mask": (same & causal)[None, None]}  # [1, 1, T, T], True: attend
+        owner = owner[:total]
         gate = reqs[0].gate or self.lm.gate  # add_many packs only requests of one gate
         rows = _allowed_rows(seqs)  # per token: its sequence's experts
         allowed = None if rows is None else rows.index_select(0, owner)
         # The base model to its final hidden states (what the LM head reads), not the whole
         # model: its logits would be [T, vocab] (GBs for a 150k vocabulary and a long prefill);
         # the head runs only at each prompt's last position, and in chunks for the score.
-        with torch.inference_mode(), pin_gate(gate, keep_routing=len(reqs) > 1, allowed=allowed) as call:
+        with torch.inference_mode(), pin_gate(gate, keep_routing=len(reqs) > 1, allowed=allowed,
+                                              rows=total if pad else None) as call:
             out = self.lm.model.base_model(input_ids=ids, use_cache=True, **kwargs)
         self._measure(call)
         table = (self._usage_rows(call, owner=owner, n=len(reqs)) if len(reqs) > 1
                  else self._usage_alone(call))
         self._routed(seqs, table)
         ends = list(itertools.accumulate(lengths))
-        hidden = out.last_hidden_state[0]  # [T, hidden]
+        hidden = out.last_hidden_state[0, :total]  # [T, hidden]
         head = self.lm.model.get_output_embeddings()
         at_ends = hidden[[e - 1 for e in ends]]  # [n, hidden]: each prompt's last position
         with torch.inference_mode():
             if self.on_prompts_scored is not None:
                 self.on_prompts_scored(call.gate.version,
-                                       score_packed_hidden(hidden, head, ids[0], lengths))
+                                       score_packed_hidden(hidden, head, ids[0, :total], lengths))
             last = head(at_ends)
         tokens = self._sample(seqs, last)
         fires = self._tool_fires(seqs, call.gate, at_ends if self._may_call_tool(seqs) else None)

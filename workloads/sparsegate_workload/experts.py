@@ -205,7 +205,12 @@ def row_bucket(n: int) -> int:
 def uses_row_buckets(x: torch.Tensor) -> bool:
     """Whether the dispatch of ``x`` rounds row counts up (`row_bucket`): bf16/fp16 on CPU,
     where matmuls are oneDNN's, whose kernels are built per shape."""
-    return x.device.type == "cpu" and x.dtype in _BUCKETED_DTYPES
+    return buckets_rows(x.device, x.dtype)
+
+
+def buckets_rows(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """`uses_row_buckets` for tensors of ``dtype`` on ``device`` (a model's, before any input)."""
+    return torch.device(device).type == "cpu" and dtype in _BUCKETED_DTYPES
 
 
 def dispatch_sorted(x: torch.Tensor, routing: Routing, gate_up: StoredWeight,

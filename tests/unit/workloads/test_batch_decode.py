@@ -249,3 +249,54 @@ def test_prefill_never_holds_the_logits_of_every_prompt_position(tmp_path, monke
     assert sum(s.nll for s in scores) == pytest.approx(sum(s.nll for s in alone), rel=1e-5)
     for req, ev in zip(reqs, events):
         assert ev.token == _solo(hf, req).token_ids[0]
+
+
+@pytest.mark.parametrize("per_step", [1, 9])  # one prompt a prefill; all nine packed in one
+def test_a_prefill_padded_to_a_shape_bucket_equals_the_unpadded_one(hf, per_step):
+    """In bf16 on CPU the prefill's length is rounded up to `experts.row_bucket` (oneDNN builds
+    kernels per shape): the padding is its own block of the mask, last, and the MoE blocks route
+    only the prompts' tokens. Forced on here (fp32, so both runs are exact): the same tokens,
+    usage, prompt scores and routed token counts as without it."""
+    from sparsegate_workload.experts import row_bucket
+
+    reqs = _requests(9)
+    runs = []
+    for buckets in (False, True):
+        dec = BatchDecoder(hf)
+        dec._buckets = buckets
+        scores, routed = [], []
+        dec.on_prompts_scored = lambda version, score: scores.append(score)
+        original, measure, seen = dec._prefill, dec._measure, []
+
+        def prefill(rs, original=original, routed=routed, seen=seen):
+            seen.clear()
+            events = original(rs)
+            routed.append((sum(len(r.prompt_ids) for r in rs), tuple(seen)))
+            return events
+
+        def measured(call, measure=measure, seen=seen):
+            seen.append(call.layers[0].num_tokens)  # tokens the first MoE block routed
+            return measure(call)
+
+        dec._prefill, dec._measure = prefill, measured
+        block = hf.lm.blocks[0]
+        hook = block.register_forward_pre_hook(
+            lambda _m, args, seen=seen: seen.append(args[0].reshape(-1, args[0].shape[-1]).shape[0])
+            if len(seen) < 1 else None)  # rows the forward ran, once per prefill (decode steps ignored)
+        try:
+            tokens, gens, _ = _drain(dec, reqs, per_step=per_step)
+        finally:
+            hook.remove()
+        runs.append((tokens, gens, scores, routed))
+    (tokens, gens, scores, plain), (tokens_b, gens_b, scores_b, padded) = runs
+    assert tokens == tokens_b
+    for key, gen in gens.items():
+        assert gens_b[key].token_ids == gen.token_ids
+        assert gens_b[key].expert_counts == gen.expert_counts
+        assert gens_b[key].mean_experts_per_token == pytest.approx(gen.mean_experts_per_token)
+    assert [s.tokens for s in scores] == [s.tokens for s in scores_b]
+    assert [s.nll for s in scores_b] == pytest.approx([s.nll for s in scores], rel=1e-5)
+    # (rows the forward ran, tokens routed) per prefill
+    assert all(rows == (total, total) for total, rows in plain)
+    assert all(rows == (row_bucket(total), total) for total, rows in padded)
+    assert any(row_bucket(total) > total for total, _ in padded)  # some prefill really padded

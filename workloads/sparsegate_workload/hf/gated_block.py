@@ -109,6 +109,10 @@ class GateCall:
     # token (one request's expert group), or [T, E] bool, one row per routed token in the
     # order blocks flatten their input (a batch of sequences of different groups); None: all.
     allowed: torch.Tensor | None = None
+    # Blocks route only the first ``rows`` tokens of their input (None: all): the rest is padding
+    # a caller appended to round the forward's length up to a shape bucket (batch_decode's
+    # prefill in bf16 on CPU); it reaches no expert, no statistic and no capacity share.
+    rows: int | None = None
     _available: tuple[torch.Tensor, int, int | None] | None = dataclasses.field(
         default=None, repr=False, compare=False)
 
@@ -144,10 +148,11 @@ _CURRENT_CALL: contextvars.ContextVar[GateCall | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def pin_gate(gate: ActiveGate, *, keep_routing: bool = False,
-             allowed: torch.Tensor | None = None) -> Iterator[GateCall]:
+             allowed: torch.Tensor | None = None, rows: int | None = None) -> Iterator[GateCall]:
     """Blocks called inside (in this thread or task) route with `gate` and record into the
-    yielded call (their Routing objects too with ``keep_routing``); ``allowed``: `GateCall.allowed`."""
-    call = GateCall(gate=gate, routings=[] if keep_routing else None, allowed=allowed)
+    yielded call (their Routing objects too with ``keep_routing``); ``allowed``: `GateCall.allowed`;
+    ``rows``: `GateCall.rows`."""
+    call = GateCall(gate=gate, routings=[] if keep_routing else None, allowed=allowed, rows=rows)
     token = _CURRENT_CALL.set(call)
     try:
         yield call
@@ -293,15 +298,19 @@ class SparseGatedMoEBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         call = _CURRENT_CALL.get()
         gate = call.gate if call is not None else self._slot.active
-        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        every = hidden_states.reshape(-1, hidden_states.shape[-1])
+        # Padding rows past call.rows (a bucketed prefill) are not routed; their output is zero.
+        flat = every if call is None or call.rows is None else every[:call.rows]
         logits = self.gate.logits(flat)
         _record_router_logits(logits, flat.dtype)
         routing = self.route(flat, gate, call.allowed if call is not None else None,
                              logits=logits, call=call)
         out = self.dispatch(flat, routing)
+        if flat.shape[0] < every.shape[0]:
+            out = torch.cat([out, out.new_zeros(every.shape[0] - flat.shape[0], out.shape[1])])
         if self.has_shared_expert:
-            shared = self.shared_expert(flat)
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            shared = self.shared_expert(every)
+            out = out + torch.sigmoid(self.shared_expert_gate(every)) * shared
         if call is not None:
             call.layers.append(routing_stats(routing, entropy_beta=gate.params.entropy_beta))
             if call.routings is not None:
