@@ -301,6 +301,30 @@ def test_weights_file_without_a_tensor_is_refused(tmp_path):
         load_moe_checkpoint(path)
 
 
+@pytest.mark.parametrize("key, value, dtype, match", [
+    ("block_sparse_moe.gate.weight", float("nan"), torch.float32,
+     r"model.safetensors: tensor \S+block_sparse_moe.gate.weight holds 1 .*\(1 NaN, 0 infinite\)"),
+    ("experts.1.w2.weight", float("inf"), torch.float32,
+     r"model.safetensors: tensor \S+experts.1.w2.weight holds 1 .*\(0 NaN, 1 infinite\)"),
+    # finite in the file, past float16's 65504 once loaded in it
+    ("self_attn.o_proj.weight", 1e5, torch.float16,
+     r"\(model.safetensors\): weight \S+o_proj.weight holds 1 values past the range of torch.float16"),
+])
+def test_non_finite_weight_is_refused_naming_it(tmp_path, key, value, dtype, match):
+    """A NaN router weight served NaN logits for every token (and int8 storage spreads one NaN
+    over its channel): the load refuses, naming the tensor and the shard."""
+    from safetensors.torch import load_file, save_file
+    path = build_tiny_checkpoint(tmp_path / "ck", family="mixtral", tokenizer=False)
+    weights = path / "model.safetensors"
+    tensors = load_file(weights)
+    name = next(k for k in tensors if k.startswith("model.layers.0.") and k.endswith(key))
+    tensors[name].view(-1)[3] = value
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=match) as err:
+        load_moe_checkpoint(path, dtype=dtype)
+    assert err.value.file == weights
+
+
 def _rewrite_header(weights, edit):
     """Apply ``edit`` to a safetensors file's parsed header, keeping its length (so only what
     ``edit`` changed is wrong)."""

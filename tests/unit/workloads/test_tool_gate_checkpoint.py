@@ -100,3 +100,19 @@ async def test_a_misshapen_head_fails_the_load_naming_the_file(plain, tmp_path):
         resp = await client.get("/healthz")
         body = await resp.json()
     assert resp.status == 500 and TOOL_HEAD_FILE in body["error"] and "weight [64]" in body["error"], body
+
+
+def test_a_head_with_a_nan_weight_fails_the_load_naming_the_file(plain, tmp_path):
+    """Its probability would be NaN, never above the threshold: a tool gate silently dead."""
+    from safetensors.torch import save_file
+
+    from sparsegate_workload.hf import CheckpointError
+
+    directory = tmp_path / "nan"
+    shutil.copytree(plain, directory)
+    weight = torch.zeros(64)
+    weight[5] = float("nan")
+    save_file({"weight": weight, "bias": torch.zeros(1)}, str(directory / TOOL_HEAD_FILE))
+    with pytest.raises(CheckpointError, match=r"tool-gate head weight: NaN or infinite") as err:
+        load_moe_checkpoint(directory)
+    assert err.value.file == directory / TOOL_HEAD_FILE

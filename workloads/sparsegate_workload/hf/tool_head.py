@@ -62,6 +62,10 @@ def load_tool_head(directory: str | Path, *, hidden_size: int, has_tokenizer: bo
         raise CheckpointError(
             f"{path}: a tool-gate head holds weight [{hidden_size}] and bias [1], got "
             f"{ {k: list(v.shape) for k, v in tensors.items()} }", file=path)
+    bad = [k for k, v in (("weight", weight), ("bias", bias)) if not bool(v.float().isfinite().all())]
+    if bad:  # a NaN head's probability is NaN, never above the threshold: a silently dead gate
+        raise CheckpointError(f"{path}: tool-gate head {' and '.join(bad)}: NaN or "
+                              f"infinite values", file=path)
     return ToolHead(weight=weight.float(), bias=float(bias.reshape(())))
 
 
