@@ -20,7 +20,7 @@ from sparsegate_contracts.gate import GateDocument
 from .gating import tool_fires
 from .inference import InferenceResult
 from .moe import MoEStats
-from .quality import score_rows
+from .quality import score_hidden_rows
 from .threshold_control import ThresholdController
 
 if TYPE_CHECKING:  # the hf package loads transformers: only when a checkpoint is loaded
@@ -114,11 +114,13 @@ class HFServedModel:
         ``last_tool_prob`` each row's last one (the server then calls tools); without one,
         ``toolCalls`` are empty and the fire rate 0."""
         batch = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        out = self.lm.forward(batch, gate=gate, allowed_experts=allowed_experts)
+        out, hidden = self.lm.last_position_forward(batch, gate=gate, allowed_experts=allowed_experts)
         if out.gate.controller is not None and allowed_experts is None:
             # A scoped batch's experts are bounded by its group, not by the threshold.
             out.gate.controller.update(out.mean_selected_experts)
         last = out.logits[:, -1, :].float()
+        with torch.inference_mode():  # the LM head a chunk of positions at a time
+            score = score_hidden_rows(hidden, self.lm.model.get_output_embeddings(), batch)
         n = max(len(out.layers), 1)
         tool_calls: list[list[int]] = [[] for _ in tokens]
         fire_rate, last_tool_prob = 0.0, []
@@ -135,7 +137,7 @@ class HFServedModel:
             dropped_assignments=out.dropped,
             gate_entropy=sum(st.entropy for st in out.layers) / n,
             tool_calls=tool_calls, tool_gate_fire_rate=fire_rate, last_tool_prob=last_tool_prob,
-            num_tokens=batch.numel(), prompt_score=score_rows(out.logits, batch))
+            num_tokens=batch.numel(), prompt_score=score)
         return result, out.gate.version
 
     def generate(self, prompt: Sequence[int], *, max_tokens: int, temperature: float = 0.0,

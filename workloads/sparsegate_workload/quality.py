@@ -4,10 +4,10 @@ Two measurements, both as negative log-likelihood (NLL, nats per token; mean log
 its negative, perplexity its exponential):
 
 * **Live traffic**: the prompt tokens of every request, scored by the forward that serves it
-  (no second forward: ``/v1/infer`` batches compute logits for every prompt position anyway;
-  the OpenAI API's prefill keeps the final hidden states and applies the LM head to
-  `SCORE_CHUNK` positions at a time, `score_packed_hidden`). Token t is scored by the logits at
-  t-1, within its own sequence.
+  (no second forward: a checkpoint's ``/v1/infer`` batch and the OpenAI API's prefill keep the
+  final hidden states and apply the LM head to `SCORE_CHUNK` positions at a time,
+  `score_hidden_rows` / `score_packed_hidden`; the built-in model's batches score their
+  logits). Token t is scored by the logits at t-1, within its own sequence.
   Generated tokens are not scored: under greedy decoding their log-probability is the model's
   confidence in its own choice, not a measure of how well it predicts text.
   Exported as counters, so ``rate(nll) / rate(tokens)`` is the mean NLL over any window.
@@ -136,6 +136,15 @@ def score_packed_hidden(hidden: torch.Tensor, head: Callable[[torch.Tensor], tor
     return Score(float(total), int(rows.numel()))
 
 
+def score_hidden_rows(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
+                      ids: torch.Tensor, *, chunk: int = SCORE_CHUNK) -> Score:
+    """`score_rows` from the final hidden states ``hidden`` [B, S, hidden] and the LM ``head``,
+    ``chunk`` positions at a time (`score_packed_hidden`): never the [B, S, vocab] logits."""
+    b, s = ids.shape
+    return score_packed_hidden(hidden.reshape(b * s, -1), head, ids.reshape(-1), [s] * b,
+                               chunk=chunk)
+
+
 # ------------------------------------------------------------------------ probe set
 
 
@@ -185,7 +194,11 @@ def score_checkpoint_probe(lm: Any, probe: ProbeSet, *, gate: Any = None) -> Sco
     for the forward, as a request-level canary is for a request), else the gate installed now."""
     device = next(lm.model.parameters()).device
     ids = probe.windows.to(device)
-    return score_rows(lm.forward(ids, gate=gate).logits, ids)
+    # The final hidden states and the LM head a chunk at a time: the logits of every probe
+    # position would be [PROBE_MAX_TOKENS, vocab] (GBs for a 150k vocabulary), at every install.
+    _, hidden = lm.last_position_forward(ids, gate=gate)
+    with torch.inference_mode():
+        return score_hidden_rows(hidden, lm.model.get_output_embeddings(), ids)
 
 
 def score_builtin_probe(model: Any, probe: ProbeSet, *, gate: Any, precisions: Any) -> Score:

@@ -219,3 +219,49 @@ async def test_checkpoint_server_scores_prompts_of_the_openai_api_and_infer(chec
         assert samples(text, "sparsegate_quality_nll_total")[A.version] == pytest.approx(want.nll, rel=1e-4)
         assert (await client.post("/v1/infer", json={"tokens": [[5, 6, 7, 8]]})).status == 200
         assert samples(await _metrics(client), "sparsegate_quality_tokens_total") == {A.version: float(len(ids) - 1 + 3)}
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe"])
+def test_probe_and_infer_batch_never_hold_the_logits_of_every_position(tmp_path, family) -> None:
+    """The probe (PROBE_MAX_TOKENS tokens, scored at every gate install) and a checkpoint's
+    /v1/infer batch (MAX_BATCH rows) used to run the whole model, whose LM head made the
+    [tokens, vocab] logits of every position, plus float and log-softmax copies (GBs for a
+    152k vocabulary). Now the head runs at each row's last position and on at most SCORE_CHUNK
+    positions at a time for the score: the same scores, next tokens, logits, routing and
+    tool-gate probabilities as the whole forward, under the installed or a pinned gate."""
+    from sparsegate_workload.gating import tool_fires
+    from sparsegate_workload.hf.tool_head import ToolHead
+    from sparsegate_workload.hf_serving import load
+
+    hf = load(build_tiny_checkpoint(tmp_path / "ck", family=family, tokenizer=False), gate=A, device="cpu")
+    lm = hf.lm
+    lm.tool_head = ToolHead(weight=0.05 * torch.randn(64, generator=torch.Generator().manual_seed(3)), bias=0.0)
+    canary = lm.prepare_gate(B)
+    ids = torch.randint(0, hf.vocab_size, (10, 64), generator=torch.Generator().manual_seed(1))
+    head_rows = []
+    hook = lm.model.get_output_embeddings().register_forward_hook(
+        lambda _m, args, _out: head_rows.append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+    try:
+        probe = quality.score_checkpoint_probe(lm, quality.ProbeSet(ids, "test"))
+        probe_b = quality.score_checkpoint_probe(lm, quality.ProbeSet(ids, "test"), gate=canary)
+        batch, version = hf.run_batch(ids.tolist(), return_logits=True, gate=canary,
+                                      allowed_experts=[0, 2, 5])
+    finally:
+        hook.remove()
+    assert max(head_rows) <= quality.SCORE_CHUNK < ids.numel()
+    assert version == B.version
+    for score, gate in ((probe, None), (probe_b, canary)):
+        want = quality.score_rows(lm.forward(ids, gate=gate).logits, ids)
+        assert score.tokens == want.tokens == 10 * 63
+        assert score.nll == pytest.approx(want.nll, rel=1e-5)
+    assert probe.nll != probe_b.nll  # each under its own gate
+    whole = lm.forward(ids, gate=canary, allowed_experts=[0, 2, 5])
+    want = quality.score_rows(whole.logits, ids)
+    assert batch.prompt_score.tokens == want.tokens
+    assert batch.prompt_score.nll == pytest.approx(want.nll, rel=1e-5)
+    assert batch.next_tokens == whole.logits[:, -1].argmax(-1).tolist()
+    torch.testing.assert_close(torch.tensor(batch.last_logits), whole.logits[:, -1].float())
+    assert batch.expert_counts == [st.counts for st in whole.layers]
+    assert batch.last_tool_prob == pytest.approx(whole.tool_prob[:, -1].tolist(), rel=1e-5)
+    fired = tool_fires(whole.tool_prob, threshold=B.params.tool_gate_threshold)
+    assert batch.tool_calls == [row.nonzero().squeeze(1).tolist() for row in fired]

@@ -12,10 +12,11 @@ Nothing is downloaded: transformers reads the directory with ``local_files_only=
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -214,14 +215,34 @@ class SparseGatedCausalLM:
         """Pin the current gate for everything inside (e.g. a generate()); collects stats."""
         return pin_gate(self._slot.active)
 
+    @contextlib.contextmanager
+    def _pinned(self, gate: ActiveGate | None, allowed_experts: Sequence[int] | None,
+                device: torch.device) -> Iterator[GateCall]:
+        """No autograd, ``gate`` (else the installed one) pinned, ``allowed_experts`` set."""
+        with torch.inference_mode(), (pin_gate(gate) if gate is not None else self.pinned_gate()) as call:
+            if allowed_experts is not None:
+                call.allowed = torch.zeros(self.num_experts, dtype=torch.bool, device=device)
+                call.allowed[list(allowed_experts)] = True
+            yield call
+
+    def last_position_forward(self, input_ids: torch.Tensor, *, gate: ActiveGate | None = None,
+                              allowed_experts: Sequence[int] | None = None
+                              ) -> tuple[GatedForward, torch.Tensor]:
+        """`forward` with its ``logits`` at each row's last position only ([B, 1, V], not the
+        [B, S, V] of every position: GBs for a 150k vocabulary at a few thousand tokens), and the
+        final hidden states [B, S, hidden] beside it, which `quality.score_hidden_rows` scores
+        with the LM head a chunk of positions at a time."""
+        with self._pinned(gate, allowed_experts, input_ids.device) as call:
+            hidden = self.model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+            logits = self.model.get_output_embeddings()(hidden[:, -1:])
+            tool_prob = self.tool_head.probs(hidden) if self.tool_head is not None else None
+        return GatedForward(logits=logits, layers=call.layers, gate=call.gate, tool_prob=tool_prob), hidden
+
     def forward(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
                 gate: ActiveGate | None = None, allowed_experts: Sequence[int] | None = None) -> GatedForward:
         """One forward under one gate version (``gate``, else the installed one), without autograd.
         ``allowed_experts``: the only experts every block may select (None: all)."""
-        with torch.inference_mode(), (pin_gate(gate) if gate is not None else self.pinned_gate()) as call:
-            if allowed_experts is not None:
-                call.allowed = torch.zeros(self.num_experts, dtype=torch.bool, device=input_ids.device)
-                call.allowed[list(allowed_experts)] = True
+        with self._pinned(gate, allowed_experts, input_ids.device) as call:
             if self.tool_head is None:
                 out, tool_prob = self.model(input_ids=input_ids, attention_mask=attention_mask,
                                             use_cache=False), None
