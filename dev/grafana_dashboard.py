@@ -8,7 +8,8 @@ Every query uses only series the code exports today:
 
 * operator (``operator/sparsegate/metrics.py``, ``controllers/rollout.py``): reconciles, errors
   and durations by kind; rollout ticks, gate pushes, finished rollouts, step durations; and the
-  ``sparsegate_rollout_*`` gauges derived from each GateConfig's status;
+  ``sparsegate_rollout_*`` gauges derived from each GateConfig's status, and
+  ``sparsegate_gateconfig_model_info`` (the GateConfig each SparseModel names);
 * model servers (``workloads/sparsegate_workload/metrics.py``): ``sparsegate_requests_total``,
   ``sparsegate_request_duration_seconds``, ``sparsegate_tokens_total``,
   ``sparsegate_expert_assignments_total``, ``sparsegate_expert_tokens_total``,
@@ -23,9 +24,13 @@ the operator reports which version is the GateConfig's stable and which its cana
 (``sparsegate_rollout_version_info``). Request, latency, token and assignment series carry the
 gate version that served each request as ``gate_version`` (with a request-level canary one pod
 serves both versions), relabelled ``version`` and joined on ``(namespace, version)`` to get
-``role``; the per-expert series, which no version owns, give each pod's layer count. The joins expect the ``namespace`` and
+``role``; the per-expert series, which no version owns, give each pod's layer count. Every
+model-server series is first kept to the GateConfig's models (``sparsegate_gateconfig_model_info``,
+from each SparseModel's ``spec.gateConfigRef``): versions are content addresses, so two GateConfigs
+with the same params share one. The joins expect the ``namespace`` and
 ``pod`` target labels that the chart's PodMonitor/ServiceMonitor (and any kubernetes_sd set-up)
-attach, and the operator scraped with ``honor_labels`` (its rollout gauges carry the
+attach, the model pods' ``model`` label (the chart's monitors relabel the pod label
+``sparsegate.dev/model`` to it), and the operator scraped with ``honor_labels`` (its rollout gauges carry the
 GateConfig's ``namespace``). Quality series (``sparsegate_quality_*_total``,
 ``sparsegate_probe_perplexity``) carry the serving gate version as ``gate_version`` and join the
 role on it directly.
@@ -51,6 +56,16 @@ MODEL = 'namespace="$namespace", model=~"$model"'
 # so a target scraped twice (two monitors, two Prometheus jobs) cannot make the match many-to-many.
 ROLE_OF_VERSION = ('* on (namespace, version) group_left (role) '
                    f'max by (namespace, version, role) (sparsegate_rollout_version_info{{{GC}}})')
+# Versions are content addresses: two GateConfigs of a namespace with the same params share a version
+# id, so a series joins the role only once its model is one of this GateConfig's (the operator's
+# sparsegate_gateconfig_model_info, from each SparseModel's spec.gateConfigRef).
+OF_GATECONFIG = ('* on (namespace, model) group_left () '
+                 f'max by (namespace, model) (sparsegate_gateconfig_model_info{{{GC}}})')
+
+
+def of_gateconfig(expr: str) -> str:
+    """``expr`` (model-server series, labelled ``model``) kept to the GateConfig's models."""
+    return f"({expr} {OF_GATECONFIG})"
 
 
 def by_role_of_serving_version(metric_selector: str, *, extra_by: str = "") -> str:
@@ -60,7 +75,7 @@ def by_role_of_serving_version(metric_selector: str, *, extra_by: str = "") -> s
     inner_by = f"namespace, version, {extra_by}" if extra_by else "namespace, version"
     return (f"sum by ({by}) (\n"
             f"  sum by ({inner_by}) (\n"
-            f'    label_replace(rate({metric_selector}[{RATE}]), "version", "$1", "gate_version", "(.+)")\n'
+            f'    label_replace({of_gateconfig(f"rate({metric_selector}[{RATE}])")}, "version", "$1", "gate_version", "(.+)")\n'
             f"  )\n"
             f"  {ROLE_OF_VERSION}\n"
             f")")
@@ -77,7 +92,7 @@ TOKEN_LAYERS = (
     "sum by (role) (\n"
     "  sum by (namespace, version) (\n"
     "    label_replace(\n"
-    f"      sum by (namespace, pod, gate_version) (rate(sparsegate_tokens_total{{{MODEL}}}[{RATE}]))\n"
+    f"      sum by (namespace, pod, gate_version) {of_gateconfig(f'rate(sparsegate_tokens_total{{{MODEL}}}[{RATE}])')}\n"
     "      * on (namespace, pod) group_left count by (namespace, pod) (\n"
     f"        count by (namespace, pod, layer) (sparsegate_expert_tokens_total{{{MODEL}}})\n"
     "      ),\n"
@@ -92,7 +107,7 @@ TOKEN_LAYERS = (
 def by_role_of_gate_version(expr: str, *, agg: str = "sum") -> str:
     return (f"{agg} by (role) (\n"
             f"  {agg} by (namespace, version) (\n"
-            f'    label_replace({expr}, "version", "$1", "gate_version", "(.+)")\n'
+            f'    label_replace({of_gateconfig(expr)}, "version", "$1", "gate_version", "(.+)")\n'
             f"  )\n"
             f"  {ROLE_OF_VERSION}\n"
             f")")
@@ -327,7 +342,8 @@ def variables() -> list[dict[str, Any]]:
          "current": {}, "options": [], "hide": 0, "refresh": 1, "regex": ""},
         query_var("namespace", "Namespace", "label_values(sparsegate_rollout_phase, namespace)"),
         query_var("gateconfig", "GateConfig", 'label_values(sparsegate_rollout_phase{namespace="$namespace"}, gateconfig)'),
-        query_var("model", "SparseModel", 'label_values(sparsegate_gate_config_info{namespace="$namespace"}, model)',
+        query_var("model", "SparseModel",
+                  'label_values(sparsegate_gateconfig_model_info{namespace="$namespace", gateconfig="$gateconfig"}, model)',
                   multi=True),
     ]
 

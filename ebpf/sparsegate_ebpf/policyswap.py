@@ -162,9 +162,16 @@ class PolicySwapper:
             del self.retired_by_rule[key]
 
     def verdict_totals_by_rule(self) -> dict[tuple[str, int], tuple[int, int]]:
-        """(rule name, action) -> (packets, bytes) over every generation (consistent with swaps)."""
+        """(rule name, action) -> (packets, bytes) over every generation (consistent with swaps).
+        Every rule of the live generation is there, at 0 until it judges a packet: rate() counts a
+        series from its first sample, so a rule's series born at its first packets lost them (a
+        single burst of drops never showed on the dashboard's verdicts-by-rule panel)."""
         with self._lock:
             out = dict(self.retired_by_rule)
+            live = self.slots.get(self._active) if self._active is not None else None
+            if live is not None:
+                for rule_id, action in live.actions.items():
+                    out.setdefault((self.rule_name(live.generation, rule_id), action), (0, 0))
             for (generation, rule_id, action), (packets, bytes_) in verdicts.totals(self._bpf, dict(self.slots)).items():
                 key = (self.rule_name(generation, rule_id), action)
                 p, b = out.get(key, (0, 0))

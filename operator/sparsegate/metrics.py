@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import prometheus_client
 from prometheus_client.core import GaugeMetricFamily
 
+from sparsegate.domain import interned
 from sparsegate.domain.rollout import Phase
 from sparsegate.domain.rollout_gauges import Role, RolloutGauges, rollout_gauges
 
@@ -91,6 +92,7 @@ class Outcome:
 def observe(kind: str) -> Iterator[Outcome]:
     outcome = Outcome()
     ERRORS.labels(kind=kind)  # the series exists (at 0) before the first error, so rate() sees it
+    RECONCILES.labels(kind=kind, outcome="error")  # likewise
     start = time.perf_counter()
     try:
         yield outcome
@@ -129,6 +131,11 @@ _ROLLOUT_FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "sparsegate_rollout_version_info": (
         "1 per role: the stable gate version, and the canary version while one is in flight.", ("role", "version")),
 }
+# SparseModel → the GateConfig its spec.gateConfigRef names: versions are content addresses, so two
+# GateConfigs with the same params share a version id and the dashboard's canary-vs-stable joins
+# need this to keep one GateConfig's panels to its own models.
+_MODEL_INFO = ("sparsegate_gateconfig_model_info",
+               "1 per SparseModel whose spec.gateConfigRef names the GateConfig (label model: the SparseModel).")
 _ALL_PHASES = frozenset(p.value for p in Phase)
 _ROLES = (Role.STABLE, Role.CANARY, Role.OTHER)
 
@@ -146,6 +153,7 @@ class RolloutCollector:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._records: dict[tuple[str, str], _RolloutRecord] = {}
+        self._models: dict[tuple[str, str], str] = {}  # (namespace, SparseModel) -> GateConfig it names
 
     def observe(self, namespace: str, name: str, gauges: RolloutGauges) -> None:
         with self._lock:
@@ -159,13 +167,23 @@ class RolloutCollector:
         with self._lock:
             self._records.pop((namespace, name), None)
 
+    def bind_model(self, namespace: str, model: str, gateconfig: str | None) -> None:
+        """``gateconfig``: what the SparseModel's spec.gateConfigRef names (None: none, or deleted)."""
+        with self._lock:
+            if gateconfig:
+                self._models[interned.deep((namespace, model))] = interned.text(gateconfig)  # shared with the indexes
+            else:
+                self._models.pop((namespace, model), None)
+
     def describe(self) -> Iterator[GaugeMetricFamily]:
         for name, (doc, extra) in _ROLLOUT_FAMILIES.items():
             yield GaugeMetricFamily(name, doc, labels=[*_GC, *extra])
+        yield GaugeMetricFamily(*_MODEL_INFO, labels=[*_GC, "model"])
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         with self._lock:
             records = sorted(self._records.items())
+            models = sorted(self._models.items())
         families = {name: GaugeMetricFamily(name, doc, labels=[*_GC, *extra])
                     for name, (doc, extra) in _ROLLOUT_FAMILIES.items()}
         for (namespace, name), rec in records:
@@ -183,6 +201,10 @@ class RolloutCollector:
             for role, version in sorted(g.versions.items()):
                 families["sparsegate_rollout_version_info"].add_metric([*key, role, version], 1.0)
         yield from families.values()
+        bound = GaugeMetricFamily(*_MODEL_INFO, labels=[*_GC, "model"])
+        for (namespace, model), gateconfig in models:
+            bound.add_metric([namespace, gateconfig, model], 1.0)
+        yield bound
 
 
 ROLLOUT = RolloutCollector()
@@ -193,6 +215,11 @@ def observe_gateconfig(*, namespace: str, name: str, status: Mapping[str, Any] |
     """Set the rollout gauges of one GateConfig from its ``status`` (any shape: unknown or
     missing fields read as "nothing in flight")."""
     ROLLOUT.observe(namespace, name, rollout_gauges(status))
+
+
+def bind_model(*, namespace: str, name: str, gateconfig: str | None) -> None:
+    """Record which GateConfig a SparseModel names (None: none, or the model was deleted)."""
+    ROLLOUT.bind_model(namespace, name, gateconfig)
 
 
 def forget_gateconfig(*, namespace: str, name: str) -> None:

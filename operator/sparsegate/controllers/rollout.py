@@ -129,7 +129,9 @@ ROLLOUTS = prometheus_client.Counter(
     "sparsegate_rollouts_total", "Gate rollouts that ended, by outcome.", ["outcome"])
 STEP_SECONDS = prometheus_client.Histogram(
     "sparsegate_rollout_step_duration_seconds", "Time from a step's start to its promotion.",
-    ["percent"], buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800))
+    # Up to a day: analysisInterval has no upper bound (an hour per step is common) and a paused step
+    # waits for its promote; a step beyond the last finite bucket read as that bound (30 min).
+    ["percent"], buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200, 86400))
 TICK_SECONDS = prometheus_client.Histogram(
     "sparsegate_rollout_tick_duration_seconds", "Wall time of one rollout reconcile tick.",
     # A tick waits on API requests (up to 30 s each) and pod pushes: slower ticks stay readable.
@@ -139,6 +141,14 @@ PUSHES = prometheus_client.Counter(
 MEASUREMENTS = prometheus_client.Counter(
     "sparsegate_rollout_analysis_measurements_total",
     "Declared analysis checks measured, by provider and answer (value, no_data, error).", ["provider", "answer"])
+# Every outcome's and result's series exists at 0 from the start (and each step percent's from the
+# tick that reads the spec): increase() counts a series from its first sample, so one born at 1 (an
+# outcome's first rollout, the first failed push, a percent's first step) was never counted.
+OUTCOMES = ("succeeded", "rolled_back", "aborted", "failed", "superseded", "reverted")
+for _outcome in OUTCOMES:
+    ROLLOUTS.labels(outcome=_outcome)
+for _result in ("ok", "error"):
+    PUSHES.labels(result=_result)
 
 log = logging.getLogger(__name__)
 
@@ -580,6 +590,8 @@ class RolloutLoop:
             await self._act(body, decision, fleet=None, cache=cache, logger=logger)
             return decision
 
+        for percent in spec.steps:
+            STEP_SECONDS.labels(percent=str(percent))  # at 0 before its first step ends (see OUTCOMES)
         if self._quiet(body, cache=cache, now=now, pod_changes=pod_changes):
             return None
         cache.last_full_check, cache.checked_pod_changes = now, pod_changes

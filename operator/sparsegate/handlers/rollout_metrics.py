@@ -14,6 +14,7 @@ import kopf
 from sparsegate_contracts import names
 
 from sparsegate import metrics
+from sparsegate.handlers import modelsync
 
 
 @kopf.on.event(names.GROUP, names.VERSION, names.GATECONFIGS)
@@ -26,3 +27,15 @@ async def gateconfig_rollout_gauges(type: str | None, body: kopf.Body, namespace
             metrics.forget_gateconfig(namespace=namespace, name=name)
     else:
         metrics.observe_gateconfig(namespace=namespace, name=name, status=body.get("status"))
+
+
+@kopf.on.event(names.GROUP, names.VERSION, names.SPARSEMODELS)
+async def sparsemodel_gateconfig_binding(type: str | None, body: kopf.Body, namespace: str, name: str,
+                                         sparsegate_model_views: kopf.Index, **_: Any) -> None:
+    """``sparsegate_gateconfig_model_info``: which GateConfig each SparseModel names, so the
+    dashboard keeps a GateConfig's canary-vs-stable panels to its own models."""
+    if type == "DELETED":
+        if (namespace, name) not in sparsegate_model_views:  # (as above: not one created again)
+            metrics.bind_model(namespace=namespace, name=name, gateconfig=None)
+    else:
+        metrics.bind_model(namespace=namespace, name=name, gateconfig=modelsync.gate_ref(body))

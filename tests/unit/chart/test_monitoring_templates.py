@@ -127,10 +127,13 @@ def test_dashboard_shape_variables_and_datasource():
 
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    yield from run_prometheus(tmp_path_factory.mktemp("promql"), "global: {}\n")
+
+
+def run_prometheus(work: Path, config: str) -> Iterator[str]:
     exe = BIN / "prometheus"
     assert exe.exists(), f"prometheus not found at {exe}: run dev/setup/binaries.sh prometheus"
-    work = tmp_path_factory.mktemp("promql")
-    (work / "prometheus.yml").write_text("global: {}\n")
+    (work / "prometheus.yml").write_text(config)
     port = free_port()
     proc = subprocess.Popen([str(exe), f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
@@ -186,6 +189,89 @@ def test_variable_queries_select_valid_series(prometheus: str):
         inner = v["query"].removeprefix("label_values(").rsplit(",", 1)[0]
         status, error = query_status(prometheus, grafana_dashboard.substitute(inner, VARIABLES))
         assert status == "success", f"variable {v['name']}: {error}"
+
+
+# --- what the canary-vs-stable panels compute, on series a real Prometheus scraped ------------------
+
+def _exposition(elapsed: float) -> str:
+    """Namespace ns: GateConfigs a (stable g-1, canary g-2; model ma) and b (stable g-1, the same
+    params: the same content-addressed version; model mb). a's pods serve 10 requests/s of each
+    version without errors; b's pod 100/s, half of them 5xx. As the operator (scraped with
+    honor_labels) and the model pods (namespace, pod and model target labels) export them."""
+    lines = []
+    for gc, role, version in (("a", "stable", "g-1"), ("a", "canary", "g-2"), ("b", "stable", "g-1")):
+        lines.append(f'sparsegate_rollout_version_info{{namespace="ns",gateconfig="{gc}",role="{role}",'
+                     f'version="{version}"}} 1')
+    for gc, model in (("a", "ma"), ("b", "mb")):
+        lines.append(f'sparsegate_gateconfig_model_info{{namespace="ns",gateconfig="{gc}",model="{model}"}} 1')
+    for pod, model, version, per_s, errors in (("ma-0", "ma", "g-1", 10, 0.0), ("ma-1", "ma", "g-2", 10, 0.0),
+                                               ("mb-0", "mb", "g-1", 100, 0.5)):
+        labels = f'namespace="ns",pod="{pod}",model="{model}",gate_version="{version}"'
+        lines.append(f'sparsegate_requests_total{{{labels},code="200"}} {per_s * elapsed * (1 - errors)}')
+        lines.append(f'sparsegate_requests_total{{{labels},code="500"}} {per_s * elapsed * errors}')
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def two_gateconfigs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    import http.server
+    import threading
+
+    started = time.monotonic()
+
+    class Exporter(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = _exposition(time.monotonic() - started).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Exporter)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    config = json.dumps({"global": {"scrape_interval": "1s"},
+                         "scrape_configs": [{"job_name": "fleet", "honor_labels": True, "static_configs": [
+                             {"targets": [f"127.0.0.1:{server.server_address[1]}"]}]}]})
+    try:
+        for url in run_prometheus(tmp_path_factory.mktemp("scraped"), config):
+            deadline = time.monotonic() + 60
+            while not instant(url, "count_over_time(sparsegate_requests_total[1m]) >= 4"):
+                assert time.monotonic() < deadline, "no four scrapes within 60 s"
+                time.sleep(0.5)
+            yield url
+    finally:
+        server.shutdown()
+
+
+def instant(url: str, expr: str) -> list[dict]:
+    q = urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(f"{url}/api/v1/query?{q}", timeout=10) as resp:
+        return json.loads(resp.read())["data"]["result"]
+
+
+def test_canary_vs_stable_panels_keep_to_the_gateconfigs_own_models(two_gateconfigs: str):
+    """Gate versions are content addresses: GateConfig b, with a's stable params, runs a's stable
+    version. a's panels joined every series of that version in the namespace to a's roles, so b's
+    traffic and errors showed as a's stable (error rate 0.45 where a's pods answer none)."""
+    dash = json.loads(grafana_dashboard.OUT.read_text())
+    values = {**VARIABLES, "namespace": "ns", "gateconfig": "a", "__rate_interval": "1m"}
+    by_title = {title: expr for title, _, expr in grafana_dashboard.panel_queries(dash)}
+
+    def by_role(title: str) -> dict[str, float]:
+        result = instant(two_gateconfigs, grafana_dashboard.substitute(by_title[title], values))
+        return {r["metric"]["role"]: float(r["value"][1]) for r in result}
+
+    assert by_role("Error rate by role") == {"stable": 0.0, "canary": 0.0}
+    served = by_role("Requests by role")
+    assert set(served) == {"stable", "canary"}
+    assert served["stable"] == pytest.approx(served["canary"], rel=0.05)  # 10/s each, not 110 vs 10
+    # The SparseModel variable lists a's models only.
+    (model_var,) = [v for v in dash["templating"]["list"] if v["name"] == "model"]
+    inner = model_var["query"].removeprefix("label_values(").rsplit(",", 1)[0]
+    assert {r["metric"]["model"] for r in instant(two_gateconfigs, grafana_dashboard.substitute(inner, values))} == {"ma"}
 
 
 def test_a_broken_query_is_refused(prometheus: str):

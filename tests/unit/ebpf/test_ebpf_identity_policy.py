@@ -197,3 +197,17 @@ def test_verdict_series_of_deleted_rules_do_not_outlive_the_policies(enforce_pro
         frame = P.tcp_frame(src=WEB_IPS[0], dst=MODEL_IPS[0], sport=44000 + n, dport=8080, flags=P.TCP_SYN)
         assert run_xdp(prog_fd=enforce_prog.prog_fd, data=frame).verdict == "pass"
     assert swapper.verdict_totals_by_rule()[("m/p#0", 1)][0] == 5
+
+
+@pytest.mark.bpf
+def test_every_live_rule_has_a_verdict_series_at_zero_before_its_first_packet(enforce_prog: LoadedProgram) -> None:
+    """rate() counts a series from its first sample: a rule's series born with its first packets
+    (a deny rule's one burst) lost them on the dashboard's "XDP verdicts by rule" panel."""
+    swapper = PolicySwapper(bpf=enforce_prog.bpf)
+    swapper.apply(parse_policy(document()))
+    totals = swapper.verdict_totals_by_rule()
+    assert totals[("m/p#0", 1)] == (0, 0) and totals[("m/deny#0", ACTION_DENY)] == (0, 0)
+    assert totals[("default:deny", ACTION_DENY)] == (0, 0)
+    frame = P.tcp_frame(src=BATCH_IPS[0], dst=MODEL_IPS[0], sport=45000, dport=8080, flags=P.TCP_SYN)
+    assert run_xdp(prog_fd=enforce_prog.prog_fd, data=frame).verdict == "drop"
+    assert swapper.verdict_totals_by_rule()[("m/deny#0", ACTION_DENY)][0] == 1

@@ -33,6 +33,15 @@ def test_observe_counts_outcomes_errors_and_durations():
     assert sample("sparsegate_operator_reconcile_duration_seconds_count", kind="UnitKind") == n0 + 3
 
 
+def test_a_kinds_error_outcome_exists_at_zero_before_its_first_error():
+    """rate()/increase() count a series from its first sample: an `error` outcome born at 1 lost
+    the kind's first failed reconcile on the "Reconciles by kind and outcome" panel."""
+    with metrics.observe("UnitFirstErrorKind"):
+        pass
+    get = metrics.prometheus_client.REGISTRY.get_sample_value
+    assert get("sparsegate_operator_reconciles_total", {"kind": "UnitFirstErrorKind", "outcome": "error"}) == 0
+
+
 def test_reconcile_durations_of_minutes_land_in_finite_buckets(monkeypatch: pytest.MonkeyPatch):
     # At 10,000 models reconciles take seconds to minutes: one of 45 s must not fall only in +Inf,
     # where histogram_quantile answers the last finite bound (10 s) whatever the real time.

@@ -114,3 +114,35 @@ def test_an_earlier_gateconfigs_deleted_event_keeps_the_re_created_ones_gauges()
     assert sample("sparsegate_rollout_phase", namespace=ns, gateconfig=gc, phase="Succeeded") == 1
     event("DELETED", "uid-new", {})  # the new one goes too: nothing of the name is left
     assert sample("sparsegate_rollout_phase", namespace=ns, gateconfig=gc, phase="Succeeded") is None
+
+
+def test_each_sparsemodel_is_exported_under_the_gateconfig_it_names():
+    """``sparsegate_gateconfig_model_info``: the dashboard keeps a GateConfig's canary-vs-stable
+    panels to its own models with it (two GateConfigs with the same params share version ids)."""
+    import asyncio
+
+    from sparsegate.handlers import rollout_metrics
+
+    ns, model = "unit-ns", "unit-model"
+
+    def event(type_, ref, index):
+        body = {"metadata": {"namespace": ns, "name": model}, "spec": {"gateConfigRef": {"name": ref}} if ref else {}}
+        asyncio.run(rollout_metrics.sparsemodel_gateconfig_binding(type=type_, body=body, namespace=ns, name=model,
+                                                                   sparsegate_model_views=index))
+
+    def bound() -> set[str]:
+        return {gc for gc in ("gate-a", "gate-b")
+                if sample("sparsegate_gateconfig_model_info", namespace=ns, gateconfig=gc, model=model) == 1}
+
+    indexed = {(ns, model): [{}]}
+    event("ADDED", "gate-a", indexed)
+    assert bound() == {"gate-a"}
+    event("MODIFIED", "gate-b", indexed)  # spec.gateConfigRef edited: only the new one
+    assert bound() == {"gate-b"}
+    event("DELETED", "gate-b", indexed)  # an earlier object's DELETED, the name created again
+    assert bound() == {"gate-b"}
+    event("MODIFIED", None, indexed)  # no reference: the built-in gate, no GateConfig
+    assert bound() == set()
+    event("MODIFIED", "gate-a", indexed)
+    event("DELETED", "gate-a", {})
+    assert bound() == set()

@@ -724,3 +724,33 @@ async def test_a_wall_clock_jump_forward_neither_completes_the_window_nor_thins_
         assert st["rollout"]["phase"] == "Analysing" and st["rollout"]["step"] == 1
     st = await step(1)  # 10 s of data since the window began
     assert st["rollout"]["step"] == 2 and st["analysisRuns"][0]["phase"] == "Successful"
+
+
+async def test_outcome_push_and_step_series_exist_at_zero_before_their_first_count() -> None:
+    """The dashboard's "Finished rollouts by outcome" and "Median step duration" take increase()
+    over the range, which counts a series from its first sample: a series born at 1 (an outcome's
+    first rollout since the operator started, a percent's first step) showed 0 or nothing."""
+    get = controller.prometheus_client.REGISTRY.get_sample_value
+    for outcome in ("succeeded", "rolled_back", "aborted", "failed", "superseded", "reverted"):
+        assert get("sparsegate_rollouts_total", {"outcome": outcome}) is not None, outcome
+    for result in ("ok", "error"):
+        assert get("sparsegate_rollout_gate_pushes_total", {"result": result}) is not None, result
+    step = {"percent": "37", "le": "+Inf"}
+    assert get("sparsegate_rollout_step_duration_seconds_bucket", step) is None
+    clock = [1000.0]
+    kube = FakeKube(spec(V1))
+    kube.obj["spec"]["rollout"]["steps"] = [37, 100]
+    loop, cache = Loop(kube=kube, admin=FakePods(clock), clock=lambda: clock[0]), RolloutCache()  # type: ignore[arg-type]
+    await tick(loop, cache, clock, 1)
+    # Step 37 has not run, let alone ended: its series are there, at 0.
+    assert get("sparsegate_rollout_step_duration_seconds_bucket", step) == 0
+    assert get("sparsegate_rollout_step_duration_seconds_count", {"percent": "37"}) == 0
+
+
+def test_a_step_of_an_hour_lands_in_a_finite_bucket() -> None:
+    """analysisInterval has no upper bound: an hour-long step fell only in +Inf, where the
+    dashboard's histogram_quantile answers the last finite bound (1800 s) whatever the real time."""
+    get = controller.prometheus_client.REGISTRY.get_sample_value
+    controller.STEP_SECONDS.labels(percent="unit-hour").observe(3600)
+    assert get("sparsegate_rollout_step_duration_seconds_bucket", {"percent": "unit-hour", "le": "1800.0"}) == 0
+    assert get("sparsegate_rollout_step_duration_seconds_bucket", {"percent": "unit-hour", "le": "3600.0"}) == 1
