@@ -9,6 +9,7 @@ re-store weights) never overlaps a forward.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -17,11 +18,14 @@ import torch
 
 from sparsegate_contracts.gate import GateDocument
 
+from . import cgroup_limits
 from .gating import tool_fires
 from .inference import InferenceResult
 from .moe import MoEStats
 from .quality import score_hidden_rows
 from .threshold_control import ThresholdController
+
+log = logging.getLogger("sparsegate.workload")
 
 if TYPE_CHECKING:  # the hf package loads transformers: only when a checkpoint is loaded
     from .hf.gated_block import ActiveGate
@@ -217,6 +221,34 @@ def load(path: str | Path, *, gate: GateDocument, name: str | None = None,
     ``placement``: experts on their own dtype/device (hf.placement; PlacementError)."""
     from .hf import load_moe_checkpoint  # transformers loads here, not when the server starts
 
+    warning = weight_memory_warning(path, DTYPES[dtype], limit=cgroup_limits.memory_limit())
+    if warning:
+        log.warning("%s", warning)
     lm = load_moe_checkpoint(path, gate=gate, dtype=DTYPES[dtype], device=device,
                              placement=placement)
     return HFServedModel(lm, name=name or Path(path).resolve().name)
+
+
+def weight_memory_warning(path: str | Path, dtype: torch.dtype, *, limit: int | None) -> str | None:
+    """What to log when the checkpoint's weights alone, in ``dtype``, exceed ``limit`` (the
+    container's memory limit, cgroup memory.max): transformers holds them all in host memory
+    while it loads (before any move to a GPU or precision change), so the pod is likely
+    OOMKilled, and restarted into the same load. None when they fit, or when there is no limit
+    or the files cannot be read (the load then says why)."""
+    from .hf.checkpoint_files import CheckpointError, check_weight_files, safetensors_header
+
+    if limit is None:
+        return None
+    try:
+        shards = check_weight_files(Path(path))
+        numel = sum(math.prod(entry["shape"]) for shard in shards
+                    for key, entry in safetensors_header(shard).items() if key != "__metadata__")
+    except (CheckpointError, OSError, KeyError, TypeError):
+        return None
+    need = numel * dtype.itemsize
+    if need <= limit:
+        return None
+    return (f"checkpoint {path}: its weights take {need / 2**30:.2f} GiB in {dtype}, more than "
+            f"this container's memory limit of {limit / 2**30:.2f} GiB (cgroup memory.max): the "
+            "load is likely to be OOMKilled; raise the pod's memory limit or use a smaller "
+            "--model-dtype")

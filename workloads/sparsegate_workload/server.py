@@ -91,7 +91,7 @@ from sparsegate_contracts.gate import (DEFAULT_DOCUMENT, GateDocument, GateParam
 from sparsegate_contracts.names import DEFAULT_ADMIN_PORT
 from sparsegate_contracts.version import version_line
 
-from . import hf_serving, openai_api, quality, request_guard, tools
+from . import cgroup_limits, hf_serving, openai_api, quality, request_guard, tools
 from .admin import AdminAuth, AdminDenied, AdminFiles, check_bearer
 from .batch_decode import BatchDecoder
 from .batch_engine import DEFAULT_MAX_NUM_SEQS, BatchEngine
@@ -913,8 +913,12 @@ def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
 THREADS_ENV = "SPARSEGATE_TORCH_THREADS"
 
 
-def torch_threads(flag: int | None, environ: Mapping[str, str] = os.environ) -> int:
-    """``--threads``, else ``$SPARSEGATE_TORCH_THREADS`` (empty counts as unset), else 1.
+def torch_threads(flag: int | None, environ: Mapping[str, str] = os.environ, *,
+                  cgroup_root: str = cgroup_limits.CGROUP_ROOT) -> int:
+    """``--threads``, else ``$SPARSEGATE_TORCH_THREADS`` (empty counts as unset), else the
+    container's CPU limit (cgroup ``cpu.max`` / CFS quota, rounded up, at most the CPUs this process
+    may use), else 1 (no limit: many servers share a machine). Never ``os.cpu_count()``: that is
+    the node's cores, and that many threads under a smaller quota are throttled every period.
     Raises ValueError naming the flag or the variable when the value is not an integer >= 1."""
     if flag is not None:
         if flag < 1:
@@ -922,7 +926,7 @@ def torch_threads(flag: int | None, environ: Mapping[str, str] = os.environ) -> 
         return flag
     raw = environ.get(THREADS_ENV, "").strip()
     if not raw:
-        return 1
+        return cgroup_limits.threads_for_limit(cgroup_limits.cpu_limit(cgroup_root)) or 1
     try:
         value = int(raw)
     except ValueError:
@@ -971,7 +975,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-tls-key", help="PEM private key of --admin-tls-cert")
     p.add_argument("--threads", type=int, default=None,
                    help=f"torch intra-op threads (default: ${THREADS_ENV} when set and not empty, "
-                        "else 1: many servers share a machine)")
+                        "else the container's CPU limit rounded up (cgroup cpu.max), else 1: "
+                        "many servers share a machine)")
     p.add_argument("--seed", type=int, default=0, help="model init seed")
     p.add_argument("--model-path", metavar="DIR",
                    help="serve this local Hugging Face MoE checkpoint (config.json, safetensors, "
@@ -1031,6 +1036,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
+    log.info("torch intra-op threads: %d (container CPU limit: %s)", args.threads,
+             cgroup_limits.cpu_limit() or "none")
     # Fail before serving, with the reason: a pod that cannot serve its gate should crash-loop
     # visibly rather than answer probes.
     try:

@@ -1,5 +1,5 @@
 """The server's torch thread count: --threads, else $SPARSEGATE_TORCH_THREADS (empty = unset), else
-1; a bad value is an argparse error naming its source, never a traceback (and never breaks --help)."""
+the container's CPU limit (cgroup cpu.max, rounded up), else 1; a bad value is an argparse error naming its source, never a traceback (and never breaks --help)."""
 
 import pytest
 
@@ -15,8 +15,23 @@ from sparsegate_workload.server import (SHUTDOWN_DELAY_ENV, THREADS_ENV, build_p
     (2, {THREADS_ENV: "3"}, 2),        # the flag wins
     (2, {THREADS_ENV: "abc"}, 2),      # a bad variable is not read when the flag is given
 ])
-def test_threads_come_from_the_flag_then_the_variable_then_1(flag, env, expected) -> None:
-    assert torch_threads(flag, env) == expected
+def test_threads_come_from_the_flag_then_the_variable_then_1(flag, env, expected, tmp_path) -> None:
+    assert torch_threads(flag, env, cgroup_root=str(tmp_path)) == expected  # no cgroup limit
+
+
+@pytest.mark.parametrize("flag, env, cpu_max, expected", [
+    (None, {}, "400000 100000", 4),           # 4 CPUs of a many-core node: 4 threads, not 1
+    (None, {}, "150000 100000", 2),           # rounded up
+    (None, {}, "50000 100000", 1),            # at least 1
+    (None, {}, "max 100000", 1),              # no limit: 1, many servers share a machine
+    (None, {THREADS_ENV: "3"}, "400000 100000", 3),   # the variable wins
+    (2, {}, "400000 100000", 2),              # the flag wins
+])
+def test_default_threads_follow_the_container_cpu_limit(flag, env, cpu_max, expected, tmp_path,
+                                                        monkeypatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))  # a 64-core node
+    (tmp_path / "cpu.max").write_text(cpu_max + "\n")
+    assert torch_threads(flag, env, cgroup_root=str(tmp_path)) == expected
 
 
 @pytest.mark.parametrize("value", ["abc", "1.5", "0", "-2"])
