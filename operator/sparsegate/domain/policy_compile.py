@@ -461,13 +461,18 @@ def flow_document(
                                      policed_destinations=policed, allowed_sources=allowed_sources)
 
 
-def _rebuilt(document: Mapping[str, Any], rows: list[Any], *, ips_kept: Any = None) -> dict[str, Any]:
+def _rebuilt(document: Mapping[str, Any], rows: list[Any], *, ips_kept: Any = None,
+             police: Collection[str] = ()) -> dict[str, Any]:
     """`document` with only `rows` (and, identity form, only the IPs `ips_kept(ip)` accepts) left: what
-    it polices and always allows stays (narrowing only)."""
+    it polices and always allows stays (narrowing only), and the IPs of `police` are policed too."""
     identities = flowpolicy.identity_ips(document)
     kept = {i: [ip for ip in ips if ips_kept is None or ips_kept(ip)] for i, ips in identities.items()}
-    if len(rows) == len(flowpolicy.rows_of(document)) and kept == identities:
+    policed = flowpolicy.policed_of(document)
+    more = set(police) - set(policed)
+    if len(rows) == len(flowpolicy.rows_of(document)) and kept == identities and not more:
         return dict(document)  # nothing removed: the same document
+    if more:
+        document = {**document, flowpolicy.POLICED_DESTINATIONS: [*policed, *sorted(more)]}
     return flowpolicy.with_rows(document, rows, identities=[{"identity": i, "ips": ips} for i, ips in kept.items()])
 
 
@@ -584,8 +589,10 @@ def narrow_undecided(
       the policy's namespace), and so does every allow entry towards an IP that is no pod now (it
       cannot be shown not to be a target).
     An undecided Allow removes nothing else: an Allow only ever adds access. Deny entries stay
-    (they explain drops; the default denies anyway). When OPA answers again the normal sync
-    publishes what OPA allows, which may be wider again.
+    (they explain drops; the default denies anyway). Every pod of a model some policy targets now
+    is policed (a replica started, or a model first targeted, since OPA last decided): unpoliced,
+    it would pass every caller. When OPA answers again the normal sync publishes what OPA allows,
+    which may be wider again.
     """
     undecided = set(undecided)
     model_of_ip = {ip: (pod.namespace, pod.model) for pod in pods for ip in pod.addresses}
@@ -609,7 +616,10 @@ def narrow_undecided(
         or not (flowpolicy.policy_of_rule(e.get("rule", "")) in undecided
                 or any(denied_now(ip) for ip in _dst_ips(document, e)))
     ]
-    return _rebuilt(document, rows)
+    targeted = {(s.namespace, str(t.get("sparseModel") or ANY)) for s in sources for t in s.spec.get("targets") or ()}
+    police = [ip for pod in pods if pod.model and ((pod.namespace, pod.model) in targeted
+                                                   or (pod.namespace, ANY) in targeted) for ip in pod.addresses]
+    return _rebuilt(document, rows, police=police)
 
 
 def policies_named(document: Mapping[str, Any]) -> set[str]:

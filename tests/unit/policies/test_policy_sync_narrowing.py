@@ -13,6 +13,7 @@ from sparsegate.domain.policy import PolicySource, Port
 from sparsegate.domain.policy_capacity import Capacity
 from sparsegate.domain.policy_compile import FlowTable, PodInfo
 from sparsegate.handlers.routingpolicy import PolicySync, Settings
+from sparsegate_contracts import flowpolicy
 from test_policy_sync_malformed_answer import FakeOpa, MemoryStore
 
 M = PodInfo("models", "mixtral-0", "127.20.0.10", "default", (("sparsegate.dev/model", "mixtral"),), (Port(8080),))
@@ -82,6 +83,12 @@ def allows(store: MemoryStore, src: PodInfo, dst: PodInfo = M) -> bool:
     return FlowTable.from_document(store.document).allows(src_ip=src.ip, dst_ip=dst.ip, port=8080)
 
 
+def reaches(store: MemoryStore, src: PodInfo, dst: PodInfo) -> bool:
+    """What an agent does: a destination the document does not police passes every caller."""
+    assert store.document is not None
+    return dst.ip not in flowpolicy.policed_of(store.document) or allows(store, src, dst)
+
+
 async def decided(policies: list[PolicySource], pods: list[PodInfo]) -> tuple[MemoryStore, FakeOpa, PolicySync]:
     store = MemoryStore()
     opa, sync = operator(store)
@@ -136,3 +143,28 @@ async def test_a_deny_that_makes_the_allow_list_too_large_still_takes_the_access
     assert sync.too_large is not None and "needs 7 policy map records, capacity 5" in sync.too_large
     assert not allows(store, OTHER), "the Deny's caller kept access through the allow-list kept"
     assert not allows(store, JOB)
+
+
+async def test_model_pods_new_to_the_policies_while_opa_is_down_are_policed() -> None:
+    """A replica of a policed model started, or a model a new Deny targets, while OPA is down: its pods
+    must be judged (default deny), not left out of policedDestinations, where every caller passes."""
+    replica = PodInfo("models", "mixtral-1", "127.20.0.11", "default", (("sparsegate.dev/model", "mixtral"),),
+                      (Port(8080),))
+    llama = PodInfo("models", "llama-0", "127.20.0.20", "default", (("sparsegate.dev/model", "llama"),), (Port(8080),))
+    deny_llama = PolicySource("models", "deny-llama", 1, {
+        "action": "Deny", "sources": [{"namespace": "batch"}], "targets": [{"sparseModel": "llama"}]})
+    store, opa, sync = await decided([ALLOW], [M, TRUSTED, JOB, llama])
+    assert not reaches(store, JOB, M) and reaches(store, JOB, llama)  # llama: no policy targets it yet
+    await sync_while_down(sync, opa, [ALLOW], [M, replica, TRUSTED, JOB, llama])
+    assert not reaches(store, JOB, replica), "a new replica of a policed model passed a caller no policy allows"
+    await sync_while_down(sync, opa, [ALLOW, deny_llama], [M, replica, TRUSTED, JOB, llama])
+    assert not reaches(store, JOB, llama), "a Deny added while OPA was down did not close its target"
+    assert reaches(store, TRUSTED, M)  # what OPA allowed and no change touches stays
+    # the same after a restart, OPA still down
+    restarted_store = MemoryStore()
+    opa, first = operator(restarted_store)
+    opa.answer = opa_answer([ALLOW])
+    await first.sync(policies=[ALLOW], pods=[M, TRUSTED, JOB, llama])
+    opa, restarted = operator(restarted_store)
+    await sync_while_down(restarted, opa, [ALLOW, deny_llama], [M, replica, TRUSTED, JOB, llama])
+    assert not reaches(restarted_store, JOB, replica) and not reaches(restarted_store, JOB, llama)
