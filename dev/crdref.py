@@ -26,7 +26,7 @@ def _fields(schema: dict, prefix: str) -> Iterator[tuple[str, str, str, str]]:
     """(path, type, default, description) for every property below ``schema``, depth first."""
     for name, prop in (schema.get("properties") or {}).items():
         path = f"{prefix}.{name}"
-        typ = prop.get("type", "object")
+        typ = "int-or-string" if prop.get("x-kubernetes-int-or-string") else prop.get("type", "object")
         if typ == "array":
             typ = f"[]{prop.get('items', {}).get('type', 'object')}"
         default = "" if "default" not in prop else f"`{json.dumps(prop['default'])}`"

@@ -94,6 +94,7 @@ TERMINATION_GRACE_S = SHUTDOWN_DELAY_S + SERVER_REQUEST_TIMEOUT_S + 10
 
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_NODE_LABEL = "nvidia.com/gpu.present"
+CPU_MEMORY = ("cpu", "memory")  # spec.resources.requests / limits keys (Kubernetes quantities)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +200,22 @@ def serving_port(model: Mapping[str, Any]) -> int:
 
 def gpus(model: Mapping[str, Any]) -> int:
     return int((model["spec"].get("resources") or {}).get("gpus") or 0)
+
+
+def container_resources(model: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+    """The model server container's ``resources``: ``spec.resources.requests``/``limits`` (cpu,
+    memory: Kubernetes quantities, as written) and ``gpus`` as nvidia.com/gpu in both; a part
+    with nothing in it is left out (no requests and limits at all: BestEffort, as before)."""
+    res = model["spec"].get("resources") or {}
+    n_gpus = gpus(model)
+    out: dict[str, dict[str, str]] = {}
+    for part in ("limits", "requests"):
+        values = {k: str(v) for k, v in (res.get(part) or {}).items() if k in CPU_MEMORY and v is not None}
+        if n_gpus > 0:
+            values[GPU_RESOURCE] = str(n_gpus)
+        if values:
+            out[part] = values
+    return out
 
 
 # SparseModel spec.model field -> model server flag (sparsegate_workload.server).
@@ -367,10 +384,11 @@ def render_deployment(model: Mapping[str, Any], document: GateDocument, *,
         pod_spec["volumes"].append({"name": MODEL_VOLUME, "persistentVolumeClaim": {
             "claimName": claim["claimName"], "readOnly": True}})
         container["volumeMounts"].append({"name": MODEL_VOLUME, "mountPath": claim["mountPath"], "readOnly": True})
+    resources = container_resources(model)
+    if resources:
+        container["resources"] = resources
     n_gpus = gpus(model)
     if n_gpus > 0:
-        container["resources"] = {"limits": {GPU_RESOURCE: str(n_gpus)},
-                                  "requests": {GPU_RESOURCE: str(n_gpus)}}
         pod_spec["nodeSelector"] = {GPU_NODE_LABEL: "true"}
         # GPU pools are commonly tainted so that only GPU workloads land there.
         pod_spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists",

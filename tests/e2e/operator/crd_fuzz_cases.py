@@ -181,7 +181,9 @@ EXTRAS: dict[str, dict[str, Any]] = {
                              "expertGroups": [{"name": "math", "experts": [0, 1]},
                                               {"name": "code", "experts": [2, 3]}],
                              "access": {"requestAuth": "Enforce", "tokenCacheSeconds": 30},
-                             "service": {"headless": True}}},
+                             "service": {"headless": True},
+                             "resources": {"requests": {"cpu": "500m", "memory": "1Gi"},
+                                           "limits": {"cpu": 2, "memory": "2Gi"}}}},
     "GateConfig": {"spec": {
         "params": {"faultInjection": {"errorRate": 0.0, "addedLatencyMs": 0}, "targetExpertsPerToken": 2,
                    "hardwareCostLambda": 0.5},
@@ -237,6 +239,7 @@ WRONG_TYPE_VALUES: dict[str, list[Any]] = {
     "boolean": ["true", 1, [True], {"v": True}],
     "object": ["not-an-object", 7, ["x"]],
     "array": ["not-an-array", 7, {"v": 1}],
+    "int-or-string": [True, 1.5, ["1"], {"v": 1}],
 }
 
 # Strings tried against a pattern; those the pattern refuses (and that fit the length bounds)
@@ -285,6 +288,8 @@ class Walker:
             self.numeric(schema, path)
         elif kind == "string":
             self.string(schema, path, value)
+        elif kind == "int-or-string":  # a Kubernetes quantity: its pattern and length hold for strings
+            self.string(schema, path, str(value))
 
     def wrong_type(self, schema: Mapping[str, Any], path: FieldPath) -> None:
         candidates = WRONG_TYPE_VALUES.get(_types(schema) or "", [])
@@ -602,6 +607,26 @@ CEL_CASES: dict[tuple[str, str, str], list[CelCase]] = {
     ],
 }
 
+QUANTITY_NOT_NEGATIVE = "!isQuantity(string(self)) || !quantity(string(self)).isLessThan(quantity('0'))"
+
+
+def _request_over_limit(resource: str, request: Any, limit: Any) -> CelCase:
+    return ("cross_field", f"spec.resources.requests.{resource}", f"request {request!r} > limit {limit!r}",
+            _sets((f"spec.resources.requests.{resource}", request), (f"spec.resources.limits.{resource}", limit)))
+
+
+for _part in ("requests", "limits"):
+    for _res, _bads in (("cpu", ("-1", "-500m", -2)), ("memory", ("-1Gi", -1))):
+        _path = f"spec.resources.{_part}.{_res}"
+        CEL_CASES[("SparseModel", _path, QUANTITY_NOT_NEGATIVE)] = [
+            ("out_of_range", _path, f"negative {bad!r}", _set(_path, bad)) for bad in _bads]
+for _res, _pairs in (("cpu", (("2001m", 2), (3, "2"), ("1.5", "1499m"))),
+                     ("memory", (("2Gi", "2G"), (1025, "1Ki"), ("1Ti", "1e12")))):
+    _rule = (f"!has(self.requests) || !has(self.requests.{_res}) || !has(self.limits) || !has(self.limits.{_res}) || "
+             f"!isQuantity(string(self.requests.{_res})) || !isQuantity(string(self.limits.{_res})) || "
+             f"!quantity(string(self.requests.{_res})).isGreaterThan(quantity(string(self.limits.{_res})))")
+    CEL_CASES[("SparseModel", "spec.resources", _rule)] = [_request_over_limit(_res, *pair) for pair in _pairs]
+
 # GateConfig spec.rollout.analysis.checks (full base: [0] builtin, [1] prometheus, [2] web).
 _CHECKS = "spec.rollout.analysis.checks"
 
@@ -669,6 +694,9 @@ PATTERN_CASES: dict[tuple[str, str], list[str]] = {
         "spiffe://cluster.local/ns/web?x=1", "spiffe:///ns/web", "spiffe://cluster.local/ns/web/sa/fr*"],
     # Linux refuses ':' (an alias label like eth0:1 is no device), '/' and whitespace in interface names.
     ("TelemetryProbe", "spec.interfaces[0]"): ["eth0:1", ":", "eth/0", "eth 0", "eth0\t", "eth0\n"],
+    # Not Kubernetes quantities: the Deployment would refuse them (spelled as people write them).
+    ("SparseModel", "spec.resources.requests.cpu"): ["2 cores", "0.5cpu", "500M ", "1,5", "1..5", "0x10", "m"],
+    ("SparseModel", "spec.resources.limits.memory"): ["1GB", "1gi", "1 Gi", "4GiB", "Ki", "1e", "1E+"],
     # The HTTP client refuses control characters in a header value (the request is never sent).
     ("GateConfig", f"{_CHECKS}[2].provider.web.headers[0].value"): [
         "canary\r\nX-Injected: 1", "canary\n", "a\rb", "a\x00b", "a\x1bb", "a\x7fb", "\x01"],
@@ -781,6 +809,11 @@ def valid_edges(schemas: Mapping[str, Mapping[str, Any]], examples: Mapping[str,
              named("SparseModel", "sm-two-experts", {
                  "replicas": 0, "model": {"dModel": 8, "experts": 2},
                  "gateConfigRef": {"name": "gc-defaults"}})),
+        Edge("SparseModel", "cpu/memory requests equal to limits spelled otherwise (integers, millicores, bytes)",
+             named("SparseModel", "sm-cpu-memory", {
+                 "replicas": 0, "model": {"dModel": 8, "experts": 2, "maxExpertsPerToken": 2},
+                 "resources": {"requests": {"cpu": 1, "memory": 1073741824},
+                               "limits": {"cpu": "1000m", "memory": "1Gi"}}})),
         Edge("SparseModel", "most GPUs per instance (no node has them: Pending), highest port",
              named("SparseModel", "sm-max-gpus", {
                  "replicas": 1, "servingPort": bound("SparseModel", "spec.servingPort", "maximum"),

@@ -56,6 +56,36 @@ def test_leaving_request_auth_enforce_moves_the_pods_off_the_tokenreview_service
     assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
 
 
+def test_cpu_and_memory_requests_and_limits_reach_the_deployment_and_reapply_writes_nothing(cluster, namespace):
+    """spec.resources requests/limits as a user may spell them (integers, millicores): the API
+    server keeps them beside nvidia.com/gpu (1000m as 1), the pod they make is Burstable (so not
+    evicted first), the operator's next apply of the same rendering is a no-op, and unsetting
+    them removes them."""
+    kube = Kube.from_kubeconfig(str(cluster.kubeconfig))
+    model = _model(namespace, resources={"gpus": 1, "requests": {"cpu": "250m", "memory": 268435456},
+                                         "limits": {"cpu": "1000m", "memory": "512Mi"}})
+    dep = _deployment(model)
+    kube.apply(dep)
+    (container,) = _pod_spec(cluster, namespace)["containers"]
+    assert container["resources"] == {
+        "requests": {"cpu": "250m", "memory": "268435456", "nvidia.com/gpu": "1"},
+        "limits": {"cpu": "1", "memory": "512Mi", "nvidia.com/gpu": "1"}}
+    before = json.loads(cluster.kubectl("get", "deployment", "m", "-n", namespace, "-o", "json").stdout)
+    kube.apply(_deployment(model))
+    after = json.loads(cluster.kubectl("get", "deployment", "m", "-n", namespace, "-o", "json").stdout)
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "m-probe", "namespace": namespace},
+           "spec": dep["spec"]["template"]["spec"]}
+    out = cluster.kubectl("create", "--dry-run=server", "-f", "-", "-o", "json", input=json.dumps(pod), check=False)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["status"]["qosClass"] == "Burstable"
+
+    # Unset again: the operator's apply no longer owns them, so the API server drops them.
+    kube.apply(_deployment(_model(namespace, resources={"gpus": 1})))
+    (container,) = _pod_spec(cluster, namespace)["containers"]
+    assert container["resources"] == {"requests": {"nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": "1"}}
+
+
 def test_a_privileged_serving_port_renders_a_pod_that_pod_security_restricted_admits(cluster, namespace):
     """servingPort 80: the pod's sysctl that lets the non-root server bind it is one the API
     server's PodSecurity admission allows at restricted (the level the chart documents)."""

@@ -99,6 +99,8 @@ def test_sparsemodel_rules_name_their_field():
     assert spec["replicas"]["minimum"] == 0 and spec["servingPort"]["default"] == 8080
     for r in spec["model"]["x-kubernetes-validations"]:
         assert r["fieldPath"].lstrip(".") in r["message"] and r["message"].startswith("spec.model.")
+    for r in spec["resources"]["x-kubernetes-validations"]:  # a request above its limit
+        assert r["message"].startswith("spec.resources" + r["fieldPath"] + " must not exceed spec.resources.limits.")
 
 
 def test_crds_have_one_source():

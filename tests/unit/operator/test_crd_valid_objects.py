@@ -33,6 +33,7 @@ import copy
 import json
 import random
 import re
+from decimal import Decimal
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,9 @@ def _leaf_values(schema: Mapping[str, Any], value: Any) -> list[Any]:
         out = [v for v in out if _matches(schema, v)]
     elif kind == "boolean":
         out += [True, False]
+    elif kind == "int-or-string":  # a quantity: zero, and its longest spelling of the value's unit
+        out += [0, *([fuzz.long_string(schema, str(value), schema["maxLength"])] if schema.get("maxLength") else [])]
+        out = [v for v in out if not isinstance(v, str) or _matches(schema, v)]
     return out
 
 
@@ -180,6 +184,12 @@ def sparsemodel_cel_ok(obj: Mapping[str, Any]) -> bool:
         return False
     if spec.get("servingPort") == names.DEFAULT_ADMIN_PORT:
         return False
+    resources = spec.get("resources") or {}
+    requests, limits = resources.get("requests") or {}, resources.get("limits") or {}
+    if any(quantity(v) < 0 for part in (requests, limits) for v in part.values()):
+        return False
+    if any(r in requests and r in limits and quantity(requests[r]) > quantity(limits[r]) for r in ("cpu", "memory")):
+        return False
     access = spec.get("access") or {}
     if "tokenCacheSeconds" in access and access.get("requestAuth") != "Enforce":
         return False
@@ -195,6 +205,19 @@ def sparsemodel_cel_ok(obj: Mapping[str, Any]) -> bool:
     return True
 
 
+_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60, "n": Decimal("1e-9"),
+           "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+           "P": 10**15, "E": 10**18}
+
+
+def quantity(value: int | str) -> Decimal:
+    """A Kubernetes quantity's value (resource.ParseQuantity, for the CRD's pattern)."""
+    number, suffix = re.fullmatch(r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(.*)", str(value)).groups()
+    if suffix in _SUFFIX:
+        return Decimal(number) * _SUFFIX[suffix]
+    return Decimal(number + suffix)  # a decimal exponent, e.g. 1e3
+
+
 # ---------------------------------------------------------------- what Kubernetes accepts
 
 DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -202,7 +225,9 @@ DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 IANA_SVC_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([a-z0-9]|-(?=[a-z0-9]))*$")
-QUANTITY = re.compile(r"^[0-9]+$")
+GPU_COUNT = re.compile(r"^[0-9]+$")
+QUANTITY = re.compile(SCHEMAS["SparseModel"]["properties"]["spec"]["properties"]["resources"]["properties"]
+                      ["limits"]["properties"]["cpu"]["pattern"])
 
 
 def _labels_ok(labels: Mapping[str, str]) -> None:
@@ -232,8 +257,10 @@ def assert_kubernetes_accepts(objs: list[dict[str, Any]]) -> None:
                     assert len(port["name"]) <= 15 and IANA_SVC_NAME.match(port["name"]), port
                 assert len({p["containerPort"] for p in container["ports"]}) == len(container["ports"])
                 for limits in (container.get("resources") or {}).values():
-                    for quantity in limits.values():
-                        assert QUANTITY.match(quantity), quantity
+                    for name, value in limits.items():
+                        assert isinstance(value, str), (name, value)
+                        assert (GPU_COUNT if name == "nvidia.com/gpu" else QUANTITY).match(value), (name, value)
+                        assert quantity(value) >= 0, (name, value)
                 mounts = [m["mountPath"] for m in container["volumeMounts"]]
                 assert len(set(mounts)) == len(mounts), mounts
             for volume in pod["volumes"]:

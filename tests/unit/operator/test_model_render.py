@@ -109,6 +109,26 @@ def test_cpu_models_have_no_gpu_scheduling():
     assert "nodeSelector" not in pod and "tolerations" not in pod
 
 
+def test_cpu_and_memory_requests_and_limits_reach_the_container_beside_the_gpus():
+    res = {"requests": {"cpu": "500m", "memory": 1073741824}, "limits": {"cpu": 2, "memory": "2Gi"}, "gpus": 1}
+    (c,) = render.render_deployment(model(resources=res), DOC)["spec"]["template"]["spec"]["containers"]
+    # Quantities as written, as strings (an integer is a whole number of cores or bytes).
+    assert c["resources"] == {"requests": {"cpu": "500m", "memory": "1073741824", "nvidia.com/gpu": "1"},
+                              "limits": {"cpu": "2", "memory": "2Gi", "nvidia.com/gpu": "1"}}
+
+
+@pytest.mark.parametrize(("res", "expected"), [
+    ({"gpus": 0, "limits": {"cpu": "1"}}, {"limits": {"cpu": "1"}}),
+    ({"gpus": 0, "requests": {"memory": "256Mi"}}, {"requests": {"memory": "256Mi"}}),
+    ({"gpus": 0, "requests": {}, "limits": {}}, None),
+    ({"gpus": 2, "requests": {"cpu": "250m"}},
+     {"requests": {"cpu": "250m", "nvidia.com/gpu": "2"}, "limits": {"nvidia.com/gpu": "2"}}),
+])
+def test_only_what_is_set_is_rendered(res, expected):
+    (c,) = render.render_deployment(model(resources=res), DOC)["spec"]["template"]["spec"]["containers"]
+    assert c.get("resources") == expected
+
+
 def test_gate_configmap_holds_the_content_addressed_document():
     cm = render.render_configmap(model(), DOC)
     doc = json.loads(cm["data"]["gate.json"])
