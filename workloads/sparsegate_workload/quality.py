@@ -40,7 +40,7 @@ import dataclasses
 import math
 import random
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -170,15 +170,28 @@ def checkpoint_probe(model_dir: str | Path, tokenizer: Any | None, *, vocab_size
     if tokenizer is None:
         return random_probe(vocab_size=vocab_size, seq_len=seq_len)
     if path.is_file():
-        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        # Read and tokenized only as far as PROBE_MAX_TOKENS: a shipped file may be a whole
+        # validation set, and every line of a 30 MB one took ~30 s to tokenize at each load.
+        with path.open(encoding="utf-8") as f:
+            ids = _probe_ids((part for ln in f for part in ln.splitlines()), tokenizer)
         source = str(path)
     else:
         from .training.corpus import generate_lines
 
-        lines = [text for text, _ in generate_lines(PROBE_LINES, seed=PROBE_SEED)]
+        ids = _probe_ids((text for text, _ in generate_lines(PROBE_LINES, seed=PROBE_SEED)), tokenizer)
         source = f"synthetic corpus lines (seed {PROBE_SEED})"
-    ids = [t for line in lines for t in tokenizer(line + "\n", add_special_tokens=False)["input_ids"]]
     return ProbeSet(windows=_windows(ids, seq_len), source=source)
+
+
+def _probe_ids(lines: Iterable[str], tokenizer: Any) -> list[int]:
+    """The ids of the non-blank ``lines`` (each followed by a newline), up to PROBE_MAX_TOKENS."""
+    ids: list[int] = []
+    for line in lines:
+        if line.strip():
+            ids += tokenizer(line + "\n", add_special_tokens=False)["input_ids"]
+            if len(ids) >= PROBE_MAX_TOKENS:
+                break
+    return ids
 
 
 def random_probe(*, vocab_size: int, seq_len: int = PROBE_SEQ_LEN, windows: int = 4) -> ProbeSet:

@@ -627,9 +627,11 @@ async def _load_and_install(state: ServerState) -> None:
                                    max_num_seqs=state.max_num_seqs, metrics=metrics_,
                                    tool_runner=runner)
         try:
-            metrics_.quality.probe = quality.checkpoint_probe(
-                state.model_path, hf.tokenizer, vocab_size=hf.vocab_size,
-                context_length=hf.context_length)
+            # Off the event loop (a probe file is read and tokenized): /healthz answers meanwhile.
+            metrics_.quality.probe = await loop.run_in_executor(
+                state.tokenizer_thread, lambda: quality.checkpoint_probe(
+                    state.model_path, hf.tokenizer, vocab_size=hf.vocab_size,
+                    context_length=hf.context_length))
         except (ValueError, OSError) as e:  # e.g. a probe file shorter than one window, or
             # one this user may not read: serve without it (quality is then not reported)
             log.warning("no probe set: %s", e)

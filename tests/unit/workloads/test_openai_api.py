@@ -508,6 +508,39 @@ async def test_a_failure_after_the_weights_loaded_is_unready_naming_it(checkpoin
         await c.close()
 
 
+async def test_probes_are_answered_while_the_probe_set_is_read(checkpoint, monkeypatch):
+    """The probe set (a shipped sparsegate_probe.txt, read and tokenized) is made off the event
+    loop: made on it, a large file held /healthz and /readyz past the kubelet's 1 s timeout for
+    as long as it took (~9 s for 8 MB), and liveness killed the pod while it loaded. Here the probe
+    set is held until /healthz has been answered; on the loop it would hold the loop instead."""
+    from sparsegate_workload import quality
+
+    real, entered, release, held = quality.checkpoint_probe, threading.Event(), threading.Event(), []
+
+    def slow(*args, **kwargs):
+        entered.set()
+        held.append(release.wait(3))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quality, "checkpoint_probe", slow)
+    app = create_app(gate_doc=ONE_EXPERT, model_path=str(checkpoint))
+    c = TestClient(TestServer(app, host="127.0.0.1"))
+    await c.start_server()
+    try:
+        assert await asyncio.to_thread(entered.wait, 30)
+        assert (await c.get("/healthz")).status == 200
+        ready = await c.get("/readyz")
+        assert ready.status == 503 and (await ready.json())["reason"] == "model is still loading"
+        release.set()
+        await wait_ready(app)
+        assert held == [True]  # answered while the probe set was being made
+        assert app[STATE].metrics.quality.probe is not None
+        assert (await c.get("/readyz")).status == 200
+    finally:
+        release.set()
+        await c.close()
+
+
 async def test_a_probe_file_the_server_cannot_read_serves_without_a_probe_set(checkpoint, monkeypatch):
     """An unreadable sparsegate_probe.txt (an OSError, e.g. a file this user may not read) is
     treated as a probe file too short to use: served, quality not reported."""

@@ -116,6 +116,32 @@ def test_probe_sources(checkpoint, tmp_path) -> None:
         quality.checkpoint_probe(shipped, lm.tokenizer, vocab_size=384, context_length=512)
 
 
+def test_a_large_probe_file_is_tokenized_only_as_far_as_it_is_scored(checkpoint, tmp_path) -> None:
+    """Only PROBE_MAX_TOKENS probe tokens are scored: a shipped file (a whole validation set) was
+    read and tokenized to its end at each load, ~1 s per MB, while the model loaded."""
+    from sparsegate_workload.hf import load_moe_checkpoint
+
+    real = load_moe_checkpoint(checkpoint).tokenizer
+    calls = []
+
+    def tokenizer(text, **kwargs):
+        calls.append(text)
+        return real(text, **kwargs)
+
+    line = "count 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15\n"
+    big, small = tmp_path / "big", tmp_path / "small"
+    big.mkdir()
+    small.mkdir()
+    (big / quality.PROBE_FILE).write_text(line * 50_000)
+    (small / quality.PROBE_FILE).write_text(line * 1_000)
+    got = quality.checkpoint_probe(big, tokenizer, vocab_size=384, context_length=512)
+    per_line = len(real(line, add_special_tokens=False)["input_ids"])
+    assert len(calls) == -(-quality.PROBE_MAX_TOKENS // per_line)  # just enough lines
+    want = quality.checkpoint_probe(small, real, vocab_size=384, context_length=512)
+    assert got.windows.shape == (quality.PROBE_MAX_TOKENS // quality.PROBE_SEQ_LEN, quality.PROBE_SEQ_LEN)
+    assert torch.equal(got.windows, want.windows)  # the same probe set as before
+
+
 def samples(text: str, name: str) -> dict[str, float]:
     return {s.labels.get("gate_version", ""): s.value for f in text_string_to_metric_families(text)
             for s in f.samples if s.name == name}
