@@ -372,6 +372,13 @@ async def readyz(request: web.Request) -> web.Response:
     if not state.loaded:
         return web.json_response({"ready": False, "reason": "model is still loading"},
                                  status=503)
+    if state.reviewer is not None and state.access is None:
+        # --request-auth: every POST answers 503 until the operator's first PUT /admin/access, so
+        # the pod stays out of the endpoints until then (the operator pushes to any pod with an IP,
+        # Ready or not: no deadlock).
+        return web.json_response({"ready": False, "reason": (
+            "no access rules received yet (--request-auth): requests are refused until the operator "
+            "sends them (PUT /admin/access)")}, status=503)
     # A model call runs at most about --request-timeout (a generation job ends at a step
     # boundary when a request times out): one running much longer is stuck (a hung kernel), and
     # every request behind it would wait to its timeout, so the pod leaves the endpoints.

@@ -263,6 +263,32 @@ async def test_the_guard_accepts_a_lowercase_bearer_scheme():
             assert resp.status == status, (header, await resp.text())
 
 
+async def test_readyz_is_503_until_the_first_access_document():
+    """With --request-auth every POST is refused (503) until the operator's first PUT /admin/access;
+    /readyz answered 200 meanwhile, so a Service routed callers to a pod that refused them all. The
+    operator pushes to pods with an IP, Ready or not, so holding readiness back cannot deadlock."""
+    from sparsegate.domain.request_access import access_document
+    from sparsegate_workload.admin import StaticToken
+    from sparsegate_workload.server import create_admin_app, create_app, wait_ready
+
+    app = create_app(reviewer=Reviews())
+    doc = access_document([], namespace="ns", model="moe", serving_port=8080, trust_domain="cluster.local")
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client, \
+            TestClient(TestServer(create_admin_app(app, auth=StaticToken("adm")), host="127.0.0.1")) as admin:
+        await wait_ready(app)
+        resp = await client.get("/readyz")
+        assert resp.status == 503 and "no access rules" in (await resp.json())["reason"]
+        assert (await client.post("/v1/infer", json={"tokens": [[1, 2, 3]]})).status == 503
+        assert (await admin.put("/admin/access", json=doc, headers={"Authorization": "Bearer adm"})).status == 200
+        resp = await client.get("/readyz")
+        assert resp.status == 200, await resp.text()
+        assert (await client.post("/v1/infer", json={"tokens": [[1, 2, 3]]})).status == 200
+    unguarded = create_app()  # without --request-auth no rules are awaited
+    async with TestClient(TestServer(unguarded, host="127.0.0.1")) as client:
+        await wait_ready(unguarded)
+        assert (await client.get("/readyz")).status == 200
+
+
 def test_token_cache_ttl_must_be_finite_and_positive(monkeypatch, capsys):
     """float() parses "inf" and "nan": inf cached every refusal forever, nan cached nothing."""
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
