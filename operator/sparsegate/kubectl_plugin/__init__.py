@@ -1,7 +1,8 @@
 """``kubectl sparsegate``: watch and steer GateConfig rollouts (after ``kubectl argo rollouts``).
 
-Commands: ``get [NAME] [-A]``, ``status NAME [--watch]``, ``pause``, ``resume``, ``promote [--full]``,
-``abort``, ``retry``, ``undo [--to-revision N]``. Uses the user's kubeconfig (``$KUBECONFIG``,
+Commands: ``get [NAME] [-A]``, ``status NAME [--watch [--timeout DURATION]]`` (the watch ends, 0 or 1, once
+the rollout comes to rest), ``pause``, ``resume``, ``promote [--full]``, ``abort``, ``retry``,
+``undo [--to-revision N]``. Uses the user's kubeconfig (``$KUBECONFIG``,
 ``--kubeconfig``, ``--context``) through the official Kubernetes client, and writes only what a
 user could write with kubectl: ``spec.rollout.paused``, ``spec.params`` (undo) and the one-shot
 annotations the operator consumes. It never writes status: the operator is its one writer.
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +26,13 @@ from sparsegate_contracts.version import version_line
 from sparsegate.kubectl_plugin import view
 
 PROG = "kubectl-sparsegate"
+
+
+def _duration(text: str) -> float:
+    try:
+        return view.parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,7 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     get.add_argument("-A", "--all-namespaces", action="store_true")
     status = command("status", "one GateConfig in detail: steps, analysis values, the latest AnalysisRun, history")
     status.add_argument("name")
-    status.add_argument("-w", "--watch", action="store_true", help="print again on every change (Ctrl-C ends)")
+    status.add_argument("-w", "--watch", action="store_true",
+                        help="print again on every change until the rollout comes to rest: exit 0 when it "
+                             "Succeeded, 1 when it Failed, RolledBack or Aborted (or the GateConfig is deleted)")
+    status.add_argument("-t", "--timeout", type=_duration, default=0.0,
+                        help="with --watch: give up after this long (90s, 5m, 1h30m; 0, the default: never), exit 1")
     for verb, text in (("pause", "hold the rollout at its step (spec.rollout.paused: true)"),
                        ("resume", "continue a paused rollout (spec.rollout.paused: false)"),
                        ("abort", "roll the canary back to the stable version"),
@@ -92,40 +106,75 @@ class Client:
         return self.api.patch_namespaced_custom_object(names.GROUP, names.VERSION, namespace, names.GATECONFIGS,
                                                        name, body, _content_type=kind)
 
-    def watch(self, namespace: str, name: str) -> Any:
+    def watch(self, namespace: str, name: str, *, timeout_seconds: int | None = None) -> Any:
+        """The GateConfig's watch events; with ``timeout_seconds`` the API server ends the stream then
+        (and a connection that goes quiet past it is dropped), to be watched again if need be."""
         from kubernetes import watch
 
+        bounded: dict[str, Any] = {} if timeout_seconds is None else {
+            "timeout_seconds": timeout_seconds, "_request_timeout": (10, timeout_seconds + 10)}
         return watch.Watch().stream(self.api.list_namespaced_custom_object, names.GROUP, names.VERSION, namespace,
-                                    names.GATECONFIGS, field_selector=f"metadata.name={name}")
+                                    names.GATECONFIGS, field_selector=f"metadata.name={name}", **bounded)
 
 
-def _watch_status(client: Client, namespace: str, name: str, out: Callable[[str], None]) -> None:
+def _watch_status(client: Client, namespace: str, name: str, out: Callable[[str], None], *,
+                  timeout: float = 0.0, clock: Callable[[], float] = time.monotonic) -> int:
+    """Print the GateConfig on every change until its rollout comes to rest (:func:`view.watch_outcome`):
+    its exit code; 1 when the GateConfig is deleted; :class:`view.PluginError` after ``timeout``
+    seconds (0: none)."""
     from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
 
     clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
     deleted = f"GateConfig {namespace}/{name} deleted\n"
+    deadline = clock() + timeout if timeout > 0 else None
+    last: dict[str, Any] | None = None
+
+    def timed_out() -> view.PluginError:
+        phase = view.row(last)[1] if last is not None else "unknown"
+        return view.PluginError(f"timed out after {timeout:g}s waiting for GateConfig {namespace}/{name} to come "
+                                f"to rest (phase {phase})")
+
     shown = None  # resourceVersion last printed: a new watch opens with the object as it is, maybe already shown
     while True:
+        bound: dict[str, Any] = {}
+        if deadline is not None:
+            left = deadline - clock()
+            if left <= 0:
+                raise timed_out()
+            bound = {"timeout_seconds": max(1, math.ceil(left))}  # the server ends the stream by the deadline
         try:
-            for event in client.watch(namespace, name):
+            for event in client.watch(namespace, name, **bound):
                 if event["type"] == "DELETED":
                     out(deleted)
-                    return
-                version = (event["object"].get("metadata") or {}).get("resourceVersion")
+                    return 1
+                obj = event["object"]
+                last = obj
+                version = (obj.get("metadata") or {}).get("resourceVersion")
                 if version is None or version != shown:
-                    out(clear + view.status_view(event["object"]))
+                    out(clear + view.status_view(obj))
                 shown = version
+                outcome = view.watch_outcome(obj)
+                if outcome is not None:
+                    out(outcome[1] + "\n")
+                    return outcome[0]
+                if deadline is not None and clock() >= deadline:
+                    raise timed_out()
         except ApiException as e:
             # 410 Gone: the resourceVersion the watch resumes from was compacted away (a quiet
             # object watched for long); the client retries it once, then raises. Start afresh.
             if e.status != 410:
                 raise
+        except HTTPError:
+            if deadline is None or clock() < deadline:
+                raise
+            raise timed_out() from None  # the quiet connection dropped at the deadline
         try:  # a deletion while no watch was open is never delivered: look before watching again
             client.get(namespace, name)
         except ApiException as e:
             if e.status == 404:
                 out(deleted)
-                return
+                return 1
             raise
 
 
@@ -137,7 +186,7 @@ def _write(text: str) -> None:
 
 
 def run(argv: Sequence[str], *, client_factory: Callable[..., Client] = Client,
-        out: Callable[[str], None] = _write) -> int:
+        out: Callable[[str], None] = _write, clock: Callable[[], float] = time.monotonic) -> int:
     args = _parser().parse_args(argv)
     client = client_factory(kubeconfig=getattr(args, "kubeconfig", None), context=getattr(args, "context", None))
     namespace = getattr(args, "namespace", None) or client.default_namespace
@@ -152,9 +201,11 @@ def run(argv: Sequence[str], *, client_factory: Callable[..., Client] = Client,
         out(view.get_table(objs, with_namespace=args.all_namespaces) + "\n")
         return 0
     if cmd == "status":
+        if args.timeout and not args.watch:  # not a one-shot print that exits 0 whatever the phase
+            raise view.PluginError("--timeout applies to status --watch")
         if args.watch:
             client.get(namespace, args.name)  # a clear "not found" rather than a silent wait
-            _watch_status(client, namespace, args.name, out)
+            return _watch_status(client, namespace, args.name, out, timeout=args.timeout, clock=clock)
         else:
             out(view.status_view(client.get(namespace, args.name)))
         return 0

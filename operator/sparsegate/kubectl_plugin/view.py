@@ -13,18 +13,21 @@ from typing import Any
 
 from sparsegate_contracts import gate as gatedoc
 
+from sparsegate.domain import calibration
 from sparsegate.domain.rollout import (
     ABORT_ANNOTATION,
     DEFAULT_STEPS,
     PROMOTE_ANNOTATION,
     PROMOTE_STEP_VALUE,
     RETRY_ANNOTATION,
+    Phase,
     RolloutStatus,
     SpecError,
     declared_requests,
     in_flight,
     is_step_promote,
     parse_spec,
+    pending_requests,
     rejection_holds,
 )
 
@@ -251,6 +254,52 @@ def _age(stamp: str | None, *, now: datetime | None) -> str:
         if seconds >= size:
             return f"{seconds // size}{unit}"
     return f"{seconds}s"
+
+
+# ---------------------------------------------------------------- status --watch: when to stop
+
+
+def watch_outcome(obj: Mapping[str, Any]) -> tuple[int, str] | None:
+    """Where ``status --watch`` ends on ``obj``: ``(exit code, last line)`` once the rollout is at rest,
+    None while it is not (in flight, rolling back, paused, or the operator has not yet acted on the
+    spec or a one-shot request: a Succeeded status from before ``kubectl apply`` must not end it).
+
+    0: Succeeded, every instance on the version the spec names, nothing in flight. 1: Failed (an
+    invalid spec, or analysis failed with autoRollback off), RolledBack or Aborted (Degraded)."""
+    meta = obj.get("metadata") or {}
+    raw = obj.get("status") if isinstance(obj.get("status"), Mapping) else {}
+    observed, generation = raw.get("observedGeneration"), meta.get("generation")
+    if observed is not None and generation is not None and observed != generation:
+        return None  # the spec changed since the operator last wrote status
+    status = RolloutStatus.from_status(raw)
+    if any(pending_requests(meta.get("annotations"), status).values()):
+        return None  # an abort, promote or retry the operator has not acted on yet
+    try:
+        target: str | None = parse_spec(obj.get("spec") or {}).target.version
+    except SpecError:
+        target = None
+    stable = status.stable.version if status.stable else None
+    ro = _rollout(obj)
+    why = f" ({ro['reason']})" if ro.get("reason") else ""
+    said = f": {ro['message']}" if ro.get("message") else ""
+    if status.phase == Phase.SUCCEEDED and status.canary is None and stable is not None and target == stable:
+        return 0, f"rollout Succeeded: every instance runs the stable version {stable}"
+    if status.phase == Phase.FAILED:
+        return 1, f"rollout Failed{why}{said}"
+    if status.phase in (Phase.ROLLED_BACK, Phase.ABORTED) and target in (None, stable, status.rejected_version):
+        return 1, f"rollout {status.phase.value}{why}{said}"
+    return None
+
+
+def parse_duration(text: str) -> float:
+    """``--timeout``: a duration as the CRDs write one (``90s``, ``5m``, ``1h30m``: the operator's
+    own parser) or plain seconds; 0 waits for ever. Raises ValueError."""
+    text = text.strip()
+    try:
+        number = float(text)
+    except ValueError:
+        return calibration.parse_duration(text, field="--timeout")
+    return 0.0 if number == 0 else calibration.parse_duration(number, field="--timeout")
 
 
 # ---------------------------------------------------------------- writing

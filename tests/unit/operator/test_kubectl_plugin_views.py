@@ -338,7 +338,11 @@ def test_get_by_name_across_all_namespaces_is_refused_as_kubectl_does() -> None:
 
 
 def test_status_watch_prints_every_change_until_deleted() -> None:
-    _, printed = cli(["status", "gate", "--watch"], [gateconfig()])
+    """(The Succeeded page still has the canary in flight: not at rest. Deleted: exit 1, not success.)"""
+    out: list[str] = []
+    assert run(["status", "gate", "--watch"], client_factory=lambda **_: FakeClient([gateconfig()]),
+               out=out.append) == 1
+    printed = "".join(out)
     assert printed.count("Name:       ns/gate") == 2
     assert "Phase:      Succeeded" in printed and printed.endswith("GateConfig ns/gate deleted\n")
 
@@ -393,7 +397,7 @@ def test_status_watch_restarts_after_410_gone_without_printing_the_same_object_t
         [{"type": "ADDED", "object": first}, {"type": "MODIFIED", "object": later},
          {"type": "DELETED", "object": later}]])
     printed: list[str] = []
-    assert run(["status", "gate", "--watch"], client_factory=lambda **_: client, out=printed.append) == 0
+    assert run(["status", "gate", "--watch"], client_factory=lambda **_: client, out=printed.append) == 1
     text = "".join(printed)
     assert text.count("Name:       ns/gate") == 2 and text.count("Phase:      Analysing") == 1
     assert "Phase:      Succeeded" in text and text.endswith("GateConfig ns/gate deleted\n")
@@ -411,7 +415,7 @@ def test_status_watch_reports_a_deletion_that_happened_while_the_watch_was_expir
 
     calls = iter([lambda ns, n: first, delete_then_get])  # found before the watch, gone after it expired
     client.get = lambda namespace, name: next(calls)(namespace, name)  # type: ignore[method-assign]
-    assert run(["status", "gate", "--watch"], client_factory=lambda **_: client, out=printed.append) == 0
+    assert run(["status", "gate", "--watch"], client_factory=lambda **_: client, out=printed.append) == 1
     assert "".join(printed).endswith("GateConfig ns/gate deleted\n")
 
 
@@ -436,7 +440,7 @@ def test_status_watch_flushes_each_page_when_piped(monkeypatch) -> None:
 
     pipe = Pipe()
     monkeypatch.setattr(sys, "stdout", pipe)
-    assert run(["status", "gate", "--watch"], client_factory=lambda **_: FakeClient([gateconfig()])) == 0
+    assert run(["status", "gate", "--watch"], client_factory=lambda **_: FakeClient([gateconfig()])) == 1
     assert pipe.calls == ["write", "flush"] * 3  # two pages and "deleted", each flushed
 
 
@@ -491,3 +495,149 @@ def test_a_closed_pipe_is_not_reported_as_an_unreachable_api_server(monkeypatch,
     monkeypatch.setattr(plugin, "run", closed_pipe)
     assert plugin.main(["get"]) == 141
     assert capsys.readouterr().err == ""
+
+
+# ---------------------------------------------------------------- status --watch: exit codes, --timeout
+
+
+def rested(phase: str, *, params: dict = V3, reason: str = "", message: str = "", **changes: Any) -> dict[str, Any]:
+    """``gateconfig()`` (spec V3, stable V2) come to rest in ``phase``: no canary in flight."""
+    obj = gateconfig()
+    ro = obj["status"]["rollout"]
+    for key in ("step", "canaryPercent", "canaryVersion", "canary", "canaryInstances", "analysis"):
+        ro.pop(key)
+    ro.update(phase=phase, reason=reason, message=message, **changes)
+    obj["spec"]["params"] = params
+    if phase == "Succeeded":
+        obj["status"]["stable"] = doc(params)
+    return obj
+
+
+def _stale(obj: dict[str, Any]) -> dict[str, Any]:
+    obj["metadata"]["generation"] = 5  # `kubectl apply` of a new spec the operator has not observed yet
+    return obj
+
+
+def _respec(obj: dict[str, Any], params: dict) -> dict[str, Any]:
+    obj["spec"]["params"] = params
+    return obj
+
+
+def _pending_retry(obj: dict[str, Any]) -> dict[str, Any]:
+    obj["metadata"]["annotations"] = {RETRY_ANNOTATION: "kubectl-sparsegate"}
+    return obj
+
+
+@pytest.mark.parametrize(("obj", "code"), [
+    (gateconfig(), None),  # Analysing: in flight
+    (gateconfig(phase="Paused", reason="Paused"), None),  # a human promotes or aborts: --timeout bounds it
+    (gateconfig(phase="Progressing"), None),
+    (rested("RollingBack"), None),
+    (rested("Succeeded", reason="Promoted"), 0),
+    (_stale(rested("Succeeded", reason="Promoted")), None),  # the operator has not seen the new spec
+    (_respec(rested("Succeeded"), V1), None),  # spec names another version: the rollout is about to start
+    (rested("Failed", reason="InvalidSpec", message="spec.params.x: unknown"), 1),
+    (gateconfig(phase="Failed", reason="AnalysisFailed", message="drift 0.3 > 0.1"), 1),  # autoRollback off
+    (rested("RolledBack", reason="AnalysisFailed", rejectedVersion=doc(V3)["version"]), 1),
+    (rested("Aborted", reason="Aborted", rejectedVersion=doc(V3)["version"]), 1),
+    (_pending_retry(rested("RolledBack", rejectedVersion=doc(V3)["version"])), None),  # retry not acted on yet
+    (rested("RolledBack", params=V1, rejectedVersion=doc(V3)["version"]), None),  # a new version to roll out
+    (rested("Pending"), None),
+])
+def test_watch_outcome_ends_only_at_rest(obj: dict[str, Any], code: int | None) -> None:
+    outcome = view.watch_outcome(obj)
+    assert (outcome[0] if outcome else None) == code
+    if outcome:
+        phase = obj["status"]["rollout"]["phase"]
+        assert outcome[1].startswith(f"rollout {phase}") and "\n" not in outcome[1]
+
+
+def test_watch_outcome_line_says_why() -> None:
+    assert view.watch_outcome(rested("Failed", reason="InvalidSpec", message="bad params")) == (
+        1, "rollout Failed (InvalidSpec): bad params")
+    assert view.watch_outcome(rested("Succeeded")) == (
+        0, f"rollout Succeeded: every instance runs the stable version {doc(V3)['version']}")
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("5m", 300), ("90s", 90), ("1h30m", 5400), ("0", 0), ("2.5", 2.5),
+                                               ("1.5m", 90), ("300ms", 0.3)])
+def test_parse_duration(text: str, seconds: float) -> None:
+    assert view.parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "5x", "m", "-1", "nan", "inf", "5m-3s"])
+def test_parse_duration_refuses(text: str) -> None:
+    with pytest.raises(ValueError):
+        view.parse_duration(text)
+
+
+class ScriptedWatchClient(FakeClient):
+    """Each watch call plays the next script of objects (a stream the server then ends), recording
+    the timeout_seconds asked for; reading past the last script fails the test."""
+
+    def __init__(self, obj: dict[str, Any], scripts: list[list[dict[str, Any]]], *,
+                 clock: list[float] | None = None, step_s: float = 0.0) -> None:
+        super().__init__([obj])
+        self.scripts, self.clock, self.step_s = scripts, clock, step_s
+        self.timeouts: list[int | None] = []
+
+    def watch(self, namespace: str, name: str, *, timeout_seconds: int | None = None) -> Any:
+        self.timeouts.append(timeout_seconds)
+        assert self.scripts, "watched again after the rollout came to rest"
+        for obj in self.scripts.pop(0):
+            if self.clock is not None:
+                self.clock[0] += self.step_s
+            yield {"type": "MODIFIED", "object": obj}
+
+
+def test_status_watch_exits_0_once_the_rollout_succeeds() -> None:
+    """`status --watch` in a pipeline: it used to watch for ever (Ctrl-C); now it ends at rest."""
+    client = ScriptedWatchClient(gateconfig(), [[at_version(gateconfig(), "7", "Analysing"),
+                                                 at_version(rested("Succeeded"), "8", "Succeeded")]])
+    printed: list[str] = []
+    assert run(["status", "gate", "--watch"], client_factory=lambda **_: client, out=printed.append) == 0
+    text = "".join(printed)
+    assert text.count("Name:       ns/gate") == 2
+    assert text.endswith(f"rollout Succeeded: every instance runs the stable version {doc(V3)['version']}\n")
+    assert client.timeouts == [None]  # no --timeout: the stream is not bounded
+
+
+def test_status_watch_exits_1_when_the_rollout_is_rolled_back(capsys) -> None:
+    rolled = at_version(rested("RolledBack", reason="AnalysisFailed", message="drift 0.3 > 0.1",
+                               rejectedVersion=doc(V3)["version"]), "8", "RolledBack")
+    client = ScriptedWatchClient(gateconfig(), [[at_version(gateconfig(), "7", "Analysing"), rolled]])
+    printed: list[str] = []
+    assert run(["status", "gate", "--watch"], client_factory=lambda **_: client, out=printed.append) == 1
+    assert "".join(printed).endswith("rollout RolledBack (AnalysisFailed): drift 0.3 > 0.1\n")
+
+
+def test_status_watch_times_out_with_exit_1(monkeypatch, capsys) -> None:
+    """--timeout 5m: the API server is asked to end each stream by the deadline (timeout_seconds: what
+    is left), and once it has passed with the rollout still in flight: `error: timed out`, exit 1."""
+    import sparsegate.kubectl_plugin as plugin
+
+    clock = [1000.0]
+    analysing = at_version(gateconfig(), "7", "Analysing")
+    # The first stream: two events 100 s apart, then the server ends it; the second runs to the deadline.
+    client = ScriptedWatchClient(gateconfig(), [[analysing, analysing], [analysing, analysing, analysing]],
+                                 clock=clock, step_s=100.0)
+    with pytest.raises(view.PluginError, match=r"timed out after 300s .* ns/gate .*\(phase Analysing\)"):
+        run(["status", "gate", "--watch", "--timeout", "5m"], client_factory=lambda **_: client,
+            out=lambda _: None, clock=lambda: clock[0])
+    assert client.timeouts == [300, 100]
+
+    real_run = plugin.run
+    monkeypatch.setattr(plugin, "run", lambda argv: real_run(
+        argv, client_factory=lambda **_: ScriptedWatchClient(gateconfig(), [[analysing] * 4], clock=clock,
+                                                             step_s=100.0),
+        out=lambda _: None, clock=lambda: clock[0]))
+    assert plugin.main(["status", "gate", "-w", "--timeout", "150s"]) == 1
+    assert capsys.readouterr().err.startswith("error: timed out after 150s waiting for GateConfig ns/gate")
+
+
+def test_status_timeout_without_watch_or_unparsable_is_refused(capsys) -> None:
+    with pytest.raises(view.PluginError, match="--timeout applies to status --watch"):
+        run(["status", "gate", "--timeout", "5m"], client_factory=lambda **_: FakeClient([gateconfig()]))
+    with pytest.raises(SystemExit) as exited:
+        run(["status", "gate", "--watch", "--timeout", "5 minutes"], client_factory=lambda **_: None)
+    assert exited.value.code == 2 and "cannot parse duration" in capsys.readouterr().err
