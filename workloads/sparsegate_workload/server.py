@@ -1135,9 +1135,20 @@ def main(argv: list[str] | None = None) -> None:
     # answered 503 by _drain; its handlers only write that out.
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None,
                 handler_cancellation=True, shutdown_timeout=DRAIN_SLACK_S)
-    if app[STATE].load_error is not None:
-        print(app[STATE].load_error, file=sys.stderr)
+    state = app[STATE]
+    if state.load_error is not None:
+        print(state.load_error, file=sys.stderr)
         sys.exit(1)
+    if not state.loaded or (state.executor is not None and state.executor.busy_for > 0):
+        # Stopped (SIGTERM) while the checkpoint was still loading, or with a model call (a probe
+        # scoring) nobody waits for any more: the interpreter would join that non-daemon thread at
+        # exit, i.e. finish a load of minutes, past the pod's grace period (then SIGKILL).
+        log.info("stopped before the model finished loading (or with a model call still running): "
+                 "exiting without waiting for it")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -851,6 +851,54 @@ def test_sigterm_turns_unready_first_then_refuses_new_requests_and_finishes_a_st
     assert rc == 0, proc.stderr.read()[-2000:]
 
 
+# The entry point with a checkpoint load that takes 120 s (as a large checkpoint on slow storage).
+_SLOW_LOAD_ENTRY = """
+import time
+from sparsegate_workload import hf_serving, server
+load = hf_serving.load
+def slow_load(*args, **kwargs):
+    time.sleep(120)
+    return load(*args, **kwargs)
+hf_serving.load = slow_load
+server.main()
+"""
+
+
+def test_sigterm_while_the_checkpoint_loads_exits_at_once(checkpoint):
+    """A pod's SIGTERM during a load of minutes: the process exits 0 at once, saying so, rather
+    than waiting (Python joins the model thread at exit) for the load to end, past the pod's
+    termination grace period (the kubelet then SIGKILLs it, and a rollout waits all that time)."""
+    port = free_port()
+    env = {**os.environ, "SPARSEGATE_TORCH_THREADS": "1", "SPARSEGATE_SHUTDOWN_DELAY": "5"}
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_LOAD_ENTRY, "--host", "127.0.0.1",
+                             "--port", str(port), "--model-path", str(checkpoint)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+
+    async def unready_while_loading() -> int:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(600):
+                try:
+                    async with s.get(base + "/readyz") as r:
+                        return r.status
+                except aiohttp.ClientError:
+                    await asyncio.sleep(0.1)
+        raise AssertionError("the server did not answer /readyz")
+
+    try:
+        assert asyncio.run(unready_while_loading()) == 503
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("SIGTERM during the load: still running 20 s later") from None
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert rc == 0, err[-2000:]
+    assert "stopped before the model finished loading" in err, err[-2000:]
+
+
 async def test_each_concurrent_request_reports_the_gate_that_routed_all_of_it(client):
     """Completions in flight while gates swap: every one ran wholly under the version it reports
     (one expert per token under ONE_EXPERT, two under TWO_EXPERTS; never a mix)."""
