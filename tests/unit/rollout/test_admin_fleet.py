@@ -163,14 +163,18 @@ async def test_an_expiring_or_deleted_secret_is_renewed_when_a_send_reads_it(mon
         fleet = await loop._fleet(namespace=NS, models=["m"], inventory=inventory([pod("real")]))
         target = (await loop.credentials(namespace=NS, fleet=fleet, pods=["real"], cache=cache))["real"]
         assert "replace Secret" in kube.calls and events[-1] == "AdminSecretReplaced"
-        assert admin_tls.secret_problem(kube.secret, server_name=server_name, now=NOW) is None
+        # now, not NOW (the module's import time): the controller issued it at the real time, and a
+        # certificate issued after NOW (minus the backdate) is 'not valid yet' at NOW.
+        assert admin_tls.secret_problem(kube.secret, server_name=server_name,
+                                        now=datetime.datetime.now(datetime.timezone.utc)) is None
         assert target.admin.token == admin_tls.material_from_secret(kube.secret).token != "old"
         assert target.previous_admin is not None and target.previous_admin.token == "old"
     # Deleted by hand: issued anew at the next send (new pods could not even mount it meanwhile).
     kube.secret, kube.calls = None, []
     target = (await loop.credentials(namespace=NS, fleet=fleet, pods=["real"], cache=cache))["real"]
     assert "create Secret" in kube.calls and target.admin is not None
-    assert admin_tls.secret_problem(kube.secret, server_name=server_name, now=NOW) is None
+    assert admin_tls.secret_problem(kube.secret, server_name=server_name,
+                                    now=datetime.datetime.now(datetime.timezone.utc)) is None
     # A model being deleted: its Secret goes with it, nothing is re-created.
     kube.secret, kube.calls = None, []
     kube.model = {**kube.model, "metadata": {**kube.model["metadata"], "deletionTimestamp": "2026-12-07T00:00:00Z"}}
