@@ -559,11 +559,11 @@ CEL_CASES: dict[tuple[str, str, str], list[CelCase]] = {
                     "spiffe://cluster.local/ns/web/sa/..")
     ],
     ("RoutingPolicy", "spec.sources[]",
-     "has(self.spiffeID) || has(self.namespace) || has(self.serviceAccount) || has(self.matchLabels)"): [
+     "has(self.spiffeID) || has(self.__namespace__) || has(self.serviceAccount) || has(self.matchLabels)"): [
         ("missing_required", "spec.sources[0]", "empty selector", _set("spec.sources[0]", {})),
     ],
     ("RoutingPolicy", "spec.sources[]",
-     "!has(self.spiffeID) || !(has(self.namespace) || has(self.serviceAccount) || has(self.matchLabels))"): [
+     "!has(self.spiffeID) || !(has(self.__namespace__) || has(self.serviceAccount) || has(self.matchLabels))"): [
         ("cross_field", "spec.sources[1]", f"spiffeID with {key}",
          _set(f"spec.sources[1].{key}", value))
         for key, value in (("namespace", "web"), ("serviceAccount", "frontend"), ("matchLabels", {"app": "web"}))

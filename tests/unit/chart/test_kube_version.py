@@ -7,8 +7,9 @@ refused in a CRD or policy created on a 1.31 API server.
 
 Checked by hand against the real validation code: the four CRDs and the rendered admission policy
 compiled with k8s.io/apiextensions-apiserver and k8s.io/apiserver v0.30.0, v0.31.0, v0.32.0 and
-v0.37.2. v0.30 and v0.31 refused routingpolicies.sparsegate.dev (``self.namespace``: "undefined
-field 'namespace'"); v0.32 and later accept it.
+v0.37.2. v0.30 and v0.31 refused routingpolicies.sparsegate.dev while its rules read
+``self.namespace`` ("undefined field 'namespace'"); written ``self.__namespace__``, as now, every
+version accepts it.
 """
 
 from __future__ import annotations
