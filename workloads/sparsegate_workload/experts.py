@@ -34,7 +34,7 @@ from .precision import Precision, StoredWeight, is_lower
 HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 
-def _swiglu(h: torch.Tensor) -> torch.Tensor:
+def swiglu(h: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up over the fused projection; in place when no autograd graph needs h."""
     gate, up = h.chunk(2, dim=-1)
     if torch.is_grad_enabled() and h.requires_grad:
@@ -56,7 +56,7 @@ class DenseSwiGLU(nn.Module):
             self.w_down.normal_(0.0, d_ff ** -0.5, generator=generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _swiglu(x @ self.w_gate_up) @ self.w_down
+        return swiglu(x @ self.w_gate_up) @ self.w_down
 
     def flops_per_token(self) -> int:
         d_ff, d_model = self.w_down.shape
@@ -168,20 +168,20 @@ class SwiGLUExperts(nn.Module):
         # for the call (a transient copy; the loop backend dequantises one expert at a time).
         offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         h = F.grouped_mm(xs, gate_up.materialize(xs.dtype), offs=offs)
-        return F.grouped_mm(_swiglu(h), down.materialize(xs.dtype), offs=offs)
+        return F.grouped_mm(swiglu(h), down.materialize(xs.dtype), offs=offs)
 
     def _experts_autograd(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
         if self._use_grouped():  # the parameters themselves: autograd needs them
             offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
             h = F.grouped_mm(xs, self.w_gate_up, offs=offs)
-            return F.grouped_mm(_swiglu(h), self.w_down, offs=offs)
+            return F.grouped_mm(swiglu(h), self.w_down, offs=offs)
         # unbind once: indexing the stacked weight per expert would build a full-size gradient
         # per select in backward (FACTS.md).
         w_gu, w_down = self.w_gate_up.unbind(0), self.w_down.unbind(0)
         chunks, start = [], 0
         for e, n in enumerate(counts):
             if n:
-                chunks.append(_swiglu(xs[start:start + n] @ w_gu[e]) @ w_down[e])
+                chunks.append(swiglu(xs[start:start + n] @ w_gu[e]) @ w_down[e])
                 start += n
         return torch.cat(chunks) if chunks else xs.new_zeros(0, xs.shape[1])
 
@@ -251,7 +251,7 @@ def dispatch_sorted(x: torch.Tensor, routing: Routing, gate_up: StoredWeight,
             spot.run(xs[start:end], ys[start:end])
         else:
             rows = end + (row_bucket(n) - n if tail else 0)
-            h = _swiglu(expert_mm(xs[start:rows], gate_up, e))
+            h = swiglu(expert_mm(xs[start:rows], gate_up, e))
             expert_mm(h, down, e, out=ys[start:rows])
         if cost is not None:
             cost.record(e, clock() - t0, n)
@@ -300,6 +300,6 @@ def naive_moe_reference(x: torch.Tensor, experts: SwiGLUExperts, routing: Routin
         expert_of += [e] * n
     for a, e in enumerate(expert_of):
         t = int(routing.token_idx[a])
-        h = _swiglu(x[t] @ experts.w_gate_up[e]) @ experts.w_down[e]
+        h = swiglu(x[t] @ experts.w_gate_up[e]) @ experts.w_down[e]
         out[t] = out[t] + routing.weights[a] * h
     return out

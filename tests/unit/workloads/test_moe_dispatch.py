@@ -134,7 +134,7 @@ def _bf16_layer(seed: int, num_experts: int = 6):
 def test_bucketed_bf16_dispatch_equals_each_expert_on_its_own_rows(precision):
     """Counts like [17, 3, 0, 40, 1, ...]: a padded expert runs over the next experts' rows (and
     over the zero tail for the last one); every output is still its own expert's."""
-    from sparsegate_workload.experts import (_swiglu, combine, dispatch_sorted, expert_mm,
+    from sparsegate_workload.experts import (swiglu, combine, dispatch_sorted, expert_mm,
                                              uses_row_buckets)
 
     layer, g = _bf16_layer(5)
@@ -153,7 +153,7 @@ def test_bucketed_bf16_dispatch_equals_each_expert_on_its_own_rows(precision):
         ref, start = [], 0
         for e, n in enumerate(routing.counts):
             if n:
-                ref.append(expert_mm(_swiglu(expert_mm(xs[start:start + n], gate_up, e)), down, e))
+                ref.append(expert_mm(swiglu(expert_mm(xs[start:start + n], gate_up, e)), down, e))
                 start += n
         ref = torch.cat(ref) * routing.weights.unsqueeze(-1).to(x.dtype)
     n_assign = routing.token_idx.numel()

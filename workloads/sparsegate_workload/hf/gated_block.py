@@ -48,12 +48,11 @@ import functools
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sparsegate_contracts.gate import GateDocument, GateParams
 
-from ..experts import combine, dispatch_sorted
+from ..experts import combine, dispatch_sorted, swiglu
 from ..expert_cost import ExpertCost, biased_selection_probs
 from ..gating import (Router, Routing, assign, available_experts, capacity_of,
                       cost_biased_top_p)
@@ -158,11 +157,6 @@ def pin_gate(gate: ActiveGate, *, keep_routing: bool = False,
         yield call
     finally:
         _CURRENT_CALL.reset(token)
-
-
-def _swiglu(h: torch.Tensor) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 class SparseGatedMoEBlock(nn.Module):
@@ -334,7 +328,7 @@ class SparseGatedMoEBlock(nn.Module):
             chunks, start = [], 0
             for e, n in enumerate(routing.counts):
                 if n:
-                    h = _swiglu(xs[start:start + n] @ gu[e])
+                    h = swiglu(xs[start:start + n] @ gu[e])
                     chunks.append(h @ dn[e])
                     start += n
             ys = torch.cat(chunks) * w if chunks else xs.new_zeros(0, d_model)
