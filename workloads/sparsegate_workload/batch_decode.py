@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
@@ -108,6 +109,10 @@ class TokenEvent:
     token: int
     generation: Generation | None = None
     gate_version: str | None = None
+    # perf_counter when the model made it (on the model thread, right after its forward): what
+    # vllm:inter_token_latency_seconds measures between, not when the event loop got to it
+    # (the engine hands tokens over in bunches, `batch_engine.STREAM_FLUSH_S`).
+    made: float = dataclasses.field(default_factory=time.perf_counter, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -498,12 +503,14 @@ class BatchDecoder:
         events: list[TokenEvent | ToolFire] = []
         if forced:
             room = seq.req.max_tokens - len(seq.generated)
+            made = time.perf_counter()  # one output, as vLLM's several tokens of one step
             for t in forced[:room]:
                 seq.generated.append(t)
-                events.append(TokenEvent(key, t))
+                events.append(TokenEvent(key, t, made=made))
             if len(forced) >= room:  # the forced text reached max_tokens: it ends there
                 last = events.pop()
-                return [*events, TokenEvent(key, last.token, self._generation(seq, "length", acc))]
+                return [*events, TokenEvent(key, last.token, self._generation(seq, "length", acc),
+                                            made=made)]
             from transformers import DynamicCache
 
             cache = DynamicCache(ddp_cache_data=list(zip(keys, values)))

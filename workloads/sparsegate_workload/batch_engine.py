@@ -67,6 +67,10 @@ class GenerationHandle:
         self.tokens: asyncio.Queue[int] = asyncio.Queue()
         self.done: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         self.first_token_at: float | None = None   # perf_counter when its first token arrived
+        # When the model made its first and its latest token (`TokenEvent.made`): vLLM's
+        # inter-token latency and per-request time per output token count between these.
+        self.first_made: float | None = None
+        self.last_made: float | None = None
         # The gate version its prefill ran under (it decodes wholly under it), once prefilled:
         # what its request is counted under, also when it fails after (a timeout mid-generation).
         self.gate_version: str | None = None
@@ -299,11 +303,27 @@ class BatchEngine:
                     handle.first_token_at = now
                     if self._metrics is not None and handle.arrived is not None:
                         self._metrics.ttft.observe(now - handle.arrived)
+                self._made(handle, event)
                 handle.tokens.put_nowait(event.token)
                 if event.generation is not None:
                     handle.done.set_result(event.generation)
             if event.generation is not None:
                 self._leave(handle)
+
+    def _made(self, handle: GenerationHandle, event: TokenEvent) -> None:
+        """vLLM's vllm:inter_token_latency_seconds (each model output after a request's first:
+        the time since its previous one; tokens one output made together, as a tool's forced
+        text, count once) and, as its generation ends, vllm:request_time_per_output_token_seconds
+        (its first to last token over its tokens after the first; 0 for one token)."""
+        if handle.first_made is None:
+            handle.first_made = event.made
+        elif event.made > handle.last_made and self._metrics is not None:  # type: ignore[operator]
+            self._metrics.itl.observe(event.made - handle.last_made)  # type: ignore[operator]
+        handle.last_made = event.made
+        if event.generation is not None and self._metrics is not None:
+            after_first = len(event.generation.token_ids) - 1
+            self._metrics.tpot.observe((event.made - handle.first_made) / after_first
+                                       if after_first > 0 else 0.0)
 
     async def _call_tool(self, handle: GenerationHandle, fire: ToolFire) -> None:
         """Run the tool on the event loop; its answer (None: plain decoding) goes to the next

@@ -31,6 +31,9 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# vLLM's buckets of vllm:inter_token_latency_seconds and vllm:request_time_per_output_token_seconds.
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
 
 
 # The codes an inference request ends with besides client errors: 200, and the 5xx the server
@@ -63,6 +66,17 @@ class ServerMetrics:
         self.ttft = Histogram("vllm:time_to_first_token_seconds",
                               "OpenAI API: seconds from arrival to the first generated token",
                               ["model_name"], buckets=TTFT_BUCKETS, registry=r).labels(**label)
+        # vLLM's names since 0.11 (its vllm:time_per_output_token_seconds, the same per-token
+        # series, is deprecated and hidden): observed by the engine (batch_engine) as the model
+        # makes the tokens, streamed or not.
+        self.itl = Histogram("vllm:inter_token_latency_seconds",
+                             "OpenAI API: seconds between two consecutive generated tokens of a "
+                             "request (each token after its first)", ["model_name"],
+                             buckets=ITL_BUCKETS, registry=r).labels(**label)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                              "OpenAI API: per finished generation, seconds from its first to its "
+                              "last token over its tokens after the first", ["model_name"],
+                              buckets=ITL_BUCKETS, registry=r).labels(**label)
         # Counted as the engine processes them (batch_engine), whatever the request's outcome.
         self.prompt_tokens = Counter("vllm:prompt_tokens",
                                      "OpenAI API prefill tokens processed",

@@ -347,6 +347,57 @@ def test_vllm_latency_histograms_have_vllm_s_buckets():
 
 
 @pytest.mark.parametrize("stream", [False, True])
+async def test_vllm_inter_token_latency_and_time_per_output_token(checkpoint, monkeypatch, stream):
+    """vllm:inter_token_latency_seconds (one observation per token after a request's first: the
+    time since its previous token) and vllm:request_time_per_output_token_seconds (one per finished
+    request: first to last token over the tokens after the first), on vLLM's names and buckets,
+    streamed or not. The server had neither: a dashboard or SLO on vLLM's decode speed read
+    nothing from a sparsegate pod."""
+    from sparsegate_workload import batch_decode
+
+    step = batch_decode.BatchDecoder._step
+
+    def slow_step(self):  # each decode step takes >= 20 ms, so each gap is measurably that
+        import time
+        time.sleep(0.02)
+        return step(self)
+    monkeypatch.setattr(batch_decode.BatchDecoder, "_step", slow_step)
+    c = await _serve(create_app(gate_doc=ONE_EXPERT, model_path=str(checkpoint)))
+    try:
+        counts = []
+        for _ in range(2):
+            resp = await _complete(c, stream=stream, max_tokens=6,
+                                   **({"stream_options": {"include_usage": True}} if stream else {}))
+            body = (await _sse(resp))[-1] if stream else await resp.json()
+            counts.append(body["usage"]["completion_tokens"])
+        text = await (await c.get("/metrics")).text()
+        label = f'{{model_name="{NAME}"}}'
+
+        def value(name):
+            return float(text.split(f"{name}{label} ")[1].split()[0])
+
+        def buckets(name):
+            return [ln.split('le="')[1].split('"')[0] for ln in text.splitlines()
+                    if ln.startswith(f"{name}_bucket")]
+        vllm_buckets = [str(float(b)) for b in (
+            0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+            10.0, 20.0, 40.0, 80.0)] + ["+Inf"]
+        assert buckets("vllm:inter_token_latency_seconds") == vllm_buckets
+        assert buckets("vllm:request_time_per_output_token_seconds") == vllm_buckets
+        assert counts == [6, 6]
+        assert value("vllm:inter_token_latency_seconds_count") == sum(n - 1 for n in counts)
+        itl = value("vllm:inter_token_latency_seconds_sum")
+        assert 0.02 * 10 <= itl < 5.0  # each gap is a >= 20 ms step
+        # No gap under 10 ms (the model's steps are 20 ms apart, however the loop got them).
+        assert f'vllm:inter_token_latency_seconds_bucket{{le="0.01",model_name="{NAME}"}} 0.0' in text
+        assert value("vllm:request_time_per_output_token_seconds_count") == 2.0
+        # Each request's mean gap, summed: the same gaps, over 5 each.
+        assert value("vllm:request_time_per_output_token_seconds_sum") == pytest.approx(itl / 5)
+    finally:
+        await c.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
 async def test_vllm_latencies_count_from_the_request_s_arrival(checkpoint, stream):
     """vLLM's e2e latency and TTFT run from arrival (their help says so): a gate's injected
     latency (and the body read, tokenization) before the request reaches the engine is in them, as
