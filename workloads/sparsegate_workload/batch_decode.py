@@ -129,6 +129,15 @@ class ToolFire:
     gate_version: str | None = None  # the version it decodes under
 
 
+@dataclasses.dataclass(frozen=True)
+class SeqFailed:
+    """``key``'s prefill (or its resume after a tool) raised a RuntimeError even alone, e.g. out
+    of memory for its prompt: it is dropped, and only it fails (`BatchDecoder._alone`)."""
+
+    key: Hashable
+    error: str  # "<exception type>: <message>"
+
+
 class _Seq:
     """One sequence's decoding state (model thread only); its usage lives in its group."""
 
@@ -268,7 +277,7 @@ class BatchDecoder:
             self.remove(key)
         events: list[TokenEvent | ToolFire] = []
         for key, forced in resume:
-            events += self._resume(key, forced)
+            events += self._alone([key], lambda: self._resume(key, forced))
         events += self._add_many(admit)
         events += self._step()
         self._feed_controllers()
@@ -302,12 +311,41 @@ class BatchDecoder:
             # One forward runs under one gate: a request for another version starts a new pack.
             if pack and (sum(len(r.prompt_ids) for r in pack) + len(req.prompt_ids)
                          > MAX_PREFILL_TOKENS or not self._packable or req.gate is not pack[0].gate):
-                events += self._prefill(pack)
+                events += self._prefill_isolated(pack)
                 pack = []
             pack.append(req)
         if pack:
-            events += self._prefill(pack)
+            events += self._prefill_isolated(pack)
         return events
+
+    def _prefill_isolated(self, reqs: Sequence[DecodeRequest]
+                          ) -> list[TokenEvent | ToolFire | SeqFailed]:
+        """`_prefill`, where a RuntimeError (torch's out of memory among them) of a packed
+        prefill retries its requests one at a time, and one that raises alone ends in a
+        `SeqFailed`: a prefill builds its own cache, so the sequences already decoding are
+        untouched and go on (they all failed with it before)."""
+        if len(reqs) == 1:
+            return self._alone([reqs[0].key], lambda: self._prefill(reqs))
+        try:
+            return self._prefill(reqs)
+        except RuntimeError:
+            for req in reqs:  # whatever of the pack got in before it raised
+                self.remove(req.key)
+        events: list[TokenEvent | ToolFire | SeqFailed] = []
+        for req in reqs:
+            events += self._alone([req.key], lambda: self._prefill([req]))
+        return events
+
+    def _alone(self, keys: Sequence[Hashable], run: Callable[[], list[Any]]) -> list[Any]:
+        """``run()``'s events; if it raises a RuntimeError, ``keys`` are dropped and each gets
+        a `SeqFailed` (the other sequences are not touched by ``run``: a prefill or a resume
+        works on its own cache)."""
+        try:
+            return run()
+        except RuntimeError as e:
+            for key in keys:
+                self.remove(key)
+            return [SeqFailed(key, f"{type(e).__name__}: {e}") for key in keys]
 
     def _prefill(self, reqs: Sequence[DecodeRequest]) -> list[TokenEvent | ToolFire]:
         """One forward over the prompts of ``reqs`` packed end to end in one row (no padding
@@ -675,7 +713,8 @@ class BatchDecoder:
             group = self._groups[version] = _Group(gate=gate, seqs=seqs, keys=keys,
                                                    values=values, mask=mask, acc=acc)
         else:
-            group.acc = torch.cat([group.acc, acc])
+            acc = torch.cat([group.acc, acc])  # allocated before the group changes at all
+            group.acc = acc
             group.mask = mask
             group.set_cache(keys, values)
             group.seqs.extend(seqs)

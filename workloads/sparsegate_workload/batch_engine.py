@@ -41,7 +41,7 @@ import threading
 import time
 from typing import Awaitable, Callable
 
-from .batch_decode import BatchDecoder, DecodeRequest, TokenEvent, ToolFire
+from .batch_decode import BatchDecoder, DecodeRequest, SeqFailed, TokenEvent, ToolFire
 from .hf.gated_block import ActiveGate
 from .hf_serving import Generation
 from .metrics import ServerMetrics
@@ -254,7 +254,8 @@ class BatchEngine:
         steps = batch = 0
         posted_at = None
         while True:
-            ended = sum(1 for e in events if isinstance(e, TokenEvent) and e.generation is not None)
+            ended = sum(1 for e in events if isinstance(e, SeqFailed)
+                        or isinstance(e, TokenEvent) and e.generation is not None)
             steps += 1
             batch = max(batch, self.decoder.running + ended)
             pending += events
@@ -284,6 +285,12 @@ class BatchEngine:
         for event in events:
             handle = self._running.get(event.key)
             if handle is None:
+                continue
+            if isinstance(event, SeqFailed):  # its prefill (or resume) raised, even alone
+                log.warning("generation %s failed alone (the others go on): %s",
+                            handle.request_id or handle.key, event.error)
+                handle.fail(ApiError(500, f"generation failed: {event.error}"))
+                self._leave(handle)
                 continue
             if handle.gate_version is None and event.gate_version is not None:
                 handle.gate_version = event.gate_version

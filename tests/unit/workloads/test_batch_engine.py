@@ -289,6 +289,37 @@ async def test_a_failing_model_step_fails_its_requests_with_500_and_the_engine_r
     assert resp.status == 200  # the decoder was reset; the next request decodes normally
 
 
+async def test_an_out_of_memory_prefill_fails_only_its_own_request(serve, monkeypatch):
+    """A prefill that runs out of memory (a long prompt) fails only its request, with 500 naming
+    the error: the requests packed with it are prefilled alone and answer, and one already
+    decoding never notices. Every running request failed with 500 before (the whole job failed
+    and the decoder was reset)."""
+    from sparsegate_workload.batch_decode import BatchDecoder
+
+    client = await serve()
+    engine = client.server.app[STATE].engine
+    prefill = BatchDecoder._prefill
+
+    def out_of_memory_on_long_prompts(self, reqs):
+        if any(len(r.prompt_ids) >= 40 for r in reqs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return prefill(self, reqs)
+    monkeypatch.setattr(BatchDecoder, "_prefill", out_of_memory_on_long_prompts)
+    released = []
+    decoding = engine.submit([1, 5, 6], max_tokens=60, on_leave=lambda: released.append("decoding"))
+    await decoding.tokens.get()  # it is decoding
+    short = engine.submit([1, 7, 8, 9], max_tokens=8, on_leave=lambda: released.append("short"))
+    long = engine.submit([1, *range(10, 60)], max_tokens=8, on_leave=lambda: released.append("long"))
+    with pytest.raises(Exception) as failed:
+        await long.done
+    assert failed.value.status == 500 and "OutOfMemoryError" in failed.value.message
+    got = await decoding.done, await short.done
+    alone = [await engine.submit([1, 5, 6], max_tokens=60).done,
+             await engine.submit([1, 7, 8, 9], max_tokens=8).done]
+    assert [g.token_ids for g in got] == [g.token_ids for g in alone]
+    assert sorted(released) == ["decoding", "long", "short"] and engine.running == 0
+
+
 async def test_a_prompt_outside_the_model_vocabulary_is_a_400(checkpoint, tmp_path):
     # A checkpoint whose model has fewer embeddings (256) than its tokenizer has ids (384).
     small = build_tiny_checkpoint(tmp_path / "small-vocab", family="mixtral", vocab_size=256)
