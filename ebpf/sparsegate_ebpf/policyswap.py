@@ -18,9 +18,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import verdicts
-from .maps import PolicyKey, PolicyVal
+from .maps import IDENTITY_ALLOWED, KEY_POLICED_DST, KEY_RULE, KEY_SOURCE, PolicyKey, PolicyVal
 from .policy import FlowPolicy, PolicyError, compile_policy, upgrade_records
 from .verdicts import POOL, SlotInfo
+
+
+def rule_layout(records: list[tuple[PolicyKey, PolicyVal]]) -> frozenset[tuple[bytes, int, int, int]]:
+    """What a generation's rule ids stand for, generation and slot aside: the default action, each
+    rule record (key, action, rule id) and the identities of addresses (policed destinations and
+    rule sources; the always-allowed sources, the node's own among them, left out). Two record
+    sets with the same layout give every rule id the same meaning."""
+    out = set()
+    for k, v in records:
+        if bytes(k) == bytes(PolicyKey()):
+            out.add((b"", v.action, 0, 0))
+        elif k.kind == KEY_RULE:
+            out.add((bytes(k), v.action, v.rule_id, 0))
+        elif k.kind == KEY_POLICED_DST or (k.kind == KEY_SOURCE and v.identity != IDENTITY_ALLOWED):
+            out.add((bytes(k), 0, 0, v.identity))
+    return frozenset(out)
 
 
 @dataclass(frozen=True)
@@ -69,6 +85,10 @@ class PolicySwapper:
         self.retired_by_rule: dict[tuple[str, int], tuple[int, int]] = {}
         # Sources always allowed to policed destinations besides the document's (node addresses).
         self.extra_sources: tuple[str, ...] = ()
+        # A carried-over generation whose rule names are unknown, and its rule layout: the first
+        # document applied after it names its rules when it compiles to the same layout (the
+        # document the predecessor had, arriving late), so their verdicts keep their rule series.
+        self._unnamed: tuple[int, frozenset[tuple[bytes, int, int, int]]] | None = None
 
     def apply(self, policy: FlowPolicy, *, extra_sources: tuple[str, ...] | None = None) -> SwapResult:
         """Make `policy` live; `extra_sources` (None: keep the current ones) replace the node's own
@@ -79,13 +99,20 @@ class PolicySwapper:
             generation = self.generation + 1
             records = compile_policy(policy, generation=generation, extra_sources=self.extra_sources,
                                      max_records=self.max_records)
-            return self._install(records, generation=generation, policy=policy, rule_names=policy.rule_names())
+            result = self._install(records, generation=generation, policy=policy, rule_names=policy.rule_names())
+            if self._unnamed is not None:
+                inherited, layout = self._unnamed
+                self._unnamed = None  # only the first document: a later one is newer than the predecessor's
+                if inherited in self.rule_names and rule_layout(records) == layout:
+                    self.rule_names[inherited] = policy.rule_names()
+            return result
 
     def apply_records_if_empty(self, records: list[tuple[PolicyKey, PolicyVal]]) -> SwapResult | None:
         """Make records read from another program live as they are (inherit.py), unless a policy
         is live already (a document that arrived meanwhile is newer: None). They keep their
         generation (the meta record's), so verdicts stay attributed to one generation; rule names
-        are unknown (the document is not in the maps): verdicts read gen<N>/rule<M>."""
+        are unknown (the document is not in the maps): verdicts read gen<N>/rule<M> until the next
+        document, which names them when it compiles to the same rules (``rule_layout``)."""
         meta = next((v for k, v in records if bytes(k) == bytes(PolicyKey())), None)
         if meta is None:
             raise ValueError("no meta record: not a policy map")
@@ -96,7 +123,9 @@ class PolicySwapper:
         with self._lock:
             if self._active is not None:
                 return None
-            return self._install(records, generation=generation, policy=None, rule_names={})
+            result = self._install(records, generation=generation, policy=None, rule_names={})
+            self._unnamed = (generation, rule_layout(records))
+            return result
 
     def _install(self, records: list[tuple[PolicyKey, PolicyVal]], *, generation: int,
                  policy: FlowPolicy | None, rule_names: dict[int, str]) -> SwapResult:

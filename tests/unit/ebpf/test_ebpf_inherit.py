@@ -210,3 +210,41 @@ def test_records_of_an_ipv4_only_predecessor_are_widened_and_keep_what_they_allo
              (P.tcp_frame(src="10.1.0.9", dst="10.1.0.2", sport=40003, dport=22, flags=syn), "pass"),  # allowed src
              (P.tcp_frame(src="10.1.0.3", dst="10.1.0.7", sport=40004, dport=8080, flags=syn), "pass")]  # unpoliced
     assert [run_xdp(prog_fd=successor.prog_fd, data=f).verdict for f, _ in cases] == [v for _, v in cases]
+
+
+def _by_rule(swapper: PolicySwapper) -> dict[tuple[str, int], int]:
+    return {key: packets for key, (packets, _) in swapper.verdict_totals_by_rule().items()}
+
+
+def test_the_predecessors_document_arriving_late_names_the_carried_over_rules(
+        enforce_prog: LoadedProgram, successor: LoadedProgram) -> None:
+    """Carried over (no document in time), the rules' verdicts read gen<N>/rule<M>; when the
+    document arrives and it is the one the predecessor enforced, those verdicts count under the
+    rules' names: before, they stayed apart as gen1/rule<M> series while a#0 and a#1 started over
+    at 0 (and went when the generation was folded, their packets with them)."""
+    PolicySwapper(bpf=enforce_prog.bpf).apply(parse_policy(DOC))
+    swapper = PolicySwapper(bpf=successor.bpf)
+    assert swapper.apply_records_if_empty(inherit.live_policy(prog_id(enforce_prog))) is not None
+    deny = P.udp_frame(src="10.1.0.1", dst="10.1.0.2", sport=40000, dport=8081)
+    assert run_xdp(prog_fd=successor.prog_fd, data=deny, repeat=3).verdict == "drop"
+    assert _by_rule(swapper)[("gen1/rule2", ACTION_DENY)] == 3  # nothing better is known yet
+    swapper.apply(parse_policy(DOC), extra_sources=("10.9.9.9",))  # the node's own sources do not matter
+    run_xdp(prog_fd=successor.prog_fd, data=deny, repeat=2)
+    got = _by_rule(swapper)
+    assert got[("a#1", ACTION_DENY)] == 5
+    assert not [rule for rule, _ in got if rule.startswith("gen")]
+
+
+def test_a_different_document_leaves_the_carried_over_rules_unnamed(
+        enforce_prog: LoadedProgram, successor: LoadedProgram) -> None:
+    """A newer document may number its rules otherwise: its names are not guessed onto the
+    predecessor's rule ids."""
+    PolicySwapper(bpf=enforce_prog.bpf).apply(parse_policy(DOC))
+    swapper = PolicySwapper(bpf=successor.bpf)
+    swapper.apply_records_if_empty(inherit.live_policy(prog_id(enforce_prog)))
+    run_xdp(prog_fd=successor.prog_fd, data=P.udp_frame(src="10.1.0.1", dst="10.1.0.2", sport=40000, dport=8081))
+    swapper.apply(parse_policy({**DOC, "version": "v8", "entries": DOC["entries"][::-1]}))
+    got = _by_rule(swapper)
+    assert got[("gen1/rule2", ACTION_DENY)] == 1 and got[("a#1", ACTION_DENY)] == 0
+    swapper.apply(parse_policy(DOC))  # too late: only the first document after the carry-over names them
+    assert ("gen1/rule2", ACTION_DENY) in _by_rule(swapper)
