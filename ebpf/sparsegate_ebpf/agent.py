@@ -69,7 +69,7 @@ from sparsegate_contracts.probes import NodeConfig
 from . import handover, inherit, pins, policysource, probesource, programs, xdp
 from .attachments import Attachments
 from .handover import ExitAction, OnExit, StartCollector, StartState
-from .metrics import AgentState, XdpCollector
+from .metrics import FLOW_IDLE_TIMEOUT, AgentState, XdpCollector
 from .policy import PolicyError, parse_policy
 from .policyswap import PolicySwapper
 from .verdicts import POOL
@@ -114,6 +114,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="re-send an unchanged report after this long (less up to 25%% jitter), so a report "
                          "key removed meanwhile comes back: one merge patch per node per interval; 0: never")
     ap.add_argument("--metrics-port", type=int, default=9102)
+    ap.add_argument("--flow-idle-timeout", type=float, default=FLOW_IDLE_TIMEOUT, metavar="SECONDS",
+                    help="stop exporting a flow's series once it has had no packet for this long (it stays in "
+                         "the LRU table, and in its port's totals, until evicted; counted in "
+                         "sparsegate_xdp_flows_idle_expired); 0: export every flow in the table")
     ap.add_argument("--metrics-addr", default="0.0.0.0")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--policy-file", type=Path)
@@ -174,6 +178,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--probe-*: needs --node-name (or env NODE_NAME)")
     if (args.probe_report_configmap or args.probe_report_file) and not args.probes:
         ap.error("--probe-report-*: needs a probe source (--probe-configmap or --probe-file)")
+    if not args.flow_idle_timeout >= 0:
+        ap.error("--flow-idle-timeout must be >= 0")
     if args.telemetry_only and args.enforcement not in (None, "off"):
         ap.error("--telemetry-only contradicts --enforcement " + args.enforcement)
     args.enforcement = args.enforcement or ("off" if args.telemetry_only else "enforce")
@@ -330,7 +336,7 @@ def make_policy_handler(*, state: AgentState, on_applied: Callable[[], None] | N
 def run(args: argparse.Namespace, *, stop: threading.Event) -> int:
     state, start = AgentState(enforcement=args.enforcement), StartState()
     registry = CollectorRegistry()
-    registry.register(XdpCollector(state=state))
+    registry.register(XdpCollector(state=state, flow_idle_timeout=args.flow_idle_timeout))
     registry.register(StartCollector(state=start))
     httpd, _ = start_http_server(args.metrics_port, addr=args.metrics_addr, registry=registry)
     log.info("serving /metrics on %s:%d", args.metrics_addr, args.metrics_port)

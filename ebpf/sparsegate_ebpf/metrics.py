@@ -10,6 +10,13 @@ that scrape and its eviction are not counted. Port series are capped too (larges
 bytes): every reply to a connection the node opened arrives at an ephemeral destination port, so
 uncapped they would grow towards one series per port and protocol ever seen (2 x 65,536). A port
 cut off keeps its total, so its series, when it comes back, is still monotonic.
+
+A flow idle (no packet) for longer than ``flow_idle_timeout`` (the agent's --flow-idle-timeout) is
+no longer exported as per-flow series, though it stays in the table (and in its port's total)
+until the LRU evicts it: ended flows neither hold a series for ever nor crowd active flows out of
+the cap. Each LRU table's fill (entries / max_entries, as Cilium's ``cilium_bpf_map_pressure``)
+is counted from the walk every scrape does anyway (no extra syscall); `conntrack`'s, which is
+not read otherwise, from a walk of its keys (65,536: ~0.1 s).
 """
 from __future__ import annotations
 
@@ -112,14 +119,20 @@ class AgentState:
     ports: PortTotals = field(default_factory=PortTotals)
 
 
+FLOW_IDLE_TIMEOUT = 300.0  # seconds without a packet after which a flow's series are no longer exported
+LRU_TABLES = (b"flows", b"flows6", b"handshakes")  # walked at every scrape: their fill comes free
+
+
 def _proto(num: int) -> str:
     return PROTO_NAMES.get(num, str(num))
 
 
 class XdpCollector:
-    def __init__(self, *, state: AgentState, max_flows: int = 1000, max_ports: int = 1000) -> None:
+    def __init__(self, *, state: AgentState, max_flows: int = 1000, max_ports: int = 1000,
+                 flow_idle_timeout: float = FLOW_IDLE_TIMEOUT) -> None:
         self._state = state
         self._max_flows = max_flows
+        self._flow_idle_timeout = flow_idle_timeout  # seconds; 0: flows are exported until evicted
         self._max_ports = max_ports
         # One scrape at a time reads the flow table and folds its port totals: a fold of a read
         # older than the last one folded would take every flow that grew meanwhile for an evicted
@@ -170,10 +183,16 @@ class XdpCollector:
         yield ad
 
         with self._scrape_lock:  # read and fold as one step (materialised: no lock held across a yield)
-            flows = [(k, fold_flow(v)) for table in (b"flows", b"flows6") for k, v in read_entries(bpf[table])]
+            entries = {table: read_entries(bpf[table]) for table in LRU_TABLES}
+            flows = [(k, fold_flow(v)) for table in (b"flows", b"flows6") for k, v in entries[table]]
             ports = list(self._ports(flows))
-            handshakes = list(self._handshakes(bpf))
+            handshakes = list(self._handshakes(bpf, entries[b"handshakes"]))
         yield from self._flows(flows, clock=s.program.clock)
+        fill = {table.decode(): (len(entries[table]), int(bpf[table].max_entries)) for table in LRU_TABLES}
+        # conntrack is not read otherwise: its keys alone are walked for the count (65,536: ~0.1 s)
+        table = bpf[b"conntrack"]
+        fill["conntrack"] = (len({bytes(k) for k in table.keys()}), int(table.max_entries))
+        yield from self._fill(fill)
         yield from ports
         yield from handshakes
         yield from self._policy(bpf)
@@ -189,8 +208,11 @@ class XdpCollector:
                                 "(last - first seen) / (packets - 1)", labels=labels)
         idle = GaugeMetricFamily("sparsegate_xdp_flow_idle_seconds", "Now - last seen", labels=labels)
         now = clock.sample().jiffies if flows else 0  # flows are stamped in jiffies (flowclock.py)
-        flows = sorted(flows, key=lambda kv: kv[1].bytes, reverse=True)
-        for k, t in flows[: self._max_flows]:
+        timeout = self._flow_idle_timeout
+        active = [(k, t) for k, t in flows
+                  if not timeout or clock.seconds(max(0, now - t.last_seen_jiffies)) <= timeout]
+        active.sort(key=lambda kv: kv[1].bytes, reverse=True)
+        for k, t in active[: self._max_flows]:
             lv = [flow_ip(k.saddr), flow_ip(k.daddr), str(be16_to_port(k.sport)),
                   str(be16_to_port(k.dport)), _proto(k.proto)]
             fp.add_metric(lv, t.packets)
@@ -203,7 +225,25 @@ class XdpCollector:
             idle.add_metric(lv, clock.seconds(max(0, now - t.last_seen_jiffies)))
         tracked = GaugeMetricFamily("sparsegate_xdp_flows_tracked", "Flows in the LRU flow table")
         tracked.add_metric([], len(flows))
-        yield from (fp, fb, fd, dur, gap, idle, tracked)
+        expired = GaugeMetricFamily("sparsegate_xdp_flows_idle_expired",
+                                    "Flows in the table idle past --flow-idle-timeout (not exported per flow)")
+        expired.add_metric([], len(flows) - len(active))
+        yield from (fp, fb, fd, dur, gap, idle, tracked, expired)
+
+    @staticmethod
+    def _fill(tables: dict[str, tuple[int, int]]) -> Iterator[Metric]:
+        """Per LRU table: entries read by this scrape's walk and entries / max_entries (the
+        kernel's LRU starts evicting before 1.0: its free lists are per CPU)."""
+        entries = GaugeMetricFamily("sparsegate_xdp_map_entries", "Entries in an LRU map (this scrape's walk)",
+                                    labels=["map"])
+        capacity = GaugeMetricFamily("sparsegate_xdp_map_capacity", "max_entries of an LRU map", labels=["map"])
+        pressure = GaugeMetricFamily("sparsegate_xdp_map_pressure", "Fill of an LRU map: entries / max_entries",
+                                     labels=["map"])
+        for name, (n, cap) in sorted(tables.items()):
+            entries.add_metric([name], n)
+            capacity.add_metric([name], cap)
+            pressure.add_metric([name], n / cap if cap else 0.0)
+        yield from (entries, capacity, pressure)
 
     def _ports(self, flows: list[tuple[Any, FlowTotals]]) -> Iterator[Metric]:
         pp = CounterMetricFamily("sparsegate_xdp_port_packets", "Packets by destination port", labels=["port", "proto"])
@@ -219,7 +259,7 @@ class XdpCollector:
         yield pp
         yield pb
 
-    def _handshakes(self, bpf: Any) -> Iterator[Metric]:
+    def _handshakes(self, bpf: Any, entries: list[tuple[Any, Any]] | None = None) -> Iterator[Metric]:
         """One series per (client, server, server port): the table holds one entry per client
         connection (its own source port), so entries are summed; capped like flows (most samples
         first). Caller holds ``_scrape_lock`` (the samples seen at the last scrape)."""
@@ -233,7 +273,7 @@ class XdpCollector:
         # labels -> [rtt sum, samples, slowest last rtt sampled since the last scrape (-1: none), slowest last rtt]
         groups: dict[tuple[str, str, str], list[int]] = {}
         seen: dict[bytes, int] = {}
-        for k, h in read_entries(bpf[b"handshakes"]):
+        for k, h in read_entries(bpf[b"handshakes"]) if entries is None else entries:
             if not h.samples:
                 continue
             raw = bytes(k)

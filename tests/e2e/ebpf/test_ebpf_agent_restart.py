@@ -178,7 +178,8 @@ def test_no_document_after_a_crash_carries_over_the_policy_the_old_program_enfor
     """The policy source is unavailable when the crashed agent comes back (here: the file is gone)."""
     hidden = tmp_path / "policy.hidden"
     sent, received, _ = restart_under_traffic(
-        lab, agents, tmp_path, sig=signal.SIGKILL, extra=RESTART_FLAGS, then=("--initial-policy-timeout", "1"),
+        lab, agents, tmp_path, sig=signal.SIGKILL, extra=RESTART_FLAGS,
+        then=("--initial-policy-timeout", "1", "--flow-idle-timeout", "2"),
         then_version="inherited", between=lambda: policy.rename(hidden))
     assert sent[DENIED] > 1000 and received[DENIED] == 0, (sent, received)
     assert sent[ALLOWED] - received[ALLOWED] == 0
@@ -186,8 +187,15 @@ def test_no_document_after_a_crash_carries_over_the_policy_the_old_program_enfor
     assert sample(m, "sparsegate_agent_inherited_policy") == 1
     assert sample(m, "sparsegate_agent_attached_without_policy") == 0
     # The same generation (1) keeps judging; rule names are not in the maps.
-    assert sample(m, "sparsegate_xdp_policy_verdicts_total", rule="gen1/rule2", action="deny") > 0
+    carried = sample(m, "sparsegate_xdp_policy_verdicts_total", rule="gen1/rule2", action="deny")
+    assert carried > 0
     assert "carried over the policy" in agents.log(1)
+    # The sender stopped 3 s ago (the receiver's idle): its two flows, idle past --flow-idle-timeout,
+    # are no longer exported per flow, yet still fill the table.
+    assert not [k for k in m if k[0] == "sparsegate_xdp_flow_packets_total"], m
+    assert sample(m, "sparsegate_xdp_flows_idle_expired") >= 2
+    flows = sample(m, "sparsegate_xdp_map_entries", map="flows")
+    assert flows >= 2 and sample(m, "sparsegate_xdp_map_pressure", map="flows") == flows / 65536
     hidden.rename(policy)  # the source is back: its document replaces the carried-over records
     deadline = time.monotonic() + 30
     while not sample(m := scrape(lab), "sparsegate_xdp_policy_info", version="v1"):
@@ -195,6 +203,9 @@ def test_no_document_after_a_crash_carries_over_the_policy_the_old_program_enfor
         time.sleep(0.1)
     assert sample(m, "sparsegate_agent_inherited_policy") == 0
     assert sample(m, "sparsegate_xdp_policy_generation") == 2
+    # The document is the one the carried-over records came from: their verdicts get its rule names.
+    assert sample(m, "sparsegate_xdp_policy_verdicts_total", rule="test/restart#denied", action="deny") >= carried
+    assert not [k for k in m if k[0] == "sparsegate_xdp_policy_verdicts_total" and dict(k[1])["rule"].startswith("gen")]
 
 
 # As the chart runs the agent: root without CAP_SYS_ADMIN (it has CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON).

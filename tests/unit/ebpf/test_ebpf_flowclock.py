@@ -58,3 +58,29 @@ def test_the_exporter_turns_jiffies_into_seconds(telemetry_prog: LoadedProgram) 
     assert abs(duration.value - 0.4) <= 2 * tick + 0.05  # sleep overshoots a little, never undershoots
     assert abs(idle.value - 0.3) <= 2 * tick + 0.05
     assert gap.value == pytest.approx(duration.value / 2)
+
+
+def _flow_series(metrics: dict, name: str) -> dict[str, float]:
+    return {s.labels["sport"]: s.value for s in metrics[name].samples if not s.name.endswith("_created")}
+
+
+@pytest.mark.bpf
+def test_an_ended_flow_stops_being_exported_and_no_longer_crowds_out_an_active_one(
+        telemetry_prog: LoadedProgram) -> None:
+    """Ended flows stayed in the LRU table, so in the export, until evicted (under light churn: for
+    ever), and being the largest they held the cap (--max-flows series by bytes): a new flow was
+    not exported at all. Past --flow-idle-timeout a flow is no longer exported (still counted)."""
+    big = P.udp_frame(src="10.1.0.1", dst="10.1.0.2", sport=4000, dport=9000, payload=b"x" * 1000)
+    small = P.udp_frame(src="10.1.0.1", dst="10.1.0.2", sport=4001, dport=9000)
+    run_xdp(prog_fd=telemetry_prog.prog_fd, data=big, repeat=5)  # ends here
+    time.sleep(0.5)
+    run_xdp(prog_fd=telemetry_prog.prog_fd, data=small)
+    state = AgentState(bpf_available=True, program=telemetry_prog, enforcement="off")
+    metrics = {m.name: m for m in XdpCollector(state=state, max_flows=1, flow_idle_timeout=0.3).collect()}
+    assert _flow_series(metrics, "sparsegate_xdp_flow_packets") == {"4001": 1}
+    assert metrics["sparsegate_xdp_flows_tracked"].samples[0].value == 2
+    assert metrics["sparsegate_xdp_flows_idle_expired"].samples[0].value == 1
+    # Its port's totals keep it; with the timeout off every flow in the table is exported again.
+    assert {s.value for s in metrics["sparsegate_xdp_port_packets"].samples if s.name.endswith("_total")} == {6}
+    metrics = {m.name: m for m in XdpCollector(state=state, max_flows=2, flow_idle_timeout=0).collect()}
+    assert _flow_series(metrics, "sparsegate_xdp_flow_packets") == {"4000": 5, "4001": 1}

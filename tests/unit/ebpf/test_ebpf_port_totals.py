@@ -151,3 +151,25 @@ def test_a_flow_table_walk_that_starts_over_exports_each_flow_once(
     assert len(series) == len(set(series)) == 20
     assert metrics["sparsegate_xdp_flows_tracked"].samples[0].value == 20
     assert _port_packets(list(metrics.values())) == {"9000": 20}
+
+
+@pytest.mark.bpf
+def test_each_lru_tables_fill_is_exported(telemetry_prog: LoadedProgram) -> None:
+    """Map pressure (Cilium's cilium_bpf_map_pressure): entries / max_entries per LRU table, so an
+    operator sees a flow table about to evict before flows go missing."""
+    for sport in range(4000, 4020):
+        _udp(sport, prog=telemetry_prog)
+    run_xdp(prog_fd=telemetry_prog.prog_fd, data=P.udp_frame(src="fd00::1", dst="fd00::2", sport=1, dport=9000))
+    ct = telemetry_prog.bpf[b"conntrack"]  # written only when judging: one tracked flow put there by hand
+    ct[ct.Key(saddr=addr_of("10.1.0.1"), daddr=addr_of("10.1.0.2"), sport=1, dport=2, proto=17)] = ct.Leaf()
+    metrics = {m.name: m for m in XdpCollector(state=AgentState(
+        bpf_available=True, program=telemetry_prog, enforcement="off")).collect()}
+
+    def by_map(name: str) -> dict[str, float]:
+        return {s.labels["map"]: s.value for s in metrics[name].samples}
+
+    capacity = {"flows": 65536, "flows6": 65536, "handshakes": 16384, "conntrack": 65536}
+    assert by_map("sparsegate_xdp_map_entries") == {"flows": 20, "flows6": 1, "handshakes": 0, "conntrack": 1}
+    assert by_map("sparsegate_xdp_map_capacity") == capacity
+    assert by_map("sparsegate_xdp_map_pressure") == {"flows": 20 / 65536, "flows6": 1 / 65536, "handshakes": 0.0,
+                                                     "conntrack": 1 / 65536}
