@@ -114,6 +114,13 @@ class PodHealth:
         return self.served if self.served is not None else self.version
 
 
+# Answers of ``PUT /admin/gate`` that refuse the document itself (400 not JSON, 413 too large, 415
+# not sent as JSON, 422 a document the contract rejects: a checksum that is not its params' hash,
+# params this model cannot take): the same document is refused again, so it is not pushed again at
+# once (``controllers.rollout``). The server answers no 409 there (``ifSequence`` is /admin/access').
+DOCUMENT_REFUSALS = frozenset({400, 413, 415, 422})
+
+
 @dataclass(frozen=True)
 class PushResult:
     name: str
@@ -121,6 +128,13 @@ class PushResult:
     version: str | None = None
     error: str | None = None
     certificate_refused: bool = False  # the pod's TLS certificate is not the model's
+    status: int | None = None  # the pod's HTTP answer when it was not 200
+    detail: str | None = None  # the pod's own message for it (its JSON body's "error")
+
+    @property
+    def refused(self) -> bool:
+        """The pod refused the document (:data:`DOCUMENT_REFUSALS`), not a moment's trouble."""
+        return not self.ok and self.status in DOCUMENT_REFUSALS
 
 
 @dataclass(frozen=True)
@@ -193,7 +207,9 @@ class PodAdmin:
                 ) as resp:
                     body = await _json(resp)
                     if resp.status != 200:
-                        return PushResult(name=t.name, ok=False, error=f"PUT /admin/gate {resp.status}: {body}")
+                        detail = body.get("error") if isinstance(body, dict) else None
+                        return PushResult(name=t.name, ok=False, error=f"PUT /admin/gate {resp.status}: {body}",
+                                          status=resp.status, detail=str(detail)[:512] if detail else None)
             except aiohttp.ClientConnectorCertificateError as e:
                 return PushResult(name=t.name, ok=False, certificate_refused=True,
                                   error=f"PUT /admin/gate: the pod's certificate is not {creds.server_name}'s "

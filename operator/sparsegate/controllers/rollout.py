@@ -65,6 +65,8 @@ from typing import Any
 import kopf
 import prometheus_client
 
+from sparsegate_contracts import gate as gatedoc
+from sparsegate_contracts.canary import document_key
 from sparsegate_contracts import names
 
 from sparsegate import envvars
@@ -123,6 +125,12 @@ ADMIN_SECRET_CHECK_S = envvars.seconds("SPARSEGATE_ADMIN_SECRET_CHECK_S", 86400.
 # a hanging endpoint held the GateConfig's abort, pause, promote and status writes for that long. A
 # measurement not answered by then is picked up by a later tick (``RolloutCache.measuring``).
 CHECK_WAIT_S = 2.0
+# A pod that refused its push (a 4xx answer to the document itself: ``PushResult.refused``) is sent
+# the same document again only after this long, doubled at each refusal up to the cap; another
+# document (the status fixed, a new version) goes to it at once. It used to be pushed every tick
+# (TICK_S) for as long as it refused, and nothing but a log line said so.
+REFUSED_RETRY_S = 10.0
+REFUSED_RETRY_MAX_S = 160.0
 _LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 
 ROLLOUTS = prometheus_client.Counter(
@@ -179,6 +187,69 @@ class RolloutCache:
     # Declared checks' measurements in flight: check name → ((run key, check), task). Started by a
     # tick, recorded by the first tick that finds them answered (``RolloutLoop._declared``).
     measuring: dict[str, tuple[tuple[Any, ...], asyncio.Task[Measured]]] = field(default_factory=dict)
+    # Pod → its refusal of the document it is to hold (``RolloutLoop._act``): not pushed that document
+    # again before ``retry_at``; reported in the conditions while it lasts.
+    refused: dict[str, Refusal] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    key: str  # the refused document, exactly (its canonical JSON): a fixed one is another key
+    reason: str  # the conditions' reason: StableChecksumMismatch, CanaryChecksumMismatch, GatePushRefused
+    what: str  # what the pods refuse, why and what to do (the conditions' message names the pods first)
+    retry_at: float
+    delay: float
+
+
+_REFUSAL_ORDER = ("StableChecksumMismatch", "CanaryChecksumMismatch", "GatePushRefused")
+
+
+def _document_key(doc: Mapping[str, Any]) -> str:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def _unhashed(doc: Mapping[str, Any]) -> list[str]:
+    """The versions of ``doc``'s gate documents (stable, and a set's canary) whose params do not hash
+    to their version and checksum. Hashes only a refused document, never a status as read."""
+    out = []
+    for part in (doc, doc.get("canary")):
+        if not isinstance(part, Mapping) or not isinstance(part.get("params"), Mapping):
+            continue
+        try:
+            ok = (gatedoc.version_of(part["params"]), gatedoc.checksum_of(part["params"])) == \
+                (part.get("version"), part.get("checksum"))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            out.append(str(part.get("version")))
+    return out
+
+
+def refusal(*, namespace: str, name: str, doc: Mapping[str, Any], status: RolloutStatus, code: int | None,
+            detail: str) -> tuple[str, str]:
+    """(reason, what) for pods that refused ``doc`` with ``code`` and their message ``detail``."""
+    answer = f"the pods answer {code}: {detail}"
+    for version in _unhashed(doc):
+        if status.stable is not None and version == status.stable.version:
+            return "StableChecksumMismatch", (
+                f"refuse status.stable {version}: its params no longer hash to its version and checksum (edited "
+                f"by hand, or written back by a tool restoring status; {answer}). Put back the params of {version} "
+                f"that status.history holds, or remove status.stable (kubectl patch gateconfig {name} -n "
+                f"{namespace} --subresource=status --type=json -p '[{{\"op\":\"remove\",\"path\":"
+                f"\"/status/stable\"}}]'): the operator restores it from status.history. Until then it goes "
+                f"to these pods again only after a growing delay (up to {REFUSED_RETRY_MAX_S:g} s)")
+        if status.canary is not None and version == status.canary.version:
+            return "CanaryChecksumMismatch", (
+                f"refuse status.rollout.canary {version}: its params no longer hash to its version and checksum "
+                f"(edited by hand, or written back by a tool restoring status; {answer}). Remove "
+                f"status.rollout.canary (kubectl patch gateconfig {name} -n {namespace} --subresource=status "
+                f"--type=json -p '[{{\"op\":\"remove\",\"path\":\"/status/rollout/canary\"}}]'): the "
+                f"rollout starts over from stable. Until then it goes to these pods again only after a growing "
+                f"delay (up to {REFUSED_RETRY_MAX_S:g} s)")
+    return "GatePushRefused", (
+        f"refuse gate {document_key(doc)} ({answer}): change spec.params (or the model) so that its pods "
+        f"accept it; until then it goes to these pods again only after a growing delay (up to "
+        f"{REFUSED_RETRY_MAX_S:g} s)")
 
 
 FleetCache = RolloutCache  # what ``RolloutLoop.fleet`` keeps between calls (credentials, reported pods)
@@ -612,14 +683,16 @@ class RolloutLoop:
             # (A later look only collects what answered meanwhile: the tick waited once.)
             measured = await self._declared(spec=spec, request=request, status=status, name=name, models=models,
                                             now=now, cache=cache, wait_s=0.0 if attempt else None)
+            refused = self._push_refused(namespace=namespace, name=name, cache=cache)
             obs = Observations(pods=pods, **requests, **metrics, measurements=measured,
-                               models=len(fleet.server_names), request_values=values, declared=declared)
+                               models=len(fleet.server_names), request_values=values, declared=declared,
+                               push_refused=refused)
             decision = next_action(spec=spec, status=status, obs=obs, now=now)
             body = await self._persist(body, decision, steps=spec.steps, cache=cache)
             body = await self._clear_requests(body, decision, steps=spec.steps, cache=cache)
             pushed = await self._act(body, decision, fleet=fleet, cache=cache, logger=logger)
-            if not pushed:
-                break  # nothing new landed on a pod: the next tick looks again
+            if not pushed and self._push_refused(namespace=namespace, name=name, cache=cache) == refused:
+                break  # nothing new landed on a pod, no refusal began or ended: the next tick looks again
             # Pushed: look again now so verified pods (and the next phase) are recorded this tick.
             status, now, mono = decision.status, self.clock(), self.monotonic()
             requests = dict.fromkeys(requests, False)
@@ -699,6 +772,7 @@ class RolloutLoop:
                 ROLLOUTS.labels(outcome=action.outcome).inc()
             elif isinstance(action, RecordStep):
                 STEP_SECONDS.labels(percent=str(action.percent)).observe(action.seconds)
+        gates = self._hold_refused(gates, cache=cache)
         if not gates or fleet is None:
             return 0
         targets = await self.credentials(namespace=body["metadata"]["namespace"], fleet=fleet,
@@ -708,11 +782,80 @@ class RolloutLoop:
             PUSHES.labels(result="ok" if r.ok else "error").inc()
         self.log_push_failures([(r.name, None if r.ok else str(r.error)) for r in results.values()],
                                pods=fleet.targets, cache=cache, logger=logger, what="push to %s")
-        if not all(r.ok for r in results.values()):
+        self._record_refusals(body, decision, gates, results, cache=cache)
+        if not all(r.ok or r.refused for r in results.values()):
             # A pod left on the wrong gate (unreachable for a moment): the next tick checks in full
             # again, not a resting GateConfig's safety net (RESTING_CHECK_S) later.
             cache.last_full_check = -math.inf
         return sum(1 for r in results.values() if r.ok)
+
+    def _hold_refused(self, gates: list[tuple[str, Mapping[str, Any]]], *,
+                      cache: RolloutCache) -> list[tuple[str, Mapping[str, Any]]]:
+        """``gates`` less the pods that refused that same document and wait out their delay. A pod's
+        refusal goes once it is to hold another document (or none: it reports the one it should)."""
+        if not cache.refused:
+            return gates
+        wanted = {p: _document_key(doc) for p, doc in gates if p in cache.refused}
+        for pod in [p for p, r in cache.refused.items() if wanted.get(p) != r.key]:
+            del cache.refused[pod]
+        now = self.clock()
+        held = {p for p in wanted if p in cache.refused and now < cache.refused[p].retry_at}
+        self._next_check_at_retry(cache, now=now)
+        return [(p, doc) for p, doc in gates if p not in held]
+
+    def _record_refusals(self, body: Mapping[str, Any], decision: Decision, gates: list[tuple[str, Mapping[str, Any]]],
+                         results: Mapping[str, Any], *, cache: RolloutCache) -> None:
+        """Remember the pods that refused their document (the conditions say so from the next look),
+        each waiting a doubled delay before the same document goes to it again; a Warning Event when
+        a refusal begins."""
+        meta, now, started = body["metadata"], self.clock(), []
+        for pod, doc in gates:
+            r = results.get(pod)
+            if r is not None and r.ok:
+                cache.refused.pop(pod, None)
+            if r is None or not r.refused:
+                continue
+            previous = cache.refused.get(pod)
+            delay = min(REFUSED_RETRY_MAX_S, 2 * previous.delay) if previous is not None else REFUSED_RETRY_S
+            reason, what = refusal(namespace=meta["namespace"], name=meta["name"], doc=doc, status=decision.status,
+                                   code=r.status, detail=r.detail or str(r.error))
+            cache.refused[pod] = Refusal(key=_document_key(doc), reason=reason, what=what, retry_at=now + delay,
+                                         delay=delay)
+            if previous is None:
+                started.append(pod)
+        if started:
+            message = self._push_refused(namespace=meta["namespace"], name=meta["name"], cache=cache,
+                                         pods=started)
+            if message is not None:
+                kopf.event(dict(body), type="Warning", reason=message[0], message=message[1][:1024])
+        self._next_check_at_retry(cache, now=now)
+
+    @staticmethod
+    def _next_check_at_retry(cache: RolloutCache, *, now: float) -> None:
+        """A resting GateConfig whose pods refuse checks them again when the first delay still to come
+        ends (not at every tick, nor RESTING_CHECK_S later)."""
+        waits = [r.retry_at for r in cache.refused.values() if r.retry_at > now]
+        if waits:
+            cache.last_full_check = min(cache.last_full_check, min(waits) - RESTING_CHECK_S)
+
+    @staticmethod
+    def _push_refused(*, namespace: str, name: str, cache: RolloutCache,
+                      pods: Iterable[str] | None = None) -> tuple[str, str] | None:
+        """(reason, message) of the pods' refusals (``pods``: only theirs) for the conditions: the most
+        telling one (a checksum mismatch first), naming the GateConfig and its pods; None: none."""
+        chosen = set(cache.refused) if pods is None else set(pods)
+        groups: dict[tuple[str, str], list[str]] = {}
+        for pod, r in cache.refused.items():
+            if pod in chosen:
+                groups.setdefault((r.reason, r.what), []).append(pod)
+        if not groups:
+            return None
+        (reason, what), refusing = min(groups.items(), key=lambda g: (_REFUSAL_ORDER.index(g[0][0]), g[0][1]))
+        refusing.sort()
+        shown = ", ".join(refusing[:5]) + (f" and {len(refusing) - 5} more" if len(refusing) > 5 else "")
+        others = len(groups) - 1
+        return reason, (f"GateConfig {namespace}/{name}: {len(refusing)} pod(s) ({shown}) {what}"
+                        + (f"; other pods refuse another document ({others} more refusal(s))" if others else ""))[:2048]
 
     @staticmethod
     def log_push_failures(results: Iterable[tuple[str, str | None]], *, pods: Iterable[str], cache: RolloutCache,

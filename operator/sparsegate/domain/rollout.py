@@ -161,6 +161,9 @@ class Observations:
     # (:func:`declared_requests`): such a one acts once per value and is left in place.
     request_values: Mapping[str, str] = field(default_factory=dict)
     declared: frozenset[str] = frozenset()
+    # Pods refuse the document they are to hold (a pod's 4xx answer to its push, kept while the
+    # push backs off: ``controllers.rollout``): (reason, message) for the conditions; None: none do.
+    push_refused: tuple[str, str] | None = None
 
 
 _REQUEST_ANNOTATIONS = (ABORT_ANNOTATION, PROMOTE_ANNOTATION, RETRY_ANNOTATION)
@@ -869,7 +872,8 @@ def _bookkeeping(s: RolloutStatus, *, previous: RolloutStatus, target: GateVersi
         history=record_stable(s.history, stable=s.stable, now=now, reason=s.reason),
     )
     return dataclasses.replace(
-        s, conditions=conditions(status=s, target_version=target.version, previous=previous.conditions, now=now))
+        s, conditions=conditions(status=s, target_version=target.version, previous=previous.conditions, now=now,
+                                 refused=obs.push_refused))
 
 
 def _not_at_desired(s: RolloutStatus, pods: Sequence[PodObservation], *,

@@ -54,11 +54,14 @@ CONDITION_ORDER = ("Ready", "Reconciling", "Stalled", "Progressing", "Degraded")
 
 
 def conditions(
-    *, status: RolloutStatus, target_version: str | None, previous: Sequence[Mapping[str, Any]], now: float
+    *, status: RolloutStatus, target_version: str | None, previous: Sequence[Mapping[str, Any]], now: float,
+    refused: tuple[str, str] | None = None,
 ) -> tuple[dict[str, Any], ...]:
     """All GateConfig conditions: kstatus' three plus ``Progressing`` and ``Degraded`` (the rollout's
     own view: a rollback leaves Degraded True until the next rollout); lastTransitionTime kept while
-    a condition's status is unchanged."""
+    a condition's status is unchanged. ``refused``: (reason, message) while pods refuse the gate
+    document they are to hold: nothing moves until a person acts, so Stalled and Degraded are True,
+    Ready and Reconciling False, with that reason and message (Flux reads Failed, Argo CD Degraded)."""
     phase, reason, message = status.phase, status.reason, status.message
     wanted = {
         "Progressing": phase in (Phase.PROGRESSING, Phase.ANALYSING, Phase.ROLLING_BACK),
@@ -67,5 +70,10 @@ def conditions(
     new = [*kstatus_conditions(status=status, target_version=target_version),
            *({"type": ctype, "status": "True" if value else "False", "reason": reason or phase.value,
               "message": message} for ctype, value in wanted.items())]
+    if refused is not None:
+        why, text = refused
+        flagged = {"Ready": False, "Reconciling": False, "Stalled": True, "Degraded": True}
+        new = [{**c, "status": "True" if flagged[c["type"]] else "False", "reason": why, "message": text}
+               if c["type"] in flagged else c for c in new]
     merged = merge_conditions(previous, new, now=iso_time(now) or "", order=CONDITION_ORDER)
     return tuple(c for c in merged if c["type"] in CONDITION_ORDER)

@@ -97,6 +97,24 @@ async def test_a_server_without_the_models_key_never_gets_the_token(server: PodT
     assert (await admin.push([(server, gateparams.DEFAULT_DOCUMENT.to_json())]))["pod-a"].ok
 
 
+async def test_a_document_the_pod_refuses_is_reported_as_refused_with_its_answer(server: PodTarget) -> None:
+    """A gate document whose params no longer hash to its version and checksum (a status.stable
+    edited by hand) is refused by the pod (422, the server's own message): the result carries the
+    answer's code and message and reads ``refused`` (the rollout backs off and sets a condition
+    from it); a pod that cannot be reached is not ``refused``."""
+    admin = PodAdmin(timeout_s=5)
+    before = (await admin.health([server]))["pod-a"].version
+    doc = gateparams.make_document({"toolGateThreshold": 0.73}).to_json()
+    doc["params"] = {"toolGateThreshold": 0.5}
+    result = (await admin.push([(server, doc)]))["pod-a"]
+    assert not result.ok and result.refused and result.status == 422, result
+    assert result.detail is not None and result.detail.startswith("checksum mismatch"), result.detail
+    assert (await admin.health([server]))["pod-a"].version == before
+    gone = dataclasses.replace(server, admin_port=free_port())
+    unreachable = (await admin.push([(gone, gateparams.DEFAULT_DOCUMENT.to_json())]))["pod-a"]
+    assert not unreachable.ok and not unreachable.refused and unreachable.status is None
+
+
 async def test_no_credentials_or_no_admin_port_sends_nothing(server: PodTarget) -> None:
     admin = PodAdmin(timeout_s=5)
     doc = gateparams.make_document({"toolGateThreshold": 0.72}).to_json()

@@ -27,6 +27,8 @@ from sparsegate.controllers.rollout import RolloutLoop, RolloutCache, Fleet
 from sparsegate.domain import admin_tls, render
 from sparsegate_contracts import names
 from sparsegate_contracts.canary import document_key
+from sparsegate_contracts.canary import parse_gate_set
+from sparsegate_contracts.gate import GateParamsError
 
 V1 = {"toolGateThreshold": 0.85}
 V2 = {"toolGateThreshold": 0.8}
@@ -754,3 +756,128 @@ def test_a_step_of_an_hour_lands_in_a_finite_bucket() -> None:
     controller.STEP_SECONDS.labels(percent="unit-hour").observe(3600)
     assert get("sparsegate_rollout_step_duration_seconds_bucket", {"percent": "unit-hour", "le": "1800.0"}) == 0
     assert get("sparsegate_rollout_step_duration_seconds_bucket", {"percent": "unit-hour", "le": "3600.0"}) == 1
+
+
+class ContractPods(FakePods):
+    """Pods that check each pushed document as the model server does (``parse_gate_set``, for a
+    model of ``experts`` experts) and report a refused one as ``PodAdmin.push`` does (a 422)."""
+
+    def __init__(self, clock: list[float], *, experts: int | None = None) -> None:
+        super().__init__(clock)
+        self.experts = experts
+        self.pushed: list[str] = []
+
+    async def push(self, pushes: Any) -> dict[str, PushResult]:
+        out = {}
+        for target, doc in pushes:
+            self.pushed.append(target.name)
+            try:
+                parse_gate_set(doc, num_experts=self.experts)
+            except GateParamsError as e:
+                detail = f"{e} (this model has {self.experts or 4} experts)"
+                out[target.name] = PushResult(name=target.name, ok=False, status=422, detail=detail,
+                                              error=f"PUT /admin/gate 422: {{'error': {detail!r}, 'status': 422}}")
+                continue
+            self.versions[target.name] = document_key(doc)
+            out[target.name] = PushResult(name=target.name, ok=True, version=document_key(doc))
+        return out
+
+
+def condition(status: dict, ctype: str) -> dict:
+    return next(c for c in status.get("conditions") or [] if c["type"] == ctype)
+
+
+async def test_a_stable_gate_edited_out_of_its_hash_is_reported_and_not_pushed_every_tick(
+        no_kopf_events: list) -> None:
+    """status.stable.params edited (by hand, or a tool restoring status) so they no longer hash to its
+    version and checksum: every pod refuses it (422). The rollback that needs it used to push it every
+    tick forever with no condition saying so. Now the pods' own answer sets Stalled/Degraded (reason
+    StableChecksumMismatch, naming the GateConfig, the pods and the fix), the push backs off, and the
+    fix (status.stable removed: restored from status.history) lands at the next look."""
+    clock = [1000.0]
+    kube = FakeKube(spec(V1))
+    pods = ContractPods(clock)
+    loop, cache = Loop(kube=kube, admin=pods, clock=lambda: clock[0]), RolloutCache()  # type: ignore[arg-type]
+    await tick(loop, cache, clock, 1)
+    kube.set_spec(spec(V2))
+    assert (await tick(loop, cache, clock, 1))["rollout"]["phase"] == "Analysing"  # m-0 holds the canary
+    stable = GateVersion.from_params(V1)
+    kube.obj["status"]["stable"]["params"] = {"toolGateThreshold": 0.5}  # version/checksum still V1's
+    kube.set_spec(spec(V1))  # reverted: m-0 is to go back to stable, which no pod accepts
+    pods.pushed.clear()
+    status = await tick(loop, cache, clock, 5)
+    assert status["rollout"]["phase"] == "RollingBack" and pods.versions["m-0"] != stable.version
+    for ctype, value in (("Stalled", "True"), ("Degraded", "True"), ("Ready", "False"), ("Reconciling", "False")):
+        c = condition(status, ctype)
+        assert (c["status"], c["reason"]) == (value, "StableChecksumMismatch"), c
+    message = condition(status, "Stalled")["message"]
+    for part in ("GateConfig ns/gate", "(m-0)", f"status.stable {stable.version}", "checksum mismatch",
+                 "remove status.stable", "status.history"):
+        assert part in message, (part, message)
+    assert [r for r, _ in no_kopf_events].count("StableChecksumMismatch") == 1
+    for _ in range(30):  # 150 s: pushed every tick (5 s) before, now after 10, 20, 40, 80 s
+        status = await tick(loop, cache, clock, 5)
+    assert 2 <= len(pods.pushed) <= 5, pods.pushed
+    assert condition(status, "Stalled")["reason"] == "StableChecksumMismatch"
+    assert [r for r, _ in no_kopf_events].count("StableChecksumMismatch") == 1  # once, not per push
+    del kube.obj["status"]["stable"]  # the fix the message gives
+    status = await tick(loop, cache, clock, 5)
+    assert pods.versions["m-0"] == stable.version and status["stable"]["params"] == V1
+    assert status["rollout"]["phase"] == "Succeeded"
+    assert condition(status, "Stalled")["status"] == "False" and condition(status, "Ready")["status"] == "True"
+    assert cache.refused == {}
+
+
+async def test_a_gate_the_pods_refuse_for_their_model_is_reported_and_backs_off(no_kopf_events: list) -> None:
+    """A version the operator accepts but the model's pods refuse (maxExpertsPerToken beyond a
+    2-expert model's experts: 422) is reported from the pods' answer (reason GatePushRefused, their
+    message), and the refused canary is not pushed to them again at every tick; a new spec goes at once."""
+    clock = [1000.0]
+    kube = FakeKube(spec(V1))
+    pods = ContractPods(clock, experts=2)
+    loop, cache = Loop(kube=kube, admin=pods, clock=lambda: clock[0]), RolloutCache()  # type: ignore[arg-type]
+    await tick(loop, cache, clock, 1)
+    kube.set_spec(spec({"toolGateThreshold": 0.8, "maxExpertsPerToken": 4}))
+    status = await tick(loop, cache, clock, 1)
+    stalled = condition(status, "Stalled")
+    assert (stalled["status"], stalled["reason"]) == ("True", "GatePushRefused"), stalled
+    assert "GateConfig ns/gate" in stalled["message"] and "this model has 2 experts" in stalled["message"]
+    assert "422" in stalled["message"] and "m-0" in stalled["message"]
+    pushed = len(pods.pushed)
+    for _ in range(3):
+        await tick(loop, cache, clock, 2)
+    assert len(pods.pushed) == pushed  # within the 10 s delay: not pushed again
+    kube.set_spec(spec(V2))  # a version the pods take: pushed at once, the refusal is gone
+    status = await tick(loop, cache, clock, 1)
+    assert pods.versions["m-0"] == GateVersion.from_params(V2).version
+    assert condition(status, "Stalled")["status"] == "False" and cache.refused == {}
+
+
+async def test_a_resting_gateconfig_whose_pod_refuses_its_stable_sleeps_until_the_retry(no_kopf_events: list) -> None:
+    """At rest, a pod back on another gate is pushed status.stable; when it refuses it (params edited
+    out of their hash) the GateConfig says so and its loop sleeps until the push's delay ends, rather
+    than checking and pushing again at every tick (before: at once, forever)."""
+    clock = [1000.0]
+    kube = FakeKube(spec(V1))
+    pods = ContractPods(clock)
+    loop, cache = Loop(kube=kube, admin=pods, clock=lambda: clock[0]), RolloutCache()  # type: ignore[arg-type]
+    await tick(loop, cache, clock, 1)
+    kube.obj["status"]["stable"]["params"] = {"toolGateThreshold": 0.5}
+    pods.versions["m-1"] = GateVersion.from_params(V2).version  # back from a restart on another gate
+    pods.pushed.clear()
+
+    async def resting_tick(dt: float, changes: int) -> float | None:
+        clock[0] += dt
+        seen = RolloutLoop.quiet_view(copy.deepcopy(kube.obj))
+        await loop.tick(namespace="ns", name="gate", models=["m"], cache=cache, inventory=None,  # type: ignore[arg-type]
+                        seen=seen, pod_changes=changes)
+        return loop.next_tick_in(RolloutLoop.quiet_view(copy.deepcopy(kube.obj)), cache=cache, interval_s=5)
+
+    assert await resting_tick(1, 1) == pytest.approx(controller.REFUSED_RETRY_S)
+    assert pods.pushed == ["m-1"]
+    assert condition(kube.status, "Stalled")["reason"] == "StableChecksumMismatch"
+    for _ in range(3):  # ticks within the delay find nothing to do
+        await resting_tick(2, 1)
+    assert pods.pushed == ["m-1"]
+    assert await resting_tick(5, 1) == pytest.approx(2 * controller.REFUSED_RETRY_S)  # pushed again, refused
+    assert pods.pushed == ["m-1", "m-1"]

@@ -4,7 +4,8 @@
 -- (Ready, Reconciling, Stalled) and status.rollout.phase.
 --   Paused                                   -> Suspended (not Progressing forever)
 --   Stalled=True (rolled back or aborted while the spec still names that version,
---     invalid spec, failed analysis with autoRollback off)  -> Degraded
+--     invalid spec, failed analysis with autoRollback off, pods refusing the gate
+--     document: StableChecksumMismatch, CanaryChecksumMismatch, GatePushRefused)  -> Degraded
 --   Reconciling=True (pushing, analysing, rolling back)     -> Progressing
 --   Ready=True                                              -> Healthy
 local hs = {}
