@@ -43,13 +43,27 @@ def resolve(gateconfig: Mapping[str, Any] | None, *, referenced: bool,
         return GateResolution(document=None, source="missing", error="GateConfig not found")
     stable = (gateconfig.get("status") or {}).get("stable")
     if stable:
-        return _checked(stable, "status.stable", num_experts)
+        resolution = _checked(stable, "status.stable", num_experts)
+        if resolution.error is not None and _hash_mismatch(resolution.error):
+            name = (gateconfig.get("metadata") or {}).get("name")
+            version = stable.get("version") if isinstance(stable, Mapping) else None
+            resolution = dataclasses.replace(resolution, error=(
+                f"GateConfig {name} status.stable {version}: {resolution.error}: its params no longer hash to its "
+                f"version and checksum (edited by hand, or written back by a tool restoring status); put back the "
+                f"params of {version} that status.history holds, or remove status.stable and the operator "
+                f"restores it from status.history"))
+        return resolution
     params = (gateconfig.get("spec") or {}).get("params") or {}
     try:
         doc = gatedoc.make_document(params, num_experts=num_experts)
     except gatedoc.GateParamsError as e:
         return GateResolution(document=None, source="spec.params", error=str(e))
     return GateResolution(document=doc, source="spec.params")
+
+
+def _hash_mismatch(error: str) -> bool:
+    """``gatedoc.parse_document``'s refusal of a document whose params do not hash to it."""
+    return error.startswith("checksum mismatch") or "is not the content address of params" in error
 
 
 def default_document(num_experts: int) -> gatedoc.GateDocument:

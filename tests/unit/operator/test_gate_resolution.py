@@ -64,6 +64,22 @@ def test_tampered_stable_fails_its_checksum():
     assert r.document is None and "checksum" in r.error
 
 
+def test_a_tampered_stable_names_the_gateconfig_and_the_fix():
+    """The SparseModel's Degraded message (GateConfigInvalid) for a status.stable edited out of its
+    hash says whose status.stable it is and what to do, not only the two hashes."""
+    stable = gate.stable_from_params(PARAMS)
+    stable["params"] = {**stable["params"], "entropyBeta": 0.5}
+    r = gate.resolve(gc(stable=stable), referenced=True, num_experts=8)
+    assert r.document is None and r.error.startswith(f"GateConfig g status.stable {stable['version']}: checksum mismatch")
+    assert "remove status.stable" in r.error and "status.history" in r.error
+    bad_version = {**gate.stable_from_params(PARAMS), "version": "g-000000000000"}
+    r = gate.resolve(gc(stable=bad_version), referenced=True, num_experts=8)
+    assert "not the content address" in r.error and "remove status.stable" in r.error
+    too_wide = gate.stable_from_params({**PARAMS, "maxExpertsPerToken": 8})  # valid, for another model
+    r = gate.resolve(gc(stable=too_wide), referenced=True, num_experts=2)
+    assert r.error is not None and "remove status.stable" not in r.error
+
+
 def test_stable_block_shape():
     stable = gate.stable_from_params(PARAMS)
     assert set(stable) == {"version", "checksum", "params"}
