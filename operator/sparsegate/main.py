@@ -48,6 +48,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.reporting_component = "sparsegate"
     settings.execution.max_workers = 8
     settings.watching.server_timeout = 300
+    # Services and ConfigMaps are watched only for a model's own being deleted (sparsemodel.owned_object_deleted):
+    # the API server sends only those, not every Service and ConfigMap of the served namespaces.
+    for plural in ("services", "configmaps"):
+        settings.watching.label_selectors["", "v1", plural] = sparsemodel.OWNED_SELECTOR
     memo.kube = Kube.from_environment()
     memo.model_pool = settings.execution.executor  # handlers.pools: the model handlers' blocking work
     # handlers.pools.run_status_work: status refreshes, never queued behind reconciles.

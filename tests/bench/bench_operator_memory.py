@@ -2,8 +2,8 @@
 
 Issue 13 asks, where the 10,000-model RSS goal is missed, where the memory goes per object. This
 builds the objects of N models as the API server sends them (a SparseModel, its Deployment,
-ReplicaSet and R pods; a GateConfig per 5 models; each JSON-decoded on its own, as each watch
-event is) and runs on each one exactly what the operator's process keeps for it between events:
+ReplicaSet and R pods, its Service and gate ConfigMap where the operator watches those; a GateConfig
+per 5 models; each JSON-decoded on its own, as each watch event is) and runs on each one exactly what the operator's process keeps for it between events:
 
 - Kopf's per-object record (``ResourceMemories.recall`` with the operator's memo, which Kopf
   copies per object), and
@@ -113,7 +113,13 @@ def model_objects(i: int, *, replicas: int, gate: str, ip_base: int) -> dict[str
                                 "containerStatuses": [{"name": render.CONTAINER_NAME, "ready": True,
                                                        "restartCount": 0, "image": model["spec"]["image"],
                                                        "state": {"running": {"startedAt": "2026-12-05T20:00:03Z"}}}]}})
-    return {"sparsemodels": [model], "deployments": [deployment], "replicasets": [replicaset], "pods": pods}
+    owned = []
+    for obj in (render.render_service(model), render.render_configmap(model, document)):
+        obj["metadata"].update(namespace=NS, uid=_uid(), resourceVersion=str(3000 + i),
+                               ownerReferences=[{**_ref(model), "controller": True}])
+        owned.append(obj)
+    return {"sparsemodels": [model], "deployments": [deployment], "replicasets": [replicaset], "pods": pods,
+            "services": owned[:1], "configmaps": owned[1:]}
 
 
 def gate_object(j: int) -> dict[str, Any]:
@@ -133,6 +139,8 @@ RESOURCES = {  # plural → (group, version, kind)
     "deployments": ("apps", "v1", "Deployment"),
     "replicasets": ("apps", "v1", "ReplicaSet"),
     "pods": ("", "v1", "Pod"),
+    "services": ("", "v1", "Service"),  # a model's own: counted only where the operator watches them
+    "configmaps": ("", "v1", "ConfigMap"),
 }
 
 
@@ -174,6 +182,9 @@ async def measure(models: int, replicas: int, gates: int) -> dict[str, Any]:
     for plural, items in texts.items():
         group, version, kind = RESOURCES[plural]
         resource = references.Resource(group=group, version=version, plural=plural, kind=kind, namespaced=True)
+        if not any(r.has_handlers(resource=resource) for r in (
+                registry._watching, registry._changing, registry._indexing, registry._spawning)):
+            continue  # not watched by this revision: the operator holds nothing for these
         memories = inventory.ResourceMemories()
         gc.collect()
         before = tracemalloc.get_traced_memory()[0]
@@ -242,8 +253,8 @@ def main() -> int:
     for plural, k in result["kinds"].items():
         line = f"{plural:<14}{k['objects']:>9}{k['bytesPerObject']:>14}"
         if base:
-            b = base["kinds"][plural]["bytesPerObject"]
-            line += f"{b:>10}{k['bytesPerObject'] / max(b, 1):>8.2f}"
+            b = base["kinds"].get(plural, {}).get("bytesPerObject")
+            line += f"{b:>10}{k['bytesPerObject'] / max(b, 1):>8.2f}" if b is not None else f"{'unwatched':>10}"
         print(line)
     line = f"{'per model':<23}{result['bytesPerModel']:>14}"
     if base:

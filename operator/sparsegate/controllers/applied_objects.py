@@ -8,10 +8,13 @@ handling 29 % of the API server's CPU, managed fields 24 %). So this process rem
 a digest of each object as it last applied it (or, for the admin Secret, last found usable), and
 a reconcile skips the ones whose rendering has not changed since.
 
-The operator does not watch these objects, so an edit or a deletion by someone else is undone by
-the first reconcile after ``interval_s`` (``--reapply-interval``, an hour by default) instead of
-by the next one: a record older than that no longer counts (touching the model undoes it at once:
-below). 0 keeps no record (every reconcile applies everything).
+A deletion of the Service or ConfigMap by someone else is put back at its watch event
+(``handlers.sparsemodel.owned_object_deleted`` expires the model's records); another edit of them
+is undone by the first reconcile after ``interval_s`` (``--reapply-interval``, an hour by default)
+instead of by the next one: a record older than that no longer counts (touching the model undoes
+it at once: below). 0 keeps no record (every reconcile applies everything). The Deployment is
+applied by every reconcile; the generation its last apply returned tells a later change of its
+spec by someone else (``foreign_edit``), which its event handler puts back.
 An object whose apply failed has no record (the next reconcile applies it) and keeps the error's
 message until an apply of it lands (``failure``): a reconcile that does not wait for that object's
 apply (the Service, ``handlers.modelsync``) reports the last one meanwhile. Such an apply is also
@@ -60,6 +63,7 @@ class AppliedObjects:
         self._failures: dict[ModelKey, dict[ObjectKey, str]] = {}
         self._in_flight: set[tuple[ModelKey, ObjectKey]] = set()
         self._held: set[tuple[ModelKey, ObjectKey]] = set()
+        self._generations: dict[ModelKey, tuple[str | None, int]] = {}
 
     def unchanged(self, model: ModelKey, obj: Mapping[str, Any], *, now: float) -> bool:
         """True if ``obj`` (rendered for ``model``) is what this process last applied, less than
@@ -121,6 +125,31 @@ class AppliedObjects:
         with self._lock:
             return self._failures.get(model, {}).get(_key(obj))
 
+    def record_deployment(self, model: ModelKey, deployment: Mapping[str, Any] | None) -> None:
+        """``deployment`` is the answer of this process's apply of the model's Deployment: its uid
+        and spec generation are what the next watch events of it are compared with (``foreign_edit``)."""
+        meta = (deployment or {}).get("metadata") or {}
+        generation = meta.get("generation")
+        if generation is None:
+            return
+        with self._lock:
+            record = self._generations.get(model)
+            if record is None or record[0] != meta.get("uid") or record[1] < int(generation):
+                self._generations[model] = (meta.get("uid"), int(generation))  # answers may come out of order
+
+    def foreign_edit(self, model: ModelKey, deployment: Mapping[str, Any] | None) -> bool:
+        """True if ``deployment`` (as watched) is at a spec generation past the one this process's
+        last apply of it returned: someone else changed its spec since (``kubectl scale``, ``kubectl
+        edit``, ``kubectl rollout restart``). Its status moving (pods becoming Ready) keeps the
+        generation, as does an event of our own apply; with no apply recorded (a restarted
+        operator: its resume applies everything) or another Deployment of the name, False."""
+        meta = (deployment or {}).get("metadata") or {}
+        generation = meta.get("generation")
+        with self._lock:
+            record = self._generations.get(model)
+        return record is not None and generation is not None and meta.get("uid") == record[0] \
+            and int(generation) > record[1]
+
     def expire(self, model: ModelKey) -> None:
         """The model's records no longer count (its next reconcile applies everything again); an
         apply in flight or failed keeps its mark."""
@@ -131,6 +160,7 @@ class AppliedObjects:
         with self._lock:
             self._records.pop(model, None)
             self._failures.pop(model, None)
+            self._generations.pop(model, None)
             self._in_flight = {k for k in self._in_flight if k[0] != model}
             self._held = {k for k in self._held if k[0] != model}
 

@@ -183,6 +183,8 @@ def apply_owned(kube: Kube, model: Mapping[str, Any], objects: Iterable[Mapping[
     for obj in objects:
         if obj["kind"] == "Deployment":
             deployment = kube.apply(obj)
+            if applied_objects is not None:
+                applied_objects.record_deployment(key, deployment)  # a later foreign edit: ``foreign_edit``
     return deployment
 
 

@@ -19,7 +19,13 @@
 - GateConfig events → re-reconcile models whose rendered gate no longer matches (see
   handlers.gatebinding). A model's ``spec.gateConfigRef`` edited → its new GateConfig's rollout
   checks its pods at its next tick (``handlers.gateconfig.model_gate_changed``).
-- A Deployment deleted while its model lives is re-created.
+- A Deployment deleted while its model lives is re-created; one whose spec someone else changed
+  (its generation past what our last apply returned: ``kubectl scale``, ``kubectl edit``,
+  ``kubectl rollout restart``) is applied again (``put_back``): the operator's fields go back to
+  the rendered spec, fields others added (a restart annotation) stay. Its status changing moves
+  no generation: nothing is applied for it.
+- The model's Service or gate ConfigMap deleted while its model lives → put back at once
+  (``owned_object_deleted``; watched with a label selector: only the operator's own).
 - A SparseModel deleted → what this process kept of it (status inputs, applied objects) is dropped.
 Status reads the Deployment from the operator's watch (``handlers.fleetindex``) and the apply's
 answer, never with a GET.
@@ -43,10 +49,15 @@ from sparsegate import metrics
 from sparsegate.clients.kube import Kube
 from sparsegate.controllers.inventory import Inventory
 from sparsegate.domain import conditions, interned, model_status
+from sparsegate.domain.pod_ownership import controller_ref
 from sparsegate.handlers import gateconfig, modelsync
 from sparsegate.handlers.pools import loop_reader, model_turn, run_model_work, run_status_work
 
 GROUP, VERSION = names.GROUP, names.VERSION
+# The labels of every object a model owns (``render.common_labels``); the Service and ConfigMap
+# watches select on them server-side (``sparsegate.main``).
+OWNED_LABELS = {names.NAME_LABEL: names.MODEL_SERVER_NAME, names.MANAGED_BY_LABEL: names.MANAGED_BY}
+OWNED_SELECTOR = ",".join(f"{k}={v}" for k, v in sorted(OWNED_LABELS.items()))
 
 
 def post_event(body: Any, type_: str, reason: str, message: str) -> None:
@@ -131,6 +142,14 @@ async def deployment_changed(type: str | None, body: kopf.Body, memo: kopf.Memo,
         # 410 Gone: an API server restarted) is the only word of what changed meanwhile.
         return
     inventory = Inventory.from_kopf(kwargs)
+    key = (namespace, model)
+    if type != "DELETED" and memo.applied_objects.foreign_edit(key, body):
+        # Its spec moved past what our last apply of it returned: someone else scaled or edited it.
+        # Re-checked in the model's turn, where a reconcile of ours that produced it has recorded it.
+        await put_back(memo, inventory, namespace=namespace, model=model, logger=logger,
+                       owner_refs=list(body.metadata.get("ownerReferences") or []),
+                       due=lambda: memo.applied_objects.foreign_edit(key, inventory.deployment(namespace, model)),
+                       what=f"Deployment {model} was changed by another writer")
     pods = inventory.pods(namespace, model)
     if type != "DELETED" and memo.status_inputs.settled(
             namespace, model, uid=modelsync.model_uid(body), inputs=model_status.workload_inputs(body, pods)):
@@ -203,8 +222,60 @@ def _deployment_changed(memo: kopf.Memo, *, type: str, deployment: Mapping[str, 
             outcome.value = "unchanged"
 
 
+async def put_back(memo: kopf.Memo, inventory: Inventory, *, namespace: str, model: str, logger: logging.Logger,
+                   owner_refs: list[Mapping[str, Any]], due: Callable[[], bool], what: str) -> None:
+    """An owned object was changed or deleted by someone else: the model is reconciled again (in
+    its turn, as any reconcile), which applies what it renders, so server-side apply takes back the
+    fields the operator owns (a field someone else added is theirs and stays). ``due``, called in
+    the model's turn, says whether it still has to (and may expire records). Nothing when the model
+    is gone or deleting (its owned objects go with it)."""
+    async with model_turn(namespace, model):
+        if not due():
+            return
+        logger.warning("%s; applying the model's objects again", what)
+        reconciled = await run_model_work(memo, _put_back, memo, namespace=namespace, model=model,
+                                          owner_refs=owner_refs, pods=inventory.pods(namespace, model), logger=logger,
+                                          watched=watched_deployment(inventory, namespace, model),
+                                          gates=watched_gates(inventory))
+    if reconciled is not None and reconciled.service is not None:
+        await finish_service(memo, reconciled.service)
+
+
+def _put_back(memo: kopf.Memo, *, namespace: str, model: str, owner_refs: list[Mapping[str, Any]],
+              pods: list[Mapping[str, Any]], logger: logging.Logger, watched: modelsync.WatchedDeployment,
+              gates: modelsync.WatchedGate) -> modelsync.Reconciled | None:
+    owner = modelsync.live_owner(memo.kube, namespace=namespace, name=model, owner_refs=owner_refs)
+    if owner is None:
+        return None
+    return reconcile(memo, owner, pods=pods, logger=logger, watched=watched, gates=gates)
+
+
 def _deleted(type: str | None, **_: Any) -> bool:
     return type == "DELETED"
+
+
+@kopf.on.event("", "v1", "services", labels=OWNED_LABELS, when=_deleted)
+@kopf.on.event("", "v1", "configmaps", labels=OWNED_LABELS, when=_deleted)
+async def owned_object_deleted(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **kwargs: Any) -> None:
+    """A model's Service or gate ConfigMap deleted while its model lives: put back at once (its
+    record in ``controllers.applied_objects`` would skip it until ``--reapply-interval``). These
+    watches carry a label selector (``sparsegate.main``): only the operator's own objects, which
+    change only when it applies them."""
+    model = body.metadata.labels.get(names.MODEL_LABEL)
+    namespace = body.metadata.namespace
+    inventory = Inventory.from_kopf(kwargs)
+    ref = controller_ref(body)
+    view = inventory.model(namespace, model) if model else None
+    if view is None or ref is None or ref.get("uid") != view["metadata"].get("uid") \
+            or view["metadata"].get("deletionTimestamp"):
+        return  # the model is gone or going (the garbage collector deletes what it owned), or not its owner
+    key = (namespace, model)
+
+    def due() -> bool:
+        memo.applied_objects.expire(key)  # in the model's turn: the reconcile below applies everything
+        return True
+    await put_back(memo, inventory, namespace=namespace, model=model, logger=logger,
+                   owner_refs=[ref], due=due, what=f"{body.get('kind')} {body.metadata.name} was deleted")
 
 
 @kopf.on.event(GROUP, VERSION, names.SPARSEMODELS, when=_deleted)

@@ -6,7 +6,8 @@ and SparseModel are applied, then the model's pods run the model-server image on
 status reaches Ready for the current generation, re-applying changes nothing, a missing GateConfig
 degrades instead of crashing, a Service the API server refuses degrades the model without holding
 its Deployment back (and clears on the retry once it lands), a new stable gate re-renders the
-ConfigMap, and deleting the model removes everything it owned.
+ConfigMap, owned objects scaled or deleted by hand are put back from the watch, and deleting the
+model removes everything it owned.
 """
 
 from __future__ import annotations
@@ -348,3 +349,46 @@ def test_touching_a_model_puts_back_owned_objects_deleted_by_hand(stack, operato
     wait_for(back, what="the deleted Secret, ConfigMap and Service to be put back", timeout_s=60, interval_s=0.5)
     assert get_json(stack, "secret", f"{name}-admin", "-n", ns)["data"]["token"] != token
     assert get_json(stack, "sparsemodel", name, "-n", ns)["metadata"]["generation"] == 1
+
+
+def test_owned_objects_edited_or_deleted_by_hand_are_put_back(stack, operator, stack_namespace):
+    """Nothing reconciles a model periodically and its reconciles skip the ConfigMap and Service
+    while unchanged (``--reapply-interval``): what the operator owns is put back from its watch
+    instead, without touching the model. A Deployment scaled by hand (its spec generation moves
+    past what the operator's apply returned) is applied again with the SparseModel's replicas; a
+    deleted Service or gate ConfigMap is re-created. A ``kubectl rollout restart`` annotation is no
+    field of the operator's: a later put-back keeps it (the pods are not restarted again)."""
+    ns = stack_namespace
+    name = "drifted"
+    model = yaml.safe_load((EXAMPLES / "sparsemodel.yaml").read_text())
+    model["metadata"]["name"] = name
+    model["spec"].update(replicas=0, resources={"gpus": 0})
+    model["spec"].pop("gateConfigRef", None)  # the built-in gate: nothing else to wait for
+    stack.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(model))
+    wait_for(ready_at_generation(stack, ns, name), what="SparseModel Ready", timeout_s=90, interval_s=0.5)
+
+    def replicas() -> int:
+        return get_json(stack, "deployment", name, "-n", ns)["spec"]["replicas"]
+
+    stack.kubectl("scale", "deployment", name, "-n", ns, "--replicas=2")
+    wait_for(lambda: replicas() == 0, what="the Deployment scaled by hand back to the model's 0 replicas",
+             timeout_s=60, interval_s=0.5)
+
+    gone = [("configmap", f"{name}-gate"), ("service", name)]
+    uids = {kind: get_json(stack, kind, obj, "-n", ns)["metadata"]["uid"] for kind, obj in gone}
+    for kind, obj in gone:
+        stack.kubectl("delete", kind, obj, "-n", ns, "--wait=true", timeout=60)
+
+    def back():
+        found = [stack.kubectl("get", kind, obj, "-n", ns, "-o", "json", check=False) for kind, obj in gone]
+        return all(p.returncode == 0 for p in found) and \
+            all(json.loads(p.stdout)["metadata"]["uid"] != uids[kind] for p, (kind, _) in zip(found, gone))
+    wait_for(back, what="the deleted ConfigMap and Service to be put back", timeout_s=60, interval_s=0.5)
+
+    stack.kubectl("rollout", "restart", f"deployment/{name}", "-n", ns)
+    stack.kubectl("scale", "deployment", name, "-n", ns, "--replicas=3")
+    wait_for(lambda: replicas() == 0, what="the Deployment scaled by hand again back to 0", timeout_s=60,
+             interval_s=0.5)
+    template = get_json(stack, "deployment", name, "-n", ns)["spec"]["template"]["metadata"]
+    assert "kubectl.kubernetes.io/restartedAt" in (template.get("annotations") or {}), template
+    assert get_json(stack, "sparsemodel", name, "-n", ns)["metadata"]["generation"] == 1  # never touched

@@ -89,3 +89,31 @@ def test_expire_drops_the_records_but_keeps_what_is_in_flight_or_failed() -> Non
     a.record_failure(MODEL, svc, "refused")
     a.expire(MODEL)
     assert a.failure(MODEL, svc) == "refused"
+
+
+def deployment(generation, uid="dep-1") -> dict:
+    return {"kind": "Deployment", "metadata": {"name": "m", "namespace": "ns", "uid": uid, "generation": generation}}
+
+
+def test_a_deployment_past_the_generation_our_apply_returned_was_edited_by_someone_else() -> None:
+    """``kubectl scale deploy``/``kubectl edit``/``kubectl rollout restart`` move the Deployment's
+    spec generation past what our last apply returned; its status moving (pods Ready) does not."""
+    a = AppliedObjects(interval_s=600)
+    assert not a.foreign_edit(MODEL, deployment(7))  # nothing applied by this process yet
+    a.record_deployment(MODEL, deployment(3))
+    assert not a.foreign_edit(MODEL, deployment(3))  # our own apply's event, or a status change
+    assert not a.foreign_edit(MODEL, deployment(2))  # an event older than our apply
+    assert a.foreign_edit(MODEL, deployment(4))
+    assert not a.foreign_edit(MODEL, deployment(4, uid="dep-2"))  # another Deployment of the name
+    assert not a.foreign_edit(MODEL, None) and not a.foreign_edit(("ns", "other"), deployment(4))
+    a.record_deployment(MODEL, deployment(4))  # the apply that put it back
+    assert not a.foreign_edit(MODEL, deployment(4))
+    a.record_deployment(MODEL, deployment(3))  # an older apply's answer, recorded late
+    assert not a.foreign_edit(MODEL, deployment(4))
+    a.expire(MODEL)  # records of the ConfigMap and Service only
+    assert a.foreign_edit(MODEL, deployment(5))
+    a.forget(MODEL)  # its Deployment deleted, or the model
+    assert not a.foreign_edit(MODEL, deployment(5))
+    off = AppliedObjects(interval_s=0)  # re-applying everything each time still puts an edit back at once
+    off.record_deployment(MODEL, deployment(1))
+    assert off.foreign_edit(MODEL, deployment(2))

@@ -1132,3 +1132,149 @@ def test_a_users_service_stays_refused_on_the_retries_after_the_first_status_nam
             reconcile(kube, model_of(kube), applied=records)
         assert kube.get("Service", namespace="ns", name="moe-small") == user
         assert "Service moe-small already exists" in conditions(kube)["Degraded"]["message"]
+
+
+def live_views(k) -> dict:
+    """The Kopf indexes as the handlers get them, each reading the stored objects at once."""
+    class Live(dict):
+        def __init__(self, kind, view):
+            super().__init__()
+            self.kind, self.view = kind, view
+
+        def get(self, key, default=None):
+            obj = k.objects.get((self.kind, *key))
+            return [self.view(obj)] if obj is not None else default
+    return dict(sparsegate_model_views=Live("SparseModel", fleet_view.model_view), sparsegate_model_pod_views={},
+                sparsegate_model_deployment_views=Live("Deployment", fleet_view.deployment_view),
+                sparsegate_model_replicaset_views={}, sparsegate_gate_views=Live("GateConfig", fleet_view.gate_view))
+
+
+def drift_memo(k, applied: AppliedObjects, inputs: StatusInputs) -> kopf.Memo:
+    return kopf.Memo(kube=k, status_inputs=inputs, applied_objects=applied,
+                     model_pool=concurrent.futures.ThreadPoolExecutor(max_workers=1),
+                     status_pool=concurrent.futures.ThreadPoolExecutor(max_workers=1),
+                     deferred_refreshes=DeferredRefreshes(delay_s=0))
+
+
+def applied_at_generation(k, applied: AppliedObjects, inputs: StatusInputs) -> dict:
+    """The model reconciled by this process, its Deployment (uid dep-1) at generation 1 as our apply returned it."""
+    gateconfig(k)
+    reconcile(k, model_of(k), inputs=inputs, applied=applied)
+    k.objects[("Deployment", "ns", "moe-small")]["metadata"].update(uid="dep-1", generation=1)
+    reconcile(k, model_of(k), inputs=inputs, applied=applied)
+    k.applied.clear(), k.calls.clear()
+    return k.objects[("Deployment", "ns", "moe-small")]
+
+
+def test_a_deployment_scaled_or_edited_by_hand_is_put_back_at_its_event(kube, monkeypatch):
+    """``kubectl scale deploy/<model> --replicas 5`` (or ``kubectl edit``): the Deployment's event
+    carries a generation past the one our last apply returned, so the model is reconciled again
+    and its Deployment applied as rendered (replicas from the SparseModel); pods becoming Ready (a
+    status change, same generation) apply nothing."""
+    monkeypatch.setattr(sparsemodel, "post_event", lambda *a: None)
+    applied, inputs = AppliedObjects(interval_s=3600), StatusInputs()
+    deployment = applied_at_generation(kube, applied, inputs)
+    want = model_of(kube)["spec"]["replicas"]
+    memo = drift_memo(kube, applied, inputs)
+
+    def event(type_: str = "MODIFIED") -> None:
+        body = kopf.Body(copy.deepcopy(kube.objects[("Deployment", "ns", "moe-small")]))
+        asyncio.run(sparsemodel.deployment_changed(type=type_, body=body, memo=memo, logger=LOG, **live_views(kube)))
+
+    deployment["status"] = {"observedGeneration": 1, "replicas": want, "readyReplicas": want, "updatedReplicas": want}
+    event()  # pods became Ready: status only
+    assert kube.applied == []
+    deployment["spec"]["replicas"] = 5  # kubectl scale
+    deployment["metadata"]["generation"] = 2
+    event()
+    assert kube.applied == ["Deployment"]  # the ConfigMap and Service were not touched: still recorded
+    assert kube.objects[("Deployment", "ns", "moe-small")]["spec"]["replicas"] == want
+    kube.applied.clear()
+    event()  # the put-back's own event (its generation recorded): nothing more
+    event(None)  # nor a listing after a watch restart
+    assert kube.applied == []
+
+
+def test_a_model_deleted_meanwhile_is_not_put_back(kube, monkeypatch):
+    monkeypatch.setattr(sparsemodel, "post_event", lambda *a: None)
+    applied, inputs = AppliedObjects(interval_s=3600), StatusInputs()
+    deployment = applied_at_generation(kube, applied, inputs)
+    deployment["metadata"]["generation"] = 2
+    model = kube.objects[("SparseModel", "ns", "moe-small")]
+    model["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    memo = drift_memo(kube, applied, inputs)
+    asyncio.run(sparsemodel.deployment_changed(type="MODIFIED", body=kopf.Body(copy.deepcopy(deployment)), memo=memo,
+                                               logger=LOG, **live_views(kube)))
+    assert kube.applied == []
+
+
+@pytest.mark.parametrize("kind,name", [("Service", "moe-small"), ("ConfigMap", "moe-small-gate")])
+def test_a_deleted_service_or_configmap_is_put_back_at_its_event(kube, monkeypatch, kind, name):
+    """Recorded as applied, a reconcile would skip them until ``--reapply-interval``: the DELETED
+    event of the model's own Service or ConfigMap applies them again at once. Another's, or one
+    whose model is gone or going, is left alone."""
+    monkeypatch.setattr(sparsemodel, "post_event", lambda *a: None)
+    applied, inputs = AppliedObjects(interval_s=3600), StatusInputs()
+    applied_at_generation(kube, applied, inputs)
+    memo = drift_memo(kube, applied, inputs)
+    gone = kube.objects.pop((kind, "ns", name))
+
+    def deleted(obj) -> None:
+        asyncio.run(sparsemodel.owned_object_deleted(type="DELETED", body=kopf.Body(copy.deepcopy(obj)), memo=memo,
+                                                     logger=LOG, **live_views(kube)))
+
+    other = copy.deepcopy(gone)
+    other["metadata"]["ownerReferences"][0]["uid"] = "uid-0"  # a model of the name deleted earlier
+    deleted(other)
+    assert kube.applied == [] and (kind, "ns", name) not in kube.objects
+    deleted(gone)
+    assert (kind, "ns", name) in kube.objects and kind in kube.applied
+    assert kube.objects[(kind, "ns", name)]["metadata"]["ownerReferences"] == gone["metadata"]["ownerReferences"]
+    kube.applied.clear()
+    kube.objects.pop((kind, "ns", name))
+    kube.objects[("SparseModel", "ns", "moe-small")]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    deleted(gone)
+    assert kube.applied == [] and (kind, "ns", name) not in kube.objects
+
+
+def test_only_the_operators_own_services_and_configmaps_are_watched():
+    """The watches of Services and ConfigMaps (only their deletion is handled) select the
+    operator's objects by label on the API server: not every one of the served namespaces."""
+    from kopf._cogs.structs import references
+
+    import sparsegate.main
+    settings = kopf.OperatorSettings()
+    memo = kopf.Memo(reapply_interval_s=0)
+    sparsegate.main.configure(settings=settings, memo=memo)
+    for plural, kind in (("services", "Service"), ("configmaps", "ConfigMap"), ("pods", "Pod")):
+        resource = references.Resource(group="", version="v1", plural=plural, kind=kind, namespaced=True)
+        selectors = settings.watching.label_selectors.collect(resource)
+        assert selectors == ([] if plural == "pods" else [sparsemodel.OWNED_SELECTOR])
+    assert sparsemodel.OWNED_SELECTOR == "app.kubernetes.io/managed-by=sparsegate,app.kubernetes.io/name=" \
+        + sparsemodel.OWNED_LABELS["app.kubernetes.io/name"]
+
+
+def test_the_event_of_our_own_apply_seen_before_its_answer_puts_nothing_back(kube, monkeypatch):
+    """A reconcile of ours (the HPA scaled the SparseModel) applies the Deployment at a new
+    generation, and its watch event can come before the apply's answer is recorded: the check is
+    made again in the model's turn, which that reconcile holds until it has recorded it."""
+    from sparsegate.handlers.pools import model_turn
+
+    monkeypatch.setattr(sparsemodel, "post_event", lambda *a: None)
+    applied, inputs = AppliedObjects(interval_s=3600), StatusInputs()
+    deployment = applied_at_generation(kube, applied, inputs)
+    memo = drift_memo(kube, applied, inputs)
+
+    async def main() -> None:
+        async with model_turn("ns", "moe-small"):  # our reconcile, its apply in flight
+            deployment["metadata"]["generation"] = 2
+            deployment["status"] = {"observedGeneration": 2, "replicas": 0}  # settled: refreshed at once
+            event = asyncio.create_task(sparsemodel.deployment_changed(
+                type="MODIFIED", body=kopf.Body(copy.deepcopy(deployment)), memo=memo, logger=LOG,
+                **live_views(kube)))
+            await asyncio.sleep(0.05)
+            applied.record_deployment(("ns", "moe-small"), deployment)  # its answer
+        await event
+
+    asyncio.run(main())
+    assert kube.applied == []
