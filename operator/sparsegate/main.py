@@ -29,7 +29,7 @@ from sparsegate.clients.kube import Kube
 from sparsegate.controllers.applied_objects import DEFAULT_INTERVAL_S, AppliedObjects
 from sparsegate.controllers.deferred_refresh import DeferredRefreshes
 from sparsegate.controllers.status_inputs import StatusInputs
-from sparsegate.handlers import accesssync, diffbase, gateconfig, modelsync, progress, sparsemodel
+from sparsegate.handlers import accesssync, defaultgate, diffbase, gateconfig, modelsync, progress, sparsemodel
 
 # Threads for model status refreshes (handlers.pools.run_status_work); reconciles keep Kopf's 8.
 STATUS_POOL_THREADS = 4
@@ -65,6 +65,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # sparsegate.memo).
     memo.rollout_loop = gateconfig.new_rollout_loop(memo.kube)
     memo.access_sync = accesssync.new_access_sync(memo.kube)
+    memo.default_gate_sync = defaultgate.DefaultGateSync(kube=memo.kube)
 
 
 def drain_pools(pools: list[concurrent.futures.Executor]) -> None:

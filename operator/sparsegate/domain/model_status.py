@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Sequence
 
 from sparsegate.domain import conditions as c
-from sparsegate.domain import render
+from sparsegate.domain import default_gate, render
 from sparsegate.domain.gate import GateResolution
 
 
@@ -91,9 +91,13 @@ def after_reconcile(*, model: Mapping[str, Any], generation: int | None, gate: G
             [*workload, degraded, *c.kstatus_conditions(workload, degraded=degraded)],
             now=now, observed_generation=generation),
     }
-    if gate.document is not None and (apply_error is None if gate_applied is None else gate_applied):
+    written = gate.document is not None and (apply_error is None if gate_applied is None else gate_applied)
+    if written:
         status["gateVersion"] = gate.document.version
         status["gateChecksum"] = gate.document.checksum
+    # The default gate written over another: its running pods get it pushed (``domain.default_gate``).
+    status["conditions"] = default_gate.reconcile_conditions(previous, status["conditions"], gate=gate,
+                                                             gate_written=written, now=now, generation=generation)
     return status
 
 

@@ -7,4 +7,5 @@ from sparsegate.handlers import gateconfig  # noqa: F401
 from sparsegate.handlers import rollout_metrics  # noqa: F401
 from sparsegate.handlers import telemetryprobe  # noqa: F401
 from sparsegate.handlers import accesssync  # noqa: F401
+from sparsegate.handlers import defaultgate  # noqa: F401
 from sparsegate.handlers import diffbase  # noqa: F401

@@ -18,7 +18,8 @@
   clear on the refresh that finds the pods running again (the Deployment's ready count moves).
 - GateConfig events → re-reconcile models whose rendered gate no longer matches (see
   handlers.gatebinding). A model's ``spec.gateConfigRef`` edited → its new GateConfig's rollout
-  checks its pods at its next tick (``handlers.gateconfig.model_gate_changed``).
+  checks its pods at its next tick (``handlers.gateconfig.model_gate_changed``); removed → the
+  default gate is pushed to its pods (``handlers.defaultgate``).
 - A Deployment deleted while its model lives is re-created; one whose spec someone else changed
   (its generation past what our last apply returned: ``kubectl scale``, ``kubectl edit``,
   ``kubectl rollout restart``) is applied again (``put_back``): the operator's fields go back to
@@ -65,10 +66,12 @@ def post_event(body: Any, type_: str, reason: str, message: str) -> None:
 
 
 @kopf.index(GROUP, VERSION, names.SPARSEMODELS)
-async def models_by_gate(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict | None:
-    """(namespace, GateConfig name) → names of the models that reference it."""
+async def models_by_gate(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+    """(namespace, GateConfig name) → names of the models that reference it. A model without a ref
+    is ``{}``, not None: Kopf keeps an object's earlier entries when its indexer returns None, so a
+    model whose ref was removed stayed its old GateConfig's (whose rollout went on pushing its pods)."""
     ref = modelsync.gate_ref(body)
-    return {interned.deep((namespace, ref)): interned.text(name)} if ref else None
+    return {interned.deep((namespace, ref)): interned.text(name)} if ref else {}
 
 
 @kopf.on.resume(GROUP, VERSION, names.SPARSEMODELS)

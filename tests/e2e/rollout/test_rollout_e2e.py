@@ -12,11 +12,13 @@ abort rolls back, promote skips ahead. The tests share one fleet and run in orde
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
+from localcluster.health import wait_for
 
-from rollout_e2e_support import ADDED_LATENCY_MS, REPLICAS, Fleet
+from rollout_e2e_support import ADDED_LATENCY_MS, GATE, MODEL, REPLICAS, Fleet
 
 pytestmark = pytest.mark.slow
 
@@ -138,3 +140,43 @@ def test_promote_annotation_skips_remaining_analysis(fleet: Fleet) -> None:
     assert not any(s["phase"] == "Analysing" and s["step"] == 3 for s in seen), seen
     assert set(fleet.pod_versions().values()) == {new}
     assert "sparsegate.dev/promote" not in (fleet.gateconfig()["metadata"].get("annotations") or {})
+
+
+def test_a_model_whose_gateconfig_ref_is_removed_mid_rollout_serves_the_default_gate(fleet: Fleet) -> None:
+    """Its pods held the GateConfig's gates (one the canary) while the ConfigMap, status.gateVersion
+    and every new pod had the built-in default: the default is pushed to them all
+    (condition DefaultGateApplied), and the ref back hands them to the GateConfig's rollout again."""
+    from sparsegate_workload import gateparams
+
+    default = gateparams.DEFAULT_DOCUMENT.version
+    stable = fleet.stable_version()
+    new = fleet.set_params(toolGateThreshold=0.55)
+    fleet.watch("step 1 analysing", lambda ro: ro.get("phase") == "Analysing" and ro.get("step") == 1
+                and ro.get("canaryVersion") == new)
+    assert new in fleet.pod_versions().values()
+
+    fleet.cluster.kubectl("patch", "sparsemodel", MODEL, "-n", fleet.namespace, "--type=json", "-p",
+                          json.dumps([{"op": "remove", "path": "/spec/gateConfigRef"}]))
+
+    def on_default() -> bool:
+        status = fleet.get("sparsemodel", MODEL).get("status") or {}
+        applied = {c["type"]: c for c in status.get("conditions") or []}.get("DefaultGateApplied") or {}
+        return status.get("gateVersion") == default and applied.get("status") == "True" \
+            and set(fleet.pod_versions().values()) == {default}
+
+    wait_for(on_default, what="every pod on the default gate", timeout_s=60, interval_s=1.0)
+    # The GateConfig's rollout, still in flight, no longer counts the model (its index entry went
+    # with the ref): two analysis windows later no pod holds one of its versions again.
+    time.sleep(8)
+    assert set(fleet.pod_versions().values()) == {default}
+
+    fleet.cluster.kubectl("patch", "sparsemodel", MODEL, "-n", fleet.namespace, "--type=merge", "-p",
+                          json.dumps({"spec": {"gateConfigRef": {"name": GATE}}}))
+    # Without instances the GateConfig promoted its canary directly (NoInstances): that is what the
+    # model's pods get back.
+    fleet.watch("promoted without instances", lambda ro: ro.get("phase") == "Succeeded")
+    assert fleet.stable_version() in (new, stable)
+    wait_for(lambda: set(fleet.pod_versions().values()) == {fleet.stable_version()},
+             what="the GateConfig's stable back on every pod", timeout_s=60, interval_s=1.0)
+    conditions = fleet.get("sparsemodel", MODEL)["status"].get("conditions") or []
+    assert "DefaultGateApplied" not in {c["type"] for c in conditions}
