@@ -39,7 +39,7 @@ FLOW_POLICY_COMPONENT = "flow-policy"
 GATE_VERSION_ANNOTATION = f"{GROUP}/gate-version"  # Deployment and <m>-gate ConfigMap
 GATE_CHECKSUM_ANNOTATION = f"{GROUP}/gate-checksum"
 ABORT_ANNOTATION = f"{GROUP}/abort"  # GateConfig, one-shot (any value)
-PROMOTE_ANNOTATION = f"{GROUP}/promote"  # GateConfig, one-shot: value "step" = next step, any other = all instances
+PROMOTE_ANNOTATION = f"{GROUP}/promote"  # GateConfig, one-shot: "step" = next step, "full"/"now"/"all" = all; else refused
 RETRY_ANNOTATION = f"{GROUP}/retry"  # GateConfig, one-shot (any value): re-run the rejected version the spec names
 FLOW_POLICY_VERSION_ANNOTATION = f"{GROUP}/flow-policy-version"  # sparsegate-flow-policy ConfigMap
 # What OPA last decided the published allow-list from (operator-only; lets a restarted operator fail closed).

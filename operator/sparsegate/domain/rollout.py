@@ -27,6 +27,7 @@ Flow for a new spec version (``steps`` default 5 → 20 → 100 % of requests, o
     any active ─spec.rollout.paused─▶ Paused ─unpaused─▶ Progressing (same step)
     any active ─newer spec─▶ Progressing at step 1 (canary pods, stable unchanged)
     any active ─promote annotation "step"─▶ Progressing at the next step (analysis skipped)
+    any ─promote annotation of no accepted value ("false", "")─▶ unchanged (refused: Warning Event)
     RolledBack/Aborted ─retry annotation (spec still on the rejected version)─▶ Progressing at step 1
     Failed (analysis, autoRollback off) ─retry annotation─▶ Progressing (same step, analysed again)
 
@@ -103,20 +104,26 @@ from sparsegate.domain.rollout_conditions import CONDITION_ORDER, conditions, ks
 __all__ = [
     "ABORT_ANNOTATION", "ACTIVE_PHASES", "CONDITION_ORDER", "DEFAULT_ANALYSIS_INTERVAL_S", "DEFAULT_MAX_DRIFT",
     "DEFAULT_MAX_QUALITY_DROP", "DEFAULT_MIN_REQUESTS", "DEFAULT_PROGRESS_DEADLINE_S", "DEFAULT_SLA_P99_MS",
-    "DEFAULT_STEPS", "HISTORY_LIMIT", "PROMOTE_ANNOTATION", "PROMOTE_STEP_VALUE", "RESTING_PHASES",
-    "RETRY_ANNOTATION", "Action", "ClearAnnotation", "Decision", "EmitEvent", "GateSetTarget", "GateVersion",
-    "Observations", "Phase", "PodObservation", "PushGate", "RecordOutcome", "RecordStep", "Revision",
+    "DEFAULT_STEPS", "HISTORY_LIMIT", "PROMOTE_ANNOTATION", "PROMOTE_FULL_VALUES", "PROMOTE_STEP_VALUE",
+    "RESTING_PHASES", "RETRY_ANNOTATION", "Action", "ClearAnnotation", "Decision", "EmitEvent", "GateSetTarget",
+    "GateVersion", "Observations", "Phase", "PodObservation", "PushGate", "RecordOutcome", "RecordStep", "Revision",
     "RolloutSpec", "RolloutStatus", "SpecError", "Strategy", "annotation_requests", "canary_gate", "conditions",
     "declared_requests", "pending_requests", "request_values",
     "desired_versions", "in_flight", "instances_for", "invalid_spec", "is_step_promote", "kstatus_conditions",
+    "promote_kind",
     "next_action",
     "parse_spec",
     "record_stable", "select_canary_pods",
 ]
 
-# PROMOTE_ANNOTATION's value "step" promotes one step; any other value (the documented
-# `sparsegate.dev/promote=now`) promotes to all instances, as it always has.
+# PROMOTE_ANNOTATION's values (any case, blanks around ignored): "step" promotes one step; "full"
+# (what `kubectl sparsegate promote --full` writes), "now" (the documented
+# `sparsegate.dev/promote=now`) or "all" promote to all instances. Each may carry a "-<anything>"
+# suffix, so a request held in Git gets a new value per rollout (`now-2026-12-07`). Any other value
+# ("false", "no", "", a typo) is refused: not acted on, a Warning Event names it. A full promote
+# skips every remaining analysis, so it is never what an unrecognised value means.
 PROMOTE_STEP_VALUE = "step"
+PROMOTE_FULL_VALUES = ("full", "now", "all")
 
 
 # ---------------------------------------------------------------- observations and actions
@@ -138,6 +145,7 @@ class Observations:
     abort: bool = False
     promote: bool = False  # to all instances at once
     promote_step: bool = False  # to the next step, skipping the current step's analysis
+    promote_refused: bool = False  # a promote annotation of no accepted value: not acted on, a Warning
     retry: bool = False  # re-run the rejected version the spec still names, or a Failed step
     # Canary and stable groups since status.analysis_started_at (None: no data yet).
     canary_metrics: GroupMetrics | None = None
@@ -210,23 +218,33 @@ def pending_requests(annotations: Mapping[str, str] | None, status: RolloutStatu
     return annotation_requests({a: v for a, v in present.items() if handled.get(a) != v})
 
 
+def promote_kind(value: str) -> str | None:
+    """What a ``sparsegate.dev/promote`` value asks for: ``"step"`` (one step), ``"full"`` (every
+    remaining step) or None (no accepted value: refused). See :data:`PROMOTE_FULL_VALUES`."""
+    word = value.strip().lower().split("-", 1)[0]
+    if word == PROMOTE_STEP_VALUE:
+        return "step"
+    return "full" if word in PROMOTE_FULL_VALUES else None
+
+
 def is_step_promote(value: str) -> bool:
     """Whether a ``sparsegate.dev/promote`` value asks for one step (``step``, any case, blanks
-    around it ignored) rather than every remaining step."""
-    return value.strip().lower() == PROMOTE_STEP_VALUE
+    around it ignored, a ``-<anything>`` suffix allowed) rather than every remaining step."""
+    return promote_kind(value) == "step"
 
 
 def annotation_requests(annotations: Mapping[str, str] | None) -> dict[str, bool]:
     """The one-shot requests in a GateConfig's annotations, as :class:`Observations` fields."""
     annotations = annotations or {}
     promote = annotations.get(PROMOTE_ANNOTATION)
-    # "Step", " step\n" (a hand-typed or YAML block value) mean one step too: any other value
-    # promotes fully, skipping every remaining analysis, so a near miss must not count as that.
-    step = promote is not None and is_step_promote(promote)
+    # "Step", " step\n" (a hand-typed or YAML block value) mean one step too. A full promote skips
+    # every remaining analysis, so only its own words ask for it: "false", "" or a typo is refused.
+    kind = None if promote is None else promote_kind(str(promote))
     return {
         "abort": ABORT_ANNOTATION in annotations,
-        "promote": promote is not None and not step,
-        "promote_step": step,
+        "promote": kind == "full",
+        "promote_step": kind == "step",
+        "promote_refused": promote is not None and kind is None,
         "retry": RETRY_ANNOTATION in annotations,
     }
 
@@ -495,6 +513,9 @@ def next_action(*, spec: RolloutSpec, status: RolloutStatus, obs: Observations, 
     # A request this status already acted on whose annotation is still there (its clear did not
     # land) is cleared again, not acted on again: a step promote would otherwise skip two steps.
     obs = dataclasses.replace(obs, **{r: False for r in requested if r in status.consumed_requests})
+    if obs.promote_refused:
+        value = obs.request_values.get(PROMOTE_ANNOTATION)
+        acts.append(EmitEvent("Warning", "PromoteRefused", _promote_refused(value)))
     s = _initialize(status, target=spec.target, acts=acts)
     s = _follow_spec(s, spec=spec, obs=obs, now=now, acts=acts)
     s = _requests(s, spec=spec, obs=obs, now=now, acts=acts)
@@ -519,9 +540,15 @@ def in_flight(s: RolloutStatus) -> bool:
 
 
 # The one-shot requests, as Observations fields (status.rollout.consumedRequests names them).
-_REQUESTS = ("abort", "promote", "promote_step", "retry")
+_REQUESTS = ("abort", "promote", "promote_step", "promote_refused", "retry")
 _ANNOTATION_OF = {"abort": ABORT_ANNOTATION, "promote": PROMOTE_ANNOTATION, "promote_step": PROMOTE_ANNOTATION,
-                  "retry": RETRY_ANNOTATION}
+                  "promote_refused": PROMOTE_ANNOTATION, "retry": RETRY_ANNOTATION}
+
+
+def _promote_refused(value: str | None) -> str:
+    full = ", ".join(f"'{w}'" for w in PROMOTE_FULL_VALUES)
+    return (f"{PROMOTE_ANNOTATION}={value!r} refused, not acted on: accepted values are '{PROMOTE_STEP_VALUE}' "
+            f"(the next step) and {full} (every remaining step), each optionally followed by '-<anything>'")
 
 
 def _consumed(obs: Observations) -> list[str]:
@@ -529,8 +556,8 @@ def _consumed(obs: Observations) -> list[str]:
     out = []
     if obs.abort:
         out.append(ABORT_ANNOTATION)
-    if obs.promote or obs.promote_step:
-        out.append(PROMOTE_ANNOTATION)
+    if obs.promote or obs.promote_step or obs.promote_refused:
+        out.append(PROMOTE_ANNOTATION)  # a refused value too: the request is answered (an Event), not kept
     if obs.retry:
         out.append(RETRY_ANNOTATION)
     return out

@@ -31,7 +31,7 @@ from sparsegate.domain.rollout import (
     rejection_holds,
 )
 
-PROMOTE_FULL_VALUE = "full"  # any value but PROMOTE_STEP_VALUE promotes fully; this one says so
+PROMOTE_FULL_VALUE = "full"  # one of PROMOTE_FULL_VALUES (the operator refuses a value that is none of them)
 
 
 class PluginError(Exception):

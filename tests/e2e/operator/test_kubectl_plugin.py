@@ -128,13 +128,13 @@ def test_plugin_refusals_and_errors_without_the_operator(cluster, namespace, tmp
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
     cluster.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
     manifest = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "GateConfig",
-                "metadata": {"name": GATE, "namespace": ns, "annotations": {"sparsegate.dev/promote": "git-1"}},
+                "metadata": {"name": GATE, "namespace": ns, "annotations": {"sparsegate.dev/promote": "full-git-1"}},
                 "spec": {"params": V2}}
     cluster.kubectl("apply", "--server-side", "--field-manager", "kustomize-controller", "-f", "-",
                     input=json.dumps(manifest))
     status = {"status": {"stable": {"version": "g-stable"}, "rollout": {
         "phase": "Analysing", "step": 1, "steps": 3, "canaryPercent": 5, "canaryVersion": "g-canary",
-        "canary": {"version": "g-canary", "params": V2}, "handledRequests": {"sparsegate.dev/promote": "git-1"}}}}
+        "canary": {"version": "g-canary", "params": V2}, "handledRequests": {"sparsegate.dev/promote": "full-git-1"}}}}
     cluster.kubectl("patch", "gateconfig", GATE, "-n", ns, "--subresource=status", "--type", "merge",
                     "-p", json.dumps(status))
     kubeconfig = cluster.kubeconfig
@@ -142,13 +142,13 @@ def test_plugin_refusals_and_errors_without_the_operator(cluster, namespace, tmp
     refused = run_plugin(kubeconfig, "promote", GATE, "-n", ns)
     assert refused.returncode == 1 and refused.stdout == "", refused
     assert refused.stderr.startswith("error: sparsegate.dev/promote is declared by the applied manifest (Git) as "
-                                     "'git-1'") and refused.stderr.count("\n") == 1, refused.stderr
+                                     "'full-git-1'") and refused.stderr.count("\n") == 1, refused.stderr
 
     def annotations() -> dict[str, str]:
         obj = json.loads(cluster.kubectl("get", "gateconfig", GATE, "-n", ns, "-o", "json").stdout)
         return obj["metadata"]["annotations"]
 
-    assert annotations() == {"sparsegate.dev/promote": "git-1"}
+    assert annotations() == {"sparsegate.dev/promote": "full-git-1"}
     aborted = run_plugin(kubeconfig, "abort", GATE, "-n", ns)
     assert aborted.returncode == 0 and "abort requested" in aborted.stdout, aborted
     assert annotations()["sparsegate.dev/abort"] == "kubectl-sparsegate"

@@ -24,6 +24,7 @@ from sparsegate.domain.rollout import (
     PROMOTE_STEP_VALUE,
     RETRY_ANNOTATION,
     ClearAnnotation,
+    EmitEvent,
     GateVersion,
     Observations,
     Phase,
@@ -190,23 +191,69 @@ def test_history_round_trips_and_ignores_malformed_entries() -> None:
 # ---------------------------------------------------------------- one-shot requests
 
 
+NO_REQUESTS = {"abort": False, "promote": False, "promote_step": False, "promote_refused": False, "retry": False}
+
+
 def test_annotation_requests() -> None:
-    assert annotation_requests(None) == {"abort": False, "promote": False, "promote_step": False, "retry": False}
+    assert annotation_requests(None) == NO_REQUESTS
     assert annotation_requests({PROMOTE_ANNOTATION: "now"})["promote"] is True  # the documented form
-    assert annotation_requests({PROMOTE_ANNOTATION: PROMOTE_STEP_VALUE}) == {
-        "abort": False, "promote": False, "promote_step": True, "retry": False}
+    assert annotation_requests({PROMOTE_ANNOTATION: PROMOTE_STEP_VALUE}) == {**NO_REQUESTS, "promote_step": True}
     assert annotation_requests({RETRY_ANNOTATION: "", ABORT_ANNOTATION: "x"}) == {
-        "abort": True, "promote": False, "promote_step": False, "retry": True}
+        **NO_REQUESTS, "abort": True, "retry": True}
 
 
 def test_a_step_promote_typed_loosely_is_still_one_step() -> None:
-    """Any value but "step" promotes fully, skipping every remaining analysis: "Step", "STEP" or a
-    YAML block value ("step\\n") must not be read as that."""
-    for value in ("Step", "STEP", " step", "step\n"):
-        assert annotation_requests({PROMOTE_ANNOTATION: value}) == {
-            "abort": False, "promote": False, "promote_step": True, "retry": False}, value
-    for value in ("now", "full", "", "steps"):
-        assert annotation_requests({PROMOTE_ANNOTATION: value})["promote"] is True, value
+    """A full promote skips every remaining analysis: "Step", "STEP" or a YAML block value
+    ("step\\n") must not be read as that."""
+    for value in ("Step", "STEP", " step", "step\n", "step-2"):
+        assert annotation_requests({PROMOTE_ANNOTATION: value}) == {**NO_REQUESTS, "promote_step": True}, value
+    for value in ("now", "full", "all", "Full", " now\n", "now-g-1234", "full-2026-12-07"):
+        assert annotation_requests({PROMOTE_ANNOTATION: value}) == {**NO_REQUESTS, "promote": True}, value
+
+
+def test_a_promote_value_not_accepted_is_refused_not_a_full_promote() -> None:
+    """A GitOps `promote: "false"` (or "no", "", a typo) once promoted to every instance, skipping
+    every remaining analysis. Such a value is refused: the rollout goes on being analysed, the
+    annotation is cleared (answered) and a Warning Event names the value and the accepted ones."""
+    for value in ("false", "False", "no", "", "0", "steps", "nope", "fully", "-now"):
+        assert annotation_requests({PROMOTE_ANNOTATION: value}) == {**NO_REQUESTS, "promote_refused": True}, value
+        g = Gate(V1, pods=10)
+        g.tick()
+        g.edit(V2)
+        before = g.until(Phase.ANALYSING)
+        g.actions.clear()
+        st = g.tick(annotations={PROMOTE_ANNOTATION: value})
+        assert (st.phase, st.step, st.promote) == (Phase.ANALYSING, before.step, False), value
+        assert st.stable.version == v(V1) and sum(ver == v(V2) for ver in g.pods.values()) == 1, value
+        assert ClearAnnotation(PROMOTE_ANNOTATION) in g.actions, value
+        warnings = [a for a in g.actions if isinstance(a, EmitEvent) and a.reason == "PromoteRefused"]
+        assert len(warnings) == 1 and warnings[0].type == "Warning", (value, g.actions)
+        assert f"{PROMOTE_ANNOTATION}={value!r} refused" in warnings[0].message
+        assert "'step'" in warnings[0].message and "'full'" in warnings[0].message
+        # Its clear not seen yet (the status names it consumed): cleared again, not warned again.
+        g.actions.clear()
+        g.tick(annotations={PROMOTE_ANNOTATION: value})
+        assert ClearAnnotation(PROMOTE_ANNOTATION) in g.actions
+        assert not any(isinstance(a, EmitEvent) and a.reason == "PromoteRefused" for a in g.actions), value
+        # The step is still judged: a passing window moves it on as usual, not to 100 %.
+        assert g.tick(dt=11, canary=healthy(), stable=healthy(1000)).step == before.step + 1
+
+
+def test_a_refused_promote_held_in_git_is_warned_once_per_value_and_left_in_place() -> None:
+    g = Gate(V1, pods=10)
+    g.tick()
+    g.edit(V2)
+    g.until(Phase.ANALYSING)
+    held, declared = {PROMOTE_ANNOTATION: "false"}, frozenset({PROMOTE_ANNOTATION})
+    g.actions.clear()
+    for _ in range(3):
+        st = g.tick(annotations=held, declared=declared)
+        assert st.phase == Phase.ANALYSING and st.step == 0 and st.stable.version == v(V1)
+    assert ClearAnnotation(PROMOTE_ANNOTATION) not in g.actions
+    assert sum(isinstance(a, EmitEvent) and a.reason == "PromoteRefused" for a in g.actions) == 1
+    assert g.status["rollout"]["handledRequests"] == held
+    # Git changed to an accepted value: a new request, acted on.
+    assert g.tick(annotations={PROMOTE_ANNOTATION: "full-1"}, declared=declared).promote
 
 
 def test_declared_requests_are_those_an_applier_owns() -> None:
