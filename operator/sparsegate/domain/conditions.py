@@ -22,10 +22,12 @@ class ConditionType(str, enum.Enum):
     DEGRADED = "Degraded"
     """The operator cannot render the model as asked (missing or invalid gate, apply failure)."""
     RECONCILING = "Reconciling"
-    """kstatus: True while the model is not Ready and not Stalled (instances starting, rolling)."""
+    """kstatus: True while the model is not Ready and not Stalled (instances starting, rolling), or
+    while an apply that failed in passing is retried (Degraded ApplyRetrying)."""
     STALLED = "Stalled"
-    """kstatus: True while Degraded is True (nothing moves until the spec or its GateConfig changes),
-    or while Ready is False for a reason in :data:`WORKLOAD_STALLS` (pods that cannot run, the
+    """kstatus: True while Degraded is True for a reason that needs a person (nothing moves until the
+    spec, its GateConfig or the cluster changes; not ApplyRetrying, which the operator's retry may get
+    past), or while Ready is False for a reason in :data:`WORKLOAD_STALLS` (pods that cannot run, the
     Deployment past its progress deadline)."""
 
 
@@ -58,7 +60,12 @@ class Reason(str, enum.Enum):
     GATE_CONFIG_INVALID = "GateConfigInvalid"
     """Degraded=True: the GateConfig's gate does not fit the model or fails its checksum."""
     APPLY_FAILED = "ApplyFailed"
-    """Degraded=True: the API server refused the rendered objects."""
+    """Degraded=True and Stalled=True: the API server refused the rendered objects (invalid,
+    forbidden, someone else's object of that name: a 4xx that a retry of the same apply gets again)."""
+    APPLY_RETRYING = "ApplyRetrying"
+    """Degraded=True, Stalled=False and Reconciling=True: an apply failed in passing (API server 5xx,
+    429 too many requests, 409 conflict, 408 or no answer in time); the operator retries it
+    (:func:`apply_error_passes`)."""
 
 
 class Status(str, enum.Enum):
@@ -110,10 +117,32 @@ def set_conditions(previous: Iterable[Mapping[str, Any]], new: Iterable[Conditio
                             observed_generation=observed_generation, order=[t.value for t in ConditionType])
 
 
+# HTTP answers to an apply that a retry of the same apply may not get again: the API server busy or
+# failing (5xx), throttling (429), a write that raced another (409 Conflict), a request timeout (408).
+_PASSING_STATUSES = frozenset({408, 409, 429})
+
+
+def apply_error_passes(error: str) -> bool:
+    """Whether an apply error, as the reconcile reports it (``str(KubeError)``: ``"<status> <reason>:
+    <message>"``; or ``"<exception type>: <message>"`` for a request that got no HTTP answer), is one
+    the operator's retry may get past (Degraded ApplyRetrying), rather than one that needs a person
+    (ApplyFailed: 400/422 invalid, 401/403 forbidden, 404, and the 409 ``AlreadyExists`` the operator
+    raises for an object of the model's name that is someone else's)."""
+    head, _, rest = error.partition(" ")
+    if len(head) == 3 and head.isdigit():
+        status = int(head)
+        if status == 409:
+            return not rest.startswith("AlreadyExists")
+        return status >= 500 or status in _PASSING_STATUSES
+    name = head.rstrip(":")
+    return "Timeout" in name or "Connection" in name or name in ("MaxRetryError", "ProtocolError")
+
+
 def degraded_condition(*, gate_error: str | None, gate_source: str,
                        apply_error: str | None) -> Condition:
     if apply_error:
-        return Condition(ConditionType.DEGRADED, Status.TRUE, Reason.APPLY_FAILED, apply_error)
+        reason = Reason.APPLY_RETRYING if apply_error_passes(apply_error) else Reason.APPLY_FAILED
+        return Condition(ConditionType.DEGRADED, Status.TRUE, reason, apply_error)
     if gate_error:
         reason = (Reason.GATE_CONFIG_NOT_FOUND if gate_source == "missing"
                   else Reason.GATE_CONFIG_INVALID)
@@ -248,11 +277,14 @@ WORKLOAD_STALLS = frozenset({Reason.CONTAINERS_FAILING, Reason.PROGRESS_DEADLINE
 def kstatus_conditions(workload: Sequence[Condition], *, degraded: Condition | None) -> list[Condition]:
     """Reconciling and Stalled from :func:`workload_conditions`' Ready and ``degraded`` (the
     reconcile's own; the Deployment watcher passes the last one written, :func:`observed_condition`,
-    None if there is none). Stalled mirrors Degraded while it is True, else Ready while its reason
-    is a :data:`WORKLOAD_STALLS`, else Degraded (False); Reconciling is True while neither Ready
-    nor Stalled is. Both writers derive Stalled alike, so neither undoes the other's."""
+    None if there is none). Stalled mirrors Degraded while it is True (but for ApplyRetrying), else
+    Ready while its reason is a :data:`WORKLOAD_STALLS`, else Degraded (False); Reconciling is True
+    while neither Ready nor Stalled is, or while Degraded is ApplyRetrying (the spec not applied yet,
+    the operator retrying: kstatus InProgress, not Failed nor Current). Both writers derive Stalled
+    alike, so neither undoes the other's."""
     ready = next(cond for cond in workload if cond.type is ConditionType.READY)
-    if degraded is not None and degraded.status is Status.TRUE:
+    retrying = degraded is not None and degraded.status is Status.TRUE and degraded.reason == Reason.APPLY_RETRYING
+    if degraded is not None and degraded.status is Status.TRUE and not retrying:
         stalled = Condition(ConditionType.STALLED, Status.TRUE, degraded.reason, degraded.message)
     elif ready.reason in WORKLOAD_STALLS:
         stalled = Condition(ConditionType.STALLED, Status.TRUE, ready.reason, ready.message)
@@ -260,6 +292,9 @@ def kstatus_conditions(workload: Sequence[Condition], *, degraded: Condition | N
         stalled = Condition(ConditionType.STALLED, Status.FALSE, degraded.reason, degraded.message)
     else:
         stalled = Condition(ConditionType.STALLED, Status.FALSE, ready.reason, ready.message)
+    if retrying and stalled.status is not Status.TRUE:
+        assert degraded is not None
+        return [Condition(ConditionType.RECONCILING, Status.TRUE, degraded.reason, degraded.message), stalled]
     reconciling = ready.status is not Status.TRUE and stalled.status is not Status.TRUE
     return [Condition(ConditionType.RECONCILING, Status.TRUE if reconciling else Status.FALSE,
                       ready.reason, ready.message), stalled]

@@ -67,6 +67,8 @@ def test_the_cases_cover_what_argo_users_ask_for() -> None:
         ("SparseModel", "testdata/image-pull-backoff.yaml"): "Degraded",
         ("SparseModel", "testdata/crash-loop-rollout.yaml"): "Degraded",
         ("SparseModel", "testdata/progress-deadline-exceeded.yaml"): "Degraded",
+        ("SparseModel", "testdata/apply-retrying.yaml"): "Progressing",  # 5xx/429/conflict: the operator retries
+        ("SparseModel", "testdata/apply-refused.yaml"): "Degraded",
         ("RoutingPolicy", "testdata/opa-rejected.yaml"): "Degraded",
         ("TelemetryProbe", "testdata/no-status.yaml"): "Progressing",
         ("TelemetryProbe", "testdata/stalled.yaml"): "Degraded",

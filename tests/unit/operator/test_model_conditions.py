@@ -189,6 +189,36 @@ def test_failing_containers_are_stuck_waits_and_repeated_non_zero_exits_not_tran
     assert [p["metadata"]["name"] for p in pods if c.is_stuck(p)] == ["a", "b", "h"]  # h's events still refresh
 
 
+def test_an_apply_error_that_passes_is_retrying_not_a_refusal():
+    """5xx, 429, a 409 conflict, 408 or no HTTP answer: the operator's retry may get past it
+    (Degraded ApplyRetrying, not Stalled); a 4xx refusal or someone else's object needs a person."""
+    for error in ("500 Internal Server Error: x", "503 Service Unavailable: x", "429 Too Many Requests: x",
+                  "409 Conflict: the object has been modified", "408 Request Timeout: x",
+                  "ReadTimeoutError: HTTPSConnectionPool: Read timed out.", "MaxRetryError: x",
+                  "ProtocolError: ('Connection aborted.', RemoteDisconnected())", "ConnectionResetError: x"):
+        assert c.apply_error_passes(error), error
+        degraded = c.degraded_condition(gate_error=None, gate_source="default", apply_error=error)
+        assert (degraded.status, degraded.reason) == (c.Status.TRUE, c.Reason.APPLY_RETRYING)
+        workload = c.workload_conditions(desired=2, deployment=deployment(ready=2), gate_unavailable=False)
+        reconciling, stalled = c.kstatus_conditions(workload, degraded=degraded)
+        assert (reconciling.status, stalled.status) == (c.Status.TRUE, c.Status.FALSE), error
+        assert (reconciling.reason, reconciling.message) == (c.Reason.APPLY_RETRYING, error)
+    for error in ("422 Invalid: x", "400 Bad Request: x", "403 Forbidden: x", "401 Unauthorized: x", "404 Not Found: x",
+                  "409 AlreadyExists: Service m already exists and is not this model's", "ValueError: x"):
+        assert not c.apply_error_passes(error), error
+        degraded = c.degraded_condition(gate_error=None, gate_source="default", apply_error=error)
+        assert degraded.reason is c.Reason.APPLY_FAILED
+        workload = c.workload_conditions(desired=2, deployment=deployment(ready=2), gate_unavailable=False)
+        assert [x.status for x in c.kstatus_conditions(workload, degraded=degraded)] == [c.Status.FALSE, c.Status.TRUE]
+    # Pods that cannot run still stall the model while an apply is retried.
+    crash = ["m-abc/server: CrashLoopBackOff: back-off"]
+    workload = c.workload_conditions(desired=2, deployment=deployment(ready=1), gate_unavailable=False, problems=crash)
+    retrying = c.degraded_condition(gate_error=None, gate_source="default", apply_error="503 Service Unavailable: x")
+    reconciling, stalled = c.kstatus_conditions(workload, degraded=retrying)
+    assert (reconciling.status, stalled.status, stalled.reason) == (c.Status.FALSE, c.Status.TRUE,
+                                                                    c.Reason.CONTAINERS_FAILING)
+
+
 def test_the_deployment_watcher_stalls_the_model_on_failing_pods_and_clears_it_once_they_run():
     st = model_status.after_reconcile(model=model(), generation=4, gate=OK_GATE, deployment=deployment(ready=0),
                                       apply_error=None, now=T0)

@@ -39,6 +39,7 @@ class MemoryKube:
         self.applied: list[str] = []
         self.replaced: list[str] = []
         self.fail_apply: str | None = None
+        self.fail_status: tuple[int, str] = (422, "Invalid")  # how fail_apply's kind is refused
         self.rv = 0
         self.calls: list[tuple[str, str]] = []  # (get|create|apply|status, kind): what a real client would send
 
@@ -57,7 +58,7 @@ class MemoryKube:
 
     def apply(self, obj):
         if self.fail_apply == obj["kind"]:
-            raise KubeError(422, "Invalid", {"message": f"{obj['kind']} refused"})
+            raise KubeError(*self.fail_status, {"message": f"{obj['kind']} refused"})
         self.applied.append(obj["kind"])
         self.calls.append(("apply", obj["kind"]))
         existing = self.objects.get((obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]))
@@ -222,6 +223,36 @@ def test_a_refused_apply_reports_the_deployment_that_still_runs(kube, refused):
     assert (cond["Ready"]["status"], cond["Ready"]["reason"]) == ("True", "AllReplicasReady")
     assert (cond["Degraded"]["reason"], cond["Stalled"]["reason"]) == ("ApplyFailed", "ApplyFailed")
     assert f"{refused} refused" in cond["Degraded"]["message"]
+
+
+@pytest.mark.parametrize("refused", ["Deployment", "Service"])
+def test_an_apply_failed_in_passing_reads_reconciling_not_stalled(kube, refused):
+    """An API server 5xx, 429 or 409 conflict is retried (the handler raises, Kopf retries): status
+    says Reconciling (ApplyRetrying), not Stalled, which kstatus and Flux read as a failure for good.
+    A 4xx that needs a person (422 invalid, 403 forbidden) stays Stalled ApplyFailed."""
+    gateconfig(kube)
+    reconcile(kube, model_of(kube))
+    available(kube)
+    m = model_of(kube)
+    m["metadata"]["generation"] = 2
+    m["spec"]["image"] = "registry.example/model:2"
+    kube.put(m)
+    kube.fail_apply = refused
+    for status, expected in (((503, "Service Unavailable"), ("ApplyRetrying", "False", "True")),
+                             ((429, "Too Many Requests"), ("ApplyRetrying", "False", "True")),
+                             ((409, "Conflict"), ("ApplyRetrying", "False", "True")),
+                             ((403, "Forbidden"), ("ApplyFailed", "True", "False")),
+                             ((422, "Invalid"), ("ApplyFailed", "True", "False"))):
+        kube.fail_status = status
+        with pytest.raises(KubeError):
+            reconcile(kube, model_of(kube), applied=AppliedObjects(interval_s=600))
+        cond = conditions(kube)
+        assert (cond["Degraded"]["reason"], cond["Stalled"]["status"], cond["Reconciling"]["status"]) == expected, \
+            status
+        assert cond["Degraded"]["status"] == "True" and f"{status[0]} " in cond["Degraded"]["message"]
+    kube.fail_apply = None
+    reconcile(kube, model_of(kube), applied=AppliedObjects(interval_s=600))
+    assert (conditions(kube)["Degraded"]["status"], conditions(kube)["Stalled"]["status"]) == ("False", "False")
 
 
 def test_a_first_apply_refused_says_the_deployment_is_missing_not_the_gate(kube):

@@ -489,6 +489,38 @@ def test_sparsemodel_kstatus_rolling_ready_and_stalled() -> None:
     assert kstatus_port.compute(_model(merged, generation=4))[0] == IN_PROGRESS
 
 
+def test_sparsemodel_kstatus_is_in_progress_while_a_failed_apply_is_retried_failed_when_refused() -> None:
+    """An apply the API server failed in passing (5xx, 429, 409 conflict, no answer in time) is
+    retried by the operator: kstatus (Flux) reads InProgress, not Failed, whether the Deployment of
+    the previous spec is ready or not, and the Deployment watcher keeps it so. A refusal that needs a
+    person (422 invalid, 403 forbidden, someone else's object of the name) stays Failed."""
+    for error in ("503 Service Unavailable: etcdserver: leader changed",
+                  "500 Internal Server Error: Internal error occurred: resource quota evaluation timed out",
+                  "429 Too Many Requests: the server has received too many requests",
+                  "409 Conflict: Operation cannot be fulfilled: the object has been modified",
+                  "504 Gateway Timeout: the server was unable to return a response in the time allotted",
+                  "ReadTimeoutError: HTTPSConnectionPool(host='10.96.0.1', port=443): Read timed out.",
+                  "MaxRetryError: HTTPSConnectionPool(host='10.96.0.1', port=443): Max retries exceeded"):
+        for ready in (0, 2):
+            st = model_status.after_reconcile(model=_model(), generation=3, gate=GATE_OK,
+                                              deployment=_deployment(ready, ready), apply_error=error, now=NOW)
+            conds = {c["type"]: c for c in st["conditions"]}
+            assert kstatus_port.compute(_model(st))[0] == IN_PROGRESS, (error, ready)
+            assert (conds["Stalled"]["status"], conds["Reconciling"]["status"]) == ("False", "True"), (error, ready)
+            assert conds["Reconciling"]["reason"] == "ApplyRetrying" and conds["Reconciling"]["message"] == error
+            assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("True", "ApplyRetrying")
+            later = model_status.after_deployment_event(model=_model(st), deployment=_deployment(1, 2), now=NOW)
+            merged = {**st, **(later or {})}
+            assert kstatus_port.compute(_model(merged))[0] == IN_PROGRESS, (error, ready)
+    for error in ("422 Unprocessable Entity: Deployment.apps \"m\" is invalid",
+                  "403 Forbidden: deployments.apps \"m\" is forbidden: exceeded quota",
+                  "409 AlreadyExists: Service m already exists and is not this model's"):
+        st = model_status.after_reconcile(model=_model(), generation=3, gate=GATE_OK,
+                                          deployment=_deployment(2, 2), apply_error=error, now=NOW)
+        assert kstatus_port.compute(_model(st)) == (FAILED, error)
+        assert {c["type"]: c["reason"] for c in st["conditions"]}["Stalled"] == "ApplyFailed"
+
+
 def test_sparsemodel_kstatus_is_failed_while_pods_cannot_run_or_the_deployment_is_past_its_deadline() -> None:
     """kstatus computes Failed for a Deployment past its progress deadline and for a pod in a
     crash loop; a model whose pods cannot run reads Failed too, so Flux stops waiting."""

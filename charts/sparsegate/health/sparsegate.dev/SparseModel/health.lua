@@ -4,7 +4,8 @@
 --     pods that cannot run: CrashLoopBackOff, ImagePullBackOff, ..., named in the
 --     message; the Deployment past its progress deadline)                      -> Degraded
 --   Reconciling=True (instances starting or rolling, or the model's Service not
---     applied yet)                                                              -> Progressing
+--     applied yet; Degraded ApplyRetrying: an apply the API server failed in
+--     passing, 5xx/429/conflict/timeout, which the operator retries)            -> Progressing
 --   Ready=True (every desired instance ready and updated)                       -> Healthy
 local hs = {}
 local function condition(kind)
@@ -31,11 +32,17 @@ if obj.metadata.generation ~= nil and obj.status.observedGeneration ~= nil
 end
 for _, kind in ipairs({"Stalled", "Degraded"}) do
   local c = condition(kind)
-  if c ~= nil and c.status == "True" then
+  if c ~= nil and c.status == "True" and c.reason ~= "ApplyRetrying" then
     hs.status = "Degraded"
     hs.message = c.message
     return hs
   end
+end
+local degraded = condition("Degraded")
+if degraded ~= nil and degraded.status == "True" then
+  hs.status = "Progressing"
+  hs.message = degraded.message
+  return hs
 end
 local ready = condition("Ready")
 if ready ~= nil and ready.status == "True" then
