@@ -110,8 +110,9 @@ def _parser() -> argparse.ArgumentParser:
                           "(default: %(default)s)")
     run.add_argument("--reapply-interval", type=_zero_or_more, default=REAPPLY_INTERVAL_S, metavar="SECONDS",
                      help="a reconcile skips a model's ConfigMap, Service and admin-Secret check while what "
-                          "it would apply is what this process applied less than this long ago; an edit to "
-                          "them by someone else is undone by the first reconcile after it; 0: apply them "
+                          "it would apply is what this process applied less than this long ago (a ConfigMap or "
+                          "Service edited or deleted by someone else is put back at its watch event; a "
+                          "deleted admin Secret by the first reconcile after this); 0: apply them "
                           "every time (default: %(default)s)")
     run.add_argument("--gc-freeze-interval", type=float, default=GC_FREEZE_S, metavar="SECONDS",
                      help="move the objects alive into Python's permanent generation this often, so full "

@@ -48,8 +48,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.reporting_component = "sparsegate"
     settings.execution.max_workers = 8
     settings.watching.server_timeout = 300
-    # Services and ConfigMaps are watched only for a model's own being deleted (sparsemodel.owned_object_deleted):
-    # the API server sends only those, not every Service and ConfigMap of the served namespaces.
+    # Services and ConfigMaps are watched only for a model's own being deleted or written by someone else
+    # (sparsemodel.owned_object_deleted, owned_object_changed): the API server sends only those, not every
+    # Service and ConfigMap of the served namespaces.
     for plural in ("services", "configmaps"):
         settings.watching.label_selectors["", "v1", plural] = sparsemodel.OWNED_SELECTOR
     memo.kube = Kube.from_environment()

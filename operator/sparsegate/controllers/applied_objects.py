@@ -9,10 +9,16 @@ a digest of each object as it last applied it (or, for the admin Secret, last fo
 a reconcile skips the ones whose rendering has not changed since.
 
 A deletion of the Service or ConfigMap by someone else is put back at its watch event
-(``handlers.sparsemodel.owned_object_deleted`` expires the model's records); another edit of them
-is undone by the first reconcile after ``interval_s`` (``--reapply-interval``, an hour by default)
-instead of by the next one: a record older than that no longer counts (touching the model undoes
-it at once: below). 0 keeps no record (every reconcile applies everything). The Deployment is
+(``handlers.sparsemodel.owned_object_deleted`` expires the model's records); so is another write
+of them (``kubectl edit``: a Service's selector or ports, the ConfigMap's gate): they have no spec
+generation, but the resourceVersion each apply of ours returned is kept (``record``'s
+``answer``), and an event at a newer one is someone else's write (``foreign_write``; our own
+apply's event carries the version its answer did, recognised without a request, and a no-op apply
+returns the version it found, so a writer of only its own fields, a label or Argo CD's tracking
+annotation, costs one no-op apply per write). A record older than ``interval_s``
+(``--reapply-interval``, an hour by default) no longer counts either: what no watch reports (the
+admin Secret) is undone by the first reconcile after it, or at once by touching the model (below).
+0 keeps no record (every reconcile applies everything). The Deployment is
 applied by every reconcile; the generation its last apply returned tells a later change of its
 spec by someone else (``foreign_edit``), which its event handler puts back.
 An object whose apply failed has no record (the next reconcile applies it) and keeps the error's
@@ -64,6 +70,7 @@ class AppliedObjects:
         self._in_flight: set[tuple[ModelKey, ObjectKey]] = set()
         self._held: set[tuple[ModelKey, ObjectKey]] = set()
         self._generations: dict[ModelKey, tuple[str | None, int]] = {}
+        self._versions: dict[ModelKey, dict[ObjectKey, int]] = {}  # resourceVersions our applies returned
 
     def unchanged(self, model: ModelKey, obj: Mapping[str, Any], *, now: float) -> bool:
         """True if ``obj`` (rendered for ``model``) is what this process last applied, less than
@@ -72,14 +79,21 @@ class AppliedObjects:
             record = self._records.get(model, {}).get(_key(obj))
         return record is not None and now - record[1] < self.interval_s and record[0] == digest(obj)
 
-    def record(self, model: ModelKey, obj: Mapping[str, Any], *, now: float) -> None:
-        """``obj`` was applied (or found as rendered) at ``now``."""
+    def record(self, model: ModelKey, obj: Mapping[str, Any], *, now: float,
+               answer: Mapping[str, Any] | None = None) -> None:
+        """``obj`` was applied (or found as rendered) at ``now``; ``answer``: the apply's answer, whose
+        resourceVersion tells the watch events of our own writes from others' (``foreign_write``)."""
         entry = (digest(obj), now)
+        version = _version(answer)
         with self._lock:
             self._in_flight.discard((model, _key(obj)))
             _drop(self._failures, model, _key(obj))
             if self.interval_s:
                 self._records.setdefault(model, {})[_key(obj)] = entry
+            if version is not None:
+                versions = self._versions.setdefault(model, {})
+                if versions.get(_key(obj), -1) < version:  # answers may come out of order
+                    versions[_key(obj)] = version
 
     def record_failure(self, model: ModelKey, obj: Mapping[str, Any], message: str) -> None:
         """Applying ``obj`` failed with ``message``: it is applied again next time."""
@@ -150,6 +164,29 @@ class AppliedObjects:
         return record is not None and generation is not None and meta.get("uid") == record[0] \
             and int(generation) > record[1]
 
+    def foreign_write(self, model: ModelKey, obj: Mapping[str, Any] | None) -> bool:
+        """True if ``obj`` (a Service or ConfigMap as watched) is at a resourceVersion past the one
+        this process's last apply of it returned: someone else wrote it since (``kubectl edit``, a
+        label). The event of our own apply carries the version its answer did (once recorded: an
+        apply still in flight, ``applying``, may not be); with no apply recorded (a restarted
+        operator: its resume applies everything), False."""
+        version = _version(obj)
+        if version is None:
+            return False
+        with self._lock:
+            ours = self._versions.get(model, {}).get(_key(obj))
+        return ours is not None and version > ours
+
+    def applying(self, model: ModelKey, obj: Mapping[str, Any]) -> bool:
+        """True while an apply of ``obj``'s kind and name is in flight (``begin``)."""
+        with self._lock:
+            return (model, _key(obj)) in self._in_flight
+
+    def expire_object(self, model: ModelKey, obj: Mapping[str, Any]) -> None:
+        """``obj``'s record no longer counts: the model's next reconcile applies it again."""
+        with self._lock:
+            _drop(self._records, model, _key(obj))
+
     def expire(self, model: ModelKey) -> None:
         """The model's records no longer count (its next reconcile applies everything again); an
         apply in flight or failed keeps its mark."""
@@ -161,6 +198,7 @@ class AppliedObjects:
             self._records.pop(model, None)
             self._failures.pop(model, None)
             self._generations.pop(model, None)
+            self._versions.pop(model, None)
             self._in_flight = {k for k in self._in_flight if k[0] != model}
             self._held = {k for k in self._held if k[0] != model}
 
@@ -171,6 +209,16 @@ class AppliedObjects:
 
 def _key(obj: Mapping[str, Any]) -> ObjectKey:
     return obj["kind"], obj["metadata"]["name"]
+
+
+def _version(obj: Mapping[str, Any] | None) -> int | None:
+    """``obj``'s resourceVersion as a number (etcd's revision: later writes have larger ones), or
+    None (none, or not a number: such objects are left to ``--reapply-interval``)."""
+    version = ((obj or {}).get("metadata") or {}).get("resourceVersion")
+    try:
+        return int(version) if version is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _drop(table: dict[ModelKey, dict[ObjectKey, Any]], model: ModelKey, key: ObjectKey) -> None:

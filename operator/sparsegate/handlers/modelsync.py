@@ -170,9 +170,9 @@ def apply_owned(kube: Kube, model: Mapping[str, Any], objects: Iterable[Mapping[
         first = [(obj, call) for obj, call in first if not applied_objects.unchanged(key, obj, now=started)]
 
     def done(obj: Mapping[str, Any], call: Callable[[], Any]) -> None:
-        call()
-        if applied_objects is not None:
-            applied_objects.record(key, obj, now=started)
+        answer = call()
+        if applied_objects is not None:  # its resourceVersion: a later write by someone else (``foreign_write``)
+            applied_objects.record(key, obj, now=started, answer=answer if isinstance(answer, Mapping) else None)
 
     # Each in a copy of this thread's context: Kopf posts Events through context variables.
     futures = [_APPLY_POOL.submit(contextvars.copy_context().run, done, obj, call) for obj, call in first]
@@ -255,7 +255,7 @@ def start_service_apply(kube: Kube, key: tuple[str, str], service: Mapping[str, 
             try:
                 if model is not None:
                     check_not_foreign(kube, model, service)
-                kube.apply(service)
+                answer = kube.apply(service)
             except Exception as e:  # noqa: BLE001 - any failure is the model's to report, and ends the in-flight mark
                 outcome.value = "failed"
                 error = str(e) if isinstance(e, KubeError) else f"{type(e).__name__}: {e}"
@@ -263,7 +263,7 @@ def start_service_apply(kube: Kube, key: tuple[str, str], service: Mapping[str, 
                     applied_objects.record_failure(key, service, error)
                 return error
             if applied_objects is not None:
-                applied_objects.record(key, service, now=started)
+                applied_objects.record(key, service, now=started, answer=answer)
             return None
 
     future = _SERVICE_POOL.submit(apply)

@@ -26,7 +26,9 @@
   the rendered spec, fields others added (a restart annotation) stay. Its status changing moves
   no generation: nothing is applied for it.
 - The model's Service or gate ConfigMap deleted while its model lives → put back at once
-  (``owned_object_deleted``; watched with a label selector: only the operator's own).
+  (``owned_object_deleted``; watched with a label selector: only the operator's own); written by
+  someone else (its resourceVersion past what our last apply of it returned: ``kubectl edit``) →
+  applied again (``owned_object_changed``).
 - A SparseModel deleted → what this process kept of it (status inputs, applied objects) is dropped.
 Status reads the Deployment from the operator's watch (``handlers.fleetindex``) and the apply's
 answer, never with a GET.
@@ -262,8 +264,8 @@ def _deleted(type: str | None, **_: Any) -> bool:
 async def owned_object_deleted(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **kwargs: Any) -> None:
     """A model's Service or gate ConfigMap deleted while its model lives: put back at once (its
     record in ``controllers.applied_objects`` would skip it until ``--reapply-interval``). These
-    watches carry a label selector (``sparsegate.main``): only the operator's own objects, which
-    change only when it applies them."""
+    watches carry a label selector (``sparsegate.main``): only the operator's own objects; another
+    writer's edit of them: ``owned_object_changed``."""
     model = body.metadata.labels.get(names.MODEL_LABEL)
     namespace = body.metadata.namespace
     inventory = Inventory.from_kopf(kwargs)
@@ -279,6 +281,53 @@ async def owned_object_deleted(body: kopf.Body, memo: kopf.Memo, logger: logging
         return True
     await put_back(memo, inventory, namespace=namespace, model=model, logger=logger,
                    owner_refs=[ref], due=due, what=f"{body.get('kind')} {body.metadata.name} was deleted")
+
+
+def _not_deleted(type: str | None, **_: Any) -> bool:
+    return type != "DELETED"
+
+
+# How long an owned object's event waits for our apply of it in flight to record its answer
+# (``owned_object_changed``); past that, the apply still queued is later than the write and puts it back.
+APPLY_WAIT_S = 60.0
+
+
+@kopf.on.event("", "v1", "services", labels=OWNED_LABELS, when=_not_deleted)
+@kopf.on.event("", "v1", "configmaps", labels=OWNED_LABELS, when=_not_deleted)
+async def owned_object_changed(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **kwargs: Any) -> None:
+    """A model's Service or gate ConfigMap written by someone else (``kubectl edit``: the Service's
+    selector or ports, so traffic goes elsewhere; the ConfigMap's gate, which new pods would start
+    with): its event's resourceVersion is past the one our last apply of it returned
+    (``AppliedObjects.foreign_write``), and the model is reconciled again with that object's record
+    expired, so it is applied as rendered (a field someone else added, a label, stays: the apply
+    changes nothing and returns the version it found, so one apply per foreign write). The events
+    of our own applies carry their answer's version: nothing but a comparison, no request. One
+    that comes before the answer is recorded is checked again once the apply in flight has ended
+    (the Service, applied outside the model's turn) and in the model's turn (the ConfigMap,
+    applied in it)."""
+    model = body.metadata.labels.get(names.MODEL_LABEL)
+    namespace = body.metadata.namespace
+    key = (namespace, model)
+    if not model or not memo.applied_objects.foreign_write(key, body):
+        return
+    inventory = Inventory.from_kopf(kwargs)
+    ref = controller_ref(body)
+    view = inventory.model(namespace, model)
+    if view is None or ref is None or ref.get("uid") != view["metadata"].get("uid") \
+            or view["metadata"].get("deletionTimestamp"):
+        return  # the model is gone or going, or this is not its object
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + APPLY_WAIT_S
+    while memo.applied_objects.applying(key, body) and loop.time() < deadline:
+        await asyncio.sleep(0.05)  # our apply in flight may have produced this very event
+
+    def due() -> bool:
+        if memo.applied_objects.applying(key, body) or not memo.applied_objects.foreign_write(key, body):
+            return False  # ours after all, or an apply started since the write, which puts it back
+        memo.applied_objects.expire_object(key, body)  # in the model's turn: the reconcile below applies it
+        return True
+    await put_back(memo, inventory, namespace=namespace, model=model, logger=logger, owner_refs=[ref], due=due,
+                   what=f"{body.get('kind')} {body.metadata.name} was changed by another writer")
 
 
 @kopf.on.event(GROUP, VERSION, names.SPARSEMODELS, when=_deleted)

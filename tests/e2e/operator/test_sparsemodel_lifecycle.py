@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import yaml
 
@@ -356,8 +357,10 @@ def test_owned_objects_edited_or_deleted_by_hand_are_put_back(stack, operator, s
     while unchanged (``--reapply-interval``): what the operator owns is put back from its watch
     instead, without touching the model. A Deployment scaled by hand (its spec generation moves
     past what the operator's apply returned) is applied again with the SparseModel's replicas; a
-    deleted Service or gate ConfigMap is re-created. A ``kubectl rollout restart`` annotation is no
-    field of the operator's: a later put-back keeps it (the pods are not restarted again)."""
+    deleted Service or gate ConfigMap is re-created, and one edited by hand (its resourceVersion past
+    what the operator's apply returned) applied again. A ``kubectl rollout restart`` annotation, or a
+    label someone adds, is no field of the operator's: a later put-back keeps it (the pods are not
+    restarted again), and a no-op put-back writes nothing."""
     ns = stack_namespace
     name = "drifted"
     model = yaml.safe_load((EXAMPLES / "sparsemodel.yaml").read_text())
@@ -391,4 +394,24 @@ def test_owned_objects_edited_or_deleted_by_hand_are_put_back(stack, operator, s
              interval_s=0.5)
     template = get_json(stack, "deployment", name, "-n", ns)["spec"]["template"]["metadata"]
     assert "kubectl.kubernetes.io/restartedAt" in (template.get("annotations") or {}), template
+
+    # Edited by hand: the Service's selector (traffic goes elsewhere), the ConfigMap's gate (new
+    # pods would start with it). They have no generation: their resourceVersion past the one the
+    # operator's last apply returned says so, and they are applied again at the event.
+    service = get_json(stack, "service", name, "-n", ns)
+    configmap = get_json(stack, "configmap", f"{name}-gate", "-n", ns)
+    stack.kubectl("patch", "service", name, "-n", ns, "--type=merge",
+                  "-p", json.dumps({"spec": {"selector": {render.MODEL_LABEL: "elsewhere"}}}))
+    stack.kubectl("patch", "configmap", f"{name}-gate", "-n", ns, "--type=merge",
+                  "-p", json.dumps({"data": {render.GATE_KEY: "{}"}}))
+    wait_for(lambda: get_json(stack, "service", name, "-n", ns)["spec"]["selector"] == service["spec"]["selector"]
+             and get_json(stack, "configmap", f"{name}-gate", "-n", ns)["data"] == configmap["data"],
+             what="the Service selector and gate ConfigMap edited by hand to be put back", timeout_s=60, interval_s=0.5)
+    # A label someone else adds is theirs: it stays, and the put-back, a no-op apply, writes nothing
+    # (no apply storm: the resourceVersion stays where the label put it).
+    stack.kubectl("label", "service", name, "-n", ns, "team=serving")
+    labelled = get_json(stack, "service", name, "-n", ns)["metadata"]
+    time.sleep(3)
+    now = get_json(stack, "service", name, "-n", ns)["metadata"]
+    assert now["labels"].get("team") == "serving" and now["resourceVersion"] == labelled["resourceVersion"], now
     assert get_json(stack, "sparsemodel", name, "-n", ns)["metadata"]["generation"] == 1  # never touched

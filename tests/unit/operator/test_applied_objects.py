@@ -117,3 +117,47 @@ def test_a_deployment_past_the_generation_our_apply_returned_was_edited_by_someo
     off = AppliedObjects(interval_s=0)  # re-applying everything each time still puts an edit back at once
     off.record_deployment(MODEL, deployment(1))
     assert off.foreign_edit(MODEL, deployment(2))
+
+
+def written(rv, kind: str = "Service") -> dict:
+    """A Service or ConfigMap as an apply answered it or its watch event carries it."""
+    return {"kind": kind, "metadata": {"name": "m", "namespace": "ns", "resourceVersion": rv}}
+
+
+def test_a_service_or_configmap_past_the_resource_version_our_apply_returned_was_written_by_someone_else() -> None:
+    """They have no spec generation: the resourceVersion each apply of ours returned tells our own
+    writes' events (and older ones) from another writer's (``kubectl edit``, a label added)."""
+    a = AppliedObjects(interval_s=600)
+    service = {"kind": "Service", "metadata": {"name": "m", "namespace": "ns"}}
+    assert not a.foreign_write(MODEL, written("7"))  # nothing applied by this process yet
+    a.record(MODEL, service, now=0, answer=written("10"))
+    assert not a.foreign_write(MODEL, written("10"))  # our apply's own event
+    assert not a.foreign_write(MODEL, written("9"))  # an event older than our apply
+    assert a.foreign_write(MODEL, written("11"))
+    assert not a.foreign_write(MODEL, written("11", "ConfigMap"))  # per kind and name
+    assert not a.foreign_write(MODEL, written("abc")) and not a.foreign_write(MODEL, None)
+    a.record(MODEL, service, now=1, answer=written("8"))  # an older apply's answer, recorded late
+    assert a.foreign_write(MODEL, written("11"))
+    a.record(MODEL, service, now=1, answer=written("11"))  # the put-back: a no-op apply answers the version it found
+    assert not a.foreign_write(MODEL, written("11"))
+    a.record(MODEL, service, now=2)  # found as rendered, no answer: the version stays
+    assert a.foreign_write(MODEL, written("12"))
+    a.expire(MODEL)  # records of what was applied when only
+    assert a.foreign_write(MODEL, written("12"))
+    a.forget(MODEL)
+    assert not a.foreign_write(MODEL, written("12"))
+    off = AppliedObjects(interval_s=0)  # re-applying everything each time still puts an edit back at once
+    off.record(MODEL, service, now=0, answer=written("1"))
+    assert off.foreign_write(MODEL, written("2"))
+
+
+def test_an_apply_in_flight_and_one_objects_record_expired() -> None:
+    a = AppliedObjects(interval_s=600)
+    service = {"kind": "Service", "metadata": {"name": "m", "namespace": "ns"}}
+    a.begin(MODEL, service)
+    assert a.applying(MODEL, written("3")) and not a.applying(MODEL, written("3", "ConfigMap"))
+    a.record(MODEL, service, now=0, answer=written("3"))
+    assert not a.applying(MODEL, written("3"))
+    a.record(MODEL, cm({"k": "1"}), now=0)
+    a.expire_object(MODEL, written("4"))
+    assert not a.unchanged(MODEL, service, now=1) and a.unchanged(MODEL, cm({"k": "1"}), now=1)

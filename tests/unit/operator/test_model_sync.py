@@ -1309,3 +1309,106 @@ def test_the_event_of_our_own_apply_seen_before_its_answer_puts_nothing_back(kub
 
     asyncio.run(main())
     assert kube.applied == []
+
+
+def owned_event(kube, memo, kind: str, name: str, type_: str = "MODIFIED") -> None:
+    body = kopf.Body(copy.deepcopy(kube.objects[(kind, "ns", name)]))
+    asyncio.run(sparsemodel.owned_object_changed(type=type_, body=body, memo=memo, logger=LOG, **live_views(kube)))
+
+
+def edit_by_hand(kind: str, obj: dict) -> None:
+    if kind == "Service":
+        obj["spec"]["selector"] = {"app": "elsewhere"}  # kubectl edit svc: traffic goes elsewhere
+    else:
+        obj["data"]["gate.json"] = '{"mode": "other"}'  # kubectl edit cm <m>-gate: new pods start with another gate
+
+
+@pytest.mark.parametrize("kind,name", [("Service", "moe-small"), ("ConfigMap", "moe-small-gate")])
+def test_a_service_or_configmap_edited_by_hand_is_put_back_at_its_event(kube, monkeypatch, kind, name):
+    """They have no spec generation: the resourceVersion each apply of ours returned is recorded,
+    and an event at a newer one (someone else's write) applies the object again at once, not
+    only after ``--reapply-interval``. The events of our own applies (their answers' versions)
+    cost nothing: no request at all."""
+    monkeypatch.setattr(sparsemodel, "post_event", lambda *a: None)
+    applied, inputs = AppliedObjects(interval_s=3600), StatusInputs()
+    applied_at_generation(kube, applied, inputs)
+    memo = drift_memo(kube, applied, inputs)
+    rendered = copy.deepcopy(kube.objects[(kind, "ns", name)])
+    owned_event(kube, memo, kind, name)  # our own last apply's event
+    owned_event(kube, memo, kind, name, None)  # a listing after a watch restart
+    assert kube.applied == [] and kube.calls == []
+    edited = copy.deepcopy(rendered)
+    edit_by_hand(kind, edited)
+    kube.put(edited)  # a new resourceVersion
+    owned_event(kube, memo, kind, name)
+    assert sorted(kube.applied) == sorted([kind, "Deployment"])  # the other one still recorded as applied: not touched
+    now = kube.objects[(kind, "ns", name)]
+    field = "spec" if kind == "Service" else "data"
+    assert now[field] == rendered[field]
+    kube.applied.clear(), kube.calls.clear()
+    owned_event(kube, memo, kind, name)  # the put-back's own event
+    assert kube.applied == [] and kube.calls == []
+    other = copy.deepcopy(now)
+    other["metadata"]["ownerReferences"][0]["uid"] = "uid-0"  # not this model's
+    kube.put(other)
+    owned_event(kube, memo, kind, name)
+    assert kube.applied == []
+
+
+@pytest.mark.parametrize("kind,name", [("Service", "moe-small"), ("ConfigMap", "moe-small-gate")])
+def test_the_event_of_our_own_service_or_configmap_apply_seen_before_its_answer_puts_nothing_back(kube, monkeypatch,
+                                                                                                  kind, name):
+    """Our apply's event can come before its answer is recorded: checked again once the apply in
+    flight has ended (the Service, applied outside the model's turn) and in the model's turn (the
+    ConfigMap, applied in it)."""
+    from sparsegate.handlers.pools import model_turn
+
+    monkeypatch.setattr(sparsemodel, "post_event", lambda *a: None)
+    applied, inputs = AppliedObjects(interval_s=3600), StatusInputs()
+    applied_at_generation(kube, applied, inputs)
+    memo = drift_memo(kube, applied, inputs)
+    key, ref = ("ns", "moe-small"), {"kind": kind, "metadata": {"name": name}}
+
+    async def main() -> None:
+        async with model_turn("ns", "moe-small"):  # our reconcile, its apply in flight
+            applied.begin(key, ref) if kind == "Service" else None
+            ours = kube.put(kube.objects[(kind, "ns", name)])  # its write, at a new resourceVersion
+            event = asyncio.create_task(sparsemodel.owned_object_changed(
+                type="MODIFIED", body=kopf.Body(copy.deepcopy(ours)), memo=memo, logger=LOG, **live_views(kube)))
+            await asyncio.sleep(0.05)
+            if kind == "ConfigMap":
+                applied.record(key, ref, now=0, answer=ours)  # its answer, in the reconcile's turn
+        if kind == "Service":  # the Service apply ends after the turn
+            await asyncio.sleep(0.1)
+            applied.record(key, ref, now=0, answer=ours)
+        await event
+
+    asyncio.run(main())
+    assert kube.applied == []
+
+
+def test_a_service_written_by_someone_else_before_our_apply_in_flight_is_recorded_is_put_back(kube, monkeypatch):
+    """Our Service apply answered, someone wrote the Service right after, and the write's event comes
+    before that answer is recorded: once it is, the write is newer than it, and put back."""
+    monkeypatch.setattr(sparsemodel, "post_event", lambda *a: None)
+    applied, inputs = AppliedObjects(interval_s=3600), StatusInputs()
+    applied_at_generation(kube, applied, inputs)
+    memo = drift_memo(kube, applied, inputs)
+    key, ref = ("ns", "moe-small"), {"kind": "Service", "metadata": {"name": "moe-small"}}
+    rendered = copy.deepcopy(kube.objects[("Service", "ns", "moe-small")])
+
+    async def main() -> None:
+        applied.begin(key, ref)
+        ours = kube.put(rendered)  # our apply's write; its answer not recorded yet
+        edited = copy.deepcopy(ours)
+        edit_by_hand("Service", edited)
+        theirs = kube.put(edited)
+        event = asyncio.create_task(sparsemodel.owned_object_changed(
+            type="MODIFIED", body=kopf.Body(copy.deepcopy(theirs)), memo=memo, logger=LOG, **live_views(kube)))
+        await asyncio.sleep(0.1)
+        applied.record(key, ref, now=0, answer=ours)
+        await event
+
+    asyncio.run(main())
+    assert "Service" in kube.applied
+    assert kube.objects[("Service", "ns", "moe-small")]["spec"] == rendered["spec"]
