@@ -15,9 +15,13 @@ Every query uses only series the code exports today:
   ``sparsegate_expert_assignments_total``, ``sparsegate_expert_tokens_total``,
   ``sparsegate_gate_config_info`` (the gate version each pod runs) and, from
   ``workloads/sparsegate_workload/quality.py``, ``sparsegate_quality_{nll,tokens}_total`` and
-  ``sparsegate_probe_perplexity``;
+  ``sparsegate_probe_perplexity``; vLLM's token latency histograms
+  ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds`` and
+  ``vllm:request_time_per_output_token_seconds`` (labelled ``model_name``, not by gate version, so
+  shown per SparseModel, not by role);
 * node agent (``ebpf/sparsegate_ebpf/metrics.py``): XDP packet counters, per-flow counters,
-  policy verdicts, attachment and policy state.
+  policy verdicts, attachment and policy state, and the fill of its LRU maps
+  (``sparsegate_xdp_map_pressure{map}``, as Cilium's ``cilium_bpf_map_pressure``).
 
 Canary vs stable: a model server reports its gate version (``sparsegate_gate_config_info``), and
 the operator reports which version is the GateConfig's stable and which its canary
@@ -138,6 +142,13 @@ def row(title: str) -> dict[str, Any]:
     return {"type": "row", "title": title, "collapsed": False, "panels": [], "gridPos": {"w": 24, "h": 1}}
 
 
+def quantile_by_model(q: float, histogram: str) -> str:
+    """The ``q`` quantile of a model-server histogram (``histogram``: its name without ``_bucket``) per
+    SparseModel (``model``), over the GateConfig's models."""
+    rate = f"rate({histogram}_bucket{{{MODEL}}}[{RATE}])"
+    return f"histogram_quantile({q}, sum by (model, le) (\n  {of_gateconfig(rate)}\n))"
+
+
 def rollout_panels() -> list[dict[str, Any]]:
     phase = panel(
         "Rollout phase", "state-timeline",
@@ -236,6 +247,28 @@ def canary_panels() -> list[dict[str, Any]]:
     return [errors, p99, experts, qps, quality, probe]
 
 
+def token_latency_panels() -> list[dict[str, Any]]:
+    def quantiles(histogram: str) -> list[dict[str, Any]]:
+        return [target(quantile_by_model(0.5, histogram), "p50 {{model}}", "A"),
+                target(quantile_by_model(0.99, histogram), "p99 {{model}}", "B")]
+
+    return [
+        panel("Time to first token", "timeseries", quantiles("vllm:time_to_first_token_seconds"),
+              unit="s", w=8,
+              description="p50 and p99 of vllm:time_to_first_token_seconds per SparseModel: OpenAI API "
+                          "requests, from arrival (queueing included) to the first generated token."),
+        panel("Inter-token latency", "timeseries", quantiles("vllm:inter_token_latency_seconds"),
+              unit="s", w=8,
+              description="p50 and p99 of vllm:inter_token_latency_seconds per SparseModel: the time "
+                          "between two consecutive generated tokens of an OpenAI API request. The series "
+                          "carry no gate version, so canary and stable pods are not told apart here."),
+        panel("Time per output token (per request)", "timeseries",
+              quantiles("vllm:request_time_per_output_token_seconds"), unit="s", w=8,
+              description="p50 and p99 of vllm:request_time_per_output_token_seconds per SparseModel: "
+                          "per finished generation, first to last token over its tokens after the first."),
+    ]
+
+
 def agent_panels() -> list[dict[str, Any]]:
     # Packet types of ebpf/sparsegate_ebpf/maps.py Counter that say how the flow policy treated a
     # packet (ebpf/README.md: scoped, stateful policy).
@@ -283,11 +316,30 @@ def agent_panels() -> list[dict[str, Any]]:
          target("sum(sparsegate_xdp_flows_tracked)", "flows tracked", "C"),
          target("max(sparsegate_xdp_policy_generation)", "policy generation (max)", "D"),
          target(f"sum(increase(sparsegate_agent_policy_errors_total[{RATE}]))", "rejected policy documents", "E"),
-         target("sum by (mode) (sparsegate_xdp_enforcement)", "agents in {{mode}} mode", "F")],
-        w=24, description="Attachment, flow table, policy and enforcement mode (off, audit, enforce) "
-                          "of the node agents.",
+         target("sum by (mode) (sparsegate_xdp_enforcement)", "agents in {{mode}} mode", "F"),
+         target("sum(sparsegate_xdp_flows_idle_expired)", "flows idle past --flow-idle-timeout (not exported)",
+                "G")],
+        w=12, description="Attachment, flow table, policy and enforcement mode (off, audit, enforce) "
+                          "of the node agents, and the flows still in the table but idle past the "
+                          "agent's --flow-idle-timeout (no longer exported per flow).",
     )
-    return [verdict, rules, dropped, allowed, state]
+    pressure = panel(
+        "XDP map pressure", "timeseries",
+        [target("max by (map) (sparsegate_xdp_map_pressure)", "{{map}} (fullest node)")],
+        unit="percentunit", w=12,
+        description="Fill of the agents' LRU maps (flows, flows6, handshakes, conntrack): entries / "
+                    "max_entries on the fullest node (sparsegate_xdp_map_pressure, as Cilium's "
+                    "cilium_bpf_map_pressure). Near 1 the kernel evicts the least recently used entries: "
+                    "flows then lose their counts and conntrack its replies (the kernel's LRU starts "
+                    "evicting before 1.0: its free lists are per CPU).",
+        fieldConfig={"defaults": {"unit": "percentunit", "min": 0, "max": 1,
+                                  "custom": {"thresholdsStyle": {"mode": "line"}},
+                                  "thresholds": {"mode": "absolute",
+                                                 "steps": [{"color": "green", "value": None},
+                                                           {"color": "red", "value": 0.9}]}},
+                     "overrides": []},
+    )
+    return [verdict, rules, dropped, allowed, state, pressure]
 
 
 def operator_panels() -> list[dict[str, Any]]:
@@ -393,6 +445,7 @@ def dashboard() -> dict[str, Any]:
         "panels": layout([
             ("Rollout of $gateconfig", rollout_panels()),
             ("Canary vs stable (model servers)", canary_panels()),
+            ("Token latency (model servers)", token_latency_panels()),
             ("Node agent: XDP flow policy", agent_panels()),
             ("Operator", operator_panels()),
         ]),

@@ -2,7 +2,9 @@
 real components.
 
 Given the dev stack (the chart's operator in-cluster from its image), a GateConfig and a SparseModel
-of two model-server pods under load in the test's namespace, a node agent process with XDP on a
+of two model-server pods under load in the test's namespace (a tiny random Mixtral checkpoint with its
+tokenizer baked into an image made FROM the stack's model-server image, so the pods also answer the
+OpenAI API and export vLLM's token latency histograms), a node agent process with XDP on a
 veth of the test's own (host end; the other end in a network namespace that sends allowed and
 denied UDP through it), and a real ``prometheus`` that scrapes:
 
@@ -25,6 +27,7 @@ import json
 import math
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -35,6 +38,7 @@ import pytest
 import yaml
 from devstack import CHART, RELEASE, RELEASE_NS, Stack, image_values
 from loadgen import BackgroundLoad
+from localcluster import podman
 from localcluster.health import wait_for
 from localcluster.ports import free_port
 
@@ -50,6 +54,8 @@ SCRAPE = "1s"
 PARAMS = {"toolGateThreshold": 0.85, "entropyBeta": 0.1, "confidenceThreshold": 0.6, "capacityFactor": 1.25,
           "minExpertsPerToken": 1, "maxExpertsPerToken": 4, "precisionPolicy": "auto"}
 ALLOWED_PORT, DENIED_PORT = 9000, 9001
+CHECKPOINT_DIR = "/models/tiny-mixtral"
+TOKEN_LATENCY_PANELS = ("Time to first token", "Inter-token latency", "Time per output token (per request)")
 
 
 def log(msg: str) -> None:
@@ -109,6 +115,52 @@ def agent(tmp_path: Path) -> Iterator[tuple[HostVeth, str]]:
         finally:
             rc = stop(proc)
             assert rc == 0, f"agent exited {rc}: {log_path.read_text()[-3000:]}"
+
+
+def checkpoint_image(base: str, ctx: Path) -> str:
+    """The stack's model-server image with a tiny random Mixtral checkpoint (and tokenizer) in it."""
+    from sparsegate_workload.hf import build_tiny_checkpoint
+
+    checkpoint = build_tiny_checkpoint(ctx / "tiny-mixtral", family="mixtral", experts=4, top_k=2)
+    # The server runs as a non-root user: the files must be world-readable (safetensors writes 0600).
+    for f in [checkpoint, *checkpoint.rglob("*")]:
+        f.chmod(0o755 if f.is_dir() else 0o644)
+    (ctx / "Containerfile").write_text(f"FROM {base}\nCOPY tiny-mixtral {CHECKPOINT_DIR}\n")
+    tag = "localhost/sparsegate-test-checkpoint:dashboards"
+    subprocess.run(["buildah", "bud", "--isolation", "chroot", "-q", "-t", tag, str(ctx)], check=True,
+                   capture_output=True, env=podman._env(), timeout=300)
+    return tag
+
+
+class CompletionLoad:
+    """OpenAI completions (several tokens each) round-robin over the model pods, one at a time, so
+    the servers observe time to first token and inter-token latency."""
+
+    def __init__(self, targets) -> None:
+        self._targets, self._stop, self.answered = targets, threading.Event(), 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        body = json.dumps({"model": MODEL, "prompt": "the gate routes", "max_tokens": 8, "temperature": 0}).encode()
+        while not self._stop.is_set():
+            for target in self._targets():
+                req = urllib.request.Request(f"http://{target}/v1/completions", method="POST", data=body,
+                                             headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(req, timeout=30) as resp:
+                        resp.read()
+                        self.answered += 1
+                except OSError:
+                    pass
+            self._stop.wait(0.2)
+
+    def start(self) -> CompletionLoad:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
 
 
 # ---------------------------------------------------------------- the cluster side
@@ -182,9 +234,10 @@ def test_every_dashboard_query_returns_series(stack: Stack, stack_namespace: str
                                        "minRequests": 5,
                                        "slaP99LatencyMs": 10000, "maxDrift": 10, "maxQualityDrop": 10,
                                        "autoRollback": True}}}
+    image = checkpoint_image(stack.images["model-server"], tmp_path / "checkpoint-image")
     model = {"apiVersion": "sparsegate.dev/v1alpha1", "kind": "SparseModel", "metadata": {"name": MODEL},
-             "spec": {"replicas": 2, "gateConfigRef": {"name": GATE},
-                      "model": {"dModel": 128, "experts": 4, "maxExpertsPerToken": 2}}}
+             "spec": {"replicas": 2, "gateConfigRef": {"name": GATE}, "image": image,
+                      "model": {"dModel": 64, "experts": 4, "maxExpertsPerToken": 2, "source": CHECKPOINT_DIR}}}
     stack.kubectl("apply", "-n", ns, "-f", "-",
                   input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [gateconfig, model]}))
     wait_for(lambda: serving(stack, ns, 2), what="2 model-server pods Ready and answering /healthz",
@@ -200,7 +253,9 @@ def test_every_dashboard_query_returns_series(stack: Stack, stack_namespace: str
                                 + [{"job_name": "agent", "static_configs": [{"targets": [agent_address],
                                                                              "labels": {"node": "local"}}]}]}
     prom = Prometheus(binary=BIN / "prometheus", work=tmp_path, config=config, port=free_port())
-    load = BackgroundLoad(lambda: [f"{p['status']['podIP']}:8080" for p in model_pods(stack, ns)], qps=20).start()
+    targets = lambda: [f"{p['status']['podIP']}:8080" for p in model_pods(stack, ns)]  # noqa: E731
+    load = BackgroundLoad(targets, qps=20).start()
+    completions = CompletionLoad(targets).start()
     try:
         # When: a rollout runs to completion, and a second one is held at its first step.
         v1 = set_spec(stack, ns, params={**PARAMS, "confidenceThreshold": 0.62},
@@ -229,7 +284,10 @@ def test_every_dashboard_query_returns_series(stack: Stack, stack_namespace: str
             # The verdict panel's rate needs two scrapes of each series: the deny series can show up
             # a scrape after the allow one (seen once in CI), so wait for both, as asserted below.
             actions = {r["metric"].get("action") for r in results.get(("XDP verdicts by rule", "A"), [])}
-            return all(results.values()) and {"allow", "deny"} <= actions
+            # The token latency quantiles are NaN (no line drawn) until a window holds observations.
+            latencies = [float(r["value"][1]) for (title, _), rs in results.items() if title in TOKEN_LATENCY_PANELS
+                         for r in rs]
+            return all(results.values()) and {"allow", "deny"} <= actions and all(map(math.isfinite, latencies))
 
         try:
             wait_for(every_query_has_series, what="every dashboard query to return series", timeout_s=90,
@@ -242,6 +300,7 @@ def test_every_dashboard_query_returns_series(stack: Stack, stack_namespace: str
                         f"prometheus log: {prom.log.read_text()[-2000:]}")
     finally:
         load.stop()
+        completions.stop()
         prom.stop()
     log(f"{len(concrete)} queries of {len({t for t, _, _ in concrete})} panels returned series "
         f"{time.monotonic() - t0:.1f}s after the test began; load {load.stats}")
@@ -261,5 +320,13 @@ def test_every_dashboard_query_returns_series(stack: Stack, stack_namespace: str
     # One series per operator replica that leads (standbys run no handlers, so export none).
     assert {float(r["value"][1]) for r in results[("Canary weight and share", "A")]} == {50.0}
     assert by_label("Finished rollouts by outcome", "outcome").keys() >= {"succeeded"}
+    # vLLM's token latency histograms, per SparseModel: p50 <= p99, both positive.
+    for title in TOKEN_LATENCY_PANELS:
+        p50, p99 = by_label(title, "model", "A"), by_label(title, "model", "B")
+        assert set(p50) == set(p99) == {MODEL} and 0 < p50[MODEL] <= p99[MODEL], (title, p50, p99)
+    # Every LRU map of the agent, each between empty and full; and the idle-expired gauge.
+    pressure = by_label("XDP map pressure", "map")
+    assert set(pressure) == {"flows", "flows6", "handshakes", "conntrack"} and all(0 <= v <= 1 for v in pressure.values())
+    assert pressure["flows"] > 0, pressure
     verdicts = {(r["metric"]["rule"], r["metric"]["action"]) for r in results[("XDP verdicts by rule", "A")]}
     assert (f"dash/allow#{ALLOWED_PORT}", "allow") in verdicts and any(a == "deny" for _, a in verdicts), verdicts

@@ -84,6 +84,21 @@ def test_one_policy_map_size_reaches_the_agents_and_the_operator(tmp_path) -> No
         assert Capacity.from_env(env).max_records == records - flowpolicy.AGENT_RESERVED_RECORDS
 
 
+def test_flow_idle_timeout_reaches_the_agent(tmp_path) -> None:
+    """agent.flowIdleTimeout becomes the agents' --flow-idle-timeout (default 300 s, 0: never), from
+    --set and from a values file (YAML numbers reach the templates as float64)."""
+    from sparsegate_ebpf.metrics import FLOW_IDLE_TIMEOUT
+
+    assert agent.parse_args(agent_args(daemonset())).flow_idle_timeout == FLOW_IDLE_TIMEOUT == 300
+    for values, seconds in ((("--set", "agent.flowIdleTimeout=0"), 0), (("--set", "agent.flowIdleTimeout=90"), 90),
+                            (("--set", "agent.flowIdleTimeout=2.5"), 2.5)):
+        assert agent.parse_args(agent_args(daemonset(*values))).flow_idle_timeout == seconds, values
+    for text, seconds in (("0", 0), ("1048576", 1048576), ("0.25", 0.25)):
+        file = tmp_path / "idle.yaml"
+        file.write_text(f"agent:\n  flowIdleTimeout: {text}\n")
+        assert agent.parse_args(agent_args(daemonset("-f", str(file)))).flow_idle_timeout == seconds, text
+
+
 def test_one_flow_policy_configmap_name_reaches_the_agents_the_operator_and_their_rbac(monkeypatch) -> None:
     """agent.policyConfigMap is where the operator publishes the allow-list and where the agents
     read it: a renamed ConfigMap that only one side knew would leave enforcement on nothing."""
@@ -114,6 +129,8 @@ def test_one_flow_policy_configmap_name_reaches_the_agents_the_operator_and_thei
     (("--set", "agent.enforcement=on"), "/agent/enforcement"),
     (("--set", "agent.policyMapRecords=100"), "/agent/policyMapRecords"),
     (("--set", "agent.policyConfigMap=Flows_A"), "/agent/policyConfigMap"),
+    (("--set", "agent.flowIdleTimeout=-1"), "/agent/flowIdleTimeout"),
+    (("--set-string", "agent.flowIdleTimeout=5m"), "/agent/flowIdleTimeout"),
     (("--set", "agent.allowSources={not-an-ip}"), "/agent/allowSources/0"),
 ])
 def test_bad_values_are_refused_naming_the_field(values: tuple[str, ...], field: str) -> None:

@@ -209,6 +209,17 @@ def _exposition(elapsed: float) -> str:
         labels = f'namespace="ns",pod="{pod}",model="{model}",gate_version="{version}"'
         lines.append(f'sparsegate_requests_total{{{labels},code="200"}} {per_s * elapsed * (1 - errors)}')
         lines.append(f'sparsegate_requests_total{{{labels},code="500"}} {per_s * elapsed * errors}')
+    # Inter-token latency: ma's pods make 10 tokens/s each, all 25-50 ms apart; mb's (GateConfig b)
+    # 100/s, all 0.5-0.75 s apart (which a's panel must not show).
+    for pod, model, per_s, upper in (("ma-0", "ma", 10, "0.05"), ("ma-1", "ma", 10, "0.05"), ("mb-0", "mb", 100, "0.75")):
+        labels = f'namespace="ns",pod="{pod}",model="{model}",model_name="{model}"'
+        for le in ("0.025", "0.05", "0.5", "0.75", "+Inf"):
+            count = per_s * elapsed if float(le) >= float(upper) else 0
+            lines.append(f'vllm:inter_token_latency_seconds_bucket{{{labels},le="{le}"}} {count}')
+    # The agents' LRU maps on two nodes.
+    for node, fills in (("n1", {"flows": 0.5, "conntrack": 0.1}), ("n2", {"flows": 0.95, "conntrack": 0.2})):
+        for m, fill in fills.items():
+            lines.append(f'sparsegate_xdp_map_pressure{{node="{node}",map="{m}"}} {fill}')
     return "\n".join(lines) + "\n"
 
 
@@ -272,6 +283,29 @@ def test_canary_vs_stable_panels_keep_to_the_gateconfigs_own_models(two_gateconf
     (model_var,) = [v for v in dash["templating"]["list"] if v["name"] == "model"]
     inner = model_var["query"].removeprefix("label_values(").rsplit(",", 1)[0]
     assert {r["metric"]["model"] for r in instant(two_gateconfigs, grafana_dashboard.substitute(inner, values))} == {"ma"}
+
+
+def test_token_latency_and_map_pressure_panels(two_gateconfigs: str):
+    """The inter-token latency panel shows p50/p99 per SparseModel of the GateConfig (its series carry
+    no gate version), and the map pressure panel each LRU map's fill on the fullest node."""
+    dash = json.loads(grafana_dashboard.OUT.read_text())
+    values = {**VARIABLES, "namespace": "ns", "gateconfig": "a", "__rate_interval": "1m"}
+    queries = {(title, ref): expr for title, ref, expr in grafana_dashboard.panel_queries(dash)}
+
+    def by(title: str, label: str, ref: str = "A") -> dict[str, float]:
+        result = instant(two_gateconfigs, grafana_dashboard.substitute(queries[(title, ref)], values))
+        return {r["metric"][label]: float(r["value"][1]) for r in result}
+
+    assert by("Inter-token latency", "model", "A") == {"ma": pytest.approx(0.0375)}
+    assert by("Inter-token latency", "model", "B") == {"ma": pytest.approx(0.04975)}
+    assert {ref for title, ref in queries if title in ("Time to first token", "Time per output token (per request)")} \
+        == {"A", "B"}
+    assert by("XDP map pressure", "map") == {"flows": 0.95, "conntrack": 0.2}
+    (pressure,) = [p for p in dash["panels"] if p["title"] == "XDP map pressure"]
+    assert pressure["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    assert {"color": "red", "value": 0.9} in pressure["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    state = {t["expr"] for p in dash["panels"] if p["title"].startswith("Agents:") for t in p["targets"]}
+    assert "sum(sparsegate_xdp_flows_idle_expired)" in state
 
 
 def test_a_broken_query_is_refused(prometheus: str):
