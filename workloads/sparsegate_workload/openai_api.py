@@ -108,9 +108,18 @@ def _text_model(state: ServerState) -> HFServedModel:
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     hf = state.hf
+    created = int(state.started_wall)
+    # vLLM's ModelCard: clients written for it read root, parent and permission too. Its
+    # ModelPermission defaults, except allow_logprobs: logprobs are refused here (_NEUTRAL).
+    permission = {"id": f"modelperm-{uuid.uuid4().hex}",
+                  "object": "model_permission", "created": created, "allow_create_engine": False,
+                  "allow_sampling": True, "allow_logprobs": False, "allow_search_indices": False,
+                  "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+                  "group": None, "is_blocking": False}
     data = [] if hf is None or hf.tokenizer is None else [{
-        "id": hf.name, "object": "model", "created": int(state.started_wall),
-        "owned_by": "sparsegate", "root": str(hf.lm.path), "max_model_len": hf.context_length}]
+        "id": hf.name, "object": "model", "created": created,
+        "owned_by": "sparsegate", "root": str(hf.lm.path), "parent": None,
+        "max_model_len": hf.context_length, "permission": [permission]}]
     return web.json_response({"object": "list", "data": data})
 
 

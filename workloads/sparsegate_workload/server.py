@@ -60,7 +60,8 @@ Two listeners: inference, probes and metrics on ``--port`` (plain HTTP); ``GET``
 and ``/admin/access`` (the per-request access rules, `request_guard`) only on ``--admin-port``,
 TLS with the Secret volume's certificate and Bearer token (see ``admin.py``: why, and how a
 changed Secret rotates both without a restart). Both share one :class:`ServerState`, so a PUT on
-the admin listener swaps the gate (or the access rules) the inference requests read.
+the admin listener swaps the gate (or the access rules) the inference requests read, and one
+connection cap and keep-alive timeout (`connections`: ``--max-connections``, ``--keepalive-timeout``).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping
+from contextlib import suppress
 from typing import Any, Awaitable, Callable
 
 import torch
@@ -91,7 +93,7 @@ from sparsegate_contracts.gate import (DEFAULT_DOCUMENT, GateDocument, GateParam
 from sparsegate_contracts.names import DEFAULT_ADMIN_PORT
 from sparsegate_contracts.version import version_line
 
-from . import cgroup_limits, hf_serving, openai_api, quality, request_guard, tools
+from . import cgroup_limits, connections, hf_serving, openai_api, quality, request_guard, tools
 from .admin import AdminAuth, AdminDenied, AdminFiles, check_bearer
 from .batch_decode import BatchDecoder
 from .batch_engine import DEFAULT_MAX_NUM_SEQS, BatchEngine
@@ -158,6 +160,8 @@ LOADER = web.AppKey("loader", asyncio.Task)
 EXIT_ON_LOAD_ERROR = web.AppKey("exit_on_load_error", bool)
 AUTH = web.AppKey("admin_auth", AdminAuth)
 ADMIN_RUNNER = web.AppKey("admin_runner", web.AppRunner)
+LIMITER = web.AppKey("connection_limiter", connections.ConnectionLimiter)
+KEEPALIVE_S = web.AppKey("keepalive_timeout_s", float)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -807,7 +811,9 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
                expert_groups: Mapping[str, tuple[int, ...]] | None = None,
                reviewer: CachedReviewer | None = None,
                expert_placement: dict | None = None,
-               graceful_sigterm_delay_s: float | None = None) -> web.Application:
+               graceful_sigterm_delay_s: float | None = None,
+               keepalive_timeout_s: float = connections.DEFAULT_KEEPALIVE_TIMEOUT_S,
+               max_connections: int | None = None) -> web.Application:
     """The inference app (no /admin routes). ``admin``: also serve :func:`create_admin_app` on
     its own TLS listener for as long as this app runs (None: no admin channel at all).
     ``model_path``: serve that Hugging Face checkpoint directory instead of the built-in model
@@ -820,7 +826,9 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
     ``reviewer``: verify callers and apply the access rules the admin channel sets (`request_guard`).
     ``expert_placement``: a checkpoint's experts on their own dtype/device (hf.placement, parsed).
     ``graceful_sigterm_delay_s``: handle this process's SIGTERM as a pod's graceful stop
-    (`_install_graceful_sigterm`; the entry point's --shutdown-delay). None: aiohttp's handling."""
+    (`_install_graceful_sigterm`; the entry point's --shutdown-delay). None: aiohttp's handling.
+    ``keepalive_timeout_s`` / ``max_connections`` (None: from RLIMIT_NOFILE): the admin listener's
+    and, through :func:`serve`, the inference listener's connection limits (`connections`)."""
     app = web.Application(middlewares=[json_errors, request_guard.access_guard], client_max_size=MAX_BODY_BYTES)
     app[STATE] = ServerState(model_config=model_config,
                              rng=random.Random(fault_seed), pending_doc=gate_doc,
@@ -832,6 +840,9 @@ def create_app(*, gate_doc: GateDocument = DEFAULT_DOCUMENT, model_config: Model
                              expert_groups=dict(expert_groups or {}), reviewer=reviewer,
                              expert_placement=expert_placement)
     app[EXIT_ON_LOAD_ERROR] = exit_on_load_error
+    app[KEEPALIVE_S] = keepalive_timeout_s
+    app[LIMITER] = connections.ConnectionLimiter(
+        connections.default_max_connections() if max_connections is None else max_connections)
     openai_api.add_routes(app)
     app.router.add_post("/v1/infer", infer)
     app.router.add_get("/healthz", healthz)
@@ -865,9 +876,14 @@ def create_admin_app(app: web.Application, *, auth: AdminAuth) -> web.Applicatio
 
 
 async def _start_admin(app: web.Application, listener: AdminListener) -> None:
-    runner = web.AppRunner(create_admin_app(app, auth=listener.files), access_log=None)
+    # The same keep-alive and connection cap as the inference listener (a bare AppRunner keeps an
+    # idle connection about an hour): both take this process's descriptors.
+    runner = web.AppRunner(create_admin_app(app, auth=listener.files), access_log=None,
+                           keepalive_timeout=app[KEEPALIVE_S])
     await runner.setup()
-    await web.TCPSite(runner, listener.host, listener.port, ssl_context=listener.files.ssl_context()).start()
+    await connections.LimitedTCPSite(runner, listener.host, listener.port, limiter=app[LIMITER],
+                                     ssl_context=listener.files.ssl_context(),
+                                     ssl_handshake_timeout=min(app[KEEPALIVE_S], 60.0)).start()
     app[ADMIN_RUNNER] = runner
 
 
@@ -1009,6 +1025,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inference requests admitted at once (running + queued); beyond it: 429")
     p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                    help="seconds a request waits for its result before answering 503")
+    p.add_argument("--keepalive-timeout", type=float,
+                   default=connections.DEFAULT_KEEPALIVE_TIMEOUT_S,
+                   help="seconds an idle connection (or one that has not sent a whole request) "
+                        "stays open, on both listeners")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="connections open at once over both listeners; beyond it a new one "
+                        "closes the oldest idle connection, or, when none is idle and "
+                        f"{connections.PROBE_RESERVE} more are open, is closed at once (default: "
+                        "the soft RLIMIT_NOFILE less a quarter, at least "
+                        f"{connections.MIN_HEADROOM_FDS}, and that reserve, at most "
+                        f"{connections.MAX_DEFAULT_CONNECTIONS})")
     p.add_argument("--shutdown-delay", type=float, default=None,
                    help="on SIGTERM: seconds to keep serving while /readyz answers 503 (endpoints "
                         "catch up), before new requests get 503 and those in flight finish "
@@ -1034,6 +1061,45 @@ def build_parser() -> argparse.ArgumentParser:
                         "\"device\": \"cpu|cuda:N\"}}'; their cost placement factor is measured at load")
     add_model_flags(p)
     return p
+
+
+def serve(app: web.Application, *, host: str, port: int) -> None:
+    """``web.run_app(app, host=, port=)`` (signals, GracefulExit, clean-up as there), with the
+    app's keep-alive timeout and its connection cap on the listener (`connections`)."""
+    # handler_cancellation: a client that disconnects cancels its handler, so its generation
+    # leaves the batch and frees its slot (aiohttp's default since 3.8 is not to).
+    # shutdown_timeout: what is left after the graceful drain (_stop_gracefully) was already
+    # answered 503 by _drain; its handlers only write that out.
+    async def run() -> None:
+        runner = web.AppRunner(app, handle_signals=True, access_log=None,
+                               keepalive_timeout=app[KEEPALIVE_S], shutdown_timeout=DRAIN_SLACK_S,
+                               handler_cancellation=True)
+        await runner.setup()
+        try:
+            await connections.LimitedTCPSite(runner, host, port, limiter=app[LIMITER]).start()
+            while True:
+                await asyncio.sleep(3600)
+        finally:
+            await runner.cleanup()
+
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    main_task = loop.create_task(run())
+    try:
+        loop.run_until_complete(main_task)
+    except (GracefulExit, KeyboardInterrupt):
+        pass
+    finally:
+        if not main_task.done():
+            main_task.cancel()
+            with suppress(asyncio.CancelledError):
+                loop.run_until_complete(main_task)
+        rest = asyncio.all_tasks(loop)
+        for task in rest:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*rest, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1062,6 +1128,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_inflight < 1 or not 0 < args.request_timeout < math.inf or args.max_num_seqs < 1:
         p.error("--max-inflight and --max-num-seqs must be at least 1 and --request-timeout "
                 "a finite number above 0")
+    if not 0 < args.keepalive_timeout <= 3600:  # float() takes "nan" and "inf"
+        p.error(f"--keepalive-timeout must be in (0, 3600] seconds, got {args.keepalive_timeout}")
+    if args.max_connections is not None and args.max_connections < 1:
+        p.error(f"--max-connections must be at least 1, got {args.max_connections}")
     if args.model_path:
         try:
             resolve_device(args.device)
@@ -1125,16 +1195,15 @@ def main(argv: list[str] | None = None) -> None:
                      device=args.device, max_num_seqs=args.max_num_seqs,
                      exit_on_load_error=True, tool_registry=registry,
                      expert_groups=groups, reviewer=reviewer, expert_placement=placement,
-                     graceful_sigterm_delay_s=args.shutdown_delay)
+                     graceful_sigterm_delay_s=args.shutdown_delay,
+                     keepalive_timeout_s=args.keepalive_timeout, max_connections=args.max_connections)
+    log.info("connections: keep-alive %g s, at most %d open (soft RLIMIT_NOFILE %d)",
+             args.keepalive_timeout, app[LIMITER].max_connections,
+             connections.soft_nofile_limit())
     log.info("serving on %s:%d gate %s model %s; admin %s", args.host, args.port, doc.version,
              json.dumps(app[STATE].shape(), sort_keys=True),
              f"TLS on {args.host}:{args.admin_port}" if listener else "disabled (no --admin-token-file)")
-    # handler_cancellation: a client that disconnects cancels its handler, so its generation
-    # leaves the batch and frees its slot (aiohttp's default since 3.8 is not to).
-    # shutdown_timeout: what is left after the graceful drain (_stop_gracefully) was already
-    # answered 503 by _drain; its handlers only write that out.
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None,
-                handler_cancellation=True, shutdown_timeout=DRAIN_SLACK_S)
+    serve(app, host=args.host, port=args.port)
     state = app[STATE]
     if state.load_error is not None:
         print(state.load_error, file=sys.stderr)

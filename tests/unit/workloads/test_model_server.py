@@ -391,6 +391,121 @@ def test_module_entry_point_refuses_half_configured_admin(tmp_path):
         assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+def _spawn_server(*args: str, nofile: int | None = None) -> tuple[subprocess.Popen, str]:
+    """``python -m sparsegate_workload.server`` on a free port (soft RLIMIT_NOFILE ``nofile``),
+    once /readyz answers 200."""
+    import resource
+
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE,
+                               (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sparsegate_workload.server", "--host", "127.0.0.1",
+                             "--port", str(port), *args], preexec_fn=limit,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(base + "/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return proc, base
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"server not ready: {proc.stdout.read().decode()}")
+        time.sleep(0.1)
+
+
+def _closed_by_server(sock, wait: float = 0.0) -> bool:
+    """Whether the server closed ``sock`` (an idle connection), waiting up to ``wait`` s."""
+    import ssl
+    import socket
+
+    sock.settimeout(wait or 0.001)
+    try:
+        return sock.recv(1) == b""
+    except (socket.timeout, ssl.SSLWantReadError, BlockingIOError):
+        return False
+    except (ConnectionError, ssl.SSLError):
+        return True
+
+
+def test_idle_connections_cannot_take_the_descriptors_the_probes_need():
+    """A client holding hundreds of idle keep-alive connections exhausted the server's file
+    descriptors (aiohttp accepts until EMFILE and keeps an idle connection 75 s): the kubelet's
+    probes then waited in the backlog and timed out. The default --max-connections comes from
+    RLIMIT_NOFILE: beyond it a new connection closes the oldest idle one, so probes answer."""
+    import socket
+
+    proc, base = _spawn_server(nofile=640)  # --max-connections 176 by default
+    idle = []
+    try:
+        for _ in range(700):
+            idle.append(socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])), timeout=5))
+        time.sleep(0.5)
+        for path in ("/healthz", "/readyz"):
+            with urllib.request.urlopen(base + path, timeout=2) as r:
+                assert r.status == 200
+        assert len(os.listdir(f"/proc/{proc.pid}/fd")) < 640 - 256  # headroom left
+        req = urllib.request.Request(base + "/v1/infer", data=b'{"tokens": [[1, 2, 3]]}',
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert r.status == 200
+    finally:
+        for sock in idle:
+            sock.close()
+        proc.terminate()
+        out = proc.communicate(timeout=15)[0].decode()
+    assert proc.returncode == 0, out
+    assert "Too many open files" not in out, out
+
+
+def test_keepalive_timeout_and_connection_cap_cover_both_listeners(tmp_path):
+    """--keepalive-timeout closes an idle connection on the inference listener and on the admin
+    TLS listener (which kept one about an hour: a bare AppRunner's default), and there a stalled
+    TLS handshake (counted, but it cannot be evicted); at --max-connections
+    (counted over both) a new connection closes the oldest idle one and is served."""
+    import socket
+    import ssl
+
+    from admin_files import paths, write_secret_volume
+
+    write_secret_volume(tmp_path / "admin", token=TOKEN)
+    token_file, cert_file, key_file = paths(tmp_path / "admin")
+    admin_port = free_port()
+    proc, base = _spawn_server("--keepalive-timeout", "1.5", "--max-connections", "3",
+                               "--admin-port", str(admin_port), "--admin-token-file", token_file,
+                               "--admin-tls-cert", cert_file, "--admin-tls-key", key_file)
+    port = int(base.rsplit(":", 1)[1])
+    tls = ssl.create_default_context()
+    tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE
+    try:
+        admin = tls.wrap_socket(socket.create_connection(("127.0.0.1", admin_port), timeout=5))
+        plain = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+        time.sleep(0.3)
+        # A fourth connection (a probe): the oldest idle one (the admin connection) makes room.
+        with urllib.request.urlopen(base + "/healthz", timeout=2) as r:
+            assert r.status == 200
+        assert _closed_by_server(admin, wait=0.5)
+        assert not any(_closed_by_server(s) for s in plain)
+        # Then the idle ones are closed after the keep-alive timeout.
+        assert all(_closed_by_server(s, wait=2.5) for s in plain)
+        admin = tls.wrap_socket(socket.create_connection(("127.0.0.1", admin_port), timeout=5))
+        assert not _closed_by_server(admin, wait=0.5)
+        assert _closed_by_server(admin, wait=2.5)
+        # A connection that never starts its TLS handshake too (asyncio's default: 60 s).
+        stalled = socket.create_connection(("127.0.0.1", admin_port), timeout=5)
+        assert not _closed_by_server(stalled, wait=0.5)
+        assert _closed_by_server(stalled, wait=2.5)
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=15)[0].decode()
+    assert proc.returncode == 0, out
+
+
 async def test_event_loop_stays_responsive_while_the_model_computes(client):
     big = [[(i * 31 + j) % 512 for j in range(256)] for i in range(16)]  # 4096 tokens each
     pending = [asyncio.create_task(_infer(client, big)) for _ in range(8)]

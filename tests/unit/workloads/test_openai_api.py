@@ -71,6 +71,13 @@ async def test_models_lists_the_checkpoint(client):
     assert body["object"] == "list"
     assert [(m["id"], m["object"], m["max_model_len"]) for m in body["data"]] == [
         (NAME, "model", 256)]
+    # vLLM's ModelCard fields, which clients written for vLLM read.
+    card = body["data"][0]
+    assert card["parent"] is None and card["root"] and card["owned_by"] == "sparsegate"
+    [perm] = card["permission"]
+    assert perm["object"] == "model_permission" and perm["id"].startswith("modelperm-")
+    assert perm["allow_sampling"] is True and perm["allow_logprobs"] is False
+    assert perm["organization"] == "*" and perm["group"] is None and perm["is_blocking"] is False
     shape = (await (await client.get("/v1/model")).json())["model"]
     assert shape["family"] == "mixtral" and shape["experts"] == 8 and shape["tokenizer"] is True
 
@@ -806,7 +813,7 @@ async def _until_ready(session: aiohttp.ClientSession, base: str) -> None:
 
 
 def test_the_entry_point_stops_generating_for_a_client_that_left(tmp_path):
-    """``python -m sparsegate_workload.server`` (web.run_app, whose default is not to cancel a
+    """``python -m sparsegate_workload.server`` (aiohttp, whose default is not to cancel a
     handler whose client disconnects): a non-streamed request abandoned after 0.5 s leaves the
     batch then, frees its slot, and is counted 499, instead of decoding all its tokens for nobody."""
     slow = build_tiny_checkpoint(tmp_path / "slow", family="mixtral", hidden_size=512, layers=6,

@@ -54,6 +54,9 @@ def test_help_works_whatever_the_variable_holds(value: str, monkeypatch, capsys)
     ([], "abc", f"${THREADS_ENV} must be an integer of at least 1, got 'abc'"),
     ([], "0", f"${THREADS_ENV} must be an integer of at least 1, got '0'"),
     (["--threads", "0"], "", "--threads must be at least 1, got 0"),
+    (["--keepalive-timeout", "nan"], "", "--keepalive-timeout must be in (0, 3600] seconds, got nan"),
+    (["--keepalive-timeout", "0"], "", "--keepalive-timeout must be in (0, 3600] seconds, got 0.0"),
+    (["--max-connections", "0"], "", "--max-connections must be at least 1, got 0"),
 ])
 def test_server_exits_2_with_the_reason_before_serving(argv, env, message, monkeypatch,
                                                         capsys) -> None:
