@@ -226,10 +226,15 @@ def dispatch_sorted(x: torch.Tensor, routing: Routing, gate_up: StoredWeight,
     n_assign, d_model = routing.token_idx.numel(), x.shape[1]
     tail = (max((row_bucket(n) - n for n in counts if n), default=0)
             if uses_row_buckets(x) else 0)
-    xs = x.new_empty(n_assign + tail, d_model)
-    torch.index_select(x, 0, routing.token_idx, out=xs[:n_assign])
+    # One token (a decode step): each expert it uses runs that one row, so x is every expert's
+    # input as it stands, no gather.
+    single = x.shape[0] == 1 and max(counts, default=0) <= 1
     if tail:
+        xs = x.new_empty(n_assign + tail, d_model)
+        torch.index_select(x, 0, routing.token_idx, out=xs[:n_assign])
         xs[n_assign:].zero_()
+    elif not single:
+        xs = x.index_select(0, routing.token_idx)
     # A padded expert writes past its slice into the next one's, which runs later and
     # overwrites it; the last one's overflow lands in rows >= A, and row A is zeroed after.
     ys = x.new_empty(n_assign + max(tail, 1), d_model)
@@ -248,16 +253,17 @@ def dispatch_sorted(x: torch.Tensor, routing: Routing, gate_up: StoredWeight,
         t0 = clock()
         spot = placed.get(e) if placed else None
         if spot is not None:
-            spot.run(xs[start:end], ys[start:end])
+            spot.run(x if single else xs[start:end], ys[start:end])
         else:
             rows = end + (row_bucket(n) - n if tail else 0)
-            h = swiglu(expert_mm(xs[start:rows], gate_up, e))
+            h = swiglu(expert_mm(x if single else xs[start:rows], gate_up, e))
             expert_mm(h, down, e, out=ys[start:rows])
         if cost is not None:
             cost.record(e, clock() - t0, n)
         start = end
     ys[n_assign].zero_()
-    ys[:n_assign].mul_(routing.weights.unsqueeze(-1).to(x.dtype))
+    w = routing.weights
+    ys[:n_assign].mul_((w if w.dtype == x.dtype else w.to(x.dtype)).unsqueeze(-1))
     return ys
 
 
@@ -283,7 +289,15 @@ def expert_mm(x: torch.Tensor, weight: StoredWeight, e: int, *,
 
 
 def combine(ys_padded: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_r ys_padded[slots[t, r]]: one gather per rank, no scatter-add."""
+    """out[t] = sum_r ys_padded[slots[t, r]]: one gather per rank, no scatter-add. A single
+    token's slots are 0..width-1 (its kept outputs are the first rows, in order, or the padding
+    row 0 when none was kept; `gating.assign`): it adds row slices instead, in the same order."""
+    if slots.shape[0] == 1:
+        out = ys_padded[0:1]
+        for r in range(1, slots.shape[1]):
+            row = ys_padded[r:r + 1]
+            out = out + row if r == 1 or out.requires_grad else out.add_(row)
+        return out
     out = ys_padded.index_select(0, slots[:, 0])
     for r in range(1, slots.shape[1]):
         out = out + ys_padded.index_select(0, slots[:, r]) if out.requires_grad \

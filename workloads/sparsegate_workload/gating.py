@@ -208,7 +208,11 @@ class Router(nn.Module):
             return F.linear(x.float(), fake_quantize(w, precision or "fp32").float())
         if precision is not None:
             self.store(precision)
-        return F.linear(x.float(), self.storage.materialize(torch.float32))
+            w = self.weight
+        # A loaded weight is the fp32 storage itself (`storage`): used as is, no detached view.
+        weight = self.storage.materialize(torch.float32) if w is None else (
+            w if w.dtype == torch.float32 else w.float())
+        return F.linear(x if x.dtype == torch.float32 else x.float(), weight)
 
 
 class DynamicGate(Router):

@@ -24,7 +24,7 @@ class MoEStats:
     mean_selected: float            # experts chosen per token by the gate (before capacity)
     mean_active: float              # experts that actually processed each token
     dropped: int                    # assignments removed by the capacity cap
-    entropy: float                  # mean gate entropy (nats); see `_entropy_property`
+    entropy: float | None           # mean gate entropy (nats); see `_entropy_property`
     routing: Routing | None = None  # the layer's routing (None: a dense layer, no regularisers)
     entropy_beta: float = 0.0
 
@@ -49,10 +49,23 @@ class MoEStats:
 def _entropy_property() -> property:
     """`MoEStats.entropy` may be given as a 0-d tensor and is read as a float: converted on
     first read, so a block recording its stats does not wait for the device (on CUDA a float()
-    there was a second host sync per layer, after the dispatch, beside the counts')."""
+    there was a second host sync per layer, after the dispatch, beside the counts'). None (a
+    routed layer's, `routing_stats`): computed from the routing when first read, so a forward
+    whose per-layer entropy nobody reads (a batched decode step splits the routing per sequence
+    instead) runs none of its ~7 tensor ops per layer."""
 
     def get(self: MoEStats) -> float:
         value = self._entropy
+        if value is None:
+            routing = self.routing
+            # Routing.entropy when already computed (a training loss read it), else the same
+            # formula without caching a no-grad tensor where the loss may still want a graph.
+            value = routing.__dict__.get("entropy")
+            if value is None:
+                with torch.no_grad():
+                    value = type(routing).entropy.func(routing)
+            if value.requires_grad:
+                value = value.detach()
         if isinstance(value, torch.Tensor):
             value = self._entropy = float(value)
         return value
@@ -73,7 +86,7 @@ def routing_stats(routing: Routing, *, entropy_beta: float) -> MoEStats:
     return MoEStats(counts=routing.counts, num_tokens=n,
                     mean_selected=(kept + routing.dropped) / max(n, 1),
                     mean_active=kept / max(n, 1), dropped=routing.dropped,
-                    entropy=routing.entropy.detach(), routing=routing,
+                    entropy=None, routing=routing,
                     entropy_beta=entropy_beta)
 
 

@@ -393,14 +393,16 @@ def test_patched_model_saves_a_checkpoint_upstream_transformers_reads(checkpoint
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("k_range", [(1, 3), (2, 2)])
 @pytest.mark.parametrize("scoped", [False, True])
-def test_a_block_reads_the_host_once_per_forward(checkpoints, scoped):
+def test_a_block_reads_the_host_once_per_forward(checkpoints, scoped, k_range):
     """The design's one host read per MoE layer (the per-expert counts): on CUDA every
     tolist()/float()/int()/bool() of a tensor waits for the device. Recording the block's
     stats read the gate entropy with float() right after the dispatch, a second sync per
     layer; it is now converted when read, after the forward. An expert group's capacity share
     (the experts its mask allows) is the same for every block: read once per forward, not per
-    block."""
+    block. A fixed k (2, 2) under an expert group reads whether every pick is allowed in the
+    same sync as the counts (a bool() of its own was a second sync per block)."""
     from sparsegate_workload.hf.gated_block import pin_gate
     import sys
 
@@ -417,8 +419,10 @@ def test_a_block_reads_the_host_once_per_forward(checkpoints, scoped):
                 seen.append(func.__name__)
             return func(*args, **(kwargs or {}))
 
-    gate = make_document({"confidenceThreshold": 0.6, "minExpertsPerToken": 1,
-                          "maxExpertsPerToken": 3, "capacityFactor": 2.0})
+    gate = make_document({"confidenceThreshold": 0.6, "minExpertsPerToken": k_range[0],
+                          "maxExpertsPerToken": k_range[1],
+                          # fixed k: a cap that binds routes through assign (its own counts)
+                          "capacityFactor": 2.0 if k_range[0] < k_range[1] else 8.0})
     lm = load_moe_checkpoint(checkpoints["mixtral"], gate=gate)
     ids = _tokens()
     allowed = None

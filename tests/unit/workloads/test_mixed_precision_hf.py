@@ -99,3 +99,34 @@ def test_int8_experts_under_a_float16_load_stay_finite(mixtral):
         out = block(x).float()
     assert torch.isfinite(ref).all() and torch.isfinite(out).all()
     assert float((out - ref).abs().max() / ref.abs().max()) <= 0.02
+
+
+def test_fp32_expert_storage_is_built_once_and_follows_the_loaded_tensors(mixtral):
+    """Every block call reads `expert_storage`: its fp32 views are built once per pair of loaded
+    tensors (4 tensor ops a call before), rebuilt when the tensors change (a new parameter,
+    a ``.data`` swap), and not kept once a lower precision drops the fp32 weights."""
+    import gc
+    import weakref
+
+    lm = load_moe_checkpoint(mixtral)
+    blk = lm.blocks[0]
+    first = blk.expert_storage
+    assert blk.expert_storage is first  # no new views per call
+    gate_up = blk.experts.gate_up_proj
+    assert first[0].data.data_ptr() == gate_up.data_ptr()
+    # A .data swap (what Module.to does in place) is seen.
+    swapped = torch.randn_like(gate_up.detach().transpose(1, 2)).contiguous().transpose(1, 2)
+    gate_up.data = swapped
+    assert torch.equal(blk.expert_storage[0].data, swapped.transpose(1, 2))
+    # load_fp32's new parameters are seen.
+    checkpoint_up = torch.randn_like(swapped)
+    blk.load_fp32(gate=blk.gate.weight.detach().clone(), gate_up_proj=checkpoint_up,
+                  down_proj=blk.experts.down_proj.detach().clone())
+    assert torch.equal(blk.expert_storage[0].data, checkpoint_up.transpose(1, 2))
+    # A lower precision drops the fp32 tensors: nothing here keeps them alive.
+    dropped = weakref.ref(blk.experts.gate_up_proj)
+    blk.store(gate="fp32", experts="bf16")
+    del first
+    gc.collect()
+    assert dropped() is None
+    assert blk.expert_storage[0].precision == "bf16"

@@ -113,6 +113,35 @@ def test_balance_loss_is_one_when_uniform_and_entropy_is_shannon():
     assert r.entropy.item() == pytest.approx(math.log(4))
 
 
+def test_recorded_entropy_is_computed_when_read_and_leaves_the_loss_differentiable():
+    """A layer's stats compute the gate entropy when first read (~7 tensor ops a layer that a
+    batched decode step never reads: it splits the routing per sequence itself), with the same
+    value as the routing's own; a read under no_grad before the training loss still leaves
+    the loss's entropy term differentiable."""
+    from sparsegate_workload.moe import DynamicMoE, routing_stats
+
+    g = torch.Generator().manual_seed(4)
+    layer = DynamicMoE(16, 32, 6)
+    layer.reset_parameters(g)
+    x = torch.randn(20, 16, generator=g)
+    with torch.inference_mode():
+        _, stats = layer(x, confidence_threshold=0.7, min_experts=1, max_experts=3)
+        assert "entropy" not in stats.routing.__dict__  # nothing computed yet
+        want = -(stats.routing.probs * stats.routing.probs.clamp_min(1e-12).log()
+                 ).sum(dim=-1).mean()
+    assert stats.entropy == float(want) and isinstance(stats.entropy, float)
+    _, stats = layer(x, confidence_threshold=0.7, min_experts=1, max_experts=3,
+                     entropy_beta=0.5)
+    with torch.no_grad():
+        logged = stats.entropy
+    loss = stats.entropy_loss
+    assert loss.requires_grad and float(loss.detach()) == pytest.approx(0.5 * logged)
+    loss.backward()
+    assert layer.gate.weight.grad is not None and layer.gate.weight.grad.abs().sum() > 0
+    cached = routing_stats(stats.routing, entropy_beta=0.0)
+    assert cached.entropy == float(stats.routing.entropy.detach())  # the loss's, reused
+
+
 @pytest.mark.parametrize("threshold", [0.85, 0.6, 0.3, 0.9])
 def test_tool_gate_fires_strictly_above_its_threshold_as_the_tool_calls_do(threshold):
     from sparsegate_workload.gating import tool_fires

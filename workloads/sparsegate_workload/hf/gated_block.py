@@ -174,6 +174,8 @@ class SparseGatedMoEBlock(nn.Module):
         self.gate.weight = weight  # the checkpoint's parameter itself, not a copy
         self.experts = _relayout_experts(upstream.experts)
         self._expert_storage: tuple[StoredWeight, StoredWeight] | None = None
+        # The fp32 `expert_storage` views, built once per pair of loaded tensors (see there).
+        self._fp32_storage: tuple | None = None
         if shared_expert:
             self.shared_expert = upstream.shared_expert
             self.shared_expert_gate = upstream.shared_expert_gate
@@ -193,8 +195,17 @@ class SparseGatedMoEBlock(nn.Module):
         """(gate+up [E, d, 2f], down [E, f, d]) as held now; "fp32" is the loaded storage."""
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         if gate_up is not None and down is not None:
-            return (StoredWeight.store(gate_up.transpose(1, 2), "fp32"),
-                    StoredWeight.store(down.transpose(1, 2), "fp32"))
+            # Read every block call: the views are kept while the same tensors are loaded (the
+            # parameters and their storage, so a ``.data`` swap or a new parameter rebuilds them).
+            ptrs = (gate_up.data_ptr(), down.data_ptr())
+            cached = self._fp32_storage
+            if (cached is None or cached[0] is not gate_up or cached[1] is not down
+                    or cached[2] != ptrs):
+                cached = (gate_up, down, ptrs, (StoredWeight.store(gate_up.transpose(1, 2), "fp32"),
+                                                StoredWeight.store(down.transpose(1, 2), "fp32")))
+                if self.experts.gate_up_proj is gate_up:  # not dropped by a `store` meanwhile
+                    self._fp32_storage = cached
+            return cached[3]
         if self._expert_storage is None:
             raise RuntimeError("experts have neither parameters nor stored weights")
         return self._expert_storage
@@ -222,6 +233,7 @@ class SparseGatedMoEBlock(nn.Module):
         if experts != "fp32":
             self.experts.gate_up_proj = None
             self.experts.down_proj = None
+            self._fp32_storage = None  # holds the dropped tensors
 
     def load_fp32(self, *, gate: torch.Tensor, gate_up_proj: torch.Tensor,
                   down_proj: torch.Tensor) -> None:
@@ -232,6 +244,7 @@ class SparseGatedMoEBlock(nn.Module):
             setattr(self.experts, name, nn.Parameter(stored.transpose(1, 2),
                                                      requires_grad=False))
         self._expert_storage = None
+        self._fp32_storage = None
 
     def weight_bytes(self) -> LayerBytes:
         return layer_bytes(self.moe_index, self.gate.storage, self.expert_storage)
@@ -272,12 +285,16 @@ class SparseGatedMoEBlock(nn.Module):
             if allowed is not None:
                 kept_allowed = _allowed_at(allowed, sorted_e)
             # With a mask, the fast path only when every top-k pick is allowed (each row's group
-            # has at least k experts): then it is the same routing as the masked `assign`.
-            if not torch.is_grad_enabled() and flat.shape[0] <= FIXED_K_FAST_TOKENS and (
-                    kept_allowed is None or bool(kept_allowed.all())):
-                return _assign_fixed_k(probs, sorted_p, sorted_e,
-                                       capacity_factor=gate.capacity_factor,
-                                       normalize=self.renormalize, available=available)
+            # has at least k experts): then it is the same routing as the masked `assign`. That
+            # is read with the counts (one host sync), None when some pick is not allowed.
+            if not torch.is_grad_enabled() and (
+                    FIXED_K_FAST_TOKENS is None or flat.shape[0] <= FIXED_K_FAST_TOKENS):
+                routing = _assign_fixed_k(probs, sorted_p, sorted_e,
+                                          capacity_factor=gate.capacity_factor,
+                                          normalize=self.renormalize, available=available,
+                                          allowed=kept_allowed)
+                if routing is not None:
+                    return routing
             mask = torch.ones_like(sorted_p, dtype=torch.bool)
         else:
             sorted_p, sorted_e, mask = cost_biased_top_p(
@@ -313,10 +330,10 @@ class SparseGatedMoEBlock(nn.Module):
 
     def dispatch(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
         """[T, d] -> [T, d]: the kept experts' SwiGLU outputs, combined with the gate weights."""
-        w = routing.weights.unsqueeze(-1).to(flat.dtype)
         params = self.experts.gate_up_proj
-        if torch.is_grad_enabled() and (flat.requires_grad or w.requires_grad or (
+        if torch.is_grad_enabled() and (flat.requires_grad or routing.weights.requires_grad or (
                 params is not None and params.requires_grad)):
+            w = routing.weights.unsqueeze(-1).to(flat.dtype)
             xs = flat.index_select(0, routing.token_idx)
             d_model = xs.shape[1]
             # [E, d, 2f] and [E, f, d]: contiguous views of the storage `_relayout_experts` made.
@@ -374,16 +391,20 @@ def _allowed_at(allowed: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     return allowed[experts] if allowed.dim() == 1 else allowed.gather(1, experts)
 
 
-# Decode-sized batches (a token or a few per sequence): routing dominates the block there, so a
-# fixed k takes `_assign_fixed_k`, the same Routing in about half the tensor ops of `assign`.
-FIXED_K_FAST_TOKENS = 64
+# A fixed k in inference takes `_assign_fixed_k`, the same Routing in about half the tensor ops
+# of `assign`; measured here (1 thread, 8 experts, top-2) about half its time at every size from
+# 8 to 16,384 tokens, so there is no size limit (None); a test sets 0 to take `assign` only.
+FIXED_K_FAST_TOKENS: int | None = None
 
 
 def _assign_fixed_k(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch.Tensor, *,
                     capacity_factor: float | None, normalize: bool,
-                    available: int | None = None) -> Routing:
+                    available: int | None = None, allowed: torch.Tensor | None = None
+                    ) -> Routing | None:
     """`gating.assign` for every token keeping exactly its top k (inference only): identical
     fields, order and slots. A capacity cap that would drop something takes `assign` itself.
+    ``allowed``: [T, k] bool, whether each pick may be used (an expert-group mask), read in the
+    same host sync as the counts; None is returned when one may not (the masked `assign` then).
     A single token (decoding one sequence) orders its k picks on the host (k integers) instead of
     the sort and scatter a batch needs, and reuses its constant index tensors."""
     num_tokens, num_experts = probs.shape
@@ -391,7 +412,12 @@ def _assign_fixed_k(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch
     device = probs.device
     n_assign = num_tokens * k
     if num_tokens == 1:
-        picks = sorted_e[0].tolist()  # the block's single host sync
+        if allowed is None:
+            picks = sorted_e.tolist()[0]  # the block's single host sync
+        else:
+            *picks, ok = torch.cat([sorted_e.view(-1), allowed.all().view(1)]).tolist()
+            if not ok:
+                return None
         counts = [0] * num_experts
         for e in picks:
             counts[e] += 1
@@ -402,7 +428,12 @@ def _assign_fixed_k(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch
         token = torch.div(position, k, rounding_mode="floor")
         order = ((flat_e * k + position % k) * num_tokens + token).argsort()
         counts_all = torch.bincount(flat_e, minlength=num_experts)
-        counts = counts_all.tolist()  # the block's single host sync, as in assign
+        if allowed is None:
+            counts = counts_all.tolist()  # the block's single host sync, as in assign
+        else:
+            *counts, ok = torch.cat([counts_all, allowed.all().view(1)]).tolist()
+            if not ok:
+                return None
     capacity = None
     if capacity_factor is not None:
         capacity = capacity_of(capacity_factor, n_assign, num_experts, available)
@@ -412,9 +443,12 @@ def _assign_fixed_k(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch
                           available=available)
     weights = sorted_p / sorted_p.sum(dim=-1, keepdim=True) if normalize else sorted_p
     if num_tokens == 1:
-        order = torch.tensor(sorted(range(k), key=picks.__getitem__), device=device)
+        order = tuple(sorted(range(k), key=picks.__getitem__))
+        ranked = weights.view(-1)
+        if order != tuple(range(k)):  # already in expert order: no gather
+            ranked = ranked.index_select(0, _order_index(order, device))
         token_idx, slots, per_token = _one_token_indices(k, device)
-        return Routing(token_idx=token_idx, weights=weights.view(-1).index_select(0, order),
+        return Routing(token_idx=token_idx, weights=ranked,
                        counts=counts, slots=slots, per_token=per_token, selected=per_token,
                        probs=probs, dropped=0, capacity=capacity, load=counts)
     # slots[t] = where token t's k outputs sit in the grouped order, ascending (expert order),
@@ -426,6 +460,13 @@ def _assign_fixed_k(probs: torch.Tensor, sorted_p: torch.Tensor, sorted_e: torch
                    slots=where.view(num_tokens, k).sort(dim=1).values, per_token=per_token,
                    selected=per_token, probs=probs, dropped=0, capacity=capacity,
                    load=counts_all)
+
+
+@functools.lru_cache(maxsize=256)
+def _order_index(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A one-token routing's permutation of its k picks into expert order, as an index tensor
+    (built once per permutation and device; read, never written)."""
+    return torch.tensor(order, device=device)
 
 
 @functools.lru_cache(maxsize=64)
