@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -72,12 +73,23 @@ def calibrate(directory: Path, *, text: str | None, text_source: str, batches: i
         calibration={"data": lm.calibration_data, "batches": batches, "batchSize": batch_size,
                      "seqLen": seq_len, "seed": seed, "dtype": dtype,
                      "seconds": round(seconds, 3)})
+    for i, (g, e) in enumerate(zip(lm.gate_sensitivity, lm.expert_sensitivity)):
+        failed = [name for name, v in (("router", g), ("expert", e)) if not math.isfinite(v)]
+        if failed:  # inf/NaN gradients (e.g. fp16 overflow): written as null, auto keeps fp32
+            print(f"calibrate: layer {i}: {' and '.join(failed)} gradient variance is not "
+                  f"finite (inf/NaN gradients); recorded as null, precisionPolicy auto keeps "
+                  f"{'them' if len(failed) > 1 else 'it'} fp32", file=sys.stderr)
     return {"file": str(path), "data": lm.calibration_data, "seconds": round(seconds, 3),
-            "layers": [{"layer": i, "routerVariance": g, "expertVariance": e,
+            "layers": [{"layer": i, "routerVariance": _json_number(g),
+                        "expertVariance": _json_number(e),
                         "autoRouter": choose_precision(policy="auto", sensitivity=g),
                         "autoExperts": choose_precision(policy="auto", sensitivity=e)}
                        for i, (g, e) in enumerate(zip(lm.gate_sensitivity,
                                                       lm.expert_sensitivity))]}
+
+
+def _json_number(v: float) -> float | None:
+    return v if math.isfinite(v) else None  # the summary is strict JSON, as the file is
 
 
 def _device_error(name: str) -> str | None:

@@ -48,6 +48,54 @@ def test_gradient_variance_is_the_mean_elementwise_sample_variance():
         gradient_variance(grads[:1])
 
 
+def test_gradient_variance_of_huge_gradients_stays_finite():
+    # Gradients ~1e19-4e19 (a scaled loss): the squared deviation (~1e38+) overflowed the fp32
+    # accumulator to inf, and the precision file could not be written (JSON has no inf).
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(64, 32, generator=g) * 2e19 for _ in range(4)]
+    expected = float(torch.stack(grads).double().var(dim=0).mean())
+    assert 1e38 < gradient_variance(grads) == pytest.approx(expected, rel=1e-6)
+    assert choose_precision(policy="auto", sensitivity=gradient_variance(grads)) == "bf16"
+    # inf gradients are a failed measurement, never an infinite (bf16) one: NaN, auto keeps fp32
+    blown = gradient_variance([torch.full((3,), float("inf")), torch.ones(3)])
+    assert blown != blown
+
+
+def test_int8_scales_are_exact_in_bf16_for_bf16_compute():
+    # A bf16 model computes in bf16: the per-column scale cast to bf16 rounded it (up to 0.39 %)
+    # on top of the product's own rounding; stored for bf16 compute (bf16_scale, what a bf16
+    # checkpoint's experts use), the scale lies on the bf16 grid, so bf16 dequantisation and
+    # the expert matmul round once. Otherwise the scale stays exact (fp32 compute uses it).
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(4, 256, 96, generator=g) * torch.logspace(-3, 0, 96)).to(torch.bfloat16)
+    stored = StoredWeight.store(w, "int8", in_dim=1, bf16_scale=True)
+    assert stored.scale.dtype == torch.float32
+    exact_scale = StoredWeight.store(w, "int8", in_dim=1).scale
+    assert exact_scale.to(torch.bfloat16).float().ne(exact_scale).any()
+    assert torch.equal(stored.scale.to(torch.bfloat16).float(), stored.scale)
+    exact = stored.materialize(torch.float32)
+    assert torch.equal(stored.materialize(torch.bfloat16), exact.to(torch.bfloat16))
+    x = torch.randn(8, 256, generator=g).to(torch.bfloat16)
+    y = expert_mm(x, stored, 2)
+    assert torch.equal(y, (x @ stored.data[2].to(torch.bfloat16)).float().mul(
+        stored.scale[2]).to(torch.bfloat16))
+    # still half a step of the scale used, and every column uses its full range
+    assert ((exact - w.float()).abs() <= stored.scale / 2 + 1e-12).all()
+    assert (stored.data.abs().amax(dim=1) == 127).all()
+
+
+def test_int8_columns_with_tiny_scales_survive_fp16_dequantisation():
+    # fp16 (min normal 6.1e-5): a column of max |w| ~1e-6 has scale ~8e-9, which cast to fp16
+    # was 0, a zeroed column (the grouped expert backend dequantises whole weights so); the
+    # product itself is representable.
+    g = torch.Generator().manual_seed(6)
+    tiny = StoredWeight.store(torch.randn(1, 64, 8, generator=g) * 1e-6, "int8", in_dim=1)
+    half = tiny.materialize(torch.float16)
+    ref = tiny.materialize(torch.float32)
+    assert (half.float().abs().amax(dim=1) > 0).all()
+    assert float((half.float() - ref).abs().max() / ref.abs().max()) < 0.05
+
+
 def test_int8_round_trip_is_bounded_per_output_channel():
     g = torch.Generator().manual_seed(0)
     # Rows of very different magnitude: a per-tensor scale would crush the small ones.

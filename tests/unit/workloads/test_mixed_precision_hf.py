@@ -101,6 +101,28 @@ def test_int8_experts_under_a_float16_load_stay_finite(mixtral):
     assert float((out - ref).abs().max() / ref.abs().max()) <= 0.02
 
 
+def test_int8_experts_under_a_bfloat16_load_round_their_scale_once(mixtral):
+    # --model-dtype bfloat16 with int8 experts: each matmul output was scaled by the fp32
+    # per-column scale rounded to bf16 (up to 0.39 % off per column, the same columns every
+    # token), on top of the output's own rounding. Stored for bf16 compute, the scales lie on
+    # the bf16 grid: the expert matmul equals its exact-scale product rounded once. An fp32
+    # load keeps exact fp32 scales.
+    from sparsegate_workload.experts import expert_mm
+
+    for dtype, on_grid in ((torch.bfloat16, True), (torch.float32, False)):
+        lm = load_moe_checkpoint(mixtral, gate=_gate("int8"), dropless=True, dtype=dtype)
+        gate_up, down = lm.blocks[0].expert_storage
+        for w in (gate_up, down):
+            assert w.precision == "int8" and w.scale.dtype == torch.float32
+            assert torch.equal(w.scale.to(torch.bfloat16).float(), w.scale) == on_grid, dtype
+    x = torch.randn(6, gate_up.data.shape[1], generator=torch.Generator().manual_seed(1))
+    lm = load_moe_checkpoint(mixtral, gate=_gate("int8"), dropless=True, dtype=torch.bfloat16)
+    gate_up = lm.blocks[0].expert_storage[0]
+    xb = x.to(torch.bfloat16)
+    once = (xb @ gate_up.data[1].to(torch.bfloat16)).float().mul(gate_up.scale[1])
+    assert torch.equal(expert_mm(xb, gate_up, 1), once.to(torch.bfloat16))
+
+
 def test_fp32_expert_storage_is_built_once_and_follows_the_loaded_tensors(mixtral):
     """Every block call reads `expert_storage`: its fp32 views are built once per pair of loaded
     tensors (4 tensor ops a call before), rebuilt when the tensors change (a new parameter,

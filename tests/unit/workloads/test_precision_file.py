@@ -198,6 +198,42 @@ async def test_without_a_precision_file_auto_keeps_fp32_and_says_unmeasured(chec
         await client.close()
 
 
+@pytest.mark.parametrize("loss_scale", [1e21, 1e40])
+def test_calibrate_with_huge_or_infinite_gradients_writes_the_file(
+        checkpoint: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        loss_scale: float) -> None:
+    """Gradients ~1e19 (a loss scaled by 1e21) overflowed the fp32 variance accumulator to inf,
+    and writing the file failed ("Out of range float values are not JSON compliant", exit 1).
+    Now the variance is accumulated in float64: finite, so the layer is bf16 under auto. Inf
+    gradients (1e40 overflows the fp32 loss) give a failed measurement: null in the file and the
+    summary (strict JSON), named on stderr, and auto keeps those layers fp32."""
+    import types
+
+    import torch.nn.functional as F
+
+    import sparsegate_workload.hf.loader as loader
+
+    scaled = types.SimpleNamespace(**{k: getattr(F, k) for k in dir(F) if not k.startswith("__")})
+    scaled.cross_entropy = lambda *a, **kw: F.cross_entropy(*a, **kw) * loss_scale
+    monkeypatch.setattr(loader, "F", scaled)
+    record = _calibrate(checkpoint)
+    out, err = capsys.readouterr()
+    summary = json.loads(out, parse_constant=lambda c: pytest.fail(f"summary is not JSON: {c}"))
+    variances = record["routerVariance"] + record["expertVariance"]
+    if loss_scale == 1e21:
+        assert all(1e30 < v < 1e40 for v in variances), variances
+        assert [(x["autoRouter"], x["autoExperts"]) for x in summary["layers"]] == [
+            ("bf16", "bf16")] * 2
+        assert "not finite" not in err
+    else:
+        assert variances == [None] * 4
+        assert [(x["routerVariance"], x["autoRouter"]) for x in summary["layers"]] == [
+            (None, "fp32")] * 2
+        assert "layer 0: router and expert gradient variance is not finite" in err
+        lm = load_moe_checkpoint(checkpoint, gate=AUTO, dropless=True)
+        assert lm.gate.precisions == lm.gate.expert_precisions == ("fp32", "fp32")
+
+
 def test_calibrate_exits_1_naming_a_checkpoint_that_does_not_load(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     assert calibrate_main([str(tmp_path / "missing")]) == 1

@@ -172,6 +172,7 @@ class SparseGatedMoEBlock(nn.Module):
         self.top_k = int(upstream.gate.top_k)
         self.gate = Router(hidden, self.num_experts)
         self.gate.weight = weight  # the checkpoint's parameter itself, not a copy
+        self.compute_dtype = weight.dtype  # the loaded dtype: activations, expert matmuls
         self.experts = _relayout_experts(upstream.experts)
         self._expert_storage: tuple[StoredWeight, StoredWeight] | None = None
         # The fp32 `expert_storage` views, built once per pair of loaded tensors (see there).
@@ -229,7 +230,8 @@ class SparseGatedMoEBlock(nn.Module):
         # in_dim=1 of [E, in, out]: one scale per (expert, output column)
         self._expert_storage = tuple(  # type: ignore[assignment]
             StoredWeight.store(w.materialize(torch.float32) if w.scale is not None else w.data,
-                               experts, in_dim=1) for w in (gate_up, down))
+                               experts, in_dim=1, bf16_scale=self.compute_dtype == torch.bfloat16)
+            for w in (gate_up, down))
         if experts != "fp32":
             self.experts.gate_up_proj = None
             self.experts.down_proj = None

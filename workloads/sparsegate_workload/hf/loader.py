@@ -275,7 +275,7 @@ class SparseGatedCausalLM:
         names it) tokenized by it; without one, seeded random token ids (`calibration_data`
         says which). Blocks stored below fp32 are restored from the checkpoint first. Costs
         `batches` forward+backward passes of the whole model, a gradient per MoE weight and two
-        fp32 accumulators per MoE weight. Returns the router variances."""
+        float64 accumulators per MoE weight. Returns the router variances."""
         current = self._slot.active
         n = len(self.blocks)
         self.store_precisions(("fp32",) * n, ("fp32",) * n)

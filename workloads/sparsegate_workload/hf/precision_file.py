@@ -78,7 +78,8 @@ def _stale(path: Path, why: str) -> CheckpointError:
 
 
 def _json_number(v: float) -> float | None:
-    return None if math.isnan(v) else v  # strict JSON has no NaN
+    # strict JSON has no NaN or inf: null, read back as NaN (a failed measurement: fp32)
+    return v if math.isfinite(v) else None
 
 
 def write_precision_file(directory: Path, shards: Sequence[Path], *, router: Sequence[float],
