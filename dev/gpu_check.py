@@ -12,8 +12,9 @@ CUDA code paths, each against the CPU through ``/v1/infer``'s `run_batch` (next 
 per-expert counts): the fixed-k fast path (one token and a batch), a capacity cap that drops,
 int8 expert storage, an expert group (``allowed_experts``), hardwareCostLambda > 0 (on CUDA the
 dispatch records no launch-only times, so with no placement it routes as lambda 0), an expert
-placed on the CPU beside a CUDA model, a tool-gate head, sampled (temperature > 0) batched
-decoding; and it prints the host syncs of one decode step (torch's sync debug mode) per MoE
+placed on the CPU beside a CUDA model, a tool-gate head (kept resident on the GPU: its call
+makes no host sync), with --dtype bfloat16 int8 experts whose scales are exact in bf16 (the
+expert matmul rounds once), sampled (temperature > 0) batched decoding; and it prints the host syncs of one decode step (torch's sync debug mode) per MoE
 layer. Exit 0 when everything matches, 1 with the differences otherwise, 2 when CUDA is unusable
 (the reason printed). In float32 the tokens must be equal; in bfloat16/float16 rounding differs
 between devices, so it reports the agreement and fails only under 90 % of tokens (the path checks
@@ -111,7 +112,8 @@ def check_paths(path: Path, dtype: str, device: torch.device, base) -> list[str]
     factors = [round(f, 2) for f in placed.lm.blocks[0].cost.placement]
     print(f"  placement factors (expert 1 on cpu): {factors}")
     compare("expert 1 placed on cpu", infer(plain, batch)[0], infer(placed, batch)[0])
-    # A tool-gate head (CPU weight, moved to the hidden state's device per call).
+    # A tool-gate head (a CPU weight): kept resident on the model's device when set, so a
+    # call copies nothing to the device (it was copied, a host sync, at every call).
     hidden = int(plain.lm.model.config.hidden_size)
     head = ToolHead(weight=torch.randn(hidden, generator=g), bias=0.0)
     cpu = load(path, gate=base, dtype=dtype, device="cpu")
@@ -120,6 +122,26 @@ def check_paths(path: Path, dtype: str, device: torch.device, base) -> list[str]
         hf.lm.tool_head = head
         probs.append([round(p, 3) for p in hf.run_batch(batch)[0].last_tool_prob])
     compare("tool-gate head last_tool_prob", probs[0], probs[1])
+    compare("tool-gate head weight resident on the model's device", device.type,
+            plain.lm.tool_head.weight.device.type)
+    if device.type == "cuda":
+        hidden_states = torch.randn(4, 9, hidden, device=device)
+        compare("tool-gate head call: no host syncs", 0,
+                count_syncs(lambda: plain.lm.tool_head.probs(hidden_states)))
+    # bf16 compute with int8 experts: the per-column scales lie on the bf16 grid, so the
+    # expert matmul rounds once (the scale cast to bf16 rounded it again, up to 0.39 %).
+    if dtype == "bfloat16":
+        from sparsegate_workload.experts import expert_mm
+
+        int8 = load(path, gate=make_document({**raw, "precisionPolicy": "int8"}), dtype=dtype,
+                    device=device)
+        gate_up = int8.lm.blocks[0].expert_storage[0]
+        compare("int8 expert scales exact in bf16", True,
+                bool(torch.equal(gate_up.scale.to(torch.bfloat16).float(), gate_up.scale)))
+        x = torch.randn(5, gate_up.data.shape[1], generator=g).to(device, torch.bfloat16)
+        once = (x @ gate_up.data[1].to(torch.bfloat16)).float().mul(gate_up.scale[1])
+        compare("int8 expert matmul in bf16 rounds its scale once", True,
+                bool(torch.equal(expert_mm(x, gate_up, 1), once.to(torch.bfloat16))))
     # Sampled batched decoding: the per-sequence CPU generators draw the same tokens.
     sampled = []
     for hf in (cpu, plain):
@@ -136,6 +158,21 @@ def check_paths(path: Path, dtype: str, device: torch.device, base) -> list[str]
         sampled.append(got)
     compare("sampled batched decode (temperature 0.8)", sampled[0], sampled[1])
     return failures
+
+
+def count_syncs(fn) -> int:
+    """Host syncs torch's CUDA sync debug mode warns about while ``fn()`` runs."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def step_syncs(hf, prompts: list[list[int]]) -> None:
@@ -172,7 +209,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=24)
     args = p.parse_args()
 
-    from sparsegate_workload.devices import DeviceError, resolve_device
+    from sparsegate_workload.devices import DeviceError, check_model_dtype, resolve_device
     from sparsegate_workload.gateparams import DEFAULT_PARAMS, make_document
     from sparsegate_workload.hf import build_tiny_checkpoint
     from sparsegate_workload.hf_serving import load
@@ -184,7 +221,16 @@ def main() -> int:
         return 2
     if device.type == "cuda":
         print(f"torch {torch.__version__} CUDA {torch.version.cuda} on "
-              f"{torch.cuda.get_device_name(0)} (bf16 supported: {torch.cuda.is_bf16_supported()})")
+              f"{torch.cuda.get_device_name(0)} (bf16 supported: {torch.cuda.is_bf16_supported()}, "
+              f"natively: {torch.cuda.is_bf16_supported(including_emulation=False)})")
+    # --model-dtype bfloat16 on a GPU without bf16: refused (exit 2) as the server does at start.
+    try:
+        note = check_model_dtype(device, args.dtype)
+    except DeviceError as e:
+        print(f"gpu_check: {e}", file=sys.stderr)
+        return 2
+    if note:
+        print(f"note: {note}")
     # Dynamic gate (1-3 experts per token), capacity 8x: caps nothing, so batching is exact.
     gate = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 1, "maxExpertsPerToken": 3,
                           "capacityFactor": 8})

@@ -139,6 +139,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     device_error = _device_error(args.device)
     if device_error is not None:
         parser.error(device_error)
+    from .devices import DeviceError, check_model_dtype
+    try:
+        note = check_model_dtype(torch.device(args.device), args.dtype, flag="--dtype")
+    except DeviceError as exc:
+        parser.error(str(exc))
+    if note:
+        print(f"calibrate: {note}", file=sys.stderr)
     torch.set_num_threads(args.threads)
     try:
         summary = calibrate(directory, text=text, text_source=source, batches=args.batches,

@@ -19,6 +19,7 @@ import torch
 from sparsegate_contracts.gate import GateDocument
 
 from . import cgroup_limits
+from .devices import check_model_dtype
 from .gating import tool_fires
 from .inference import InferenceResult
 from .moe import MoEStats
@@ -216,14 +217,16 @@ def load(path: str | Path, *, gate: GateDocument, name: str | None = None,
          dtype: str = "float32", device: str | torch.device = "cpu",
          placement: dict | None = None) -> HFServedModel:
     """Load the checkpoint under ``gate`` in ``dtype`` (a DTYPES key) onto ``device`` (weights,
-    KV caches and the MoE dispatch all run there; raises CheckpointError naming the file, or
-    GateParamsError). ``name``: the OpenAI model id (default: the directory's name).
+    KV caches and the MoE dispatch all run there; raises CheckpointError naming the file,
+    GateParamsError, or DeviceError for a dtype the GPU cannot run). ``name``: the OpenAI model
+    id (default: the directory's name).
     ``placement``: experts on their own dtype/device (hf.placement; PlacementError)."""
     from .hf import load_moe_checkpoint  # transformers loads here, not when the server starts
 
-    warning = weight_memory_warning(path, DTYPES[dtype], limit=cgroup_limits.memory_limit())
-    if warning:
-        log.warning("%s", warning)
+    for warning in (check_model_dtype(torch.device(device), dtype),
+                    weight_memory_warning(path, DTYPES[dtype], limit=cgroup_limits.memory_limit())):
+        if warning:
+            log.warning("%s", warning)
     lm = load_moe_checkpoint(path, gate=gate, dtype=DTYPES[dtype], device=device,
                              placement=placement)
     return HFServedModel(lm, name=name or Path(path).resolve().name)

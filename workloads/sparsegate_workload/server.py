@@ -100,7 +100,7 @@ from .batch_engine import DEFAULT_MAX_NUM_SEQS, BatchEngine
 from .generation_tools import GenerationTools
 from .hf.placement import PlacementError, parse_placement_json
 from .caller_auth import CachedReviewer, KubeTokenReview
-from .devices import DEVICE_CHOICES, DeviceError, resolve_device
+from .devices import DEVICE_CHOICES, DeviceError, check_model_dtype, resolve_device
 from .inference import InferenceResult, run_batch
 from .metrics import ServerMetrics
 from .model import ModelConfig, TinyMoELM, build_model, default_heads, effective_gate
@@ -1134,7 +1134,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--max-connections must be at least 1, got {args.max_connections}")
     if args.model_path:
         try:
-            resolve_device(args.device)
+            check_model_dtype(resolve_device(args.device), args.model_dtype)
         except DeviceError as e:
             p.error(str(e))
     elif args.device == "cuda":

@@ -271,6 +271,45 @@ def test_the_entry_point_refuses_cuda_it_cannot_use(checkpoint, capsys):
     assert expected in capsys.readouterr().err
 
 
+def _pre_ampere_gpu(monkeypatch, *, emulated: bool) -> None:
+    """Make torch see one GPU of compute capability 6.0 without bf16 (emulated: torch can only
+    emulate it, as on a T4 or V100); nothing here touches a real device."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla P100")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: emulated and including_emulation)
+
+
+def test_bfloat16_on_a_gpu_without_it_is_refused_at_start_naming_the_flag(
+        checkpoint, monkeypatch, capsys):
+    """--model-dtype bfloat16 on a GPU where torch cannot run bf16 loaded (nothing checked) and
+    then failed every request in its matmuls; now the entry point exits 2 naming the flag and
+    the GPU before serving, and the loader refuses too. Where torch only emulates bf16 (no
+    native support before compute capability 8.0) it runs, with a warning saying so."""
+    from sparsegate_workload import hf_serving, server
+
+    _pre_ampere_gpu(monkeypatch, emulated=False)
+    monkeypatch.setattr(server, "create_app", lambda **_: pytest.fail("the server started"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model-path", str(checkpoint), "--device", "cuda", "--model-dtype", "bfloat16"])
+    assert exit_.value.code == 2
+    assert ("--model-dtype bfloat16: Tesla P100 (compute capability 6.0) does not support "
+            "bfloat16; use --model-dtype float16 or float32") in capsys.readouterr().err
+    with pytest.raises(DeviceError, match="--model-dtype bfloat16: Tesla P100"):
+        hf_serving.load(checkpoint, gate=ONE, dtype="bfloat16", device="cuda")
+    from sparsegate_workload.devices import check_model_dtype
+
+    cuda = torch.device("cuda")
+    assert check_model_dtype(cuda, "float16") is None and check_model_dtype(cuda, "float32") is None
+    assert check_model_dtype(torch.device("cpu"), "bfloat16") is None
+    _pre_ampere_gpu(monkeypatch, emulated=True)
+    assert "torch emulates it, slower than --model-dtype float16" in check_model_dtype(
+        cuda, "bfloat16")
+
+
 async def test_a_failing_model_step_fails_its_requests_with_500_and_the_engine_recovers(serve):
     client = await serve()
     state = client.server.app[STATE]

@@ -258,6 +258,27 @@ def test_calibrate_refuses_an_unusable_device_as_a_bad_flag(
     assert not (checkpoint / PRECISION_FILE).exists()
 
 
+def test_calibrate_refuses_bfloat16_on_a_gpu_without_it_as_a_bad_flag(
+        checkpoint: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """--dtype bfloat16 on a GPU where torch cannot run bf16 exits 2 naming the flag and the
+    GPU, before loading (torch.cuda faked: no GPU is touched)."""
+    for name, fake in (("is_available", lambda: True), ("device_count", lambda: 1),
+                       ("current_device", lambda: 0),
+                       ("get_device_capability", lambda device=None: (6, 0)),
+                       ("get_device_name", lambda device=None: "Tesla P100"),
+                       ("is_bf16_supported", lambda including_emulation=True: False)):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    import sparsegate_workload.calibrate as calibrate_module
+
+    monkeypatch.setattr(calibrate_module, "calibrate",
+                        lambda *a, **kw: pytest.fail("calibrate() ran"))
+    with pytest.raises(SystemExit) as exc:
+        calibrate_main([str(checkpoint), "--device", "cuda", "--dtype", "bfloat16"])
+    assert exc.value.code == 2
+    assert ("--dtype bfloat16: Tesla P100 (compute capability 6.0) does not support bfloat16"
+            in capsys.readouterr().err)
+
+
 def test_sparsegate_train_over_a_calibrated_checkpoint_removes_its_precision_file(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from sparsegate_workload.hf.checkpoint_files import check_weight_files

@@ -91,7 +91,7 @@ class SparseGatedCausalLM:
         self.sensitivity_source = "unmeasured"
         self.precision_file: Path | None = None
         # A tool-gate head beside the weights (tool_head.py), set by the loader; None: no tool gate.
-        self.tool_head: ToolHead | None = None
+        self._tool_head: ToolHead | None = None
         # The checkpoint's MoE tensors per block, read again on demand: what a bf16/int8 block
         # is restored from, since it keeps no copy of them (None: lower precisions only).
         self.weight_source = source
@@ -107,6 +107,18 @@ class SparseGatedCausalLM:
     @property
     def gate(self) -> ActiveGate:
         return self._slot.active
+
+    @property
+    def tool_head(self) -> ToolHead | None:
+        return self._tool_head
+
+    @tool_head.setter
+    def tool_head(self, head: ToolHead | None) -> None:
+        # Kept where the LM head reads its hidden state (the loaded head is a CPU tensor): on
+        # a GPU, a CPU weight was copied to the device at every call, a host sync per step.
+        device = self.model.get_output_embeddings().weight.device
+        self._tool_head = head if head is None or head.weight.device == device else \
+            dataclasses.replace(head, weight=head.weight.to(device))
 
     def upstream_gate_params(self) -> GateParams:
         """Params that reproduce the family's own routing: exactly top-k, fp32 routers.
