@@ -123,7 +123,8 @@ ADMIN_SECRET_CHECK_S = envvars.seconds("SPARSEGATE_ADMIN_SECRET_CHECK_S", 86400.
 # How long a tick waits for the declared checks' measurements it started (or that are still in
 # flight from an earlier tick): a web check's timeout has no upper bound, and a tick that awaited
 # a hanging endpoint held the GateConfig's abort, pause, promote and status writes for that long. A
-# measurement not answered by then is picked up by a later tick (``RolloutCache.measuring``).
+# measurement not answered by then is picked up by a later tick (``RolloutCache.measuring``). The
+# builtin check's (a Prometheus group: 5 s a query) is waited for as long (``builtin_measuring``).
 CHECK_WAIT_S = 2.0
 # A pod that refused its push (a 4xx answer to the document itself: ``PushResult.refused``) is sent
 # the same document again only after this long, doubled at each refusal up to the cap; another
@@ -187,9 +188,26 @@ class RolloutCache:
     # Declared checks' measurements in flight: check name → ((run key, check), task). Started by a
     # tick, recorded by the first tick that finds them answered (``RolloutLoop._declared``).
     measuring: dict[str, tuple[tuple[Any, ...], asyncio.Task[Measured]]] = field(default_factory=dict)
+    # The builtin check's measurement in flight, as ``measuring`` (``RolloutLoop._metrics``): (what it
+    # measures, task).
+    builtin_measuring: tuple[tuple[Any, ...], asyncio.Task[Any]] | None = None
     # Pod → its refusal of the document it is to hold (``RolloutLoop._act``): not pushed that document
     # again before ``retry_at``; reported in the conditions while it lasts.
     refused: dict[str, Refusal] = field(default_factory=dict)
+
+    def cancel_measurements(self) -> None:
+        """Cancel and drop every declared check's measurement in flight (the GateConfig is gone, or
+        its spec no longer parses): a request left running kept going to the check's own timeout,
+        which the CRD does not bound."""
+        for _, task in self.measuring.values():
+            task.cancel()
+        self.measuring.clear()
+        self.cancel_builtin()
+
+    def cancel_builtin(self) -> None:
+        if self.builtin_measuring is not None:
+            self.builtin_measuring[1].cancel()
+            self.builtin_measuring = None
 
 
 @dataclass(frozen=True)
@@ -468,10 +486,25 @@ class RolloutLoop:
             cache.builtin = PrometheusGroups(self.prometheus) if self.prometheus is not None \
                 else DirectScrape(self.admin)
         if spec.builtin is None or status.phase not in (Phase.PROGRESSING, Phase.ANALYSING) or status.canary is None:
+            cache.cancel_builtin()
             cache.builtin.reset()
             return {}
+        # Waited for at most check_wait_s, as declared checks are: a slow or hanging Prometheus (5 s a
+        # query) held the tick, and with it an abort, a pause or a promote. An answer not in by then
+        # is picked up by a later tick, unless the window or its pods changed meanwhile.
+        key = (request.window_key, request.analysing, tuple(request.canary), tuple(request.stable))
+        if cache.builtin_measuring is not None and cache.builtin_measuring[0] != key:
+            cache.cancel_builtin()
+        if cache.builtin_measuring is None:
+            cache.builtin_measuring = (key, asyncio.ensure_future(cache.builtin.measure(spec.builtin, request)))
+        task = cache.builtin_measuring[1]
+        await asyncio.wait([task], timeout=self.check_wait_s)
+        if not task.done():
+            return {"builtin_error": f"{type(cache.builtin).__name__} has not answered within {self.check_wait_s:g}s; "
+                                     f"a later tick takes its answer"}
+        cache.builtin_measuring = None
         try:
-            answer = await cache.builtin.measure(spec.builtin, request)
+            answer = task.result()
         except Exception as e:  # noqa: BLE001 - Prometheus down or refusing: no data this tick, said in status
             return {"builtin_error": f"{type(e).__name__}: {e}"[:300]}
         return answer.observations() if isinstance(answer, BuiltinWindow) else {}
@@ -647,6 +680,7 @@ class RolloutLoop:
             body = await asyncio.to_thread(self.kube.get, "GateConfig", namespace=namespace, name=name)
             cache.read_fresh = False
         if body is None or body["metadata"].get("deletionTimestamp"):
+            cache.cancel_measurements()
             return None
         now, mono = self.clock(), self.monotonic()
         status = RolloutStatus.from_status(body.get("status"))
@@ -656,6 +690,7 @@ class RolloutLoop:
         try:
             spec = parse_spec(body.get("spec") or {})
         except SpecError as e:
+            cache.cancel_measurements()
             decision = invalid_spec(status=status, error=str(e), now=now)
             await self._persist(body, decision, steps=(100,), cache=cache)
             await self._act(body, decision, fleet=None, cache=cache, logger=logger)

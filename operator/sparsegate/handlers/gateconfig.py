@@ -78,6 +78,11 @@ async def gateconfig_rollout_loop(type: str | None, body: kopf.Body, namespace: 
     if not _loops.seen(key=(namespace, name), event_type=type, body=RolloutLoop.quiet_view(body), tick=tick,
                        logger=logger):
         _pod_changes.pop((namespace, name), None)
+        # Gone: its loop is cancelled (a tick waiting on a check too, not the check's request) and Kopf
+        # forgets this memo, so nothing else would cancel its declared checks' measurements in flight.
+        cache = getattr(memo, "rollout_cache", None)
+        if cache is not None:
+            cache.cancel_measurements()
 
 
 @kopf.on.event("", "v1", "pods", labels={names.NAME_LABEL: names.MODEL_SERVER_NAME})

@@ -446,6 +446,49 @@ async def test_an_unreachable_prometheus_leaves_the_step_waiting_and_says_why() 
     assert "waiting for metrics (" in message and "ClientConnectorError" in message, message
 
 
+async def test_a_hanging_prometheus_does_not_hold_the_tick_nor_an_abort() -> None:
+    """The builtin check's Prometheus groups were awaited inside the tick (5 s a group, two groups,
+    up to three looks a tick): an abort waited that long. Bounded like declared checks (check_wait_s);
+    an answer still coming is picked up by a later tick."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from sparsegate.clients.metrics_source import PrometheusAPI
+
+    release = asyncio.Event()
+
+    async def query(request: web.Request) -> web.Response:
+        await release.wait()
+        return web.json_response({"status": "success", "data": {
+            "resultType": "vector", "result": [{"metric": {}, "value": [0, "2"]}]}})
+
+    app = web.Application()
+    app.router.add_post("/api/v1/query", query)
+    async with TestServer(app, host="127.0.0.1") as srv:
+        clock = [1000.0]
+        kube = AnnotatedKube(spec(V1))
+        prom = PrometheusAPI(f"http://127.0.0.1:{srv.port}")  # its own timeout: 5 s
+        loop = Loop(kube=kube, admin=FakePods(clock), clock=lambda: clock[0], prometheus=prom)  # type: ignore[arg-type]
+        loop.check_wait_s = 0.2
+        cache = RolloutCache()
+        await tick(loop, cache, clock, 1)
+        kube.set_spec(spec(V2))
+        st = await bounded_tick(loop, cache, clock, 1)
+        assert st["rollout"]["phase"] == "Analysing"
+        st = await bounded_tick(loop, cache, clock, 5)
+        assert "waiting for metrics" in st["rollout"]["message"], st["rollout"]
+        release.set()  # the answer comes: a later tick records it
+        await asyncio.sleep(0.3)
+        st = await bounded_tick(loop, cache, clock, 1)
+        assert st["rollout"]["analysis"]["canaryRequests"] == 2.0, st["rollout"]  # the late answer, recorded
+        release.clear()
+        st = await bounded_tick(loop, cache, clock, 5)
+        kube.obj["metadata"]["annotations"]["sparsegate.dev/abort"] = "now"
+        st = await bounded_tick(loop, cache, clock, 1)
+        assert st["rollout"]["phase"] in ("RollingBack", "Aborted"), st["rollout"]
+        release.set()
+
+
 async def test_a_tick_whose_push_lands_records_one_calibration_sample(no_kopf_events: list) -> None:
     """A tick looks again right after a push lands (to record the verified pods), but it takes one
     calibration sample: the second look's rates would span only the moment since the first."""
@@ -695,6 +738,63 @@ async def test_a_slow_web_check_is_recorded_by_a_later_tick_at_its_start(held_ju
     assert m["value"] == 0.95 and held_judge["asked"] == 1 and st["rollout"]["step"] == 2
     assert m["time"] == datetime.datetime.fromtimestamp(asked_at, tz=datetime.UTC).isoformat(
         timespec="milliseconds").replace("+00:00", "Z")
+
+
+async def _in_flight(held_judge: dict[str, Any]) -> tuple[FakeKube, RolloutLoop, RolloutCache, list[float]]:
+    """A GateConfig analysing V2 whose hanging web check is in flight (``cache.measuring``)."""
+    clock = [1000.0]
+    kube = FakeKube(spec(V1))
+    loop, cache = Loop(kube=kube, admin=FakePods(clock), clock=lambda: clock[0]), RolloutCache()  # type: ignore[arg-type]
+    loop.check_wait_s = 0.2
+    await tick(loop, cache, clock, 1)
+    kube.set_spec(spec(V2, checks=[held_check(held_judge["url"])]))
+    await tick(loop, cache, clock, 1)
+    await bounded_tick(loop, cache, clock, 5)
+    assert held_judge["asked"] == 1 and set(cache.measuring) == {"quality"}
+    return kube, loop, cache, clock
+
+
+async def test_a_deleted_gateconfigs_measurement_in_flight_is_cancelled(held_judge: dict[str, Any]) -> None:
+    """Its request ran to the check's own timeout (10 minutes here), held by the cache of a gone object."""
+    kube, loop, cache, clock = await _in_flight(held_judge)
+    (_, task), = cache.measuring.values()
+    kube.get = lambda *a, **k: None  # type: ignore[method-assign]  # deleted (404)
+    assert await asyncio.wait_for(loop.tick(namespace="ns", name="gate", models=["m"], cache=cache,
+                                            inventory=None), 5) is None  # type: ignore[arg-type]
+    await asyncio.wait([task], timeout=2)  # (the old code: still waiting on the endpoint)
+    assert not cache.measuring and task.cancelled()
+
+
+async def test_an_invalid_spec_cancels_the_measurement_in_flight(held_judge: dict[str, Any]) -> None:
+    kube, loop, cache, clock = await _in_flight(held_judge)
+    (_, task), = cache.measuring.values()
+    kube.set_spec({**spec(V2), "rollout": {"steps": "all at once"}})
+    await bounded_tick(loop, cache, clock, 1)
+    await asyncio.wait([task], timeout=2)  # (the old code: still waiting on the endpoint)
+    assert not cache.measuring and task.cancelled()
+
+
+async def test_a_gateconfigs_deleted_event_cancels_its_measurements(held_judge: dict[str, Any], monkeypatch) -> None:
+    """The DELETED event ends the loop (a tick waiting on the check is cancelled, not the check's task)
+    and Kopf forgets the memo: nothing else would ever cancel the request."""
+    import types
+
+    from sparsegate.handlers import gateconfig
+    from sparsegate.handlers.periodic import ObjectLoops
+
+    _, _, cache, _ = await _in_flight(held_judge)
+    (_, task), = cache.measuring.values()
+    monkeypatch.setattr(gateconfig, "_loops", ObjectLoops(kind="GateConfig", interval_s=300))
+    body = {"metadata": {"name": "gate", "namespace": "ns", "uid": "u1"}}
+    await gateconfig.gateconfig_rollout_loop(type="DELETED", body=body, namespace="ns", name="gate",
+                                             memo=types.SimpleNamespace(rollout_cache=cache), models_by_gate={},
+                                             logger=logging.getLogger("test"),
+                                             **dict.fromkeys(("sparsegate_model_views", "sparsegate_model_pod_views",
+                                                              "sparsegate_model_deployment_views",
+                                                              "sparsegate_model_replicaset_views",
+                                                              "sparsegate_gate_views"), {}))
+    await asyncio.wait([task], timeout=2)  # (the old code: still waiting on the endpoint)
+    assert not cache.measuring and task.cancelled()
 
 
 async def test_a_wall_clock_jump_forward_neither_completes_the_window_nor_thins_its_rates() -> None:
