@@ -483,14 +483,43 @@ def _dst_ips(document: Mapping[str, Any], row: Mapping[str, Any]) -> list[str]:
     return flowpolicy.identity_ips(document).get(int(row.get("dstIdentity", 0)), [])
 
 
-def decision_counts(document: Mapping[str, Any]) -> dict[str, int]:
-    """IP-level entries (source IP, model pod IP, port) each RoutingPolicy ("<ns>/<name>") decided in a
-    flow document: an identity rule counts once per pair of its identities' IPs."""
+def _pods_of(ips: Iterable[str], owners: Mapping[str, str] | None) -> int:
+    """How many pods ``ips`` are the addresses of: a dual-stack pod has one per family. ``owners``:
+    the pod of each IP (``ip_owners``); an IP it does not know (or without it) counts with the others
+    of its family, the pods being as many as the family with more of them (a cluster gives every
+    pod of a class the same families)."""
+    pods: set[str] = set()
+    v4 = v6 = 0
+    for ip in ips:
+        if owners is not None and ip in owners:
+            pods.add(owners[ip])
+        elif ":" in ip:
+            v6 += 1
+        else:
+            v4 += 1
+    return len(pods) + max(v4, v6)
+
+
+def decision_counts(document: Mapping[str, Any], owners: Mapping[str, str] | None = None) -> dict[str, int]:
+    """(caller pod, model pod, port) triples each RoutingPolicy ("<ns>/<name>") decided in a flow
+    document (``status.decisionCount``): an identity rule counts once per pair of its identities'
+    pods, a dual-stack pod's IPv4 and IPv6 addresses once (``owners``: ``ip_owners``, see :func:`_pods_of`);
+    an entry of the entries form once per (source pod, destination pod, port, protocol)."""
     counts: dict[str, int] = {}
     ips = flowpolicy.identity_ips(document)
+    pods = {i: _pods_of(addresses, owners) for i, addresses in ips.items()}
+    owner = (lambda ip: ip) if owners is None else (lambda ip: owners.get(ip, ip))
+    entries: set[tuple[Any, ...]] = set()
     for row in flowpolicy.rows_of(document):
         policy = str(row.get("rule", "")).split("#", 1)[0]
-        n = 1 if "srcIP" in row else len(ips.get(row.get("srcIdentity"), ())) * len(ips.get(row.get("dstIdentity"), ()))
+        if "srcIP" in row:
+            key = (policy, owner(row["srcIP"]), owner(row.get("dstIP")), row.get("dstPort"), row.get("protocol"))
+            if key in entries:
+                continue
+            entries.add(key)
+            n = 1
+        else:
+            n = pods.get(row.get("srcIdentity"), 0) * pods.get(row.get("dstIdentity"), 0)
         counts[policy] = counts.get(policy, 0) + n
     return counts
 

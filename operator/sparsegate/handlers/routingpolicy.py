@@ -185,7 +185,7 @@ class PolicySync:
                         # so narrowing, here or in the next process, can tell an IP that changed class.
                         await self._publish(document, {**basis, IDENTITY_CLASSES: identity_classes(document, pods)})
                         self.owners = ip_owners(pods)
-                        self.counts = decision_counts(document)
+                        self.counts = decision_counts(document, self.owners)
                         self.too_large = None
                     else:
                         # Publishing would be refused (API server) or not loaded (agents) while the
@@ -198,7 +198,7 @@ class PolicySync:
                         await self._narrow(pods=pods, policies=policies, basis=basis,
                                            why="allow-list too large to publish")
                         if self.published is not None:
-                            self.counts = decision_counts(self.published)
+                            self.counts = decision_counts(self.published, ip_owners(pods))
                     self.fingerprint = fingerprint
                 # What OPA holds follows from the data it was given: read it back only when that
                 # data changed (a push, or another revision than the last read), not every resync.

@@ -170,6 +170,25 @@ def test_flow_document_gives_classes_identities_and_rules() -> None:
     assert not table.allows(src_ip=OTHER.ip, dst_ip=M1.ip, port=8080)
 
 
+def test_decision_count_is_pod_pairs_times_ports_on_dual_stack_too() -> None:
+    """status.decisionCount is (caller pod, model pod, port) triples (README, CRD): a dual-stack pod's
+    two addresses (one per family) are one pod. Counted per address pair, one caller pod allowed one
+    model pod on one port was 4 decisions (2 of them an IPv4 caller to an IPv6 address)."""
+    import dataclasses
+
+    m = dataclasses.replace(M1, ips=(M1.ip, "fd00::10"))
+    fe = dataclasses.replace(FE, ips=(FE.ip, "fd00::1:1"))
+    allow = QueryKey("web", "frontend", (("app", "fe"),), "models", "mixtral", 8080, "tcp")
+    doc = flow_document(decisions={allow: {"allow": True, "rule": "models/p0#s0t0"}}, pods=[m, fe])
+    assert len(flowpolicy.ip_entries(doc)) == 4  # what the agents enforce: every address pair
+    assert decision_counts(doc) == {"models/p0": 1}  # without the pods: a class's addresses of one family
+    assert decision_counts(doc, ip_owners([m, fe])) == {"models/p0": 1}
+    # A second caller pod, IPv4 only, of the same class: 2 pods x 1 model pod x 1 port.
+    fe2 = FE2
+    doc = flow_document(decisions={allow: {"allow": True, "rule": "models/p0#s0t0"}}, pods=[m, fe, fe2])
+    assert decision_counts(doc, ip_owners([m, fe, fe2])) == {"models/p0": 2}
+
+
 def test_model_pods_of_two_classes_get_a_rule_each() -> None:
     canary = pod("m-2", "models", "127.20.0.12", model="mixtral", ports=(8080,), track="canary")
     allow = QueryKey("web", "frontend", (("app", "fe"),), "models", "mixtral", 8080, "tcp")
