@@ -82,3 +82,25 @@ def test_a_spec_edit_not_yet_observed_is_progressing_whatever_the_conditions_say
         obj = yaml.safe_load((HEALTH / kind / "testdata" / "generation-not-observed.yaml").read_text())
         assert obj["metadata"]["generation"] > obj["status"]["observedGeneration"]
         assert run_health(kind, obj)[0] == "Progressing"
+
+
+def test_a_new_object_with_the_crd_status_default_is_progressing_and_in_progress_to_kstatus() -> None:
+    """Before the operator writes status, the API server returns each kind with the CRD's structural
+    default for status (observedGeneration 0, tests/e2e/operator/test_crd_fresh_status.py): Argo CD
+    shows it Progressing and kstatus (Flux) InProgress, not Healthy / Current."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kstatus_port", Path(__file__).resolve().parents[1] / "rollout"
+                                                  / "kstatus_port.py")
+    kstatus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kstatus)
+    crds = HEALTH.parents[1] / "crds"
+    for kind, plural in names.PLURALS.items():
+        crd = yaml.safe_load((crds / f"{plural}.yaml").read_text())
+        default = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"].get("default")
+        assert default == {"observedGeneration": 0}, kind
+        obj = {"apiVersion": f"{names.GROUP}/v1alpha1", "kind": kind, "metadata": {"name": "new", "generation": 1},
+               "spec": {}, "status": default}
+        assert run_health(kind, obj)[0] == "Progressing", kind
+        assert kstatus.compute(obj)[0] == kstatus.IN_PROGRESS, kind
+        assert kstatus.compute({**obj, "status": {}})[0] == kstatus.CURRENT  # what it read without the default

@@ -543,6 +543,9 @@ def _pending_retry(obj: dict[str, Any]) -> dict[str, Any]:
     (_pending_retry(rested("RolledBack", rejectedVersion=doc(V3)["version"])), None),  # retry not acted on yet
     (rested("RolledBack", params=V1, rejectedVersion=doc(V3)["version"]), None),  # a new version to roll out
     (rested("Pending"), None),
+    # Just applied, as the API server returns it before the operator writes status (the CRD default).
+    ({"kind": "GateConfig", "metadata": {"name": "g", "namespace": "ns", "generation": 1},
+      "spec": {"params": V3}, "status": {"observedGeneration": 0}}, None),
 ])
 def test_watch_outcome_ends_only_at_rest(obj: dict[str, Any], code: int | None) -> None:
     outcome = view.watch_outcome(obj)
