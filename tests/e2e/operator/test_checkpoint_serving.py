@@ -11,12 +11,11 @@ operator gave it).
 from __future__ import annotations
 
 import json
-import subprocess
 import urllib.request
 from pathlib import Path
 
-from localcluster import podman
 from localcluster.health import wait_for
+from imagebuild.checkpoint import bake_checkpoint
 
 CHECKPOINT_DIR = "/models/tiny-mixtral"
 
@@ -25,14 +24,8 @@ def checkpoint_image(base: str, ctx: Path) -> str:
     from sparsegate_workload.hf import build_tiny_checkpoint
 
     checkpoint = build_tiny_checkpoint(ctx / "tiny-mixtral", family="mixtral", experts=4, top_k=2)
-    # The server runs as a non-root user: the files must be world-readable (safetensors writes 0600).
-    for f in [checkpoint, *checkpoint.rglob("*")]:
-        f.chmod(0o755 if f.is_dir() else 0o644)
-    (ctx / "Containerfile").write_text(f"FROM {base}\nCOPY tiny-mixtral {CHECKPOINT_DIR}\n")
-    tag = "localhost/sparsegate-test-checkpoint:e2e"
-    subprocess.run(["buildah", "bud", "--isolation", "chroot", "-q", "-t", tag, str(ctx)], check=True,
-                   capture_output=True, env=podman._env(), timeout=300)
-    return tag
+    return bake_checkpoint(base, checkpoint, ctx=ctx / "image", target=CHECKPOINT_DIR,
+                           tag="localhost/sparsegate-test-checkpoint:e2e")
 
 
 def test_sparsemodel_serves_a_checkpoint_from_its_image(stack, stack_namespace: str, tmp_path: Path) -> None:

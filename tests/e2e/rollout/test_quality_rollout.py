@@ -17,7 +17,6 @@ canary version and scores the probe set under each) and no ``faultInjection``:
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -25,8 +24,8 @@ from pathlib import Path
 
 import pytest
 from devstack import Stack
+from imagebuild.checkpoint import bake_checkpoint
 from loadgen import BackgroundLoad
-from localcluster import podman
 from localcluster.health import wait_for
 from trained_model import trained_checkpoint
 
@@ -40,17 +39,8 @@ CHECKPOINT_DIR = "/models/sparsegate-demo"
 
 
 def checkpoint_image(base: str, ctx: Path) -> str:
-    trained = trained_checkpoint()
-    checkpoint = ctx / "demo"
-    subprocess.run(["cp", "-r", str(trained), str(checkpoint)], check=True)
-    # The server runs as a non-root user: the files must be world-readable (safetensors writes 0600).
-    for f in [checkpoint, *checkpoint.rglob("*")]:
-        f.chmod(0o755 if f.is_dir() else 0o644)
-    (ctx / "Containerfile").write_text(f"FROM {base}\nCOPY demo {CHECKPOINT_DIR}\n")
-    tag = "localhost/sparsegate-test-trained:e2e"
-    subprocess.run(["buildah", "bud", "--isolation", "chroot", "-q", "-t", tag, str(ctx)], check=True,
-                   capture_output=True, env=podman._env(), timeout=300)
-    return tag
+    return bake_checkpoint(base, trained_checkpoint(), ctx=ctx, target=CHECKPOINT_DIR,
+                           tag="localhost/sparsegate-test-trained:e2e")
 
 
 @pytest.fixture(scope="module")
