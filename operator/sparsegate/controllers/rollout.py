@@ -67,6 +67,7 @@ import prometheus_client
 
 from sparsegate_contracts import gate as gatedoc
 from sparsegate_contracts.canary import document_key
+from sparsegate_contracts.canonical import canonical_json
 from sparsegate_contracts import names
 
 from sparsegate import envvars
@@ -89,6 +90,7 @@ from sparsegate.controllers.inventory import Inventory
 from sparsegate.clients.podadmin import PodAdmin, PodTarget
 from sparsegate.domain import admin_tls, analysis_run, fleet_view, render
 from sparsegate.domain.analysis_run import Measured, Provider, RunPhase
+from sparsegate.domain.conditions import listed
 from sparsegate.domain.pod_ownership import controller_ref, ownership_problem
 from sparsegate.domain.rollout import (
     RESTING_PHASES,
@@ -222,10 +224,6 @@ class Refusal:
 _REFUSAL_ORDER = ("StableChecksumMismatch", "CanaryChecksumMismatch", "GatePushRefused")
 
 
-def _document_key(doc: Mapping[str, Any]) -> str:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)
-
-
 def _unhashed(doc: Mapping[str, Any]) -> list[str]:
     """The versions of ``doc``'s gate documents (stable, and a set's canary) whose params do not hash
     to their version and checksum. Hashes only a refused document, never a status as read."""
@@ -247,27 +245,24 @@ def refusal(*, namespace: str, name: str, doc: Mapping[str, Any], status: Rollou
             detail: str) -> tuple[str, str]:
     """(reason, what) for pods that refused ``doc`` with ``code`` and their message ``detail``."""
     answer = f"the pods answer {code}: {detail}"
+    unhashed = (f"its params no longer hash to its version and checksum (edited by hand, or written back by a tool "
+                f"restoring status; {answer})")
+    until = f"it goes to these pods again only after a growing delay (up to {REFUSED_RETRY_MAX_S:g} s)"
+    patch = f"kubectl patch gateconfig {name} -n {namespace} --subresource=status --type=json -p"
     for version in _unhashed(doc):
         if status.stable is not None and version == status.stable.version:
             return "StableChecksumMismatch", (
-                f"refuse status.stable {version}: its params no longer hash to its version and checksum (edited "
-                f"by hand, or written back by a tool restoring status; {answer}). Put back the params of {version} "
-                f"that status.history holds, or remove status.stable (kubectl patch gateconfig {name} -n "
-                f"{namespace} --subresource=status --type=json -p '[{{\"op\":\"remove\",\"path\":"
-                f"\"/status/stable\"}}]'): the operator restores it from status.history. Until then it goes "
-                f"to these pods again only after a growing delay (up to {REFUSED_RETRY_MAX_S:g} s)")
+                f"refuse status.stable {version}: {unhashed}. Put back the params of {version} that status.history "
+                f"holds, or remove status.stable ({patch} '[{{\"op\":\"remove\",\"path\":\"/status/stable\"}}]'): "
+                f"the operator restores it from status.history. Until then {until}")
         if status.canary is not None and version == status.canary.version:
             return "CanaryChecksumMismatch", (
-                f"refuse status.rollout.canary {version}: its params no longer hash to its version and checksum "
-                f"(edited by hand, or written back by a tool restoring status; {answer}). Remove "
-                f"status.rollout.canary (kubectl patch gateconfig {name} -n {namespace} --subresource=status "
-                f"--type=json -p '[{{\"op\":\"remove\",\"path\":\"/status/rollout/canary\"}}]'): the "
-                f"rollout starts over from stable. Until then it goes to these pods again only after a growing "
-                f"delay (up to {REFUSED_RETRY_MAX_S:g} s)")
+                f"refuse status.rollout.canary {version}: {unhashed}. Remove status.rollout.canary ({patch} "
+                f"'[{{\"op\":\"remove\",\"path\":\"/status/rollout/canary\"}}]'): the rollout starts over "
+                f"from stable. Until then {until}")
     return "GatePushRefused", (
         f"refuse gate {document_key(doc)} ({answer}): change spec.params (or the model) so that its pods "
-        f"accept it; until then it goes to these pods again only after a growing delay (up to "
-        f"{REFUSED_RETRY_MAX_S:g} s)")
+        f"accept it; until then {until}")
 
 
 FleetCache = RolloutCache  # what ``RolloutLoop.fleet`` keeps between calls (credentials, reported pods)
@@ -830,7 +825,7 @@ class RolloutLoop:
         refusal goes once it is to hold another document (or none: it reports the one it should)."""
         if not cache.refused:
             return gates
-        wanted = {p: _document_key(doc) for p, doc in gates if p in cache.refused}
+        wanted = {p: canonical_json(doc) for p, doc in gates if p in cache.refused}
         for pod in [p for p, r in cache.refused.items() if wanted.get(p) != r.key]:
             del cache.refused[pod]
         now = self.clock()
@@ -854,7 +849,7 @@ class RolloutLoop:
             delay = min(REFUSED_RETRY_MAX_S, 2 * previous.delay) if previous is not None else REFUSED_RETRY_S
             reason, what = refusal(namespace=meta["namespace"], name=meta["name"], doc=doc, status=decision.status,
                                    code=r.status, detail=r.detail or str(r.error))
-            cache.refused[pod] = Refusal(key=_document_key(doc), reason=reason, what=what, retry_at=now + delay,
+            cache.refused[pod] = Refusal(key=canonical_json(doc), reason=reason, what=what, retry_at=now + delay,
                                          delay=delay)
             if previous is None:
                 started.append(pod)
@@ -887,7 +882,7 @@ class RolloutLoop:
             return None
         (reason, what), refusing = min(groups.items(), key=lambda g: (_REFUSAL_ORDER.index(g[0][0]), g[0][1]))
         refusing.sort()
-        shown = ", ".join(refusing[:5]) + (f" and {len(refusing) - 5} more" if len(refusing) > 5 else "")
+        shown = listed(refusing)
         others = len(groups) - 1
         return reason, (f"GateConfig {namespace}/{name}: {len(refusing)} pod(s) ({shown}) {what}"
                         + (f"; other pods refuse another document ({others} more refusal(s))" if others else ""))[:2048]

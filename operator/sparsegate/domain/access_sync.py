@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparsegate.domain import render
-from sparsegate.domain.conditions import merge_conditions
+from sparsegate.domain.conditions import listed, merge_conditions
 from sparsegate.domain.policy import PolicySource, Rule, rules_from_spec
 from sparsegate.domain.request_access import access_document
 
@@ -26,7 +26,6 @@ ALL_PODS_HOLD = "AllPodsHoldRules"
 NO_PODS = "NoPods"
 NOT_APPLIED = "RulesNotApplied"
 RULES_INVALID = "RulesInvalid"
-_LISTED = 5  # pods named in a message; the rest are counted
 
 
 @dataclass(frozen=True)
@@ -77,11 +76,6 @@ def pods_to_push(revision: str, *, reachable: Sequence[str], held: Mapping[str, 
                   if (a := held.get(p)) is not None and a.error is None and a.revision != revision)
 
 
-def _listed(items: Sequence[str]) -> str:
-    shown = ", ".join(items[:_LISTED])
-    return shown + (f" and {len(items) - _LISTED} more" if len(items) > _LISTED else "")
-
-
 def condition(*, revision: str | None, rules: int = 0, pods: Sequence[str], held: Mapping[str, PodAccess],
               withheld: Mapping[str, str] | None = None, error: str | None = None) -> dict[str, str]:
     """``AccessRulesApplied`` for the model's live pods (``pods``) and what each reported.
@@ -104,9 +98,9 @@ def condition(*, revision: str | None, rules: int = 0, pods: Sequence[str], held
            f"{p}: {'no address yet' if held.get(p) is None else 'holds ' + str(held[p].revision)}"
            for p in missing]
     message = (f"{len(pods) - len(missing)}/{len(pods)} pods hold revision {revision} ({rules} rules); "
-               f"not yet: {_listed(why)}")
+               f"not yet: {listed(why)}")
     if withheld:
-        message += f"; not the model's pods (no token sent): {_listed(sorted(withheld))}"
+        message += f"; not the model's pods (no token sent): {listed(sorted(withheld))}"
     return {"type": CONDITION, "status": "False", "reason": NOT_APPLIED, "message": message[:1024]}
 
 

@@ -91,6 +91,15 @@ class Condition:
         return out
 
 
+LISTED = 5  # names a condition message shows; the rest are counted
+
+
+def listed(items: Sequence[str], limit: int = LISTED) -> str:
+    """The first ``limit`` of ``items`` joined, and how many more there are."""
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
 def merge_conditions(previous: Iterable[Mapping[str, Any]], new: Iterable[Mapping[str, Any]], *, now: str,
                      observed_generation: int | None = None, order: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Merge condition dicts into ``previous`` by type (the one merge every status here uses).

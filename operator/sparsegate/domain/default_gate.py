@@ -24,7 +24,7 @@ from typing import Any
 from sparsegate_contracts import gate as gatedoc
 
 from sparsegate.domain import conditions as c
-from sparsegate.domain.conditions import merge_conditions
+from sparsegate.domain.conditions import listed, merge_conditions
 from sparsegate.domain.gate import GateResolution, default_document
 
 CONDITION = "DefaultGateApplied"
@@ -32,7 +32,6 @@ ALL_PODS_SERVE = "AllPodsServeDefault"
 NO_PODS = "NoPods"
 NOT_APPLIED = "PodsServeAnotherGate"
 PENDING = "GateConfigRefRemoved"
-_LISTED = 5  # pods named in a message; the rest are counted
 # Degraded=False messages (``conditions.degraded_condition``) of a gate that came from a GateConfig.
 _REFERENCED_SOURCES = frozenset({"gate from status.stable", "gate from spec.params"})
 
@@ -101,11 +100,6 @@ def pods_to_push(version: str, *, reachable: Sequence[str], serving: Mapping[str
     return sorted(p for p in reachable if (s := serving.get(p)) is not None and s != version)
 
 
-def _listed(items: Sequence[str]) -> str:
-    shown = ", ".join(items[:_LISTED])
-    return shown + (f" and {len(items) - _LISTED} more" if len(items) > _LISTED else "")
-
-
 def condition(version: str, *, pods: Sequence[str], serving: Mapping[str, str | None],
               errors: Mapping[str, str] | None = None) -> dict[str, str]:
     """``DefaultGateApplied`` for the model's live pods (``pods``) and what each serves now."""
@@ -121,7 +115,7 @@ def condition(version: str, *, pods: Sequence[str], serving: Mapping[str, str | 
            f"{p}: {'no answer' if serving.get(p) is None else 'serves ' + str(serving[p])}" for p in missing]
     return {"type": CONDITION, "status": "False", "reason": NOT_APPLIED,
             "message": (f"{len(pods) - len(missing)}/{len(pods)} pods serve gate {version} (the default); "
-                        f"not yet: {_listed(why)}")[:1024]}
+                        f"not yet: {listed(why)}")[:1024]}
 
 
 def status_patch(previous: Mapping[str, Any], *, wanted: Mapping[str, str], version: str,
