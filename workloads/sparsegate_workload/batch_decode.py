@@ -41,6 +41,18 @@ as long as the gate's capacity cap drops nothing: a capacity factor caps an expe
 (`GateCall.routings`): expert counts, kept and dropped assignments and per-call entropy, as the
 solo path reports them.
 
+Sampling and stops (`hf_serving.Sampling`, per request): top_k / top_p narrow each sampled
+row's distribution (`hf_serving.next_token`, the solo path's own function). A sequence ends at
+the step whose token is an end-of-sequence token (unless ``ignore_eos``) or one of its
+``stop_token_ids``, or whose decoded text (the tokenizer's, on this thread) then holds one of
+its ``stop`` strings (`hf_serving.StopCheck`): its `Generation` says which
+(``stop_reason``) and where the answer's text ends (``text_end``), and it leaves its group at
+that step as at max_tokens. Tool-forced tokens are not checked themselves; the next token
+sampled after them is, over the whole text since the last check. Logprobs: a request with
+``logprobs`` gets each sampled token's log-softmax of the raw logits row it was chosen from
+(and the most probable alternatives); with ``prompt_logprobs``, its prefill applies the LM head
+to its own prompt's positions of the packed hidden states, a chunk of positions at a time.
+
 Expert groups (per-request access): a request with ``allowed_experts`` (its group's experts) may
 activate only those. Sequences of any groups and unscoped ones share prefills and groups; each
 forward pins a per-token mask (`GateCall.allowed` [T, E]: in a packed prefill each prompt token
@@ -73,7 +85,8 @@ import torch
 from .experts import buckets_rows, row_bucket
 from .hf.gated_block import ActiveGate, GateCall, pin_gate
 from .hf.tool_head import final_hidden
-from .hf_serving import Generation, HFServedModel, sampling_probs
+from .hf_serving import (OFF, Generation, HFServedModel, Sampling, StopCheck, TokenLogprob, next_token,
+                          prompt_logprobs, token_logprob)
 from .quality import Score, score_packed_hidden
 
 # Most prompt tokens one packed prefill forward holds (its attention mask is T x T booleans).
@@ -98,6 +111,9 @@ class DecodeRequest:
     max_tool_calls: int = 0
     # The only experts its tokens may activate (its expert group, per-request access); None: all.
     allowed_experts: tuple[int, ...] | None = None
+    # top_k / top_p, stop strings and token ids, ignore_eos, min_tokens, (prompt) logprobs
+    # (`hf_serving.Sampling`).
+    sampling: Sampling = OFF
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +129,8 @@ class TokenEvent:
     # vllm:inter_token_latency_seconds measures between, not when the event loop got to it
     # (the engine hands tokens over in bunches, `batch_engine.STREAM_FLUSH_S`).
     made: float = dataclasses.field(default_factory=time.perf_counter, compare=False)
+    # With `Sampling.logprobs`: this token's `TokenLogprob` (None for a token a tool forced).
+    logprob: TokenLogprob | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,11 +159,17 @@ class SeqFailed:
 class _Seq:
     """One sequence's decoding state (model thread only); its usage lives in its group."""
 
-    def __init__(self, req: DecodeRequest, allowed: torch.Tensor | None = None) -> None:
+    def __init__(self, req: DecodeRequest, stops: StopCheck, allowed: torch.Tensor | None = None) -> None:
         self.req = req
+        self.stops = stops      # its end conditions (eos, stop token ids and strings, max_tokens)
         self.allowed = allowed  # [E] bool of req.allowed_experts (None: every expert)
         self.generator = torch.Generator().manual_seed(req.seed)
         self.generated: list[int] = []
+        # With req.sampling.logprobs: one per generated token, and the sampled token's not yet
+        # appended (a token held back for a tool may be replaced by the tool's text).
+        self.logprobs: list[TokenLogprob | None] = []
+        self.pending_logprob: TokenLogprob | None = None
+        self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # req.sampling.prompt_logprobs
         self.gate_version: str | None = None
         self.tool_calls = 0
 
@@ -351,7 +375,9 @@ class BatchDecoder:
         """One forward over the prompts of ``reqs`` packed end to end in one row (no padding
         reaches the MoE routing): positions restart at 0 for each prompt and a block-diagonal
         causal mask keeps each prompt to itself. Then each joins its gate version's group."""
-        seqs = [_Seq(r, self.allowed_mask(r.allowed_experts)) for r in reqs]
+        seqs = [_Seq(r, StopCheck(r.sampling, eos_ids=self.hf.eos_ids, max_tokens=r.max_tokens,
+                                  tokenizer=self.hf.tokenizer), self.allowed_mask(r.allowed_experts))
+                for r in reqs]
         lengths = [len(r.prompt_ids) for r in reqs]
         total = sum(lengths)
         # bf16 on CPU: the forward's length rounded up to a shape bucket (experts.row_bucket), so
@@ -397,6 +423,12 @@ class BatchDecoder:
                 self.on_prompts_scored(call.gate.version,
                                        score_packed_hidden(hidden, head, ids[0, :total], lengths))
             last = head(at_ends)
+            for seq, end, length in zip(seqs, ends, lengths):
+                n = seq.req.sampling.prompt_logprobs
+                if n is not None:  # the head over its prompt's positions, a chunk at a time
+                    seq.prompt_logprobs = prompt_logprobs(
+                        lambda rows, start=end - length: head(hidden[start + rows.start:start + rows.stop]),
+                        list(seq.req.prompt_ids), n)
         tokens = self._sample(seqs, last)
         fires = self._tool_fires(seqs, call.gate, at_ends if self._may_call_tool(seqs) else None)
         layers = out.cache.layers
@@ -417,9 +449,10 @@ class BatchDecoder:
             if finish is not None:
                 events.append(TokenEvent(seq.req.key, token,
                                          self._generation(seq, finish, table[i]),
-                                         gate_version=seq.gate_version))
+                                         gate_version=seq.gate_version, logprob=_last_logprob(seq)))
                 continue
-            events.append(TokenEvent(seq.req.key, token, gate_version=seq.gate_version))
+            events.append(TokenEvent(seq.req.key, token, gate_version=seq.gate_version,
+                                     logprob=_last_logprob(seq)))
             joiners.append(_Joiner(
                 seq, keys=[layer.keys[:, :, cols] for layer in layers],
                 values=[layer.values[:, :, cols] for layer in layers],
@@ -488,11 +521,12 @@ class BatchDecoder:
                 continue
             finish = self._append(seq, token)
             if finish is None:
-                events.append(TokenEvent(seq.req.key, token))
+                events.append(TokenEvent(seq.req.key, token, logprob=_last_logprob(seq)))
                 keep.append(i)
             else:
                 events.append(TokenEvent(seq.req.key, token,
-                                         self._generation(seq, finish, group.acc[i])))
+                                         self._generation(seq, finish, group.acc[i]),
+                                         logprob=_last_logprob(seq)))
                 del self._where[seq.req.key]
         if len(keep) < n:
             self._keep_rows(group, keep)
@@ -544,6 +578,8 @@ class BatchDecoder:
             made = time.perf_counter()  # one output, as vLLM's several tokens of one step
             for t in forced[:room]:
                 seq.generated.append(t)
+                if seq.req.sampling.logprobs is not None:
+                    seq.logprobs.append(None)  # forced, not chosen by the model
                 events.append(TokenEvent(key, t, made=made))
             if len(forced) >= room:  # the forced text reached max_tokens: it ends there
                 last = events.pop()
@@ -572,8 +608,9 @@ class BatchDecoder:
                 return [*events, fire]
         finish = self._append(seq, token)
         if finish is not None:
-            return [*events, TokenEvent(key, token, self._generation(seq, finish, acc))]
-        events.append(TokenEvent(key, token))
+            return [*events, TokenEvent(key, token, self._generation(seq, finish, acc),
+                                        logprob=_last_logprob(seq))]
+        events.append(TokenEvent(key, token, logprob=_last_logprob(seq)))
         self._join(parked.gate, [_Joiner(seq, keys=keys, values=values, acc=acc,
                                          mask=torch.ones(1, keys[0].shape[2], dtype=torch.long,
                                                          device=self.device))])
@@ -625,25 +662,29 @@ class BatchDecoder:
                     self.on_threshold(gate.version, threshold)
 
     def _sample(self, seqs: Sequence[_Seq], logits: torch.Tensor) -> list[int]:
-        """Next token per row: greedy at temperature 0, else softmax sampling with the
-        sequence's own seeded generator (the same draws as the solo path)."""
+        """Next token per row: greedy at temperature 0, else softmax sampling (narrowed by its
+        top_k / top_p) with the sequence's own seeded generator: the same draws as the solo
+        path (`hf_serving.next_token`), which also keeps a row under its min_tokens off its
+        stop tokens."""
         logits = logits.float()
         tokens = logits.argmax(dim=-1).tolist()
         for i, seq in enumerate(seqs):
-            t = seq.req.temperature
-            if t > 0:
-                probs = sampling_probs(logits[i], t)
-                tokens[i] = int(torch.multinomial(probs, 1, generator=seq.generator))
+            banned = seq.req.sampling.banned(self.hf.eos_ids, len(seq.generated))
+            if seq.req.temperature > 0 or banned:
+                tokens[i] = next_token(logits[i], temperature=seq.req.temperature,
+                                       sampling=seq.req.sampling, generator=seq.generator,
+                                       banned=banned)
+            if seq.req.sampling.logprobs is not None:
+                seq.pending_logprob = token_logprob(logits[i], tokens[i], seq.req.sampling.logprobs)
         return tokens
 
     def _append(self, seq: _Seq, token: int) -> str | None:
-        """Record ``token``; the finish reason when it ends the sequence."""
+        """Record ``token``; the finish reason when it ends the sequence (`StopCheck`: a stop
+        string is found in the decoded text here, so the sequence leaves at this very step)."""
         seq.generated.append(token)
-        if token in self.hf.eos_ids:
-            return "stop"
-        if len(seq.generated) >= seq.req.max_tokens:
-            return "length"
-        return None
+        if seq.req.sampling.logprobs is not None:
+            seq.logprobs.append(seq.pending_logprob)
+        return seq.stops.check(seq.generated)
 
     def _generation(self, seq: _Seq, finish: str, acc: torch.Tensor) -> Generation:
         """The finished sequence's result; ``acc`` is its usage [blocks, experts + 4]."""
@@ -658,7 +699,11 @@ class BatchDecoder:
             finish_reason=finish, gate_version=seq.gate_version, expert_counts=counts,
             mean_experts_per_token=kept / tokens if tokens else 0.0,
             dropped_assignments=int(sum(row[_SELECTED] for row in rows)) - kept,
-            gate_entropy=sum(row[_ENTROPY] for row in rows) / calls if calls else 0.0)
+            gate_entropy=sum(row[_ENTROPY] for row in rows) / calls if calls else 0.0,
+            stop_reason=seq.stops.stop_reason if finish == "stop" else None,
+            text_end=seq.stops.text_end if finish == "stop" else None,
+            logprobs=tuple(seq.logprobs) if seq.req.sampling.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs)
 
     def _usage_alone(self, call: GateCall) -> torch.Tensor:
         """[1, blocks, experts + 4] usage of a forward that routed one sequence's tokens alone
@@ -737,6 +782,11 @@ class BatchDecoder:
                         [v.index_select(0, index)[:, :, first:] for v in group.values])
         group.seqs = [group.seqs[i] for i in keep]
         group.set_allowed()
+
+
+def _last_logprob(seq: _Seq) -> TokenLogprob | None:
+    """The `TokenLogprob` of the token ``seq`` just appended (None without logprobs)."""
+    return seq.logprobs[-1] if seq.req.sampling.logprobs is not None else None
 
 
 def _allowed_rows(seqs: Sequence[_Seq]) -> torch.Tensor | None:

@@ -43,7 +43,7 @@ from typing import Awaitable, Callable
 
 from .batch_decode import BatchDecoder, DecodeRequest, SeqFailed, TokenEvent, ToolFire
 from .hf.gated_block import ActiveGate
-from .hf_serving import Generation
+from .hf_serving import OFF, Generation, Sampling, TokenLogprob
 from .metrics import ServerMetrics
 from .model_thread import ModelThread
 from .server_state import ApiError
@@ -65,6 +65,9 @@ class GenerationHandle:
         self.arrived = arrived  # perf_counter of its HTTP request's arrival (TTFT counts from it)
         self.request_id = request_id  # what its tool calls' audit records name
         self.tokens: asyncio.Queue[int] = asyncio.Queue()
+        # With sampling.logprobs: each token's `TokenLogprob` (None: forced by a tool), in the
+        # order of ``tokens``, appended before its token is queued.
+        self.logprobs: list[TokenLogprob | None] = []
         self.done: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         self.first_token_at: float | None = None   # perf_counter when its first token arrived
         # When the model made its first and its latest token (`TokenEvent.made`): vLLM's
@@ -145,7 +148,7 @@ class BatchEngine:
                on_leave: Callable[[], None] | None = None,
                gate: ActiveGate | None = None, max_tool_calls: int = 0,
                request_id: str = "", allowed_experts: tuple[int, ...] | None = None,
-               arrived: float | None = None) -> GenerationHandle:
+               arrived: float | None = None, sampling: Sampling = OFF) -> GenerationHandle:
         """Queue one generation. ``timeout_s``: fail with 503 after that long, and leave.
         ``gate``: prefill and decode under it (a request-level canary), else the installed gate.
         ``on_leave``: called once when it no longer occupies the queue or a batch.
@@ -153,13 +156,15 @@ class BatchEngine:
         ``allowed_experts``: the only experts it may activate (its expert group; None: all);
         an index the model lacks raises ValueError here, before it can fail a batch.
         ``arrived``: when its request arrived (perf_counter): its first token is observed in
-        vllm:time_to_first_token_seconds from then, whatever the request's outcome after it."""
+        vllm:time_to_first_token_seconds from then, whatever the request's outcome after it.
+        ``sampling``: top_k / top_p and the stop conditions (`hf_serving.Sampling`)."""
         if self.closed is not None:
             raise ApiError(503, self.closed)
         self.decoder.allowed_mask(allowed_experts)
         request = DecodeRequest(key=next(_ids), prompt_ids=list(prompt_ids),
                                 max_tokens=max_tokens, temperature=temperature, seed=seed, gate=gate,
-                                max_tool_calls=max_tool_calls, allowed_experts=allowed_experts)
+                                max_tool_calls=max_tool_calls, allowed_experts=allowed_experts,
+                                sampling=sampling)
         handle = GenerationHandle(request, on_leave=on_leave, request_id=request_id,
                                   arrived=arrived)
         if timeout_s is not None:
@@ -311,6 +316,8 @@ class BatchEngine:
                     if self._metrics is not None and handle.arrived is not None:
                         self._metrics.ttft.observe(now - handle.arrived)
                 self._made(handle, event)
+                if handle.request.sampling.logprobs is not None:
+                    handle.logprobs.append(event.logprob)
                 handle.tokens.put_nowait(event.token)
                 if event.generation is not None:
                     handle.done.set_result(event.generation)

@@ -38,13 +38,146 @@ class Generation:
 
     prompt_tokens: int
     token_ids: list[int]               # generated ids (the stop token included when it ended it)
-    finish_reason: str                 # "stop" (end-of-sequence token) or "length" (max_tokens)
+    # "stop" (an end-of-sequence token, a stop token id or a stop string) or "length" (max_tokens)
+    finish_reason: str
     gate_version: str | None
     expert_counts: list[list[int]]     # [layer][expert] tokens processed, prompt + generated
     mean_experts_per_token: float      # kept assignments per (token, MoE layer), all tokens
     dropped_assignments: int
     gate_entropy: float                # mean over block calls (nats)
     first_token_s: float | None = None  # set by the caller that times it
+    # vLLM's stop_reason: the stop string (str) or stop token id (int) that ended it; None for
+    # an end-of-sequence token or max_tokens.
+    stop_reason: str | int | None = None
+    # With a stop string: where the answer's text ends, in characters of the generated tokens'
+    # text (`decode`; the stop string starts there and is not part of the answer).
+    text_end: int | None = None
+    # With `Sampling.logprobs`: per generated token, its `TokenLogprob` (None for a token a
+    # tool forced, which the model did not choose); else None.
+    logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # With `Sampling.prompt_logprobs`: per prompt token, its `TokenLogprob` given the tokens
+    # before it (None for the first, which has none); else None.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+
+    def text(self, tokenizer: Any) -> str:
+        """The answer's text: the generated tokens decoded (special tokens skipped), without a
+        stop token id that ended them and cut before a stop string that did."""
+        ids = self.token_ids[:-1] if isinstance(self.stop_reason, int) else self.token_ids
+        return decode(tokenizer, ids)[:self.text_end]
+
+
+# A generated token's log probability under the model (its raw logits' log-softmax, before
+# temperature, top_k / top_p and min_tokens, as vLLM reports by default) and the ``n`` most
+# probable (token id, log probability) pairs there, most probable first.
+TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
+
+
+def token_logprob(logits: torch.Tensor, token: int, n: int) -> TokenLogprob:
+    """``token``'s `TokenLogprob` from the logits it was chosen from (one row)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = logprobs.topk(min(n, logprobs.numel())) if n else None
+    pairs = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist()))
+    return float(logprobs[token]), pairs
+
+
+def logprob_rows(logits: torch.Tensor, targets: Sequence[int], n: int) -> list[TokenLogprob]:
+    """`token_logprob` of ``targets[i]`` from row i of ``logits`` [rows, vocab], all at once."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(list(targets), device=logprobs.device)[:, None])[:, 0].tolist()
+    if not n:
+        return [(c, ()) for c in chosen]
+    top = logprobs.topk(min(n, logprobs.shape[1]), dim=-1)
+    return [(c, tuple(zip(i, v))) for c, i, v in zip(chosen, top.indices.tolist(), top.values.tolist())]
+
+
+def prompt_logprobs(logits_of: Callable[[slice], torch.Tensor], ids: Sequence[int], n: int,
+                    *, chunk: int = 64) -> tuple[TokenLogprob | None, ...]:
+    """Per prompt token, its `TokenLogprob` given the ones before it (None for the first).
+    ``logits_of(rows)``: the logits [rows, vocab] at those prompt positions; asked ``chunk``
+    positions at a time, so a long prompt never holds its whole [length, vocab] logits."""
+    out: list[TokenLogprob | None] = [None]
+    for start in range(0, len(ids) - 1, chunk):
+        rows = slice(start, min(start + chunk, len(ids) - 1))
+        out += logprob_rows(logits_of(rows), ids[rows.start + 1:rows.stop + 1], n)
+    return tuple(out)
+
+
+def decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    """Generated ids as text: what the OpenAI answers and the stop strings read."""
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """vLLM's sampling and stop parameters beyond temperature and seed (defaults: off).
+
+    ``top_k`` (0: off) then ``top_p`` narrow the distribution a token is sampled from (above
+    temperature 0 only; greedy ignores them). A generation ends ("stop") at an end-of-sequence
+    token unless ``ignore_eos``, at a token of ``stop_token_ids``, or once the text of its
+    generated tokens holds a string of ``stop``. Before ``min_tokens`` tokens, the
+    end-of-sequence (unless ignored) and stop token ids are never chosen (their logits are
+    masked) and stop strings are not looked for, as vLLM does."""
+
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    # Report each generated token's log probability and this many most probable alternatives
+    # (`TokenLogprob`, `Generation.logprobs`); None: none.
+    logprobs: int | None = None
+    # The same for each prompt token (`Generation.prompt_logprobs`); None: none.
+    prompt_logprobs: int | None = None
+
+    def banned(self, eos_ids: frozenset[int], generated: int) -> list[int]:
+        """Token ids the next token may not be, with ``generated`` tokens made so far."""
+        if generated >= self.min_tokens:
+            return []
+        return sorted(self.stop_token_ids | (frozenset() if self.ignore_eos else eos_ids))
+
+
+OFF = Sampling()
+
+
+class StopCheck:
+    """One sequence's end conditions, checked after each token it makes (`check`)."""
+
+    def __init__(self, sampling: Sampling, *, eos_ids: frozenset[int], max_tokens: int,
+                 tokenizer: Any) -> None:
+        self.sampling = sampling
+        self.eos_ids = eos_ids
+        self.max_tokens = max_tokens
+        self.tokenizer = tokenizer if sampling.stop else None
+        self.checked = 0  # characters of text already searched for the stop strings
+        self.stop_reason: str | int | None = None
+        self.text_end: int | None = None
+
+    def check(self, generated: Sequence[int]) -> str | None:
+        """The finish reason when the last token of ``generated`` ends the sequence, else None.
+        A stop string is looked for in the text from where a match could not yet have been
+        complete (one ending before the text the last token added was found already, or came
+        before ``min_tokens``); the earliest match ends it, and its start ends the answer."""
+        s, token, n = self.sampling, generated[-1], len(generated)
+        if n > s.min_tokens:
+            if token in self.eos_ids and not s.ignore_eos:
+                return "stop"
+            if token in s.stop_token_ids:
+                self.stop_reason = token
+                return "stop"
+        if self.tokenizer is not None:
+            text = decode(self.tokenizer, generated)
+            if n > s.min_tokens:
+                found = [(at, stop) for stop in s.stop
+                         if (at := text.find(stop, max(0, self.checked - len(stop) + 1))) >= 0]
+                if found:
+                    self.text_end, self.stop_reason = min(found)
+                    return "stop"
+            # A trailing partial UTF-8 character reads "\ufffd" until its next token completes it.
+            self.checked = len(text.rstrip("\ufffd"))
+        if n >= self.max_tokens:
+            return "length"
+        return None
 
 
 class HFServedModel:
@@ -146,50 +279,86 @@ class HFServedModel:
         return result, out.gate.version
 
     def generate(self, prompt: Sequence[int], *, max_tokens: int, temperature: float = 0.0,
-                 seed: int = 0, on_token: Callable[[int], None] | None = None) -> Generation:
+                 seed: int = 0, on_token: Callable[[int], None] | None = None,
+                 sampling: Sampling = OFF) -> Generation:
         """Decode up to ``max_tokens`` after ``prompt`` with the KV cache, under one pinned gate.
         temperature 0 is greedy; above 0, softmax sampling with a generator seeded by ``seed``
-        (same seed, same tokens; drawn on the CPU whatever the device). Stops early at the
-        checkpoint's end-of-sequence token. One sequence alone: the server decodes through
+        (same seed, same tokens; drawn on the CPU whatever the device), narrowed by
+        ``sampling``'s top_k and top_p. Stops early at the checkpoint's end-of-sequence token
+        and ``sampling``'s stops (`StopCheck`). One sequence alone: the server decodes through
         `batch_decode` instead, which this is the reference for. A controlled gate routes
         with its controller's threshold of the moment and is not fed (the server feeds it)."""
         generator = torch.Generator().manual_seed(seed)
         generated: list[int] = []
-        finish = "length"
+        logprobs: list[TokenLogprob | None] = []
+        stops = StopCheck(sampling, eos_ids=self.eos_ids, max_tokens=max_tokens,
+                          tokenizer=self.tokenizer)
+        finish: str | None = None
         with torch.inference_mode(), self.lm.pinned_gate() as call:
             out = self.lm.model(input_ids=torch.tensor([list(prompt)], device=self.device),
                                 use_cache=True)
-            for step in range(max_tokens):
-                logits = out.logits[0, -1].float()
-                if temperature > 0:
-                    probs = sampling_probs(logits, temperature)
-                    token = int(torch.multinomial(probs, 1, generator=generator))
-                else:
-                    token = int(logits.argmax())
+            prompt_lps = None if sampling.prompt_logprobs is None else prompt_logprobs(
+                lambda rows: out.logits[0, rows], list(prompt), sampling.prompt_logprobs)
+            while finish is None:
+                token = next_token(out.logits[0, -1], temperature=temperature, sampling=sampling,
+                                   generator=generator,
+                                   banned=sampling.banned(self.eos_ids, len(generated)))
+                if sampling.logprobs is not None:
+                    logprobs.append(token_logprob(out.logits[0, -1], token, sampling.logprobs))
                 generated.append(token)
                 if on_token is not None:
                     on_token(token)
-                if token in self.eos_ids:
-                    finish = "stop"
-                    break
-                if step + 1 < max_tokens:  # no forward for a token nobody will read
+                finish = stops.check(generated)
+                if finish is None:  # no forward for a token nobody will read
                     out = self.lm.model(input_ids=torch.tensor([[token]], device=self.device),
                                         cache=out.cache, use_cache=True)
-        return _generation(call.layers, n_blocks=self.n_layers, num_experts=self.num_experts,
-                           prompt_tokens=len(prompt), token_ids=generated, finish=finish,
-                           gate_version=call.gate.version)
+        return dataclasses.replace(
+            _generation(call.layers, n_blocks=self.n_layers, num_experts=self.num_experts,
+                        prompt_tokens=len(prompt), token_ids=generated, finish=finish,
+                        gate_version=call.gate.version),
+            stop_reason=stops.stop_reason, text_end=stops.text_end,
+            logprobs=tuple(logprobs) if sampling.logprobs is not None else None,
+            prompt_logprobs=prompt_lps)
 
 
 def _finite(v: float) -> float | None:
     return None if math.isnan(v) else v  # NaN (a failed measurement) is not JSON
 
 
-def sampling_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def sampling_probs(logits: torch.Tensor, temperature: float, *, top_p: float = 1.0,
+                   top_k: int = 0) -> torch.Tensor:
     """Softmax of ``logits / temperature`` on the CPU (where the seeded generators draw), in
     float64 and shifted by the max first: a vanishing temperature then gives the greedy
-    token's one-hot instead of NaN (which would make the draw raise)."""
+    token's one-hot instead of NaN (which would make the draw raise). Then, as vLLM: ``top_k``
+    > 0 keeps the k most probable tokens (and any tied with the k-th), and ``top_p`` < 1 the
+    smallest set of the most probable whose probability sums to at least top_p (renormalised
+    after top_k; the most probable token always stays). The others get probability 0 (the
+    draw needs no renormalising)."""
     logits = logits.double().cpu()
-    return torch.softmax((logits - logits.max()) / temperature, dim=-1)
+    probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
+    if 0 < top_k < probs.numel():
+        probs = torch.where(probs >= probs.topk(top_k).values[-1], probs, 0.0)
+    if top_p < 1:
+        ordered, order = probs.sort(descending=True)
+        before = ordered.cumsum(0) - ordered  # the mass of the more probable tokens
+        drop = before >= top_p * ordered.sum()
+        drop[0] = False
+        probs = probs.scatter(0, order, ordered.masked_fill(drop, 0.0))
+    return probs
+
+
+def next_token(logits: torch.Tensor, *, temperature: float, sampling: Sampling,
+               generator: torch.Generator, banned: Sequence[int] = ()) -> int:
+    """One sequence's next token from its last logits: greedy at temperature 0, else drawn
+    with its own seeded generator from `sampling_probs`; never one of ``banned``."""
+    logits = logits.float()
+    if banned:
+        logits = logits.clone()
+        logits[list(banned)] = float("-inf")
+    if temperature > 0:
+        probs = sampling_probs(logits, temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        return int(torch.multinomial(probs, 1, generator=generator))
+    return int(logits.argmax())
 
 
 def _generation(layers: list[MoEStats], *, n_blocks: int, num_experts: int, prompt_tokens: int,

@@ -7,7 +7,24 @@ a final ``"assistant:"`` line asks for the answer. Concurrent requests decode to
 server's continuous-batching engine (`batch_engine`: one model step per token for all of them,
 a KV cache per sequence, each request under one gate version): greedy at ``temperature`` 0,
 else seeded sampling (``seed``, default 0: the same request gives the same text, batched or
-alone, as long as the gate's capacity cap drops nothing, see `batch_decode`). It ends at the end-of-sequence token or at ``max_tokens``. A full queue answers 429, a
+alone, as long as the gate's capacity cap drops nothing, see `batch_decode`), narrowed by
+``top_p`` (0, 1] and vLLM's ``top_k`` (-1 or 0: off). It ends at the end-of-sequence token
+(unless vLLM's ``ignore_eos``), at ``max_tokens``, at a token of vLLM's ``stop_token_ids``, or
+once its text holds a string of ``stop`` (one, or a list of at most 4): ``finish_reason``
+"stop", vLLM's ``stop_reason`` the string or id (null for end-of-sequence), and the text ends
+before that string or token; the sequence leaves its batch at that step and usage counts the
+tokens it made, the stopping one included. vLLM's ``min_tokens`` keeps the end-of-sequence and
+stop tokens from being chosen, and stop strings from being looked for, before that many tokens.
+A stream holds back text that may be the start of a stop string (the longest end of the text
+that one starts with) and never sends the stop string or stop token. ``/v1/completions``
+takes ``logprobs`` (0-20; a stream sends each chunk's tokens' with it): per generated token its log probability
+under the model's raw logits and that many most probable alternatives (`completion_logprobs`;
+vLLM's ``return_tokens_as_token_ids`` names them ``"token_id:<id>"``), and ``echo``: the text
+starts with the prompt, and with ``logprobs`` so do they, for the prompt's tokens (the first
+one's null; not in a stream), as lm-evaluation-harness reads log-likelihoods.
+Chat takes ``logprobs: true`` with ``top_logprobs`` (0-20) for the same, in chat's shape
+(`chat_logprobs`). ``n``, ``best_of``, ``suffix``, the penalties and chat's ``echo`` are
+accepted only at their no-op values (`_NEUTRAL`). A full queue answers 429, a
 request past ``--request-timeout`` 503 (in a stream: an error event), and it leaves its batch.
 
 ``usage`` carries OpenAI's token counts plus ``usage.sparsegate``: ``mean_experts_per_token``
@@ -39,7 +56,7 @@ from aiohttp import web
 from sparsegate_contracts.request_access import Scope
 
 from . import request_guard
-from .hf_serving import Generation, HFServedModel
+from .hf_serving import OFF, Generation, HFServedModel, Sampling, TokenLogprob, decode
 from .batch_engine import GenerationHandle
 from .generation_tools import MAX_TOOL_CALLS_PER_REQUEST
 from .server_state import (CLIENT_CLOSED, OPENAI_CHAT_COMPLETIONS, OPENAI_COMPLETIONS, STATE, ApiError, ServerState, admission,
@@ -49,10 +66,15 @@ log = logging.getLogger("sparsegate.workload.openai")
 
 MAX_TOKENS_LIMIT = 512           # most tokens one request may generate (CPU-sized)
 DEFAULT_COMPLETION_TOKENS = 16   # OpenAI's default max_tokens for /v1/completions
+MAX_STOP_STRINGS = 4             # OpenAI's limit on ``stop``
+MAX_LOGPROBS = 20                # most alternatives per token reported (vLLM's default max_logprobs)
 # Fields accepted only at their no-op value: clients send them by default.
-_NEUTRAL = {"n": 1, "top_p": 1, "stop": None, "logprobs": None, "echo": False,
+_NEUTRAL = {"n": 1, "logprobs": None, "echo": False,
             "presence_penalty": 0, "frequency_penalty": 0, "suffix": None, "best_of": 1}
-_COMMON = {"model", "max_tokens", "temperature", "seed", "stream", "stream_options", "user"}
+# OpenAI's top_p and stop, and vLLM's extensions of them (`Sampling`).
+_SAMPLING = {"top_p", "top_k", "stop", "stop_token_ids", "ignore_eos", "min_tokens"}
+_COMMON = {"model", "max_tokens", "temperature", "seed", "stream", "stream_options", "user",
+           "return_tokens_as_token_ids"} | _SAMPLING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +87,12 @@ class Plan:
     seed: int
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
+    sampling: Sampling = OFF  # top_p / top_k and the stop conditions
+    # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>", not by their text.
+    tokens_as_ids: bool = False
+    # The completions' echo: the answer's text starts with the prompt (and its logprobs with the
+    # prompt's tokens', `Sampling.prompt_logprobs`); None: no echo.
+    echo: str | None = None
 
 
 class OpenAIError(ApiError):
@@ -110,10 +138,10 @@ async def list_models(request: web.Request) -> web.Response:
     hf = state.hf
     created = int(state.started_wall)
     # vLLM's ModelCard: clients written for it read root, parent and permission too. Its
-    # ModelPermission defaults, except allow_logprobs: logprobs are refused here (_NEUTRAL).
+    # ModelPermission defaults.
     permission = {"id": f"modelperm-{uuid.uuid4().hex}",
                   "object": "model_permission", "created": created, "allow_create_engine": False,
-                  "allow_sampling": True, "allow_logprobs": False, "allow_search_indices": False,
+                  "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False,
                   "allow_view": True, "allow_fine_tuning": False, "organization": "*",
                   "group": None, "is_blocking": False}
     data = [] if hf is None or hf.tokenizer is None else [{
@@ -133,6 +161,63 @@ def _int(body: dict[str, Any], name: str, *, default: int, low: int, high: int) 
     return value
 
 
+def _sampling(body: dict[str, Any], *, hf: HFServedModel, max_tokens: int, chat: bool,
+              stream: bool) -> Sampling:
+    """``top_p``, ``top_k``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
+    ``logprobs`` (chat's with ``top_logprobs``) and the completions' ``echo`` as vLLM reads them;
+    a wrong type or range raises OpenAIError (400) naming the field."""
+    logprobs = None
+    if chat:  # a boolean, and top_logprobs the number of alternatives (above 0 only with it)
+        top = _int(body, "top_logprobs", default=0, low=0, high=MAX_LOGPROBS)
+        if _bool(body, "logprobs"):
+            logprobs = top
+        elif top:
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    elif body.get("logprobs") is not None:  # a count
+        logprobs = _int(body, "logprobs", default=0, low=0, high=MAX_LOGPROBS)
+    echo = not chat and _bool(body, "echo")
+    if logprobs is not None and stream and echo:
+        raise OpenAIError(400, "logprobs with echo is not supported with stream: true here",
+                          param="logprobs")
+    top_p = body.get("top_p")
+    top_p = 1.0 if top_p is None else top_p
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise OpenAIError(400, f"top_p must be a number in (0, 1], got {top_p!r}", param="top_p")
+    top_k = body.get("top_k")
+    top_k = 0 if top_k is None else top_k
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
+        raise OpenAIError(400, f"top_k must be an integer, -1 or 0 (off) or at least 1, got {top_k!r}",
+                          param="top_k")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or not all(
+            isinstance(x, str) and x for x in stop):
+        raise OpenAIError(400, f"stop must be a non-empty string or a list of at most "
+                               f"{MAX_STOP_STRINGS} non-empty strings, got {body.get('stop')!r}",
+                          param="stop")
+    ids = body.get("stop_token_ids")
+    ids = [] if ids is None else ids
+    if not isinstance(ids, list) or not all(
+            not isinstance(t, bool) and isinstance(t, int) and 0 <= t < hf.vocab_size for t in ids):
+        raise OpenAIError(400, f"stop_token_ids must be a list of token ids in [0, {hf.vocab_size}), "
+                               f"got {body.get('stop_token_ids')!r}", param="stop_token_ids")
+    ignore_eos = _bool(body, "ignore_eos")
+    return Sampling(top_p=float(top_p), top_k=max(top_k, 0),
+                    stop=tuple(dict.fromkeys(_unicode(x, "stop") for x in stop)),
+                    stop_token_ids=frozenset(ids), ignore_eos=ignore_eos,
+                    min_tokens=_int(body, "min_tokens", default=0, low=0, high=max_tokens),
+                    logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
+
+
+def _bool(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise OpenAIError(400, f"{name} must be a boolean, got {value!r}", param=name)
+    return value
+
+
 def _unicode(text: str, param: str) -> str:
     """``text`` when it is Unicode a tokenizer can read: JSON's ``\\ud800``-style escapes decode
     to lone surrogates, which no tokenizer encodes (it raised TypeError: a 500)."""
@@ -144,15 +229,20 @@ def _unicode(text: str, param: str) -> str:
     return text
 
 
+def _prompt(body: dict[str, Any]) -> str:
+    """The completions' prompt: one non-empty string (alone or in a list of one)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise OpenAIError(400, "prompt must be one non-empty string", param="prompt")
+    return _unicode(prompt, "prompt")
+
+
 def _prompt_text(body: dict[str, Any], *, chat: bool, hf: HFServedModel) -> list[int]:
     tok = hf.tokenizer
     if not chat:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise OpenAIError(400, "prompt must be one non-empty string", param="prompt")
-        return list(tok(_unicode(prompt, "prompt"))["input_ids"])
+        return list(tok(_prompt(body))["input_ids"])
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -183,14 +273,15 @@ def parse_request(body: Any, *, chat: bool, hf: HFServedModel) -> Plan:
     """Validate an OpenAI request for ``hf``; raises OpenAIError (400/404) naming the field."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "body must be a JSON object")
-    allowed = _COMMON | set(_NEUTRAL) | ({"messages", "max_completion_tokens"} if chat
+    allowed = _COMMON | set(_NEUTRAL) | ({"messages", "max_completion_tokens", "top_logprobs"} if chat
                                          else {"prompt"})
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise OpenAIError(400, f"unsupported fields: {', '.join(unknown)}", param=unknown[0])
     for name, neutral in _NEUTRAL.items():
-        # Chat's logprobs is a boolean (default false); the completions' one a count (default null).
-        if body.get(name) not in (None, neutral) and not (chat and name == "logprobs" and body[name] is False):
+        if name == "logprobs" or name == "echo" and not chat:
+            continue  # logprobs (chat's a boolean, the completions' a count) and echo: read below
+        if body.get(name) not in (None, neutral):
             raise OpenAIError(400, f"{name} is only supported as {json.dumps(neutral)}",
                               param=name)
     model = body.get("model")
@@ -241,7 +332,66 @@ def parse_request(body: Any, *, chat: bool, hf: HFServedModel) -> Plan:
                           param="stream_options")
     return Plan(prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=float(temperature),
                 seed=_int(body, "seed", default=0, low=0, high=2**63 - 1), stream=stream,
-                include_usage=include_usage)
+                include_usage=include_usage,
+                sampling=_sampling(body, hf=hf, max_tokens=max_tokens, chat=chat, stream=stream),
+                tokens_as_ids=_bool(body, "return_tokens_as_token_ids"),
+                echo=_prompt(body) if not chat and _bool(body, "echo") else None)
+
+
+def _token_name(tokenizer: Any, token: int, tokens_as_ids: bool) -> str:
+    return f"token_id:{token}" if tokens_as_ids else tokenizer.decode([token])
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, -9999.0)  # JSON has no -inf
+
+
+def chat_logprobs(tokenizer: Any, ids: Sequence[int], entries: Sequence[TokenLogprob | None], *,
+                  tokens_as_ids: bool = False) -> dict[str, Any]:
+    """Chat's ``logprobs`` object for generated ``ids`` and their `TokenLogprob`s, as OpenAI and
+    vLLM shape it: ``content``, per token ``{token, logprob, bytes, top_logprobs: [{token,
+    logprob, bytes}]}`` (the requested number of most probable alternatives; ``bytes`` the
+    UTF-8 of ``token``). A token a tool forced has a null logprob and no alternatives; -inf
+    reads -9999.0."""
+    def entry(token: int, logprob: float | None) -> dict[str, Any]:
+        text = _token_name(tokenizer, token, tokens_as_ids)
+        return {"token": text, "logprob": None if logprob is None else _finite(logprob),
+                "bytes": list(text.encode("utf-8", errors="replace"))}
+    return {"content": [{**entry(token, None if lp is None else lp[0]),
+                         "top_logprobs": [] if lp is None else [entry(t, v) for t, v in lp[1]]}
+                        for token, lp in zip(ids, entries, strict=True)]}
+
+
+def completion_logprobs(tokenizer: Any, ids: Sequence[int], entries: Sequence[TokenLogprob | None],
+                        *, tokens_as_ids: bool = False, offset: int = 0) -> dict[str, Any]:
+    """The legacy completions' ``logprobs`` object for ``ids`` and their `TokenLogprob`s, as
+    vLLM builds it: per token its text (decoded alone; ``tokens_as_ids``: ``"token_id:<id>"``),
+    log probability, ``top_logprobs`` (the requested number of most probable tokens, and the
+    chosen one; tokens whose texts are the same, as byte-level tokens of one partial character
+    all read "\ufffd", keep the most probable one's value) and ``text_offset`` (where its text
+    starts: ``offset`` plus the previous tokens' lengths). A token a tool forced, or the first
+    of an echoed prompt, has null log probabilities; -inf is reported as -9999.0."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+    for token, entry in zip(ids, entries, strict=True):
+        text = _token_name(tokenizer, token, tokens_as_ids)
+        tokens.append(text)
+        text_offset.append(offset)
+        offset += len(text)
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        chosen, top = entry
+        token_logprobs.append(_finite(chosen))
+        alternatives: dict[str, float] = {}
+        for t, lp in (*top, (token, chosen)):  # most probable first
+            alternatives.setdefault(_token_name(tokenizer, t, tokens_as_ids), _finite(lp))
+        top_logprobs.append(alternatives)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
 
 
 def usage(gen: Generation, tool_calls: Sequence[Any] = (), scope: Scope | None = None) -> dict[str, Any]:
@@ -276,8 +426,10 @@ class _Call:
         # A stream's outcome for the metrics: its HTTP status (200) went out before the tokens, so
         # a generation that fails after it (a timeout, 503) ends as an event, counted as that code.
         self.stream_code = 200
+        self.prompt_ids: Sequence[int] = ()  # what its prompt tokenized to (echo's logprobs)
 
-    def chunk(self, *, text: str | None, finish: str | None, first: bool = False
+    def chunk(self, *, text: str | None, finish: str | None, first: bool = False,
+              stop_reason: str | int | None = None, logprobs: dict[str, Any] | None = None
               ) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
@@ -285,17 +437,32 @@ class _Call:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = stop_reason  # vLLM's: the stop string or token id, or null
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat
                 else "text_completion", "created": self.created, "model": self.hf.name,
                 "choices": [choice]}
 
-    def full(self, gen: Generation, tool_calls: Sequence[Any]) -> dict[str, Any]:
-        text = self.hf.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason}
+    def full(self, gen: Generation, tool_calls: Sequence[Any], *, tokens_as_ids: bool = False,
+             echo: str | None = None) -> dict[str, Any]:
+        text = (echo or "") + gen.text(self.hf.tokenizer)
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason,
+                                  "stop_reason": gen.stop_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if gen.logprobs is not None:
+                choice["logprobs"] = chat_logprobs(self.hf.tokenizer, gen.token_ids, gen.logprobs,
+                                                   tokens_as_ids=tokens_as_ids)
         else:
             choice["text"] = text
+            if gen.logprobs is not None:
+                ids, entries = gen.token_ids, gen.logprobs
+                if echo is not None:  # the prompt's tokens first (the first one's null)
+                    ids, entries = [*self.prompt_ids, *ids], [*(gen.prompt_logprobs or ()), *entries]
+                choice["logprobs"] = completion_logprobs(self.hf.tokenizer, ids, entries,
+                                                         tokens_as_ids=tokens_as_ids)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.hf.name, "choices": [choice],
                 "usage": usage(gen, tool_calls, self.scope)}
@@ -335,6 +502,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
                 raise ApiError(503, f"no result within {state.request_timeout_s:g} s") from None
             await inject_fault(state, gate)
             call = _Call(state, chat=chat, hf=hf, started=started, scope=request.get(request_guard.SCOPE))
+            call.prompt_ids = plan.prompt_ids
             handle = state.engine.submit(
                 plan.prompt_ids, max_tokens=plan.max_tokens, temperature=plan.temperature,
                 seed=plan.seed, timeout_s=state.request_timeout_s,
@@ -342,7 +510,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
                 max_tool_calls=MAX_TOOL_CALLS_PER_REQUEST,
                 allowed_experts=request_guard.allowed_experts(request),
                 request_id=request.headers.get("X-Request-Id", "")[:64] or call.id,
-                arrived=started)
+                arrived=started, sampling=plan.sampling)
             keep()  # the engine frees the slot when the request leaves its queue or batch
         if plan.stream:
             try:
@@ -367,7 +535,8 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         call.observe(gen)
         served = call.gate_version or served  # a version installed after admission may have served it
         code = 200
-        return web.json_response(call.full(gen, handle.tool_calls))
+        return web.json_response(call.full(gen, handle.tool_calls, tokens_as_ids=plan.tokens_as_ids,
+                                           echo=plan.echo))
     except ApiError as e:
         code = e.status
         raise
@@ -405,15 +574,38 @@ async def _send_events(request: web.Request, call: _Call, plan: Plan,
         await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
     if call.chat:
         await send(call.chunk(text=None, finish=None, first=True))
+    elif plan.echo is not None:
+        await send(call.chunk(text=plan.echo, finish=None))
     ids: list[int] = []
     sent = ""
+    stops = plan.sampling.stop
+    # With logprobs, each text chunk carries those of the tokens received since the last one.
+    lp_sent = lp_offset = 0
+
+    def logprobs() -> dict[str, Any] | None:
+        nonlocal lp_sent, lp_offset
+        if plan.sampling.logprobs is None or lp_sent == len(ids):
+            return None
+        new, entries = ids[lp_sent:], handle.logprobs[lp_sent:len(ids)]
+        lp_sent = len(ids)
+        if call.chat:
+            return chat_logprobs(hf.tokenizer, new, entries, tokens_as_ids=plan.tokens_as_ids)
+        out = completion_logprobs(hf.tokenizer, new, entries, tokens_as_ids=plan.tokens_as_ids,
+                                  offset=lp_offset)
+        lp_offset += sum(map(len, out["tokens"]))
+        return out
     async for token in _tokens(queue, task):
         ids.append(token)
-        text = hf.tokenizer.decode(ids, skip_special_tokens=True)
-        # Hold back a trailing partial UTF-8 character until its next byte arrives.
-        if len(text) > len(sent) and not text.endswith("\ufffd"):
-            await send(call.chunk(text=text[len(sent):], finish=None))
-            sent = text
+        if (stops or plan.sampling.stop_token_ids) and task.done():
+            # Its last token is queued: the text below cuts a stop string or stop token off.
+            continue
+        text = decode(hf.tokenizer, ids)
+        # Hold back a trailing partial UTF-8 character until its next byte arrives, and text
+        # that may be the start of a stop string (at most its length - 1 characters, as vLLM).
+        end = len(text) - _held(text, stops)
+        if end > len(sent) and not text[:end].endswith("\ufffd"):
+            await send(call.chunk(text=text[len(sent):end], finish=None, logprobs=logprobs()))
+            sent = text[:end]
     try:
         gen = task.result()
     except ApiError as e:
@@ -422,18 +614,29 @@ async def _send_events(request: web.Request, call: _Call, plan: Plan,
                               "code": None}})
     else:
         # The generation ended: what was held back (a partial character no byte will complete
-        # now) goes out as the non-streaming answer would show it.
-        text = hf.tokenizer.decode(ids, skip_special_tokens=True)
-        if len(text) > len(sent):
-            await send(call.chunk(text=text[len(sent):], finish=None))
+        # now, the start of a stop string that did not come) goes out as the non-streaming
+        # answer shows it: without the stop string or stop token that ended it.
+        text = gen.text(hf.tokenizer)
+        rest = logprobs()
+        if len(text) > len(sent) or rest is not None:
+            await send(call.chunk(text=text[len(sent):], finish=None, logprobs=rest))
         call.observe(gen)
-        await send(call.chunk(text=None if call.chat else "", finish=gen.finish_reason))
+        await send(call.chunk(text=None if call.chat else "", finish=gen.finish_reason,
+                              stop_reason=gen.stop_reason))
         if plan.include_usage:
             await send({**call.chunk(text=None, finish=None), "choices": [],
                         "usage": usage(gen, handle.tool_calls, call.scope)})
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+def _held(text: str, stops: Sequence[str]) -> int:
+    """How many characters at the end of ``text`` a stream holds back: the longest end of it
+    that a stop string starts with (shorter than that string), which the next tokens may
+    complete."""
+    return max((k for stop in stops for k in range(min(len(stop) - 1, len(text)), 0, -1)
+                if text.endswith(stop[:k])), default=0)
 
 
 async def _tokens(queue: asyncio.Queue[int], task: asyncio.Future[Any]) -> AsyncIterator[int]:

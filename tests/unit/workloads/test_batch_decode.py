@@ -3,13 +3,15 @@ built in code: batched tokens and usage equal each request decoded alone (prompt
 packed or two at a time), sequences join and leave between steps, and each step runs under one
 gate version (groups keyed by version)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from sparsegate_workload.batch_decode import BatchDecoder, DecodeRequest
 from sparsegate_workload.gateparams import DEFAULT_PARAMS, make_document
 from sparsegate_workload.hf import build_tiny_checkpoint
-from sparsegate_workload.hf_serving import HFServedModel, load
+from sparsegate_workload.hf_serving import HFServedModel, Sampling, load
 
 # capacityFactor 8 caps nothing (capacity = assignments), so a step's sequences never compete.
 DYNAMIC = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 1, "maxExpertsPerToken": 3,
@@ -70,6 +72,58 @@ def test_batched_tokens_and_usage_equal_each_request_alone(hf, per_step):
         assert got.dropped_assignments == solo.dropped_assignments == 0
         assert got.gate_version == DYNAMIC.version
     assert all(not s for s in sizes[-1:])  # every group gone once all ended
+
+
+def _with_sampling(hf, reqs):
+    """``reqs`` with a mix of sampling and stop parameters (`Sampling`): top_p / top_k on the
+    sampled ones, a stop token id or a stop string taken from its own solo decode on others."""
+    out = []
+    for req in reqs:
+        i = req.key
+        plain = _solo(hf, req).token_ids
+        text = hf.tokenizer.decode(plain[:3], skip_special_tokens=True)
+        options = [Sampling(top_p=0.6, logprobs=2), Sampling(top_k=3, top_p=0.95, logprobs=0), Sampling(stop_token_ids=frozenset({plain[2]}), prompt_logprobs=2),
+                   Sampling(stop=(text[-1],) if text and text[-1] != "\ufffd" else ()),
+                   Sampling(min_tokens=2, stop_token_ids=frozenset({plain[0], plain[1]}))][i % 5]
+        out.append(dataclasses.replace(req, sampling=options, max_tokens=req.max_tokens + 4))
+    return out
+
+
+@pytest.mark.parametrize("per_step", [2, 9])
+def test_batched_sampling_and_stops_equal_each_request_alone(hf, per_step):
+    """top_p / top_k draws, stop token ids, stop strings, min_tokens and (prompt) logprobs give each
+    sequence in a batch what it gets alone (`HFServedModel.generate`), and a stopped sequence
+    leaves at that step while the others go on."""
+    reqs = _with_sampling(hf, _requests(10))
+    tokens, gens, sizes = _drain(BatchDecoder(hf), reqs, per_step=per_step)
+    assert max(sum(s.values()) for s in sizes) >= 5
+    stopped = 0
+    for req in reqs:
+        solo = hf.generate(req.prompt_ids, max_tokens=req.max_tokens, temperature=req.temperature,
+                           seed=req.seed, sampling=req.sampling)
+        got = gens[req.key]
+        assert tokens[req.key] == got.token_ids == solo.token_ids, req
+        assert (got.finish_reason, got.stop_reason, got.text_end) == (
+            solo.finish_reason, solo.stop_reason, solo.text_end), req
+        assert got.expert_counts == solo.expert_counts
+        assert (got.logprobs is None) == (solo.logprobs is None) == (req.sampling.logprobs is None)
+        for (lp, top), (solo_lp, solo_top) in zip(got.logprobs or (), solo.logprobs or ()):
+            assert lp == pytest.approx(solo_lp, abs=1e-5) and len(top) == req.sampling.logprobs
+            assert [t for t, _ in top] == [t for t, _ in solo_top]
+        assert (got.prompt_logprobs is None) == (solo.prompt_logprobs is None)
+        if got.prompt_logprobs is not None:  # from the packed prefill's hidden states
+            assert len(got.prompt_logprobs) == len(req.prompt_ids) and got.prompt_logprobs[0] is None
+            for (lp, top), (solo_lp, solo_top) in zip(got.prompt_logprobs[1:], solo.prompt_logprobs[1:]):
+                assert lp == pytest.approx(solo_lp, abs=1e-5) and len(top) == 2
+        if got.stop_reason is not None:
+            stopped += 1
+            assert len(got.token_ids) < req.max_tokens
+            text = got.text(hf.tokenizer)
+            if isinstance(got.stop_reason, str):
+                assert got.stop_reason not in text
+            else:
+                assert got.token_ids[-1] == got.stop_reason
+    assert stopped >= 3
 
 
 def test_sequences_join_and_leave_between_steps(hf):

@@ -4,6 +4,7 @@ metrics, and a malformed checkpoint (unready with the file named; the entry poin
 A tiny random Mixtral checkpoint built in code (nothing downloaded), in-process aiohttp."""
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from sparsegate_workload.admin import StaticToken
 from sparsegate_workload.gateparams import DEFAULT_PARAMS, make_document
 from sparsegate_workload.hf import build_tiny_checkpoint
+from sparsegate_workload.hf_serving import Sampling
 from sparsegate_workload.server import STATE, create_admin_app, create_app, wait_ready
 from localcluster.ports import free_port
 
@@ -76,7 +78,7 @@ async def test_models_lists_the_checkpoint(client):
     assert card["parent"] is None and card["root"] and card["owned_by"] == "sparsegate"
     [perm] = card["permission"]
     assert perm["object"] == "model_permission" and perm["id"].startswith("modelperm-")
-    assert perm["allow_sampling"] is True and perm["allow_logprobs"] is False
+    assert perm["allow_sampling"] is True and perm["allow_logprobs"] is True
     assert perm["organization"] == "*" and perm["group"] is None and perm["is_blocking"] is False
     shape = (await (await client.get("/v1/model")).json())["model"]
     assert shape["family"] == "mixtral" and shape["experts"] == 8 and shape["tokenizer"] is True
@@ -263,15 +265,348 @@ async def test_a_lone_surrogate_escape_is_a_400_not_a_500(client, path, body, pa
 
 async def test_default_valued_fields_clients_send_are_accepted(client):
     """Chat's logprobs is a boolean whose default, false, clients send explicitly; the completions'
-    logprobs is a count whose default is null. Anything else is refused naming it."""
+    logprobs is a count (null: none), so false is refused there, naming it."""
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
-    resp = await client.post("/v1/chat/completions", json={**chat, "logprobs": False, "n": 1, "top_p": 1})
+    resp = await client.post("/v1/chat/completions", json={**chat, "logprobs": False, "n": 1, "top_p": 1,
+                                                           "top_logprobs": 0})
     assert resp.status == 200, await resp.text()
-    resp = await client.post("/v1/chat/completions", json={**chat, "logprobs": True})
+    resp = await client.post("/v1/chat/completions", json={**chat, "logprobs": "yes"})
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "logprobs"
     assert (await _complete(client, logprobs=None, echo=False)).status == 200
     resp = await _complete(client, logprobs=False)  # not a count
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "logprobs"
+
+
+def _greedy_texts(hf, prompt="the gate keeps", max_tokens=6):
+    """The greedy decode of ``prompt`` alone: its ids and the text after each of its tokens."""
+    ids = hf.generate(hf.tokenizer(prompt)["input_ids"], max_tokens=max_tokens).token_ids
+    return ids, [hf.tokenizer.decode(ids[:k], skip_special_tokens=True) for k in range(len(ids) + 1)]
+
+
+def _stop_at(texts):
+    """A token k >= 2 of the greedy text whose own text is whole characters, with a character not
+    seen before it: (k, the text before it, the text up to it)."""
+    for k in range(2, len(texts)):
+        before, after = texts[k - 1], texts[k]
+        added = after[len(before):]
+        if (after.startswith(before) and added.strip() and "\ufffd" not in after
+                and added.strip()[0] not in before):
+            return k, before, after
+    pytest.skip("the greedy text of the tiny checkpoint has no token to stop at")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_stop_string_cuts_the_text_and_ends_the_sequence_early(client, stream):
+    """The text ends before the stop string (not included, as OpenAI and vLLM), finish "stop",
+    vLLM's stop_reason names it, and the sequence stopped there: usage counts k tokens of 6."""
+    hf = client.server.app[STATE].hf
+    _, texts = _greedy_texts(hf)
+    k, before, after = _stop_at(texts)
+    stop = after[len(before):].strip()
+    expected = after[:after.index(stop)]
+    body = {"stop": [stop, "never in this text \u2603"]}
+    if not stream:
+        resp = await _complete(client, **body)
+        assert resp.status == 200, await resp.text()
+        answer = await resp.json()
+        [choice] = answer["choices"]
+        text, usage = choice["text"], answer["usage"]
+    else:
+        chunks = await _sse(await _complete(client, stream=True, stream_options={"include_usage": True},
+                                            **body))
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        choice, usage = chunks[-2]["choices"][0], chunks[-1]["usage"]
+    assert text == expected and stop not in text
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    assert usage["completion_tokens"] == k < 6
+    engine = client.server.app[STATE].engine
+    assert engine.running == 0 and engine.decoder.running == 0  # it left the batch
+    # A single string is a stop too; chat answers the same way.
+    resp = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 6,
+        "stop": "\u2603"})
+    assert resp.status == 200 and (await resp.json())["choices"][0]["stop_reason"] is None
+
+
+async def test_a_stream_holds_back_the_start_of_a_stop_string_split_across_tokens(client):
+    """A stop string whose first character ends token k-1 and whose rest starts token k: the
+    stream must not send that first character (it may be a stop's start) and never sends the
+    stop string; a held-back start that no stop completes goes out after all."""
+    hf = client.server.app[STATE].hf
+    _, texts = _greedy_texts(hf)
+    k, before, after = _stop_at(texts)
+    stop = before[-1] + after[len(before):][:2]
+    assert stop not in before and "\ufffd" not in stop
+    chunks = await _sse(await _complete(client, stream=True, stop=stop))
+    pieces = [c["choices"][0]["text"] for c in chunks]
+    assert "".join(pieces) == after[:after.index(stop)] == before[:-1]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # The same start held back, then released when the next token does not complete it.
+    whole = (await (await _complete(client)).json())["choices"][0]["text"]
+    unmatched = before[-1] + "\u2603\u2603"
+    chunks = await _sse(await _complete(client, stream=True, stop=unmatched))
+    pieces = [c["choices"][0]["text"] for c in chunks]
+    assert "".join(pieces) == whole and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert before not in itertools.accumulate(pieces)  # its last character was held back
+
+
+def test_a_stream_holds_back_only_what_may_start_a_stop_string():
+    from sparsegate_workload.openai_api import _held
+
+    assert _held("the end", ()) == 0
+    assert _held("the en", ("end",)) == 2 and _held("the e", ("end",)) == 1
+    assert _held("the x", ("end",)) == 0
+    assert _held("ab", ("abc", "bcd", "b")) == 2  # the longest wins; a 1-character stop holds nothing
+    assert _held("e", ("end",)) == 1 and _held("", ("end",)) == 0
+
+
+async def test_stop_token_ids_end_the_sequence_without_their_text(client):
+    hf = client.server.app[STATE].hf
+    ids, texts = _greedy_texts(hf)
+    stop_id = ids[2]
+    k = ids.index(stop_id) + 1
+    for stream in (False, True):
+        resp = await _complete(client, stop_token_ids=[stop_id, 5], stream=stream,
+                               **({"stream_options": {"include_usage": True}} if stream else {}))
+        if stream:
+            chunks = await _sse(resp)
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            choice, usage = chunks[-2]["choices"][0], chunks[-1]["usage"]
+        else:
+            answer = await resp.json()
+            choice, usage = answer["choices"][0], answer["usage"]
+            text = choice["text"]
+        assert text == texts[k - 1]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_id)
+        assert usage["completion_tokens"] == k
+
+
+async def test_ignore_eos_and_min_tokens(client):
+    """With the greedy first token made an end-of-sequence id: it ends the generation at once,
+    unless ignore_eos; min_tokens keeps it from being chosen before that many tokens."""
+    hf = client.server.app[STATE].hf
+    ids, texts = _greedy_texts(hf)
+    eos = hf.eos_ids
+    hf.eos_ids = frozenset({ids[0]})
+    try:
+        answer = await (await _complete(client)).json()
+        assert answer["choices"][0]["finish_reason"] == "stop" and answer["usage"]["completion_tokens"] == 1
+        assert answer["choices"][0]["stop_reason"] is None
+        answer = await (await _complete(client, ignore_eos=True)).json()
+        assert answer["choices"][0]["text"] == texts[6] and answer["usage"]["completion_tokens"] == 6
+        answer = await (await _complete(client, min_tokens=3, max_tokens=8)).json()
+        prompt = hf.tokenizer("the gate keeps")["input_ids"]
+        direct = hf.generate(prompt, max_tokens=8, sampling=Sampling(min_tokens=3))
+        assert ids[0] not in direct.token_ids[:3] and direct.token_ids[0] != ids[0]
+        assert answer["usage"]["completion_tokens"] == len(direct.token_ids)
+        assert answer["choices"][0]["text"] == direct.text(hf.tokenizer)
+    finally:
+        hf.eos_ids = eos
+
+
+async def test_top_k_1_and_a_tiny_top_p_are_greedy_at_temperature_1(client):
+    greedy = (await (await _complete(client, max_tokens=12)).json())["choices"][0]["text"]
+    for seed in (1, 2, 3):
+        sampled = (await (await _complete(client, max_tokens=12, temperature=1, seed=seed)).json())
+        assert sampled["choices"][0]["text"] != greedy  # sampling is not greedy by itself
+        for body in ({"top_k": 1}, {"top_p": 1e-6}, {"top_k": 1, "top_p": 0.5}):
+            resp = await _complete(client, max_tokens=12, temperature=1, seed=seed, **body)
+            assert resp.status == 200, await resp.text()
+            assert (await resp.json())["choices"][0]["text"] == greedy, body
+
+
+async def test_seeded_top_p_and_top_k_sampling_is_the_same_batched_or_alone(client):
+    """Each request sampled with top_p / top_k gives the same text alone and batched with the
+    others, equal to the solo reference (hf.generate), and differs from unnarrowed sampling."""
+    hf = client.server.app[STATE].hf
+    prompt = hf.tokenizer("the gate keeps")["input_ids"]
+    bodies = [{"seed": s, "top_p": p, "top_k": k} for s in (1, 2, 3) for p, k in ((0.5, -1), (0.9, 5))]
+    alone = [(await (await _complete(client, max_tokens=10, temperature=1, **b)).json())["choices"][0]["text"]
+             for b in bodies]
+    together = await asyncio.gather(*[_complete(client, max_tokens=10, temperature=1, **b) for b in bodies])
+    assert [(await r.json())["choices"][0]["text"] for r in together] == alone
+    for b, text in zip(bodies, alone):
+        direct = hf.generate(prompt, max_tokens=10, temperature=1, seed=b["seed"],
+                             sampling=Sampling(top_p=b["top_p"], top_k=max(b["top_k"], 0)))
+        assert text == direct.text(hf.tokenizer)
+    plain = [(await (await _complete(client, max_tokens=10, temperature=1, seed=s)).json())["choices"][0]["text"]
+             for s in (1, 2, 3)]
+    assert plain != alone[0::2]  # top_p 0.5 narrowed the draws
+
+
+@pytest.mark.parametrize("body", [
+    {"stop": "x"}, {"stop": ["a", "b", "c", "d"]}, {"stop": []}, {"stop": None},
+    {"top_p": 0.3}, {"top_p": 1}, {"top_k": -1}, {"top_k": 0}, {"top_k": 400},
+    {"stop_token_ids": []}, {"stop_token_ids": [0, 383]}, {"ignore_eos": False},
+    {"ignore_eos": True}, {"min_tokens": 0}, {"min_tokens": 6}, {"logprobs": 0}, {"logprobs": 20},
+    {"echo": True}, {"echo": True, "logprobs": 2}, {"echo": False},
+])
+async def test_sampling_and_stop_fields_are_accepted(client, body):
+    resp = await _complete(client, temperature=0.7, **body)
+    assert resp.status == 200, await resp.text()
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"stop": ""}, "stop"),
+    ({"stop": ["a", ""]}, "stop"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [1]}, "stop"),
+    ({"stop": {"a": 1}}, "stop"),
+    ({"stop": "a \ud800"}, "stop"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": "0.5"}, "top_p"),
+    ({"top_p": True}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"top_k": True}, "top_k"),
+    ({"stop_token_ids": 5}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": [384]}, "stop_token_ids"),  # the tiny vocabulary is 384
+    ({"stop_token_ids": [True]}, "stop_token_ids"),
+    ({"stop_token_ids": ["5"]}, "stop_token_ids"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"ignore_eos": 1}, "ignore_eos"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 7}, "min_tokens"),  # over max_tokens (6)
+    ({"min_tokens": 1.0}, "min_tokens"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": 2, "stream": True, "echo": True}, "logprobs"),  # the prompt's: not in a stream
+    ({"return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids"),
+    ({"echo": 1}, "echo"),
+])
+async def test_bad_sampling_and_stop_values_name_the_parameter(client, body, param):
+    resp = await _complete(client, **body)
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+@pytest.mark.parametrize("temperature", [0, 1])
+async def test_completion_logprobs_are_the_model_s_log_softmax(client, temperature):
+    """logprobs n: per generated token its log probability under the model's raw logits (one
+    forward over prompt + generated text recomputes them), its n most probable alternatives
+    plus itself, and its text and offset, as vLLM's legacy completions answer (tokens named
+    "token_id:<id>" with return_tokens_as_token_ids, as vLLM: byte-level tokens of a partial
+    character all read "\ufffd")."""
+    hf = client.server.app[STATE].hf
+    body = {"logprobs": 3, "temperature": temperature, "seed": 4, "max_tokens": 8}
+    answer = await (await _complete(client, return_tokens_as_token_ids=True, **body)).json()
+    lp = answer["choices"][0]["logprobs"]
+    n = answer["usage"]["completion_tokens"]
+    assert n == 8 and all(len(lp[k]) == n for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset"))
+    prompt = hf.tokenizer("the gate keeps")["input_ids"]
+    direct = hf.generate(prompt, max_tokens=8, temperature=temperature, seed=4,
+                         sampling=Sampling(logprobs=3))
+    ids = direct.token_ids
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids]
+    with torch.inference_mode():
+        logits = hf.lm.model(input_ids=torch.tensor([prompt + ids])).logits[0].float()
+    expected = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    for i, t in enumerate(ids):
+        assert lp["token_logprobs"][i] == pytest.approx(float(expected[i, t]), abs=1e-4)
+        top = lp["top_logprobs"][i]
+        assert 3 <= len(top) <= 4 and top[f"token_id:{t}"] == lp["token_logprobs"][i]
+        best = expected[i].topk(3)
+        for tok, value in zip(best.indices.tolist(), best.values.tolist()):
+            assert top[f"token_id:{tok}"] == pytest.approx(value, abs=1e-4)
+        if temperature == 0:  # greedy chose the most probable token
+            assert lp["token_logprobs"][i] == max(top.values())
+    # By text (the default): each token decoded alone, offsets summing their lengths.
+    texts = (await (await _complete(client, **body)).json())["choices"][0]["logprobs"]
+    assert texts["token_logprobs"] == lp["token_logprobs"]
+    assert texts["tokens"] == [hf.tokenizer.decode([t]) for t in ids]
+    assert texts["text_offset"] == list(itertools.accumulate([0] + [len(t) for t in texts["tokens"][:-1]]))
+    # logprobs 0: the chosen token only; without logprobs: null as before.
+    zero = (await (await _complete(client, logprobs=0)).json())["choices"][0]["logprobs"]
+    assert all(len(top) == 1 for top in zero["top_logprobs"])
+    assert (await (await _complete(client)).json())["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("stop", [None, "\u2603"])
+async def test_streamed_logprobs_are_the_non_streamed_ones_chunk_by_chunk(client, chat, stop):
+    """Each text chunk carries the logprobs of the tokens received since the one before; joined,
+    they are the non-streamed answer's (text offsets continuing across chunks)."""
+    if chat:
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                              "logprobs": True, "top_logprobs": 2}
+    else:
+        path, body = "/v1/completions", {"prompt": "the gate keeps", "logprobs": 2}
+    body = {**body, "max_tokens": 10, "temperature": 1, "seed": 3, "stop": stop}
+    whole = (await (await client.post(path, json=body)).json())["choices"][0]["logprobs"]
+    chunks = await _sse(await client.post(path, json={**body, "stream": True}))
+    parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0].get("logprobs")]
+    if chat:
+        assert [t for p in parts for t in p["content"]] == whole["content"]
+    else:
+        assert {k: [x for p in parts for x in p[k]] for k in whole} == whole
+    assert len(parts) > 1 or stop  # really streamed (with a stop string: all at the end)
+
+
+async def test_chat_logprobs_in_chat_s_shape(client):
+    """Chat's logprobs: true with top_logprobs n: content[] per generated token with its token,
+    logprob, bytes and n alternatives; the same values as /v1/completions gives the same prompt."""
+    hf = client.server.app[STATE].hf
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0}
+    answer = await (await client.post("/v1/chat/completions",
+                                      json={**chat, "logprobs": True, "top_logprobs": 2})).json()
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert len(content) == answer["usage"]["completion_tokens"] == 5
+    prompt = hf.tokenizer("user: hi\nassistant:")["input_ids"]
+    direct = hf.generate(prompt, max_tokens=5, sampling=Sampling(logprobs=2))
+    for item, token, (lp, top) in zip(content, direct.token_ids, direct.logprobs):
+        text = hf.tokenizer.decode([token])
+        assert item["token"] == text and item["bytes"] == list(text.encode())
+        assert item["logprob"] == pytest.approx(lp, abs=1e-5)
+        assert [a["token"] for a in item["top_logprobs"]] == [hf.tokenizer.decode([t]) for t, _ in top]
+        assert item["logprob"] == pytest.approx(item["top_logprobs"][0]["logprob"])  # greedy
+    plain = await (await client.post("/v1/chat/completions", json=chat)).json()
+    assert plain["choices"][0]["logprobs"] is None
+    for body, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                        ({"logprobs": "yes"}, "logprobs")):
+        resp = await client.post("/v1/chat/completions", json={**chat, **body})
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == param, body
+
+
+async def test_echo_with_logprobs_gives_the_prompt_s_log_likelihood(client):
+    """lm-evaluation-harness's log-likelihood request (echo, logprobs 1, max_tokens 1): the text
+    starts with the prompt and the logprobs with the prompt's tokens (the first one's null), each
+    its log probability given the ones before it; batched (packed prefills) as alone."""
+    hf = client.server.app[STATE].hf
+    prompts = ["the gate keeps", "experts route tokens to the few that fit", "a"]
+    body = {"echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    alone = [await (await _complete(client, prompt=p, **body)).json() for p in prompts]
+    together = await asyncio.gather(*[_complete(client, prompt=p, **body) for p in prompts])
+    for p, one, resp in zip(prompts, alone, together):
+        ids = hf.tokenizer(p)["input_ids"]
+        [choice] = one["choices"]
+        gen = hf.generate(ids, max_tokens=1)
+        assert choice["text"] == p + hf.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        lp = choice["logprobs"]
+        assert lp["tokens"] == [hf.tokenizer.decode([t]) for t in ids + gen.token_ids]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        with torch.inference_mode():
+            logits = hf.lm.model(input_ids=torch.tensor([ids + gen.token_ids])).logits[0].float()
+        expected = torch.log_softmax(logits[:-1], dim=-1)
+        want = [float(expected[i, t]) for i, t in enumerate((ids + gen.token_ids)[1:])]
+        assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
+        assert all(1 <= len(top) <= 2 for top in lp["top_logprobs"][1:])
+        batched = (await resp.json())["choices"][0]
+        assert batched["text"] == choice["text"]
+        assert batched["logprobs"]["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-5)
+    # Echo alone (no logprobs), streamed: the prompt first, then the generated text.
+    whole = (await (await _complete(client, echo=True)).json())["choices"][0]["text"]
+    chunks = await _sse(await _complete(client, echo=True, stream=True))
+    assert chunks[0]["choices"][0]["text"] == "the gate keeps"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole
+    assert whole.startswith("the gate keeps") and len(whole) > len("the gate keeps")
+    # Chat has no echo here.
+    resp = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "echo": True})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "echo"
 
 
 async def test_infer_keeps_its_shape_on_a_checkpoint(client):
