@@ -7,7 +7,8 @@ conftests by name).
   ``namespace``/``pod``/``container``/``endpoint``/``job`` target labels; then the endpoint's own
   relabelings; ``honorLabels``, interval, path). No Prometheus Operator runs here; only the
   fields the chart's PodMonitors use are translated, anything else fails loudly.
-* :class:`Prometheus`: the real ``prometheus`` binary with a config the test writes.
+* :class:`Prometheus`: the real ``prometheus`` binary with a config the test writes (scrape jobs,
+  and the chart's PrometheusRule groups as a rules file): queries, targets, rules and alerts.
 """
 
 from __future__ import annotations
@@ -128,6 +129,18 @@ class Prometheus:
 
     def targets(self) -> list[dict[str, Any]]:
         return self._get("/api/v1/targets", state="active")["data"]["activeTargets"]
+
+    def rules(self) -> list[dict[str, Any]]:
+        """Every loaded rule (``/api/v1/rules``), each with its group's name as ``group``."""
+        body = self._get("/api/v1/rules")
+        assert body["status"] == "success", body
+        return [dict(r, group=g["name"]) for g in body["data"]["groups"] for r in g["rules"]]
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """Pending and firing alerts (``/api/v1/alerts``)."""
+        body = self._get("/api/v1/alerts")
+        assert body["status"] == "success", body
+        return body["data"]["alerts"]
 
     def stop(self) -> None:
         stop(self.proc)

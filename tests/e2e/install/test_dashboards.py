@@ -19,6 +19,12 @@ when one rollout runs to completion and a second is held at its first step (50 %
 one stable), then every panel query of the ConfigMap the chart renders — with the dashboard
 variables set to the test's namespace, GateConfig and model — returns at least one series, and
 the canary-vs-stable panels return both roles.
+
+The same Prometheus loads the chart's PrometheusRule (``monitoring.prometheusRule``, its
+``spec.groups`` as a rules file): every rule evaluates with health ``ok`` on these real series and
+every alert's expression is a query Prometheus answers (most return nothing: alerts are quiet when
+healthy); two alerts whose thresholds this test sets to 0 (p99 time to first token, XDP map
+pressure) fire for the test's SparseModel and for the agent's ``flows`` map.
 """
 
 from __future__ import annotations
@@ -76,6 +82,21 @@ def dashboard_from_chart(stack: Stack) -> dict:
     (cm,) = [d for d in rendered(stack, "--set", "monitoring.dashboards.enabled=true")
              if d["kind"] == "ConfigMap" and (d["metadata"].get("labels") or {}).get("grafana_dashboard") == "1"]
     return json.loads(cm["data"]["sparsegate.json"])
+
+
+# Test-only thresholds: conditions the test causes (tokens are generated; the agent tracks flows).
+FORCED_ALERTS = {"SparsegateModelServerTimeToFirstTokenHigh": "modelServerTimeToFirstTokenHigh",
+                 "SparsegateXdpMapPressureHigh": "xdpMapPressure"}
+
+
+def prometheus_rule(stack: Stack) -> dict:
+    """The chart's PrometheusRule, with the FORCED_ALERTS at threshold 0 and `for` 0s."""
+    sets = ["--set", "monitoring.prometheusRule.enabled=true"]
+    for key in FORCED_ALERTS.values():
+        sets += ["--set", f"monitoring.prometheusRule.alerts.{key}.threshold=0",
+                 "--set", f"monitoring.prometheusRule.alerts.{key}.for=0s"]
+    (rule,) = [d for d in rendered(stack, *sets) if d["kind"] == "PrometheusRule"]
+    return rule
 
 
 def pod_monitors(stack: Stack) -> dict[str, dict]:
@@ -203,6 +224,46 @@ def wait_rollout(stack: Stack, ns: str, what: str, done, timeout_s: float = 150)
         pytest.fail(f"{exc}; last status.rollout: {json.dumps(rollout(stack, ns))[:1500]}")
 
 
+# ---------------------------------------------------------------- the alert rules
+
+
+def check_alert_rules(prom: Prometheus, chart_rules: list[dict], ns: str) -> list[dict]:
+    """Every chart rule loaded and evaluated with health ok; every alert's expression answered; the
+    forced alerts firing for the test's objects. Returns the active alerts."""
+    forced: dict[str, list[dict]] = {}
+
+    def evaluated_and_forced_firing() -> bool:
+        rules = prom.rules()
+        assert len(rules) == len(chart_rules), [r["name"] for r in rules]
+        bad = [(r["name"], r.get("lastError")) for r in rules if r["health"] == "err"]
+        assert bad == [], f"rules that failed to evaluate: {bad}"
+        forced.clear()
+        for a in prom.alerts():
+            if a["labels"]["alertname"] in FORCED_ALERTS and a["state"] == "firing":
+                forced.setdefault(a["labels"]["alertname"], []).append(a)
+        return all(r["health"] == "ok" for r in rules) and set(forced) == set(FORCED_ALERTS)
+
+    try:
+        wait_for(evaluated_and_forced_firing, what="every chart rule evaluated ok and the forced alerts firing",
+                 timeout_s=60, interval_s=1.0)
+    except AssertionError as exc:
+        pytest.fail(f"{exc}; firing: {sorted(forced)}; rules: "
+                    f"{[(r['name'], r['health'], r.get('lastError')) for r in prom.rules()]}")
+    assert {r["name"] for r in prom.rules()} == {r.get("alert") or r.get("record") for r in chart_rules}
+    for r in chart_rules:
+        prom.query(r["expr"])  # asserts Prometheus answers it (an empty answer is fine)
+    ttft = forced["SparsegateModelServerTimeToFirstTokenHigh"]
+    assert {(a["labels"]["namespace"], a["labels"]["model"]) for a in ttft} == {(ns, MODEL)}, ttft
+    assert any(a["annotations"]["summary"] == f"SparseModel {ns}/{MODEL}: p99 time to first token high" for a in ttft)
+    pressure = {a["labels"]["map"]: a for a in forced["SparsegateXdpMapPressureHigh"] if a["labels"].get("node") == "local"}
+    assert "flows" in pressure, forced["SparsegateXdpMapPressureHigh"]
+    assert pressure["flows"]["annotations"]["summary"] == "sparsegate node agent on local: XDP map flows nearly full"
+    active = prom.alerts()
+    log(f"{len(chart_rules)} chart rules evaluated ok; active alerts: "
+        f"{sorted({(a['labels']['alertname'], a['state']) for a in active})}")
+    return active
+
+
 # ---------------------------------------------------------------- the test
 
 
@@ -217,6 +278,10 @@ def test_every_dashboard_query_returns_series(stack: Stack, stack_namespace: str
     queries = grafana_dashboard.panel_queries(dash)
     monitors = pod_monitors(stack)
     assert set(monitors) == {f"{RELEASE}-operator", f"{RELEASE}-models"}, set(monitors)
+    alert_rule = prometheus_rule(stack)
+    rules_file = tmp_path / "sparsegate.rules.yml"
+    rules_file.write_text(json.dumps({"groups": alert_rule["spec"]["groups"]}))  # JSON is YAML
+    chart_rules = [r for g in alert_rule["spec"]["groups"] for r in g["rules"]]
 
     # Given: a GateConfig and a two-pod SparseModel, both pods serving. Analysis bounds are wide: the
     # built-in model has random weights, so a gate change moves its perplexity a lot (this test is
@@ -242,6 +307,7 @@ def test_every_dashboard_query_returns_series(stack: Stack, stack_namespace: str
     # Given: Prometheus scraping through the chart's PodMonitors, and the agent's address.
     kubeconfig = stack.cluster.kubeconfig
     config = {"global": {"scrape_interval": SCRAPE, "scrape_timeout": SCRAPE, "evaluation_interval": SCRAPE},
+              "rule_files": [str(rules_file)],  # a rule Prometheus cannot parse fails its start
               "scrape_configs": [job for pm in monitors.values()
                                  for job in podmonitor_scrape_configs(pm, kubeconfig=kubeconfig)]
                                 + [{"job_name": "agent", "static_configs": [{"targets": [agent_address],
@@ -292,6 +358,9 @@ def test_every_dashboard_query_returns_series(stack: Stack, stack_namespace: str
                     if t["health"] != "up"]
             pytest.fail(f"queries with no series: {empty}\ntargets not up: {down}\n"
                         f"prometheus log: {prom.log.read_text()[-2000:]}")
+
+        # Then: the chart's alert rules, on the same series.
+        check_alert_rules(prom, chart_rules, ns)
     finally:
         load.stop()
         completions.stop()

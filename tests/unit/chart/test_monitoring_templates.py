@@ -1,5 +1,6 @@
 """The chart's monitoring templates (Grafana dashboard ConfigMap, ServiceMonitors, PodMonitors)
-through the real helm binary, and every dashboard query parsed by a real Prometheus server.
+through the real helm binary, and every dashboard query parsed by a real Prometheus server (the
+PrometheusRule's alerts: test_prometheus_rule.py).
 
 Fails (never skips) when helm or prometheus is missing: build them with
 ``dev/setup/binaries.sh helm prometheus``.
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "sparsegate"
 BIN = Path(os.environ.get("SPARSEGATE_BIN", Path.home() / ".cache" / "sparsegate" / "bin"))
 
-MONITOR_KINDS = ("ServiceMonitor", "PodMonitor")
+MONITOR_KINDS = ("ServiceMonitor", "PodMonitor", "PrometheusRule")
 # Values a Grafana user would pick; $__rate_interval/$__range as Grafana computes them for 1 h.
 VARIABLES = {"datasource": "prom", "namespace": "team-a", "gateconfig": "gate", "model": ".*",
              "__rate_interval": "1m", "__range": "1h"}
@@ -431,4 +432,5 @@ def test_the_monitoring_scenario_renders_every_kind():
     out = helm("template", "rel", str(CHART), "-f", str(CHART / "ci" / "monitoring-values.yaml")).stdout
     kinds = [(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(out) if d]
     assert {("ServiceMonitor", "rel-sparsegate-operator"), ("ServiceMonitor", "rel-sparsegate-models"),
-            ("PodMonitor", "rel-sparsegate-agent"), ("ConfigMap", "rel-sparsegate-dashboards")} <= set(kinds)
+            ("PodMonitor", "rel-sparsegate-agent"), ("ConfigMap", "rel-sparsegate-dashboards"),
+            ("PrometheusRule", "rel-sparsegate")} <= set(kinds)

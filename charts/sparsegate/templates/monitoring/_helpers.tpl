@@ -68,3 +68,21 @@ matchLabels:
 {{- end }}
 {{- $ms -}}
 {{- end -}}
+
+{{/* One alerting rule of the PrometheusRule, or nothing when its monitoring.prometheusRule.alerts
+     entry is off: name, a (the entry: enabled, for, severity), expr, summary, description (Prometheus
+     templates, passed through as they are). */}}
+{{- define "sparsegate.prometheusRule.alert" -}}
+{{- if .a.enabled }}
+- alert: {{ .name }}
+  expr: {{ .expr | quote }}
+  {{- with index .a "for" }}
+  for: {{ . }}
+  {{- end }}
+  labels:
+    severity: {{ .a.severity | quote }}
+  annotations:
+    summary: {{ .summary | quote }}
+    description: {{ .description | quote }}
+{{- end }}
+{{- end -}}
