@@ -9,16 +9,24 @@ With a token (the chart's OPA sidecar runs `--authentication=token --authorizati
 request carries `Authorization: Bearer <token>`. OPA answers a missing or wrong token with 401: that
 is `OpaUnavailable` too (fail closed, retry), not `OpaRejected` — the policy is fine, and the token
 comes right again once both containers read the same Secret (e.g. after a restart).
+
+Every call is counted by operation and result (`sparsegate_opa_requests_total`), timed
+(`sparsegate_opa_request_duration_seconds`), and `sparsegate_opa_available` says whether the latest
+one reached OPA (0 after `OpaUnavailable`): the series the chart's `SparsegateOpaUnavailable` alert reads,
+since the operator fails closed without anything else to show for it but conditions and log lines.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Mapping, Sequence
+import functools
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+import prometheus_client
 import requests
 from opa_client import OpaClient
 from opa_client.errors import (
@@ -48,6 +56,48 @@ class OpaUnavailable(Exception):
 
 class OpaRejected(Exception):
     """OPA refused what we sent (a Rego compile error, a malformed document)."""
+
+
+REQUESTS = prometheus_client.Counter(
+    "sparsegate_opa_requests_total",
+    "The operator's calls to OPA by operation and result: ok; not_found (no such policy); "
+    "rejected (a 4xx: OPA refused what was sent); unavailable (unreachable, a 5xx, the token "
+    "refused, an undefined or malformed answer: the operator fails closed); error (anything else)",
+    ["operation", "result"])
+SECONDS = prometheus_client.Histogram(
+    "sparsegate_opa_request_duration_seconds", "Duration of the operator's calls to OPA, by operation",
+    ["operation"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+AVAILABLE = prometheus_client.Gauge(
+    "sparsegate_opa_available",
+    "1 if the operator's latest call to OPA reached it (whatever OPA answered), 0 if it was "
+    "OpaUnavailable (the operator fails closed); absent before the first call")
+
+_RESULTS = ((OpaUnavailable, "unavailable"), (OpaRejected, "rejected"), (PolicyNotFoundError, "not_found"))
+A = TypeVar("A", bound=Callable[..., Awaitable[Any]])
+
+
+def _observed(operation: str) -> Callable[[A], A]:
+    """Count, time and mark availability for one public call of `RoutingOpa` (its result as the
+    caller sees it: an undefined answer raised after the HTTP call counts as unavailable too)."""
+    def wrap(fn: A) -> A:
+        @functools.wraps(fn)
+        async def observed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            result = "error"
+            try:
+                value = await fn(*args, **kwargs)
+                result = "ok"
+                return value
+            except Exception as e:
+                result = next((r for kind, r in _RESULTS if isinstance(e, kind)), "error")
+                raise
+            finally:
+                SECONDS.labels(operation).observe(time.perf_counter() - start)
+                REQUESTS.labels(operation, result).inc()
+                if result != "error":  # a bug of ours says nothing about OPA
+                    AVAILABLE.set(0 if result == "unavailable" else 1)
+        return observed  # type: ignore[return-value]
+    return wrap
 
 
 # OPA's error `code` when its authorization policy (system.authz) denies a request.
@@ -115,6 +165,7 @@ class RoutingOpa:
         self._client.close_connection()
         self._thread.shutdown(wait=False, cancel_futures=True)
 
+    @_observed("check")
     async def check(self) -> None:
         await self._call(self._client.check_connection)
 
@@ -129,10 +180,12 @@ class RoutingOpa:
             raise OpaUnavailable(f"OPA at {self.url}: malformed answer for {path}: {repr(body)[:80]}")
         return body.get("result")
 
+    @_observed("revision")
     async def revision(self) -> str | None:
         """The data revision, as seen through the policy: None when either is missing (fresh OPA)."""
         return await self._call(self._read, f"{OPA_PACKAGE.replace('.', '/')}/data_revision")
 
+    @_observed("push")
     async def push(self, *, rego: str, data: Mapping[str, Any]) -> None:
         """Policy first, then data (whose `revision` thereby marks a complete push). PUTs: idempotent.
         Raw, not `update_policy_from_string`: that one reads every non-200 answer (a 500 too) as a
@@ -146,6 +199,7 @@ class RoutingOpa:
 
         await self._call(put)
 
+    @_observed("loaded_policies")
     async def loaded_policies(self) -> dict[str, dict[str, Any]]:
         """`data.sparsegate.policies.policies`: {"<ns>/<name>": {"generation", "rules"}} as OPA has it."""
         result = await self._call(self._read, f"{OPA_DATA_PATH}/policies")
@@ -153,11 +207,13 @@ class RoutingOpa:
             raise OpaUnavailable(f"OPA at {self.url}: malformed answer for the loaded policies: {repr(result)[:80]}")
         return result or {}
 
+    @_observed("decide")
     async def decide(self, opa_input: Mapping[str, Any]) -> dict[str, Any]:
         """One decision (`data.sparsegate.routing.decision`)."""
         body = await self._call(self._client.query_rule, dict(opa_input), OPA_PACKAGE, "decision")
         return body.get("result") or {}
 
+    @_observed("flow_decisions")
     async def flow_decisions(self, flow_input: Mapping[str, Any]) -> dict[str, list[Any]]:
         """Every decision of the allow-list in one evaluation (`data.sparsegate.routing.flow_decisions`,
         input from `domain.policy_compile.flow_question`): one POST instead of one per `BATCH` questions.
@@ -190,7 +246,11 @@ class RoutingOpa:
     async def decide_many(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Decisions for many inputs, in input order, `BATCH` per round trip through the policy's
         `batch_decisions` rule (compiled once, unlike `bulk_query_rule`'s ad-hoc query that inlines
-        every input: measured ~10x slower here)."""
+        every input: measured ~10x slower here). No inputs: no call (nothing counted)."""
+        return await self._decide_batches(inputs) if inputs else []
+
+    @_observed("decide_many")
+    async def _decide_batches(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         results: list[dict[str, Any]] = []
         for start in range(0, len(inputs), BATCH):
             chunk = [dict(i) for i in inputs[start : start + BATCH]]

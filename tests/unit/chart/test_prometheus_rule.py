@@ -237,7 +237,7 @@ def test_one_prometheus_rule_with_the_labels_namespace_and_groups():
     assert [g["name"] for g in rule["spec"]["groups"]] == [
         "sparsegate-operator", "sparsegate-rollouts", "sparsegate-model-server", "sparsegate-agent"]
     found = alerts(rule)
-    assert len(found) == 18, sorted(found)
+    assert len(found) == 19, sorted(found)
     for name, r in found.items():
         assert name.startswith("Sparsegate") and r["expr"].strip(), name
         assert r["labels"]["severity"] in {"critical", "warning"}, name
@@ -400,6 +400,7 @@ def _broken(elapsed: float) -> str:
         *(f'sparsegate_operator_reconcile_duration_seconds_bucket{{{op},kind="SparseModel",le="{le}"}} {n}'
           for le, n in (("60", 0), ("120", t), ("+Inf", t))),
         f'sparsegate_flow_policy_too_large{{{op}}} 1',
+        f'sparsegate_opa_available{{{op}}} 0',
         f'sparsegate_access_pushes_total{{{op},result="ok"}} {t}',
         f'sparsegate_access_pushes_total{{{op},result="error"}} {t}',
         f'sparsegate_rollout_gate_pushes_total{{{op},result="ok"}} {t}',

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from sparsegate.clients.opa import OpaUnavailable, RoutingOpa, address
+from sparsegate.clients.opa import OpaRejected, OpaUnavailable, RoutingOpa, address
 
 
 def test_address_from_url() -> None:
@@ -181,3 +181,62 @@ async def test_a_server_error_is_opa_unavailable_never_nothing_loaded_or_a_rejec
     finally:
         opa.close()
         fake.close()
+
+
+def _sample(name: str, **labels: str) -> float | None:
+    from prometheus_client import REGISTRY
+    return REGISTRY.get_sample_value(name, labels)
+
+
+async def test_calls_are_counted_timed_and_mark_opa_available_or_not() -> None:
+    """`sparsegate_opa_available` follows the latest call (the chart's SparsegateOpaUnavailable
+    alert reads it); results by kind, an undefined answer counted unavailable like a dead OPA,
+    and an empty decide_many, which asks nothing, counts nothing."""
+    def count(operation: str, result: str) -> float:
+        return _sample("sparsegate_opa_requests_total", operation=operation, result=result) or 0.0
+
+    timed = _sample("sparsegate_opa_request_duration_seconds_count", operation="check") or 0.0
+    before = {k: count(*k) for k in [("check", "ok"), ("check", "unavailable"), ("flow_decisions", "unavailable"),
+                                     ("decide_many", "ok"), ("push", "rejected")]}
+    fake = _RecordingOpa(token="s3cret")
+    opa = RoutingOpa(url=fake.url, token="s3cret", retries=0)
+    dead = RoutingOpa(url=f"http://127.0.0.1:{_closed_port()}", timeout=0.5, retries=0)
+    undefined = _RecordingOpa(token="s3cret", flow_body={})
+    opa_undefined = RoutingOpa(url=undefined.url, token="s3cret", retries=0)
+    try:
+        await opa.check()
+        assert _sample("sparsegate_opa_available") == 1.0
+        with pytest.raises(OpaUnavailable):
+            await dead.check()
+        assert _sample("sparsegate_opa_available") == 0.0
+        await opa.decide_many([{"source": {}, "target": {}}])
+        assert _sample("sparsegate_opa_available") == 1.0
+        with pytest.raises(OpaUnavailable):
+            await opa_undefined.flow_decisions({"one": [], "classes": [], "models": [], "many": []})
+        assert _sample("sparsegate_opa_available") == 0.0
+        assert await dead.decide_many([]) == []  # no call: availability unchanged, nothing counted
+        assert _sample("sparsegate_opa_available") == 0.0
+    finally:
+        for o in (opa, dead, opa_undefined):
+            o.close()
+        fake.close()
+        undefined.close()
+    assert count("check", "ok") - before[("check", "ok")] == 1
+    assert count("check", "unavailable") - before[("check", "unavailable")] == 1
+    assert count("flow_decisions", "unavailable") - before[("flow_decisions", "unavailable")] == 1
+    assert count("decide_many", "ok") - before[("decide_many", "ok")] == 1
+    assert (_sample("sparsegate_opa_request_duration_seconds_count", operation="check") or 0.0) - timed == 2
+
+
+async def test_a_rejected_push_counts_rejected_and_opa_as_reached() -> None:
+    fake = _RecordingOpa(token="s3cret", server_error=400)
+    opa = RoutingOpa(url=fake.url, token="s3cret", retries=0)
+    before = _sample("sparsegate_opa_requests_total", operation="push", result="rejected") or 0.0
+    try:
+        with pytest.raises(OpaRejected):
+            await opa.push(rego="package sparsegate.routing", data={})
+    finally:
+        opa.close()
+        fake.close()
+    assert (_sample("sparsegate_opa_requests_total", operation="push", result="rejected") or 0.0) - before == 1
+    assert _sample("sparsegate_opa_available") == 1.0
