@@ -270,7 +270,8 @@ def literal_arg(value: str) -> str:
 
 def tool_args(model: Mapping[str, Any]) -> list[str]:
     """``spec.tools`` as the server's ``--tools-json`` (none when absent or empty). The server
-    parses and checks it again at start; only the built-in model's tool gate calls them."""
+    parses and checks it again at start; the built-in model's tool gate calls them, a
+    checkpoint's only with a tool-gate head (sparsegate_tool_gate.safetensors) beside its weights."""
     tools = model["spec"].get("tools") or []
     if not tools:
         return []
