@@ -41,14 +41,16 @@ as long as the gate's capacity cap drops nothing: a capacity factor caps an expe
 (`GateCall.routings`): expert counts, kept and dropped assignments and per-call entropy, as the
 solo path reports them.
 
-Sampling and stops (`hf_serving.Sampling`, per request): top_k / top_p narrow each sampled
-row's distribution (`hf_serving.next_token`, the solo path's own function). A sequence ends at
+Sampling and stops (`hf_serving.Sampling`, per request): logit_bias and the presence,
+frequency and repetition penalties change a row's logits (greedy ones too), top_k / top_p
+narrow each sampled row's distribution (`hf_serving.next_token`, the solo path's own function). A sequence ends at
 the step whose token is an end-of-sequence token (unless ``ignore_eos``) or one of its
 ``stop_token_ids``, or whose decoded text (the tokenizer's, on this thread) then holds one of
 its ``stop`` strings (`hf_serving.StopCheck`): its `Generation` says which
 (``stop_reason``) and where the answer's text ends (``text_end``), and it leaves its group at
-that step as at max_tokens. Tool-forced tokens are not checked themselves; the next token
-sampled after them is, over the whole text since the last check. Logprobs: a request with
+that step as at max_tokens. Tool-forced tokens end it only by a stop string their text
+completes (then at once, so a stream never sends it) or by max_tokens; the end-of-sequence
+and stop token ids are the model's choices only. Logprobs: a request with
 ``logprobs`` gets each sampled token's log-softmax of the raw logits row it was chosen from
 (and the most probable alternatives); with ``prompt_logprobs``, its prefill applies the LM head
 to its own prompt's positions of the packed hidden states, a chunk of positions at a time.
@@ -581,9 +583,12 @@ class BatchDecoder:
                 if seq.req.sampling.logprobs is not None:
                     seq.logprobs.append(None)  # forced, not chosen by the model
                 events.append(TokenEvent(key, t, made=made))
-            if len(forced) >= room:  # the forced text reached max_tokens: it ends there
+            # The forced text reached max_tokens, or holds a stop string: it ends there (a stop
+            # string found only at the next sampled token had been streamed by then).
+            finish = seq.stops.check(seq.generated, forced=True)
+            if finish is not None:
                 last = events.pop()
-                return [*events, TokenEvent(key, last.token, self._generation(seq, "length", acc),
+                return [*events, TokenEvent(key, last.token, self._generation(seq, finish, acc),
                                             made=made)]
             from transformers import DynamicCache
 
@@ -665,15 +670,17 @@ class BatchDecoder:
         """Next token per row: greedy at temperature 0, else softmax sampling (narrowed by its
         top_k / top_p) with the sequence's own seeded generator: the same draws as the solo
         path (`hf_serving.next_token`), which also keeps a row under its min_tokens off its
-        stop tokens."""
+        stop tokens and applies its logit_bias and penalties (to that row only)."""
         logits = logits.float()
         tokens = logits.argmax(dim=-1).tolist()
         for i, seq in enumerate(seqs):
-            banned = seq.req.sampling.banned(self.hf.eos_ids, len(seq.generated))
-            if seq.req.temperature > 0 or banned:
+            sampling = seq.req.sampling
+            banned = sampling.banned(self.hf.eos_ids, len(seq.generated))
+            if seq.req.temperature > 0 or banned or sampling.adjusts:
                 tokens[i] = next_token(logits[i], temperature=seq.req.temperature,
-                                       sampling=seq.req.sampling, generator=seq.generator,
-                                       banned=banned)
+                                       sampling=sampling, generator=seq.generator,
+                                       banned=banned, prompt=seq.req.prompt_ids,
+                                       generated=seq.generated)
             if seq.req.sampling.logprobs is not None:
                 seq.pending_logprob = token_logprob(logits[i], tokens[i], seq.req.sampling.logprobs)
         return tokens

@@ -67,8 +67,9 @@ class Generation:
 
 
 # A generated token's log probability under the model (its raw logits' log-softmax, before
-# temperature, top_k / top_p and min_tokens, as vLLM reports by default) and the ``n`` most
-# probable (token id, log probability) pairs there, most probable first.
+# logit_bias, the penalties, temperature, top_k / top_p and min_tokens, as vLLM reports by
+# default) and the ``n`` most probable (token id, log probability) pairs there, most probable
+# first.
 TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
 
 
@@ -103,8 +104,12 @@ def prompt_logprobs(logits_of: Callable[[slice], torch.Tensor], ids: Sequence[in
 
 
 def decode(tokenizer: Any, ids: Sequence[int]) -> str:
-    """Generated ids as text: what the OpenAI answers and the stop strings read."""
-    return tokenizer.decode(ids, skip_special_tokens=True)
+    """Generated ids as text: what the OpenAI answers and the stop strings read. Special tokens
+    skipped, and never ``clean_up_tokenization_spaces`` (a tokenizer config may turn it on): it
+    drops a space before punctuation once the punctuation's token comes, so the text of the
+    first k tokens would not start the text of k + 1, and a stream, which sends the former,
+    would end unlike the whole answer (vLLM's detokenizer does not clean up either)."""
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +121,8 @@ class Sampling:
     token unless ``ignore_eos``, at a token of ``stop_token_ids``, or once the text of its
     generated tokens holds a string of ``stop``. Before ``min_tokens`` tokens, the
     end-of-sequence (unless ignored) and stop token ids are never chosen (their logits are
-    masked) and stop strings are not looked for, as vLLM does."""
+    masked) and stop strings are not looked for, as vLLM does. ``logit_bias`` (token id, bias)
+    and the penalties change the logits before any choice, greedy included (`adjust_logits`)."""
 
     top_p: float = 1.0
     top_k: int = 0
@@ -129,6 +135,18 @@ class Sampling:
     logprobs: int | None = None
     # The same for each prompt token (`Generation.prompt_logprobs`); None: none.
     prompt_logprobs: int | None = None
+    # OpenAI's presence and frequency penalties, vLLM's repetition_penalty (1: off) and OpenAI's
+    # logit_bias as (token id, bias) pairs (`adjust_logits`).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether `adjust_logits` changes anything."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
+            or self.repetition_penalty != 1
 
     def banned(self, eos_ids: frozenset[int], generated: int) -> list[int]:
         """Token ids the next token may not be, with ``generated`` tokens made so far."""
@@ -153,13 +171,15 @@ class StopCheck:
         self.stop_reason: str | int | None = None
         self.text_end: int | None = None
 
-    def check(self, generated: Sequence[int]) -> str | None:
+    def check(self, generated: Sequence[int], *, forced: bool = False) -> str | None:
         """The finish reason when the last token of ``generated`` ends the sequence, else None.
         A stop string is looked for in the text from where a match could not yet have been
         complete (one ending before the text the last token added was found already, or came
-        before ``min_tokens``); the earliest match ends it, and its start ends the answer."""
+        before ``min_tokens``); the earliest match ends it, and its start ends the answer.
+        ``forced``: the last tokens are a tool's text (`batch_decode`), which the model did not
+        choose: only the stop strings and max_tokens end it there."""
         s, token, n = self.sampling, generated[-1], len(generated)
-        if n > s.min_tokens:
+        if n > s.min_tokens and not forced:
             if token in self.eos_ids and not s.ignore_eos:
                 return "stop"
             if token in s.stop_token_ids:
@@ -302,7 +322,8 @@ class HFServedModel:
             while finish is None:
                 token = next_token(out.logits[0, -1], temperature=temperature, sampling=sampling,
                                    generator=generator,
-                                   banned=sampling.banned(self.eos_ids, len(generated)))
+                                   banned=sampling.banned(self.eos_ids, len(generated)),
+                                   prompt=prompt, generated=generated)
                 if sampling.logprobs is not None:
                     logprobs.append(token_logprob(out.logits[0, -1], token, sampling.logprobs))
                 generated.append(token)
@@ -347,11 +368,40 @@ def sampling_probs(logits: torch.Tensor, temperature: float, *, top_p: float = 1
     return probs
 
 
+def adjust_logits(logits: torch.Tensor, sampling: Sampling, prompt: Sequence[int],
+                  generated: Sequence[int]) -> torch.Tensor:
+    """One row's logits as vLLM changes them before the choice: ``logit_bias`` added, then the
+    ``repetition_penalty`` over every token in the prompt or generated so far (a positive logit
+    divided by it, a negative one multiplied), then ``frequency_penalty`` times the token's
+    count among the generated ones and ``presence_penalty`` once if it is among them,
+    subtracted (OpenAI's formula). A copy, in float32."""
+    s = sampling
+    logits = logits.float().clone()
+    if s.logit_bias:
+        ids, bias = zip(*s.logit_bias)
+        logits[list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
+    if s.repetition_penalty != 1 or s.frequency_penalty or s.presence_penalty:
+        vocab = logits.shape[-1]
+        counts = torch.bincount(torch.tensor(list(generated), dtype=torch.long, device=logits.device),
+                                minlength=vocab)[:vocab].to(logits.dtype)
+        if s.repetition_penalty != 1:
+            seen = counts > 0
+            seen[torch.tensor(list(prompt), dtype=torch.long, device=logits.device)] = True
+            penalty = s.repetition_penalty
+            logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+        logits = logits - s.frequency_penalty * counts - s.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
 def next_token(logits: torch.Tensor, *, temperature: float, sampling: Sampling,
-               generator: torch.Generator, banned: Sequence[int] = ()) -> int:
+               generator: torch.Generator, banned: Sequence[int] = (), prompt: Sequence[int] = (),
+               generated: Sequence[int] = ()) -> int:
     """One sequence's next token from its last logits: greedy at temperature 0, else drawn
-    with its own seeded generator from `sampling_probs`; never one of ``banned``."""
+    with its own seeded generator from `sampling_probs`; never one of ``banned``. The logits
+    are first `adjust_logits`'s (``prompt`` and ``generated``: the sequence's tokens so far)."""
     logits = logits.float()
+    if sampling.adjusts:
+        logits = adjust_logits(logits, sampling, prompt, generated)
     if banned:
         logits = logits.clone()
         logits[list(banned)] = float("-inf")

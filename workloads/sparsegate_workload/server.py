@@ -1022,7 +1022,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "more wait in the queue bounded by --max-inflight")
     p.add_argument("--fault-seed", type=int, default=0, help="seed of the fault-injection RNG")
     p.add_argument("--max-inflight", type=int, default=DEFAULT_MAX_INFLIGHT,
-                   help="inference requests admitted at once (running + queued); beyond it: 429")
+                   help="inference requests admitted at once (running + queued; an OpenAI request holds one "
+                        "per sequence: each prompt and each of its n choices); beyond it: 429")
     p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                    help="seconds a request waits for its result before answering 503")
     p.add_argument("--keepalive-timeout", type=float,

@@ -295,6 +295,19 @@ def release_when_done(state: ServerState, future: asyncio.Future[Any], *,
         future.add_done_callback(lambda f: _release(state, f))
 
 
+def take_slots(state: ServerState, n: int) -> None:
+    """``n`` more admission slots for a request that holds one already (from `admission`) and
+    decodes ``n + 1`` sequences (several prompts or choices): each sequence occupies the queue
+    or a batch as a request of one does. 429 as `admission` unless all of them fit now; the
+    caller frees each with `free_slot`."""
+    if n <= 0:
+        return
+    if state.inflight + n > state.max_inflight:
+        raise ApiError(429, f"{state.inflight} requests in flight (limit {state.max_inflight}), and "
+                            f"this one needs {n} more slots for its {n + 1} sequences: retry later")
+    state.inflight += n
+
+
 def free_slot(state: ServerState) -> None:
     """Give back one admission slot whose holder handed it off with ``keep()``."""
     state.inflight -= 1

@@ -220,12 +220,12 @@ async def test_over_the_context_length_is_a_400_in_openai_shape(client):
 
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "gpt-4"}, 404, "model"),
-    ({"n": 2}, 400, "n"),
+    ({"n": 9}, 400, "n"),  # more than MAX_N choices
     ({"temperature": 3}, 400, "temperature"),
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"max_tokens": 100_000}, 400, "max_tokens"),
     ({"prompt": ""}, 400, "prompt"),
-    ({"logit_bias": {}}, 400, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, 400, "logit_bias"),
     ({"stream": "yes"}, 400, "stream"),
     ({"stream": 1}, 400, "stream"),
     ({"stream_options": {"include_usage": True}}, 400, "stream_options"),  # as vLLM: not without a stream
@@ -348,6 +348,23 @@ async def test_a_stream_holds_back_the_start_of_a_stop_string_split_across_token
     pieces = [c["choices"][0]["text"] for c in chunks]
     assert "".join(pieces) == whole and chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert before not in itertools.accumulate(pieces)  # its last character was held back
+
+
+def test_decoded_text_is_never_cleaned_up_so_a_stream_s_text_starts_the_whole():
+    """A tokenizer config with clean_up_tokenization_spaces (forced even for BPE) dropped the
+    space before "," once "," came: the text of the first k tokens, which a stream sends, did not
+    start the whole answer's. Decoded without clean-up, as vLLM's detokenizer."""
+    from sparsegate_workload.hf import build_tiny_tokenizer
+    from sparsegate_workload.hf_serving import decode
+    from sparsegate_workload.openai_api import completion_logprobs
+
+    tok = build_tiny_tokenizer()
+    tok.clean_up_tokenization_spaces = True
+    tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    ids = tok("a , b .")["input_ids"]
+    assert decode(tok, ids) == "a , b ."
+    assert all(decode(tok, ids).startswith(decode(tok, ids[:k])) for k in range(len(ids)))
+    assert "".join(completion_logprobs(tok, ids, [None] * len(ids))["tokens"]) == "a , b ."
 
 
 def test_a_stream_holds_back_only_what_may_start_a_stop_string():
@@ -607,6 +624,260 @@ async def test_echo_with_logprobs_gives_the_prompt_s_log_likelihood(client):
     resp = await client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "echo": True})
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "echo"
+
+
+# -- vLLM's fan-out: token-id prompts, several prompts, n choices ------------------------------
+
+
+async def test_a_prompt_of_token_ids_is_its_text_s_prompt(client):
+    """vLLM reads prompt as token ids too (refused with 400 before): the same answer as the text
+    they tokenize from; echo repeats their decoding."""
+    hf = client.server.app[STATE].hf
+    ids = hf.tokenizer("the gate keeps")["input_ids"]
+    by_text = await (await _complete(client)).json()
+    resp = await _complete(client, prompt=ids)
+    assert resp.status == 200, await resp.text()
+    by_ids = await resp.json()
+    assert by_ids["choices"] == by_text["choices"] and by_ids["usage"] == by_text["usage"]
+    echoed = await (await _complete(client, prompt=ids, echo=True)).json()
+    assert echoed["choices"][0]["text"] == "the gate keeps" + by_text["choices"][0]["text"]
+
+
+async def test_several_prompts_give_one_choice_each_decoded_together(client):
+    """A list of prompts (strings, or token-id lists): choice i is prompt i's answer alone, all
+    decoded in the same batches; usage sums them (vLLM's). With echo and logprobs (as
+    lm-evaluation-harness batches its log-likelihood requests) each choice is its prompt's."""
+    hf = client.server.app[STATE].hf
+    engine = client.server.app[STATE].engine
+    prompts = ["the gate keeps", "experts route tokens to the few that fit", "a"]
+    alone = [await (await _complete(client, prompt=p)).json() for p in prompts]
+    assert engine.max_batch < 3
+    resp = await _complete(client, prompt=prompts)
+    assert resp.status == 200, await resp.text()
+    answer = await resp.json()
+    assert engine.max_batch == 3  # decoded together
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in answer["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert [c["finish_reason"] for c in answer["choices"]] == [a["choices"][0]["finish_reason"] for a in alone]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert answer["usage"][key] == sum(a["usage"][key] for a in alone)
+    ids = [hf.tokenizer(p)["input_ids"] for p in prompts]
+    by_ids = await (await _complete(client, prompt=ids)).json()
+    assert by_ids["choices"] == answer["choices"] and by_ids["usage"] == answer["usage"]
+    body = {"echo": True, "logprobs": 1, "max_tokens": 1}
+    many = await (await _complete(client, prompt=ids, **body)).json()
+    for i, p in enumerate(prompts):
+        one = (await (await _complete(client, prompt=p, **body)).json())["choices"][0]
+        assert many["choices"][i]["text"] == one["text"] and one["text"].startswith(p)
+        got, want = many["choices"][i]["logprobs"], one["logprobs"]
+        assert got["tokens"] == want["tokens"] and got["token_logprobs"][0] is None
+        assert got["token_logprobs"][1:] == pytest.approx(want["token_logprobs"][1:], abs=1e-5)
+
+
+async def test_a_stream_of_several_prompts_tags_each_chunk_with_its_choice(client):
+    prompts = ["the gate keeps", "experts route tokens", "a"]
+    body = {"prompt": prompts, "temperature": 1, "seed": 2, "max_tokens": 8}
+    whole = await (await _complete(client, **body)).json()
+    chunks = await _sse(await _complete(client, **body, stream=True,
+                                        stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for c in chunks[:-1]:
+        [choice] = c["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        if choice["finish_reason"] is not None:
+            finish[choice["index"]] = choice["finish_reason"]
+    assert texts == {i: c["text"] for i, c in enumerate(whole["choices"])}
+    assert finish == {i: c["finish_reason"] for i, c in enumerate(whole["choices"])}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+
+
+@pytest.mark.parametrize("prompt", [
+    [], [[]], ["a", [1]], [[1], "a"], [1, "a"], [-1], [384], [True], [1.0], [""], ["a", ""],
+    [[1, 2], [384]], [[1, 2], []], {"a": 1}, 5,
+])
+async def test_bad_prompts_name_the_prompt(client, prompt):
+    resp = await _complete(client, prompt=prompt)
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == "prompt"
+
+
+async def test_n_choices_per_prompt_each_seeded_with_seed_plus_its_index(client):
+    """n: n choices per prompt (index i * n + j), drawn independently: choice j is the request
+    alone with seed + j (vLLM's), so reproducible; greedy gives n equal choices. Usage counts
+    the prompt once and sums the completions (vLLM's)."""
+    body = {"temperature": 1, "max_tokens": 8}
+    singles = [await (await _complete(client, seed=5 + j, **body)).json() for j in range(3)]
+    resp = await _complete(client, n=3, seed=5, **body)
+    assert resp.status == 200, await resp.text()
+    answer = await resp.json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in answer["choices"]] == [s["choices"][0]["text"] for s in singles]
+    assert len({c["text"] for c in answer["choices"]}) > 1  # independent draws
+    assert answer["usage"]["prompt_tokens"] == singles[0]["usage"]["prompt_tokens"]
+    assert answer["usage"]["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in singles)
+    assert (await (await _complete(client, n=3, seed=5, **body)).json())["choices"] == answer["choices"]
+    one = (await (await _complete(client)).json())["choices"][0]["text"]
+    greedy = await (await _complete(client, n=2, best_of=2)).json()
+    assert [c["text"] for c in greedy["choices"]] == [one, one]
+    # Two prompts, n 2: choice i * 2 + j is prompt i's with seed 5 + j.
+    two = await (await _complete(client, prompt=["the gate keeps", "a"], n=2, seed=5, **body)).json()
+    a = [(await (await _complete(client, prompt="a", seed=5 + j, **body)).json())["choices"][0]["text"]
+         for j in range(2)]
+    assert [c["text"] for c in two["choices"]] == [s["choices"][0]["text"] for s in singles[:2]] + a
+    # Chat, streamed: each choice's role chunk, then its content, tagged with its index.
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 1,
+            "seed": 3, "n": 2}
+    whole = await (await client.post("/v1/chat/completions", json=chat)).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    chunks = await _sse(await client.post("/v1/chat/completions", json={**chat, "stream": True}))
+    assert sorted(c["choices"][0]["index"] for c in chunks if "role" in c["choices"][0]["delta"]) == [0, 1]
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        texts[c["choices"][0]["index"]] += c["choices"][0]["delta"].get("content", "")
+    assert texts == {i: c["message"]["content"] for i, c in enumerate(whole["choices"])}
+
+
+async def test_each_sequence_of_a_request_holds_an_admission_slot(checkpoint):
+    """--max-inflight counts sequences: a request of k takes k slots (429 unless all fit now), each
+    freed as its sequence leaves; one needing more than --max-inflight could never be admitted:
+    400 naming n (or prompt), not a 429 to retry."""
+    app = create_app(gate_doc=ONE_EXPERT, model_path=str(checkpoint), max_inflight=4)
+    c = await _serve(app)
+    try:
+        state = app[STATE]
+        body = {"prompt": "a", "max_tokens": 3, "temperature": 1}
+        resp = await c.post("/v1/completions", json={**body, "n": 5})
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == "n"
+        resp = await c.post("/v1/completions", json={**body, "prompt": ["a"] * 5})
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == "prompt"
+        state.inflight = 2  # two other sequences hold theirs
+        resp = await c.post("/v1/completions", json={**body, "n": 3})
+        assert resp.status == 429 and state.inflight == 2
+        resp = await c.post("/v1/completions", json={**body, "n": 2})
+        assert resp.status == 200 and state.inflight == 2
+        state.inflight = 0
+        chunks = await _sse(await c.post("/v1/completions", json={**body, "n": 4, "stream": True}))
+        assert {ch["choices"][0]["index"] for ch in chunks} == {0, 1, 2, 3} and state.inflight == 0
+    finally:
+        await c.close()
+
+
+# -- logit_bias and the penalties -------------------------------------------------------------
+
+
+def test_adjust_logits_is_vllm_s_order_and_formula():
+    from sparsegate_workload.hf_serving import adjust_logits
+
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    sampling = Sampling(logit_bias=((1, 1.0),), repetition_penalty=2.0, frequency_penalty=0.5,
+                        presence_penalty=0.25)
+    out = adjust_logits(logits, sampling, [0, 4], [2, 2, 3])
+    # bias [2, 0, .5, 3, -2]; repetition over {0, 4} (prompt) and {2, 3} (generated): positive
+    # halved, negative doubled [1, 0, .25, 1.5, -4]; then 0.5 x counts [0, 0, 2, 1, 0] and 0.25
+    # for each generated token subtracted.
+    assert out.tolist() == pytest.approx([1.0, 0.0, -1.0, 0.75, -4.0])
+    assert logits.tolist() == [2.0, -1.0, 0.5, 3.0, -2.0]  # a copy
+    assert not Sampling().adjusts and Sampling(logit_bias=((1, 0.0),)).adjusts
+
+
+async def test_logit_bias_steers_greedy_and_sampled_choices(client):
+    hf = client.server.app[STATE].hf
+    [x] = hf.tokenizer("x")["input_ids"]
+    for temperature in (0, 1):
+        resp = await _complete(client, logit_bias={str(x): 100}, temperature=temperature, max_tokens=4)
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["choices"][0]["text"] == "xxxx"
+    ids, _ = _greedy_texts(hf)
+    answer = await (await _complete(client, logit_bias={str(ids[0]): -100})).json()
+    direct = hf.generate(hf.tokenizer("the gate keeps")["input_ids"], max_tokens=6,
+                         sampling=Sampling(logit_bias=((ids[0], -100.0),)))
+    assert direct.token_ids[0] != ids[0] and answer["choices"][0]["text"] == direct.text(hf.tokenizer)
+
+
+async def test_penalties_are_the_solo_decode_s_batched_or_alone(client):
+    """presence, frequency and repetition penalties (and logit_bias) per sequence: each request
+    alone, batched with the others, and the solo reference (hf.generate) give the same text."""
+    hf = client.server.app[STATE].hf
+    prompt = hf.tokenizer("the gate keeps")["input_ids"]
+    bodies = [{"presence_penalty": 2}, {"frequency_penalty": 1.5}, {"repetition_penalty": 1.8},
+              {"frequency_penalty": -2, "presence_penalty": -1},
+              {"repetition_penalty": 0.5, "temperature": 1, "seed": 4},
+              {"presence_penalty": 1, "logit_bias": {"5": 3}, "temperature": 0.8, "seed": 9}]
+    alone = [await (await _complete(client, max_tokens=12, **b)).json() for b in bodies]
+    together = await asyncio.gather(*[_complete(client, max_tokens=12, **b) for b in bodies])
+    assert [(await r.json())["choices"] for r in together] == [a["choices"] for a in alone]
+    for b, a in zip(bodies, alone):
+        sampling = Sampling(presence_penalty=b.get("presence_penalty", 0),
+                            frequency_penalty=b.get("frequency_penalty", 0),
+                            repetition_penalty=b.get("repetition_penalty", 1),
+                            logit_bias=tuple((int(k), float(v)) for k, v in b.get("logit_bias", {}).items()))
+        direct = hf.generate(prompt, max_tokens=12, temperature=b.get("temperature", 0),
+                             seed=b.get("seed", 0), sampling=sampling)
+        assert a["choices"][0]["text"] == direct.text(hf.tokenizer), b
+    plain = (await (await _complete(client, max_tokens=12)).json())["choices"][0]["text"]
+    assert any(a["choices"][0]["text"] != plain for a in alone[:4])  # greedy changed
+
+
+@pytest.mark.parametrize("body", [
+    {"n": 2}, {"n": 2, "best_of": 2}, {"best_of": 1}, {"presence_penalty": -2}, {"frequency_penalty": 2},
+    {"repetition_penalty": 1.3}, {"logit_bias": {}}, {"logit_bias": {"5": -100, "7": 100}},
+    {"prompt": [1, 2, 3]}, {"prompt": ["a", "b"]}, {"prompt": [[1, 2], [3]]}, {"prompt": ["a"]},
+])
+async def test_fan_out_and_penalty_fields_are_accepted(client, body):
+    resp = await _complete(client, temperature=0.7, **body)
+    assert resp.status == 200, await resp.text()
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"presence_penalty": -2.01}, "presence_penalty"),
+    ({"presence_penalty": "1"}, "presence_penalty"), ({"presence_penalty": True}, "presence_penalty"),
+    ({"frequency_penalty": 3}, "frequency_penalty"), ({"frequency_penalty": [1]}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": -1}, "repetition_penalty"),
+    ({"repetition_penalty": "2"}, "repetition_penalty"), ({"repetition_penalty": True}, "repetition_penalty"),
+    ({"logit_bias": []}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"384": 1}}, "logit_bias"), ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"5": "1"}}, "logit_bias"),
+    ({"logit_bias": {"5": True}}, "logit_bias"),
+    ({"n": 0}, "n"), ({"n": 9}, "n"), ({"n": "2"}, "n"), ({"n": True}, "n"), ({"n": 1.0}, "n"),
+    ({"best_of": 2}, "best_of"), ({"n": 2, "best_of": 3}, "best_of"), ({"n": 1, "best_of": True}, "best_of"),
+])
+async def test_bad_fan_out_and_penalty_values_name_the_parameter(client, body, param):
+    resp = await _complete(client, **body)
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+async def test_tokenize_and_detokenize_as_vllm(client):
+    """vLLM's POST /tokenize (a prompt as /v1/completions tokenizes it, chat messages as
+    /v1/chat/completions renders them) and POST /detokenize (404 before: no such routes)."""
+    hf = client.server.app[STATE].hf
+    ids = hf.tokenizer("the gate keeps")["input_ids"]
+    resp = await client.post("/tokenize", json={"prompt": "the gate keeps"})
+    assert resp.status == 200, await resp.text()
+    assert await resp.json() == {"count": len(ids), "max_model_len": 256, "tokens": ids, "token_strs": None}
+    resp = await client.post("/tokenize", json={"model": NAME, "prompt": "the gate keeps", "return_token_strs": True})
+    assert (await resp.json())["token_strs"] == hf.tokenizer.convert_ids_to_tokens(ids)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    tokens = (await (await client.post("/tokenize", json=chat)).json())["tokens"]
+    assert tokens == hf.tokenizer("user: hi\nassistant:")["input_ids"]
+    answer = await (await client.post("/v1/chat/completions", json={**chat, "max_tokens": 1})).json()
+    assert answer["usage"]["prompt_tokens"] == len(tokens)
+    bare = await (await client.post("/tokenize", json={**chat, "add_generation_prompt": False})).json()
+    assert bare["tokens"] == hf.tokenizer("user: hi\n")["input_ids"]
+    resp = await client.post("/detokenize", json={"tokens": ids})
+    assert resp.status == 200 and await resp.json() == {"prompt": "the gate keeps"}
+    for path, body, status, param in (
+            ("/tokenize", {"prompt": 5}, 400, "prompt"), ("/tokenize", {"prompt": "a", "n": 1}, 400, "n"),
+            ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, 400, "add_special_tokens"),
+            ("/tokenize", {"prompt": "a", "model": "x"}, 404, "model"),
+            ("/tokenize", {"messages": []}, 400, "messages"),
+            ("/detokenize", {"tokens": [384]}, 400, "tokens"), ("/detokenize", {"tokens": "1"}, 400, "tokens"),
+            ("/detokenize", {"tokens": [True]}, 400, "tokens")):
+        resp = await client.post(path, json=body)
+        assert resp.status == status, (path, body)
+        assert (await resp.json())["error"]["param"] == param, (path, body)
 
 
 async def test_infer_keeps_its_shape_on_a_checkpoint(client):

@@ -12,7 +12,7 @@ from sparsegate_workload.batch_decode import BatchDecoder, DecodeRequest, TokenE
 from sparsegate_workload.gateparams import DEFAULT_PARAMS, make_document
 from sparsegate_workload.hf import build_tiny_checkpoint
 from sparsegate_workload.hf.tool_head import ToolHead
-from sparsegate_workload.hf_serving import HFServedModel, load
+from sparsegate_workload.hf_serving import HFServedModel, Sampling, load
 
 GATE = make_document({**DEFAULT_PARAMS, "minExpertsPerToken": 1, "maxExpertsPerToken": 3,
                       "capacityFactor": 8})
@@ -147,3 +147,21 @@ def test_tool_gate_reads_each_prompt_s_last_hidden_state_and_a_resume_only_its_l
         assert head_rows[0] == 1  # the resume's forward: 8 forced tokens, logits of the last
     finally:
         hf.lm.tool_head = tool_head
+
+
+@pytest.mark.parametrize("max_tokens", [2, 7])
+def test_a_stop_string_in_forced_text_ends_the_sequence_there(hf, max_tokens):
+    """The tool's text "42" holds the stop string "42": the sequence ends with it, "stop" (not
+    "length" when it also reaches max_tokens), before the model samples on (it was found only at
+    the next sampled token, and not at all when that one fired the tool again: a stream had sent
+    the forced text by then, longer than the answer cut before the stop string)."""
+    req = DecodeRequest(key="s", prompt_ids=[3, 4, 5], max_tokens=max_tokens, max_tool_calls=2,
+                        sampling=Sampling(stop=("42",)))
+    dec = _decoder(hf, [])
+    assert isinstance(dec.run([req], [])[0], ToolFire)
+    events = dec.run([], [], resume=[("s", FORCED)])
+    assert [type(e) for e in events] == [TokenEvent, TokenEvent]
+    gen = events[-1].generation
+    assert gen is not None and gen.token_ids == FORCED
+    assert (gen.finish_reason, gen.stop_reason, gen.text(hf.tokenizer)) == ("stop", "42", "")
+    assert dec.running == 0 and dec.parked == 0
