@@ -7,20 +7,15 @@ conftests by name).
   ``namespace``/``pod``/``container``/``endpoint``/``job`` target labels; then the endpoint's own
   relabelings; ``honorLabels``, interval, path). No Prometheus Operator runs here; only the
   fields the chart's PodMonitors use are translated, anything else fails loudly.
-* :class:`Prometheus`: the real ``prometheus`` binary with a config the test writes (scrape jobs,
-  and the chart's PrometheusRule groups as a rules file): queries, targets, rules and alerts.
+* :func:`stop`: a helper process ended (terminate, then kill).
+The real Prometheus the test runs is ``localcluster.prometheus.Prometheus``.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -88,59 +83,3 @@ def stop(proc: subprocess.Popen[Any], *, timeout_s: float = 20) -> int | None:
             proc.kill()
             proc.wait(timeout=10)
     return proc.returncode
-
-
-class Prometheus:
-    """A real Prometheus server with ``config``; ``query`` answers instant vectors."""
-
-    def __init__(self, *, binary: Path, work: Path, config: Mapping[str, Any], port: int) -> None:
-        assert binary.is_file(), (f"the real prometheus binary is required at {binary}; run: "
-                                  "source dev/env.sh && bash dev/setup/binaries.sh prometheus")
-        (work / "prometheus.yml").write_text(json.dumps(config, indent=1))  # JSON is YAML
-        self.log = work / "prometheus.log"
-        self.url = f"http://127.0.0.1:{port}"
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [str(binary), f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while True:
-            assert self.proc.poll() is None, f"prometheus exited {self.proc.returncode}: {self.log.read_text()[-2000:]}"
-            try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, f"prometheus not ready: {self.log.read_text()[-2000:]}"
-                time.sleep(0.2)
-
-    def _get(self, path: str, **params: str) -> dict[str, Any]:
-        url = f"{self.url}{path}?{urllib.parse.urlencode(params)}" if params else f"{self.url}{path}"
-        try:
-            with urllib.request.urlopen(url, timeout=10) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as e:
-            return json.loads(e.read())
-
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        body = self._get("/api/v1/query", query=expr)
-        assert body["status"] == "success", f"{expr}: {body.get('error')}"
-        return body["data"]["result"]
-
-    def targets(self) -> list[dict[str, Any]]:
-        return self._get("/api/v1/targets", state="active")["data"]["activeTargets"]
-
-    def rules(self) -> list[dict[str, Any]]:
-        """Every loaded rule (``/api/v1/rules``), each with its group's name as ``group``."""
-        body = self._get("/api/v1/rules")
-        assert body["status"] == "success", body
-        return [dict(r, group=g["name"]) for g in body["data"]["groups"] for r in g["rules"]]
-
-    def alerts(self) -> list[dict[str, Any]]:
-        """Pending and firing alerts (``/api/v1/alerts``)."""
-        body = self._get("/api/v1/alerts")
-        assert body["status"] == "success", body
-        return body["data"]["alerts"]
-
-    def stop(self) -> None:
-        stop(self.proc)

@@ -47,8 +47,9 @@ from imagebuild.checkpoint import bake_checkpoint
 from loadgen import BackgroundLoad
 from localcluster.health import wait_for
 from localcluster.ports import free_port
+from localcluster.prometheus import Prometheus
 
-from dashboard_e2e_support import PY, Prometheus, podmonitor_scrape_configs, stop
+from dashboard_e2e_support import PY, podmonitor_scrape_configs, stop
 from host_veth import HostVeth
 from sparsegate_contracts import gate as gatedoc
 

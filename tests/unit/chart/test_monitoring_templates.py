@@ -16,13 +16,14 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 from pathlib import Path
 
 import grafana_dashboard  # dev/ (pytest pythonpath)
 import pytest
 import yaml
-from localcluster.ports import free_port
+from localcluster.prometheus import Prometheus, exporter
 
 from sparsegate.domain import render as model_render
 from sparsegate_contracts import names
@@ -128,32 +129,15 @@ def test_dashboard_shape_variables_and_datasource():
 
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    yield from run_prometheus(tmp_path_factory.mktemp("promql"), "global: {}\n")
+    yield from run_prometheus(tmp_path_factory.mktemp("promql"), {"global": {}})
 
 
-def run_prometheus(work: Path, config: str) -> Iterator[str]:
-    exe = BIN / "prometheus"
-    assert exe.exists(), f"prometheus not found at {exe}: run dev/setup/binaries.sh prometheus"
-    (work / "prometheus.yml").write_text(config)
-    port = free_port()
-    proc = subprocess.Popen([str(exe), f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+def run_prometheus(work: Path, config: Mapping[str, Any]) -> Iterator[str]:
+    prom = Prometheus(binary=BIN / "prometheus", work=work, config=config)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, f"prometheus exited {proc.returncode}"
-            try:
-                with urllib.request.urlopen(f"{url}/-/ready", timeout=1):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "prometheus not ready within 30 s"
-                time.sleep(0.2)
-        yield url
+        yield prom.url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        prom.stop()
 
 
 def query_status(url: str, expr: str) -> tuple[str, str]:
@@ -226,36 +210,17 @@ def _exposition(elapsed: float) -> str:
 
 @pytest.fixture(scope="module")
 def two_gateconfigs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    import http.server
-    import threading
-
     started = time.monotonic()
-
-    class Exporter(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = _exposition(time.monotonic() - started).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Exporter)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    config = json.dumps({"global": {"scrape_interval": "1s"},
-                         "scrape_configs": [{"job_name": "fleet", "honor_labels": True, "static_configs": [
-                             {"targets": [f"127.0.0.1:{server.server_address[1]}"]}]}]})
-    try:
+    with exporter(lambda: _exposition(time.monotonic() - started)) as target:
+        config = {"global": {"scrape_interval": "1s"},
+                  "scrape_configs": [{"job_name": "fleet", "honor_labels": True,
+                                      "static_configs": [{"targets": [target]}]}]}
         for url in run_prometheus(tmp_path_factory.mktemp("scraped"), config):
             deadline = time.monotonic() + 60
             while not instant(url, "count_over_time(sparsegate_requests_total[1m]) >= 4"):
                 assert time.monotonic() < deadline, "no four scrapes within 60 s"
                 time.sleep(0.5)
             yield url
-    finally:
-        server.shutdown()
 
 
 def instant(url: str, expr: str) -> list[dict]:

@@ -18,21 +18,17 @@ Fails (never skips) when helm or prometheus is missing: build them with
 from __future__ import annotations
 
 import ast
-import http.server
 import json
 import os
 import subprocess
-import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 from localcluster.ports import free_port
+from localcluster.prometheus import Prometheus, exporter
 
 ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "sparsegate"
@@ -137,56 +133,6 @@ def test_the_metric_scan_finds_every_component():
 
 # --- a real Prometheus ----------------------------------------------------------------------------
 
-class Prometheus:
-    def __init__(self, work: Path, config: dict) -> None:
-        exe = BIN / "prometheus"
-        assert exe.exists(), f"prometheus not found at {exe}: run dev/setup/binaries.sh prometheus"
-        (work / "prometheus.yml").write_text(json.dumps(config))
-        self.log = work / "prometheus.log"
-        self.url = f"http://127.0.0.1:{free_port()}"
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [str(exe), f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-                 f"--web.listen-address={self.url.removeprefix('http://')}", "--log.level=warn"],
-                stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while True:
-            # A rules file Prometheus cannot parse (a bad expression) makes it exit here.
-            assert self.proc.poll() is None, f"prometheus exited {self.proc.returncode}: {self.log.read_text()[-3000:]}"
-            try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, f"prometheus not ready within 30 s: {self.log.read_text()[-3000:]}"
-                time.sleep(0.2)
-
-    def get(self, path: str, **params: str) -> dict:
-        url = f"{self.url}{path}?{urllib.parse.urlencode(params)}" if params else f"{self.url}{path}"
-        try:
-            with urllib.request.urlopen(url, timeout=10) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as e:
-            return json.loads(e.read())
-
-    def rules(self) -> list[dict]:
-        body = self.get("/api/v1/rules")
-        assert body["status"] == "success", body
-        return [dict(r, group=g["name"]) for g in body["data"]["groups"] for r in g["rules"]]
-
-    def active_alerts(self) -> list[dict]:
-        body = self.get("/api/v1/alerts")
-        assert body["status"] == "success", body
-        return body["data"]["alerts"]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-
 def selected_metric_names(prom: Prometheus, expr: str) -> set[str]:
     """The metric names an expression's selectors name, as Prometheus parses it."""
     body = prom.get("/api/v1/parse_query", query=expr)
@@ -211,7 +157,7 @@ def selected_metric_names(prom: Prometheus, expr: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def parser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
-    prom = Prometheus(tmp_path_factory.mktemp("parse"), {"global": {}})
+    prom = Prometheus(binary=BIN / "prometheus", work=tmp_path_factory.mktemp("parse"), config={"global": {}})
     try:
         yield prom
     finally:
@@ -345,9 +291,10 @@ def rules_file(work: Path, rule: dict) -> Path:
 
 
 def start_with_rules(work: Path, rule: dict, scrape_configs: list[dict] | None = None) -> Prometheus:
-    return Prometheus(work, {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                             "rule_files": [str(rules_file(work, rule))],
-                             "scrape_configs": scrape_configs or []})
+    return Prometheus(binary=BIN / "prometheus", work=work,
+                      config={"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                              "rule_files": [str(rules_file(work, rule))],
+                              "scrape_configs": scrape_configs or []})
 
 
 def wait_evaluated(prom: Prometheus, expected: int) -> list[dict]:
@@ -373,7 +320,7 @@ def test_every_rule_loads_and_evaluates_ok_and_none_fires_without_series(tmp_pat
         rules = wait_evaluated(prom, len(every_rule(rule)))
         assert {r["name"] for r in rules} == {r.get("alert") or r["record"] for r in every_rule(rule)}
         assert [(r["name"], r["health"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []
-        assert prom.active_alerts() == []  # quiet when nothing is wrong (here: nothing at all)
+        assert prom.alerts() == []  # quiet when nothing is wrong (here: nothing at all)
     finally:
         prom.stop()
 
@@ -429,24 +376,8 @@ def _broken(elapsed: float) -> str:
 @pytest.fixture
 def broken_exporter() -> Iterator[str]:
     started = time.monotonic()
-
-    class Exporter(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = _broken(time.monotonic() - started).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Exporter)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
+    with exporter(lambda: _broken(time.monotonic() - started)) as target:
+        yield target
 
 
 def test_every_alert_becomes_active_when_its_condition_holds(tmp_path: Path, broken_exporter: str):
@@ -463,7 +394,7 @@ def test_every_alert_becomes_active_when_its_condition_holds(tmp_path: Path, bro
     try:
         deadline = time.monotonic() + 60
         while True:
-            active = prom.active_alerts()
+            active = prom.alerts()
             names = {a["labels"]["alertname"] for a in active}
             if names >= set(found):
                 break
