@@ -75,14 +75,11 @@ TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
 
 def token_logprob(logits: torch.Tensor, token: int, n: int) -> TokenLogprob:
     """``token``'s `TokenLogprob` from the logits it was chosen from (one row)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    top = logprobs.topk(min(n, logprobs.numel())) if n else None
-    pairs = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist()))
-    return float(logprobs[token]), pairs
+    return logprob_rows(logits[None], [token], n)[0]
 
 
 def logprob_rows(logits: torch.Tensor, targets: Sequence[int], n: int) -> list[TokenLogprob]:
-    """`token_logprob` of ``targets[i]`` from row i of ``logits`` [rows, vocab], all at once."""
+    """The `TokenLogprob` of ``targets[i]`` from row i of ``logits`` [rows, vocab], all rows at once."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, torch.tensor(list(targets), device=logprobs.device)[:, None])[:, 0].tolist()
     if not n:

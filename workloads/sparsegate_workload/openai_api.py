@@ -401,12 +401,7 @@ def parse_request(body: Any, *, chat: bool, hf: HFServedModel) -> Plan:
                                "completion). Please reduce the prompt or max_tokens.",
                           # A prompt that alone fills the context is the field to change.
                           param=key if room > 0 else prompt_param)
-    temperature = body.get("temperature")
-    temperature = 1.0 if temperature is None else temperature  # OpenAI's default
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not 0 <= temperature <= 2:
-        raise OpenAIError(400, f"temperature must be a number in [0, 2], got {temperature!r}",
-                          param="temperature")
+    temperature = _number(body, "temperature", default=1.0, low=0.0, high=2.0)  # OpenAI's default 1
     stream = body.get("stream")
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
