@@ -7,8 +7,9 @@ chat template when it has one; otherwise each message becomes a ``"<role>: <cont
 a final ``"assistant:"`` line asks for the answer. Concurrent requests decode together in the
 server's continuous-batching engine (`batch_engine`: one model step per token for all of them,
 a KV cache per sequence, each request under one gate version): greedy at ``temperature`` 0,
-else seeded sampling (``seed``, default 0: the same request gives the same text, batched or
-alone, as long as the gate's capacity cap drops nothing, see `batch_decode`), narrowed by
+else seeded sampling (``seed``: the same request gives the same text, batched or alone, as
+long as the gate's capacity cap drops nothing, see `batch_decode`; without one a seed is drawn
+at random per request, as OpenAI and vLLM sample anew each time), narrowed by
 ``top_p`` (0, 1] and vLLM's ``top_k`` (-1 or 0: off). Before the choice (greedy too) the logits
 get ``logit_bias`` (token id -> [-100, 100]), vLLM's ``repetition_penalty`` (> 0) and OpenAI's
 ``frequency_penalty`` and ``presence_penalty`` ([-2, 2]) as vLLM applies them
@@ -58,6 +59,7 @@ import functools
 import json
 import logging
 import math
+import secrets
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
@@ -179,6 +181,12 @@ def _int(body: dict[str, Any], name: str, *, default: int, low: int, high: int) 
         raise OpenAIError(400, f"{name} must be an integer in [{low}, {high}], got {value!r}",
                           param=name)
     return value
+
+
+def _seed(body: dict[str, Any]) -> int:
+    """The request's ``seed``, or one drawn at random: a request without one samples anew each
+    time (a regenerated chat answer differs), as OpenAI and vLLM do; with one it is reproducible."""
+    return _int(body, "seed", default=secrets.randbits(63), low=0, high=2**63 - 1)
 
 
 def _sampling(body: dict[str, Any], *, hf: HFServedModel, max_tokens: int, chat: bool,
@@ -421,7 +429,7 @@ def parse_request(body: Any, *, chat: bool, hf: HFServedModel) -> Plan:
         raise OpenAIError(400, f"best_of is only supported equal to n ({n})", param="best_of")
     return Plan(prompts=tuple(tuple(ids) for ids, _ in prompts), max_tokens=max_tokens,
                 temperature=float(temperature),
-                seed=_int(body, "seed", default=0, low=0, high=2**63 - 1), stream=stream,
+                seed=_seed(body), stream=stream,
                 include_usage=include_usage,
                 sampling=_sampling(body, hf=hf, max_tokens=max_tokens, chat=chat, stream=stream),
                 tokens_as_ids=_bool(body, "return_tokens_as_token_ids"),

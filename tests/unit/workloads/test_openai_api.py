@@ -113,6 +113,14 @@ async def test_sampling_is_seeded(client):
     assert {texts[0], texts[2]} != {greedy}  # sampling is not silently greedy
 
 
+async def test_sampling_without_a_seed_draws_anew_each_request(client):
+    """As OpenAI and vLLM: no seed, no reproducibility (it was seed 0 for every request, so a
+    regenerated answer was always the same text)."""
+    texts = [(await (await _complete(client, temperature=1.0, max_tokens=12)).json()
+              )["choices"][0]["text"] for _ in range(4)]
+    assert len(set(texts)) > 1, texts
+
+
 async def test_chat_without_a_template_joins_role_and_content(client):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     resp = await client.post("/v1/chat/completions",
