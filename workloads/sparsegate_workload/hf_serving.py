@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -109,6 +111,67 @@ def decode(tokenizer: Any, ids: Sequence[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+_BYTE_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def run_joining_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids after which `GrowingText` never ends a window: a byte-fallback tokenizer's byte
+    tokens (``<0xNN>``, SentencePiece's and Llama's; byte-level BPE has none) and the special
+    tokens, which `decode` skips, so the byte runs on either side of one read as one. Read once
+    per tokenizer."""
+    ids = _BYTE_IDS.get(tokenizer)
+    if ids is None:
+        ids = frozenset(i for t, i in tokenizer.get_vocab().items() if _BYTE_TOKEN.fullmatch(t))
+        ids |= frozenset(tokenizer.all_special_ids)
+        _BYTE_IDS[tokenizer] = ids
+    return ids
+
+
+class GrowingText:
+    """`decode` of a token list that only grows, at the cost of decoding a few tokens per token
+    added (vLLM's incremental detokenizer): decoding the whole list after every token made a
+    generation's text cost quadratic in its length, on the server's event loop for a stream.
+
+    Kept: ``text``, the decoding of ``ids[:read]``, and ``prefix``, the start of the window
+    before ``read``. The text of the tokens past ``read`` is the window decoded from ``prefix``
+    minus the window's text before ``read``: both start at the same token, so a tokenizer that
+    drops the leading space of a first word (SentencePiece's metaspace) drops it from both.
+    ``read`` moves only where the text ends on a whole character and not right after a byte
+    token of a byte-fallback tokenizer or a special token (`run_joining_ids`): its decoder reads
+    a run of byte tokens as one (all "\ufffd" when the run is not valid UTF-8), so no window
+    may split one. Equal to `decode` of
+    all ids whenever that does not end in an incomplete character (tested on byte-level BPE and
+    metaspace tokenizers with byte fallback: multi-byte characters, arbitrary ids, special
+    tokens); while one is incomplete both end in "\ufffd", which a stream holds back."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.hold = run_joining_ids(tokenizer)  # no window ends right after these
+        self.ids: list[int] = []
+        self.text = ""  # decode(ids[:read])
+        self.prefix = 0
+        self.read = 0
+        self.pending = ""  # the text of ids[read:]
+
+    def extend(self, ids: Sequence[int]) -> str:
+        """Append ``ids``; the whole text so far (see the class for when it equals `decode`)."""
+        if not ids:
+            return self.text + self.pending
+        self.ids.extend(ids)
+        before = decode(self.tokenizer, self.ids[self.prefix:self.read]) if self.read > self.prefix else ""
+        window = decode(self.tokenizer, self.ids[self.prefix:])
+        if not window.startswith(before):  # never seen in tests; decoding it all is always right
+            self.text, self.prefix, self.read = "", 0, 0
+            before, window = "", decode(self.tokenizer, self.ids)
+        self.pending = window[len(before):]
+        if self.pending and not self.pending.endswith("\ufffd") and self.ids[-1] not in self.hold:
+            self.text += self.pending
+            self.pending = ""
+            self.prefix, self.read = self.read, len(self.ids)
+        return self.text + self.pending
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """vLLM's sampling and stop parameters beyond temperature and seed (defaults: off).
@@ -165,6 +228,7 @@ class StopCheck:
         self.max_tokens = max_tokens
         self.tokenizer = tokenizer if sampling.stop else None
         self.checked = 0  # characters of text already searched for the stop strings
+        self.text = GrowingText(tokenizer) if self.tokenizer is not None else None
         self.stop_reason: str | int | None = None
         self.text_end: int | None = None
 
@@ -182,8 +246,8 @@ class StopCheck:
             if token in s.stop_token_ids:
                 self.stop_reason = token
                 return "stop"
-        if self.tokenizer is not None:
-            text = decode(self.tokenizer, generated)
+        if self.text is not None:
+            text = self.text.extend(generated[len(self.text.ids):])
             if n > s.min_tokens:
                 found = [(at, stop) for stop in s.stop
                          if (at := text.find(stop, max(0, self.checked - len(stop) + 1))) >= 0]

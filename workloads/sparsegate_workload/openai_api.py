@@ -69,7 +69,7 @@ from aiohttp import web
 from sparsegate_contracts.request_access import Scope
 
 from . import request_guard
-from .hf_serving import OFF, Generation, HFServedModel, Sampling, TokenLogprob, decode
+from .hf_serving import OFF, Generation, GrowingText, HFServedModel, Sampling, TokenLogprob
 from .batch_engine import GenerationHandle
 from .generation_tools import MAX_TOOL_CALLS_PER_REQUEST
 from .server_state import (CLIENT_CLOSED, OPENAI_CHAT_COMPLETIONS, OPENAI_COMPLETIONS, STATE, ApiError, ServerState, admission,
@@ -771,7 +771,8 @@ async def _send_choice(call: _Call, index: int, handle: GenerationHandle,
         await send(call.chunk(text=None, finish=None, first=True, index=index))
     elif plan.echo is not None:
         await send(call.chunk(text=plan.echo[index // plan.n], finish=None, index=index))
-    ids: list[int] = []
+    text_so_far = GrowingText(hf.tokenizer)
+    ids = text_so_far.ids
     sent = ""
     stops = plan.sampling.stop
     # With logprobs, each text chunk carries those of the tokens received since the last one.
@@ -790,11 +791,10 @@ async def _send_choice(call: _Call, index: int, handle: GenerationHandle,
         lp_offset += sum(map(len, out["tokens"]))
         return out
     async for token in _tokens(queue, task):
-        ids.append(token)
+        text = text_so_far.extend([token])
         if (stops or plan.sampling.stop_token_ids) and task.done():
             # Its last token is queued: the text below cuts a stop string or stop token off.
             continue
-        text = decode(hf.tokenizer, ids)
         # Hold back a trailing partial UTF-8 character until its next byte arrives, and text
         # that may be the start of a stop string (at most its length - 1 characters, as vLLM).
         end = len(text) - _held(text, stops)
