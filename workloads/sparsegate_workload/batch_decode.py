@@ -709,6 +709,7 @@ class BatchDecoder:
             gate_entropy=sum(row[_ENTROPY] for row in rows) / calls if calls else 0.0,
             stop_reason=seq.stops.stop_reason if finish == "stop" else None,
             text_end=seq.stops.text_end if finish == "stop" else None,
+            keeps_stop=seq.req.sampling.include_stop_str,
             logprobs=tuple(seq.logprobs) if seq.req.sampling.logprobs is not None else None,
             prompt_logprobs=seq.prompt_logprobs)
 

@@ -52,8 +52,11 @@ class Generation:
     # an end-of-sequence token or max_tokens.
     stop_reason: str | int | None = None
     # With a stop string: where the answer's text ends, in characters of the generated tokens'
-    # text (`decode`; the stop string starts there and is not part of the answer).
+    # text (`decode`; the stop string starts there and is not part of the answer, or ends there
+    # with `Sampling.include_stop_str`).
     text_end: int | None = None
+    # vLLM's include_stop_str_in_output: the text keeps the stop token id's text too.
+    keeps_stop: bool = False
     # With `Sampling.logprobs`: per generated token, its `TokenLogprob` (None for a token a
     # tool forced, which the model did not choose); else None.
     logprobs: tuple[TokenLogprob | None, ...] | None = None
@@ -63,8 +66,9 @@ class Generation:
 
     def text(self, tokenizer: Any) -> str:
         """The answer's text: the generated tokens decoded (special tokens skipped), without a
-        stop token id that ended them and cut before a stop string that did."""
-        ids = self.token_ids[:-1] if isinstance(self.stop_reason, int) else self.token_ids
+        stop token id that ended them and cut before a stop string that did (with
+        `keeps_stop`: with that token's text, cut after that string)."""
+        ids = self.token_ids[:-1] if isinstance(self.stop_reason, int) and not self.keeps_stop else self.token_ids
         return decode(tokenizer, ids)[:self.text_end]
 
 
@@ -190,6 +194,9 @@ class Sampling:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     min_tokens: int = 0
+    # vLLM's include_stop_str_in_output: the answer ends after the stop string (and keeps a stop
+    # token id's text) instead of before it.
+    include_stop_str: bool = False
     # Report each generated token's log probability and this many most probable alternatives
     # (`TokenLogprob`, `Generation.logprobs`); None: none.
     logprobs: int | None = None
@@ -252,7 +259,8 @@ class StopCheck:
                 found = [(at, stop) for stop in s.stop
                          if (at := text.find(stop, max(0, self.checked - len(stop) + 1))) >= 0]
                 if found:
-                    self.text_end, self.stop_reason = min(found)
+                    at, stop = min(found)
+                    self.text_end, self.stop_reason = at + len(stop) if s.include_stop_str else at, stop
                     return "stop"
             # A trailing partial UTF-8 character reads "\ufffd" until its next token completes it.
             self.checked = len(text.rstrip("\ufffd"))
@@ -398,7 +406,7 @@ class HFServedModel:
             _generation(call.layers, n_blocks=self.n_layers, num_experts=self.num_experts,
                         prompt_tokens=len(prompt), token_ids=generated, finish=finish,
                         gate_version=call.gate.version),
-            stop_reason=stops.stop_reason, text_end=stops.text_end,
+            stop_reason=stops.stop_reason, text_end=stops.text_end, keeps_stop=sampling.include_stop_str,
             logprobs=tuple(logprobs) if sampling.logprobs is not None else None,
             prompt_logprobs=prompt_lps)
 

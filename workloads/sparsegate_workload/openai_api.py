@@ -22,7 +22,8 @@ all fit, 400 naming ``n`` or ``prompt`` beyond ``--max-inflight``); chunks carry
 (unless vLLM's ``ignore_eos``), at ``max_tokens``, at a token of vLLM's ``stop_token_ids``, or
 once its text holds a string of ``stop`` (one, or a list of at most 4): ``finish_reason``
 "stop", vLLM's ``stop_reason`` the string or id (null for end-of-sequence), and the text ends
-before that string or token; the sequence leaves its batch at that step and usage counts the
+before that string or token (after it, that token's text kept, with vLLM's
+``include_stop_str_in_output``); the sequence leaves its batch at that step and usage counts the
 tokens it made, the stopping one included. vLLM's ``min_tokens`` keeps the end-of-sequence and
 stop tokens from being chosen, and stop strings from being looked for, before that many tokens.
 A stream holds back text that may be the start of a stop string (the longest end of the text
@@ -87,7 +88,7 @@ MAX_LOGIT_BIAS = 100.0           # OpenAI's range of a logit_bias value: [-100, 
 # Fields accepted only at their no-op value: clients send them by default.
 _NEUTRAL = {"logprobs": None, "echo": False, "suffix": None}
 # OpenAI's top_p, stop, penalties and logit_bias, and vLLM's extensions of them (`Sampling`).
-_SAMPLING = {"top_p", "top_k", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+_SAMPLING = {"top_p", "top_k", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
              "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"}
 _COMMON = {"model", "max_tokens", "temperature", "seed", "stream", "stream_options", "user",
            "return_tokens_as_token_ids", "n", "best_of"} | _SAMPLING
@@ -241,6 +242,7 @@ def _sampling(body: dict[str, Any], *, hf: HFServedModel, max_tokens: int, chat:
     return Sampling(top_p=float(top_p), top_k=max(top_k, 0),
                     stop=tuple(dict.fromkeys(_unicode(x, "stop") for x in stop)),
                     stop_token_ids=frozenset(ids), ignore_eos=ignore_eos,
+                    include_stop_str=_bool(body, "include_stop_str_in_output"),
                     min_tokens=_int(body, "min_tokens", default=0, low=0, high=max_tokens),
                     logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
                     repetition_penalty=float(repetition), logit_bias=_logit_bias(body, hf), **penalties)

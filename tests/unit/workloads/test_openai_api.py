@@ -406,6 +406,33 @@ async def test_stop_token_ids_end_the_sequence_without_their_text(client):
         assert usage["completion_tokens"] == k
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_include_stop_str_in_output_keeps_the_stop_string_or_token_text(client, stream):
+    """vLLM's include_stop_str_in_output: the answer ends after the stop string (text past it in
+    the same token still cut) and keeps a stop token id's text; the sequence ends where it would."""
+    hf = client.server.app[STATE].hf
+    ids, texts = _greedy_texts(hf)
+    k, before, after = _stop_at(texts)
+    stop = after[len(before):].strip()
+    stop_id = ids[2]
+    cases = [({"stop": [stop]}, after[:after.index(stop) + len(stop)], stop, k),
+             ({"stop_token_ids": [stop_id]}, texts[ids.index(stop_id) + 1], stop_id, ids.index(stop_id) + 1)]
+    for body, expected, reason, tokens in cases:
+        resp = await _complete(client, include_stop_str_in_output=True, stream=stream,
+                               **({"stream_options": {"include_usage": True}} if stream else {}), **body)
+        assert resp.status == 200, await resp.text()
+        if stream:
+            chunks = await _sse(resp)
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            choice, usage = chunks[-2]["choices"][0], chunks[-1]["usage"]
+        else:
+            answer = await resp.json()
+            choice, usage = answer["choices"][0], answer["usage"]
+            text = choice["text"]
+        assert text == expected, body
+        assert (choice["finish_reason"], choice["stop_reason"], usage["completion_tokens"]) == ("stop", reason, tokens)
+
+
 async def test_ignore_eos_and_min_tokens(client):
     """With the greedy first token made an end-of-sequence id: it ends the generation at once,
     unless ignore_eos; min_tokens keeps it from being chosen before that many tokens."""
@@ -465,6 +492,7 @@ async def test_seeded_top_p_and_top_k_sampling_is_the_same_batched_or_alone(clie
     {"stop_token_ids": []}, {"stop_token_ids": [0, 383]}, {"ignore_eos": False},
     {"ignore_eos": True}, {"min_tokens": 0}, {"min_tokens": 6}, {"logprobs": 0}, {"logprobs": 20},
     {"echo": True}, {"echo": True, "logprobs": 2}, {"echo": False},
+    {"include_stop_str_in_output": False}, {"include_stop_str_in_output": True, "stop": "x"},
 ])
 async def test_sampling_and_stop_fields_are_accepted(client, body):
     resp = await _complete(client, temperature=0.7, **body)
@@ -501,6 +529,7 @@ async def test_sampling_and_stop_fields_are_accepted(client, body):
     ({"logprobs": 2, "stream": True, "echo": True}, "logprobs"),  # the prompt's: not in a stream
     ({"return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids"),
     ({"echo": 1}, "echo"),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
 ])
 async def test_bad_sampling_and_stop_values_name_the_parameter(client, body, param):
     resp = await _complete(client, **body)
