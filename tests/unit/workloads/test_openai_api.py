@@ -385,22 +385,26 @@ def test_a_stream_holds_back_only_what_may_start_a_stop_string():
     assert _held("e", ("end",)) == 1 and _held("", ("end",)) == 0
 
 
+async def _one_choice(client, stream: bool, **body):
+    """A one-choice completion's (text, choice, usage), streamed (chunks joined) or not."""
+    resp = await _complete(client, stream=stream, **({"stream_options": {"include_usage": True}} if stream else {}),
+                           **body)
+    assert resp.status == 200, await resp.text()
+    if stream:
+        chunks = await _sse(resp)
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        return text, chunks[-2]["choices"][0], chunks[-1]["usage"]
+    answer = await resp.json()
+    return answer["choices"][0]["text"], answer["choices"][0], answer["usage"]
+
+
 async def test_stop_token_ids_end_the_sequence_without_their_text(client):
     hf = client.server.app[STATE].hf
     ids, texts = _greedy_texts(hf)
     stop_id = ids[2]
     k = ids.index(stop_id) + 1
     for stream in (False, True):
-        resp = await _complete(client, stop_token_ids=[stop_id, 5], stream=stream,
-                               **({"stream_options": {"include_usage": True}} if stream else {}))
-        if stream:
-            chunks = await _sse(resp)
-            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-            choice, usage = chunks[-2]["choices"][0], chunks[-1]["usage"]
-        else:
-            answer = await resp.json()
-            choice, usage = answer["choices"][0], answer["usage"]
-            text = choice["text"]
+        text, choice, usage = await _one_choice(client, stream, stop_token_ids=[stop_id, 5])
         assert text == texts[k - 1]
         assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_id)
         assert usage["completion_tokens"] == k
@@ -418,17 +422,7 @@ async def test_include_stop_str_in_output_keeps_the_stop_string_or_token_text(cl
     cases = [({"stop": [stop]}, after[:after.index(stop) + len(stop)], stop, k),
              ({"stop_token_ids": [stop_id]}, texts[ids.index(stop_id) + 1], stop_id, ids.index(stop_id) + 1)]
     for body, expected, reason, tokens in cases:
-        resp = await _complete(client, include_stop_str_in_output=True, stream=stream,
-                               **({"stream_options": {"include_usage": True}} if stream else {}), **body)
-        assert resp.status == 200, await resp.text()
-        if stream:
-            chunks = await _sse(resp)
-            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-            choice, usage = chunks[-2]["choices"][0], chunks[-1]["usage"]
-        else:
-            answer = await resp.json()
-            choice, usage = answer["choices"][0], answer["usage"]
-            text = choice["text"]
+        text, choice, usage = await _one_choice(client, stream, include_stop_str_in_output=True, **body)
         assert text == expected, body
         assert (choice["finish_reason"], choice["stop_reason"], usage["completion_tokens"]) == ("stop", reason, tokens)
 
