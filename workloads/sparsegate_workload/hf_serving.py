@@ -144,10 +144,10 @@ class GrowingText:
     ``read`` moves only where the text ends on a whole character and not right after a byte
     token of a byte-fallback tokenizer or a special token (`run_joining_ids`): its decoder reads
     a run of byte tokens as one (all "\ufffd" when the run is not valid UTF-8), so no window
-    may split one. Equal to `decode` of
-    all ids whenever that does not end in an incomplete character (tested on byte-level BPE and
-    metaspace tokenizers with byte fallback: multi-byte characters, arbitrary ids, special
-    tokens); while one is incomplete both end in "\ufffd", which a stream holds back."""
+    may split one. Equal to `decode` of all ids whenever that does not end in an incomplete
+    character (tested on byte-level BPE and metaspace tokenizers with byte fallback: multi-byte
+    characters, arbitrary ids, special tokens); while one is incomplete both end in "\ufffd",
+    which a stream holds back."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

@@ -88,8 +88,9 @@ MAX_LOGIT_BIAS = 100.0           # OpenAI's range of a logit_bias value: [-100, 
 # Fields accepted only at their no-op value: clients send them by default.
 _NEUTRAL = {"logprobs": None, "echo": False, "suffix": None}
 # OpenAI's top_p, stop, penalties and logit_bias, and vLLM's extensions of them (`Sampling`).
-_SAMPLING = {"top_p", "top_k", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
-             "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"}
+_SAMPLING = {"top_p", "top_k", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+             "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "repetition_penalty",
+             "logit_bias"}
 _COMMON = {"model", "max_tokens", "temperature", "seed", "stream", "stream_options", "user",
            "return_tokens_as_token_ids", "n", "best_of"} | _SAMPLING
 
@@ -193,7 +194,8 @@ def _seed(body: dict[str, Any]) -> int:
 def _sampling(body: dict[str, Any], *, hf: HFServedModel, max_tokens: int, chat: bool,
               stream: bool) -> Sampling:
     """``top_p``, ``top_k``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
-    ``logprobs`` (chat's with ``top_logprobs``) and the completions' ``echo`` as vLLM reads them;
+    ``include_stop_str_in_output``, ``logprobs`` (chat's with ``top_logprobs``), the completions'
+    ``echo``, the penalties and ``logit_bias`` as vLLM reads them;
     a wrong type or range raises OpenAIError (400) naming the field."""
     logprobs = None
     if chat:  # a boolean, and top_logprobs the number of alternatives (above 0 only with it)
