@@ -210,10 +210,14 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
+    def penalizes(self) -> bool:
+        """Whether any penalty is on (they read the tokens so far, `adjust_logits`)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
     def adjusts(self) -> bool:
         """Whether `adjust_logits` changes anything."""
-        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
-            or self.repetition_penalty != 1
+        return bool(self.logit_bias) or self.penalizes
 
     def banned(self, eos_ids: frozenset[int], generated: int) -> list[int]:
         """Token ids the next token may not be, with ``generated`` tokens made so far."""
@@ -449,7 +453,7 @@ def adjust_logits(logits: torch.Tensor, sampling: Sampling, prompt: Sequence[int
     if s.logit_bias:
         ids, bias = zip(*s.logit_bias)
         logits[list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
-    if s.repetition_penalty != 1 or s.frequency_penalty or s.presence_penalty:
+    if s.penalizes:
         vocab = logits.shape[-1]
         counts = torch.bincount(torch.tensor(list(generated), dtype=torch.long, device=logits.device),
                                 minlength=vocab)[:vocab].to(logits.dtype)
